@@ -1,0 +1,443 @@
+"""The async API users write against: :func:`connect`, :class:`Client`,
+:class:`Buffer`.
+
+A buffer's bytes are striped over all servers of the client (DESIGN.md,
+"stripe").  Each operation is planned by ``_core.plan`` into at most a few
+requests per server (one contiguous segment range each, cut at the
+transport's request size) and all of them run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _core
+from .errors import (
+    BufferConflict,
+    InterfaceError,
+    InvalidArgumentError,
+    NoSuchBuffer,
+    Smb2Error,
+)
+from .protocol import DTYPE_CODES, parse_address
+from .transport import KINDS, Transport, open_transport
+
+DEFAULT_STRIPE = 1 << 20
+_I64 = 1 << 63
+_U64 = 1 << 64
+
+
+def _to_signed(v: int) -> int:
+    return v - _U64 if v >= _I64 else v
+
+
+def _check_i64(name: str, v: int) -> int:
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+        raise InvalidArgumentError(f"{name} must be an integer, not {type(v).__name__}")
+    v = int(v)
+    if not -_I64 <= v < _U64:
+        raise InvalidArgumentError(f"{name}={v} does not fit in 64 bits")
+    return v
+
+
+def _bytes_view(data: Any, *, writable: bool, what: str) -> memoryview:
+    """A flat byte view of ``data`` without copying it."""
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            raise InvalidArgumentError(f"{what} must be C-contiguous (use np.ascontiguousarray)")
+        if writable and not data.flags.writeable:
+            raise InvalidArgumentError(f"{what} is read-only")
+        return memoryview(data.reshape(-1).view(np.uint8))
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{what} must be bytes-like or a numpy array, not {type(data).__name__}") from None
+    if not mv.c_contiguous:
+        raise InvalidArgumentError(f"{what} must be C-contiguous")
+    if writable and mv.readonly:
+        raise InvalidArgumentError(f"{what} is read-only")
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
+
+
+class _Link:
+    """One server of the client: its address, and the transport to it
+    (reconnected on the next operation after a failure)."""
+
+    __slots__ = ("address", "kind", "timeout", "transport", "_connecting")
+
+    def __init__(self, address: tuple[str, int], kind: str, timeout: float) -> None:
+        self.address = address
+        self.kind = kind
+        self.timeout = timeout
+        self.transport: Transport | None = None
+        self._connecting: asyncio.Future[Transport] | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+    async def get(self) -> Transport:
+        t = self.transport
+        if t is not None and not t.closed:
+            return t
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(
+                open_transport(self.address, self.kind, timeout=self.timeout))
+        fut = self._connecting
+        try:
+            t = await asyncio.shield(fut)
+        finally:
+            if fut.done():
+                self._connecting = None
+                if not fut.cancelled():
+                    fut.exception()     # retrieved: a failure is re-raised to each waiter
+        self.transport = t
+        return t
+
+    async def close(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
+            self._connecting = None
+        if self.transport is not None:
+            t, self.transport = self.transport, None
+            await t.close()
+
+
+class Client:
+    """A connection to a cluster of memory servers.  Make it with
+    :func:`connect`; close it with ``await client.close()`` or ``async with``."""
+
+    __slots__ = ("_links", "_closed", "__weakref__")
+
+    def __init__(self, links: list[_Link]) -> None:
+        self._links = links
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------
+    @property
+    def servers(self) -> list[str]:
+        return [link.label for link in self._links]
+
+    @property
+    def transports(self) -> list[str]:
+        """The transport in use per server ("tcp", "rdma"; "-" if not connected)."""
+        return [link.transport.name if link.transport and not link.transport.closed else "-"
+                for link in self._links]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*(link.close() for link in self._links), return_exceptions=True)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"unclosed smb2 client for {self.servers}", ResourceWarning, stacklevel=2)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise InterfaceError("the client is closed")
+
+    async def _each(self, msgs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        async def one(link: _Link, msg: dict[str, Any]) -> dict[str, Any]:
+            return await (await link.get()).control(msg)
+        return list(await asyncio.gather(*(one(link, m) for link, m in zip(self._links, msgs))))
+
+    # -- buffers ------------------------------------------------------------
+    async def create(self, name: str, nbytes: int, *, stripe: int = DEFAULT_STRIPE) -> Buffer:
+        """Create the buffer ``name`` of ``nbytes`` striped over all servers.
+
+        Idempotent: creating an existing buffer with the same size and stripe
+        returns it; other parameters raise :class:`BufferConflict`."""
+        self._check()
+        _check_name(name)
+        nbytes = _check_int("nbytes", nbytes, low=1)
+        stripe = _check_int("stripe", stripe, low=8)
+        if stripe % 8:
+            raise InvalidArgumentError(f"stripe must be a multiple of 8 bytes, not {stripe}")
+        n = len(self._links)
+        msgs = [{"cmd": "create", "name": name, "nbytes": nbytes, "stripe": stripe,
+                 "nservers": n, "index": i} for i in range(n)]
+        results = await asyncio.gather(
+            *(self._one_control(link, msg) for link, msg in zip(self._links, msgs)),
+            return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            # undo what this call created, so a failed create leaves nothing behind
+            made = [link for link, r in zip(self._links, results)
+                    if isinstance(r, dict) and r.get("created")]
+            await asyncio.gather(*(self._one_control(link, {"cmd": "destroy", "name": name})
+                                   for link in made), return_exceptions=True)
+            raise _first_error(errors)
+        return Buffer(self, name, [r for r in results if isinstance(r, dict)])
+
+    async def attach(self, name: str) -> Buffer:
+        """Open an existing buffer by name (from any client of the cluster)."""
+        self._check()
+        _check_name(name)
+        results = await asyncio.gather(
+            *(self._one_control(link, {"cmd": "lookup", "name": name}) for link in self._links),
+            return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise _first_error(errors)
+        return Buffer(self, name, [r for r in results if isinstance(r, dict)])
+
+    async def destroy(self, name: str) -> bool:
+        """Destroy the buffer on every server; True if any server had it."""
+        self._check()
+        _check_name(name)
+        results = await self._each({"cmd": "destroy", "name": name} for _ in self._links)
+        return any(r.get("destroyed") for r in results)
+
+    async def buffers(self) -> list[str]:
+        """Names of the buffers that exist on the cluster."""
+        self._check()
+        results = await self._each({"cmd": "list"} for _ in self._links)
+        names: set[str] = set()
+        for r in results:
+            names.update(n for n in r.get("buffers", []) if isinstance(n, str))
+        return sorted(names)
+
+    async def stat(self) -> list[dict[str, Any]]:
+        """Each server's statistics (see ``smb2 stat``)."""
+        self._check()
+        return await self._each({"cmd": "stat"} for _ in self._links)
+
+    async def _one_control(self, link: _Link, msg: dict[str, Any]) -> dict[str, Any]:
+        return await (await link.get()).control(msg)
+
+
+def _first_error(errors: list[BaseException]) -> BaseException:
+    # a server error explains more than "connection refused" on another one
+    for e in errors:
+        if isinstance(e, Smb2Error) and not isinstance(e, (ConnectionError,)):
+            return e
+    return errors[0]
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or len(name.encode()) > 255:
+        raise InvalidArgumentError(f"a buffer name is a non-empty str of at most 255 bytes, not {name!r}")
+
+
+def _check_int(what: str, v: Any, *, low: int = 0) -> int:
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+        raise InvalidArgumentError(f"{what} must be an integer, not {type(v).__name__}")
+    v = int(v)
+    if v < low:
+        raise InvalidArgumentError(f"{what} must be at least {low}, not {v}")
+    return v
+
+
+class Buffer:
+    """A named byte array striped over the client's servers.
+
+    All offsets are byte offsets into the buffer.  Operations spanning
+    several servers run on all of them concurrently."""
+
+    __slots__ = ("client", "name", "nbytes", "stripe", "nservers", "first", "segments")
+
+    def __init__(self, client: Client, name: str, infos: Sequence[dict[str, Any]]) -> None:
+        geometry = {(i["nbytes"], i["stripe"], i["nservers"]) for i in infos}
+        if len(geometry) != 1:
+            raise BufferConflict(f"servers disagree about buffer {name!r}: {sorted(geometry)}")
+        nbytes, stripe, nservers = geometry.pop()
+        if nservers != len(infos):
+            raise InterfaceError(
+                f"buffer {name!r} is striped over {nservers} servers; this client has {len(infos)}")
+        for pos, info in enumerate(infos):
+            if info["index"] != pos:
+                raise InterfaceError(
+                    f"buffer {name!r}: server {client.servers[pos]} holds part #{info['index']}, "
+                    f"but is #{pos} in this client's list: list the servers in the same order "
+                    "on every client")
+        self.client = client
+        self.name = name
+        self.nbytes: int = nbytes
+        self.stripe: int = stripe
+        self.nservers: int = nservers
+        self.first: int = _core.name_hash(name) % nservers
+        self.segments: list[int] = [int(i["segment"]) for i in infos]
+
+    def __repr__(self) -> str:
+        return (f"<smb2.Buffer {self.name!r} {self.nbytes} bytes, stripe {self.stripe}, "
+                f"{self.nservers} servers>")
+
+    # -- planning -----------------------------------------------------------
+    def _range(self, offset: Any, length: int, what: str) -> int:
+        offset = _check_int("offset", offset)
+        if offset + length > self.nbytes:
+            raise InvalidArgumentError(
+                f"{what} of {length} bytes at offset {offset} runs past the end of "
+                f"buffer {self.name!r} ({self.nbytes} bytes)")
+        return offset
+
+    async def _run(self, what: str, view: memoryview, offset: int, dtype_code: int = 0) -> None:
+        self.client._check()
+        length = len(view)
+        if length == 0:
+            return
+        links = self.client._links
+        # all transports of one client cut requests at the same size
+        first_link = links[0]
+        tr = first_link.transport
+        max_request = tr.max_request if tr is not None else 4 << 20
+        reqs, pieces = _core.plan(self.nbytes, self.stripe, self.nservers, self.first,
+                                  offset, length, max_request)
+        coros = []
+        for r in range(0, len(reqs), 5):
+            server, seg_off, ln, p0, np_ = reqs[r:r + 5]
+            parts = [view[pieces[2 * p]:pieces[2 * p] + pieces[2 * p + 1]]
+                     for p in range(p0, p0 + np_)]
+            coros.append(self._one(what, links[server], server, parts, seg_off, ln, dtype_code))
+        if len(coros) == 1:
+            await coros[0]
+        else:
+            await _gather(coros)
+
+    async def _one(self, what: str, link: _Link, server: int, parts: list[memoryview],
+                   seg_off: int, length: int, dtype_code: int) -> None:
+        t = link.transport
+        if t is None or t.closed:
+            t = await link.get()
+        seg = self.segments[server]
+        if what == "read":
+            await t.read_into(parts, seg, seg_off, length)
+        elif what == "write":
+            await t.write(parts, seg, seg_off, length)
+        else:
+            await t.accumulate(parts, seg, seg_off, length, dtype_code)
+
+    def _word(self, offset: Any) -> tuple[_Link, int, int]:
+        offset = self._range(offset, 8, "an atomic")
+        if offset % 8:
+            raise InvalidArgumentError(f"atomics need an 8-byte aligned offset, not {offset}")
+        i = offset // self.stripe
+        server = (self.first + i) % self.nservers
+        seg_off = (i // self.nservers) * self.stripe + offset % self.stripe
+        return self.client._links[server], self.segments[server], seg_off
+
+    # -- data operations ------------------------------------------------------
+    async def write(self, offset: int, data: Any) -> None:
+        """Store ``data`` (bytes-like or a C-contiguous numpy array) at ``offset``.
+
+        Do not modify ``data`` until this returns (it is sent without a copy)."""
+        view = _bytes_view(data, writable=False, what="data")
+        offset = self._range(offset, len(view), "a write")
+        await self._run("write", view, offset)
+
+    async def read(self, offset: int, nbytes: int) -> np.ndarray:
+        """Return ``nbytes`` from ``offset`` as a new uint8 numpy array."""
+        nbytes = _check_int("nbytes", nbytes)
+        out = np.empty(nbytes, dtype=np.uint8)
+        await self.read_into(out, offset)
+        return out
+
+    async def read_into(self, out: Any, offset: int = 0) -> None:
+        """Fill ``out`` (a writable C-contiguous array) from ``offset``, in place."""
+        view = _bytes_view(out, writable=True, what="out")
+        offset = self._range(offset, len(view), "a read")
+        await self._run("read", view, offset)
+
+    async def accumulate(self, offset: int, delta: np.ndarray) -> None:
+        """Server-side ``buffer[offset:...] += delta`` elementwise, as delta's
+        dtype (float32, float64, int32, int64).  Atomic per server request with
+        respect to other accumulates and writes."""
+        if not isinstance(delta, np.ndarray):
+            raise InvalidArgumentError(f"delta must be a numpy array, not {type(delta).__name__}")
+        code = DTYPE_CODES.get(delta.dtype.name)
+        if code is None or delta.dtype.byteorder == ">":
+            raise InvalidArgumentError(
+                f"accumulate supports {', '.join(DTYPE_CODES)} (native byte order), not {delta.dtype}")
+        view = _bytes_view(delta, writable=False, what="delta")
+        offset = self._range(offset, len(view), "an accumulate")
+        if offset % delta.itemsize:
+            raise InvalidArgumentError(
+                f"accumulate of {delta.dtype} needs an offset aligned to {delta.itemsize} bytes, not {offset}")
+        if self.stripe % delta.itemsize:
+            raise InvalidArgumentError(f"stripe {self.stripe} is not a multiple of {delta.itemsize}")
+        await self._run("accumulate", view, offset, code)
+
+    async def fetch_add(self, offset: int, value: int = 1) -> int:
+        """Atomically add ``value`` to the int64 word at ``offset`` (8-byte
+        aligned); return the word's old value."""
+        value = _check_i64("value", value)
+        link, seg, seg_off = self._word(offset)
+        t = link.transport
+        if t is None or t.closed:
+            t = await link.get()
+        return _to_signed(await t.fetch_add(seg, seg_off, value))
+
+    async def compare_swap(self, offset: int, expected: int, new: int) -> int:
+        """Atomically replace the int64 word at ``offset`` with ``new`` if it
+        equals ``expected``; return the old value (== expected on success)."""
+        expected = _check_i64("expected", expected)
+        new = _check_i64("new", new)
+        link, seg, seg_off = self._word(offset)
+        t = link.transport
+        if t is None or t.closed:
+            t = await link.get()
+        return _to_signed(await t.compare_swap(seg, seg_off, expected, new))
+
+
+async def _gather(coros: list[Any]) -> None:
+    """Run all; when one fails, still wait for the others (they use the
+    caller's memory), then raise the first error."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+def _servers_from_env() -> list[str]:
+    env = os.environ.get("SMB2_SERVERS", "")
+    return [s for s in (p.strip() for p in env.split(",")) if s]
+
+
+async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, *,
+                  transport: str = "auto", timeout: float = 10.0) -> Client:
+    """Connect to the memory servers (``"host:port"`` each; default from the
+    environment variable ``SMB2_SERVERS="h:p,h:p"``).
+
+    The order of the servers defines the buffers' striping: every client of a
+    cluster must list them in the same order.  Raises :class:`TransportError`
+    if a server cannot be reached."""
+    if isinstance(servers, str):
+        servers = [s for s in (p.strip() for p in servers.split(",")) if s]
+    if servers is None:
+        servers = _servers_from_env()
+        if not servers:
+            raise InterfaceError("no servers given: pass a list or set SMB2_SERVERS=host:port,...")
+    if not servers:
+        raise InvalidArgumentError("servers must not be empty")
+    if transport not in KINDS:
+        raise InvalidArgumentError(f"transport must be one of {', '.join(KINDS)}, not {transport!r}")
+    addresses = [parse_address(s) for s in servers]
+    if len(set(addresses)) != len(addresses):
+        raise InvalidArgumentError(f"a server is listed twice in {list(servers)}")
+    links = [_Link(a, transport, timeout) for a in addresses]
+    client = Client(links)
+    try:
+        await asyncio.gather(*(link.get() for link in links))
+    except BaseException:
+        await client.close()
+        raise
+    return client

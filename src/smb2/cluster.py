@@ -1,0 +1,192 @@
+"""LocalCluster: N memory servers on this machine, for tests, demos and
+benchmarks.
+
+In-process (default) the servers run in the caller's event loop on free
+ports.  With ``processes=True`` each server is a real ``smb2-server``
+subprocess, started and torn down by the cluster; ``kill(i)`` and
+``restart(i)`` inject faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import sys
+from typing import Any
+
+from .client import Client, connect
+from .errors import InterfaceError
+from .server import MemoryServer, start_server
+
+log = logging.getLogger("smb2.cluster")
+
+_READY = re.compile(rb"^smb2-server listening on (\S+):(\d+)\s*$")
+
+
+class _Process:
+    """One ``smb2-server`` subprocess."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, host: str, port: int) -> None:
+        self.proc = proc
+        self.host = host
+        self.port = port
+
+    @classmethod
+    async def spawn(cls, host: str, port: int, args: list[str], timeout: float) -> _Process:
+        cmd = [sys.executable, "-m", "smb2.server", "--host", host, "--port", str(port), *args]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True)
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), timeout)
+        except asyncio.TimeoutError:
+            line = b""
+        m = _READY.match(line)
+        if not m:
+            if proc.returncode is None:
+                proc.kill()
+            err = (await proc.stderr.read())[-2000:].decode(errors="replace")
+            await proc.wait()
+            raise InterfaceError(f"smb2-server did not start ({' '.join(cmd)}): "
+                                 f"{line.decode(errors='replace').strip() or 'no ready line'}\n{err}")
+        # stderr keeps flowing; drain it so the child never blocks on a full pipe
+        asyncio.ensure_future(_drain(proc.stderr))
+        return cls(proc, m.group(1).decode(), int(m.group(2)))
+
+    async def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        if self.proc.returncode is None:
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        return self.proc.returncode
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.read(65536):
+        pass
+
+
+class LocalCluster:
+    """``async with LocalCluster(servers=4) as cluster: client = await cluster.connect()``"""
+
+    def __init__(self, servers: int = 4, *, processes: bool = False, capacity: int | str = "256MiB",
+                 host: str = "127.0.0.1", server_args: list[str] | None = None,
+                 start_timeout: float = 30.0) -> None:
+        if servers < 1:
+            raise InterfaceError("a cluster needs at least one server")
+        self.nservers = servers
+        self.processes = processes
+        self.capacity = capacity
+        self.host = host
+        self.server_args = list(server_args or [])
+        self.start_timeout = start_timeout
+        self.servers: list[MemoryServer] = []          # in-process mode
+        self.procs: list[_Process | None] = []           # processes mode
+        self._addresses: list[tuple[str, int]] = []
+        self._clients: list[Client] = []
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"{h}:{p}" for h, p in self._addresses]
+
+    async def start(self) -> LocalCluster:
+        try:
+            if self.processes:
+                self.procs = list(await asyncio.gather(
+                    *(self._spawn(self.host, 0) for _ in range(self.nservers))))
+                self._addresses = [(p.host, p.port) for p in self.procs if p is not None]
+            else:
+                for _ in range(self.nservers):
+                    s = await start_server(self.host, 0, capacity=self.capacity)
+                    self.servers.append(s)
+                self._addresses = [s.address for s in self.servers]
+        except BaseException:
+            await self.close()
+            raise
+        log.info("local cluster of %d servers: %s", self.nservers, ", ".join(self.addresses))
+        return self
+
+    async def _spawn(self, host: str, port: int) -> _Process:
+        return await _Process.spawn(host, port, ["--capacity", str(self.capacity), *self.server_args],
+                                    self.start_timeout)
+
+    async def connect(self, **kwargs: Any) -> Client:
+        """A client of all servers (closed with the cluster if still open)."""
+        client = await connect(self.addresses, **kwargs)
+        self._clients.append(client)
+        return client
+
+    # -- faults (processes mode) ------------------------------------------
+    async def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Kill server ``index`` with ``sig`` (default SIGKILL)."""
+        proc = self._proc(index)
+        await proc.stop(sig)
+
+    async def restart(self, index: int) -> None:
+        """Start server ``index`` again on its old port (after ``kill``)."""
+        old = self._proc(index)
+        if old.proc.returncode is None:
+            await old.stop()
+        self.procs[index] = await self._spawn(old.host, old.port)
+
+    def _proc(self, index: int) -> _Process:
+        if not self.processes:
+            raise InterfaceError("kill/restart need LocalCluster(processes=True)")
+        proc = self.procs[index]
+        assert proc is not None
+        return proc
+
+    def pid(self, index: int) -> int:
+        return self._proc(index).proc.pid
+
+    # -- teardown -------------------------------------------------------------
+    async def close(self) -> None:
+        for c in self._clients:
+            await c.close()
+        self._clients.clear()
+        for s in self.servers:
+            await s.close()
+        self.servers.clear()
+        await asyncio.gather(*(p.stop() for p in self.procs if p is not None),
+                             return_exceptions=True)
+        self.procs.clear()
+
+    async def __aenter__(self) -> LocalCluster:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class ExternalCluster:
+    """A stand-in for LocalCluster naming servers that run elsewhere
+    (``SMB2_SERVERS``), so the same tests and demos can target them."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+        self.nservers = len(addresses)
+        self._clients: list[Client] = []
+
+    async def connect(self, **kwargs: Any) -> Client:
+        client = await connect(self.addresses, **kwargs)
+        self._clients.append(client)
+        return client
+
+    async def close(self) -> None:
+        for c in self._clients:
+            await c.close()
+        self._clients.clear()
+
+
+def external_servers() -> list[str]:
+    return [s for s in (p.strip() for p in os.environ.get("SMB2_SERVERS", "").split(",")) if s]

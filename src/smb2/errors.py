@@ -1,0 +1,139 @@
+"""The one exception tree of smb2.
+
+Two roots under :class:`Smb2Error`, as asyncpg has them: errors a *server*
+reported (:class:`ServerError`, a subclass chosen by the wire's error code) and
+*misuse* of the API (:class:`InterfaceError`, also a ``ValueError`` where the
+argument was bad).  Transport failures (:class:`TransportError`) and malformed
+frames (:class:`ProtocolError`) sit beside them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Smb2Error(Exception):
+    """Root of every error smb2 raises."""
+
+    def __init__(self, message: str = "", *, detail: str | None = None,
+                 hint: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+        self.hint = hint
+
+
+class InterfaceError(Smb2Error):
+    """The API was used wrongly (closed client, wrong state, ...)."""
+
+
+class InvalidArgumentError(InterfaceError, ValueError):
+    """A bad argument: offset, size, dtype, alignment, name."""
+
+
+class TransportError(Smb2Error, ConnectionError):
+    """A connection failed or a work completion reported an error.
+
+    ``errno`` carries the OS error number where one exists, ``status`` the
+    RDMA work-completion status, ``server`` the server's address."""
+
+    def __init__(self, message: str = "", *, errno: int | None = None,
+                 status: int | None = None, server: str | None = None,
+                 detail: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, detail=detail, hint=hint)
+        self.errno = errno
+        self.status = status
+        self.server = server
+
+
+class ProtocolError(Smb2Error):
+    """A frame was malformed (bad magic, version, op or length)."""
+
+
+class LockTimeout(Smb2Error, TimeoutError):
+    """A lock could not be acquired within the timeout."""
+
+
+class ErrorCode(enum.IntEnum):
+    """Status codes in a reply header; 0 means success."""
+
+    OK = 0
+    BAD_REQUEST = 1
+    NO_SUCH_BUFFER = 2
+    OUT_OF_MEMORY = 3
+    ACCESS_DENIED = 4
+    OUT_OF_BOUNDS = 5
+    STALE_FENCE = 6
+    CONFLICT = 7
+    VERSION_MISMATCH = 8
+    INTERNAL = 9
+    TOO_LARGE = 10
+    UNSUPPORTED = 11
+
+
+class ServerError(Smb2Error):
+    """The server refused a request; ``code`` is the wire's error code."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str = "", *, server: str | None = None,
+                 detail: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, detail=detail, hint=hint)
+        self.server = server
+
+
+class BadRequest(ServerError, ProtocolError):
+    code = ErrorCode.BAD_REQUEST
+
+
+class NoSuchBuffer(ServerError, LookupError):
+    code = ErrorCode.NO_SUCH_BUFFER
+
+
+class OutOfMemory(ServerError, MemoryError):
+    code = ErrorCode.OUT_OF_MEMORY
+
+
+class AccessDenied(ServerError, PermissionError):
+    code = ErrorCode.ACCESS_DENIED
+
+
+class OutOfBounds(ServerError, IndexError):
+    code = ErrorCode.OUT_OF_BOUNDS
+
+
+class StaleFence(ServerError):
+    code = ErrorCode.STALE_FENCE
+
+
+class BufferConflict(ServerError):
+    """A buffer of that name exists with other parameters."""
+
+    code = ErrorCode.CONFLICT
+
+
+class VersionMismatch(ServerError, ProtocolError):
+    code = ErrorCode.VERSION_MISMATCH
+
+
+class FrameTooLarge(ServerError, ProtocolError):
+    code = ErrorCode.TOO_LARGE
+
+
+class Unsupported(ServerError):
+    code = ErrorCode.UNSUPPORTED
+
+
+_BY_CODE: dict[int, type[ServerError]] = {
+    cls.code: cls for cls in (BadRequest, NoSuchBuffer, OutOfMemory, AccessDenied,
+                              OutOfBounds, StaleFence, BufferConflict,
+                              VersionMismatch, FrameTooLarge, Unsupported)
+}
+
+
+def server_error(code: int, message: str, server: str | None = None) -> ServerError:
+    """The exception for a reply's error code (unknown codes: ServerError)."""
+    cls = _BY_CODE.get(code, ServerError)
+    err = cls(message, server=server)
+    if cls is ServerError:
+        err.code = ErrorCode.INTERNAL
+    return err

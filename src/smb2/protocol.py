@@ -1,0 +1,302 @@
+"""The wire protocol: op codes, flags, dtype codes, control messages, and the
+frame receiver that both ends of a TCP connection share.
+
+A frame is a fixed 32-byte header (``_core.encode_header``) followed by a
+payload.  Data ops carry raw bytes; control messages (op ``CONTROL``) carry a
+msgpack map.  docs/protocol.md is the written contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import re
+from typing import Any, Final
+
+import msgpack
+
+from . import _core
+from .errors import ErrorCode, InvalidArgumentError
+
+VERSION: Final = 1
+HEADER_SIZE: Final = _core.HEADER_SIZE
+MAGIC: Final = _core.MAGIC
+DEFAULT_PORT: Final = 7420
+
+
+class Op(enum.IntEnum):
+    CONTROL = 1        # payload: msgpack map {"cmd": ..., ...}; reply: msgpack map
+    READ = 2           # length = bytes wanted, no payload; reply payload: the bytes
+    WRITE = 3          # payload: the bytes; empty reply
+    ACCUMULATE = 4     # payload: the delta; flags carry the dtype; empty reply
+    FETCH_ADD = 5      # payload: u64 addend; reply: u64 old value
+    COMPARE_SWAP = 6   # payload: u64 expected, u64 new; reply: u64 old value
+
+
+DATA_OPS: Final = frozenset({Op.READ, Op.WRITE, Op.ACCUMULATE, Op.FETCH_ADD,
+                             Op.COMPARE_SWAP})
+
+# flags
+FLAG_REPLY: Final = 0x0001
+DTYPE_SHIFT: Final = 4
+DTYPE_MASK: Final = 0x00F0
+
+# dtype codes carried in the flags of ACCUMULATE (the same numbers as _core's)
+DTYPE_CODES: Final[dict[str, int]] = {
+    "float32": _core.DTYPE_FLOAT32,
+    "float64": _core.DTYPE_FLOAT64,
+    "int32": _core.DTYPE_INT32,
+    "int64": _core.DTYPE_INT64,
+}
+
+# Limits a server applies unless configured otherwise.
+DEFAULT_MAX_FRAME: Final = 64 << 20      # largest payload of one frame
+MAX_CONTROL: Final = 1 << 20             # largest control message
+# Clients cut operations into requests of at most this many bytes: several
+# requests per server stay in flight (pipelining), and a server never needs
+# more than this much scratch for an accumulate.
+DEFAULT_MAX_REQUEST: Final = 4 << 20
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: Any) -> Any:
+    """Decode a control message; raises ValueError on anything malformed."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many unrelated types
+        raise ValueError(f"malformed msgpack: {exc}") from None
+
+
+def error_payload(message: str) -> bytes:
+    return pack({"message": message[:4096]})
+
+
+# --------------------------------------------------------------------------
+# Sizes: "1GiB", "512MiB", "64k", "1000000"
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b?)\s*$", re.I)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: int | str) -> int:
+    """Parse a size such as ``"1GiB"``, ``"64MiB"``, ``"4k"`` or ``4096``
+    (units are powers of two)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise InvalidArgumentError(f"size must not be negative: {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m:
+            return int(m.group(1)) * _UNITS[m.group(2).lower()]
+    raise InvalidArgumentError(f"not a size: {value!r} (try 1GiB, 512MiB or 4096)")
+
+
+def parse_address(addr: str | tuple[str, int]) -> tuple[str, int]:
+    """``"host:port"``, ``"[v6]:port"``, ``"host"`` or ``(host, port)``."""
+    if isinstance(addr, tuple):
+        host, port = addr
+    else:
+        s = addr.strip()
+        if s.startswith("["):
+            host, _, rest = s[1:].partition("]")
+            port = int(rest[1:]) if rest.startswith(":") else DEFAULT_PORT
+        elif s.count(":") == 1:
+            host, p = s.split(":")
+            if not p.isdigit():
+                raise InvalidArgumentError(f"bad port in server address {addr!r}")
+            port = int(p)
+        else:
+            host, port = s, DEFAULT_PORT
+    if not host or not 0 < int(port) < 65536:
+        raise InvalidArgumentError(f"bad server address {addr!r}")
+    return host, int(port)
+
+
+# --------------------------------------------------------------------------
+# The frame receiver shared by the server and the client side of TCP.
+
+
+class _Inline:
+    """Deliver the payload to ``on_frame`` as one memoryview."""
+
+
+class _Discard:
+    """Read the payload and throw it away (the request was refused)."""
+
+
+class _Closed:
+    """The receiver closed the connection; stop parsing."""
+
+
+INLINE: Final = _Inline()
+DISCARD: Final = _Discard()
+CLOSED: Final = _Closed()
+
+Destination = _Inline | _Discard | _Closed | list[memoryview]
+
+
+class FrameReceiver(asyncio.BufferedProtocol):
+    """Frames off a stream, with payloads received straight into place.
+
+    Three modes.  *Inbox*: bytes land in a 256 KiB inbox and frames are parsed
+    out of it, many per ``recv``; a small payload is handed to ``on_frame`` as
+    a view of the inbox.  *Direct*: a payload whose destination the subclass
+    names (a slice of segment memory, pieces of a user's array) is received
+    straight into it; only the part that arrived together with its header is
+    copied.  *Discard*: a refused request's payload is read and dropped so the
+    stream stays in sync.  Subclasses implement ``payload_size``,
+    ``on_header`` and ``on_frame``, and call ``close_with`` to stop parsing.
+    """
+
+    INBOX_SIZE = 256 << 10
+    _DISCARD_CHUNK = 64 << 10
+
+    def __init__(self) -> None:
+        self._inbox = bytearray(self.INBOX_SIZE)
+        self._inview = memoryview(self._inbox)
+        self._start = 0
+        self._end = 0
+        # the frame whose payload is being received outside the inbox
+        self._hdr: tuple[int, ...] | None = None
+        self._targets: list[memoryview] = []
+        self._tidx = 0
+        self._tpos = 0
+        self._deliver: memoryview | None = None
+        self._discard = 0
+        # the header at self._start was accepted as INLINE; waiting for its payload
+        self._inline_wait = False
+        self._stopped = False
+
+    # -- to implement -----------------------------------------------------
+    def payload_size(self, hdr: tuple[int, ...]) -> int:
+        """Bytes of payload that follow this header."""
+        raise NotImplementedError
+
+    def on_header(self, hdr: tuple[int, ...], size: int) -> Destination:
+        """Where this frame's payload goes: INLINE, DISCARD, CLOSED or a
+        list of memoryviews whose lengths add up to ``size``."""
+        raise NotImplementedError
+
+    def on_frame(self, hdr: tuple[int, ...], payload: memoryview | None) -> None:
+        """The whole frame is in: ``payload`` for INLINE, else None.  An
+        inline payload may be a view of the inbox: use it before returning."""
+        raise NotImplementedError
+
+    def close_with(self, reason: str) -> None:
+        """Stop parsing; subclasses also close the transport."""
+        self._stopped = True
+
+    # -- asyncio.BufferedProtocol ------------------------------------------
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._hdr is not None:
+            if self._discard:
+                return self._inview[:min(self._discard, self._DISCARD_CHUNK)]
+            return self._targets[self._tidx][self._tpos:]
+        if self._stopped:
+            return self._inview          # drain the peer until the close lands
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._inbox) - self._end < 4096:
+            self._compact()
+        return self._inview[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._stopped:
+            return
+        if self._hdr is not None:
+            if not self._advance(nbytes):
+                return
+        else:
+            self._end += nbytes
+        self._parse()
+
+    # -- internals ------------------------------------------------------
+    def _compact(self) -> None:
+        n = self._end - self._start
+        if self._start:
+            self._inbox[0:n] = self._inview[self._start:self._end]
+        self._start, self._end = 0, n
+
+    def _advance(self, nbytes: int) -> bool:
+        """Account for ``nbytes`` of payload received outside the inbox;
+        finish the frame (and return True) when it is complete."""
+        if self._discard:
+            self._discard -= nbytes
+            done = self._discard == 0
+        else:
+            targets = self._targets
+            self._tpos += nbytes
+            while self._tidx < len(targets) and self._tpos >= len(targets[self._tidx]):
+                self._tpos -= len(targets[self._tidx])
+                self._tidx += 1
+            done = self._tidx == len(targets)
+        if done:
+            hdr, deliver = self._hdr, self._deliver
+            self._hdr, self._deliver, self._targets = None, None, []
+            assert hdr is not None
+            self.on_frame(hdr, deliver)
+        return done
+
+    def _parse(self) -> None:
+        inview = self._inview
+        while not self._stopped and self._hdr is None:
+            avail = self._end - self._start
+            if avail < HEADER_SIZE:
+                return
+            hdr = _core.decode_header(self._inbox, self._start)
+            if hdr[0] != MAGIC:
+                self.close_with(f"bad magic 0x{hdr[0]:04x}: not an smb2 peer")
+                return
+            size = self.payload_size(hdr)
+            if self._inline_wait:
+                dest: Destination = INLINE
+            else:
+                dest = self.on_header(hdr, size)
+                if dest is CLOSED or self._stopped:
+                    return
+            self._inline_wait = False
+            body = self._start + HEADER_SIZE
+            have = min(avail - HEADER_SIZE, size)
+            if have == size and dest is not DISCARD and not isinstance(dest, list):
+                self._start = body + size
+                self.on_frame(hdr, inview[body:body + size])
+                continue
+            if dest is INLINE:
+                if size <= len(self._inbox) - HEADER_SIZE:
+                    self._compact()      # the rest will fit behind it: wait
+                    self._inline_wait = True
+                    return
+                scratch = memoryview(bytearray(size))
+                self._deliver = scratch
+                self._targets = [scratch]
+            elif dest is DISCARD:
+                self._start = body + have
+                if have == size:
+                    self.on_frame(hdr, None)
+                    continue
+                self._hdr = hdr
+                self._discard = size - have
+                return
+            else:
+                assert isinstance(dest, list)
+                self._targets = dest
+            # direct: copy what came with the header, receive the rest in place
+            self._hdr = hdr
+            self._tidx = self._tpos = 0
+            self._start = body + have
+            if size == 0:
+                self._advance(0)
+                continue
+            pos, left = body, have
+            while left:
+                t = self._targets[self._tidx]
+                take = min(len(t) - self._tpos, left)
+                _core.copy_into(t[self._tpos:self._tpos + take], inview[pos:pos + take])
+                pos += take
+                left -= take
+                if self._advance(take):
+                    break

@@ -1,0 +1,573 @@
+"""The memory server: owns RAM as segments and serves them to clients.
+
+listener -> :class:`_Connection` (frames, ``protocol.FrameReceiver``) ->
+:class:`MemoryServer` (segments, capacity, stats).  The server never trusts a
+client: every header is validated before anything is allocated, a refused
+request gets an error reply, a malformed stream gets that one connection
+closed with a reason, and nothing one client sends can stop the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import itertools
+import logging
+import mmap
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, cast
+
+import numpy as np
+
+from . import _core
+from .errors import ErrorCode, InvalidArgumentError
+from .protocol import (
+    CLOSED,
+    DATA_OPS,
+    DEFAULT_MAX_FRAME,
+    DEFAULT_PORT,
+    DISCARD,
+    DTYPE_MASK,
+    DTYPE_SHIFT,
+    FLAG_REPLY,
+    INLINE,
+    MAX_CONTROL,
+    VERSION,
+    Destination,
+    FrameReceiver,
+    Op,
+    error_payload,
+    pack,
+    parse_size,
+    unpack,
+)
+
+log = logging.getLogger("smb2.server")
+
+MAX_NAME = 255
+PAGE = mmap.PAGESIZE
+
+
+class _Refused(Exception):
+    """A request the server answers with an error code (internal)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(eq=False)
+class Segment:
+    """One server's share of one buffer: page-aligned, zero-filled memory."""
+
+    id: int
+    name: str
+    nbytes: int          # the whole buffer's size (geometry, for attach)
+    stripe: int
+    nservers: int
+    index: int           # this server's position in the buffer's server list
+    size: int            # bytes held here
+    mem: np.ndarray      # uint8 over an anonymous mmap (page aligned, lazily backed)
+    view: memoryview
+    created: float = field(default_factory=time.time)
+    # byte ranges of writes being received in place right now; an accumulate
+    # that overlaps one waits for it, so that it is atomic w.r.t. writes
+    inflight: list[tuple[int, int]] = field(default_factory=list)
+    deferred: collections.deque[tuple[int, int, Callable[[], None]]] = field(
+        default_factory=collections.deque)
+
+    def info(self) -> dict[str, Any]:
+        return {"segment": self.id, "name": self.name, "nbytes": self.nbytes,
+                "stripe": self.stripe, "nservers": self.nservers,
+                "index": self.index, "size": self.size}
+
+    def overlaps_inflight(self, lo: int, hi: int) -> bool:
+        return any(a < hi and lo < b for a, b in self.inflight)
+
+    def write_done(self, rng: tuple[int, int]) -> None:
+        self.inflight.remove(rng)
+        if not self.deferred:
+            return
+        waiting = collections.deque()
+        while self.deferred:
+            lo, hi, run = self.deferred.popleft()
+            if self.overlaps_inflight(lo, hi):
+                waiting.append((lo, hi, run))
+            else:
+                run()
+        self.deferred = waiting
+
+
+def _alloc(size: int) -> tuple[np.ndarray, memoryview]:
+    # An anonymous mmap is page aligned (so RDMA can register it) and
+    # zero-filled on first touch, so capacity is not committed up front.
+    mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mem = np.frombuffer(mm, dtype=np.uint8, count=size)
+    return mem, memoryview(mem).cast("B")
+
+
+class MemoryServer:
+    """Segments, capacity, connections and statistics of one memory server.
+
+    Create it with :func:`start_server`; ``address`` is ``(host, port)``."""
+
+    def __init__(self, *, capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
+                 max_buffers: int = 4096) -> None:
+        self.capacity = parse_size(capacity)
+        self.max_frame = max_frame
+        self.max_buffers = max_buffers
+        self.used = 0
+        self.segments: dict[int, Segment] = {}
+        self.by_name: dict[str, Segment] = {}
+        self._ids = itertools.count(1)
+        self.connections: set[_Connection] = set()
+        self.started = time.time()
+        # data operations this server's CPU executed, per transport and op
+        self.ops: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.refused = 0
+        self._server: asyncio.AbstractServer | None = None
+        self.address: tuple[str, int] = ("", 0)
+        self.server_id = os.urandom(8).hex()
+
+    # -- lifecycle --------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Connection(self), host, port, reuse_address=True)
+        sock = self._server.sockets[0]
+        self.address = sock.getsockname()[:2]
+        log.info("listening on %s:%d (capacity %d bytes)", *self.address, self.capacity)
+
+    async def close(self) -> None:
+        """Stop listening, drop every connection, release all segments."""
+        if self._server is not None:
+            self._server.close()
+            for conn in list(self.connections):
+                conn.abort("server shutting down")
+            await self._server.wait_closed()
+            self._server = None
+        self.segments.clear()
+        self.by_name.clear()
+        self.used = 0
+
+    async def __aenter__(self) -> MemoryServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- control commands ----------------------------------------------
+    def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int) -> dict[str, Any]:
+        if not 0 < len(name.encode()) <= MAX_NAME:
+            raise _Refused(ErrorCode.BAD_REQUEST, f"buffer names are 1..{MAX_NAME} bytes")
+        if nbytes <= 0 or stripe <= 0 or stripe % 8 or nservers <= 0 or not 0 <= index < nservers:
+            raise _Refused(ErrorCode.BAD_REQUEST, "bad buffer geometry")
+        size = _core.segment_size(nbytes, stripe, nservers)
+        seg = self.by_name.get(name)
+        if seg is not None:
+            same = (seg.nbytes, seg.stripe, seg.nservers, seg.index) == (nbytes, stripe, nservers, index)
+            if not same:
+                raise _Refused(
+                    ErrorCode.CONFLICT,
+                    f"buffer {name!r} exists with nbytes={seg.nbytes} stripe={seg.stripe} "
+                    f"over {seg.nservers} servers (this server #{seg.index}); asked for "
+                    f"nbytes={nbytes} stripe={stripe} over {nservers} servers (#{index})")
+            return {**seg.info(), "created": False}
+        if len(self.segments) >= self.max_buffers:
+            raise _Refused(ErrorCode.OUT_OF_MEMORY, f"server holds its maximum of {self.max_buffers} buffers")
+        if self.used + size > self.capacity:
+            raise _Refused(ErrorCode.OUT_OF_MEMORY,
+                           f"buffer {name!r} needs {size} bytes on this server; "
+                           f"{self.capacity - self.used} of {self.capacity} are free")
+        try:
+            mem, view = _alloc(size)
+        except (OSError, MemoryError, OverflowError) as exc:
+            raise _Refused(ErrorCode.OUT_OF_MEMORY, f"cannot map {size} bytes: {exc}") from None
+        seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view)
+        self.segments[seg.id] = seg
+        self.by_name[name] = seg
+        self.used += size
+        log.debug("created buffer %r: segment %d, %d bytes", name, seg.id, size)
+        return {**seg.info(), "created": True}
+
+    def lookup(self, name: str) -> dict[str, Any]:
+        seg = self.by_name.get(name)
+        if seg is None:
+            raise _Refused(ErrorCode.NO_SUCH_BUFFER, f"no buffer named {name!r}")
+        return seg.info()
+
+    def destroy(self, name: str) -> dict[str, Any]:
+        seg = self.by_name.pop(name, None)
+        if seg is None:
+            return {"destroyed": False}
+        del self.segments[seg.id]
+        self.used -= seg.size
+        # The memory is released when the last view of it is gone (a reply
+        # still being sent may hold one).
+        return {"destroyed": True}
+
+    def stat(self) -> dict[str, Any]:
+        return {
+            "server_id": self.server_id,
+            "address": f"{self.address[0]}:{self.address[1]}",
+            "version": VERSION,
+            "uptime_s": round(time.time() - self.started, 3),
+            "capacity": self.capacity,
+            "used": self.used,
+            "buffers": {s.name: {"segment": s.id, "size": s.size, "nbytes": s.nbytes,
+                                 "stripe": s.stripe, "nservers": s.nservers, "index": s.index}
+                        for s in self.segments.values()},
+            "connections": len(self.connections),
+            "ops": {t: dict(c) for t, c in self.ops.items()},
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "refused": self.refused,
+        }
+
+
+def _str(msg: dict[str, Any], key: str) -> str:
+    v = msg.get(key)
+    if not isinstance(v, str):
+        raise _Refused(ErrorCode.BAD_REQUEST, f"control field {key!r} must be a string")
+    return v
+
+
+def _uint(msg: dict[str, Any], key: str) -> int:
+    v = msg.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 63:
+        raise _Refused(ErrorCode.BAD_REQUEST, f"control field {key!r} must be a non-negative integer")
+    return v
+
+
+class _Connection(FrameReceiver):
+    """One client connection: validates frames and executes them."""
+
+    transport_name = "tcp"
+
+    def __init__(self, server: MemoryServer) -> None:
+        super().__init__()
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.greeted = False
+        self._paused = False
+        self._uvloop = False
+        # the write whose payload is being received in place: (segment, range)
+        self._write: tuple[Segment, tuple[int, int]] | None = None
+
+    # -- asyncio -----------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport
+        self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+        self.server.connections.add(self)
+        log.debug("connection from %s", self.peer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        if self._write is not None:
+            seg, rng = self._write
+            self._write = None
+            seg.write_done(rng)
+        self.transport = None
+        log.debug("connection from %s closed%s", self.peer, f": {exc}" if exc else "")
+
+    # Flow control: a client that does not read its replies stops being read,
+    # so one connection's memory stays bounded.
+    def pause_writing(self) -> None:
+        if self.transport is not None and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and self._paused:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def abort(self, reason: str) -> None:
+        if self.transport is not None:
+            log.debug("closing %s: %s", self.peer, reason)
+            self.transport.abort()
+
+    # -- replies -----------------------------------------------------------
+    def _reply(self, hdr: tuple[int, ...], payload: bytes | memoryview = b"",
+               status: int = 0) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        n = len(payload)
+        self.server.bytes_out += n
+        if n <= 65536:
+            t.write(_core.encode_header_with(VERSION, hdr[2], FLAG_REPLY, status, hdr[5],
+                                             hdr[6], hdr[7], n, payload))
+            return
+        head = _core.encode_header(VERSION, hdr[2], FLAG_REPLY, status, hdr[5], hdr[6], hdr[7], n)
+        if self._uvloop:
+            t.writelines((head, payload))       # one writev, payload not copied
+        else:
+            t.write(head)
+            t.write(payload)
+
+    def _refuse(self, hdr: tuple[int, ...], code: ErrorCode, message: str) -> None:
+        self.server.refused += 1
+        self._reply(hdr, error_payload(message), status=code)
+
+    def close_with(self, reason: str, hdr: tuple[int, ...] | None = None,
+                   code: ErrorCode = ErrorCode.BAD_REQUEST) -> None:
+        """Answer with the reason (so the client can tell why), then close."""
+        super().close_with(reason)
+        self.server.refused += 1
+        log.info("closing connection from %s: %s", self.peer, reason)
+        t = self.transport
+        if t is not None and not t.is_closing():
+            h = hdr if hdr is not None else (0, 0, 0, 0, 0, 0, 0, 0, 0)
+            t.write(_core.encode_header_with(VERSION, h[2] & 0xFF, FLAG_REPLY, code, h[5], 0, 0,
+                                             len(p := error_payload(reason)), p))
+            t.close()
+
+    # -- frames --------------------------------------------------------
+    def payload_size(self, hdr: tuple[int, ...]) -> int:
+        return 0 if hdr[2] == Op.READ else hdr[8]
+
+    def on_header(self, hdr: tuple[int, ...], size: int) -> Destination:
+        _, version, op, flags, _, _, segment, offset, length = hdr
+        if version != VERSION:
+            self.close_with(f"protocol version {version} not supported (server speaks {VERSION})",
+                            hdr, ErrorCode.VERSION_MISMATCH)
+            return CLOSED
+        if flags & FLAG_REPLY:
+            self.close_with("a client sent a reply frame", hdr)
+            return CLOSED
+        if op == Op.CONTROL:
+            if size > MAX_CONTROL:
+                self.close_with(f"control message of {size} bytes (limit {MAX_CONTROL})",
+                                hdr, ErrorCode.TOO_LARGE)
+                return CLOSED
+            return INLINE
+        if op not in DATA_OPS:
+            self.close_with(f"unknown op {op}", hdr)
+            return CLOSED
+        if size > self.server.max_frame or (op == Op.READ and length > self.server.max_frame):
+            self.close_with(f"frame of {length} bytes exceeds the limit of "
+                            f"{self.server.max_frame}", hdr, ErrorCode.TOO_LARGE)
+            return CLOSED
+        if not self.greeted:
+            self.close_with("the first request must be hello", hdr)
+            return CLOSED
+        try:
+            atomic = op in (Op.FETCH_ADD, Op.COMPARE_SWAP)
+            seg = self._segment(segment, offset, 8 if atomic else length)
+            if op == Op.WRITE:
+                rng = (offset, offset + length)
+                seg.inflight.append(rng)
+                self._write = (seg, rng)
+                return [seg.view[offset:offset + length]] if length else INLINE
+            if op == Op.ACCUMULATE:
+                code = (flags & DTYPE_MASK) >> DTYPE_SHIFT
+                try:
+                    itemsize = _core.dtype_itemsize(code)
+                except ValueError:
+                    raise _Refused(ErrorCode.BAD_REQUEST, f"unknown dtype code {code}") from None
+                if offset % itemsize or length % itemsize:
+                    raise _Refused(ErrorCode.BAD_REQUEST,
+                                   f"accumulate of {itemsize}-byte items needs an aligned offset and length")
+            elif atomic:
+                want = 8 if op == Op.FETCH_ADD else 16
+                if offset % 8 or size != want:
+                    raise _Refused(ErrorCode.BAD_REQUEST,
+                                   "atomics act on one 8-byte aligned word")
+        except _Refused as exc:
+            self._refuse(hdr, exc.code, str(exc))
+            return DISCARD
+        return INLINE
+
+    def _segment(self, segment: int, offset: int, length: int) -> Segment:
+        seg = self.server.segments.get(segment)
+        if seg is None:
+            raise _Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {segment} (destroyed, or the server restarted)")
+        if offset > seg.size or length > seg.size - offset:
+            raise _Refused(ErrorCode.OUT_OF_BOUNDS,
+                           f"range [{offset}, {offset + length}) is outside segment {segment} of {seg.size} bytes")
+        return seg
+
+    def on_frame(self, hdr: tuple[int, ...], payload: memoryview | None) -> None:
+        op = hdr[2]
+        try:
+            if op == Op.CONTROL:
+                assert payload is not None
+                self._control(hdr, payload)
+                return
+            stats = self.server.ops[self.transport_name]
+            stats[Op(op).name.lower()] += 1
+            seg = self.server.segments.get(hdr[6])
+            offset, length = hdr[7], hdr[8]
+            if op == Op.READ:
+                assert seg is not None
+                self._reply(hdr, seg.view[offset:offset + length])
+            elif op == Op.WRITE:
+                self.server.bytes_in += length
+                if self._write is not None:
+                    wseg, rng = self._write
+                    self._write = None
+                    if payload is not None and length:
+                        _core.copy_into(wseg.view[offset:offset + length], payload)
+                    wseg.write_done(rng)
+                self._reply(hdr)
+            elif op == Op.ACCUMULATE:
+                assert seg is not None and payload is not None
+                self.server.bytes_in += length
+                self._accumulate(hdr, seg, payload)
+            elif op == Op.FETCH_ADD:
+                assert seg is not None and payload is not None
+                word = seg.mem[offset:offset + 8].view(np.uint64)
+                old = int(word[0])
+                word[0] = (old + _core.unpack_u64(payload)) & 0xFFFFFFFFFFFFFFFF
+                self._reply(hdr, _core.pack_u64(old))
+            elif op == Op.COMPARE_SWAP:
+                assert seg is not None and payload is not None
+                word = seg.mem[offset:offset + 8].view(np.uint64)
+                old = int(word[0])
+                if old == _core.unpack_u64(payload, 0):
+                    word[0] = _core.unpack_u64(payload, 8)
+                self._reply(hdr, _core.pack_u64(old))
+        except _Refused as exc:
+            self._refuse(hdr, exc.code, str(exc))
+        except Exception as exc:  # a bug must cost one request, not the server
+            log.exception("internal error handling op %d from %s", op, self.peer)
+            self._refuse(hdr, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _accumulate(self, hdr: tuple[int, ...], seg: Segment, payload: memoryview) -> None:
+        offset, length = hdr[7], hdr[8]
+        code = (hdr[3] & DTYPE_MASK) >> DTYPE_SHIFT
+        if seg.overlaps_inflight(offset, offset + length):
+            delta = bytes(payload)       # the inbox is reused: keep a copy
+
+            def run() -> None:
+                if seg.id in self.server.segments:
+                    _core.accumulate(seg.view[offset:offset + length], delta, code)
+                self._reply(hdr)
+            seg.deferred.append((offset, offset + length, run))
+            return
+        _core.accumulate(seg.view[offset:offset + length], payload, code)
+        self._reply(hdr)
+
+    def _control(self, hdr: tuple[int, ...], payload: memoryview) -> None:
+        try:
+            msg = unpack(payload)
+        except ValueError as exc:
+            raise _Refused(ErrorCode.BAD_REQUEST, str(exc)) from None
+        if not isinstance(msg, dict):
+            raise _Refused(ErrorCode.BAD_REQUEST, "a control message is a msgpack map")
+        cmd = msg.get("cmd")
+        srv = self.server
+        if cmd == "hello":
+            version = msg.get("version")
+            if version != VERSION:
+                self.close_with(f"client speaks protocol version {version!r}, server {VERSION}",
+                                hdr, ErrorCode.VERSION_MISMATCH)
+                return
+            self.greeted = True
+            result: dict[str, Any] = {
+                "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
+                "max_frame": srv.max_frame, "transports": ["tcp"]}
+        elif not self.greeted:
+            self.close_with("the first request must be hello", hdr)
+            return
+        elif cmd == "create":
+            result = srv.create(_str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
+                                _uint(msg, "nservers"), _uint(msg, "index"))
+        elif cmd == "lookup":
+            result = srv.lookup(_str(msg, "name"))
+        elif cmd == "destroy":
+            result = srv.destroy(_str(msg, "name"))
+        elif cmd == "list":
+            result = {"buffers": sorted(srv.by_name)}
+        elif cmd == "stat":
+            result = srv.stat()
+        else:
+            raise _Refused(ErrorCode.BAD_REQUEST, f"unknown control command {cmd!r}")
+        self._reply(hdr, pack(result))
+
+
+async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
+                       capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
+                       max_buffers: int = 4096) -> MemoryServer:
+    """Start a memory server in the running loop and return it once it listens.
+
+    ``port=0`` picks a free port (see ``server.address``)."""
+    server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers)
+    await server.start(host, port)
+    return server
+
+
+# --------------------------------------------------------------------------
+# smb2-server
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="smb2-server",
+        description="Serve this machine's memory as smb2 segments.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 = any free)")
+    p.add_argument("--capacity", default="1GiB", help="memory to serve, e.g. 512MiB, 8GiB (default 1GiB)")
+    p.add_argument("--max-frame", default=str(DEFAULT_MAX_FRAME),
+                   help="largest payload of one request (default 64MiB)")
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
+    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    return p
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    server = await start_server(args.host, args.port, capacity=args.capacity,
+                                max_frame=parse_size(args.max_frame))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    host, port = server.address
+    print(f"smb2-server listening on {host}:{port}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.close()
+        log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        parse_size(args.capacity)
+        parse_size(args.max_frame)
+    except InvalidArgumentError as exc:
+        print(f"smb2-server: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.loop == "uvloop":
+            import uvloop
+            uvloop.run(_serve(args))
+        else:
+            asyncio.run(_serve(args))
+    except OSError as exc:
+        print(f"smb2-server: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The one interface every transport offers (DESIGN.md, "The transport
+interface").
+
+A transport reaches ONE server.  It knows segments and offsets, never buffer
+names, stripes or training.  Data arguments are sequences of memoryviews (the
+pieces of the caller's memory that one request scatters to or gathers from);
+their lengths add up to ``length``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any
+
+
+class Transport(abc.ABC):
+    """One connection to one memory server."""
+
+    #: "tcp", "rdma", ...
+    name: str = "?"
+    #: the largest request the client should send (the planner cuts at this)
+    max_request: int = 4 << 20
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.address = address
+        #: what the server said at hello
+        self.server_info: dict[str, Any] = {}
+
+    @property
+    def label(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool:
+        """True once the connection is gone (the client then reconnects)."""
+
+    @abc.abstractmethod
+    async def control(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Send a control message (hello, create, lookup, destroy, list, stat)."""
+
+    @abc.abstractmethod
+    async def read_into(self, dst: Sequence[memoryview], segment: int, offset: int,
+                        length: int) -> None:
+        """Fill ``dst`` with ``length`` bytes of the segment from ``offset``."""
+
+    @abc.abstractmethod
+    async def write(self, src: Sequence[memoryview], segment: int, offset: int,
+                    length: int) -> None:
+        """Store ``src`` at ``offset`` of the segment."""
+
+    @abc.abstractmethod
+    async def accumulate(self, src: Sequence[memoryview], segment: int, offset: int,
+                         length: int, dtype_code: int) -> None:
+        """Server-side ``segment[offset:offset+length] += src`` as that dtype."""
+
+    @abc.abstractmethod
+    async def fetch_add(self, segment: int, offset: int, value: int) -> int:
+        """Add ``value`` (mod 2**64) to the 8-byte word; return its old value."""
+
+    @abc.abstractmethod
+    async def compare_swap(self, segment: int, offset: int, expected: int, new: int) -> int:
+        """Store ``new`` if the word equals ``expected``; return the old value."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Close the connection; pending operations fail with TransportError."""

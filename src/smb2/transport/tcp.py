@@ -1,0 +1,282 @@
+"""The TCP transport: the server executes one-sided operations for us.
+
+One connection per server; requests are pipelined (each carries a request
+id and replies may come in any order).  A READ reply is received straight
+into the caller's memory; a WRITE's pieces go out with one ``writev`` on
+uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno as errno_mod
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any, cast
+
+from .. import _core
+from ..errors import ProtocolError, TransportError, server_error
+from ..protocol import (
+    CLOSED,
+    DTYPE_SHIFT,
+    FLAG_REPLY,
+    INLINE,
+    VERSION,
+    Destination,
+    FrameReceiver,
+    Op,
+    pack,
+    unpack,
+)
+from .base import Transport
+
+log = logging.getLogger("smb2.transport.tcp")
+
+_MASK64 = (1 << 64) - 1
+
+# what a reply carries
+_EMPTY, _INTO, _U64, _MSG = 0, 1, 2, 3
+
+
+class _Pending:
+    __slots__ = ("fut", "kind", "targets", "length")
+
+    def __init__(self, fut: asyncio.Future[Any], kind: int,
+                 targets: Sequence[memoryview] | None, length: int) -> None:
+        self.fut = fut
+        self.kind = kind
+        self.targets = targets
+        self.length = length
+
+
+class _ClientProtocol(FrameReceiver):
+    def __init__(self, label: str) -> None:
+        super().__init__()
+        self.label = label
+        self.transport: asyncio.Transport | None = None
+        self.pending: dict[int, _Pending] = {}
+        self.lost: Exception | None = None
+        self._drain: asyncio.Future[None] | None = None
+        self._paused = False
+        self.uvloop = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        err = exc if isinstance(exc, TransportError) else TransportError(
+            f"connection to {self.label} lost" + (f": {exc}" if exc else ""),
+            errno=getattr(exc, "errno", None) or errno_mod.ECONNRESET, server=self.label)
+        if self.lost is None:
+            self.lost = err
+        self.transport = None
+        pending, self.pending = self.pending, {}
+        for p in pending.values():
+            if not p.fut.done():
+                p.fut.set_exception(self.lost)
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(self.lost)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        self._drain = None
+
+    async def drain(self) -> None:
+        if self._paused:
+            if self._drain is None:
+                self._drain = asyncio.get_running_loop().create_future()
+            await self._drain
+
+    def close_with(self, reason: str) -> None:
+        super().close_with(reason)
+        self.lost = ProtocolError(f"{self.label}: {reason}")
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- frames ------------------------------------------------------------
+    def payload_size(self, hdr: tuple[int, ...]) -> int:
+        return hdr[8]
+
+    def on_header(self, hdr: tuple[int, ...], size: int) -> Destination:
+        if not hdr[3] & FLAG_REPLY:
+            self.close_with(f"server sent a request frame (op {hdr[2]})")
+            return CLOSED
+        p = self.pending.get(hdr[5])
+        if p is None:
+            if hdr[5] == 0 and hdr[4]:
+                return INLINE     # the server's reason for closing us
+            self.close_with(f"reply to unknown request {hdr[5]}")
+            return CLOSED
+        if hdr[4] == 0 and p.kind == _INTO:
+            if size != p.length:
+                self.close_with(f"READ reply of {size} bytes for {p.length} asked")
+                return CLOSED
+            assert p.targets is not None
+            return list(p.targets)
+        return INLINE
+
+    def on_frame(self, hdr: tuple[int, ...], payload: memoryview | None) -> None:
+        status = hdr[4]
+        p = self.pending.pop(hdr[5], None)
+        if p is None:
+            # status != 0 with request id 0: the server closes the connection
+            msg = _message(payload)
+            self.lost = server_error(status, f"{self.label} closed the connection: {msg}",
+                                     server=self.label)
+            log.warning("%s", self.lost)
+            return
+        if p.fut.done():          # cancelled by the caller
+            return
+        if status:
+            p.fut.set_exception(server_error(status, f"{self.label}: {_message(payload)}",
+                                             server=self.label))
+        elif p.kind == _EMPTY or p.kind == _INTO:
+            p.fut.set_result(None)
+        elif p.kind == _U64:
+            assert payload is not None
+            p.fut.set_result(_core.unpack_u64(payload))
+        else:
+            try:
+                p.fut.set_result(unpack(payload))
+            except ValueError as exc:
+                p.fut.set_exception(ProtocolError(f"{self.label}: {exc}"))
+
+
+def _message(payload: memoryview | None) -> str:
+    if not payload:
+        return "(no reason given)"
+    try:
+        msg = unpack(payload)
+        return str(msg.get("message", msg)) if isinstance(msg, dict) else str(msg)
+    except ValueError:
+        return bytes(payload[:200]).decode("utf-8", "replace")
+
+
+class TcpTransport(Transport):
+    """Client side of one TCP connection to one server."""
+
+    name = "tcp"
+
+    def __init__(self, address: tuple[str, int], protocol: _ClientProtocol) -> None:
+        super().__init__(address)
+        self._proto = protocol
+        self._next_id = 0
+
+    @classmethod
+    async def connect(cls, address: tuple[str, int], *, timeout: float = 10.0) -> TcpTransport:
+        """Open the connection and say hello; raises TransportError."""
+        loop = asyncio.get_running_loop()
+        label = f"{address[0]}:{address[1]}"
+        try:
+            _, proto = await asyncio.wait_for(
+                loop.create_connection(lambda: _ClientProtocol(label), address[0], address[1]),
+                timeout)
+        except asyncio.TimeoutError:
+            raise TransportError(f"connecting to {label} timed out after {timeout} s",
+                                 errno=errno_mod.ETIMEDOUT, server=label) from None
+        except OSError as exc:
+            raise TransportError(f"cannot connect to {label}: {exc.strerror or exc}",
+                                 errno=exc.errno, server=label) from None
+        self = cls(address, proto)
+        try:
+            info = await asyncio.wait_for(
+                self.control({"cmd": "hello", "version": VERSION, "transports": ["tcp"]}), timeout)
+        except BaseException:
+            await self.close()
+            raise
+        self.server_info = info
+        max_frame = info.get("max_frame")
+        if isinstance(max_frame, int) and max_frame > 0:
+            self.max_request = min(self.max_request, max_frame)
+        return self
+
+    @property
+    def closed(self) -> bool:
+        return self._proto.transport is None
+
+    def _submit(self, rid: int, parts: Sequence[bytes | memoryview], kind: int,
+                targets: Sequence[memoryview] | None, length: int) -> asyncio.Future[Any]:
+        proto = self._proto
+        t = proto.transport
+        if t is None:
+            raise proto.lost or TransportError(f"connection to {self.label} is closed",
+                                               errno=errno_mod.ENOTCONN, server=self.label)
+        fut = asyncio.get_running_loop().create_future()
+        proto.pending[rid] = _Pending(fut, kind, targets, length)
+        if len(parts) == 1:
+            t.write(parts[0])
+        elif proto.uvloop:
+            t.writelines(parts)     # one writev; the pieces are not copied
+        else:
+            for part in parts:
+                t.write(part)
+        return fut
+
+    def _new_id(self) -> int:
+        self._next_id = (self._next_id % 0xFFFFFFFF) + 1
+        return self._next_id
+
+    async def _call(self, op: int, flags: int, segment: int, offset: int, length: int,
+                    payload: bytes | Sequence[memoryview], kind: int,
+                    targets: Sequence[memoryview] | None = None) -> Any:
+        await self._proto.drain()
+        rid = self._new_id()
+        if isinstance(payload, bytes):
+            parts: list[bytes | memoryview] = [_core.encode_header_with(
+                VERSION, op, flags, 0, rid, segment, offset, length, payload)]
+        else:
+            parts = [_core.encode_header(VERSION, op, flags, 0, rid, segment, offset, length)]
+            parts.extend(payload)
+        # If the caller is cancelled, a READ still in flight keeps its targets
+        # alive and may yet land in them; the reply itself is then ignored.
+        return await self._submit(rid, parts, kind, targets, length)
+
+    async def control(self, msg: dict[str, Any]) -> dict[str, Any]:
+        data = pack(msg)
+        result = await self._call(Op.CONTROL, 0, 0, 0, len(data), data, _MSG)
+        if not isinstance(result, dict):
+            raise ProtocolError(f"{self.label}: control reply is not a map")
+        return result
+
+    async def read_into(self, dst: Sequence[memoryview], segment: int, offset: int,
+                        length: int) -> None:
+        # length is the number of bytes asked for; READ carries no payload
+        await self._call(Op.READ, 0, segment, offset, length, b"", _INTO, dst)
+
+    async def write(self, src: Sequence[memoryview], segment: int, offset: int,
+                    length: int) -> None:
+        await self._call(Op.WRITE, 0, segment, offset, length, src, _EMPTY)
+
+    async def accumulate(self, src: Sequence[memoryview], segment: int, offset: int,
+                         length: int, dtype_code: int) -> None:
+        await self._call(Op.ACCUMULATE, dtype_code << DTYPE_SHIFT, segment, offset, length,
+                         src, _EMPTY)
+
+    async def fetch_add(self, segment: int, offset: int, value: int) -> int:
+        return int(await self._call(Op.FETCH_ADD, 0, segment, offset, 8,
+                                    _core.pack_u64(value & _MASK64), _U64))
+
+    async def compare_swap(self, segment: int, offset: int, expected: int, new: int) -> int:
+        return int(await self._call(Op.COMPARE_SWAP, 0, segment, offset, 16,
+                                    _core.pack_u64x2(expected & _MASK64, new & _MASK64), _U64))
+
+    async def close(self) -> None:
+        t = self._proto.transport
+        if t is not None:
+            t.close()
+            # let connection_lost run so pending ops fail now, not later
+            for _ in range(3):
+                if self._proto.transport is None:
+                    break
+                await asyncio.sleep(0)
