@@ -22,7 +22,6 @@ from .errors import (
     BufferConflict,
     InterfaceError,
     InvalidArgumentError,
-    NoSuchBuffer,
     Smb2Error,
 )
 from .protocol import DTYPE_CODES, parse_address
@@ -53,7 +52,8 @@ def _bytes_view(data: Any, *, writable: bool, what: str) -> memoryview:
             raise InvalidArgumentError(f"{what} must be C-contiguous (use np.ascontiguousarray)")
         if writable and not data.flags.writeable:
             raise InvalidArgumentError(f"{what} is read-only")
-        return memoryview(data.reshape(-1).view(np.uint8))
+        flat: Any = data.reshape(-1).view(np.uint8)
+        return memoryview(flat)
     try:
         mv = memoryview(data)
     except TypeError:

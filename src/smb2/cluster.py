@@ -43,7 +43,7 @@ class _Process:
         assert proc.stdout is not None and proc.stderr is not None
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             line = b""
         m = _READY.match(line)
         if not m:
@@ -65,7 +65,7 @@ class _Process:
                 pass
             try:
                 await asyncio.wait_for(self.proc.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
         return self.proc.returncode

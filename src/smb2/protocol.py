@@ -16,7 +16,7 @@ from typing import Any, Final
 import msgpack
 
 from . import _core
-from .errors import ErrorCode, InvalidArgumentError
+from .errors import InvalidArgumentError
 
 VERSION: Final = 1
 HEADER_SIZE: Final = _core.HEADER_SIZE
@@ -182,8 +182,9 @@ class FrameReceiver(asyncio.BufferedProtocol):
         raise NotImplementedError
 
     def on_frame(self, hdr: tuple[int, ...], payload: memoryview | None) -> None:
-        """The whole frame is in: ``payload`` for INLINE, else None.  An
-        inline payload may be a view of the inbox: use it before returning."""
+        """The whole frame is in: ``payload`` for INLINE, else None (never
+        called for DISCARD).  An inline payload may be a view of the inbox:
+        use it before returning."""
         raise NotImplementedError
 
     def close_with(self, reason: str) -> None:
@@ -225,8 +226,12 @@ class FrameReceiver(asyncio.BufferedProtocol):
         """Account for ``nbytes`` of payload received outside the inbox;
         finish the frame (and return True) when it is complete."""
         if self._discard:
+            # a refused request's payload: it was answered already
             self._discard -= nbytes
-            done = self._discard == 0
+            if self._discard == 0:
+                self._hdr = None
+                return True
+            return False
         else:
             targets = self._targets
             self._tpos += nbytes
@@ -276,7 +281,6 @@ class FrameReceiver(asyncio.BufferedProtocol):
             elif dest is DISCARD:
                 self._start = body + have
                 if have == size:
-                    self.on_frame(hdr, None)
                     continue
                 self._hdr = hdr
                 self._discard = size - have

@@ -13,10 +13,11 @@ from typing import Any
 
 try:
     import pytest_asyncio
+    HAVE_PYTEST_ASYNCIO = True
 except ImportError:  # smb2 installed without its test extras: no fixture
-    pytest_asyncio = None
+    HAVE_PYTEST_ASYNCIO = False
 
-if pytest_asyncio is not None:
+if HAVE_PYTEST_ASYNCIO:
     @pytest_asyncio.fixture
     async def smb2_cluster() -> AsyncIterator[Any]:
         from .cluster import ExternalCluster, LocalCluster, external_servers

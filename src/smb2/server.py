@@ -20,8 +20,9 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -94,7 +95,7 @@ class Segment:
         self.inflight.remove(rng)
         if not self.deferred:
             return
-        waiting = collections.deque()
+        waiting: collections.deque[tuple[int, int, Callable[[], None]]] = collections.deque()
         while self.deferred:
             lo, hi, run = self.deferred.popleft()
             if self.overlaps_inflight(lo, hi):
@@ -109,7 +110,7 @@ def _alloc(size: int) -> tuple[np.ndarray, memoryview]:
     # zero-filled on first touch, so capacity is not committed up front.
     mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mem = np.frombuffer(mm, dtype=np.uint8, count=size)
-    return mem, memoryview(mem).cast("B")
+    return mem, memoryview(mm)[:size]
 
 
 class MemoryServer:

@@ -182,7 +182,7 @@ class TcpTransport(Transport):
             _, proto = await asyncio.wait_for(
                 loop.create_connection(lambda: _ClientProtocol(label), address[0], address[1]),
                 timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TransportError(f"connecting to {label} timed out after {timeout} s",
                                  errno=errno_mod.ETIMEDOUT, server=label) from None
         except OSError as exc:

@@ -1,0 +1,66 @@
+"""Every async test body runs on both event loops (asyncio, uvloop) and, through
+the ``transport`` fixture, on every transport this machine offers.
+
+``SMB2_TEST_TRANSPORTS`` (default ``tcp``) lists the transports to test, e.g.
+``tcp,rdma`` inside the soft-RoCE VM.  A test fails if its loop logged an
+unhandled exception (asyncpg's ``_testbase`` habit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import uvloop
+
+import smb2
+
+TRANSPORTS = [t for t in os.environ.get("SMB2_TEST_TRANSPORTS", "tcp").split(",") if t]
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
+                                  ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def _fail_on_loop_errors() -> AsyncIterator[None]:
+    """Fail the test if its loop's exception handler saw anything (an
+    exception in a callback, a task whose error nobody retrieved)."""
+    loop = asyncio.get_running_loop()
+    errors: list[str] = []
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        errors.append(context.get("message", "") + (f": {exc!r}" if exc else ""))
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+    yield
+    await asyncio.sleep(0)
+    loop.set_exception_handler(None)
+    assert not errors, f"the event loop logged unhandled errors: {errors}"
+
+
+@pytest_asyncio.fixture
+async def cluster() -> AsyncIterator[smb2.LocalCluster]:
+    async with smb2.LocalCluster(servers=4) as c:
+        yield c
+
+
+@pytest_asyncio.fixture
+async def client(cluster: smb2.LocalCluster, transport: str) -> AsyncIterator[smb2.Client]:
+    c = await cluster.connect(transport=transport)
+    try:
+        yield c
+    finally:
+        await c.close()

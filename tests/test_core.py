@@ -1,0 +1,203 @@
+"""_core against plain-Python references (hypothesis)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from smb2 import _core
+from smb2.protocol import DTYPE_CODES
+
+U32 = st.integers(0, 2**32 - 1)
+U64 = st.integers(0, 2**64 - 1)
+
+
+@given(st.integers(0, 255), st.integers(0, 255), st.integers(0, 65535), st.integers(0, 65535),
+       U32, U32, U64, U64)
+def test_header_roundtrip(version: int, op: int, flags: int, status: int, rid: int, seg: int,
+                          off: int, length: int) -> None:
+    raw = _core.encode_header(version, op, flags, status, rid, seg, off, length)
+    assert raw == struct.pack("<HBBHHIIQQ", 0x3253, version, op, flags, status, rid, seg, off, length)
+    assert _core.decode_header(raw) == (0x3253, version, op, flags, status, rid, seg, off, length)
+    # at an offset inside a larger buffer, and with a payload behind it
+    framed = _core.encode_header_with(version, op, flags, status, rid, seg, off, length, b"xyz")
+    assert framed == raw + b"xyz"
+    assert _core.decode_header(b"\0" * 5 + raw, 5)[5:] == (rid, seg, off, length)
+
+
+def test_header_rejects_short_and_out_of_range() -> None:
+    with pytest.raises(ValueError):
+        _core.decode_header(b"\0" * 31)
+    with pytest.raises(ValueError):
+        _core.decode_header(b"\0" * 40, 9)
+    with pytest.raises(ValueError):
+        _core.encode_header(256, 0, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(OverflowError):
+        _core.encode_header(1, 0, 0, 0, 2**32, 0, 0, 0)
+
+
+@given(U64, U64)
+def test_u64_codecs(a: int, b: int) -> None:
+    assert _core.pack_u64(a) == struct.pack("<Q", a)
+    assert _core.pack_u64x2(a, b) == struct.pack("<QQ", a, b)
+    assert _core.unpack_u64(struct.pack("<QQ", a, b), 8) == b
+
+
+def _fnv1a(name: str) -> int:
+    h = 0xCBF29CE484222325
+    for byte in name.encode():
+        h = ((h ^ byte) * 0x100000001B3) % 2**64
+    return h
+
+
+@given(st.text(max_size=40))
+def test_name_hash_is_fnv1a(name: str) -> None:
+    assert _core.name_hash(name) == _fnv1a(name)
+
+
+def test_name_hash_is_stable() -> None:
+    # placement depends on it: it must never change between versions
+    assert _core.name_hash("params") == 0x454186d7df024a93
+    assert _core.name_hash("") == 0xCBF29CE484222325
+
+
+def _reference_plan(nbytes: int, stripe: int, n: int, first: int, offset: int, length: int,
+                    max_request: int) -> dict[int, list[tuple[int, int, int]]]:
+    """byte-by-stripe reference: per server, the list of (segment offset,
+    buffer offset relative to the range, length) runs, in segment order."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    pos = offset
+    while pos < offset + length:
+        i = pos // stripe
+        end = min((i + 1) * stripe, offset + length)
+        server = (first + i) % n
+        seg = (i // n) * stripe + pos % stripe
+        out.setdefault(server, []).append((seg, pos - offset, end - pos))
+        pos = end
+    for runs in out.values():
+        runs.sort()
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_plan_matches_reference(data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, 9), label="servers")
+    # byte maps below are per byte: keep buffers small (the planner only
+    # sees ratios; the big-stripe cases are the examples after this test)
+    stripe = data.draw(st.sampled_from([8, 16, 64, 1000]), label="stripe")
+    nbytes = data.draw(st.integers(1, 40 * stripe), label="nbytes")
+    offset = data.draw(st.integers(0, nbytes), label="offset")
+    length = data.draw(st.integers(0, nbytes - offset), label="length")
+    first = data.draw(st.integers(0, n - 1), label="first")
+    max_request = data.draw(st.sampled_from([8, 24, 100, stripe, 3 * stripe, 1 << 30]), label="max")
+    max_request = max(max_request, length // 2000 + 1)
+    reqs, pieces = _core.plan(nbytes, stripe, n, first, offset, length, max_request)
+    ref = _reference_plan(nbytes, stripe, n, first, offset, length, max_request)
+    size = _core.segment_size(nbytes, stripe, n)
+
+    got: dict[int, list[tuple[int, int, int]]] = {}
+    covered = np.zeros(length, dtype=np.int32)
+    for r in range(0, len(reqs), 5):
+        server, seg_off, ln, p0, np_ = reqs[r:r + 5]
+        assert 0 < ln <= max_request
+        assert seg_off + ln <= size
+        assert np_ >= 1
+        total = 0
+        for p in range(p0, p0 + np_):
+            boff, plen = pieces[2 * p], pieces[2 * p + 1]
+            assert plen > 0
+            got.setdefault(server, []).append((seg_off + total, boff, plen))
+            covered[boff:boff + plen] += 1
+            total += plen
+        assert total == ln
+    # every byte exactly once
+    assert (covered == 1).all()
+    # same bytes to the same segment offsets as the reference (runs may be cut
+    # differently: compare byte maps)
+    for server in set(ref) | set(got):
+        def bytemap(runs: list[tuple[int, int, int]]) -> dict[int, int]:
+            m: dict[int, int] = {}
+            for seg, boff, ln in runs:
+                for k in range(ln):
+                    m[boff + k] = seg + k
+            return m
+        assert bytemap(got.get(server, [])) == bytemap(ref.get(server, []))
+    # one contiguous segment range per server: requests of a server abut
+    for runs in got.values():
+        runs.sort()
+        for (s0, _, l0), (s1, _, _) in zip(runs, runs[1:]):
+            assert s0 + l0 == s1
+
+
+def test_plan_one_request_per_server_when_small() -> None:
+    # 4 servers, range covering all of them twice: still one request each
+    reqs, pieces = _core.plan(64 << 20, 1 << 20, 4, 1, 0, 8 << 20, 64 << 20)
+    servers = [reqs[r] for r in range(0, len(reqs), 5)]
+    assert sorted(servers) == [0, 1, 2, 3]
+    assert all(reqs[r + 4] == 2 for r in range(0, len(reqs), 5))   # two stripes each
+
+
+def test_plan_merges_contiguous_pieces_on_one_server() -> None:
+    reqs, pieces = _core.plan(64 << 20, 1 << 20, 1, 0, 5, 10 << 20, 64 << 20)
+    assert list(reqs) == [0, 5, 10 << 20, 0, 1]
+    assert list(pieces) == [0, 10 << 20]
+
+
+def test_plan_rejects_bad_ranges() -> None:
+    with pytest.raises(ValueError):
+        _core.plan(100, 8, 2, 0, 90, 11, 64)
+    with pytest.raises(ValueError):
+        _core.plan(100, 0, 2, 0, 0, 1, 64)
+
+
+@settings(max_examples=200)
+@given(st.sampled_from(sorted(DTYPE_CODES)), st.integers(0, 300), st.integers(0, 2**32 - 1))
+def test_accumulate_matches_numpy(dtype: str, n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    if dtype.startswith("float"):
+        a = rng.standard_normal(n).astype(dtype)
+        b = rng.standard_normal(n).astype(dtype)
+    else:
+        info = np.iinfo(dtype)
+        a = rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+        b = rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+    expect = a + b            # numpy wraps integers around, as the kernel must
+    dst = a.copy()
+    _core.accumulate(dst.view(np.uint8), b.view(np.uint8), DTYPE_CODES[dtype])
+    assert np.array_equal(dst, expect)
+
+
+def test_accumulate_unaligned_views() -> None:
+    # the kernel must not assume aligned memory (payload views in the inbox)
+    raw = np.zeros(8 * 10 + 3, dtype=np.uint8)
+    dst = raw[3:3 + 80]
+    src = np.arange(10, dtype=np.float64)
+    srcraw = np.zeros(80 + 1, dtype=np.uint8)
+    srcraw[1:] = src.view(np.uint8)
+    _core.accumulate(dst, srcraw[1:], DTYPE_CODES["float64"])
+    _core.accumulate(dst, srcraw[1:], DTYPE_CODES["float64"])
+    assert np.array_equal(dst.copy().view(np.float64), src * 2)
+
+
+def test_accumulate_rejects_bad_input() -> None:
+    a = np.zeros(16, dtype=np.uint8)
+    with pytest.raises(ValueError):
+        _core.accumulate(a, np.zeros(8, dtype=np.uint8), 1)
+    with pytest.raises(ValueError):
+        _core.accumulate(a, a.copy(), 99)
+    with pytest.raises(ValueError):
+        _core.accumulate(a[:6], a[:6].copy(), 1)
+
+
+@given(st.integers(1, 10**9), st.sampled_from([8, 4096, 1 << 20]), st.integers(1, 16))
+def test_segment_size_holds_every_stripe(nbytes: int, stripe: int, n: int) -> None:
+    size = _core.segment_size(nbytes, stripe, n)
+    nstripes = -(-nbytes // stripe)
+    # the server holding the most stripes still fits them
+    assert size == -(-nstripes // n) * stripe
+    assert size * n >= nbytes
