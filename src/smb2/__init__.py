@@ -9,6 +9,7 @@ servers, for distributed deep-learning training.
 
 from .client import Buffer, Client, connect
 from .cluster import LocalCluster
+from .lock import Fence, Lock
 from .errors import (
     AccessDenied,
     BadRequest,
@@ -36,7 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "Client", "ErrorCode",
-    "FrameTooLarge", "InterfaceError", "InvalidArgumentError", "LocalCluster", "LockTimeout",
+    "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockTimeout",
     "NoSuchBuffer", "OutOfBounds", "OutOfMemory", "ProtocolError", "Server", "ServerError",
     "Smb2Error", "StaleFence", "TransportError", "Unsupported", "VersionMismatch", "connect",
     "start_server",
