@@ -9,7 +9,6 @@ servers, for distributed deep-learning training.
 
 from .client import Buffer, Client, connect
 from .cluster import LocalCluster
-from .lock import Fence, Lock
 from .errors import (
     AccessDenied,
     BadRequest,
@@ -30,6 +29,7 @@ from .errors import (
     Unsupported,
     VersionMismatch,
 )
+from .lock import Fence, Lock
 from .server import MemoryServer as Server
 from .server import start_server
 
