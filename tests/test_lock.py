@@ -150,7 +150,7 @@ async def test_stalled_holder_loses_the_lock_after_its_lease(cluster: smb2.Local
     with pytest.raises(smb2.StaleFence):
         await buf.write(0, b"B", fence=stalled)
     with pytest.raises(smb2.StaleFence):
-        await stalled.release()
+        await stalled.release(wait=True)
     assert bytes(await buf.read(0, 1)) == b"C"
     await nxt.release()
 

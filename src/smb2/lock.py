@@ -161,27 +161,54 @@ class Lock:
             self._busy = False
         return True
 
-    async def release(self) -> None:
-        """Release the lock.  Raises :class:`StaleFence` if it had been lost
-        (lease expired): what was done under it was not protected."""
+    async def release(self, *, wait: bool = False) -> None:
+        """Release the lock.
+
+        The release is sent at once and this returns without waiting for
+        the server's answer: anything this client sends the lock's server
+        afterwards is ordered behind it, so nothing can observe the
+        difference except a holder whose lease had already run out.  With
+        ``wait=True`` the answer is awaited and such a holder gets
+        :class:`StaleFence` (what it did under the lock was not protected);
+        otherwise that case is logged at WARNING on ``smb2.lock``."""
         st = self._state
         if st is None or st.state != _core.TICKET_HELD:
             raise InterfaceError(f"release() of lock {self.name!r}, which this Lock object does not hold")
         ticket = st.ticket
         st.released()
-        if self._renew is not None:
-            self._renew.cancel()
-            self._renew = None
         tr, info = self._transport, self._info
         assert tr is not None and info is not None
         seg, off = info["segment"], info["offset"]
         if self._path == "park":
-            await tr.lock_release(seg, off, ticket)       # type: ignore[attr-defined]
+            fut: asyncio.Future[Any] = tr.lock_release_nowait(seg, off, ticket)  # type: ignore[attr-defined]
+            if wait:
+                await fut
+            else:
+                fut.add_done_callback(self._released)
             return
+        done = asyncio.ensure_future(self._release_cas(tr, seg, off, ticket))
+        _background.add(done)
+        done.add_done_callback(_background.discard)
+        if wait:
+            await done
+        else:
+            done.add_done_callback(self._released)
+
+    async def _release_cas(self, tr: Transport, seg: int, off: int, ticket: int) -> None:
         old = await tr.compare_swap(seg, off + _core.LOCK_SERVING, ticket, ticket + 1)
         if old != ticket:
             raise StaleFence(f"lock {self.name!r} was lost before release (lease expired: "
                              f"now serving {old}, our ticket {ticket})")
+
+    def _released(self, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if isinstance(exc, StaleFence):
+            log.warning("%s", exc)
+        elif exc is not None:
+            # the connection failed: the server passes the lock on by itself
+            log.debug("lock %r: release not confirmed: %s", self.name, exc)
 
     async def __aenter__(self) -> Lock:
         await self.acquire()
@@ -210,7 +237,9 @@ class Lock:
         return tr, info
 
     async def _acquire(self) -> None:
-        tr, info = await self._open()
+        tr, info = self._transport, self._info
+        if tr is None or info is None or tr.closed:
+            tr, info = await self._open()
         try:
             await self._acquire_on(tr, info)
         except NoSuchBuffer:
@@ -220,9 +249,9 @@ class Lock:
 
     async def _acquire_on(self, tr: Transport, info: dict[str, Any]) -> None:
         loop = asyncio.get_running_loop()
-        if self._state is None or self._state.lease != info["lease"]:
-            self._state = _core.TicketState(float(info["lease"]), self._min_delay, self._max_delay)
         st = self._state
+        if st is None or st.lease != info["lease"]:
+            st = self._state = _core.TicketState(float(info["lease"]), self._min_delay, self._max_delay)
         seg, off = info["segment"], info["offset"]
         park = self.mode == "park" or (self.mode == "auto" and tr.name == "tcp")
         if park and not hasattr(tr, "lock_acquire"):
@@ -231,12 +260,16 @@ class Lock:
         if park:
             self._path = "park"
             ticket = await tr.lock_acquire(seg, off)      # type: ignore[attr-defined]
-            st.start(ticket, loop.time())
-            st.granted(loop.time())
+            now = loop.time()
+            st.start(ticket, now)
+            st.granted(now)
         else:
             self._path = "poll"
             await self._poll(tr, st, seg, off)
-        self._renew = loop.call_at(st.renew_at, self._renew_due, st.ticket)
+        # One renewal timer per Lock, armed lazily: a lock taken and given
+        # back many times per lease costs no timer per acquisition.
+        if self._renew is None:
+            self._renew = loop.call_at(st.renew_at, self._renew_due)
 
     async def _draw(self, tr: Transport, seg: int, off: int) -> int:
         # The fetch-and-add must not be lost to a cancellation: a ticket
@@ -278,11 +311,17 @@ class Lock:
         # come already: then we were the holder, and this releases)
         _spawn(tr.control({"cmd": "lock_abandon", "offset": off, "ticket": ticket}))
 
-    def _renew_due(self, ticket: int) -> None:
+    def _renew_due(self) -> None:
+        self._renew = None
         st = self._state
-        if st is None or st.state != _core.TICKET_HELD or st.ticket != ticket:
+        if st is None or st.state != _core.TICKET_HELD:
+            return          # released meanwhile: the next grant re-arms
+        loop = asyncio.get_running_loop()
+        if loop.time() < st.renew_at - 1e-3:
+            # re-acquired since the timer was armed: not due yet
+            self._renew = loop.call_at(st.renew_at, self._renew_due)
             return
-        _spawn(self._renew_now(ticket))
+        _spawn(self._renew_now(st.ticket))
 
     async def _renew_now(self, ticket: int) -> None:
         tr, info = self._transport, self._info
@@ -295,7 +334,9 @@ class Lock:
         st = self._state
         if st is not None and st.state == _core.TICKET_HELD and st.ticket == ticket:
             loop = asyncio.get_running_loop()
-            self._renew = loop.call_at(st.renewed(loop.time()), self._renew_due, ticket)
+            st.renewed(loop.time())
+            if self._renew is None:
+                self._renew = loop.call_at(st.renew_at, self._renew_due)
 
 
 def fence_of(fence: Lock | Fence) -> tuple[int, int]:
