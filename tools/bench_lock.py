@@ -79,6 +79,9 @@ class _Ops:
         self.spin_seg = spin.segments[0]
         self.read_dst = [memoryview(bytearray(64))]
 
+        self.word = bytearray(8)
+        self.word_view = [memoryview(self.word)]
+
     async def park_once(self) -> None:
         await self.park.acquire()
         await self.park.release()
@@ -87,16 +90,46 @@ class _Ops:
         await self.poll.acquire()
         await self.poll.release()
 
-    async def spin_once(self) -> None:
+    async def spin_acquire(self) -> None:
         tr, seg = self.tr, self.spin_seg
         while await tr.compare_swap(seg, 0, 0, 1) != 0:
             pass
-        await tr.compare_swap(seg, 0, 1, 0)
+
+    async def spin_release(self) -> None:
+        await self.tr.compare_swap(self.spin_seg, 0, 1, 0)
+
+    async def spin_once(self) -> None:
+        await self.spin_acquire()
+        await self.spin_release()
+
+    async def rmw(self) -> None:
+        # the critical section of asynchronous training: read a word of the
+        # shared buffer, change it, write it back
+        await self.tr.read_into(self.word_view, self.spin_seg, 128, 8)
+        self.word[0] = (self.word[0] + 1) & 0xFF
+        await self.tr.write(self.word_view, self.spin_seg, 128, 8)
+
+    async def park_rmw(self) -> None:
+        await self.park.acquire()
+        await self.rmw()
+        await self.park.release()
+
+    async def poll_rmw(self) -> None:
+        await self.poll.acquire()
+        await self.rmw()
+        await self.poll.release()
+
+    async def spin_rmw(self) -> None:
+        await self.spin_acquire()
+        await self.rmw()
+        await self.spin_release()
 
     async def read64(self) -> None:
         await self.tr.read_into(self.read_dst, self.spin_seg, 64, 64)
 
-    def op(self, kind: str) -> Callable[[], Awaitable[None]]:
+    def op(self, kind: str, cs: str = "empty") -> Callable[[], Awaitable[None]]:
+        if cs == "rmw":
+            return {"park": self.park_rmw, "poll": self.poll_rmw, "spin": self.spin_rmw}[kind]
         return {"park": self.park_once, "poll": self.poll_once, "spin": self.spin_once,
                 "read64": self.read64}[kind]
 
@@ -112,7 +145,7 @@ async def _worker(servers: list[str]) -> None:
     print("ready", flush=True)
     while line := await reader.readline():
         cmd = json.loads(line)
-        fn = ops.op(cmd["kind"])
+        fn = ops.op(cmd["kind"], cmd["cs"])
         start, end = cmd["start"], cmd["start"] + cmd["duration"]
         await asyncio.sleep(max(0.0, start - time.time()))
         n = 0
@@ -144,9 +177,9 @@ class _Pool:
             if line.strip() != b"ready":
                 raise RuntimeError(f"a worker did not start: {line!r}")
 
-    async def run(self, kind: str, nprocs: int, duration: float) -> list[int]:
+    async def run(self, kind: str, cs: str, nprocs: int, duration: float) -> list[int]:
         start = time.time() + 0.2
-        cmd = (json.dumps({"kind": kind, "start": start, "duration": duration}) + "\n").encode()
+        cmd = (json.dumps({"kind": kind, "cs": cs, "start": start, "duration": duration}) + "\n").encode()
         procs = self.procs[:nprocs]
         for p in procs:
             assert p.stdin is not None
@@ -230,31 +263,32 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             await pool.start(max(args.procs), cluster.addresses)
             contended: list[dict[str, Any]] = []
             ckinds = ["spin", "park", "poll"]
-            for nprocs in args.procs:
+            for cs, nprocs in [(cs, n) for cs in args.cs for n in args.procs]:
                 for rep in range(args.reps):
                     order = ckinds[rep % 3:] + ckinds[:rep % 3]
                     for kind in order:
                         rtt = statistics.median(await _lat(raw.ping, 300))
                         before = _server_data_ops(await client.stat())
-                        counts = await pool.run(kind, nprocs, args.duration)
+                        counts = await pool.run(kind, cs, nprocs, args.duration)
                         after = _server_data_ops(await client.stat())
                         total = sum(counts)
-                        row = {"kind": kind, "procs": nprocs, "rep": rep, "rtt_us": rtt,
+                        row = {"kind": kind, "cs": cs, "procs": nprocs, "rep": rep, "rtt_us": rtt,
                                "counts": counts, "per_s": total / args.duration,
                                "fairness": (max(counts) / min(counts)) if min(counts) else None,
                                "server_ops_per_acq": (after - before) / total if total else None}
                         contended.append(row)
-                        _progress(f"{nprocs} procs {kind:5s}: {row['per_s']:8.0f}/s  fairness "
+                        _progress(f"{cs:5s} {nprocs} procs {kind:5s}: {row['per_s']:8.0f}/s  fairness "
                                   f"{row['fairness'] or float('inf'):.3f}  server ops/acq "
                                   f"{row['server_ops_per_acq'] or 0:.1f}  rtt {rtt:.1f}us")
             summary = []
-            for nprocs in args.procs:
-                rows = {k: [c for c in contended if c["procs"] == nprocs and c["kind"] == k] for k in ckinds}
+            for cs, nprocs in [(cs, n) for cs in args.cs for n in args.procs]:
+                rows = {k: [c for c in contended if c["procs"] == nprocs and c["kind"] == k and c["cs"] == cs]
+                        for k in ckinds}
                 ratio = {k: statistics.median(a["per_s"] / b["per_s"]
                                               for a, b in zip(rows[k], rows["spin"]))
                          for k in ("park", "poll")}
                 summary.append({
-                    "procs": nprocs,
+                    "cs": cs, "procs": nprocs,
                     **{f"{k}_per_s": statistics.median(r["per_s"] for r in rows[k]) for k in ckinds},
                     **{f"{k}_vs_spin": ratio[k] for k in ("park", "poll")},
                     **{f"{k}_fairness": statistics.median((r["fairness"] or float("inf")) for r in rows[k])
@@ -286,22 +320,24 @@ def table(result: dict[str, Any]) -> str:
     park = u["park"]["ratio_p50_vs_raw"]
     lines.append(f"target: park p50 <= {TARGET_UNCONTENDED}x raw: {park:.2f}x "
                  f"{'MET' if park <= TARGET_UNCONTENDED else 'MISSED'}")
-    lines += ["", "contended, empty critical section (acquisitions/s; fairness = max/min per client)",
-              f"{'procs':>5s} {'spin/s':>8s} {'park/s':>8s} {'poll/s':>8s} {'park/spin':>9s} "
+    lines += ["", "contended (acquisitions/s; fairness = max/min per client; critical section: empty, or "
+              "rmw = read 8 bytes + write them back)",
+              f"{'cs':5s} {'procs':>5s} {'spin/s':>8s} {'park/s':>8s} {'poll/s':>8s} {'park/spin':>9s} "
               f"{'poll/spin':>9s} {'fair park':>9s} {'fair spin':>9s} {'ops/acq park':>12s} "
               f"{'ops/acq spin':>12s} {'rtt us':>7s}"]
     for s in result["contended"]["summary"]:
-        lines.append(f"{s['procs']:5d} {s['spin_per_s']:8.0f} {s['park_per_s']:8.0f} {s['poll_per_s']:8.0f} "
+        lines.append(f"{s['cs']:5s} {s['procs']:5d} {s['spin_per_s']:8.0f} {s['park_per_s']:8.0f} "
+                     f"{s['poll_per_s']:8.0f} "
                      f"{s['park_vs_spin']:9.2f} {s['poll_vs_spin']:9.2f} {s['park_fairness']:9.3f} "
                      f"{s['spin_fairness']:9.3f} {s['park_server_ops_per_acq']:12.1f} "
                      f"{s['spin_server_ops_per_acq']:12.1f} {s['rtt_us']:7.1f}")
-    four = [s for s in result["contended"]["summary"] if s["procs"] == 4]
-    if four:
-        s = four[0]
+    for s in result["contended"]["summary"]:
+        if s["procs"] != 4:
+            continue
         ok_t = s["park_vs_spin"] >= TARGET_THROUGHPUT
         ok_f = s["park_fairness"] <= TARGET_FAIRNESS
-        lines.append(f"target (4 procs): park >= {TARGET_THROUGHPUT}x spin: {s['park_vs_spin']:.2f}x "
-                     f"{'MET' if ok_t else 'MISSED'}; max/min <= {TARGET_FAIRNESS}: "
+        lines.append(f"target (4 procs, cs {s['cs']}): park >= {TARGET_THROUGHPUT}x spin: "
+                     f"{s['park_vs_spin']:.2f}x {'MET' if ok_t else 'MISSED'}; max/min <= {TARGET_FAIRNESS}: "
                      f"{s['park_fairness']:.3f} {'MET' if ok_f else 'MISSED'}")
     return "\n".join(lines)
 
@@ -311,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=15, help="uncontended rounds (default 15)")
     p.add_argument("-n", type=int, default=300, help="operations per kind per round (default 300)")
     p.add_argument("--procs", default="1,2,4,8", help="client processes for the contended runs")
+    p.add_argument("--cs", default="empty,rmw", help="critical sections: empty, rmw (default both)")
     p.add_argument("--reps", type=int, default=3, help="contended runs per kind and process count")
     p.add_argument("--duration", type=float, default=1.5, help="seconds per contended run")
     p.add_argument("--json", default=str(_ROOT / "bench-results" / "lock.json"))
@@ -320,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.run(_worker(args.worker.split(",")))
         return 0
     args.procs = [int(x) for x in args.procs.split(",")]
+    args.cs = [x for x in args.cs.split(",") if x]
     result = uvloop.run(bench(args))
     text = table(result)
     print(text)

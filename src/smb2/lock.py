@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("smb2.lock")
 
 MODES = ("auto", "park", "poll")
+# The loops' timers tick in milliseconds (libuv under uvloop rounds to them):
+# a shorter sleep would really last about a millisecond and idle every
+# hand-off that long, so the poll loop does not sleep for less.
+_TIMER_RESOLUTION = 1e-3
 
 # lock_open answers, per client: name -> info (segment, offset, key, lease)
 _opened: weakref.WeakKeyDictionary[Client, dict[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
@@ -299,7 +303,9 @@ class Lock:
                     log.debug("lock %r: ticket passed while waiting; drawing a new one", self.name)
                     st.start(await self._draw(tr, seg, off), loop.time())
                     continue
-                await asyncio.sleep(delay)
+                if delay >= _TIMER_RESOLUTION:
+                    await asyncio.sleep(delay)
+                # else read again at once: the read's round trip is the pause
         except BaseException:
             if st.state != _core.TICKET_IDLE:
                 self._give_up(tr, off, st.ticket)
