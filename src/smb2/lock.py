@@ -154,6 +154,19 @@ class Lock:
         self._busy = True
         try:
             if timeout is None:
+                tr, st = self._transport, self._state
+                if self._path == "park" and tr is not None and st is not None and not tr.closed:
+                    # the common case, without the layers below: one frame
+                    # on a connection and a lock we used before
+                    info = self._info
+                    assert info is not None
+                    try:
+                        ticket = await tr.lock_acquire(info["segment"], info["offset"])  # type: ignore[attr-defined]
+                    except NoSuchBuffer:
+                        await self._acquire()
+                        return True
+                    self._granted(st, ticket)
+                    return True
                 await self._acquire()
             else:
                 try:
@@ -263,13 +276,18 @@ class Lock:
         self._transport, self._info = tr, info
         if park:
             self._path = "park"
-            ticket = await tr.lock_acquire(seg, off)      # type: ignore[attr-defined]
-            now = loop.time()
-            st.start(ticket, now)
-            st.granted(now)
-        else:
-            self._path = "poll"
-            await self._poll(tr, st, seg, off)
+            self._granted(st, await tr.lock_acquire(seg, off))      # type: ignore[attr-defined]
+            return
+        self._path = "poll"
+        await self._poll(tr, st, seg, off)
+        if self._renew is None:
+            self._renew = loop.call_at(st.renew_at, self._renew_due)
+
+    def _granted(self, st: _core.TicketState, ticket: int) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        st.start(ticket, now)
+        st.granted(now)
         # One renewal timer per Lock, armed lazily: a lock taken and given
         # back many times per lease costs no timer per acquisition.
         if self._renew is None:

@@ -213,9 +213,11 @@ class LockService:
         slot = self._slot_of(offset)
         if op == Op.LOCK_ACQUIRE:
             waiter = owner << 32 | rid
-            if self.table.waiter_ticket(waiter) is not None:
-                raise LockRefused(ErrorCode.BAD_REQUEST, f"request id {rid} already waits for a lock")
-            ticket, granted = self.table.acquire(slot, waiter, owner, now)
+            try:
+                ticket, granted = self.table.acquire(slot, waiter, owner, now)
+            except ValueError:
+                raise LockRefused(ErrorCode.BAD_REQUEST,
+                                  f"request id {rid} already waits for or holds a lock") from None
             if granted:
                 conn._reply(hdr, _core.pack_u64(ticket))
             else:
