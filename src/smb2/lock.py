@@ -195,6 +195,12 @@ class Lock:
         st.released()
         tr, info = self._transport, self._info
         assert tr is not None and info is not None
+        if tr.closed:
+            # the server gave the lock up when the connection went
+            if wait:
+                raise StaleFence(f"lock {self.name!r}: the connection to its server was lost, "
+                                 "and the lock with it")
+            return
         seg, off = info["segment"], info["offset"]
         if self._path == "park":
             fut: asyncio.Future[Any] = tr.lock_release_nowait(seg, off, ticket)  # type: ignore[attr-defined]
@@ -245,11 +251,15 @@ class Lock:
             tr = await link.get()
         cache = _opened.setdefault(client, {})
         info = None if fresh else cache.get(self.name)
-        if info is None:
+        server_id = tr.server_info.get("server_id")
+        # A restarted server has forgotten its locks and may have given our
+        # slot to another name: a slot is only good for the server process
+        # that assigned it.
+        if info is None or info.get("server_id") != server_id:
             msg: dict[str, Any] = {"cmd": "lock_open", "name": self.name}
             if self._lease is not None:
                 msg["lease"] = float(self._lease)
-            info = await tr.control(msg)
+            info = {**await tr.control(msg), "server_id": server_id}
             cache[self.name] = info
         return tr, info
 
@@ -338,8 +348,8 @@ class Lock:
     def _renew_due(self) -> None:
         self._renew = None
         st = self._state
-        if st is None or st.state != _core.TICKET_HELD:
-            return          # released meanwhile: the next grant re-arms
+        if st is None or st.state != _core.TICKET_HELD or self.client.closed:
+            return          # released meanwhile (the next grant re-arms), or closed
         loop = asyncio.get_running_loop()
         if loop.time() < st.renew_at - 1e-3:
             # re-acquired since the timer was armed: not due yet
