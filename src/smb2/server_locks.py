@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _core
@@ -318,7 +317,3 @@ class LockService:
             self.stale_fences += 1
         return ok
 
-
-def alloc_lock_segment(alloc: Callable[[int], tuple[Any, memoryview]], slots: int
-                       ) -> tuple[Any, memoryview]:
-    return alloc(slots * SLOT)
