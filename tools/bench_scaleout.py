@@ -19,9 +19,16 @@ What one run does:
 * one measurement = ``--tasks`` concurrent asyncio tasks (a training job's workers), each
   moving its contiguous share of the buffer (in ``--chunk`` pieces, default its whole share in
   one call) with ``buf.write`` / ``buf.read_into``;
+* the baseline, measured next to every smb2 measurement (order alternating): the same bytes
+  over plain blocking sockets, one thread per server host, to netns_cluster's stand-in
+  sink/source started beside smb2-server on every host (same link, same tbf) -- what the links
+  and this machine deliver without smb2 (``--no-baseline`` to skip); "vs raw" is the median of
+  the per-round ratios smb2 / raw;
 * beside every measurement: the smb2 round trip through the namespaces (median of 21 8-byte
-  ``fetch_add``s, just before), the client's CPU seconds per GB moved, the servers' CPU seconds
-  per GB and the whole machine's busy fraction;
+  ``fetch_add``s, just before), the client's and the servers' CPU seconds per GB moved and
+  event-loop wakeups per MiB, the whole machine's busy fraction and the part of it that is not
+  ours ("others": other programs and uncharged kernel work -- a sample taken with "others" high
+  was taken on a loaded machine);
 * figures are medians over rounds; the speedup of N servers is the median over rounds of
   ``BW_r(N) / BW_r(1)`` (a ratio taken within one round), efficiency = speedup / N.
 
@@ -33,6 +40,8 @@ Needs root and ``ip netns`` (see netns_cluster.py); otherwise it says why and ex
 
     sudo .venv/bin/python tools/bench_scaleout.py                  # 1,2,4,8 servers, 1 Gbit/s
     .venv/bin/python tools/bench_scaleout.py --rate 500mbit --tasks 4 --stripe 4MiB --rounds 3
+    .venv/bin/python tools/bench_scaleout.py --servers 1,8 --loop asyncio --profile /tmp/client.txt \
+        --profile-server /tmp/server.txt [--native]   # where the client's / server 0's time goes
 
 GB/s here are 10**9 bytes per second; a 1 Gbit/s link carries at most about 0.119 GB/s of TCP
 payload (1448 of every 1514 bytes on the wire at MTU 1500).
@@ -52,6 +61,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -67,6 +77,7 @@ GB = 1e9
 SMB2_PUBLISHED = (8, 6.3)  # SMB2 (IEEE Access 2020): 6.3x SMB1's bandwidth with 8 memory servers
 TARGET_EFFICIENCY = 0.90  # issue 5: >= 7.2x one server's bandwidth at 8 servers
 OPS = ("write", "read")
+RAW_OPS = ("raw-write", "raw-read")  # the baseline: plain sockets to a stand-in on each server host
 
 
 def parse_size(text: str) -> int:
@@ -165,13 +176,40 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
     clients: dict[int, Any] = {}
     bufs: dict[int, Any] = {}
     counter_off = size - 8  # the fetch_add word used for round trips (overwritten by writes: fine)
+    raw_endpoints = [e for e in args.raw.split(",") if e]
+    raw_conns: list[Any] = []
     try:
+        # the baseline: one plain blocking socket per server host (a thread each, sendall /
+        # recv_into of 1 MiB pieces) to netns_cluster's stand-in server on the same host and link
+        raw_conns = [netns_cluster._ProbeConn(e) for e in raw_endpoints]
+
+        def raw_move(op: str, n: int) -> None:
+            part = size // n
+            errors: list[BaseException] = []
+
+            def one(c: Any) -> None:
+                try:
+                    c.write(part) if op == "raw-write" else c.read(part)
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=one, args=(c,)) for c in raw_conns[:n]]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+
         for n in counts:
             clients[n] = await smb2.connect(endpoints[:n])
             name = f"scaleout-{os.getpid()}-{n}"
             bufs[n] = await clients[n].create(name, size, stripe=stripe)
 
         async def move(op: str, n: int) -> None:
+            if op in RAW_OPS:
+                raw_move(op, n)  # blocks the loop: nothing else runs meanwhile
+                return
             buf = bufs[n]
 
             async def task(i: int) -> None:
@@ -194,7 +232,7 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
 
         # warm up every buffer (server pages, TCP windows, the planner), check one round trip
         for n in counts:
-            for op in OPS:
+            for op in OPS + (RAW_OPS if raw_conns else ()):
                 await move(op, n)
             if not np.array_equal(src[:-8], dst[:-8]):
                 raise SystemExit(f"warm-up: data read back from {n} server(s) differs from what was written")
@@ -206,6 +244,8 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(1.0)  # let py-spy attach
         samples: list[dict[str, Any]] = []
         measured = tuple(op for op in OPS if op in args.ops.split(","))
+        if raw_conns:  # each smb2 op next to its baseline, in alternating order
+            measured = tuple(x for op in measured for x in (op, "raw-" + op))
         for r in range(args.rounds):
             order = counts if r % 2 == 0 else counts[::-1]
             ops = measured if r % 2 == 0 else measured[::-1]
@@ -242,7 +282,7 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
                                         if busy is not None and server_pids else None),
                     })
                     s = samples[-1]
-                    print(f"bench_scaleout[worker]: round {r} {n} server(s) {op:5} {s['GBps']:.3f} GB/s "
+                    print(f"bench_scaleout[worker]: round {r} {n} server(s) {op:9} {s['GBps']:.3f} GB/s "
                           f"rtt {s['rtt_us']:.0f} us client {s['client_cpu_s_per_GB']:.2f} cpu-s/GB "
                           f"wakeups/MiB client {s['client_wakeups_per_MiB']:.1f} "
                           f"servers {s['server_wakeups_per_MiB'] or 0:.1f} "
@@ -260,6 +300,8 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
         return {"samples": samples, "transports": {n: clients[n].transports for n in counts},
                 "loop": type(asyncio.get_running_loop()).__module__.split(".")[0]}
     finally:
+        for rc in raw_conns:
+            rc.sock.close()
         for n, c in clients.items():
             if n in bufs:
                 try:
@@ -280,6 +322,7 @@ def worker_main(argv: list[str]) -> int:
     ap.add_argument("--server-pids", default="")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--raw", default="", help="stand-in endpoints for the raw baseline")
     ap.add_argument("--out", help="write the JSON here instead of stdout")
     ap.add_argument("--profile", help="py-spy this process during the measured rounds, raw output here")
     ap.add_argument("--pyspy", default="py-spy")
@@ -325,7 +368,7 @@ def summarize(samples: list[dict[str, Any]], counts: list[int]) -> dict[str, Any
         by.setdefault((s["servers"], s["op"]), []).append(s)
     base = counts[0]
     rows: dict[str, Any] = {}
-    for op in OPS:
+    for op in OPS + RAW_OPS:
         for n in counts:
             ss = by.get((n, op), [])
             if not ss:
@@ -339,11 +382,15 @@ def summarize(samples: list[dict[str, Any]], counts: list[int]) -> dict[str, Any
                 vals = [s[key] for s in ss if s.get(key) is not None]
                 return statistics.median(vals) if vals else None
 
+            raw_by_round = {s["round"]: s["GBps"] for s in by.get((n, "raw-" + op), [])}
+            vs_raw = [s["GBps"] / raw_by_round[s["round"]] for s in ss if s["round"] in raw_by_round]
             rows[f"{op}/{n}"] = {
                 "op": op, "servers": n, "rounds": len(ss),
                 "GBps_median": med("GBps"), "GBps_min": min(s["GBps"] for s in ss),
                 "GBps_max": max(s["GBps"] for s in ss),
                 "speedup": speedup, "efficiency": speedup / n if speedup is not None else None,
+                # smb2 against plain sockets over the same links in the same round (median of ratios)
+                "vs_raw": statistics.median(vs_raw) if vs_raw else None,
                 "rtt_us_median": med("rtt_us"),
                 "client_cpu_s_per_GB": med("client_cpu_s_per_GB"),
                 "server_cpu_s_per_GB": med("server_cpu_s_per_GB"),
@@ -358,23 +405,29 @@ def summarize(samples: list[dict[str, Any]], counts: list[int]) -> dict[str, Any
 def format_table(rows: dict[str, Any], counts: list[int], rate_bits: int | None,
                  training: dict[int, float | None]) -> str:
     link_payload = link_payload_GBps(rate_bits)
-    head = (f"{'op':5} {'servers':>7} {'GB/s':>7} {'min..max':>13} {'x 1 srv':>7} {'eff':>6} "
-            f"{'of links':>8} {'rtt us':>7} {'cli cpu-s/GB':>12} {'srv cpu-s/GB':>12} {'machine':>7} {'others':>6} "
+    head = (f"{'op':9} {'servers':>7} {'GB/s':>7} {'min..max':>13} {'x 1 srv':>7} {'eff':>6} {'vs raw':>6} "
+            f"{'of links':>8} {'rtt us':>6} {'cli cpu-s/GB':>12} {'srv cpu-s/GB':>12} {'machine':>7} {'others':>6} "
             f"{'train samples/s':>15}")
     lines = [head, "-" * len(head)]
-    for op in OPS:
+
+    def f(v: float | None, fmt: str, width: int) -> str:
+        return f"{v:{fmt}}".rjust(width) if v is not None else "-".rjust(width)
+
+    for op in OPS + RAW_OPS:
         for n in counts:
             r = rows.get(f"{op}/{n}")
             if r is None:
                 continue
+            raw = op in RAW_OPS
             of_links = f"{r['GBps_median'] / (n * link_payload):.0%}" if link_payload else "-"
             tr = training.get(n)
             lines.append(
-                f"{op:5} {n:>7} {r['GBps_median']:7.3f} {r['GBps_min']:6.3f}..{r['GBps_max']:<6.3f} "
-                f"{r['speedup']:6.2f}x {r['efficiency']:6.1%} {of_links:>8} {r['rtt_us_median']:7.0f} "
-                f"{r['client_cpu_s_per_GB']:12.2f} "
-                f"{(r['server_cpu_s_per_GB'] if r['server_cpu_s_per_GB'] is not None else float('nan')):12.2f} "
-                f"{r['machine_busy']:7.0%} {(r['others_busy'] or 0):6.0%} {('n/a' if tr is None else f'{tr:.1f}'):>15}")
+                f"{op:9} {n:>7} {r['GBps_median']:7.3f} {r['GBps_min']:6.3f}..{r['GBps_max']:<6.3f} "
+                f"{r['speedup']:6.2f}x {r['efficiency']:6.1%} {f(r['vs_raw'], '.0%', 6)} {of_links:>8} "
+                f"{r['rtt_us_median']:6.0f} {r['client_cpu_s_per_GB']:12.2f} "
+                f"{f(None if raw else r['server_cpu_s_per_GB'], '.2f', 12)} "
+                f"{r['machine_busy']:7.0%} {(r['others_busy'] or 0):6.0%} "
+                f"{'' if raw else ('n/a' if tr is None else f'{tr:.1f}'):>15}")
     return "\n".join(lines)
 
 
@@ -393,6 +446,11 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
         return "matplotlib is not installed (.venv/bin/pip install matplotlib): no plot drawn"
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
     nmax = max(counts)
+    for op, color in (("raw-write", "tab:blue"), ("raw-read", "tab:orange")):
+        ns = [n for n in counts if f"{op}/{n}" in rows]
+        if ns:
+            ax.plot(ns, [rows[f"{op}/{n}"]["GBps_median"] for n in ns], ls="--", color=color, alpha=0.5, lw=1,
+                    label=f"raw sockets, {op[4:]} (baseline)")
     for op, marker in (("write", "o"), ("read", "s")):
         ns = [n for n in counts if f"{op}/{n}" in rows]
         if not ns:
@@ -400,8 +458,10 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
         bw = [rows[f"{op}/{n}"]["GBps_median"] for n in ns]
         lo = [b - rows[f"{op}/{n}"]["GBps_min"] for b, n in zip(bw, ns)]
         hi = [rows[f"{op}/{n}"]["GBps_max"] - b for b, n in zip(bw, ns)]
-        ax.errorbar(ns, bw, yerr=[lo, hi], marker=marker, capsize=3, label=f"smb2 {op}")
-        ax2.plot(ns, [rows[f"{op}/{n}"]["speedup"] for n in ns], marker=marker, label=f"smb2 {op}")
+        ax.errorbar(ns, bw, yerr=[lo, hi], marker=marker, capsize=3, label=f"smb2 {op} (median, min..max)",
+                    color="tab:blue" if op == "write" else "tab:orange")
+        ax2.plot(ns, [rows[f"{op}/{n}"]["speedup"] for n in ns], marker=marker, label=f"smb2 {op}",
+                 color="tab:blue" if op == "write" else "tab:orange")
         one = rows.get(f"{op}/1")
         if one is not None and op == "read":
             ax.plot([1, nmax], [one["GBps_median"], nmax * one["GBps_median"]], "k--", lw=1,
@@ -415,7 +475,7 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
     ax.set_ylabel("aggregate bandwidth, GB/s")
     ax.set_xticks(counts)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.set_title("bandwidth")
     ax2.plot([1, nmax], [1, nmax], "k--", lw=1, label="ideal (N x)")
     ax2.plot([1, nmax], [TARGET_EFFICIENCY, TARGET_EFFICIENCY * nmax], ":", color="gray", lw=1,
@@ -425,7 +485,7 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
     ax2.set_ylabel("speedup over one server")
     ax2.set_xticks(counts)
     ax2.grid(alpha=0.3)
-    ax2.legend()
+    ax2.legend(fontsize=8)
     ax2.set_title("scale-out")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -460,6 +520,27 @@ def top_frames(path: Path, limit: int = 25) -> str:
     return "\n".join(lines)
 
 
+def start_stand_ins(cluster: netns_cluster.NetnsCluster) -> list[str]:
+    """Start netns_cluster's stand-in server (plain sockets: sink for writes, source for reads)
+    beside smb2-server on every server host, one port up; return their endpoints.  They live in
+    the cluster's server namespaces, so the cluster's teardown removes them with everything else."""
+    port = cluster.port + 1
+    procs = []
+    for netns, addr in zip(cluster.server_netns, cluster.server_addrs):
+        argv = cluster.exec_prefix(netns) + [sys.executable, str(TOOLS / "netns_cluster.py"), "_standin",
+                                             "--host", addr, "--port", str(port)]
+        procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                                      preexec_fn=netns_cluster._pdeathsig_kill))
+    for p in procs:
+        line = p.stdout.readline() if p.stdout is not None else ""
+        if "listening on" not in line:
+            raise netns_cluster.NetnsError(f"a stand-in server did not start (exit {p.poll()}): {line!r}")
+        assert p.stdout is not None
+        p.stdout.close()
+    return [f"{addr}:{port}" for addr in cluster.server_addrs]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -473,6 +554,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="client event loop (default uvloop)")
     p.add_argument("--ops", default=",".join(OPS), help="what to measure (default write,read)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the raw-socket baseline (a stand-in sink/source on every server host)")
     p.add_argument("--profile", metavar="PATH",
                    help="run the worker under py-spy (inside the client namespace): collapsed stacks to PATH "
                         "(py-spy's raw format) and the top frames by own time on stderr")
@@ -512,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
                "--size", str(size), "--stripe", str(stripe), "--tasks", str(args.tasks), "--chunk", str(chunk),
                "--rounds", str(args.rounds), "--server-pids", ",".join(pids), "--loop", args.loop,
                "--ops", args.ops, "--out", str(out_path)]
+        if not args.no_baseline:
+            cmd += ["--raw", ",".join(start_stand_ins(cluster))]
         pyspy = Path(sys.executable).with_name("py-spy")
         if args.profile or args.profile_server:
             if not pyspy.exists():
