@@ -17,6 +17,7 @@ import signal
 import sys
 from typing import Any
 
+from . import auth
 from .client import Client, connect
 from .errors import InterfaceError
 from .server import MemoryServer, start_server
@@ -35,11 +36,16 @@ class _Process:
         self.port = port
 
     @classmethod
-    async def spawn(cls, host: str, port: int, args: list[str], timeout: float) -> _Process:
+    async def spawn(cls, host: str, port: int, args: list[str], timeout: float,
+                    token: bytes | None = None) -> _Process:
         cmd = [sys.executable, "-m", "smb2.server", "--host", host, "--port", str(port), *args]
+        # the token goes by environment, not argv: argv is visible to every user in ps
+        env = {k: v for k, v in os.environ.items() if k != auth.ENV}
+        if token is not None:
+            env[auth.ENV] = token.decode("utf-8", "surrogateescape")
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True)
+            start_new_session=True, env=env)
         assert proc.stdout is not None and proc.stderr is not None
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), timeout)
@@ -81,7 +87,7 @@ class LocalCluster:
 
     def __init__(self, servers: int = 4, *, processes: bool = False, capacity: int | str = "256MiB",
                  host: str = "127.0.0.1", server_args: list[str] | None = None,
-                 start_timeout: float = 30.0) -> None:
+                 start_timeout: float = 30.0, token: str | bytes | None = None) -> None:
         if servers < 1:
             raise InterfaceError("a cluster needs at least one server")
         self.nservers = servers
@@ -90,6 +96,8 @@ class LocalCluster:
         self.host = host
         self.server_args = list(server_args or [])
         self.start_timeout = start_timeout
+        # servers require it; clients from ``connect`` present it
+        self.token = auth.as_token(token)
         self.servers: list[MemoryServer] = []          # in-process mode
         self.procs: list[_Process | None] = []           # processes mode
         self._addresses: list[tuple[str, int]] = []
@@ -107,7 +115,7 @@ class LocalCluster:
                 self._addresses = [(p.host, p.port) for p in self.procs if p is not None]
             else:
                 for _ in range(self.nservers):
-                    s = await start_server(self.host, 0, capacity=self.capacity)
+                    s = await start_server(self.host, 0, capacity=self.capacity, token=self.token)
                     self.servers.append(s)
                 self._addresses = [s.address for s in self.servers]
         except BaseException:
@@ -118,10 +126,12 @@ class LocalCluster:
 
     async def _spawn(self, host: str, port: int) -> _Process:
         return await _Process.spawn(host, port, ["--capacity", str(self.capacity), *self.server_args],
-                                    self.start_timeout)
+                                    self.start_timeout, self.token)
 
     async def connect(self, **kwargs: Any) -> Client:
         """A client of all servers (closed with the cluster if still open)."""
+        if self.token is not None:
+            kwargs.setdefault("token", self.token)
         client = await connect(self.addresses, **kwargs)
         self._clients.append(client)
         return client

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import ipaddress
 import itertools
 import logging
 import mmap
@@ -26,7 +27,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from . import _core
+from . import _core, auth
 from .errors import ErrorCode, InvalidArgumentError
 from .protocol import (
     CLOSED,
@@ -120,8 +121,11 @@ class MemoryServer:
     Create it with :func:`start_server`; ``address`` is ``(host, port)``."""
 
     def __init__(self, *, capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
-                 max_buffers: int = 4096) -> None:
+                 max_buffers: int = 4096, token: str | bytes | None = None) -> None:
         self.capacity = parse_size(capacity)
+        # the shared secret clients must prove they know (None: no authentication)
+        self.token = auth.as_token(token)
+        self.auth_failures = 0
         self.max_frame = max_frame
         self.max_buffers = max_buffers
         self.used = 0
@@ -146,6 +150,10 @@ class MemoryServer:
             lambda: _Connection(self), host, port, reuse_address=True)
         sock = self._server.sockets[0]
         self.address = sock.getsockname()[:2]
+        if self.token is None and not _is_loopback(host):
+            log.warning("listening on %s without an authentication token: anyone who can reach "
+                        "this port can read and write its memory (--auth-token-file or %s)",
+                        host or "all addresses", auth.ENV)
         log.info("listening on %s:%d (capacity %d bytes)", *self.address, self.capacity)
 
     async def close(self) -> None:
@@ -232,7 +240,18 @@ class MemoryServer:
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "refused": self.refused,
+            "auth": auth.MECH if self.token is not None else None,
+            "auth_failures": self.auth_failures,
         }
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False     # "" (all addresses), a host name: treat as exposed
 
 
 def _str(msg: dict[str, Any], key: str) -> str:
@@ -260,6 +279,10 @@ class _Connection(FrameReceiver):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.greeted = False
+        # set by a valid ``auth`` (or by ``hello`` when the server has no token);
+        # until then only auth.PUBLIC_COMMANDS are answered
+        self.authed = False
+        self._nonce = b""
         self._paused = False
         self._uvloop = False
         # the write whose payload is being received in place: (segment, range)
@@ -370,8 +393,11 @@ class _Connection(FrameReceiver):
             self.close_with(f"accumulate of {size} bytes exceeds the limit of {MAX_ACCUMULATE}",
                             hdr, ErrorCode.TOO_LARGE)
             return CLOSED
-        if not self.greeted:
-            self.close_with("the first request must be hello", hdr)
+        if not self.authed:
+            if not self.greeted:
+                self.close_with("the first request must be hello", hdr)
+            else:
+                self.close_with("not authenticated", hdr, ErrorCode.ACCESS_DENIED)
             return CLOSED
         try:
             atomic = op in (Op.FETCH_ADD, Op.COMPARE_SWAP)
@@ -489,9 +515,22 @@ class _Connection(FrameReceiver):
             result: dict[str, Any] = {
                 "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
                 "max_frame": srv.max_frame, "transports": ["tcp"]}
+            if srv.token is None:
+                self.authed = True
+            elif not self.authed:
+                self._nonce = auth.new_nonce()
+                result.update(auth=auth.MECH, nonce=self._nonce)
         elif not self.greeted:
             self.close_with("the first request must be hello", hdr)
             return
+        elif cmd == "auth":
+            result = self._auth(hdr, msg)
+            if not result:
+                return
+        elif not self.authed:
+            # the one gate: whatever a later branch adds to the control
+            # commands (RDMA keys, addresses) is unreachable before auth
+            raise _Refused(ErrorCode.ACCESS_DENIED, f"{cmd!r} needs authentication first")
         elif cmd == "create":
             result = srv.create(_str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
                                 _uint(msg, "nservers"), _uint(msg, "index"))
@@ -507,14 +546,36 @@ class _Connection(FrameReceiver):
             raise _Refused(ErrorCode.BAD_REQUEST, f"unknown control command {cmd!r}")
         self._reply(hdr, pack(result))
 
+    def _auth(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+        srv = self.server
+        if srv.token is None:
+            raise _Refused(ErrorCode.BAD_REQUEST, "this server does not use authentication")
+        if self.authed:
+            raise _Refused(ErrorCode.BAD_REQUEST, "already authenticated")
+        nonce = msg.get("nonce")
+        ok = (isinstance(nonce, bytes) and len(nonce) == auth.NONCE_SIZE
+              and auth.check(auth.client_proof(srv.token, self._nonce, nonce), msg.get("proof")))
+        if not ok:
+            # one try per challenge: a guesser must reconnect for each
+            srv.auth_failures += 1
+            log.warning("authentication failed from %s", self.peer)
+            self.close_with("authentication failed: wrong token", hdr, ErrorCode.ACCESS_DENIED)
+            return {}
+        assert isinstance(nonce, bytes)
+        self.authed = True
+        log.debug("%s authenticated", self.peer)
+        return {"proof": auth.server_proof(srv.token, self._nonce, nonce)}
+
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                        capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
-                       max_buffers: int = 4096) -> MemoryServer:
+                       max_buffers: int = 4096, token: str | bytes | None = None) -> MemoryServer:
     """Start a memory server in the running loop and return it once it listens.
 
-    ``port=0`` picks a free port (see ``server.address``)."""
-    server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers)
+    ``port=0`` picks a free port (see ``server.address``).  With ``token``,
+    clients must authenticate (``smb2.connect(..., token=...)``)."""
+    server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers,
+                          token=token)
     await server.start(host, port)
     return server
 
@@ -532,6 +593,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", default="1GiB", help="memory to serve, e.g. 512MiB, 8GiB (default 1GiB)")
     p.add_argument("--max-frame", default=str(DEFAULT_MAX_FRAME),
                    help="largest payload of one request (default 64MiB)")
+    p.add_argument("--auth-token-file", metavar="FILE",
+                   help=f"require clients to prove they know the token in FILE "
+                        f"(default: ${auth.ENV} if set, else no authentication)")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     return p
@@ -539,7 +603,7 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _serve(args: argparse.Namespace) -> None:
     server = await start_server(args.host, args.port, capacity=args.capacity,
-                                max_frame=parse_size(args.max_frame))
+                                max_frame=parse_size(args.max_frame), token=args.token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -560,8 +624,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parse_size(args.capacity)
         parse_size(args.max_frame)
+        args.token = (auth.token_from_file(args.auth_token_file) if args.auth_token_file
+                      else auth.token_from_env())
     except InvalidArgumentError as exc:
         print(f"smb2-server: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"smb2-server: cannot read the token file: {exc}", file=sys.stderr)
         return 2
     try:
         if args.loop == "uvloop":

@@ -15,7 +15,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any, cast
 
-from .. import _core
+from .. import _core, auth
 from ..errors import ProtocolError, TransportError, server_error
 from ..protocol import (
     CLOSED,
@@ -175,8 +175,10 @@ class TcpTransport(Transport):
         self._next_id = 0
 
     @classmethod
-    async def connect(cls, address: tuple[str, int], *, timeout: float = 10.0) -> TcpTransport:
-        """Open the connection and say hello; raises TransportError."""
+    async def connect(cls, address: tuple[str, int], *, timeout: float = 10.0,
+                      token: bytes | None = None) -> TcpTransport:
+        """Open the connection, say hello and authenticate if the server asks;
+        raises TransportError (or AccessDenied)."""
         loop = asyncio.get_running_loop()
         label = f"{address[0]}:{address[1]}"
         try:
@@ -193,6 +195,8 @@ class TcpTransport(Transport):
         try:
             info = await asyncio.wait_for(
                 self.control({"cmd": "hello", "version": VERSION, "transports": ["tcp"]}), timeout)
+            info.update(await asyncio.wait_for(
+                auth.client_handshake(self.control, info, token, label), timeout))
         except BaseException:
             await self.close()
             raise
