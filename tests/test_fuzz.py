@@ -26,6 +26,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import smb2
 from fuzzing import (
     check_replies,
     control,
@@ -35,12 +39,7 @@ from fuzzing import (
     hello,
     mutate,
     stream,
-    valid_frame,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-import smb2
 from smb2 import auth
 from smb2.errors import ErrorCode
 from smb2.protocol import Op
