@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _core, auth
+from . import _core, auth, persist
 from .errors import (
     BufferConflict,
     InterfaceError,
@@ -225,6 +225,20 @@ class Client:
 
     async def _one_control(self, link: _Link, msg: dict[str, Any]) -> dict[str, Any]:
         return await (await link.get()).control(msg)
+
+    # -- checkpoints (persist.py) ---------------------------------------------
+    async def checkpoint(self, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Save the whole buffer ``name`` to the file ``path`` (atomically,
+        with a header and a SHA-256); returns ``name``, ``nbytes``, ``sha256``."""
+        self._check()
+        return await persist.checkpoint(self, name, path)
+
+    async def restore(self, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Load a checkpoint file into buffer ``name`` (created if missing).
+        The checksum is verified first; a buffer of another size or a
+        checkpoint of another buffer is refused (InvalidArgumentError)."""
+        self._check()
+        return await persist.restore(self, name, path)
 
 
 def _first_error(errors: list[BaseException]) -> BaseException:

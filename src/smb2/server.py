@@ -28,7 +28,8 @@ from typing import Any, cast
 import numpy as np
 
 from . import _core, auth
-from .errors import ErrorCode, InvalidArgumentError
+from .errors import ErrorCode, InvalidArgumentError, PersistenceError
+from .persist import DataDir
 from .protocol import (
     CLOSED,
     DATA_OPS,
@@ -121,8 +122,11 @@ class MemoryServer:
     Create it with :func:`start_server`; ``address`` is ``(host, port)``."""
 
     def __init__(self, *, capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
-                 max_buffers: int = 4096, token: str | bytes | None = None) -> None:
+                 max_buffers: int = 4096, token: str | bytes | None = None,
+                 data_dir: str | os.PathLike[str] | None = None) -> None:
         self.capacity = parse_size(capacity)
+        # segments are saved here on close and restored on start (persist.py)
+        self.data_dir = DataDir(data_dir) if data_dir is not None else None
         # the shared secret clients must prove they know (None: no authentication)
         self.token = auth.as_token(token)
         self.auth_failures = 0
@@ -146,8 +150,21 @@ class MemoryServer:
     # -- lifecycle --------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _Connection(self), host, port, reuse_address=True)
+        if self.data_dir is not None:
+            # restored before listening: no client ever sees the server empty
+            self.data_dir.acquire()
+            try:
+                self.data_dir.load(self)
+            except BaseException:
+                self.data_dir.release()
+                raise
+        try:
+            self._server = await loop.create_server(
+                lambda: _Connection(self), host, port, reuse_address=True)
+        except BaseException:
+            if self.data_dir is not None:
+                self.data_dir.release()
+            raise
         sock = self._server.sockets[0]
         self.address = sock.getsockname()[:2]
         if self.token is None and not _is_loopback(host):
@@ -156,14 +173,28 @@ class MemoryServer:
                         host or "all addresses", auth.ENV)
         log.info("listening on %s:%d (capacity %d bytes)", *self.address, self.capacity)
 
+    def set_next_id(self, next_id: int) -> None:
+        self._ids = itertools.count(next_id)
+
     async def close(self) -> None:
-        """Stop listening, drop every connection, release all segments."""
+        """Stop listening, drop every connection, save the segments (with a
+        data directory), release all segments."""
         if self._server is not None:
             self._server.close()
             for conn in list(self.connections):
                 conn.abort("server shutting down")
             await self._server.wait_closed()
             self._server = None
+            if self.data_dir is not None:
+                # nothing can change the segments any more: save them
+                try:
+                    self.data_dir.save(self)
+                except OSError as exc:
+                    # the previous manifest is intact: the last good state survives
+                    raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: "
+                                           f"{exc}") from exc
+                finally:
+                    self.data_dir.release()
         self.segments.clear()
         self.by_name.clear()
         self.used = 0
@@ -569,13 +600,16 @@ class _Connection(FrameReceiver):
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                        capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
-                       max_buffers: int = 4096, token: str | bytes | None = None) -> MemoryServer:
+                       max_buffers: int = 4096, token: str | bytes | None = None,
+                       data_dir: str | os.PathLike[str] | None = None) -> MemoryServer:
     """Start a memory server in the running loop and return it once it listens.
 
     ``port=0`` picks a free port (see ``server.address``).  With ``token``,
-    clients must authenticate (``smb2.connect(..., token=...)``)."""
+    clients must authenticate (``smb2.connect(..., token=...)``).  With
+    ``data_dir``, the segments saved there are restored now and saved again
+    by ``close()``."""
     server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers,
-                          token=token)
+                          token=token, data_dir=data_dir)
     await server.start(host, port)
     return server
 
@@ -596,6 +630,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-token-file", metavar="FILE",
                    help=f"require clients to prove they know the token in FILE "
                         f"(default: ${auth.ENV} if set, else no authentication)")
+    p.add_argument("--data-dir", metavar="DIR",
+                   help="save the segments to DIR on SIGTERM/SIGINT and restore them at start")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     return p
@@ -603,7 +639,8 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _serve(args: argparse.Namespace) -> None:
     server = await start_server(args.host, args.port, capacity=args.capacity,
-                                max_frame=parse_size(args.max_frame), token=args.token)
+                                max_frame=parse_size(args.max_frame), token=args.token,
+                                data_dir=args.data_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -638,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(_serve(args))
         else:
             asyncio.run(_serve(args))
+    except PersistenceError as exc:
+        print(f"smb2-server: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"smb2-server: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
