@@ -35,6 +35,7 @@ import os
 import random
 import struct
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,10 @@ async def worker(a: argparse.Namespace) -> dict[str, Any]:
 # the driver
 
 
+def _load(path: str) -> Any:
+    return json.loads(Path(path).read_text())
+
+
 def rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -187,17 +192,21 @@ async def drive(a: argparse.Namespace) -> dict[str, Any]:
                "--acc-words", str(a.acc_words), "--stripe-kib", str(a.stripe_kib), "--seed", str(a.seed)]
         for addr in cluster.addresses:
             cmd += ["--server", addr]
-        procs = [await asyncio.create_subprocess_exec(*cmd, "--worker", str(w), stdout=asyncio.subprocess.PIPE)
-                 for w in range(a.procs)]
-        outs = [await p.communicate() for p in procs]
-        elapsed = time.monotonic() - t0
-        results = []
-        errors: list[str] = []
-        for w, (p, (out, _)) in enumerate(zip(procs, outs)):
-            try:
-                results.append(json.loads(out))
-            except ValueError:
-                errors.append(f"worker {w} exited with {p.returncode} and no result")
+        # results come back in files: a megabyte on a pipe is at the mercy of
+        # the pipe's blocking mode, which event loops change
+        with tempfile.TemporaryDirectory(prefix="smb2-soak-") as tmp:
+            files = [os.path.join(tmp, f"worker-{w}.json") for w in range(a.procs)]
+            procs = [await asyncio.create_subprocess_exec(*cmd, "--worker", str(w), "--result", files[w])
+                     for w in range(a.procs)]
+            codes = [await p.wait() for p in procs]
+            elapsed = time.monotonic() - t0
+            results = []
+            errors: list[str] = []
+            for w, f in enumerate(files):
+                try:
+                    results.append(_load(f))
+                except (OSError, ValueError) as exc:
+                    errors.append(f"worker {w} exited with {codes[w]} and no result: {exc}")
         ops: dict[str, int] = {}
         verified = moved = 0
         acc = np.zeros(lay["acc_words"], np.int64)
@@ -266,11 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the result here")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--server", action="append", default=[], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     import uvloop
     if a.worker is not None:
-        print(json.dumps(uvloop.run(worker(a))))
+        Path(a.result).write_text(json.dumps(uvloop.run(worker(a))))
         return 0
     r = uvloop.run(drive(a))
     report(r)
