@@ -261,3 +261,85 @@ def check_replies(data: bytes) -> Replies:
     for hdr in r.frames:
         assert hdr[1] == VERSION and hdr[4] in codes, hdr
     return r
+
+
+# -- in process, no sockets: the server's frame handling fed byte by byte --------
+
+class FakeTransport:
+    """Just enough of an asyncio transport for ``server._Connection``."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.closed = False
+        self.paused = False
+
+    def write(self, data: bytes | memoryview) -> None:
+        if not self.closed:
+            self.out += data
+
+    def writelines(self, parts: list[bytes | memoryview]) -> None:
+        for p in parts:
+            self.write(p)
+
+    def close(self) -> None:
+        self.closed = True
+
+    abort = close
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return ("127.0.0.1", 1) if name == "peername" else default
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.out)
+
+
+class Harness:
+    """A MemoryServer and connections driven synchronously: ``feed(data, cuts)``
+    delivers ``data`` in pieces split at ``cuts`` (so every recv boundary can be
+    tried, which a socket does not let a test choose), then drops the
+    connection and checks the invariants.  Needs a running event loop (the
+    connection asks which loop it runs on); tools/fuzz_atheris.py sets one."""
+
+    def __init__(self) -> None:
+        from smb2.server import MemoryServer
+
+        self.server = MemoryServer(capacity="8MiB", max_buffers=16)
+        info = self.server.create("fuzz", 1 << 16, 1024, 1, 0)
+        self.segment = int(info["segment"])
+
+    def feed(self, data: bytes, cuts: list[int]) -> Replies:
+        from smb2.server import _Connection
+
+        conn = _Connection(self.server)
+        t = FakeTransport()
+        conn.connection_made(t)  # type: ignore[arg-type]
+        pos = 0
+        for cut in sorted({min(max(c, 0), len(data)) for c in cuts} | {len(data)}):
+            while pos < cut and not t.closed:
+                buf = conn.get_buffer(cut - pos)
+                n = min(len(buf), cut - pos)
+                if n == 0:
+                    raise AssertionError("get_buffer returned an empty buffer")
+                buf[:n] = data[pos:pos + n]
+                conn.buffer_updated(n)
+                pos += n
+        conn.connection_lost(None)
+        assert conn not in self.server.connections
+        for seg in self.server.segments.values():
+            assert not seg.inflight, "a dropped connection left a write in flight"
+        r = check_replies(bytes(t.out))
+        # keep the server small: the fuzzer may create buffers
+        for name in [n for n in self.server.by_name if n != "fuzz"]:
+            self.server.destroy(name)
+        if "fuzz" not in self.server.by_name:
+            self.segment = int(self.server.create("fuzz", 1 << 16, 1024, 1, 0)["segment"])
+        return r

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 import smb2
 from fuzzing import (
+    Harness,
     check_replies,
     control,
     control_payload,
@@ -259,3 +260,19 @@ def test_after_fuzzing_the_server_serves_and_did_not_grow(srv: Proc) -> None:
     grown = srv.rss() - srv.baseline  # type: ignore[attr-defined]
     print(f"\nfuzz: {STATS}; server RSS {srv.baseline >> 10} KiB -> {srv.rss() >> 10} KiB")  # type: ignore[attr-defined]
     assert grown < 8 << 20, f"server RSS grew by {grown >> 10} KiB over the fuzzing"
+
+
+async def test_in_process_with_every_recv_boundary() -> None:
+    """The same frames without sockets, delivered in arbitrary pieces: a header
+    split anywhere, a payload arriving byte by byte, many frames in one recv."""
+    h = Harness()
+
+    @settings(max_examples=_n(300), **_SETTINGS)
+    @given(st.randoms(use_true_random=False), st.lists(st.integers(0, 4096), max_size=8))
+    def one(rng: random.Random, cuts: list[int]) -> None:
+        data, n = stream(rng, h.segment, 1 << 16)
+        h.feed(data, cuts)
+        STATS["frames"] += n
+        STATS["in_process_frames"] = STATS.get("in_process_frames", 0) + n
+    one()
+    assert h.server.segments
