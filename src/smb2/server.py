@@ -55,6 +55,8 @@ from .protocol import (
 log = logging.getLogger("smb2.server")
 
 MAX_NAME = 255
+# accumulate deltas one connection may have waiting behind in-flight writes
+MAX_DEFERRED = 2 * MAX_ACCUMULATE
 PAGE = mmap.PAGESIZE
 
 
@@ -318,6 +320,8 @@ class _Connection(FrameReceiver):
         self._uvloop = False
         # the write whose payload is being received in place: (segment, range)
         self._write: tuple[Segment, tuple[int, int]] | None = None
+        # bytes of accumulate deltas waiting for an overlapping write
+        self._deferred_bytes = 0
 
     # -- asyncio -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -341,17 +345,30 @@ class _Connection(FrameReceiver):
         self.transport = None
         log.debug("connection from %s closed%s", self.peer, f": {exc}" if exc else "")
 
-    # Flow control: a client that does not read its replies stops being read,
-    # so one connection's memory stays bounded.
+    # Flow control: a client that does not read its replies stops being read
+    # and parsed, so one connection's memory stays bounded by the transport's
+    # high-water mark plus one reply (at most max_frame).
     def pause_writing(self) -> None:
-        if self.transport is not None and not self._paused:
-            self._paused = True
-            self.transport.pause_reading()
+        self._hold_input("writing")
 
     def resume_writing(self) -> None:
-        if self.transport is not None and self._paused:
+        self._unhold_input("writing")
+
+    def _hold_input(self, reason: str) -> None:
+        if self.transport is None:
+            return
+        if not self.held:
+            self._paused = True
+            self.transport.pause_reading()
+        self.hold(reason)
+
+    def _unhold_input(self, reason: str) -> None:
+        if self.transport is None or reason not in self._holds:
+            return
+        if len(self._holds) == 1:
             self._paused = False
             self.transport.resume_reading()
+        self.unhold(reason)      # parses what waited in the inbox
 
     def abort(self, reason: str) -> None:
         if self.transport is not None:
@@ -517,11 +534,22 @@ class _Connection(FrameReceiver):
         code = (hdr[3] & DTYPE_MASK) >> DTYPE_SHIFT
         if seg.overlaps_inflight(offset, offset + length):
             delta = bytes(payload)       # the inbox is reused: keep a copy
+            # Waiting accumulates hold copies of their deltas: bound them per
+            # connection (a write that never completes must not let a client
+            # queue unbounded memory behind it).
+            self._deferred_bytes += length
+            if self._deferred_bytes > MAX_DEFERRED:
+                self._hold_input("deferred")
 
             def run() -> None:
                 if seg.id in self.server.segments:
                     _core.accumulate(seg.view[offset:offset + length], delta, code)
+                self._deferred_bytes -= length
                 self._reply(hdr)
+                if self._deferred_bytes <= MAX_DEFERRED and "deferred" in self._holds:
+                    # not from here: this runs inside another connection's
+                    # frame handling, and parsing ours now would nest them
+                    asyncio.get_running_loop().call_soon(self._unhold_input, "deferred")
             seg.deferred.append((offset, offset + length, run))
             return
         _core.accumulate(seg.view[offset:offset + length], payload, code)
@@ -630,6 +658,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-token-file", metavar="FILE",
                    help=f"require clients to prove they know the token in FILE "
                         f"(default: ${auth.ENV} if set, else no authentication)")
+    p.add_argument("--max-buffers", type=int, default=4096, help="buffers this server holds at most (default 4096)")
     p.add_argument("--data-dir", metavar="DIR",
                    help="save the segments to DIR on SIGTERM/SIGINT and restore them at start")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
@@ -639,7 +668,8 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _serve(args: argparse.Namespace) -> None:
     server = await start_server(args.host, args.port, capacity=args.capacity,
-                                max_frame=parse_size(args.max_frame), token=args.token,
+                                max_frame=parse_size(args.max_frame), max_buffers=args.max_buffers,
+                                token=args.token,
                                 data_dir=args.data_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
