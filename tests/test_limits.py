@@ -146,3 +146,36 @@ async def test_accumulates_queued_behind_a_stalled_write_are_bounded(server: smb
     async with await smb2.connect([server.address]) as c:
         got = (await (await c.attach("acc")).read(0, MiB)).view(np.int64)
         assert (got == n).all()
+
+
+async def test_a_stalled_write_is_cut_after_the_write_timeout() -> None:
+    """A writer that stops half way (SIGSTOP, a hung peer) would hold up every
+    overlapping accumulate forever: the server cuts it after write_timeout."""
+    s = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", write_timeout=0.5)
+    try:
+        async with await smb2.connect([s.address]) as c:
+            buf = await c.create("w", MiB)
+            ra, wa = await asyncio.open_connection(*s.address)
+            wa.write(hello() + frame(Op.WRITE, b"\1" * 1000, rid=2, segment=buf.segments[0], length=MiB))
+            await wa.drain()
+            await _reply(ra)
+            t0 = asyncio.get_running_loop().time()
+            await asyncio.wait_for(buf.accumulate(0, np.ones(8, np.int64)), 5)
+            waited = asyncio.get_running_loop().time() - t0
+            assert 0.3 < waited < 2.5, waited
+            hdr = await _reply(ra)                 # the reason, then the close
+            assert hdr[4] != 0
+            assert await ra.read() == b""
+            wa.close()
+            # a slow but steady writer is not cut
+            ra, wa = await asyncio.open_connection(*s.address)
+            wa.write(hello() + frame(Op.WRITE, b"", rid=2, segment=buf.segments[0], length=8000))
+            for _ in range(8):
+                await asyncio.sleep(0.2)
+                wa.write(b"\2" * 1000)
+            await _reply(ra)
+            assert (await _reply(ra))[4] == 0
+            wa.close()
+            assert (await buf.read(0, 8000) == 2).all()
+    finally:
+        await s.close()

@@ -57,6 +57,7 @@ log = logging.getLogger("smb2.server")
 MAX_NAME = 255
 # accumulate deltas one connection may have waiting behind in-flight writes
 MAX_DEFERRED = 2 * MAX_ACCUMULATE
+DEFAULT_WRITE_TIMEOUT = 30.0
 PAGE = mmap.PAGESIZE
 
 
@@ -125,8 +126,14 @@ class MemoryServer:
 
     def __init__(self, *, capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
                  max_buffers: int = 4096, token: str | bytes | None = None,
-                 data_dir: str | os.PathLike[str] | None = None) -> None:
+                 data_dir: str | os.PathLike[str] | None = None,
+                 write_timeout: float = DEFAULT_WRITE_TIMEOUT) -> None:
         self.capacity = parse_size(capacity)
+        # a connection that stops sending in the middle of a WRITE is closed
+        # after this long: its half-received range holds up every accumulate
+        # that overlaps it (see Segment.inflight)
+        self.write_timeout = write_timeout
+        self._sweeper: asyncio.Task[None] | None = None
         # segments are saved here on close and restored on start (persist.py)
         self.data_dir = DataDir(data_dir) if data_dir is not None else None
         # the shared secret clients must prove they know (None: no authentication)
@@ -173,7 +180,19 @@ class MemoryServer:
             log.warning("listening on %s without an authentication token: anyone who can reach "
                         "this port can read and write its memory (--auth-token-file or %s)",
                         host or "all addresses", auth.ENV)
+        if self.write_timeout > 0:
+            self._sweeper = asyncio.create_task(self._sweep())
         log.info("listening on %s:%d (capacity %d bytes)", *self.address, self.capacity)
+
+    async def _sweep(self) -> None:
+        period = min(1.0, self.write_timeout / 4)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for conn in list(self.connections):
+                if conn.stalled_write(now, self.write_timeout):
+                    conn.close_with(f"no data for {self.write_timeout:g} s in the middle of a write")
 
     def set_next_id(self, next_id: int) -> None:
         self._ids = itertools.count(next_id)
@@ -186,6 +205,9 @@ class MemoryServer:
             for conn in list(self.connections):
                 conn.abort("server shutting down")
             await self._server.wait_closed()
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+                self._sweeper = None
             self._server = None
             if self.data_dir is not None:
                 # nothing can change the segments any more: save them
@@ -322,6 +344,7 @@ class _Connection(FrameReceiver):
         self._write: tuple[Segment, tuple[int, int]] | None = None
         # bytes of accumulate deltas waiting for an overlapping write
         self._deferred_bytes = 0
+        self._last_rx = 0.0
 
     # -- asyncio -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -333,6 +356,7 @@ class _Connection(FrameReceiver):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+        self._last_rx = asyncio.get_running_loop().time()
         self.server.connections.add(self)
         log.debug("connection from %s", self.peer)
 
@@ -344,6 +368,15 @@ class _Connection(FrameReceiver):
             seg.write_done(rng)
         self.transport = None
         log.debug("connection from %s closed%s", self.peer, f": {exc}" if exc else "")
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._last_rx = asyncio.get_running_loop().time()
+        super().buffer_updated(nbytes)
+
+    def stalled_write(self, now: float, timeout: float) -> bool:
+        """In the middle of a WRITE, not paused by us, and silent too long."""
+        return (self._write is not None and not self._paused and self.transport is not None
+                and now - self._last_rx > timeout)
 
     # Flow control: a client that does not read its replies stops being read
     # and parsed, so one connection's memory stays bounded by the transport's
@@ -629,7 +662,8 @@ class _Connection(FrameReceiver):
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                        capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
                        max_buffers: int = 4096, token: str | bytes | None = None,
-                       data_dir: str | os.PathLike[str] | None = None) -> MemoryServer:
+                       data_dir: str | os.PathLike[str] | None = None,
+                       write_timeout: float = DEFAULT_WRITE_TIMEOUT) -> MemoryServer:
     """Start a memory server in the running loop and return it once it listens.
 
     ``port=0`` picks a free port (see ``server.address``).  With ``token``,
@@ -637,7 +671,7 @@ async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
     ``data_dir``, the segments saved there are restored now and saved again
     by ``close()``."""
     server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers,
-                          token=token, data_dir=data_dir)
+                          token=token, data_dir=data_dir, write_timeout=write_timeout)
     await server.start(host, port)
     return server
 
@@ -659,6 +693,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"require clients to prove they know the token in FILE "
                         f"(default: ${auth.ENV} if set, else no authentication)")
     p.add_argument("--max-buffers", type=int, default=4096, help="buffers this server holds at most (default 4096)")
+    p.add_argument("--write-timeout", type=float, default=DEFAULT_WRITE_TIMEOUT,
+                   help="close a connection silent this many seconds in the middle of a write "
+                        f"(default {DEFAULT_WRITE_TIMEOUT:g}; 0 = never)")
     p.add_argument("--data-dir", metavar="DIR",
                    help="save the segments to DIR on SIGTERM/SIGINT and restore them at start")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
@@ -669,7 +706,7 @@ def _parser() -> argparse.ArgumentParser:
 async def _serve(args: argparse.Namespace) -> None:
     server = await start_server(args.host, args.port, capacity=args.capacity,
                                 max_frame=parse_size(args.max_frame), max_buffers=args.max_buffers,
-                                token=args.token,
+                                token=args.token, write_timeout=args.write_timeout,
                                 data_dir=args.data_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
