@@ -199,6 +199,15 @@ async def test_local_cluster_with_token_in_processes(monkeypatch: pytest.MonkeyP
         assert bytes(await buf.read(0, 2)) == b"ok"
         with pytest.raises(smb2.AccessDenied):
             await smb2.connect(cluster.addresses)
+        # after a server restart the client reconnects, and authenticates again
+        await cluster.kill(1)
+        await cluster.restart(1)
+        with pytest.raises((smb2.TransportError, smb2.NoSuchBuffer)):
+            await buf.read(0, buf.nbytes)
+        await client.destroy("t")
+        buf = await client.create("t", 3 << 20, stripe=1 << 20)
+        await buf.write(0, b"again")
+        assert bytes(await buf.read(0, 5)) == b"again"
         # the token is not on the servers' command lines
         for i in range(2):
             cmdline = await asyncio.to_thread(Path(f"/proc/{cluster.pid(i)}/cmdline").read_bytes)
