@@ -149,7 +149,9 @@ class DataDir:
         entries = []
         total = 0
         t0 = time.monotonic()
-        for seg in sorted(server.segments.values(), key=lambda s: s.id):
+        # buffers' segments only: the lock segment's leases mean nothing to
+        # the next server process
+        for seg in sorted(server.by_name.values(), key=lambda s: s.id):
             name = f"seg-{seg.id}.{gen}.bin"
             tmp = self.path / (name + ".tmp")
             h = hashlib.sha256()
@@ -161,7 +163,7 @@ class DataDir:
             entries.append({**seg.info(), "file": name, "sha256": h.hexdigest()})
             total += seg.size
         manifest = {"format": FORMAT, "generation": gen, "saved_at": time.time(),
-                    "next_id": max([s.id for s in server.segments.values()] + [0]) + 1,
+                    "next_id": max([s.id for s in server.by_name.values()] + [0]) + 1,
                     "segments": entries}
         tmp = self.path / (MANIFEST + ".tmp")
         with open(tmp, "w") as f:
@@ -196,7 +198,8 @@ class DataDir:
                 fname, digest = str(e["file"]), str(e["sha256"])
             except (KeyError, TypeError, ValueError):
                 raise PersistenceError(f"{self.path / MANIFEST}: malformed segment entry {e!r}") from None
-            if size != _core.segment_size(nbytes, stripe, nservers) or "/" in fname:
+            if (size != _core.segment_size(nbytes, stripe, nservers) or "/" in fname
+                    or sid in server.segments or not name):
                 raise PersistenceError(f"{self.path / MANIFEST}: inconsistent entry for {name!r}")
             used += size
             if used > server.capacity:
@@ -219,7 +222,7 @@ class DataDir:
         for seg in segs:
             server.segments[seg.id] = seg
             server.by_name[seg.name] = seg
-        server.used = used
+        server.used += used
         server.set_next_id(max(int(m.get("next_id", 1)), max((s.id for s in segs), default=0) + 1))
         log.info("restored %d segments (%d bytes) from %s", len(segs), used, self.path)
         return len(segs)

@@ -38,19 +38,25 @@ from .protocol import (
     DISCARD,
     DTYPE_MASK,
     DTYPE_SHIFT,
+    FENCE_SIZE,
+    FLAG_FENCED,
     FLAG_REPLY,
     INLINE,
+    LOCK_OPS,
+    LOCK_SEGMENT,
     MAX_ACCUMULATE,
     MAX_CONTROL,
     VERSION,
     Destination,
     FrameReceiver,
     Op,
+    Prefix,
     error_payload,
     pack,
     parse_size,
     unpack,
 )
+from .server_locks import DEFAULT_LEASE, DEFAULT_SLOTS, LockRefused, LockService
 
 log = logging.getLogger("smb2.server")
 
@@ -127,7 +133,8 @@ class MemoryServer:
     def __init__(self, *, capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
                  max_buffers: int = 4096, token: str | bytes | None = None,
                  data_dir: str | os.PathLike[str] | None = None,
-                 write_timeout: float = DEFAULT_WRITE_TIMEOUT) -> None:
+                 write_timeout: float = DEFAULT_WRITE_TIMEOUT, lock_lease: float = DEFAULT_LEASE,
+                 lock_slots: int = DEFAULT_SLOTS) -> None:
         self.capacity = parse_size(capacity)
         # a connection that stops sending in the middle of a WRITE is closed
         # after this long: its half-received range holds up every accumulate
@@ -155,6 +162,11 @@ class MemoryServer:
         self._server: asyncio.AbstractServer | None = None
         self.address: tuple[str, int] = ("", 0)
         self.server_id = os.urandom(8).hex()
+        # the lock segment: lock words in memory an RDMA transport registers
+        # like a buffer's segment (server_locks.py)
+        mem, view = _alloc(lock_slots * _core.LOCK_SLOT_SIZE)
+        self.segments[LOCK_SEGMENT] = Segment(LOCK_SEGMENT, "", 0, 8, 1, 0, len(view), mem, view)
+        self.locks = LockService(self, mem, view, slots=lock_slots, lease=lock_lease)
 
     # -- lifecycle --------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
@@ -182,6 +194,7 @@ class MemoryServer:
                         host or "all addresses", auth.ENV)
         if self.write_timeout > 0:
             self._sweeper = asyncio.create_task(self._sweep())
+        self.locks.start()
         log.info("listening on %s:%d (capacity %d bytes)", *self.address, self.capacity)
 
     async def _sweep(self) -> None:
@@ -219,6 +232,7 @@ class MemoryServer:
                                            f"{exc}") from exc
                 finally:
                     self.data_dir.release()
+        await self.locks.close()
         self.segments.clear()
         self.by_name.clear()
         self.used = 0
@@ -246,7 +260,7 @@ class MemoryServer:
                     f"over {seg.nservers} servers (this server #{seg.index}); asked for "
                     f"nbytes={nbytes} stripe={stripe} over {nservers} servers (#{index})")
             return {**seg.info(), "created": False}
-        if len(self.segments) >= self.max_buffers:
+        if len(self.by_name) >= self.max_buffers:      # the lock segment is not a buffer
             raise _Refused(ErrorCode.OUT_OF_MEMORY, f"server holds its maximum of {self.max_buffers} buffers")
         if self.used + size > self.capacity:
             raise _Refused(ErrorCode.OUT_OF_MEMORY,
@@ -289,7 +303,7 @@ class MemoryServer:
             "used": self.used,
             "buffers": {s.name: {"segment": s.id, "size": s.size, "nbytes": s.nbytes,
                                  "stripe": s.stripe, "nservers": s.nservers, "index": s.index}
-                        for s in self.segments.values()},
+                        for s in self.segments.values() if s.id != LOCK_SEGMENT},
             "connections": len(self.connections),
             "ops": {t: dict(c) for t, c in self.ops.items()},
             "bytes_in": self.bytes_in,
@@ -297,6 +311,7 @@ class MemoryServer:
             "refused": self.refused,
             "auth": auth.MECH if self.token is not None else None,
             "auth_failures": self.auth_failures,
+            "locks": self.locks.stat(),
         }
 
 
@@ -323,6 +338,9 @@ def _uint(msg: dict[str, Any], key: str) -> int:
     return v
 
 
+_FENCE = Prefix(FENCE_SIZE)
+
+
 class _Connection(FrameReceiver):
     """One client connection: validates frames and executes them."""
 
@@ -345,6 +363,9 @@ class _Connection(FrameReceiver):
         # bytes of accumulate deltas waiting for an overlapping write
         self._deferred_bytes = 0
         self._last_rx = 0.0
+        # small replies made while one receive is parsed, sent with one write
+        # (a pipelined LOCK_RELEASE + LOCK_ACQUIRE costs one syscall, not two)
+        self._cork: list[bytes] | None = None
 
     # -- asyncio -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -362,16 +383,13 @@ class _Connection(FrameReceiver):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self.server.locks.connection_lost(self)
         if self._write is not None:
             seg, rng = self._write
             self._write = None
             seg.write_done(rng)
         self.transport = None
         log.debug("connection from %s closed%s", self.peer, f": {exc}" if exc else "")
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self._last_rx = asyncio.get_running_loop().time()
-        super().buffer_updated(nbytes)
 
     def stalled_write(self, now: float, timeout: float) -> bool:
         """In the middle of a WRITE, not paused by us, and silent too long."""
@@ -409,6 +427,20 @@ class _Connection(FrameReceiver):
             self.transport.abort()
 
     # -- replies -----------------------------------------------------------
+    def buffer_updated(self, nbytes: int) -> None:
+        self._last_rx = asyncio.get_running_loop().time()     # see stalled_write
+        self._cork = []
+        try:
+            super().buffer_updated(nbytes)
+        finally:
+            self._uncork()
+
+    def _uncork(self) -> None:
+        cork, self._cork = self._cork, None
+        t = self.transport
+        if cork and t is not None and not t.is_closing():
+            t.write(cork[0] if len(cork) == 1 else b"".join(cork))
+
     def _reply(self, hdr: tuple[int, ...], payload: bytes | memoryview = b"",
                status: int = 0) -> None:
         t = self.transport
@@ -417,9 +449,17 @@ class _Connection(FrameReceiver):
         n = len(payload)
         self.server.bytes_out += n
         if n <= 65536:
-            t.write(_core.encode_header_with(VERSION, hdr[2], FLAG_REPLY, status, hdr[5],
-                                             hdr[6], hdr[7], n, payload))
+            frame = _core.encode_header_with(VERSION, hdr[2], FLAG_REPLY, status, hdr[5],
+                                             hdr[6], hdr[7], n, payload)
+            if self._cork is not None:
+                self._cork.append(frame)
+            else:
+                t.write(frame)
             return
+        if self._cork:
+            # keep the order of replies: the corked ones go first
+            cork, self._cork = self._cork, []
+            t.write(b"".join(cork))
         head = _core.encode_header(VERSION, hdr[2], FLAG_REPLY, status, hdr[5], hdr[6], hdr[7], n)
         if self._uvloop:
             t.writelines((head, payload))       # one writev, payload not copied
@@ -435,6 +475,9 @@ class _Connection(FrameReceiver):
                    code: ErrorCode = ErrorCode.BAD_REQUEST) -> None:
         """Answer with the reason (so the client can tell why), then close."""
         super().close_with(reason)
+        if self._cork is not None:
+            self._uncork()
+            self._cork = []
         self.server.refused += 1
         log.info("closing connection from %s: %s", self.peer, reason)
         t = self.transport
@@ -463,7 +506,7 @@ class _Connection(FrameReceiver):
                                 hdr, ErrorCode.TOO_LARGE)
                 return CLOSED
             return INLINE
-        if op not in DATA_OPS:
+        if op not in DATA_OPS and op not in LOCK_OPS:
             self.close_with(f"unknown op {op}", hdr)
             return CLOSED
         if size > self.server.max_frame or (op == Op.READ and length > self.server.max_frame):
@@ -481,7 +524,20 @@ class _Connection(FrameReceiver):
                 self.close_with("not authenticated", hdr, ErrorCode.ACCESS_DENIED)
             return CLOSED
         try:
+            if op in LOCK_OPS:
+                try:
+                    self.server.locks.check_header(hdr, size)
+                except LockRefused as exc:
+                    raise _Refused(exc.code, str(exc)) from None
+                return INLINE
             atomic = op in (Op.FETCH_ADD, Op.COMPARE_SWAP)
+            if segment == LOCK_SEGMENT and op in (Op.WRITE, Op.ACCUMULATE):
+                raise _Refused(ErrorCode.ACCESS_DENIED, "the lock segment only takes READ and atomics")
+            if op == Op.WRITE and flags & FLAG_FENCED:
+                if length < FENCE_SIZE:
+                    raise _Refused(ErrorCode.BAD_REQUEST, "a fenced WRITE starts with a 16-byte fence")
+                self._segment(segment, offset, length - FENCE_SIZE)
+                return _FENCE
             seg = self._segment(segment, offset, 8 if atomic else length)
             if op == Op.WRITE:
                 rng = (offset, offset + length)
@@ -507,6 +563,24 @@ class _Connection(FrameReceiver):
             return DISCARD
         return INLINE
 
+    def on_prefix(self, hdr: tuple[int, ...], prefix: memoryview, rest: int) -> Destination:
+        # a fenced WRITE: check the fence before a byte of data lands
+        key, token = _core.unpack_u64(prefix, 0), _core.unpack_u64(prefix, 8)
+        if not self.server.locks.check_fence(key, token):
+            self._refuse(hdr, ErrorCode.STALE_FENCE,
+                         f"write fenced with token {token} refused: the lock was lost "
+                         "(lease expired, released, or a newer holder wrote here)")
+            return DISCARD
+        seg = self.server.segments.get(hdr[6])
+        if seg is None:     # destroyed between header and prefix
+            self._refuse(hdr, ErrorCode.NO_SUCH_BUFFER, f"no segment {hdr[6]}")
+            return DISCARD
+        offset = hdr[7]
+        rng = (offset, offset + rest)
+        seg.inflight.append(rng)
+        self._write = (seg, rng)
+        return [seg.view[offset:offset + rest]] if rest else INLINE
+
     def _segment(self, segment: int, offset: int, length: int) -> Segment:
         seg = self.server.segments.get(segment)
         if seg is None:
@@ -525,8 +599,17 @@ class _Connection(FrameReceiver):
                 return
             stats = self.server.ops[self.transport_name]
             stats[Op(op).name.lower()] += 1
+            if op in LOCK_OPS:
+                assert payload is not None
+                try:
+                    self.server.locks.on_frame(self, hdr, payload)
+                except LockRefused as exc:
+                    raise _Refused(exc.code, str(exc)) from None
+                return
             seg = self.server.segments.get(hdr[6])
             offset, length = hdr[7], hdr[8]
+            if hdr[3] & FLAG_FENCED:
+                length -= FENCE_SIZE
             if op == Op.READ:
                 assert seg is not None
                 self._reply(hdr, seg.view[offset:offset + length])
@@ -549,6 +632,8 @@ class _Connection(FrameReceiver):
                 old = int(word[0])
                 word[0] = (old + _core.unpack_u64(payload)) & 0xFFFFFFFFFFFFFFFF
                 self._reply(hdr, _core.pack_u64(old))
+                if seg.id == LOCK_SEGMENT:
+                    self.server.locks.touched(offset)
             elif op == Op.COMPARE_SWAP:
                 assert seg is not None and payload is not None
                 word = seg.mem[offset:offset + 8].view(np.uint64)
@@ -556,6 +641,8 @@ class _Connection(FrameReceiver):
                 if old == _core.unpack_u64(payload, 0):
                     word[0] = _core.unpack_u64(payload, 8)
                 self._reply(hdr, _core.pack_u64(old))
+                if seg.id == LOCK_SEGMENT:
+                    self.server.locks.touched(offset)
         except _Refused as exc:
             self._refuse(hdr, exc.code, str(exc))
         except Exception as exc:  # a bug must cost one request, not the server
@@ -634,6 +721,17 @@ class _Connection(FrameReceiver):
             result = {"buffers": sorted(srv.by_name)}
         elif cmd == "stat":
             result = srv.stat()
+        elif cmd == "lock_open":
+            lease = msg.get("lease")
+            try:
+                result = srv.locks.open(_str(msg, "name"), lease)
+            except LockRefused as exc:
+                raise _Refused(exc.code, str(exc)) from None
+        elif cmd == "lock_abandon":
+            try:
+                result = srv.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
+            except LockRefused as exc:
+                raise _Refused(exc.code, str(exc)) from None
         else:
             raise _Refused(ErrorCode.BAD_REQUEST, f"unknown control command {cmd!r}")
         self._reply(hdr, pack(result))
@@ -663,7 +761,8 @@ async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                        capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
                        max_buffers: int = 4096, token: str | bytes | None = None,
                        data_dir: str | os.PathLike[str] | None = None,
-                       write_timeout: float = DEFAULT_WRITE_TIMEOUT) -> MemoryServer:
+                       write_timeout: float = DEFAULT_WRITE_TIMEOUT, lock_lease: float = DEFAULT_LEASE,
+                       lock_slots: int = DEFAULT_SLOTS) -> MemoryServer:
     """Start a memory server in the running loop and return it once it listens.
 
     ``port=0`` picks a free port (see ``server.address``).  With ``token``,
@@ -671,7 +770,8 @@ async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
     ``data_dir``, the segments saved there are restored now and saved again
     by ``close()``."""
     server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers,
-                          token=token, data_dir=data_dir, write_timeout=write_timeout)
+                          token=token, data_dir=data_dir, write_timeout=write_timeout,
+                          lock_lease=lock_lease, lock_slots=lock_slots)
     await server.start(host, port)
     return server
 
@@ -698,6 +798,10 @@ def _parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_WRITE_TIMEOUT:g}; 0 = never)")
     p.add_argument("--data-dir", metavar="DIR",
                    help="save the segments to DIR on SIGTERM/SIGINT and restore them at start")
+    p.add_argument("--lock-lease", type=float, default=DEFAULT_LEASE,
+                   help=f"seconds a lock holder may go without renewing (default {DEFAULT_LEASE:g})")
+    p.add_argument("--lock-slots", type=int, default=DEFAULT_SLOTS,
+                   help=f"locks this server can hold (default {DEFAULT_SLOTS})")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     return p
@@ -707,7 +811,8 @@ async def _serve(args: argparse.Namespace) -> None:
     server = await start_server(args.host, args.port, capacity=args.capacity,
                                 max_frame=parse_size(args.max_frame), max_buffers=args.max_buffers,
                                 token=args.token, write_timeout=args.write_timeout,
-                                data_dir=args.data_dir)
+                                data_dir=args.data_dir, lock_lease=args.lock_lease,
+                                lock_slots=args.lock_slots)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
