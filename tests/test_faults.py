@@ -200,3 +200,49 @@ async def test_client_sigkilled_mid_write_leaves_server_healthy() -> None:
                 await asyncio.sleep(0.05)
             assert all(s["connections"] == 1 for s in stats), stats
             await client.destroy("victim")
+
+
+_LOCKED_WRITER = """
+import asyncio, sys, numpy as np, smb2
+async def main():
+    c = await smb2.connect(sys.argv[1].split(","))
+    buf = await c.attach("guarded")
+    lock = c.lock("guard")
+    await lock.acquire()
+    data = np.full(buf.nbytes, 0xEE, np.uint8)
+    print("holding", flush=True)
+    while True:
+        await buf.write(0, data, fence=lock)
+asyncio.run(main())
+"""
+
+
+async def test_client_sigkilled_mid_fenced_write_while_holding_the_lock() -> None:
+    """The holder dies in the middle of a fenced write: the lock passes on, the
+    server drops the half write, and the next holder's writes and everyone's
+    accumulates go through."""
+    lease = 1.0
+    async with smb2.LocalCluster(servers=2, processes=True, capacity="64MiB",
+                                 server_args=["--lock-lease", str(lease)]) as cluster:
+        client = await cluster.connect()
+        buf = await client.create("guarded", 16 * MiB, stripe=MiB)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _LOCKED_WRITER, ",".join(cluster.addresses),
+            stdout=asyncio.subprocess.PIPE)
+        assert proc.stdout is not None
+        assert (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() == b"holding"
+        lock = client.lock("guard")
+        waiter = asyncio.ensure_future(lock.acquire())
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        proc.kill()
+        t0 = time.monotonic()
+        await asyncio.wait_for(waiter, lease + 2)
+        assert time.monotonic() - t0 < lease + 1
+        await proc.wait()
+        FAULTS["client_kills"] += 1
+        await buf.write(0, b"\x01" * buf.nbytes, fence=lock)
+        await lock.release()
+        await asyncio.wait_for(buf.accumulate(0, np.ones(buf.nbytes // 8, np.int64)), 10)
+        got = (await buf.read(0, buf.nbytes)).view(np.int64)
+        assert (got == 0x0101010101010101 + 1).all()

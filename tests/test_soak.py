@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import smb2
+
 ROOT = Path(__file__).resolve().parent.parent
 SECONDS = float(os.environ.get("SMB2_SOAK_SECONDS", "60"))
 
@@ -30,5 +32,7 @@ def test_soak(tmp_path: Path) -> None:
     for kind in ("write", "read", "accumulate", "fetch_add"):
         assert r["ops"].get(kind, 0) > 0, r["ops"]
     assert r["bytes_verified"] > 0
+    if hasattr(smb2.Client, "lock"):
+        assert r["ops"].get("locked_update", 0) > 0, r["ops"]
     for start, end in zip(r["server_rss_start"], r["server_rss_end"]):
         assert end - start < 16 << 20, f"a server's RSS grew from {start} to {end} during the soak"

@@ -131,7 +131,8 @@ async def one_client(cid: int, servers: list[str], lay: dict[str, int], deadline
                         counter, last, digest = RECORD.unpack(raw)
                         if raw != bytes(RECORD.size) and raw != _record(counter, last):
                             stats.errors.append(f"client {cid}: locked record torn: {raw.hex()}")
-                        await buf.write(lay["record_off"], _record(counter + 1, cid))
+                        # fenced: a holder that lost its lease cannot write
+                        await buf.write(lay["record_off"], _record(counter + 1, cid), fence=lock)
                     totals["locked"] += 1
                     stats.op("locked_update", RECORD.size)
             except smb2.Smb2Error as exc:
