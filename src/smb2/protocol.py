@@ -47,8 +47,11 @@ LOCK_OPS: Final = frozenset({Op.LOCK_ACQUIRE, Op.LOCK_RELEASE, Op.LOCK_CANCEL})
 FLAG_REPLY: Final = 0x0001
 # WRITE: the payload starts with a fence (u64 lock key, u64 token); the
 # server checks it before a byte of the data lands in the segment
-FLAG_FENCED: Final = 0x0002
+FLAG_FENCED: Final = 0x0004
 FENCE_SIZE: Final = 16
+# LOCK_RELEASE: send no reply (the releaser does not wait for one; a reply
+# would only wake its process).  A release that fails is counted and logged.
+FLAG_NOREPLY: Final = 0x0008
 # segment id of every server's lock segment (buffers' segments start at 1)
 LOCK_SEGMENT: Final = 0
 DTYPE_SHIFT: Final = 4

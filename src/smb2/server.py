@@ -40,6 +40,7 @@ from .protocol import (
     DTYPE_SHIFT,
     FENCE_SIZE,
     FLAG_FENCED,
+    FLAG_NOREPLY,
     FLAG_REPLY,
     INLINE,
     LOCK_OPS,
@@ -469,6 +470,10 @@ class _Connection(FrameReceiver):
 
     def _refuse(self, hdr: tuple[int, ...], code: ErrorCode, message: str) -> None:
         self.server.refused += 1
+        if hdr[3] & FLAG_NOREPLY:
+            # the client asked for no answer (a lock release): none, not even this
+            log.info("refused a request from %s that wants no reply: %s", self.peer, message)
+            return
         self._reply(hdr, error_payload(message), status=code)
 
     def close_with(self, reason: str, hdr: tuple[int, ...] | None = None,

@@ -21,6 +21,7 @@ from ..protocol import (
     CLOSED,
     DTYPE_SHIFT,
     FLAG_FENCED,
+    FLAG_NOREPLY,
     FLAG_REPLY,
     INLINE,
     MAX_ACCUMULATE,
@@ -323,23 +324,23 @@ class TcpTransport(Transport):
 
     async def lock_release(self, segment: int, offset: int, ticket: int) -> None:
         """Release the lock held with ``ticket``; StaleFence if it was lost."""
-        await self.lock_release_nowait(segment, offset, ticket)
+        await self._call(Op.LOCK_RELEASE, 0, segment, offset, 8, _core.pack_u64(ticket & _MASK64),
+                         _EMPTY)
 
-    def lock_release_nowait(self, segment: int, offset: int, ticket: int) -> asyncio.Future[Any]:
-        """Send the release now; the future resolves with the server's
-        answer.  Whatever this connection sends next is ordered after it."""
+    def lock_release_nowait(self, segment: int, offset: int, ticket: int) -> None:
+        """Release without an answer (FLAG_NOREPLY).  The frame leaves with
+        this connection's next request, or at the end of this loop
+        iteration; whatever this connection sends next is ordered after it."""
         proto = self._proto
         if proto.transport is None:
             raise proto.lost or TransportError(f"connection to {self.label} is closed",
                                                errno=errno_mod.ENOTCONN, server=self.label)
-        rid = self._new_id()
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        proto.pending[rid] = _Pending(fut, _EMPTY, None, 0)
         if not self._cork:
             asyncio.get_running_loop().call_soon(self._uncork)
+        # request id 0: no reply will name it
         self._cork.append(_core.encode_header_with(
-            VERSION, Op.LOCK_RELEASE, 0, 0, rid, segment, offset, 8, _core.pack_u64(ticket & _MASK64)))
-        return fut
+            VERSION, Op.LOCK_RELEASE, FLAG_NOREPLY, 0, 0, segment, offset, 8,
+            _core.pack_u64(ticket & _MASK64)))
 
     def _uncork(self) -> None:
         t = self._proto.transport
