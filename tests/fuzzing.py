@@ -31,7 +31,7 @@ FIELDS = {
     "status": (6, "<H"), "rid": (8, "<I"), "segment": (12, "<I"), "offset": (16, "<Q"),
     "length": (24, "<Q"),
 }
-COMMANDS = ["hello", "auth", "create", "lookup", "destroy", "list", "stat", "bogus"]
+COMMANDS = ["hello", "auth", "create", "lookup", "destroy", "list", "stat", "lock_open", "lock_abandon", "bogus"]
 
 
 def frame(op: int, payload: bytes = b"", *, rid: int = 1, segment: int = 0, offset: int = 0,
