@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -41,7 +42,7 @@ from fuzzing import (
     mutate,
     stream,
 )
-from smb2 import auth
+from smb2 import _core, auth
 from smb2.errors import ErrorCode
 from smb2.protocol import Op
 
@@ -276,3 +277,61 @@ async def test_in_process_with_every_recv_boundary() -> None:
         STATS["in_process_frames"] = STATS.get("in_process_frames", 0) + n
     one()
     assert h.server.segments
+
+
+async def test_client_survives_a_hostile_server() -> None:
+    """The other direction: a server (an impostor, or a broken one) answers
+    with mutated replies.  Every client call must end in an Smb2Error or a
+    result, within a few seconds: no hang, no other exception, no huge
+    allocation for an announced length."""
+    from smb2.protocol import FLAG_REPLY, VERSION
+    from smb2.transport.tcp import TcpTransport
+
+    rng = random.Random(11)
+    outcomes: dict[str, int] = {}
+
+    async def hostile(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            hdr = _core.decode_header(await reader.readexactly(32))
+            await reader.readexactly(hdr[8])
+            body = msgpack.packb({"version": VERSION, "max_frame": 1 << 20}, use_bin_type=True)
+            writer.write(_core.encode_header(VERSION, Op.CONTROL, FLAG_REPLY, 0, hdr[5], 0, 0, len(body)) + body)
+            hdr = _core.decode_header(await reader.readexactly(32))
+            if hdr[2] != Op.READ:
+                await reader.readexactly(hdr[8])
+            size = rng.choice([0, 8, 16, 100, hdr[8], 1 << 20, 1 << 40, 2**63])
+            reply = _core.encode_header(VERSION, hdr[2], FLAG_REPLY, rng.choice([0, 0, 1, 4, 99]), hdr[5],
+                                        hdr[6], hdr[7], size)
+            reply += rng.randbytes(min(size, 4096))
+            if rng.random() < 0.6:
+                reply = mutate(reply, rng)
+            writer.write(reply)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    srv = await asyncio.start_server(hostile, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        for _ in range(_n(150)):
+            t = await TcpTransport.connect(("127.0.0.1", port), timeout=5)
+            out = bytearray(64)
+            k = rng.randrange(4)
+            call = (t.read_into([memoryview(out)], 1, 0, 64) if k == 0 else t.fetch_add(1, 0, 1) if k == 1
+                    else t.write([memoryview(b"x" * 64)], 1, 0, 64) if k == 2 else t.control({"cmd": "list"}))
+            try:
+                await asyncio.wait_for(call, 5)
+                outcome = "ok"
+            except smb2.Smb2Error as exc:
+                outcome = type(exc).__name__
+            finally:
+                await t.close()
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            STATS["frames"] += 1
+    finally:
+        srv.close()
+        await srv.wait_closed()
+    print(f"\nhostile server: {outcomes}")
+    assert outcomes.get("TransportError", 0) + outcomes.get("ProtocolError", 0) > 0, outcomes
