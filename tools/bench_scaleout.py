@@ -102,11 +102,42 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _wakeups(pid: int | str) -> int:
+    """Voluntary context switches of ``pid`` so far: about one per time its event loop slept in
+    epoll and was woken (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def _machine_cpu() -> tuple[float, float]:
     """(total, idle) jiffies of the whole machine."""
     with open("/proc/stat") as f:
         v = [float(x) for x in f.readline().split()[1:]]
     return sum(v), v[3] + v[4]
+
+
+def _spy(pyspy: str, pid: int, path: str, native: bool) -> subprocess.Popen:
+    """py-spy record of ``pid`` into ``path`` (raw collapsed stacks) until :func:`_stop_spy`.
+    py-spy reads the target's memory by pid; it sends nothing over any network."""
+    # --native cannot sample without pausing the target; then fewer samples per second
+    mode = ["--native", "-r", "100"] if native else ["--nonblocking", "-r", "250"]
+    return subprocess.Popen([pyspy, "record", *mode, "-f", "raw", "-o", path, "-p", str(pid)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stop_spy(spy: subprocess.Popen) -> None:
+    spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    try:
+        spy.wait(30)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
 
 
 async def _worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -170,6 +201,9 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
             await rtt_us(n)
             print(f"bench_scaleout[worker]: {n} server(s) warmed up", file=sys.stderr, flush=True)
 
+        spy = _spy(args.pyspy, os.getpid(), args.profile, args.native) if args.profile else None
+        if spy is not None:
+            await asyncio.sleep(1.0)  # let py-spy attach
         samples: list[dict[str, Any]] = []
         measured = tuple(op for op in OPS if op in args.ops.split(","))
         for r in range(args.rounds):
@@ -180,12 +214,14 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
                     rtt = await rtt_us(n)
                     m0 = _machine_cpu()
                     s0 = [_proc_cpu(p) for p in server_pids[:n]]
+                    w0 = [_wakeups("self"), sum(_wakeups(p) for p in server_pids[:n])]
                     c0 = time.process_time()
                     t0 = time.perf_counter()
                     await move(op, n)
                     dt = time.perf_counter() - t0
                     c1 = time.process_time()
                     s1 = [_proc_cpu(p) for p in server_pids[:n]]
+                    w1 = [_wakeups("self"), sum(_wakeups(p) for p in server_pids[:n])]
                     m1 = _machine_cpu()
                     total, idle = m1[0] - m0[0], m1[1] - m0[1]
                     ours = (c1 - c0) + sum(b - a for a, b in zip(s0, s1))  # cpu-s of the client and servers
@@ -196,6 +232,9 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
                         "client_cpu_s_per_GB": round((c1 - c0) / (size / GB), 3),
                         "server_cpu_s_per_GB": (round(sum(b - a for a, b in zip(s0, s1)) / (size / GB), 3)
                                                 if server_pids else None),
+                        "client_wakeups_per_MiB": round((w1[0] - w0[0]) / (size / MiB), 2),
+                        "server_wakeups_per_MiB": (round((w1[1] - w0[1]) / (size / MiB), 2)
+                                                   if server_pids else None),
                         "machine_busy": round(busy, 3) if busy is not None else None,
                         # the rest of the machine's busy time: other programs, and kernel work (the
                         # bridge, tbf, softirqs) not charged to our processes -- high = a noisy sample
@@ -205,8 +244,12 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
                     s = samples[-1]
                     print(f"bench_scaleout[worker]: round {r} {n} server(s) {op:5} {s['GBps']:.3f} GB/s "
                           f"rtt {s['rtt_us']:.0f} us client {s['client_cpu_s_per_GB']:.2f} cpu-s/GB "
+                          f"wakeups/MiB client {s['client_wakeups_per_MiB']:.1f} "
+                          f"servers {s['server_wakeups_per_MiB'] or 0:.1f} "
                           f"machine {s['machine_busy']:.0%} busy, others {s['others_busy'] or 0:.0%}",
                           file=sys.stderr, flush=True)
+        if spy is not None:
+            _stop_spy(spy)
         # the last full read must still be exactly what was written
         for n in counts:
             await move("write", n)
@@ -238,6 +281,9 @@ def worker_main(argv: list[str]) -> int:
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--out", help="write the JSON here instead of stdout")
+    ap.add_argument("--profile", help="py-spy this process during the measured rounds, raw output here")
+    ap.add_argument("--pyspy", default="py-spy")
+    ap.add_argument("--native", action="store_true")
     args = ap.parse_args(argv)
     if args.loop == "uvloop":
         import uvloop
@@ -259,11 +305,16 @@ def worker_main(argv: list[str]) -> int:
 def training_samples_per_s(cluster: netns_cluster.NetnsCluster, nservers: int) -> float | None:
     """Hook for issue 5's "the same for the training benchmark's samples/s when that exists".
 
-    There is no training benchmark yet (no ``smb2.train``, no ``tools/bench_train.py``), so this
-    returns None and the table says "n/a".  When it exists: run it in the client namespace
-    against the first ``nservers`` of ``cluster.servers`` (``cluster.run_client([...],
-    env={"SMB2_SERVERS": ",".join(cluster.servers[:nservers])})``), parse its samples/s and
-    return it; the table, JSON and efficiency column then pick it up unchanged.
+    Nothing to measure in this checkout: there is no training benchmark (``tools/bench_training.py``)
+    and no ``smb2.train`` here yet, so this returns None and the table says "n/a" -- never a
+    made-up figure.  (The training branch has ``smb2.train.job.run_job(cfg, servers, data_path)``,
+    which launches the worker processes and returns a dict with ``samples_per_s``.)  To wire it:
+    run that job in the CLIENT namespace against the first ``nservers`` servers, e.g.
+    ``cluster.run_client([sys.executable, "tools/bench_training.py", "--json", "-"],
+    env={"SMB2_SERVERS": ",".join(cluster.servers[:nservers])}, capture_output=True, text=True)``,
+    parse its samples/s and return it; the table, the JSON and the speedup/efficiency arithmetic
+    pick it up unchanged.  Its workers must be children of that client-namespace process (never
+    started from this root-namespace process).
     """
     return None
 
@@ -296,6 +347,8 @@ def summarize(samples: list[dict[str, Any]], counts: list[int]) -> dict[str, Any
                 "rtt_us_median": med("rtt_us"),
                 "client_cpu_s_per_GB": med("client_cpu_s_per_GB"),
                 "server_cpu_s_per_GB": med("server_cpu_s_per_GB"),
+                "client_wakeups_per_MiB": med("client_wakeups_per_MiB"),
+                "server_wakeups_per_MiB": med("server_wakeups_per_MiB"),
                 "machine_busy": med("machine_busy"),
                 "others_busy": med("others_busy"),
             }
@@ -386,6 +439,7 @@ def top_frames(path: Path, limit: int = 25) -> str:
     """The frames that the samples of a py-spy raw (collapsed stacks) file spent most *own* time
     in, and the worker's share of samples in each op's code path."""
     own: dict[str, int] = {}
+    incl: dict[str, int] = {}
     total = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -393,11 +447,16 @@ def top_frames(path: Path, limit: int = 25) -> str:
             continue
         n = int(count)
         total += n
-        leaf = stack.rsplit(";", 1)[-1]
-        own[leaf] = own.get(leaf, 0) + n
+        frames = stack.split(";")
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + n
     lines = [f"py-spy: {total} samples in {path}; frames by own time:"]
     for leaf, n in sorted(own.items(), key=lambda kv: -kv[1])[:limit]:
         lines.append(f"  {n / max(total, 1):6.1%}  {leaf}")
+    lines.append("frames by inclusive time:")
+    for f, n in sorted(incl.items(), key=lambda kv: -kv[1])[:limit]:
+        lines.append(f"  {n / max(total, 1):6.1%}  {f}")
     return "\n".join(lines)
 
 
@@ -417,6 +476,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="PATH",
                    help="run the worker under py-spy (inside the client namespace): collapsed stacks to PATH "
                         "(py-spy's raw format) and the top frames by own time on stderr")
+    p.add_argument("--native", action="store_true", help="py-spy --native: C frames too (uvloop, numpy, _core)")
     p.add_argument("--profile-server", metavar="PATH",
                    help="py-spy server 0 (smb2-server, attached by pid) while the worker runs: collapsed stacks "
                         "to PATH and its top frames on stderr")
@@ -459,13 +519,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{Path(sys.executable).with_name('pip')} install py-spy)", file=sys.stderr)
                 return 2
         if args.profile:
-            cmd = [str(pyspy), "record", "--nonblocking", "-r", "250", "-f", "raw", "-o", args.profile, "--", *cmd]
+            # the worker attaches py-spy to itself for the measured rounds only (not set-up, warm-up)
+            cmd += ["--profile", args.profile, "--pyspy", str(pyspy)] + (["--native"] if args.native else [])
         spy = None
         if args.profile_server:
             # py-spy reads the server's memory by pid: it sends nothing over any network
-            spy = subprocess.Popen([str(pyspy), "record", "--nonblocking", "-r", "250", "-f", "raw",
-                                    "-o", args.profile_server, "-p", pids[0]],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = _spy(str(pyspy), int(pids[0]), args.profile_server, args.native)
         if not args.quiet:
             progress(f"worker in the client namespace {cluster.client_netns}: {size >> 20} MiB, stripe "
                      f"{fmt_size(stripe)}, {args.tasks} tasks, {args.rounds} rounds over {counts} server(s)")
@@ -480,15 +539,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(out_path.parent, ignore_errors=True)
             if spy is not None:
-                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-                try:
-                    spy.wait(30)
-                except subprocess.TimeoutExpired:
-                    spy.kill()
+                _stop_spy(spy)
         training = {n: training_samples_per_s(cluster, n) for n in counts}
     for path in (args.profile, args.profile_server):
-        if path and Path(path).exists():
-            print(top_frames(Path(path)), file=sys.stderr)
+        if path:
+            print(top_frames(Path(path)) if Path(path).exists() else f"py-spy wrote no {path}", file=sys.stderr)
     rows = summarize(result["samples"], counts)
     title = (f"smb2 scale-out: {fmt_size(size)} buffer, stripe {fmt_size(stripe)}, {args.tasks} client tasks, "
              f"tbf {args.rate} per server link, median of {args.rounds} rounds ({started:%Y-%m-%d %H:%M} UTC)")

@@ -672,23 +672,31 @@ class NetnsCluster:
             if self._closed or not self._started:
                 return
             self._closed = True
-        # a second Ctrl-C during teardown must not leave things half-removed
-        old_int = None
+        # A second Ctrl-C during teardown must not leave things half-removed; nor may a second
+        # SIGTERM/SIGHUP (`timeout` and `kill -- -PGID` send one to the process AND one to its
+        # group, so the second lands while the first is unwinding through this teardown): they are
+        # held back and the first of them is raised once everything is gone.
+        held: dict[int, Any] = {}
+        pending: list[int] = []
         if threading.current_thread() is threading.main_thread():
-            try:
-                old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-            except (ValueError, OSError):
-                pass
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                try:
+                    held[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
+                except (ValueError, OSError):
+                    pass
         try:
             self._teardown()
         finally:
-            if old_int is not None:
-                signal.signal(signal.SIGINT, old_int)
+            for sig, old in held.items():
+                signal.signal(sig, old)
             self._restore_signal_handlers()
             try:
                 atexit.unregister(self.close)
             except Exception:
                 pass
+        terminations = [s for s in pending if s != signal.SIGINT]
+        if terminations and sys.exc_info()[0] is None:
+            raise Terminated(terminations[0])
 
     def _teardown(self) -> None:
         t0 = time.monotonic()
