@@ -21,6 +21,7 @@ from .errors import (
     NoSuchBuffer,
     OutOfBounds,
     OutOfMemory,
+    PersistenceError,
     ProtocolError,
     ServerError,
     Smb2Error,
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "Client", "ErrorCode",
     "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockTimeout",
-    "NoSuchBuffer", "OutOfBounds", "OutOfMemory", "ProtocolError", "Server", "ServerError",
+    "NoSuchBuffer", "OutOfBounds", "OutOfMemory", "PersistenceError", "ProtocolError", "Server", "ServerError",
     "Smb2Error", "StaleFence", "TransportError", "Unsupported", "VersionMismatch", "connect",
     "start_server",
 ]

@@ -15,7 +15,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any, cast
 
-from .. import _core
+from .. import _core, auth
 from ..errors import ProtocolError, TransportError, server_error
 from ..protocol import (
     CLOSED,
@@ -40,6 +40,10 @@ _MASK64 = (1 << 64) - 1
 
 # what a reply carries
 _EMPTY, _INTO, _U64, _MSG = 0, 1, 2, 3
+# the largest replies the client accepts: an error's message, a control
+# reply (``stat`` of a server with thousands of buffers and locks)
+_MAX_ERROR_REPLY = 64 << 10
+_MAX_CONTROL_REPLY = 16 << 20
 
 
 class _Pending:
@@ -118,8 +122,23 @@ class _ClientProtocol(FrameReceiver):
         p = self.pending.get(hdr[5])
         if p is None:
             if hdr[5] == 0 and hdr[4]:
+                if size > _MAX_ERROR_REPLY:
+                    self.close_with(f"close reason of {size} bytes")
+                    return CLOSED
                 return INLINE     # the server's reason for closing us
             self.close_with(f"reply to unknown request {hdr[5]}")
+            return CLOSED
+        # Never trust an announced length: an inline payload is allocated
+        # before it arrives, and a broken or hostile server must not make the
+        # client allocate what it names.
+        if hdr[4] or p.kind == _MSG:
+            limit = _MAX_ERROR_REPLY if hdr[4] else _MAX_CONTROL_REPLY
+            if size > limit:
+                self.close_with(f"reply of {size} bytes to a request that expects at most {limit}")
+                return CLOSED
+        elif p.kind in (_U64, _EMPTY) and size != (8 if p.kind == _U64 else 0):
+            self.close_with(f"reply of {size} bytes to a request that expects "
+                            f"{8 if p.kind == _U64 else 0}")
             return CLOSED
         if hdr[4] == 0 and p.kind == _INTO:
             if size != p.length:
@@ -180,8 +199,10 @@ class TcpTransport(Transport):
         self._cork: list[bytes] = []
 
     @classmethod
-    async def connect(cls, address: tuple[str, int], *, timeout: float = 10.0) -> TcpTransport:
-        """Open the connection and say hello; raises TransportError."""
+    async def connect(cls, address: tuple[str, int], *, timeout: float = 10.0,
+                      token: bytes | None = None) -> TcpTransport:
+        """Open the connection, say hello and authenticate if the server asks;
+        raises TransportError (or AccessDenied)."""
         loop = asyncio.get_running_loop()
         label = f"{address[0]}:{address[1]}"
         try:
@@ -198,6 +219,8 @@ class TcpTransport(Transport):
         try:
             info = await asyncio.wait_for(
                 self.control({"cmd": "hello", "version": VERSION, "transports": ["tcp"]}), timeout)
+            info.update(await asyncio.wait_for(
+                auth.client_handshake(self.control, info, token, label), timeout))
         except BaseException:
             await self.close()
             raise
