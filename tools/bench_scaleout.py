@@ -114,16 +114,23 @@ def _proc_cpu(pid: int) -> float:
 
 
 def _wakeups(pid: int | str) -> int:
-    """Voluntary context switches of ``pid`` so far: about one per time its event loop slept in
-    epoll and was woken (0 if it is gone)."""
+    """Voluntary context switches of all threads of ``pid`` so far: about one per time a thread
+    slept (in epoll, recv, send) and was woken (0 if it is gone)."""
+    total = 0
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("voluntary_ctxt_switches:"):
-                    return int(line.split()[1])
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        pass
-    return 0
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:  # the thread ended meanwhile
+            pass
+    return total
 
 
 def _machine_cpu() -> tuple[float, float]:
@@ -160,7 +167,8 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
     counts = [int(x) for x in args.servers.split(",")]
     if max(counts) > len(endpoints):
         raise SystemExit(f"asked for {max(counts)} servers, SMB2_SERVERS has {len(endpoints)}")
-    server_pids = [int(p) for p in args.server_pids.split(",") if p]
+    smb2_pids = [int(p) for p in args.server_pids.split(",") if p]
+    raw_pids = [int(p) for p in args.raw_pids.split(",") if p]
     ncpu = os.cpu_count() or 1
     size, stripe, tasks = args.size, args.stripe, args.tasks
     chunk = args.chunk or (size // tasks)
@@ -251,6 +259,8 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
             ops = measured if r % 2 == 0 else measured[::-1]
             for n in order:
                 for op in ops:
+                    # the servers that serve this op: smb2-server, or the stand-ins for the baseline
+                    server_pids = raw_pids if op in RAW_OPS else smb2_pids
                     rtt = await rtt_us(n)
                     m0 = _machine_cpu()
                     s0 = [_proc_cpu(p) for p in server_pids[:n]]
@@ -323,6 +333,7 @@ def worker_main(argv: list[str]) -> int:
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--raw", default="", help="stand-in endpoints for the raw baseline")
+    ap.add_argument("--raw-pids", default="", help="their pids (for their CPU time)")
     ap.add_argument("--out", help="write the JSON here instead of stdout")
     ap.add_argument("--profile", help="py-spy this process during the measured rounds, raw output here")
     ap.add_argument("--pyspy", default="py-spy")
@@ -425,7 +436,7 @@ def format_table(rows: dict[str, Any], counts: list[int], rate_bits: int | None,
                 f"{op:9} {n:>7} {r['GBps_median']:7.3f} {r['GBps_min']:6.3f}..{r['GBps_max']:<6.3f} "
                 f"{r['speedup']:6.2f}x {r['efficiency']:6.1%} {f(r['vs_raw'], '.0%', 6)} {of_links:>8} "
                 f"{r['rtt_us_median']:6.0f} {r['client_cpu_s_per_GB']:12.2f} "
-                f"{f(None if raw else r['server_cpu_s_per_GB'], '.2f', 12)} "
+                f"{f(r['server_cpu_s_per_GB'], '.2f', 12)} "
                 f"{r['machine_busy']:7.0%} {(r['others_busy'] or 0):6.0%} "
                 f"{'' if raw else ('n/a' if tr is None else f'{tr:.1f}'):>15}")
     return "\n".join(lines)
@@ -520,10 +531,11 @@ def top_frames(path: Path, limit: int = 25) -> str:
     return "\n".join(lines)
 
 
-def start_stand_ins(cluster: netns_cluster.NetnsCluster) -> list[str]:
+def start_stand_ins(cluster: netns_cluster.NetnsCluster) -> tuple[list[str], list[int]]:
     """Start netns_cluster's stand-in server (plain sockets: sink for writes, source for reads)
     beside smb2-server on every server host, one port up; return their endpoints.  They live in
-    the cluster's server namespaces, so the cluster's teardown removes them with everything else."""
+    the cluster's server namespaces, so the cluster's teardown removes them with everything else.
+    Returns their endpoints and pids."""
     port = cluster.port + 1
     procs = []
     for netns, addr in zip(cluster.server_netns, cluster.server_addrs):
@@ -538,7 +550,7 @@ def start_stand_ins(cluster: netns_cluster.NetnsCluster) -> list[str]:
             raise netns_cluster.NetnsError(f"a stand-in server did not start (exit {p.poll()}): {line!r}")
         assert p.stdout is not None
         p.stdout.close()
-    return [f"{addr}:{port}" for addr in cluster.server_addrs]
+    return [f"{addr}:{port}" for addr in cluster.server_addrs], [p.pid for p in procs]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -596,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
                "--rounds", str(args.rounds), "--server-pids", ",".join(pids), "--loop", args.loop,
                "--ops", args.ops, "--out", str(out_path)]
         if not args.no_baseline:
-            cmd += ["--raw", ",".join(start_stand_ins(cluster))]
+            raw_endpoints, raw_pids = start_stand_ins(cluster)
+            cmd += ["--raw", ",".join(raw_endpoints), "--raw-pids", ",".join(map(str, raw_pids))]
         pyspy = Path(sys.executable).with_name("py-spy")
         if args.profile or args.profile_server:
             if not pyspy.exists():
