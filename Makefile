@@ -27,7 +27,7 @@ demo: $(VENV)/.installed-runtime
 test: $(VENV)/.installed-test lint typecheck pytest
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check src tests tools examples
+	$(BIN)/ruff check $(wildcard src tests tools examples)
 
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy src/smb2
@@ -37,4 +37,4 @@ pytest: $(VENV)/.installed-test
 	$(BIN)/pytest $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info src/smb2/_core.c src/smb2/*.so .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build src/*.egg-info src/smb2/_core.c src/smb2/_verbs.c src/smb2/*.so .pytest_cache .mypy_cache .ruff_cache

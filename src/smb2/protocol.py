@@ -38,6 +38,9 @@ DATA_OPS: Final = frozenset({Op.READ, Op.WRITE, Op.ACCUMULATE, Op.FETCH_ADD,
 
 # flags
 FLAG_REPLY: Final = 0x0001
+# ACCUMULATE only: the delta is in the connection's RDMA staging area; the
+# payload is u64 staging offset, u64 length (see rdma_server.py)
+FLAG_STAGED: Final = 0x0002
 DTYPE_SHIFT: Final = 4
 DTYPE_MASK: Final = 0x00F0
 

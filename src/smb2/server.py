@@ -37,6 +37,7 @@ from .protocol import (
     DTYPE_MASK,
     DTYPE_SHIFT,
     FLAG_REPLY,
+    FLAG_STAGED,
     INLINE,
     MAX_CONTROL,
     VERSION,
@@ -48,6 +49,7 @@ from .protocol import (
     parse_size,
     unpack,
 )
+from .rdma_server import RdmaServer, RefusedError
 
 log = logging.getLogger("smb2.server")
 
@@ -119,7 +121,10 @@ class MemoryServer:
     Create it with :func:`start_server`; ``address`` is ``(host, port)``."""
 
     def __init__(self, *, capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
-                 max_buffers: int = 4096) -> None:
+                 max_buffers: int = 4096, rdma: str = "auto", rdma_device: str | None = None,
+                 rdma_gid_index: int | None = None) -> None:
+        if rdma not in ("auto", "on", "off"):
+            raise InvalidArgumentError(f"rdma must be auto, on or off, not {rdma!r}")
         self.capacity = parse_size(capacity)
         self.max_frame = max_frame
         self.max_buffers = max_buffers
@@ -137,9 +142,21 @@ class MemoryServer:
         self._server: asyncio.AbstractServer | None = None
         self.address: tuple[str, int] = ("", 0)
         self.server_id = os.urandom(8).hex()
+        # RDMA (rdma_server.py): opened at start() unless rdma="off"
+        self._rdma_args = (rdma, rdma_device, rdma_gid_index)
+        self.rdma: RdmaServer | None = None
+        self.rdma_reason: str | None = "not started"
 
     # -- lifecycle --------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
+        mode, device, gid_index = self._rdma_args
+        if mode == "off":
+            self.rdma_reason = "the server runs with rdma off"
+        elif self.rdma is None:
+            self.rdma, self.rdma_reason = RdmaServer.open(device, gid_index)
+            if self.rdma is None and mode == "on":
+                raise InvalidArgumentError(f"rdma=on, but RDMA is not available: {self.rdma_reason}")
+            log.info("RDMA: %s", self.rdma.describe() if self.rdma else f"off ({self.rdma_reason})")
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: _Connection(self), host, port, reuse_address=True)
@@ -155,6 +172,9 @@ class MemoryServer:
                 conn.abort("server shutting down")
             await self._server.wait_closed()
             self._server = None
+        if self.rdma is not None:
+            self.rdma.close()
+            self.rdma = None
         self.segments.clear()
         self.by_name.clear()
         self.used = 0
@@ -193,6 +213,11 @@ class MemoryServer:
         except (OSError, MemoryError, OverflowError) as exc:
             raise _Refused(ErrorCode.OUT_OF_MEMORY, f"cannot map {size} bytes: {exc}") from None
         seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view)
+        if self.rdma is not None:
+            try:
+                self.rdma.register(seg.id, view)     # once, for the segment's lifetime
+            except RefusedError as exc:
+                raise _Refused(exc.code, str(exc)) from None
         self.segments[seg.id] = seg
         self.by_name[name] = seg
         self.used += size
@@ -211,6 +236,9 @@ class MemoryServer:
             return {"destroyed": False}
         del self.segments[seg.id]
         self.used -= seg.size
+        if self.rdma is not None:
+            # in-flight RDMA to it now fails with a remote access error
+            self.rdma.deregister(seg.id)
         # The memory is released when the last view of it is gone (a reply
         # still being sent may hold one).
         return {"destroyed": True}
@@ -228,6 +256,8 @@ class MemoryServer:
                         for s in self.segments.values()},
             "connections": len(self.connections),
             "ops": {t: dict(c) for t, c in self.ops.items()},
+            "transports": ["tcp", "rdma"] if self.rdma else ["tcp"],
+            "rdma": self.rdma.describe() if self.rdma else {"off": self.rdma_reason},
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "refused": self.refused,
@@ -263,6 +293,8 @@ class _Connection(FrameReceiver):
         self._uvloop = False
         # the write whose payload is being received in place: (segment, range)
         self._write: tuple[Segment, tuple[int, int]] | None = None
+        # this client's queue pair and staging area, after rdma_connect
+        self.rdma_peer: Any = None
 
     # -- asyncio -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -283,6 +315,9 @@ class _Connection(FrameReceiver):
             seg, rng = self._write
             self._write = None
             seg.write_done(rng)
+        if self.rdma_peer is not None and self.server.rdma is not None:
+            self.server.rdma.drop(self.rdma_peer)
+        self.rdma_peer = None
         self.transport = None
         log.debug("connection from %s closed%s", self.peer, f": {exc}" if exc else "")
 
@@ -369,6 +404,12 @@ class _Connection(FrameReceiver):
             self.close_with("the first request must be hello", hdr)
             return CLOSED
         try:
+            if op == Op.ACCUMULATE and flags & FLAG_STAGED:
+                # payload: u64 staging offset, u64 length (checked in on_frame)
+                if size != 16 or self.rdma_peer is None:
+                    raise _Refused(ErrorCode.BAD_REQUEST, "a staged accumulate needs rdma_connect "
+                                   "and a 16-byte payload")
+                return INLINE
             atomic = op in (Op.FETCH_ADD, Op.COMPARE_SWAP)
             seg = self._segment(segment, offset, 8 if atomic else length)
             if op == Op.WRITE:
@@ -427,6 +468,9 @@ class _Connection(FrameReceiver):
                         _core.copy_into(wseg.view[offset:offset + length], payload)
                     wseg.write_done(rng)
                 self._reply(hdr)
+            elif op == Op.ACCUMULATE and hdr[3] & FLAG_STAGED:
+                assert payload is not None
+                self._accumulate_staged(hdr, payload)
             elif op == Op.ACCUMULATE:
                 assert seg is not None and payload is not None
                 self.server.bytes_in += length
@@ -465,6 +509,20 @@ class _Connection(FrameReceiver):
         _core.accumulate(seg.view[offset:offset + length], payload, code)
         self._reply(hdr)
 
+    def _accumulate_staged(self, hdr: tuple[int, ...], payload: memoryview) -> None:
+        # The delta was RDMA-written into this connection's staging area.
+        soff, length = _core.unpack_u64(payload, 0), _core.unpack_u64(payload, 8)
+        seg = self._segment(hdr[6], hdr[7], length)
+        itemsize = _core.dtype_itemsize((hdr[3] & DTYPE_MASK) >> DTYPE_SHIFT)
+        if hdr[7] % itemsize or length % itemsize:
+            raise _Refused(ErrorCode.BAD_REQUEST,
+                           f"accumulate of {itemsize}-byte items needs an aligned offset and length")
+        try:
+            delta = self.rdma_peer.staged(soff, length)
+        except RefusedError as exc:
+            raise _Refused(exc.code, str(exc)) from None
+        self._accumulate((*hdr[:8], length), seg, delta)
+
     def _control(self, hdr: tuple[int, ...], payload: memoryview) -> None:
         try:
             msg = unpack(payload)
@@ -483,15 +541,40 @@ class _Connection(FrameReceiver):
             self.greeted = True
             result: dict[str, Any] = {
                 "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
-                "max_frame": srv.max_frame, "transports": ["tcp"]}
+                "max_frame": srv.max_frame,
+                "transports": ["tcp", "rdma"] if srv.rdma else ["tcp"]}
+            if srv.rdma is None:
+                result["rdma_off"] = srv.rdma_reason
         elif not self.greeted:
             self.close_with("the first request must be hello", hdr)
             return
         elif cmd == "create":
             result = srv.create(_str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
                                 _uint(msg, "nservers"), _uint(msg, "index"))
+            if srv.rdma is not None:
+                result.update(srv.rdma.segment_info(result["segment"]))
         elif cmd == "lookup":
             result = srv.lookup(_str(msg, "name"))
+            if srv.rdma is not None:
+                result.update(srv.rdma.segment_info(result["segment"]))
+        elif cmd == "rdma_segment":
+            seg = srv.segments.get(_uint(msg, "segment"))
+            if seg is None:
+                raise _Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {msg['segment']} "
+                               "(destroyed, or the server restarted)")
+            result = {**seg.info(), **(srv.rdma.segment_info(seg.id) if srv.rdma else {})}
+        elif cmd == "rdma_connect":
+            if srv.rdma is None:
+                raise _Refused(ErrorCode.UNSUPPORTED, f"this server has no RDMA: {srv.rdma_reason}")
+            try:
+                peer, result = srv.rdma.connect(msg)
+            except RefusedError as exc:
+                raise _Refused(exc.code, str(exc)) from None
+            if self.rdma_peer is not None:
+                srv.rdma.drop(self.rdma_peer)
+            self.rdma_peer = peer
+            # from now on this connection's server-side work counts as rdma's
+            self.transport_name = "rdma"
         elif cmd == "destroy":
             result = srv.destroy(_str(msg, "name"))
         elif cmd == "list":
@@ -505,11 +588,14 @@ class _Connection(FrameReceiver):
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                        capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
-                       max_buffers: int = 4096) -> MemoryServer:
+                       max_buffers: int = 4096, rdma: str = "auto", rdma_device: str | None = None,
+                       rdma_gid_index: int | None = None) -> MemoryServer:
     """Start a memory server in the running loop and return it once it listens.
 
-    ``port=0`` picks a free port (see ``server.address``)."""
-    server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers)
+    ``port=0`` picks a free port (see ``server.address``).  ``rdma``: "auto"
+    (serve RDMA where this machine can), "on" (fail if it cannot), "off"."""
+    server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers,
+                          rdma=rdma, rdma_device=rdma_device, rdma_gid_index=rdma_gid_index)
     await server.start(host, port)
     return server
 
@@ -527,6 +613,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", default="1GiB", help="memory to serve, e.g. 512MiB, 8GiB (default 1GiB)")
     p.add_argument("--max-frame", default=str(DEFAULT_MAX_FRAME),
                    help="largest payload of one request (default 64MiB)")
+    p.add_argument("--rdma", choices=("auto", "on", "off"), default="auto",
+                   help="serve RDMA: auto (where a device is usable; default), on, off")
+    p.add_argument("--rdma-device", default=None, help="RDMA device name (default: the first ACTIVE one)")
+    p.add_argument("--rdma-gid-index", type=int, default=None,
+                   help="GID index (default: the port's IPv4 RoCE v2 GID)")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     return p
@@ -534,7 +625,8 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _serve(args: argparse.Namespace) -> None:
     server = await start_server(args.host, args.port, capacity=args.capacity,
-                                max_frame=parse_size(args.max_frame))
+                                max_frame=parse_size(args.max_frame), rdma=args.rdma,
+                                rdma_device=args.rdma_device, rdma_gid_index=args.rdma_gid_index)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -12,7 +12,7 @@ import asyncio
 import errno as errno_mod
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from .. import _core
@@ -60,6 +60,9 @@ class _ClientProtocol(FrameReceiver):
         self._drain: asyncio.Future[None] | None = None
         self._paused = False
         self.uvloop = False
+        # called once with the error when the connection is lost (the RDMA
+        # transport, which rides on this connection, fails its ops with it)
+        self.on_lost: Callable[[Exception], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport
@@ -82,6 +85,9 @@ class _ClientProtocol(FrameReceiver):
                 p.fut.set_exception(self.lost)
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(self.lost)
+        if self.on_lost is not None:
+            on_lost, self.on_lost = self.on_lost, None
+            on_lost(self.lost)
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -270,6 +276,12 @@ class TcpTransport(Transport):
     async def compare_swap(self, segment: int, offset: int, expected: int, new: int) -> int:
         return int(await self._call(Op.COMPARE_SWAP, 0, segment, offset, 16,
                                     _core.pack_u64x2(expected & _MASK64, new & _MASK64), _U64))
+
+    def abort(self) -> None:
+        """Drop the connection now (no waiting; pending ops fail)."""
+        t = self._proto.transport
+        if t is not None:
+            t.abort()
 
     async def close(self) -> None:
         t = self._proto.transport
