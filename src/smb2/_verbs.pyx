@@ -21,6 +21,7 @@ everything made from it.  Errors are ``VerbsError`` (an ``OSError`` carrying
 the errno); the transport turns them into ``smb2.TransportError``.
 """
 
+cimport cython
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE,
                              PyBUF_SIMPLE, PyBUF_ANY_CONTIGUOUS)
 from cpython.bytes cimport PyBytes_FromStringAndSize
@@ -271,6 +272,8 @@ def device_names():
         ibv_free_device_list(lst)
 
 
+# a parent must outlive its children, also when the GC breaks a cycle
+@cython.no_gc_clear
 cdef class _Resource:
     """Base: an idempotent close(), children closed before their parent."""
     cdef object _children
@@ -303,6 +306,8 @@ cdef class _Resource:
         self._release()
 
 
+# a parent must outlive its children, also when the GC breaks a cycle
+@cython.no_gc_clear
 cdef class Context(_Resource):
     """An opened RDMA device."""
     cdef ibv_context *ctx
@@ -372,6 +377,8 @@ cdef class Context(_Resource):
             self.ctx = NULL
 
 
+# a parent must outlive its children, also when the GC breaks a cycle
+@cython.no_gc_clear
 cdef class PD(_Resource):
     """A protection domain: MRs and QPs of one PD can work together."""
     cdef ibv_pd *pd
@@ -399,6 +406,8 @@ cdef class PD(_Resource):
             self.pd = NULL
 
 
+# a parent must outlive its children, also when the GC breaks a cycle
+@cython.no_gc_clear
 cdef class MR(_Resource):
     """A memory region over a writable buffer (bytearray, mmap, numpy array).
 
@@ -493,6 +502,8 @@ cdef class MRTable:
         return None
 
 
+# a parent must outlive its children, also when the GC breaks a cycle
+@cython.no_gc_clear
 cdef class CQ(_Resource):
     """A completion queue with its own completion channel.
 
@@ -569,6 +580,8 @@ cdef class CQ(_Resource):
             self.channel = NULL
 
 
+# a parent must outlive its children, also when the GC breaks a cycle
+@cython.no_gc_clear
 cdef class QP(_Resource):
     """An RC queue pair (send side only: smb2 posts no receives)."""
     cdef ibv_qp *qp
@@ -791,6 +804,8 @@ cdef class QP(_Resource):
             self.qp = NULL
 
 
+# a parent must outlive its children, also when the GC breaks a cycle
+@cython.no_gc_clear
 cdef class Completions:
     """Waiting futures by ``wr_id`` (a slot number), and the CQ drain.
 

@@ -27,7 +27,7 @@ from typing import Any, cast
 import numpy as np
 
 from . import _core
-from .errors import ErrorCode, InvalidArgumentError
+from .errors import ErrorCode, InvalidArgumentError, TransportError
 from .protocol import (
     CLOSED,
     DATA_OPS,
@@ -155,7 +155,7 @@ class MemoryServer:
         elif self.rdma is None:
             self.rdma, self.rdma_reason = RdmaServer.open(device, gid_index)
             if self.rdma is None and mode == "on":
-                raise InvalidArgumentError(f"rdma=on, but RDMA is not available: {self.rdma_reason}")
+                raise TransportError(f"rdma=on, but RDMA is not available: {self.rdma_reason}")
             log.info("RDMA: %s", self.rdma.describe() if self.rdma else f"off ({self.rdma_reason})")
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
@@ -656,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(_serve(args))
         else:
             asyncio.run(_serve(args))
+    except TransportError as exc:
+        print(f"smb2-server: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"smb2-server: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
