@@ -168,3 +168,13 @@ async def test_register_is_harmless_without_rdma(cluster: smb2.LocalCluster, tra
     reg.close()
     with pytest.raises(smb2.InvalidArgumentError):
         client.register(b"read-only")
+
+
+@pytest.mark.skipif(REASON is None, reason="this machine has RDMA")
+def test_server_command_with_rdma_on_says_what_is_missing() -> None:
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "smb2.server", "--port", "0", "--rdma", "on"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "rdma=on, but RDMA is not available" in proc.stderr, proc.stderr

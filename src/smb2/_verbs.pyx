@@ -300,10 +300,13 @@ cdef class _Resource:
     def __exit__(self, *exc):
         self.close()
 
-    def __dealloc__(self):
-        # Children hold a reference to their parent, so a parent is only
-        # collected after its children: releasing here is safe.
-        self._release()
+    # Each concrete class has its own __dealloc__ calling _release(): Cython
+    # runs a subclass's __dealloc__ *before* it clears the subclass's fields,
+    # while the parent reference (``self.context``, ``self.pd``) still holds
+    # the parent alive.  (Releasing from this base class's __dealloc__ would
+    # run after those fields were cleared: a PD freed after its context.)
+    # Children hold a reference to their parent, so a parent is only
+    # collected after its children.
 
 
 # a parent must outlive its children, also when the GC breaks a cycle
@@ -371,6 +374,9 @@ cdef class Context(_Resource):
             _fail(f"ibv_query_gid({port}, {index})")
         return PyBytes_FromStringAndSize(<char *>g.raw, 16)
 
+    def __dealloc__(self):
+        self._release()
+
     cdef _release(self):
         if self.ctx != NULL:
             ibv_close_device(self.ctx)
@@ -399,6 +405,9 @@ cdef class PD(_Resource):
     cdef _check(self):
         if self.pd == NULL:
             raise VerbsError("protection domain is closed")
+
+    def __dealloc__(self):
+        self._release()
 
     cdef _release(self):
         if self.pd != NULL:
@@ -454,6 +463,9 @@ cdef class MR(_Resource):
     @property
     def rkey(self):
         return self.mr.rkey if self.mr != NULL else 0
+
+    def __dealloc__(self):
+        self._release()
 
     cdef _release(self):
         if self.mr != NULL:
@@ -567,6 +579,9 @@ cdef class CQ(_Resource):
             ibv_ack_cq_events(self.cq, self.unacked)
             self.unacked = 0
         return n
+
+    def __dealloc__(self):
+        self._release()
 
     cdef _release(self):
         if self.cq != NULL:
@@ -797,6 +812,9 @@ cdef class QP(_Resource):
         cdef int rc = ibv_post_send(self.qp, &wr, &bad)
         if rc:
             _fail("ibv_post_send", rc)
+
+    def __dealloc__(self):
+        self._release()
 
     cdef _release(self):
         if self.qp != NULL:

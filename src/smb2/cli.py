@@ -31,9 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("bench", "demo"):
         # these own their flags
         if argv[0] == "bench":
-            import importlib
-            bench = importlib.import_module(".bench", __package__)
-            return int(bench.main(argv[1:]))
+            from . import bench
+            return bench.main(argv[1:])
         from . import demo
         return demo.main(argv[1:])
     args = p.parse_args(argv)

@@ -480,7 +480,15 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     environment variable ``SMB2_SERVERS="h:p,h:p"``).
 
     The order of the servers defines the buffers' striping: every client of a
-    cluster must list them in the same order.  Raises :class:`TransportError`
+    cluster must list them in the same order.
+
+    ``transport``: "auto" (RDMA where this machine has a usable device and
+    the server offers it, else TCP; chosen per server and logged once at
+    INFO), "rdma" (never falls back: raises TransportError saying what is
+    missing) or "tcp".  ``rdma_device`` / ``rdma_gid_index`` pick the device
+    and GID (default: the first ACTIVE device, its IPv4 RoCE v2 GID);
+    ``poll="busy"`` spins on the completion queue while an RDMA operation
+    waits (lowest latency, one busy core) instead of sleeping in the loop.  Raises :class:`TransportError`
     if a server cannot be reached."""
     if isinstance(servers, str):
         servers = [s for s in (p.strip() for p in servers.split(",")) if s]
