@@ -285,17 +285,19 @@ class Registration:
     """Memory registered by :meth:`Client.register`; ``close()`` (idempotent)
     unregisters it."""
 
-    __slots__ = ("view", "_handles")
+    __slots__ = ("view", "_handles", "_closed")
 
     def __init__(self, view: memoryview, handles: list[tuple[Any, Any]]) -> None:
         self.view = view
         self._handles = handles
+        self._closed = False
 
     @property
     def closed(self) -> bool:
-        return not self._handles
+        return self._closed
 
     def close(self) -> None:
+        self._closed = True
         handles, self._handles = self._handles, []
         for dom, h in handles:
             dom.unregister(h)

@@ -132,7 +132,8 @@ class RdmaServer:
             self.mrs[seg_id] = _verbs.MR(self.device.pd, view, self.segment_access)
         except OSError as exc:
             raise RefusedError(ErrorCode.OUT_OF_MEMORY,
-                               f"cannot register {len(view)} bytes for RDMA: {exc}") from None
+                               f"cannot register {len(view)} bytes for RDMA: {exc} (registered "
+                               "memory is pinned: see the memlock limit, ulimit -l)") from None
 
     def deregister(self, seg_id: int) -> None:
         mr = self.mrs.pop(seg_id, None)

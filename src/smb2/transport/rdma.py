@@ -451,6 +451,8 @@ class RdmaTransport(Transport):
         """Zero copy from/to registered user memory; False if some piece is not."""
         plist = list(pieces)
         nwr = -(-len(plist) // self._qp.max_sge)
+        if nwr > SQ_DEPTH // 4:
+            return False    # a tiny stripe: thousands of pieces; gathering is cheaper
         fut = self._loop.create_future()
         slot = await self._alloc(fut, nwr, kind)
         try:
