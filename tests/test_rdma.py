@@ -178,3 +178,49 @@ def test_server_command_with_rdma_on_says_what_is_missing() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "rdma=on, but RDMA is not available" in proc.stderr, proc.stderr
+
+
+@needs_rdma
+async def test_nothing_native_leaks() -> None:
+    import gc
+    assert _verbs is not None
+    gc.collect()
+    before = _verbs.live_resources()
+    async with smb2.LocalCluster(servers=2) as cluster:
+        client = await cluster.connect(transport="rdma")
+        buf = await client.create("leak", 2 * MiB, stripe=64 << 10)
+        arr = np.ones(2 * MiB, dtype=np.uint8)
+        with client.register(arr):
+            await buf.write(0, arr)
+        await buf.accumulate(0, np.ones(16, dtype=np.int64))
+        assert await buf.fetch_add(0, 1) == 0x0101010101010102
+        during = _verbs.live_resources()
+        # per connection: a QP on each side; the client's CQ; segment MRs, staging,
+        # bounce and atomic-word MRs
+        assert during["qp"] - before["qp"] == 4
+        await client.destroy("leak")
+        await client.close()
+    gc.collect()
+    after = _verbs.live_resources()
+    assert {k: after[k] for k in ("qp", "mr", "cq")} == {k: before[k] for k in ("qp", "mr", "cq")}
+
+
+@needs_rdma
+async def test_a_dead_queue_pair_surfaces_by_retry_timeout_and_is_recreated() -> None:
+    # The server's QP vanishes while its TCP connection stays up: only the
+    # RC retry timeout can tell (what a hung or unreachable server looks like).
+    async with smb2.LocalCluster(servers=1) as cluster:
+        client = await cluster.connect(transport="rdma")
+        buf = await client.create("retry", 8192)
+        await buf.write(0, b"before")
+        for conn in cluster.servers[0].connections:
+            if conn.rdma_peer is not None:
+                conn.rdma_peer.qp.close()
+        t0 = time.monotonic()
+        with pytest.raises(smb2.TransportError) as info:
+            await asyncio.wait_for(buf.read(0, 6), 60)
+        elapsed = time.monotonic() - t0
+        assert info.value.status == 12, info.value          # IBV_WC_RETRY_EXC_ERR
+        # 8 tries of 67 ms: about half a second (TCG and host load stretch it)
+        assert elapsed < 15, elapsed
+        assert bytes(await buf.read(0, 6)) == b"before"      # a new QP on the next use

@@ -33,10 +33,11 @@ fi
 
 echo "RDMA tier: the test suite with SMB2_TEST_TRANSPORTS=rdma in a soft-RoCE VM ($check)"
 start=$(date +%s)
-# generous per-test timeout: TCG emulates every instruction
+# generous per-test timeout: TCG emulates every instruction; a test stuck for
+# 5 minutes gets every thread's traceback dumped (faulthandler) before that
 tools/rxe_vm.sh --env PYTHONPATH="$PWD/src" --env SMB2_TEST_TRANSPORTS=rdma \
-  --env SMB2_RDMA_TIER=1 -- \
-  python3 -m pytest -p no:cacheprovider --timeout=600 -q -rs "$@" tests
+  --env SMB2_RDMA_TIER=1 --env PYTHONUNBUFFERED=1 -- \
+  python3 -m pytest -p no:cacheprovider --timeout=600 -o faulthandler_timeout=300 -q -rs "$@" tests
 rc=$?
 echo "RDMA tier: exit code $rc after $(( $(date +%s) - start )) s"
 exit $rc

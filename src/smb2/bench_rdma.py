@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -84,7 +85,7 @@ class _Bare:
         a.max_rd_atomic = min(d.max_rd_atomic, int(r["max_rd_atomic"]))
         a.min_rnr_timer = 12
         a.timeout = 14
-        a.retry_cnt = 7
+        a.retry_cnt = 6
         a.rnr_retry = 7
         if d.ethernet:
             gr = GlobalRoute(dgid=GID(_gid_text(bytes(r["gid"]))), sgid_index=d.gid_index)
@@ -261,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     args.repeat = args.repeat or (3 if args.quick else 5)
     try:
         import pyverbs.qp  # noqa: F401
+        # pyverbs calls logging.basicConfig() when imported: keep smb2 as quiet as usual
+        logging.getLogger("smb2").setLevel(logging.WARNING)
     except ImportError as exc:
         print(f"smb2 bench: the baseline needs pyverbs (apt-get install python3-pyverbs): {exc}",
               file=sys.stderr)

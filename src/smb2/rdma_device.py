@@ -17,6 +17,7 @@ InfiniBand port the LID routes instead.  ``SMB2_RDMA_DEVICE`` and
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import mmap
 import os
@@ -28,9 +29,13 @@ log = logging.getLogger("smb2.transport.rdma")
 try:
     from . import _verbs
     _IMPORT_ERROR: str | None = None
-except ImportError as exc:  # built without libibverbs headers, or no libibverbs.so
+except ImportError as exc:
     _verbs = None  # type: ignore[assignment]
-    _IMPORT_ERROR = str(exc)
+    if importlib.util.find_spec(f"{__package__}._verbs") is None:
+        _IMPORT_ERROR = ("smb2._verbs was not built: the libibverbs headers were missing "
+                         "(apt-get install libibverbs-dev, then reinstall smb2)")
+    else:  # built, but e.g. libibverbs.so.1 is not installed here
+        _IMPORT_ERROR = f"smb2._verbs does not load: {exc}"
 
 _SYSFS = "/sys/class/infiniband"
 _lock = threading.Lock()
@@ -65,7 +70,7 @@ class Device:
 
     def __init__(self, name: str | None = None, port: int = 1, gid_index: int | None = None) -> None:
         if _verbs is None:
-            raise OSError(f"smb2 was built without RDMA support ({_IMPORT_ERROR})")
+            raise OSError(f"no RDMA support in this smb2: {_IMPORT_ERROR}")
         names = _verbs.device_names()
         if not names:
             raise OSError("no RDMA device on this machine")
@@ -172,7 +177,7 @@ def get_device(name: str | None = None, gid_index: int | None = None, port: int 
 def unavailable_reason(name: str | None = None, gid_index: int | None = None) -> str | None:
     """Why this process cannot do RDMA with these settings, or None."""
     if _verbs is None:
-        return f"smb2 was built without RDMA support (_verbs: {_IMPORT_ERROR})"
+        return f"no RDMA support in this smb2: {_IMPORT_ERROR}"
     try:
         get_device(name, gid_index)
     except OSError as exc:
