@@ -2,9 +2,14 @@
 
 SMB2_DEBUG=1 makes a debug build: -O0 -g, Cython line tracing and an
 annotated HTML file beside each .pyx.
+
+``smb2._verbs`` (the RDMA data path) is built only where the libibverbs
+headers are installed (Debian: ``libibverbs-dev``); without them smb2 is a
+TCP-only install.  SMB2_NO_VERBS=1 skips it on purpose.
 """
 
 import os
+import sysconfig
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -18,9 +23,21 @@ if DEBUG:
     macros.append(("CYTHON_TRACE_NOGIL", "1"))
 cflags = ["-O0", "-g"] if DEBUG else ["-O3"]
 
+
+def have_verbs_header() -> bool:
+    if os.environ.get("SMB2_NO_VERBS") == "1":
+        return False
+    dirs = [os.environ.get("SMB2_VERBS_INCLUDE", ""), sysconfig.get_config_var("INCLUDEDIR") or "",
+            "/usr/include", "/usr/local/include"]
+    return any(d and os.path.exists(os.path.join(d, "infiniband", "verbs.h")) for d in dirs)
+
+
 extensions = [
     Extension("smb2._core", ["src/smb2/_core.pyx"], extra_compile_args=cflags,
               define_macros=macros),
 ]
+if have_verbs_header():
+    extensions.append(Extension("smb2._verbs", ["src/smb2/_verbs.pyx"], extra_compile_args=cflags,
+                                define_macros=macros, libraries=["ibverbs"]))
 
 setup(ext_modules=cythonize(extensions, compiler_directives=directives, annotate=DEBUG))

@@ -21,6 +21,22 @@ import smb2
 
 TRANSPORTS = [t for t in os.environ.get("SMB2_TEST_TRANSPORTS", "tcp").split(",") if t]
 
+# The soft-RoCE tier (tools/rdma_tier.sh) runs this suite again in a VM under
+# TCG with SMB2_TEST_TRANSPORTS=rdma.  What it adds is the transport: so it
+# runs the tests parametrized over transports (and the RDMA-only modules);
+# the rest would only repeat the host run, many times slower.
+RDMA_TIER = os.environ.get("SMB2_RDMA_TIER") == "1"
+_RDMA_MODULES = {"test_rdma.py", "test_verbs.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not RDMA_TIER:
+        return
+    skip = pytest.mark.skip(reason="RDMA tier: not parametrized over transports (the host run covers it)")
+    for item in items:
+        if item.path.name not in _RDMA_MODULES and "transport" not in getattr(item, "fixturenames", ()):
+            item.add_marker(skip)
+
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
                                   ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:

@@ -123,6 +123,9 @@ async def test_accumulate_and_writes_interleave_atomically(client: smb2.Client) 
     # concurrent big writes of zeros and accumulates of ones on the same range:
     # every element ends as (number of accumulates after the last write), the
     # same for all elements of a request (no torn accumulate)
+    if client.transports[0] == "rdma":
+        pytest.skip("one-sided RDMA WRITEs bypass the server's CPU: accumulate is atomic only "
+                    "against other accumulates there (serialize with the lock)")
     n = (2 * MiB) // 8
     buf = await client.create("atomic", n * 8, stripe=n * 8)   # one server holds it all
     zeros = np.zeros(n, dtype=np.int64)

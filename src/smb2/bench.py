@@ -696,6 +696,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.transport == "rdma":
+        # against a bare pyverbs post-and-poll loop instead (bench_rdma.py)
+        from . import bench_rdma
+        return bench_rdma.main(argv)
     if args.raw_peer:
         return _run_peer(args.raw_peer_bytes)
     if args.servers < 1:

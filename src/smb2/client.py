@@ -23,6 +23,7 @@ from .errors import (
     InterfaceError,
     InvalidArgumentError,
     Smb2Error,
+    TransportError,
 )
 from .lock import Fence, Lock, fence_of
 from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, parse_address
@@ -71,14 +72,14 @@ class _Link:
     """One server of the client: its address, and the transport to it
     (reconnected on the next operation after a failure)."""
 
-    __slots__ = ("address", "kind", "timeout", "token", "transport", "_connecting")
+    __slots__ = ("address", "kind", "timeout", "options", "transport", "_connecting")
 
     def __init__(self, address: tuple[str, int], kind: str, timeout: float,
-                 token: bytes | None = None) -> None:
+                 options: dict[str, Any] | None = None) -> None:
         self.address = address
         self.kind = kind
         self.timeout = timeout
-        self.token = token
+        self.options = options or {}
         self.transport: Transport | None = None
         self._connecting: asyncio.Future[Transport] | None = None
 
@@ -92,7 +93,7 @@ class _Link:
             return t
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(
-                open_transport(self.address, self.kind, timeout=self.timeout, token=self.token))
+                open_transport(self.address, self.kind, timeout=self.timeout, **self.options))
         fut = self._connecting
         try:
             t = await asyncio.shield(fut)
@@ -101,7 +102,9 @@ class _Link:
                 self._connecting = None
                 if not fut.cancelled():
                     fut.exception()     # retrieved: a failure is re-raised to each waiter
-        self.transport = t
+        old, self.transport = self.transport, t
+        if old is not None and old is not t:
+            await old.close()       # a failed one: release what it still holds
         return t
 
     async def close(self) -> None:
@@ -117,11 +120,12 @@ class Client:
     """A connection to a cluster of memory servers.  Make it with
     :func:`connect`; close it with ``await client.close()`` or ``async with``."""
 
-    __slots__ = ("_links", "_closed", "__weakref__")
+    __slots__ = ("_links", "_closed", "_registered", "__weakref__")
 
     def __init__(self, links: list[_Link]) -> None:
         self._links = links
         self._closed = False
+        self._registered: list[Registration] = []
 
     # -- lifecycle --------------------------------------------------------
     @property
@@ -143,6 +147,34 @@ class Client:
             return
         self._closed = True
         await asyncio.gather(*(link.close() for link in self._links), return_exceptions=True)
+        for reg in self._registered:
+            reg.close()
+        self._registered.clear()
+
+    def register(self, array: Any) -> Registration:
+        """Register ``array`` (writable, C-contiguous) with the client's RDMA
+        devices, so reads into it and writes from it go zero-copy.
+
+        Close the returned handle (or the client) before freeing the array.
+        On TCP-only clients it does nothing, so code stays portable."""
+        self._check()
+        view = _bytes_view(array, writable=True, what="array")
+        domains: dict[int, Any] = {}
+        for link in self._links:
+            dom = getattr(link.transport, "memory_domain", None)
+            if dom is not None:
+                domains.setdefault(id(dom), dom)
+        handles = []
+        try:
+            for dom in domains.values():
+                handles.append((dom, dom.register(view)))
+        except OSError as exc:
+            for dom, h in handles:
+                dom.unregister(h)
+            raise TransportError(f"cannot register {len(view)} bytes: {exc}", errno=exc.errno) from None
+        reg = Registration(view, handles)
+        self._registered.append(reg)
+        return reg
 
     async def __aenter__(self) -> Client:
         return self
@@ -269,6 +301,34 @@ def _check_int(what: str, v: Any, *, low: int = 0) -> int:
     if v < low:
         raise InvalidArgumentError(f"{what} must be at least {low}, not {v}")
     return v
+
+
+class Registration:
+    """Memory registered by :meth:`Client.register`; ``close()`` (idempotent)
+    unregisters it."""
+
+    __slots__ = ("view", "_handles", "_closed")
+
+    def __init__(self, view: memoryview, handles: list[tuple[Any, Any]]) -> None:
+        self.view = view
+        self._handles = handles
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        self._closed = True
+        handles, self._handles = self._handles, []
+        for dom, h in handles:
+            dom.unregister(h)
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Buffer:
@@ -452,15 +512,26 @@ def _servers_from_env() -> list[str]:
 
 async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, *,
                   transport: str = "auto", timeout: float = 10.0,
-                  token: str | bytes | None = None) -> Client:
+                  token: str | bytes | None = None, rdma_device: str | None = None,
+                  rdma_gid_index: int | None = None, poll: str = "event") -> Client:
     """Connect to the memory servers (``"host:port"`` each; default from the
     environment variable ``SMB2_SERVERS="h:p,h:p"``).
 
     The order of the servers defines the buffers' striping: every client of a
     cluster must list them in the same order.  ``token`` (default: the
     environment variable ``SMB2_AUTH_TOKEN``) authenticates to servers that
-    require it.  Raises :class:`TransportError` if a server cannot be
-    reached, :class:`AccessDenied` if one refuses the token."""
+    require it.
+
+    ``transport``: "auto" (RDMA where this machine has a usable device and
+    the server offers it, else TCP; chosen per server and logged once at
+    INFO), "rdma" (never falls back: raises TransportError saying what is
+    missing) or "tcp".  ``rdma_device`` / ``rdma_gid_index`` pick the device
+    and GID (default: the first ACTIVE device, its IPv4 RoCE v2 GID);
+    ``poll="busy"`` spins on the completion queue while an RDMA operation
+    waits (lowest latency, one busy core) instead of sleeping in the loop.
+
+    Raises :class:`TransportError` if a server cannot be reached,
+    :class:`AccessDenied` if one refuses the token."""
     if isinstance(servers, str):
         servers = [s for s in (p.strip() for p in servers.split(",")) if s]
     if servers is None:
@@ -469,13 +540,17 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
             raise InterfaceError("no servers given: pass a list or set SMB2_SERVERS=host:port,...")
     if not servers:
         raise InvalidArgumentError("servers must not be empty")
+    if poll not in ("event", "busy"):
+        raise InvalidArgumentError(f"poll must be 'event' or 'busy', not {poll!r}")
     if transport not in KINDS:
         raise InvalidArgumentError(f"transport must be one of {', '.join(KINDS)}, not {transport!r}")
     addresses = [parse_address(s) for s in servers]
     if len(set(addresses)) != len(addresses):
         raise InvalidArgumentError(f"a server is listed twice in {list(servers)}")
     secret = auth.as_token(token) if token is not None else auth.token_from_env()
-    links = [_Link(a, transport, timeout, secret) for a in addresses]
+    options = {"token": secret, "rdma_device": rdma_device, "rdma_gid_index": rdma_gid_index,
+               "poll": poll}
+    links = [_Link(a, transport, timeout, options) for a in addresses]
     client = Client(links)
     try:
         await asyncio.gather(*(link.get() for link in links))

@@ -54,6 +54,9 @@ FENCE_SIZE: Final = 16
 FLAG_NOREPLY: Final = 0x0008
 # segment id of every server's lock segment (buffers' segments start at 1)
 LOCK_SEGMENT: Final = 0
+# ACCUMULATE only: the delta is in the connection's RDMA staging area; the
+# payload is u64 staging offset, u64 length (see rdma_server.py)
+FLAG_STAGED: Final = 0x0002
 DTYPE_SHIFT: Final = 4
 DTYPE_MASK: Final = 0x00F0
 

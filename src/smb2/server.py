@@ -28,7 +28,7 @@ from typing import Any, cast
 import numpy as np
 
 from . import _core, auth
-from .errors import ErrorCode, InvalidArgumentError, PersistenceError
+from .errors import ErrorCode, InvalidArgumentError, PersistenceError, TransportError
 from .persist import DataDir
 from .protocol import (
     CLOSED,
@@ -42,6 +42,7 @@ from .protocol import (
     FLAG_FENCED,
     FLAG_NOREPLY,
     FLAG_REPLY,
+    FLAG_STAGED,
     INLINE,
     LOCK_OPS,
     LOCK_SEGMENT,
@@ -57,6 +58,7 @@ from .protocol import (
     parse_size,
     unpack,
 )
+from .rdma_server import RdmaServer, RefusedError
 from .server_locks import DEFAULT_LEASE, DEFAULT_SLOTS, LockRefused, LockService
 
 log = logging.getLogger("smb2.server")
@@ -135,7 +137,10 @@ class MemoryServer:
                  max_buffers: int = 4096, token: str | bytes | None = None,
                  data_dir: str | os.PathLike[str] | None = None,
                  write_timeout: float = DEFAULT_WRITE_TIMEOUT, lock_lease: float = DEFAULT_LEASE,
-                 lock_slots: int = DEFAULT_SLOTS) -> None:
+                 lock_slots: int = DEFAULT_SLOTS, rdma: str = "auto", rdma_device: str | None = None,
+                 rdma_gid_index: int | None = None) -> None:
+        if rdma not in ("auto", "on", "off"):
+            raise InvalidArgumentError(f"rdma must be auto, on or off, not {rdma!r}")
         self.capacity = parse_size(capacity)
         # a connection that stops sending in the middle of a WRITE is closed
         # after this long: its half-received range holds up every accumulate
@@ -168,9 +173,21 @@ class MemoryServer:
         mem, view = _alloc(lock_slots * _core.LOCK_SLOT_SIZE)
         self.segments[LOCK_SEGMENT] = Segment(LOCK_SEGMENT, "", 0, 8, 1, 0, len(view), mem, view)
         self.locks = LockService(self, mem, view, slots=lock_slots, lease=lock_lease)
+        # RDMA (rdma_server.py): opened at start() unless rdma="off"
+        self._rdma_args = (rdma, rdma_device, rdma_gid_index)
+        self.rdma: RdmaServer | None = None
+        self.rdma_reason: str | None = "not started"
 
     # -- lifecycle --------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
+        mode, device, gid_index = self._rdma_args
+        if mode == "off":
+            self.rdma_reason = "the server runs with rdma off"
+        elif self.rdma is None:
+            self.rdma, self.rdma_reason = RdmaServer.open(device, gid_index)
+            if self.rdma is None and mode == "on":
+                raise TransportError(f"rdma=on, but RDMA is not available: {self.rdma_reason}")
+            log.info("RDMA: %s", self.rdma.describe() if self.rdma else f"off ({self.rdma_reason})")
         loop = asyncio.get_running_loop()
         if self.data_dir is not None:
             # restored before listening: no client ever sees the server empty
@@ -180,6 +197,12 @@ class MemoryServer:
             except BaseException:
                 self.data_dir.release()
                 raise
+        if self.rdma is not None:
+            # segments made before RDMA was open (the lock segment, restored
+            # buffers) are registered now; create() registers later ones
+            for seg in self.segments.values():
+                if seg.id not in self.rdma.mrs:
+                    self.rdma.register(seg.id, seg.view)
         try:
             self._server = await loop.create_server(
                 lambda: _Connection(self), host, port, reuse_address=True)
@@ -234,6 +257,9 @@ class MemoryServer:
                 finally:
                     self.data_dir.release()
         await self.locks.close()
+        if self.rdma is not None:
+            self.rdma.close()
+            self.rdma = None
         self.segments.clear()
         self.by_name.clear()
         self.used = 0
@@ -272,6 +298,11 @@ class MemoryServer:
         except (OSError, MemoryError, OverflowError) as exc:
             raise _Refused(ErrorCode.OUT_OF_MEMORY, f"cannot map {size} bytes: {exc}") from None
         seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view)
+        if self.rdma is not None:
+            try:
+                self.rdma.register(seg.id, view)     # once, for the segment's lifetime
+            except RefusedError as exc:
+                raise _Refused(exc.code, str(exc)) from None
         self.segments[seg.id] = seg
         self.by_name[name] = seg
         self.used += size
@@ -290,6 +321,9 @@ class MemoryServer:
             return {"destroyed": False}
         del self.segments[seg.id]
         self.used -= seg.size
+        if self.rdma is not None:
+            # in-flight RDMA to it now fails with a remote access error
+            self.rdma.deregister(seg.id)
         # The memory is released when the last view of it is gone (a reply
         # still being sent may hold one).
         return {"destroyed": True}
@@ -307,6 +341,8 @@ class MemoryServer:
                         for s in self.segments.values() if s.id != LOCK_SEGMENT},
             "connections": len(self.connections),
             "ops": {t: dict(c) for t, c in self.ops.items()},
+            "transports": ["tcp", "rdma"] if self.rdma else ["tcp"],
+            "rdma": self.rdma.describe() if self.rdma else {"off": self.rdma_reason},
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "refused": self.refused,
@@ -367,6 +403,8 @@ class _Connection(FrameReceiver):
         # small replies made while one receive is parsed, sent with one write
         # (a pipelined LOCK_RELEASE + LOCK_ACQUIRE costs one syscall, not two)
         self._cork: list[bytes] | None = None
+        # this client's queue pair and staging area, after rdma_connect
+        self.rdma_peer: Any = None
 
     # -- asyncio -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -389,6 +427,9 @@ class _Connection(FrameReceiver):
             seg, rng = self._write
             self._write = None
             seg.write_done(rng)
+        if self.rdma_peer is not None and self.server.rdma is not None:
+            self.server.rdma.drop(self.rdma_peer)
+        self.rdma_peer = None
         self.transport = None
         log.debug("connection from %s closed%s", self.peer, f": {exc}" if exc else "")
 
@@ -535,6 +576,12 @@ class _Connection(FrameReceiver):
                 except LockRefused as exc:
                     raise _Refused(exc.code, str(exc)) from None
                 return INLINE
+            if op == Op.ACCUMULATE and flags & FLAG_STAGED:
+                # payload: u64 staging offset, u64 length (checked in on_frame)
+                if size != 16 or self.rdma_peer is None:
+                    raise _Refused(ErrorCode.BAD_REQUEST, "a staged accumulate needs rdma_connect "
+                                   "and a 16-byte payload")
+                return INLINE
             atomic = op in (Op.FETCH_ADD, Op.COMPARE_SWAP)
             if segment == LOCK_SEGMENT and op in (Op.WRITE, Op.ACCUMULATE):
                 raise _Refused(ErrorCode.ACCESS_DENIED, "the lock segment only takes READ and atomics")
@@ -627,6 +674,9 @@ class _Connection(FrameReceiver):
                         _core.copy_into(wseg.view[offset:offset + length], payload)
                     wseg.write_done(rng)
                 self._reply(hdr)
+            elif op == Op.ACCUMULATE and hdr[3] & FLAG_STAGED:
+                assert payload is not None
+                self._accumulate_staged(hdr, payload)
             elif op == Op.ACCUMULATE:
                 assert seg is not None and payload is not None
                 self.server.bytes_in += length
@@ -680,6 +730,20 @@ class _Connection(FrameReceiver):
         _core.accumulate(seg.view[offset:offset + length], payload, code)
         self._reply(hdr)
 
+    def _accumulate_staged(self, hdr: tuple[int, ...], payload: memoryview) -> None:
+        # The delta was RDMA-written into this connection's staging area.
+        soff, length = _core.unpack_u64(payload, 0), _core.unpack_u64(payload, 8)
+        seg = self._segment(hdr[6], hdr[7], length)
+        itemsize = _core.dtype_itemsize((hdr[3] & DTYPE_MASK) >> DTYPE_SHIFT)
+        if hdr[7] % itemsize or length % itemsize:
+            raise _Refused(ErrorCode.BAD_REQUEST,
+                           f"accumulate of {itemsize}-byte items needs an aligned offset and length")
+        try:
+            delta = self.rdma_peer.staged(soff, length)
+        except RefusedError as exc:
+            raise _Refused(exc.code, str(exc)) from None
+        self._accumulate((*hdr[:8], length), seg, delta)
+
     def _control(self, hdr: tuple[int, ...], payload: memoryview) -> None:
         try:
             msg = unpack(payload)
@@ -698,7 +762,10 @@ class _Connection(FrameReceiver):
             self.greeted = True
             result: dict[str, Any] = {
                 "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
-                "max_frame": srv.max_frame, "transports": ["tcp"]}
+                "max_frame": srv.max_frame,
+                "transports": ["tcp", "rdma"] if srv.rdma else ["tcp"]}
+            if srv.rdma is None:
+                result["rdma_off"] = srv.rdma_reason
             if srv.token is None:
                 self.authed = True
             elif not self.authed:
@@ -718,8 +785,30 @@ class _Connection(FrameReceiver):
         elif cmd == "create":
             result = srv.create(_str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
                                 _uint(msg, "nservers"), _uint(msg, "index"))
+            if srv.rdma is not None:
+                result.update(srv.rdma.segment_info(result["segment"]))
         elif cmd == "lookup":
             result = srv.lookup(_str(msg, "name"))
+            if srv.rdma is not None:
+                result.update(srv.rdma.segment_info(result["segment"]))
+        elif cmd == "rdma_segment":
+            seg = srv.segments.get(_uint(msg, "segment"))
+            if seg is None:
+                raise _Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {msg['segment']} "
+                               "(destroyed, or the server restarted)")
+            result = {**seg.info(), **(srv.rdma.segment_info(seg.id) if srv.rdma else {})}
+        elif cmd == "rdma_connect":
+            if srv.rdma is None:
+                raise _Refused(ErrorCode.UNSUPPORTED, f"this server has no RDMA: {srv.rdma_reason}")
+            try:
+                peer, result = srv.rdma.connect(msg)
+            except RefusedError as exc:
+                raise _Refused(exc.code, str(exc)) from None
+            if self.rdma_peer is not None:
+                srv.rdma.drop(self.rdma_peer)
+            self.rdma_peer = peer
+            # from now on this connection's server-side work counts as rdma's
+            self.transport_name = "rdma"
         elif cmd == "destroy":
             result = srv.destroy(_str(msg, "name"))
         elif cmd == "list":
@@ -767,16 +856,19 @@ async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                        max_buffers: int = 4096, token: str | bytes | None = None,
                        data_dir: str | os.PathLike[str] | None = None,
                        write_timeout: float = DEFAULT_WRITE_TIMEOUT, lock_lease: float = DEFAULT_LEASE,
-                       lock_slots: int = DEFAULT_SLOTS) -> MemoryServer:
+                       lock_slots: int = DEFAULT_SLOTS, rdma: str = "auto", rdma_device: str | None = None,
+                       rdma_gid_index: int | None = None) -> MemoryServer:
     """Start a memory server in the running loop and return it once it listens.
 
     ``port=0`` picks a free port (see ``server.address``).  With ``token``,
     clients must authenticate (``smb2.connect(..., token=...)``).  With
     ``data_dir``, the segments saved there are restored now and saved again
-    by ``close()``."""
+    by ``close()``.  ``rdma``: "auto" (serve RDMA where this machine can),
+    "on" (fail if it cannot), "off"."""
     server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers,
                           token=token, data_dir=data_dir, write_timeout=write_timeout,
-                          lock_lease=lock_lease, lock_slots=lock_slots)
+                          lock_lease=lock_lease, lock_slots=lock_slots, rdma=rdma,
+                          rdma_device=rdma_device, rdma_gid_index=rdma_gid_index)
     await server.start(host, port)
     return server
 
@@ -807,6 +899,11 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"seconds a lock holder may go without renewing (default {DEFAULT_LEASE:g})")
     p.add_argument("--lock-slots", type=int, default=DEFAULT_SLOTS,
                    help=f"locks this server can hold (default {DEFAULT_SLOTS})")
+    p.add_argument("--rdma", choices=("auto", "on", "off"), default="auto",
+                   help="serve RDMA: auto (where a device is usable; default), on, off")
+    p.add_argument("--rdma-device", default=None, help="RDMA device name (default: the first ACTIVE one)")
+    p.add_argument("--rdma-gid-index", type=int, default=None,
+                   help="GID index (default: the port's IPv4 RoCE v2 GID)")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     return p
@@ -817,7 +914,8 @@ async def _serve(args: argparse.Namespace) -> None:
                                 max_frame=parse_size(args.max_frame), max_buffers=args.max_buffers,
                                 token=args.token, write_timeout=args.write_timeout,
                                 data_dir=args.data_dir, lock_lease=args.lock_lease,
-                                lock_slots=args.lock_slots)
+                                lock_slots=args.lock_slots, rdma=args.rdma,
+                                rdma_device=args.rdma_device, rdma_gid_index=args.rdma_gid_index)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -852,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(_serve(args))
         else:
             asyncio.run(_serve(args))
-    except PersistenceError as exc:
+    except (PersistenceError, TransportError) as exc:
         print(f"smb2-server: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

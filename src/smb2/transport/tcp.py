@@ -12,7 +12,7 @@ import asyncio
 import errno as errno_mod
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from .. import _core, auth
@@ -67,6 +67,9 @@ class _ClientProtocol(FrameReceiver):
         self._drain: asyncio.Future[None] | None = None
         self._paused = False
         self.uvloop = False
+        # called once with the error when the connection is lost (the RDMA
+        # transport, which rides on this connection, fails its ops with it)
+        self.on_lost: Callable[[Exception], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport
@@ -89,6 +92,9 @@ class _ClientProtocol(FrameReceiver):
                 p.fut.set_exception(self.lost)
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(self.lost)
+        if self.on_lost is not None:
+            on_lost, self.on_lost = self.on_lost, None
+            on_lost(self.lost)
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -366,6 +372,11 @@ class TcpTransport(Transport):
         if self._cork and t is not None:
             t.write(b"".join(self._cork))
         self._cork.clear()
+    def abort(self) -> None:
+        """Drop the connection now (no waiting; pending ops fail)."""
+        t = self._proto.transport
+        if t is not None:
+            t.abort()
 
     async def close(self) -> None:
         t = self._proto.transport

@@ -1,0 +1,163 @@
+"""The server's side of the RDMA transport.
+
+The memory server calls in here through a few hooks (server.py): every
+segment is registered once, at creation, as a memory region with local
+write, remote read, remote write and remote atomic access (``register`` /
+``deregister``); a connection that says ``rdma_connect`` over the TCP control
+connection gets its own RC queue pair and a registered *staging area*
+(:class:`Peer`).  After that the client reads, writes and does atomics with
+one-sided RDMA: the server's CPU never sees those operations (they do not
+appear in its statistics).  Only ``accumulate`` is server-assisted, as in
+SMB1: the client RDMA-writes the delta into a slot of its staging area and
+then sends an ACCUMULATE frame with ``FLAG_STAGED`` naming that slot.
+
+Control commands (docs/protocol.md): ``rdma_connect`` and ``rdma_segment``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from .errors import ErrorCode
+from .rdma_device import Device, _verbs, alloc_pinned, get_device, unavailable_reason
+
+log = logging.getLogger("smb2.transport.rdma")
+
+#: staging area per RDMA connection: STAGING_SLOTS slots of STAGING_SLOT bytes
+STAGING_SLOT = 1 << 20
+STAGING_SLOTS = 4
+
+
+class RefusedError(Exception):
+    """A request the server answers with an error code."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Peer:
+    """One client's queue pair and staging area on this server."""
+
+    def __init__(self, server: RdmaServer, msg: dict[str, Any]) -> None:
+        assert _verbs is not None
+        dev = server.device
+        try:
+            qpn, psn, gid = int(msg["qpn"]), int(msg["psn"]), msg["gid"]
+            lid, mtu = int(msg.get("lid", 0)), int(msg.get("mtu", dev.mtu))
+        except (KeyError, TypeError, ValueError):
+            raise RefusedError(ErrorCode.BAD_REQUEST,
+                               "rdma_connect needs qpn, psn, gid (16 bytes), lid, mtu") from None
+        if not isinstance(gid, bytes) or len(gid) != 16:
+            raise RefusedError(ErrorCode.BAD_REQUEST, "rdma_connect: gid must be 16 bytes")
+        self.mtu = max(1, min(mtu, dev.mtu))
+        self.psn = int.from_bytes(os.urandom(3), "little")
+        self.staging_mem = alloc_pinned(STAGING_SLOT * STAGING_SLOTS)
+        self.staging_view = memoryview(self.staging_mem)
+        self.qp: Any = None
+        self.staging: Any = None
+        try:
+            self.staging = _verbs.MR(dev.pd, self.staging_mem,
+                                     _verbs.ACCESS_LOCAL_WRITE | _verbs.ACCESS_REMOTE_WRITE)
+            # The server never posts: a tiny send queue on the shared CQ.
+            self.qp = _verbs.QP(dev.pd, server.cq, max_send_wr=1, max_sge=1)
+            self.qp.to_init(dev.port, _verbs.ACCESS_REMOTE_ALL)
+            self.qp.to_rtr(qpn, psn, gid, dev.gid_index if dev.ethernet else -1, lid, self.mtu,
+                           dev.max_rd_atomic)
+            self.qp.to_rts(self.psn)
+        except OSError as exc:
+            self.close()
+            raise RefusedError(ErrorCode.INTERNAL, f"cannot set up the RDMA queue pair: {exc}") from None
+
+    def reply(self, server: RdmaServer) -> dict[str, Any]:
+        dev = server.device
+        return {"qpn": self.qp.qpn, "psn": self.psn, "gid": dev.gid, "lid": dev.lid,
+                "mtu": self.mtu, "max_rd_atomic": dev.max_rd_atomic,
+                "staging_addr": self.staging.addr, "staging_rkey": self.staging.rkey,
+                "staging_slot": STAGING_SLOT, "staging_slots": STAGING_SLOTS}
+
+    def staged(self, offset: int, length: int) -> memoryview:
+        """The staging bytes a FLAG_STAGED accumulate names (validated)."""
+        if offset > len(self.staging_view) or length > len(self.staging_view) - offset:
+            raise RefusedError(ErrorCode.OUT_OF_BOUNDS,
+                               f"staged range [{offset}, {offset + length}) is outside the "
+                               f"staging area of {len(self.staging_view)} bytes")
+        return self.staging_view[offset:offset + length]
+
+    def close(self) -> None:
+        # the QP first: after it is gone the client cannot write into staging
+        if self.qp is not None:
+            self.qp.close()
+            self.qp = None
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+        self.staging_view.release()
+        self.staging_mem.close()
+
+
+class RdmaServer:
+    """A memory server's device, its segments' MRs and its peers."""
+
+    def __init__(self, device: Device) -> None:
+        assert _verbs is not None
+        self.device = device
+        # QPs need a CQ; one-sided operations complete nothing on the
+        # responder, so it is never polled.
+        self.cq = _verbs.CQ(device.context, 16)
+        self.mrs: dict[int, Any] = {}
+        self.peers: set[Peer] = set()
+        #: access every new segment gets (tests lower it to see the error)
+        self.segment_access: int = _verbs.ACCESS_REMOTE_ALL
+
+    @classmethod
+    def open(cls, device: str | None, gid_index: int | None) -> tuple[RdmaServer | None, str | None]:
+        """The server's RDMA side, or (None, why not)."""
+        reason = unavailable_reason(device, gid_index)
+        if reason is not None:
+            return None, reason
+        try:
+            return cls(get_device(device, gid_index)), None
+        except OSError as exc:
+            return None, str(exc)
+
+    def describe(self) -> dict[str, Any]:
+        return self.device.describe()
+
+    def register(self, seg_id: int, view: memoryview) -> None:
+        assert _verbs is not None
+        try:
+            self.mrs[seg_id] = _verbs.MR(self.device.pd, view, self.segment_access)
+        except OSError as exc:
+            raise RefusedError(ErrorCode.OUT_OF_MEMORY,
+                               f"cannot register {len(view)} bytes for RDMA: {exc} (registered "
+                               "memory is pinned: see the memlock limit, ulimit -l)") from None
+
+    def deregister(self, seg_id: int) -> None:
+        mr = self.mrs.pop(seg_id, None)
+        if mr is not None:
+            mr.close()
+
+    def segment_info(self, seg_id: int) -> dict[str, Any]:
+        mr = self.mrs.get(seg_id)
+        if mr is None:
+            return {}
+        return {"rdma_addr": mr.addr, "rdma_rkey": mr.rkey}
+
+    def connect(self, msg: dict[str, Any]) -> tuple[Peer, dict[str, Any]]:
+        peer = Peer(self, msg)
+        self.peers.add(peer)
+        return peer, peer.reply(self)
+
+    def drop(self, peer: Peer) -> None:
+        self.peers.discard(peer)
+        peer.close()
+
+    def close(self) -> None:
+        for peer in list(self.peers):
+            self.drop(peer)
+        for seg_id in list(self.mrs):
+            self.deregister(seg_id)
+        self.cq.close()

@@ -1,0 +1,226 @@
+"""What only the RDMA transport must show (the soft-RoCE VM tier runs these
+with SMB2_TEST_TRANSPORTS=rdma), and how ``auto`` chooses (everywhere)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+
+import smb2
+from smb2.rdma_device import _verbs
+from smb2.transport import rdma_unavailable_reason
+
+TRANSPORTS = os.environ.get("SMB2_TEST_TRANSPORTS", "tcp").split(",")
+MiB = 1 << 20
+REASON = rdma_unavailable_reason()
+needs_rdma = pytest.mark.skipif(
+    "rdma" not in TRANSPORTS or REASON is not None,
+    reason=f"the RDMA tier runs these (SMB2_TEST_TRANSPORTS=rdma on a device); here: {REASON or 'not asked'}")
+
+ONE_SIDED = {"read", "write", "fetch_add", "compare_swap"}
+
+
+@needs_rdma
+async def test_64_mib_over_two_servers_is_one_sided() -> None:
+    async with smb2.LocalCluster(servers=2, capacity="64MiB") as cluster:
+        client = await cluster.connect(transport="rdma")
+        assert client.transports == ["rdma", "rdma"]
+        buf = await client.create("big", 64 * MiB, stripe=MiB)
+        src = np.random.default_rng(7).integers(0, 256, buf.nbytes, dtype=np.uint8)
+        with client.register(src):
+            await buf.write(0, src)                 # zero copy, from registered memory
+        out = np.zeros_like(src)
+        await buf.read_into(out, 0)                 # through the bounce pool
+        assert np.array_equal(out, src)
+        reg = np.zeros(4 * MiB, dtype=np.uint8)
+        with client.register(reg):
+            await buf.read_into(reg, 30 * MiB)      # zero copy, into registered memory
+        assert np.array_equal(reg, src[30 * MiB:34 * MiB])
+        await buf.write(0, np.zeros(8, dtype=np.uint8))
+        olds = await asyncio.gather(*(buf.fetch_add(0, 1) for _ in range(64)))
+        assert sorted(olds) == list(range(64))
+        assert await buf.compare_swap(0, 64, -1) == 64
+        stats = await client.stat()
+        for s in stats:
+            handled = {op for per in s["ops"].values() for op, n in per.items() if n}
+            assert not handled & ONE_SIDED, s["ops"]
+            assert "rdma" in s["transports"]
+        # whereas accumulate is server-assisted, and counted as such
+        await buf.accumulate(0, np.ones(4, dtype=np.int64))
+        stats = await client.stat()
+        assert sum(s["ops"].get("rdma", {}).get("accumulate", 0) for s in stats) == 1
+
+
+@needs_rdma
+async def test_killed_server_gives_a_transport_error_not_a_hang() -> None:
+    async with smb2.LocalCluster(servers=2, processes=True, capacity="64MiB") as cluster:
+        client = await cluster.connect(transport="rdma")
+        assert client.transports == ["rdma", "rdma"]
+        buf = await client.create("dies", 4 * MiB, stripe=MiB)
+        await buf.write(0, b"x" * buf.nbytes)
+        await cluster.kill(1)
+        t0 = time.monotonic()
+        with pytest.raises(smb2.TransportError):
+            await asyncio.wait_for(buf.read(0, buf.nbytes), 60)
+        # (about a second on real hardware; TCG is far slower at everything)
+        assert time.monotonic() - t0 < 30
+        await cluster.restart(1)
+        # a new queue pair on the next use; the restarted server lost its memory
+        with pytest.raises(smb2.NoSuchBuffer):
+            await buf.read(0, buf.nbytes)
+        assert client.transports == ["rdma", "rdma"]
+
+
+@needs_rdma
+async def test_mr_without_remote_write_gives_a_clear_error() -> None:
+    assert _verbs is not None
+    async with smb2.LocalCluster(servers=1) as cluster:
+        rdma = cluster.servers[0].rdma
+        assert rdma is not None
+        rdma.segment_access = (_verbs.ACCESS_LOCAL_WRITE | _verbs.ACCESS_REMOTE_READ |
+                               _verbs.ACCESS_REMOTE_ATOMIC)
+        client = await cluster.connect(transport="rdma")
+        buf = await client.create("readonly", 4096)
+        with pytest.raises(smb2.TransportError, match="remote access error") as info:
+            await buf.write(0, b"nope")
+        assert info.value.status == 10                # IBV_WC_REM_ACCESS_ERR
+        assert "does not allow" in str(info.value)
+        # the queue pair is recreated on the next use: reads are allowed
+        assert bytes(await buf.read(0, 4)) == b"\0" * 4
+        assert await buf.fetch_add(0, 5) == 0
+
+
+@needs_rdma
+@pytest.mark.parametrize("poll", ["event", "busy"])
+async def test_poll_modes(poll: str) -> None:
+    async with smb2.LocalCluster(servers=2) as cluster:
+        client = await cluster.connect(transport="rdma", poll=poll)
+        buf = await client.create("poll", 3 * MiB + 5, stripe=64 << 10)
+        data = np.random.default_rng(3).integers(0, 256, buf.nbytes, dtype=np.uint8)
+        await buf.write(0, data)
+        assert np.array_equal(await buf.read(0, buf.nbytes), data)
+        assert await buf.fetch_add(8, 3) == int(data[8:16].view(np.int64)[0])
+
+
+@needs_rdma
+async def test_cancelled_reads_do_not_break_the_transport() -> None:
+    async with smb2.LocalCluster(servers=1) as cluster:
+        client = await cluster.connect(transport="rdma")
+        buf = await client.create("cancel", 4 * MiB)
+        await buf.write(0, b"\x07" * buf.nbytes)
+        tasks = [asyncio.ensure_future(buf.read(0, buf.nbytes)) for _ in range(6)]
+        await asyncio.sleep(0)
+        for t in tasks[::2]:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # every bounce chunk comes back once the NIC is done with it
+        for _ in range(3):
+            assert (await buf.read(0, buf.nbytes) == 7).all()
+
+
+@needs_rdma
+async def test_auto_picks_rdma_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="smb2.transport")
+    async with smb2.LocalCluster(servers=1) as cluster:
+        client = await cluster.connect()
+        assert client.transports == ["rdma"]
+        tcp_only = await smb2.start_server("127.0.0.1", 0, rdma="off")
+        try:
+            c2 = await smb2.connect([tcp_only.address])
+            assert c2.transports == ["tcp"]
+            await c2.close()
+        finally:
+            await tcp_only.close()
+    assert any("using rdma" in r.getMessage() for r in caplog.records)
+    assert any("using tcp" in r.getMessage() and "rdma off" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.skipif(REASON is None, reason="this machine has RDMA")
+async def test_auto_falls_back_to_tcp_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="smb2.transport")
+    async with smb2.LocalCluster(servers=1) as cluster:
+        client = await cluster.connect()
+        assert client.transports == ["tcp"]
+        stats = await client.stat()
+        assert stats[0]["transports"] == ["tcp"]
+    assert any("using tcp" in r.getMessage() for r in caplog.records)
+    with pytest.raises(smb2.TransportError, match="rdma"):
+        await smb2.start_server("127.0.0.1", 0, rdma="on")
+
+
+async def test_register_is_harmless_without_rdma(cluster: smb2.LocalCluster, transport: str) -> None:
+    client = await cluster.connect(transport=transport)
+    buf = await client.create("reg", 100000, stripe=4096)
+    arr = np.arange(100000, dtype=np.uint8)
+    reg = client.register(arr)
+    await buf.write(0, arr)
+    out = np.zeros_like(arr)
+    with client.register(out):
+        await buf.read_into(out, 0)
+    assert np.array_equal(out, arr)
+    reg.close()
+    reg.close()
+    with pytest.raises(smb2.InvalidArgumentError):
+        client.register(b"read-only")
+
+
+@pytest.mark.skipif(REASON is None, reason="this machine has RDMA")
+def test_server_command_with_rdma_on_says_what_is_missing() -> None:
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "smb2.server", "--port", "0", "--rdma", "on"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "rdma=on, but RDMA is not available" in proc.stderr, proc.stderr
+
+
+@needs_rdma
+async def test_nothing_native_leaks() -> None:
+    import gc
+    assert _verbs is not None
+    gc.collect()
+    before = _verbs.live_resources()
+    async with smb2.LocalCluster(servers=2) as cluster:
+        client = await cluster.connect(transport="rdma")
+        buf = await client.create("leak", 2 * MiB, stripe=64 << 10)
+        arr = np.ones(2 * MiB, dtype=np.uint8)
+        with client.register(arr):
+            await buf.write(0, arr)
+        await buf.accumulate(0, np.ones(16, dtype=np.int64))
+        assert await buf.fetch_add(0, 1) == 0x0101010101010102
+        during = _verbs.live_resources()
+        # per connection: a QP on each side; the client's CQ; segment MRs, staging,
+        # bounce and atomic-word MRs
+        assert during["qp"] - before["qp"] == 4
+        await client.destroy("leak")
+        await client.close()
+    gc.collect()
+    after = _verbs.live_resources()
+    assert {k: after[k] for k in ("qp", "mr", "cq")} == {k: before[k] for k in ("qp", "mr", "cq")}
+
+
+@needs_rdma
+async def test_a_dead_queue_pair_surfaces_by_retry_timeout_and_is_recreated() -> None:
+    # The server's QP vanishes while its TCP connection stays up: only the
+    # RC retry timeout can tell (what a hung or unreachable server looks like).
+    async with smb2.LocalCluster(servers=1) as cluster:
+        client = await cluster.connect(transport="rdma")
+        buf = await client.create("retry", 8192)
+        await buf.write(0, b"before")
+        for conn in cluster.servers[0].connections:
+            if conn.rdma_peer is not None:
+                conn.rdma_peer.qp.close()
+        t0 = time.monotonic()
+        with pytest.raises(smb2.TransportError) as info:
+            await asyncio.wait_for(buf.read(0, 6), 60)
+        elapsed = time.monotonic() - t0
+        assert info.value.status == 12, info.value          # IBV_WC_RETRY_EXC_ERR
+        # 8 tries of 67 ms: about half a second (TCG and host load stretch it)
+        assert elapsed < 15, elapsed
+        assert bytes(await buf.read(0, 6)) == b"before"      # a new QP on the next use
