@@ -19,6 +19,7 @@ from .errors import (
     InvalidArgumentError,
     LockTimeout,
     NoSuchBuffer,
+    NotifyTimeout,
     OutOfBounds,
     OutOfMemory,
     ProtocolError,
@@ -37,7 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "Client", "ErrorCode",
     "FrameTooLarge", "InterfaceError", "InvalidArgumentError", "LocalCluster", "LockTimeout",
-    "NoSuchBuffer", "OutOfBounds", "OutOfMemory", "ProtocolError", "Server", "ServerError",
+    "NoSuchBuffer", "NotifyTimeout", "OutOfBounds", "OutOfMemory", "ProtocolError", "Server", "ServerError",
     "Smb2Error", "StaleFence", "TransportError", "Unsupported", "VersionMismatch", "connect",
     "start_server",
 ]
