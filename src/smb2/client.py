@@ -25,7 +25,7 @@ from .errors import (
     InvalidArgumentError,
     Smb2Error,
 )
-from .protocol import DTYPE_CODES, parse_address
+from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, parse_address
 from .transport import KINDS, Transport, open_transport
 
 DEFAULT_STRIPE = 1 << 20
@@ -304,7 +304,7 @@ class Buffer:
         # all transports of one client cut requests at the same size
         first_link = links[0]
         tr = first_link.transport
-        max_request = tr.max_request if tr is not None else 4 << 20
+        max_request = tr.max_request if tr is not None else DEFAULT_MAX_REQUEST
         reqs, pieces = _core.plan(self.nbytes, self.stripe, self.nservers, self.first,
                                   offset, length, max_request)
         coros = []

@@ -56,6 +56,9 @@ MAX_CONTROL: Final = 1 << 20             # largest control message
 # requests per server stay in flight (pipelining), and a server never needs
 # more than this much scratch for an accumulate.
 DEFAULT_MAX_REQUEST: Final = 4 << 20
+# An accumulate is applied only once its whole delta is in, so the server
+# holds it in scratch memory: cap it at the request size clients use.
+MAX_ACCUMULATE: Final = DEFAULT_MAX_REQUEST
 
 
 def pack(obj: Any) -> bytes:
@@ -167,6 +170,9 @@ class FrameReceiver(asyncio.BufferedProtocol):
         self._tpos = 0
         self._deliver: memoryview | None = None
         self._discard = 0
+        # reused for inline payloads larger than the inbox (grows, never shrinks:
+        # the subclass bounds the sizes it accepts as INLINE)
+        self._scratch = bytearray(0)
         # the header at self._start was accepted as INLINE; waiting for its payload
         self._inline_wait = False
         self._stopped = False
@@ -275,7 +281,9 @@ class FrameReceiver(asyncio.BufferedProtocol):
                     self._compact()      # the rest will fit behind it: wait
                     self._inline_wait = True
                     return
-                scratch = memoryview(bytearray(size))
+                if len(self._scratch) < size:
+                    self._scratch = bytearray(size)
+                scratch = memoryview(self._scratch)[:size]
                 self._deliver = scratch
                 self._targets = [scratch]
             elif dest is DISCARD:

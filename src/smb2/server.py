@@ -38,6 +38,7 @@ from .protocol import (
     DTYPE_SHIFT,
     FLAG_REPLY,
     INLINE,
+    MAX_ACCUMULATE,
     MAX_CONTROL,
     VERSION,
     Destination,
@@ -364,6 +365,10 @@ class _Connection(FrameReceiver):
         if size > self.server.max_frame or (op == Op.READ and length > self.server.max_frame):
             self.close_with(f"frame of {length} bytes exceeds the limit of "
                             f"{self.server.max_frame}", hdr, ErrorCode.TOO_LARGE)
+            return CLOSED
+        if op == Op.ACCUMULATE and size > MAX_ACCUMULATE:
+            self.close_with(f"accumulate of {size} bytes exceeds the limit of {MAX_ACCUMULATE}",
+                            hdr, ErrorCode.TOO_LARGE)
             return CLOSED
         if not self.greeted:
             self.close_with("the first request must be hello", hdr)

@@ -13,6 +13,8 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
+from ..protocol import DEFAULT_MAX_REQUEST
+
 
 class Transport(abc.ABC):
     """One connection to one memory server."""
@@ -20,7 +22,7 @@ class Transport(abc.ABC):
     #: "tcp", "rdma", ...
     name: str = "?"
     #: the largest request the client should send (the planner cuts at this)
-    max_request: int = 4 << 20
+    max_request: int = DEFAULT_MAX_REQUEST
 
     def __init__(self, address: tuple[str, int]) -> None:
         self.address = address

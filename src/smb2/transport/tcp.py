@@ -22,6 +22,7 @@ from ..protocol import (
     DTYPE_SHIFT,
     FLAG_REPLY,
     INLINE,
+    MAX_ACCUMULATE,
     VERSION,
     Destination,
     FrameReceiver,
@@ -198,7 +199,7 @@ class TcpTransport(Transport):
         self.server_info = info
         max_frame = info.get("max_frame")
         if isinstance(max_frame, int) and max_frame > 0:
-            self.max_request = min(self.max_request, max_frame)
+            self.max_request = min(self.max_request, max_frame, MAX_ACCUMULATE)
         return self
 
     @property
