@@ -1,0 +1,182 @@
+"""Update rules: how a worker's step reaches the shared parameters.
+
+* ``"accumulate"`` (SMB1): the servers add ``-lr * g`` in place; no lock, so
+  concurrent workers' updates all land (each server request is atomic with
+  respect to the others), at the price of reading slightly stale weights.
+* ``"locked"`` (TFSM on SMB2): under the buffer's lock, read the weights, apply
+  ``w -= lr * g``, write them back; ``per_layer=True`` takes one lock per
+  tensor so updates of different layers proceed in parallel.
+* ``"easgd"`` (ShmCaffe's elastic averaging SGD): each worker trains its own
+  copy with local SGD and every ``tau`` steps exchanges an elastic difference
+  ``d = alpha * (w_local - w_center)`` with the shared center: ``w_local -= d``
+  locally and ``w_center += d`` by a server-side accumulate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import InterfaceError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .store import ParameterStore
+
+
+def _positive(what: str, v: Any, *, upper: float | None = None) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or (upper is not None and v > upper):
+        rng = f"in (0, {upper}]" if upper is not None else "> 0"
+        raise InvalidArgumentError(f"{what} must be a number {rng}, not {v!r}")
+    return float(v)
+
+
+class UpdateRule:
+    """Base of the rules; ``bind`` attaches a rule to one store."""
+
+    name = "?"
+    #: gradients go to the shared buffer each push (layer dropping applies)
+    gradient_rule = True
+    #: the worker should pull fresh parameters before each step
+    pull_each_step = True
+
+    def __init__(self, lr: float = 0.01) -> None:
+        self.lr = _positive("lr", lr)
+        self._store: ParameterStore | None = None
+
+    @property
+    def store(self) -> ParameterStore:
+        if self._store is None:
+            raise InterfaceError(f"rule {self.name!r} is not bound to a store")
+        return self._store
+
+    def bind(self, store: ParameterStore) -> None:
+        if self._store is not None and self._store is not store:
+            raise InterfaceError(f"rule {self.name!r} is already bound to another store")
+        self._store = store
+
+    def settings(self) -> dict[str, Any]:
+        return {"name": self.name, "lr": self.lr}
+
+    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
+        raise NotImplementedError
+
+    def _selected(self, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        st = self.store
+        return st.dropping.select(grads) if st.dropping is not None else dict(grads)
+
+
+class Accumulate(UpdateRule):
+    """Server-side accumulate of ``-lr * g``, no lock."""
+
+    name = "accumulate"
+
+    def bind(self, store: ParameterStore) -> None:
+        super().bind(store)
+        # the whole data region's delta, so that a full step is one accumulate
+        # (the client splits it over all servers); padding stays zero
+        self._stage = np.zeros_like(store.flat())
+
+    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
+        st = self.store
+        sent = self._selected(grads)
+        if not sent:
+            return
+        flat = self._stage
+        if len(sent) == len(st.params):
+            for name, g in sent.items():
+                o = st.flat_offset(name)
+                np.multiply(g.reshape(-1), -self.lr, out=flat[o:o + g.size], casting="unsafe")
+            await st.buf.accumulate(st.data_off, flat)
+            nbytes = flat.nbytes
+        else:
+            ops = []
+            nbytes = 0
+            for name, g in sent.items():
+                o = st.flat_offset(name)
+                seg = flat[o:o + g.size]
+                np.multiply(g.reshape(-1), -self.lr, out=seg, casting="unsafe")
+                ops.append(st.buf.accumulate(st.ranges[name][0], seg))
+                nbytes += seg.nbytes
+            await asyncio.gather(*ops)
+        for name, g in sent.items():
+            # our own step, seen at once (the next pull replaces it with the sum of everyone's)
+            st.params[name] -= (self.lr * g).astype(st.layout.dtype, copy=False)
+        st.stats["bytes_pushed"] += nbytes
+        await st.bump_version()
+
+
+class EASGD(UpdateRule):
+    """Elastic averaging SGD against a shared center (ShmCaffe)."""
+
+    name = "easgd"
+    gradient_rule = False
+    pull_each_step = False
+
+    def __init__(self, lr: float = 0.01, alpha: float | None = None, tau: int = 4) -> None:
+        super().__init__(lr)
+        self.alpha = None if alpha is None else _positive("alpha", alpha, upper=1.0)
+        if not isinstance(tau, int) or isinstance(tau, bool) or tau < 1:
+            raise InvalidArgumentError(f"tau must be a positive int, not {tau!r}")
+        self.tau = tau
+        self.steps = 0
+
+    def bind(self, store: ParameterStore) -> None:
+        super().bind(store)
+        if self.alpha is None:
+            # EASGD's stability condition: alpha = beta / p with beta = 0.9
+            self.alpha = min(1.0, 0.9 / store.workers)
+        self._center = np.zeros_like(store.flat())
+        self._diff = np.zeros_like(store.flat())
+
+    def settings(self) -> dict[str, Any]:
+        return {"name": self.name, "lr": self.lr, "alpha": self.alpha, "tau": self.tau}
+
+    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
+        st = self.store
+        for name, g in grads.items():
+            st.params[name] -= (self.lr * g).astype(st.layout.dtype, copy=False)
+        self.steps += 1
+        if self.steps % self.tau == 0:
+            await self.exchange()
+
+    async def exchange(self) -> None:
+        """One elastic exchange with the center."""
+        st = self.store
+        assert self.alpha is not None
+        await st.buf.read_into(self._center, st.data_off)
+        local = st.flat()
+        np.subtract(local, self._center, out=self._diff)
+        self._diff *= self.alpha
+        local -= self._diff
+        await st.buf.accumulate(st.data_off, self._diff)
+        st.stats["bytes_pulled"] += self._center.nbytes
+        st.stats["bytes_pushed"] += self._diff.nbytes
+        await st.bump_version()
+
+    async def center(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The shared center's values (flat), e.g. to evaluate the model."""
+        st = self.store
+        out = np.empty_like(st.flat()) if out is None else out
+        await st.buf.read_into(out, st.data_off)
+        return out
+
+
+RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "easgd": EASGD}
+
+
+def make_rule(rule: str | UpdateRule, **options: Any) -> UpdateRule:
+    """A rule instance from its name and options (or a rule given as is)."""
+    if isinstance(rule, UpdateRule):
+        if options:
+            raise InvalidArgumentError(f"options {sorted(options)} given with a ready-made rule")
+        return rule
+    cls = RULES.get(rule) if isinstance(rule, str) else None
+    if cls is None:
+        raise InvalidArgumentError(f"unknown update rule {rule!r}: one of {', '.join(RULES)}")
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"bad options for rule {rule!r}: {exc}") from None
