@@ -30,6 +30,7 @@ from .errors import (
     Unsupported,
     VersionMismatch,
 )
+from .lock import Fence, Lock
 from .server import MemoryServer as Server
 from .server import start_server
 
@@ -37,7 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "Client", "ErrorCode",
-    "FrameTooLarge", "InterfaceError", "InvalidArgumentError", "LocalCluster", "LockTimeout",
+    "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockTimeout",
     "NoSuchBuffer", "NotifyTimeout", "OutOfBounds", "OutOfMemory", "ProtocolError", "Server", "ServerError",
     "Smb2Error", "StaleFence", "TransportError", "Unsupported", "VersionMismatch", "connect",
     "start_server",

@@ -25,6 +25,7 @@ from .errors import (
     InvalidArgumentError,
     Smb2Error,
 )
+from .lock import Fence, Lock, fence_of
 from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, parse_address
 from .transport import KINDS, Transport, open_transport
 
@@ -225,6 +226,13 @@ class Client:
     async def _one_control(self, link: _Link, msg: dict[str, Any]) -> dict[str, Any]:
         return await (await link.get()).control(msg)
 
+    # -- locks ----------------------------------------------------------------
+    def lock(self, name: str, **options: Any) -> Lock:
+        """A contender for the distributed FIFO lock ``name`` (see
+        :class:`smb2.lock.Lock` for ``lease``, ``mode``)."""
+        self._check()
+        return Lock(self, name, **options)
+
 
 def _first_error(errors: list[BaseException]) -> BaseException:
     # a server error explains more than "connection refused" on another one
@@ -295,7 +303,12 @@ class Buffer:
                 f"buffer {self.name!r} ({self.nbytes} bytes)")
         return offset
 
-    async def _run(self, what: str, view: memoryview, offset: int, dtype_code: int = 0) -> None:
+    def lock(self, **options: Any) -> Lock:
+        """The buffer's own lock (the lock named ``"buffer:" + name``)."""
+        return self.client.lock("buffer:" + self.name, **options)
+
+    async def _run(self, what: str, view: memoryview, offset: int, dtype_code: int = 0,
+                   fence: tuple[int, int] | None = None) -> None:
         self.client._check()
         length = len(view)
         if length == 0:
@@ -312,14 +325,15 @@ class Buffer:
             server, seg_off, ln, p0, np_ = reqs[r:r + 5]
             parts = [view[pieces[2 * p]:pieces[2 * p] + pieces[2 * p + 1]]
                      for p in range(p0, p0 + np_)]
-            coros.append(self._one(what, links[server], server, parts, seg_off, ln, dtype_code))
+            coros.append(self._one(what, links[server], server, parts, seg_off, ln, dtype_code, fence))
         if len(coros) == 1:
             await coros[0]
         else:
             await _gather(coros)
 
     async def _one(self, what: str, link: _Link, server: int, parts: list[memoryview],
-                   seg_off: int, length: int, dtype_code: int) -> None:
+                   seg_off: int, length: int, dtype_code: int,
+                   fence: tuple[int, int] | None = None) -> None:
         t = link.transport
         if t is None or t.closed:
             t = await link.get()
@@ -327,7 +341,10 @@ class Buffer:
         if what == "read":
             await t.read_into(parts, seg, seg_off, length)
         elif what == "write":
-            await t.write(parts, seg, seg_off, length)
+            if fence is None:
+                await t.write(parts, seg, seg_off, length)
+            else:
+                await t.write_fenced(parts, seg, seg_off, length, *fence)
         else:
             await t.accumulate(parts, seg, seg_off, length, dtype_code)
 
@@ -341,16 +358,23 @@ class Buffer:
         return self.client._links[server], self.segments[server], seg_off
 
     # -- data operations ------------------------------------------------------
-    async def write(self, offset: int, data: Any, *, notify: tuple[int, int] | None = None) -> None:
+    async def write(self, offset: int, data: Any, *, fence: Lock | Fence | None = None,
+                    notify: tuple[int, int] | None = None) -> None:
         """Store ``data`` (bytes-like or a C-contiguous numpy array) at ``offset``.
 
-        Do not modify ``data`` until this returns (it is sent without a copy).
+        With ``fence`` (a held :class:`Lock`, or a :class:`Fence`), each
+        server refuses its part with :class:`StaleFence` if the token no
+        longer fences the lock: on the lock's own server, unless it holds
+        the lock now; elsewhere, if a newer holder has written there.
+
         ``notify=(slot, value)`` raises that notification slot to ``value``
-        once the data is in place on every server (see :mod:`smb2.notify`)."""
+        once the data is in place on every server (see :mod:`smb2.notify`).
+
+        Do not modify ``data`` until this returns (it is sent without a copy)."""
         view = _bytes_view(data, writable=False, what="data")
         offset = self._range(offset, len(view), "a write")
         slot = _notify.check_notify(self, notify) if notify is not None else None
-        await self._run("write", view, offset)
+        await self._run("write", view, offset, fence=None if fence is None else fence_of(fence))
         if slot is not None:
             # only now: every server acknowledged its part, so the data is visible
             await _notify.raise_to(self, *slot)

@@ -31,13 +31,26 @@ class Op(enum.IntEnum):
     ACCUMULATE = 4     # payload: the delta; flags carry the dtype; empty reply
     FETCH_ADD = 5      # payload: u64 addend; reply: u64 old value
     COMPARE_SWAP = 6   # payload: u64 expected, u64 new; reply: u64 old value
+    # The lock (server-side waiting, the TCP path; docs/protocol.md "Locks").
+    # segment = LOCK_SEGMENT, offset = the lock's slot offset.
+    LOCK_ACQUIRE = 7   # no payload; reply (when granted, maybe much later): u64 ticket
+    LOCK_RELEASE = 8   # payload: u64 ticket; empty reply, STALE_FENCE if it did not hold
+    LOCK_CANCEL = 9    # payload: u64 request id of an earlier LOCK_ACQUIRE; empty reply
 
 
 DATA_OPS: Final = frozenset({Op.READ, Op.WRITE, Op.ACCUMULATE, Op.FETCH_ADD,
                              Op.COMPARE_SWAP})
 
+LOCK_OPS: Final = frozenset({Op.LOCK_ACQUIRE, Op.LOCK_RELEASE, Op.LOCK_CANCEL})
+
 # flags
 FLAG_REPLY: Final = 0x0001
+# WRITE: the payload starts with a fence (u64 lock key, u64 token); the
+# server checks it before a byte of the data lands in the segment
+FLAG_FENCED: Final = 0x0002
+FENCE_SIZE: Final = 16
+# segment id of every server's lock segment (buffers' segments start at 1)
+LOCK_SEGMENT: Final = 0
 DTYPE_SHIFT: Final = 4
 DTYPE_MASK: Final = 0x00F0
 
@@ -135,11 +148,22 @@ class _Closed:
     """The receiver closed the connection; stop parsing."""
 
 
+class Prefix:
+    """Deliver the first ``size`` bytes of the payload to ``on_prefix``,
+    which then says where the rest goes (a fenced WRITE: check the fence,
+    then receive the data straight into the segment, or discard it)."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
 INLINE: Final = _Inline()
 DISCARD: Final = _Discard()
 CLOSED: Final = _Closed()
 
-Destination = _Inline | _Discard | _Closed | list[memoryview]
+Destination = _Inline | _Discard | _Closed | Prefix | list[memoryview]
 
 
 class FrameReceiver(asyncio.BufferedProtocol):
@@ -175,6 +199,8 @@ class FrameReceiver(asyncio.BufferedProtocol):
         self._scratch = bytearray(0)
         # the header at self._start was accepted as INLINE; waiting for its payload
         self._inline_wait = False
+        # the header at self._start asked for a prefix that is not all here yet
+        self._prefix_wait: Prefix | None = None
         self._stopped = False
 
     # -- to implement -----------------------------------------------------
@@ -185,6 +211,12 @@ class FrameReceiver(asyncio.BufferedProtocol):
     def on_header(self, hdr: tuple[int, ...], size: int) -> Destination:
         """Where this frame's payload goes: INLINE, DISCARD, CLOSED or a
         list of memoryviews whose lengths add up to ``size``."""
+        raise NotImplementedError
+
+    def on_prefix(self, hdr: tuple[int, ...], prefix: memoryview, rest: int) -> Destination:
+        """Where the payload after a requested ``Prefix`` goes (``rest``
+        bytes): INLINE, DISCARD, CLOSED or a list of memoryviews.  Only
+        subclasses whose ``on_header`` returns a Prefix implement it."""
         raise NotImplementedError
 
     def on_frame(self, hdr: tuple[int, ...], payload: memoryview | None) -> None:
@@ -222,6 +254,11 @@ class FrameReceiver(asyncio.BufferedProtocol):
         self._parse()
 
     # -- internals ------------------------------------------------------
+    def _scratch_view(self, size: int) -> memoryview:
+        if len(self._scratch) < size:
+            self._scratch = bytearray(size)
+        return memoryview(self._scratch)[:size]
+
     def _compact(self) -> None:
         n = self._end - self._start
         if self._start:
@@ -265,12 +302,38 @@ class FrameReceiver(asyncio.BufferedProtocol):
             size = self.payload_size(hdr)
             if self._inline_wait:
                 dest: Destination = INLINE
+            elif self._prefix_wait is not None:
+                dest = self._prefix_wait
             else:
                 dest = self.on_header(hdr, size)
                 if dest is CLOSED or self._stopped:
                     return
             self._inline_wait = False
             body = self._start + HEADER_SIZE
+            if isinstance(dest, Prefix):
+                # the prefix is small: wait until it is in the inbox, then let
+                # the subclass decide about the rest, which is then received
+                # like any payload (in place, inline or discarded)
+                plen = dest.size
+                if size < plen:
+                    self.close_with(f"payload of {size} bytes is shorter than its {plen}-byte prefix")
+                    return
+                if avail - HEADER_SIZE < plen:
+                    self._compact()
+                    self._prefix_wait = dest
+                    return
+                self._prefix_wait = None
+                dest = self.on_prefix(hdr, inview[body:body + plen], size - plen)
+                if dest is CLOSED or self._stopped:
+                    return
+                body += plen
+                size -= plen
+                avail -= plen
+                if dest is INLINE and avail - HEADER_SIZE < size:
+                    # waiting for the rest would re-parse the header without
+                    # its prefix: take the scratch path below instead
+                    dest = [self._scratch_view(size)]
+                    self._deliver = dest[0]
             have = min(avail - HEADER_SIZE, size)
             if have == size and dest is not DISCARD and not isinstance(dest, list):
                 self._start = body + size
@@ -281,9 +344,7 @@ class FrameReceiver(asyncio.BufferedProtocol):
                     self._compact()      # the rest will fit behind it: wait
                     self._inline_wait = True
                     return
-                if len(self._scratch) < size:
-                    self._scratch = bytearray(size)
-                scratch = memoryview(self._scratch)[:size]
+                scratch = self._scratch_view(size)
                 self._deliver = scratch
                 self._targets = [scratch]
             elif dest is DISCARD:

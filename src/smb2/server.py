@@ -36,19 +36,25 @@ from .protocol import (
     DISCARD,
     DTYPE_MASK,
     DTYPE_SHIFT,
+    FENCE_SIZE,
+    FLAG_FENCED,
     FLAG_REPLY,
     INLINE,
+    LOCK_OPS,
+    LOCK_SEGMENT,
     MAX_ACCUMULATE,
     MAX_CONTROL,
     VERSION,
     Destination,
     FrameReceiver,
     Op,
+    Prefix,
     error_payload,
     pack,
     parse_size,
     unpack,
 )
+from .server_locks import DEFAULT_LEASE, DEFAULT_SLOTS, LockRefused, LockService
 
 log = logging.getLogger("smb2.server")
 
@@ -120,7 +126,8 @@ class MemoryServer:
     Create it with :func:`start_server`; ``address`` is ``(host, port)``."""
 
     def __init__(self, *, capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
-                 max_buffers: int = 4096) -> None:
+                 max_buffers: int = 4096, lock_lease: float = DEFAULT_LEASE,
+                 lock_slots: int = DEFAULT_SLOTS) -> None:
         self.capacity = parse_size(capacity)
         self.max_frame = max_frame
         self.max_buffers = max_buffers
@@ -138,6 +145,11 @@ class MemoryServer:
         self._server: asyncio.AbstractServer | None = None
         self.address: tuple[str, int] = ("", 0)
         self.server_id = os.urandom(8).hex()
+        # the lock segment: lock words in memory an RDMA transport registers
+        # like a buffer's segment (server_locks.py)
+        mem, view = _alloc(lock_slots * _core.LOCK_SLOT_SIZE)
+        self.segments[LOCK_SEGMENT] = Segment(LOCK_SEGMENT, "", 0, 8, 1, 0, len(view), mem, view)
+        self.locks = LockService(self, mem, view, slots=lock_slots, lease=lock_lease)
 
     # -- lifecycle --------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
@@ -146,6 +158,7 @@ class MemoryServer:
             lambda: _Connection(self), host, port, reuse_address=True)
         sock = self._server.sockets[0]
         self.address = sock.getsockname()[:2]
+        self.locks.start()
         log.info("listening on %s:%d (capacity %d bytes)", *self.address, self.capacity)
 
     async def close(self) -> None:
@@ -156,6 +169,7 @@ class MemoryServer:
                 conn.abort("server shutting down")
             await self._server.wait_closed()
             self._server = None
+        await self.locks.close()
         self.segments.clear()
         self.by_name.clear()
         self.used = 0
@@ -226,12 +240,13 @@ class MemoryServer:
             "used": self.used,
             "buffers": {s.name: {"segment": s.id, "size": s.size, "nbytes": s.nbytes,
                                  "stripe": s.stripe, "nservers": s.nservers, "index": s.index}
-                        for s in self.segments.values()},
+                        for s in self.segments.values() if s.id != LOCK_SEGMENT},
             "connections": len(self.connections),
             "ops": {t: dict(c) for t, c in self.ops.items()},
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "refused": self.refused,
+            "locks": self.locks.stat(),
         }
 
 
@@ -247,6 +262,9 @@ def _uint(msg: dict[str, Any], key: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 63:
         raise _Refused(ErrorCode.BAD_REQUEST, f"control field {key!r} must be a non-negative integer")
     return v
+
+
+_FENCE = Prefix(FENCE_SIZE)
 
 
 class _Connection(FrameReceiver):
@@ -280,6 +298,7 @@ class _Connection(FrameReceiver):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self.server.locks.connection_lost(self)
         if self._write is not None:
             seg, rng = self._write
             self._write = None
@@ -359,7 +378,7 @@ class _Connection(FrameReceiver):
                                 hdr, ErrorCode.TOO_LARGE)
                 return CLOSED
             return INLINE
-        if op not in DATA_OPS:
+        if op not in DATA_OPS and op not in LOCK_OPS:
             self.close_with(f"unknown op {op}", hdr)
             return CLOSED
         if size > self.server.max_frame or (op == Op.READ and length > self.server.max_frame):
@@ -374,7 +393,20 @@ class _Connection(FrameReceiver):
             self.close_with("the first request must be hello", hdr)
             return CLOSED
         try:
+            if op in LOCK_OPS:
+                try:
+                    self.server.locks.check_header(hdr, size)
+                except LockRefused as exc:
+                    raise _Refused(exc.code, str(exc)) from None
+                return INLINE
             atomic = op in (Op.FETCH_ADD, Op.COMPARE_SWAP)
+            if segment == LOCK_SEGMENT and op in (Op.WRITE, Op.ACCUMULATE):
+                raise _Refused(ErrorCode.ACCESS_DENIED, "the lock segment only takes READ and atomics")
+            if op == Op.WRITE and flags & FLAG_FENCED:
+                if length < FENCE_SIZE:
+                    raise _Refused(ErrorCode.BAD_REQUEST, "a fenced WRITE starts with a 16-byte fence")
+                self._segment(segment, offset, length - FENCE_SIZE)
+                return _FENCE
             seg = self._segment(segment, offset, 8 if atomic else length)
             if op == Op.WRITE:
                 rng = (offset, offset + length)
@@ -400,6 +432,24 @@ class _Connection(FrameReceiver):
             return DISCARD
         return INLINE
 
+    def on_prefix(self, hdr: tuple[int, ...], prefix: memoryview, rest: int) -> Destination:
+        # a fenced WRITE: check the fence before a byte of data lands
+        key, token = _core.unpack_u64(prefix, 0), _core.unpack_u64(prefix, 8)
+        if not self.server.locks.check_fence(key, token):
+            self._refuse(hdr, ErrorCode.STALE_FENCE,
+                         f"write fenced with token {token} refused: the lock was lost "
+                         "(lease expired, released, or a newer holder wrote here)")
+            return DISCARD
+        seg = self.server.segments.get(hdr[6])
+        if seg is None:     # destroyed between header and prefix
+            self._refuse(hdr, ErrorCode.NO_SUCH_BUFFER, f"no segment {hdr[6]}")
+            return DISCARD
+        offset = hdr[7]
+        rng = (offset, offset + rest)
+        seg.inflight.append(rng)
+        self._write = (seg, rng)
+        return [seg.view[offset:offset + rest]] if rest else INLINE
+
     def _segment(self, segment: int, offset: int, length: int) -> Segment:
         seg = self.server.segments.get(segment)
         if seg is None:
@@ -418,8 +468,17 @@ class _Connection(FrameReceiver):
                 return
             stats = self.server.ops[self.transport_name]
             stats[Op(op).name.lower()] += 1
+            if op in LOCK_OPS:
+                assert payload is not None
+                try:
+                    self.server.locks.on_frame(self, hdr, payload)
+                except LockRefused as exc:
+                    raise _Refused(exc.code, str(exc)) from None
+                return
             seg = self.server.segments.get(hdr[6])
             offset, length = hdr[7], hdr[8]
+            if hdr[3] & FLAG_FENCED:
+                length -= FENCE_SIZE
             if op == Op.READ:
                 assert seg is not None
                 self._reply(hdr, seg.view[offset:offset + length])
@@ -442,6 +501,8 @@ class _Connection(FrameReceiver):
                 old = int(word[0])
                 word[0] = (old + _core.unpack_u64(payload)) & 0xFFFFFFFFFFFFFFFF
                 self._reply(hdr, _core.pack_u64(old))
+                if seg.id == LOCK_SEGMENT:
+                    self.server.locks.touched(offset)
             elif op == Op.COMPARE_SWAP:
                 assert seg is not None and payload is not None
                 word = seg.mem[offset:offset + 8].view(np.uint64)
@@ -449,6 +510,8 @@ class _Connection(FrameReceiver):
                 if old == _core.unpack_u64(payload, 0):
                     word[0] = _core.unpack_u64(payload, 8)
                 self._reply(hdr, _core.pack_u64(old))
+                if seg.id == LOCK_SEGMENT:
+                    self.server.locks.touched(offset)
         except _Refused as exc:
             self._refuse(hdr, exc.code, str(exc))
         except Exception as exc:  # a bug must cost one request, not the server
@@ -503,6 +566,17 @@ class _Connection(FrameReceiver):
             result = {"buffers": sorted(srv.by_name)}
         elif cmd == "stat":
             result = srv.stat()
+        elif cmd == "lock_open":
+            lease = msg.get("lease")
+            try:
+                result = srv.locks.open(_str(msg, "name"), lease)
+            except LockRefused as exc:
+                raise _Refused(exc.code, str(exc)) from None
+        elif cmd == "lock_abandon":
+            try:
+                result = srv.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
+            except LockRefused as exc:
+                raise _Refused(exc.code, str(exc)) from None
         else:
             raise _Refused(ErrorCode.BAD_REQUEST, f"unknown control command {cmd!r}")
         self._reply(hdr, pack(result))
@@ -510,11 +584,13 @@ class _Connection(FrameReceiver):
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                        capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
-                       max_buffers: int = 4096) -> MemoryServer:
+                       max_buffers: int = 4096, lock_lease: float = DEFAULT_LEASE,
+                       lock_slots: int = DEFAULT_SLOTS) -> MemoryServer:
     """Start a memory server in the running loop and return it once it listens.
 
     ``port=0`` picks a free port (see ``server.address``)."""
-    server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers)
+    server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers,
+                          lock_lease=lock_lease, lock_slots=lock_slots)
     await server.start(host, port)
     return server
 
@@ -532,6 +608,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", default="1GiB", help="memory to serve, e.g. 512MiB, 8GiB (default 1GiB)")
     p.add_argument("--max-frame", default=str(DEFAULT_MAX_FRAME),
                    help="largest payload of one request (default 64MiB)")
+    p.add_argument("--lock-lease", type=float, default=DEFAULT_LEASE,
+                   help=f"seconds a lock holder may go without renewing (default {DEFAULT_LEASE:g})")
+    p.add_argument("--lock-slots", type=int, default=DEFAULT_SLOTS,
+                   help=f"locks this server can hold (default {DEFAULT_SLOTS})")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     return p
@@ -539,7 +619,8 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _serve(args: argparse.Namespace) -> None:
     server = await start_server(args.host, args.port, capacity=args.capacity,
-                                max_frame=parse_size(args.max_frame))
+                                max_frame=parse_size(args.max_frame), lock_lease=args.lock_lease,
+                                lock_slots=args.lock_slots)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -13,6 +13,7 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import InterfaceError
 from ..protocol import DEFAULT_MAX_REQUEST
 
 
@@ -64,6 +65,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def compare_swap(self, segment: int, offset: int, expected: int, new: int) -> int:
         """Store ``new`` if the word equals ``expected``; return the old value."""
+
+    async def write_fenced(self, src: Sequence[memoryview], segment: int, offset: int,
+                           length: int, lock_key: int, token: int) -> None:
+        """Like ``write``, but the server refuses it (``StaleFence``) unless
+        ``token`` still fences the lock ``lock_key`` (docs/protocol.md,
+        "Locks").  A one-sided fabric cannot check a fence: such a transport
+        sends fenced writes through its server's CPU, or does not offer them."""
+        raise InterfaceError(f"the {self.name} transport does not carry fenced writes")
 
     @abc.abstractmethod
     async def close(self) -> None:

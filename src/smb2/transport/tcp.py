@@ -20,6 +20,7 @@ from ..errors import ProtocolError, TransportError, server_error
 from ..protocol import (
     CLOSED,
     DTYPE_SHIFT,
+    FLAG_FENCED,
     FLAG_REPLY,
     INLINE,
     MAX_ACCUMULATE,
@@ -271,6 +272,49 @@ class TcpTransport(Transport):
     async def compare_swap(self, segment: int, offset: int, expected: int, new: int) -> int:
         return int(await self._call(Op.COMPARE_SWAP, 0, segment, offset, 16,
                                     _core.pack_u64x2(expected & _MASK64, new & _MASK64), _U64))
+
+    async def write_fenced(self, src: Sequence[memoryview], segment: int, offset: int,
+                           length: int, lock_key: int, token: int) -> None:
+        # the fence travels as a 16-byte prefix of the payload, in the same
+        # writev as the header and the data (which is not copied)
+        parts: list[memoryview] = [memoryview(_core.pack_u64x2(lock_key & _MASK64, token & _MASK64))]
+        parts.extend(src)
+        await self._call(Op.WRITE, FLAG_FENCED, segment, offset, length + 16, parts, _EMPTY)
+
+    # -- the lock's server-side waiting (server_locks.py) -------------------
+    async def lock_acquire(self, segment: int, offset: int) -> int:
+        """Queue for the lock in slot ``offset``; return the ticket once it
+        is ours.  If the caller is cancelled (or times out) while waiting,
+        the server is told to give the ticket up (LOCK_CANCEL), and to
+        release the lock if the grant crossed the cancellation."""
+        await self._proto.drain()
+        rid = self._new_id()
+        fut = self._submit(rid, [_core.encode_header(VERSION, Op.LOCK_ACQUIRE, 0, 0, rid,
+                                                     segment, offset, 0)], _U64, None, 0)
+        try:
+            return int(await fut)
+        except asyncio.CancelledError:
+            if not (fut.done() and not fut.cancelled() and fut.exception() is not None):
+                self._lock_cancel(segment, offset, rid)
+            raise
+
+    def _lock_cancel(self, segment: int, offset: int, rid: int) -> None:
+        if self._proto.transport is None:
+            return          # connection gone: the server drops our tickets itself
+        cid = self._new_id()
+        try:
+            fut = self._submit(cid, [_core.encode_header_with(
+                VERSION, Op.LOCK_CANCEL, 0, 0, cid, segment, offset, 8, _core.pack_u64(rid))],
+                _EMPTY, None, 0)
+        except TransportError:
+            return
+        # nobody awaits the answer; retrieve a failure so it is not logged
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def lock_release(self, segment: int, offset: int, ticket: int) -> None:
+        """Release the lock held with ``ticket``; StaleFence if it was lost."""
+        await self._call(Op.LOCK_RELEASE, 0, segment, offset, 8, _core.pack_u64(ticket & _MASK64),
+                         _EMPTY)
 
     async def close(self) -> None:
         t = self._proto.transport

@@ -1,0 +1,307 @@
+"""The distributed FIFO ticket lock, client side (DESIGN.md, "The lock").
+
+    async with buf.lock():                 # the buffer's own lock
+        ...
+    lock = client.lock("epoch")            # any named lock
+    await lock.acquire(timeout=5.0)        # LockTimeout; the ticket is given up
+    await buf.write(0, data, fence=lock)   # StaleFence if the lock was lost
+    await lock.release()
+
+A lock lives on one server (its name's hash picks it, like a buffer's first
+stripe) as two words, ``next_ticket`` and ``now_serving``.  Two ways to wait:
+
+* **park** (TCP): one LOCK_ACQUIRE frame; the server answers when our turn
+  comes.  Release is one LOCK_RELEASE.  No traffic while waiting.
+* **poll** (RDMA, and TCP when asked): ``fetch_add(next_ticket, 1)``, then
+  reads of ``now_serving`` with a backoff proportional to the distance to
+  our ticket (``_core.TicketState``).  Only the transport interface's
+  ``fetch_add``/``read_into``/``compare_swap`` are used, so the server's CPU
+  takes no part when the fabric is one-sided.  Release is one
+  ``compare_swap(now_serving, t, t + 1)``: as cheap as the fetch-and-add of
+  the textbook lock, but a holder whose lease ran out cannot move the queue
+  past the ticket of the holder that replaced it.
+
+Either way the holder bumps the lock's heartbeat word every lease/3 (one
+``fetch_add``), and a holder that stops doing so loses the lock after the
+lease; the ticket is the fencing token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from . import _core
+from .errors import InterfaceError, InvalidArgumentError, LockTimeout, NoSuchBuffer, StaleFence
+
+if TYPE_CHECKING:
+    from .client import Client
+    from .transport import Transport
+
+log = logging.getLogger("smb2.lock")
+
+MODES = ("auto", "park", "poll")
+
+# lock_open answers, per client: name -> info (segment, offset, key, lease)
+_opened: weakref.WeakKeyDictionary[Client, dict[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
+# fire-and-forget work (renewals, giving tickets up): referenced until done
+_background: set[asyncio.Future[Any]] = set()
+
+
+def _spawn(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+
+    def done(t: asyncio.Future[Any]) -> None:
+        _background.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.debug("lock background work failed: %s", t.exception())
+    task.add_done_callback(done)
+
+
+class Fence:
+    """A fencing token by value: ``Fence(lock_name, token)``.  A process can
+    hand its token to another one, or keep one to prove later that its lock
+    was lost; ``buf.write(..., fence=Fence(...))`` is refused unless the
+    token still fences the lock."""
+
+    __slots__ = ("name", "token", "key")
+
+    def __init__(self, name: str, token: int) -> None:
+        if not isinstance(token, int) or not 0 <= token < 1 << 64:
+            raise InvalidArgumentError(f"a fencing token is a u64, not {token!r}")
+        self.name = name
+        self.token = token
+        self.key = _core.name_hash(name)
+
+    def __repr__(self) -> str:
+        return f"Fence({self.name!r}, {self.token})"
+
+
+class Lock:
+    """One contender for the named lock.  Not reentrant; one acquisition at a
+    time per object (make several objects to contend from one client)."""
+
+    __slots__ = ("client", "name", "mode", "_lease", "_min_delay", "_max_delay", "_state",
+                 "_info", "_transport", "_path", "_renew", "_busy", "_buf8", "_view8")
+
+    def __init__(self, client: Client, name: str, *, lease: float | None = None, mode: str = "auto",
+                 min_delay: float = 20e-6, max_delay: float = 0.05) -> None:
+        if not isinstance(name, str) or not 0 < len(name.encode()) <= 255:
+            raise InvalidArgumentError(f"a lock name is a non-empty str of at most 255 bytes, not {name!r}")
+        if mode not in MODES:
+            raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if lease is not None and not 0 < lease <= 3600:
+            raise InvalidArgumentError(f"lease must be in (0, 3600] seconds, not {lease!r}")
+        self.client = client
+        self.name = name
+        self.mode = mode
+        self._lease = lease
+        self._min_delay = min_delay
+        self._max_delay = max_delay
+        self._state: _core.TicketState | None = None
+        self._info: dict[str, Any] | None = None
+        self._transport: Transport | None = None
+        self._path = ""
+        self._renew: asyncio.TimerHandle | None = None
+        self._busy = False
+        self._buf8 = bytearray(8)
+        self._view8 = memoryview(self._buf8)
+
+    def __repr__(self) -> str:
+        state = "locked" if self.locked() else "unlocked"
+        return f"<smb2.Lock {self.name!r} {state}{f' token={self.token}' if self.locked() else ''}>"
+
+    # -- state --------------------------------------------------------------
+    def locked(self) -> bool:
+        """True while this object holds the lock (as far as it knows: a
+        holder that stalled past its lease finds out at its next fenced
+        write or at release, with StaleFence)."""
+        return self._state is not None and self._state.state == _core.TICKET_HELD
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token (our ticket) while held, else None."""
+        return self._state.ticket if self.locked() and self._state is not None else None
+
+    @property
+    def fence(self) -> Fence:
+        """The current fencing token as a :class:`Fence` (must be held)."""
+        if not self.locked() or self._state is None:
+            raise InterfaceError(f"lock {self.name!r} is not held by this Lock object")
+        return Fence(self.name, self._state.ticket)
+
+    @property
+    def path(self) -> str:
+        """How the last acquisition waited: "park" or "poll" ("" before any)."""
+        return self._path
+
+    # -- acquire / release --------------------------------------------------
+    async def acquire(self, timeout: float | None = None) -> bool:
+        """Wait for the lock (FIFO).  With ``timeout`` (seconds), raise
+        :class:`LockTimeout` when it runs out; the ticket is then given up
+        and the queue does not wait for it.  Cancellation does the same."""
+        self.client._check()
+        if self._busy or self.locked():
+            raise InterfaceError(f"lock {self.name!r} is already held or being acquired by this "
+                                 "Lock object (it is not reentrant)")
+        self._busy = True
+        try:
+            if timeout is None:
+                await self._acquire()
+            else:
+                try:
+                    async with asyncio.timeout(timeout):
+                        await self._acquire()
+                except TimeoutError:
+                    raise LockTimeout(f"lock {self.name!r} not acquired within {timeout} s") from None
+        finally:
+            self._busy = False
+        return True
+
+    async def release(self) -> None:
+        """Release the lock.  Raises :class:`StaleFence` if it had been lost
+        (lease expired): what was done under it was not protected."""
+        st = self._state
+        if st is None or st.state != _core.TICKET_HELD:
+            raise InterfaceError(f"release() of lock {self.name!r}, which this Lock object does not hold")
+        ticket = st.ticket
+        st.released()
+        if self._renew is not None:
+            self._renew.cancel()
+            self._renew = None
+        tr, info = self._transport, self._info
+        assert tr is not None and info is not None
+        seg, off = info["segment"], info["offset"]
+        if self._path == "park":
+            await tr.lock_release(seg, off, ticket)       # type: ignore[attr-defined]
+            return
+        old = await tr.compare_swap(seg, off + _core.LOCK_SERVING, ticket, ticket + 1)
+        if old != ticket:
+            raise StaleFence(f"lock {self.name!r} was lost before release (lease expired: "
+                             f"now serving {old}, our ticket {ticket})")
+
+    async def __aenter__(self) -> Lock:
+        await self.acquire()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.locked():
+            await self.release()
+
+    # -- internals ------------------------------------------------------------
+    async def _open(self, fresh: bool = False) -> tuple[Transport, dict[str, Any]]:
+        client = self.client
+        links = client._links
+        link = links[_core.name_hash(self.name) % len(links)]
+        tr = link.transport
+        if tr is None or tr.closed:
+            tr = await link.get()
+        cache = _opened.setdefault(client, {})
+        info = None if fresh else cache.get(self.name)
+        if info is None:
+            msg: dict[str, Any] = {"cmd": "lock_open", "name": self.name}
+            if self._lease is not None:
+                msg["lease"] = float(self._lease)
+            info = await tr.control(msg)
+            cache[self.name] = info
+        return tr, info
+
+    async def _acquire(self) -> None:
+        tr, info = await self._open()
+        try:
+            await self._acquire_on(tr, info)
+        except NoSuchBuffer:
+            # the lock's server restarted and forgot the lock: open it again
+            tr, info = await self._open(fresh=True)
+            await self._acquire_on(tr, info)
+
+    async def _acquire_on(self, tr: Transport, info: dict[str, Any]) -> None:
+        loop = asyncio.get_running_loop()
+        if self._state is None or self._state.lease != info["lease"]:
+            self._state = _core.TicketState(float(info["lease"]), self._min_delay, self._max_delay)
+        st = self._state
+        seg, off = info["segment"], info["offset"]
+        park = self.mode == "park" or (self.mode == "auto" and tr.name == "tcp")
+        if park and not hasattr(tr, "lock_acquire"):
+            raise InterfaceError(f"the {tr.name} transport cannot park lock waiters; use mode='poll'")
+        self._transport, self._info = tr, info
+        if park:
+            self._path = "park"
+            ticket = await tr.lock_acquire(seg, off)      # type: ignore[attr-defined]
+            st.start(ticket, loop.time())
+            st.granted(loop.time())
+        else:
+            self._path = "poll"
+            await self._poll(tr, st, seg, off)
+        self._renew = loop.call_at(st.renew_at, self._renew_due, st.ticket)
+
+    async def _draw(self, tr: Transport, seg: int, off: int) -> int:
+        # The fetch-and-add must not be lost to a cancellation: a ticket
+        # drawn but never known would stall the queue for a whole lease.
+        fut = asyncio.ensure_future(tr.fetch_add(seg, off + _core.LOCK_NEXT, 1))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            def late(f: asyncio.Future[int]) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    self._give_up(tr, off, f.result())
+            fut.add_done_callback(late)
+            raise
+
+    async def _poll(self, tr: Transport, st: _core.TicketState, seg: int, off: int) -> None:
+        loop = asyncio.get_running_loop()
+        st.start(await self._draw(tr, seg, off), loop.time())
+        view = [self._view8]
+        try:
+            while True:
+                await tr.read_into(view, seg, off + _core.LOCK_SERVING, 8)
+                code, delay = st.observe(_core.unpack_u64(self._buf8), loop.time())
+                if code == _core.OBSERVE_GRANTED:
+                    return
+                if code == _core.OBSERVE_LAPSED:
+                    # we slept past our turn and the server expired our ticket
+                    log.debug("lock %r: ticket passed while waiting; drawing a new one", self.name)
+                    st.start(await self._draw(tr, seg, off), loop.time())
+                    continue
+                await asyncio.sleep(delay)
+        except BaseException:
+            if st.state != _core.TICKET_IDLE:
+                self._give_up(tr, off, st.ticket)
+                st.released()
+            raise
+
+    def _give_up(self, tr: Transport, off: int, ticket: int) -> None:
+        # the server skips the ticket when its turn comes (or now, if it has
+        # come already: then we were the holder, and this releases)
+        _spawn(tr.control({"cmd": "lock_abandon", "offset": off, "ticket": ticket}))
+
+    def _renew_due(self, ticket: int) -> None:
+        st = self._state
+        if st is None or st.state != _core.TICKET_HELD or st.ticket != ticket:
+            return
+        _spawn(self._renew_now(ticket))
+
+    async def _renew_now(self, ticket: int) -> None:
+        tr, info = self._transport, self._info
+        assert tr is not None and info is not None
+        try:
+            await tr.fetch_add(info["segment"], info["offset"] + _core.LOCK_HEARTBEAT, 1)
+        except Exception as exc:
+            log.warning("lock %r: renewing the lease failed (%s); the lock may be lost", self.name, exc)
+            return
+        st = self._state
+        if st is not None and st.state == _core.TICKET_HELD and st.ticket == ticket:
+            loop = asyncio.get_running_loop()
+            self._renew = loop.call_at(st.renewed(loop.time()), self._renew_due, ticket)
+
+
+def fence_of(fence: Lock | Fence) -> tuple[int, int]:
+    """``(key, token)`` of a fence argument."""
+    if isinstance(fence, Lock):
+        fence = fence.fence
+    if not isinstance(fence, Fence):
+        raise InvalidArgumentError(f"fence must be a Lock or a Fence, not {type(fence).__name__}")
+    return fence.key, fence.token

@@ -1,0 +1,320 @@
+"""The server's half of the lock: glue between ``_core.LockTable`` and the
+connections (DESIGN.md, "The lock"; docs/protocol.md, "Locks").
+
+Every server has one *lock segment* (segment id ``LOCK_SEGMENT`` = 0): page
+aligned, so an RDMA transport can register it like any segment, made of
+32-byte slots of four u64 words (next_ticket, now_serving, heartbeat,
+reserved).  A lock name is bound to a slot by the ``lock_open`` control
+command; which server holds a lock is the client's choice (the name's hash,
+like stripes).
+
+Three ways in:
+
+* LOCK_ACQUIRE / LOCK_RELEASE / LOCK_CANCEL frames (the TCP path): the
+  server PARKS an acquire whose turn has not come and answers it when it
+  does, so a waiter sends nothing while it waits.
+* the generic atomics and READ on the lock segment (the polling path that
+  RDMA uses one-sidedly; over TCP this server executes them and then
+  ``touched`` lets the table react at once).
+* a sweep every few milliseconds: it notices one-sided changes (RDMA
+  releases and renewals), expires holders whose lease ran out, and skips
+  tickets that were given up.
+
+Fences: a fenced WRITE carries (lock key, token).  On the lock's own server
+the token must hold the lock right now.  Any other server cannot see the
+lock's words, so it applies the classic fencing-token rule: refuse a token
+lower than the highest it has seen for that key.  A stale holder's write is
+thus refused everywhere once the next holder has written there, and on the
+lock's server at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import _core
+from .errors import ErrorCode
+from .protocol import LOCK_SEGMENT, Op, error_payload
+
+if TYPE_CHECKING:
+    from .server import MemoryServer, _Connection
+
+log = logging.getLogger("smb2.lock")
+
+SLOT = _core.LOCK_SLOT_SIZE
+DEFAULT_LEASE = 5.0
+DEFAULT_SLOTS = 4096
+MAX_LEASE = 3600.0
+# tokens seen in fenced writes for locks held elsewhere; an untrusted client
+# must not grow this without bound (the oldest keys are forgotten first)
+MAX_FENCE_KEYS = 1 << 16
+
+
+class LockRefused(Exception):
+    """A lock request the server answers with an error code."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _ticket_base() -> int:
+    # Tickets start at a time-based value, so that tokens stay monotone
+    # across a restart of this server (other servers remember the highest
+    # token they saw): microseconds since the epoch << 10 leaves room for
+    # 1024 tickets per microsecond of the previous incarnation, in 2**61.
+    return (time.time_ns() // 1000) << 10
+
+
+class LockService:
+    """One server's locks: the lock segment, the table, parked requests."""
+
+    def __init__(self, server: MemoryServer, mem: Any, view: memoryview, *,
+                 slots: int = DEFAULT_SLOTS, lease: float = DEFAULT_LEASE) -> None:
+        if not 0 < lease <= MAX_LEASE:
+            raise ValueError(f"lock lease must be in (0, {MAX_LEASE}] s, not {lease}")
+        self.server = server
+        self.mem = mem
+        self.view = view
+        self.nslots = slots
+        self.lease = lease
+        self.table = _core.LockTable(view, slots)
+        self.by_name: dict[str, int] = {}      # lock name -> slot
+        self.names: list[str | None] = [None] * slots
+        self.by_key: dict[int, int] = {}       # fence key -> slot (locks held here)
+        self.fences: dict[int, int] = {}       # fence key -> highest token seen (others)
+        # parked LOCK_ACQUIREs: waiter id -> (connection, header)
+        self._parked: dict[int, tuple[_Connection, tuple[int, ...]]] = {}
+        # (owner, request id) -> waiter id, for LOCK_CANCEL
+        self._by_rid: dict[tuple[int, int], int] = {}
+        self._rid_of: dict[int, tuple[int, int]] = {}
+        self._leases: dict[int, float] = {}      # slot -> lease, where set by lock_open
+        self._next_waiter = 1
+        self._sweeper: asyncio.Task[None] | None = None
+        self.stale_fences = 0
+
+    # -- lifecycle --------------------------------------------------------
+    def start(self) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            try:
+                await self._sweeper
+            except asyncio.CancelledError:
+                pass
+            self._sweeper = None
+        self._parked.clear()
+        self._by_rid.clear()
+
+    def _interval(self) -> float:
+        # the sweep's period bounds how late an expiry is noticed: a small
+        # fraction of the shortest lease, and never longer than 50 ms (so an
+        # abandoned ticket or a one-sided release is noticed soon)
+        shortest = min(self._leases.values(), default=self.lease)
+        return max(0.002, min(0.05, shortest / 20))
+
+    def table_lease(self, slot: int) -> float:
+        return self._leases.get(slot, self.lease)
+
+    async def _sweep_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._interval())
+            if not self.by_name:
+                continue
+            try:
+                expired = self.table.expired
+                self._deliver(self.table.sweep(loop.time()))
+                if self.table.expired != expired:
+                    log.info("lock lease expired %d time(s); the queue moved on",
+                             self.table.expired - expired)
+            except Exception:  # a bug must not stop expiries for good
+                log.exception("lock sweep failed")
+
+    # -- control ------------------------------------------------------------
+    def open(self, name: str, lease: float | None) -> dict[str, Any]:
+        if not isinstance(name, str) or not 0 < len(name.encode()) <= 255:
+            raise LockRefused(ErrorCode.BAD_REQUEST, "lock names are 1..255 bytes of str")
+        if lease is not None and not (isinstance(lease, (int, float)) and 0 < lease <= MAX_LEASE):
+            raise LockRefused(ErrorCode.BAD_REQUEST, f"lease must be in (0, {MAX_LEASE}] seconds")
+        slot = self.by_name.get(name)
+        now = asyncio.get_running_loop().time()
+        if slot is None:
+            try:
+                slot = self.names.index(None)
+            except ValueError:
+                raise LockRefused(ErrorCode.OUT_OF_MEMORY,
+                                  f"this server holds its maximum of {self.nslots} locks") from None
+            self.table.open(slot, _ticket_base(), float(lease or self.lease), now)
+            self.by_name[name] = slot
+            self.names[slot] = name
+            self.by_key[_core.name_hash(name)] = slot
+            log.debug("lock %r in slot %d", name, slot)
+        if lease is not None:
+            # the last opener's lease wins; all users of a lock should agree
+            self.table.set_lease(slot, float(lease))
+            self._leases[slot] = float(lease)
+        return {"segment": LOCK_SEGMENT, "offset": slot * SLOT, "slot": slot,
+                "key": _core.name_hash(name), "lease": self.table_lease(slot)}
+
+    def abandon(self, offset: int, ticket: int) -> dict[str, Any]:
+        """``lock_abandon``: a polling client gives up ``ticket`` (timeout or
+        cancellation); the queue skips it."""
+        slot = self._slot_of(offset)
+        self._deliver(self.table.abandon(slot, ticket, asyncio.get_running_loop().time()))
+        return {}
+
+    def stat(self) -> dict[str, Any]:
+        locks = {}
+        for name, slot in self.by_name.items():
+            nxt, serving, hb = self.table.words(slot)
+            locks[name] = {"slot": slot, "next_ticket": nxt, "now_serving": serving,
+                           "queued": (nxt - serving) % (1 << 64),
+                           "parked": len(self.table.parked(slot)), "lease": self.table_lease(slot)}
+        return {"slots": self.nslots, "open": len(self.by_name), "grants": self.table.grants,
+                "expired": self.table.expired, "abandoned_skips": self.table.abandoned_skips,
+                "stale_fences": self.stale_fences, "locks": locks}
+
+    def _slot_of(self, offset: int) -> int:
+        if offset % SLOT or not 0 <= offset < self.nslots * SLOT:
+            raise LockRefused(ErrorCode.BAD_REQUEST, f"offset {offset} is not a lock slot")
+        slot = offset // SLOT
+        if not self.table.is_open(slot):
+            raise LockRefused(ErrorCode.NO_SUCH_BUFFER,
+                              f"no lock in slot {slot} (open it first; did the server restart?)")
+        return slot
+
+    # -- frames -------------------------------------------------------------
+    def check_header(self, hdr: tuple[int, ...], size: int) -> None:
+        """Validate a lock op's header before its payload is read."""
+        op, segment, offset = hdr[2], hdr[6], hdr[7]
+        if segment != LOCK_SEGMENT:
+            raise LockRefused(ErrorCode.BAD_REQUEST, "lock ops address the lock segment (0)")
+        self._slot_of(offset)
+        want = 0 if op == Op.LOCK_ACQUIRE else 8
+        if size != want:
+            raise LockRefused(ErrorCode.BAD_REQUEST, f"{Op(op).name} carries {want} bytes, not {size}")
+
+    def on_frame(self, conn: _Connection, hdr: tuple[int, ...], payload: memoryview) -> None:
+        op, rid, offset = hdr[2], hdr[5], hdr[7]
+        now = asyncio.get_running_loop().time()
+        owner = id(conn)
+        slot = self._slot_of(offset)
+        if op == Op.LOCK_ACQUIRE:
+            waiter = self._next_waiter
+            self._next_waiter += 1
+            ticket, granted = self.table.acquire(slot, waiter, owner, now)
+            self._by_rid[(owner, rid)] = waiter
+            self._rid_of[waiter] = (owner, rid)
+            if granted:
+                conn._reply(hdr, _core.pack_u64(ticket))
+            else:
+                self._parked[waiter] = (conn, hdr)
+            return
+        if op == Op.LOCK_RELEASE:
+            ticket = _core.unpack_u64(payload)
+            holder = self.table.holder(slot)
+            ok, grants = self.table.release(slot, ticket, now)
+            if ok and holder is not None:
+                self._forget(holder)
+            if not ok:
+                raise LockRefused(ErrorCode.STALE_FENCE,
+                                  f"ticket {ticket} does not hold lock {self.names[slot]!r} "
+                                  "(its lease expired, or it was released already)")
+            conn._reply(hdr)
+            self._deliver(grants)
+            return
+        # LOCK_CANCEL: give up what the acquire with that request id got
+        target = _core.unpack_u64(payload)
+        waiter_id = self._by_rid.get((owner, target))
+        if waiter_id is not None:
+            self._forget(waiter_id)
+            parked = self._parked.pop(waiter_id, None)
+            grants = self.table.cancel(waiter_id, now)
+            if parked is not None:
+                # the acquire is answered (the client ignores it) so that
+                # its request id is not pending forever
+                pconn, phdr = parked
+                pconn._reply(phdr, error_payload("acquire cancelled"), status=ErrorCode.CONFLICT)
+            self._deliver(grants)
+        conn._reply(hdr)
+
+    def touched(self, offset: int) -> None:
+        """A generic atomic changed a lock word (the polling path over TCP)."""
+        slot = offset // SLOT
+        if self.table.is_open(slot):
+            self._deliver(self.table.poke(slot, asyncio.get_running_loop().time()))
+
+    def connection_lost(self, conn: _Connection) -> None:
+        owner = id(conn)
+        grants = self.table.drop_owner(owner, asyncio.get_running_loop().time())
+        for key in [k for k in self._by_rid if k[0] == owner]:
+            wid = self._by_rid.pop(key)
+            self._rid_of.pop(wid, None)
+            self._parked.pop(wid, None)
+        if grants:
+            log.info("connection %s lost while holding or waiting for a lock; passed on", conn.peer)
+        self._deliver(grants)
+
+    def _forget(self, waiter: int) -> None:
+        key = self._rid_of.pop(waiter, None)
+        if key is not None:
+            self._by_rid.pop(key, None)
+
+    def _deliver(self, grants: list[int]) -> None:
+        # Answer the parked acquires that were just granted.  A grant to a
+        # connection that is closing is passed on at once (its
+        # connection_lost may not have run yet), which may grant the next.
+        queue = list(grants)
+        while queue:
+            wid = queue.pop(0)
+            entry = self._parked.pop(wid, None)
+            if entry is None:
+                continue
+            conn, hdr = entry
+            t = conn.transport
+            if t is None or t.is_closing():
+                self._forget(wid)
+                queue.extend(self.table.cancel(wid, asyncio.get_running_loop().time()))
+                continue
+            got = self.table.waiter_ticket(wid)
+            assert got is not None
+            conn._reply(hdr, _core.pack_u64(got[1]))
+        if self.table.lost:
+            lost = list(self.table.lost)
+            self.table.lost.clear()
+            for _slot, wid in lost:
+                self._forget(wid)
+                entry = self._parked.pop(wid, None)
+                if entry is not None:
+                    conn, hdr = entry
+                    conn._reply(hdr, error_payload("the queue passed this ticket"),
+                                status=ErrorCode.STALE_FENCE)
+
+    # -- fences -------------------------------------------------------------
+    def check_fence(self, key: int, token: int) -> bool:
+        slot = self.by_key.get(key)
+        if slot is not None:
+            ok = bool(self.table.check_fence(slot, token))
+        else:
+            seen = self.fences.get(key)
+            ok = seen is None or token >= seen
+            if ok and seen != token:
+                self.fences.pop(key, None)
+                self.fences[key] = token        # most recent last: evicted last
+                if len(self.fences) > MAX_FENCE_KEYS:
+                    self.fences.pop(next(iter(self.fences)))
+        if not ok:
+            self.stale_fences += 1
+        return ok
+
+
+def alloc_lock_segment(alloc: Callable[[int], tuple[Any, memoryview]], slots: int
+                       ) -> tuple[Any, memoryview]:
+    return alloc(slots * SLOT)

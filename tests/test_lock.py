@@ -1,0 +1,337 @@
+"""The distributed FIFO ticket lock, on both loops and every transport
+(see conftest), on both waiting paths: "park" (the server answers when our
+turn comes) and "poll" (fetch_add + reads of now_serving, as over RDMA)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import struct
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import smb2
+from smb2 import _core
+from smb2.protocol import FLAG_FENCED, LOCK_SEGMENT, VERSION, Op, pack
+
+MODES = ["park", "poll"]
+WORKER = str(Path(__file__).with_name("lock_worker.py"))
+
+
+def _loop_name() -> str:
+    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_acquire_release_and_misuse(client: smb2.Client, mode: str) -> None:
+    lock = client.lock("basics", mode=mode)
+    assert not lock.locked() and lock.token is None
+    with pytest.raises(smb2.InterfaceError):
+        await lock.release()
+    assert await lock.acquire() is True
+    assert lock.locked() and isinstance(lock.token, int) and lock.path == mode
+    with pytest.raises(smb2.InterfaceError, match="reentrant"):
+        await lock.acquire()
+    first = lock.token
+    await lock.release()
+    assert not lock.locked()
+    async with lock:
+        assert lock.token == first + 1
+    with pytest.raises(smb2.InvalidArgumentError):
+        client.lock("")
+    with pytest.raises(smb2.InvalidArgumentError):
+        client.lock("x", mode="spin")
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_acquisition_order_is_ticket_order(cluster: smb2.LocalCluster, transport: str,
+                                                 mode: str) -> None:
+    clients = [await cluster.connect(transport=transport) for _ in range(3)]
+    locks = [clients[i % 3].lock("order", mode=mode) for i in range(12)]
+    holder = locks[0]
+    await holder.acquire()
+    order: list[int] = []
+    tickets: dict[int, int] = {}
+
+    async def contend(i: int) -> None:
+        async with locks[i]:
+            order.append(i)
+            tickets[i] = locks[i].token  # type: ignore[assignment]
+            await asyncio.sleep(0.001)
+
+    tasks = []
+    for i in range(1, 12):
+        tasks.append(asyncio.ensure_future(contend(i)))
+        await asyncio.sleep(0.02)      # let each draw its ticket before the next
+    await holder.release()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert order == list(range(1, 12))
+    assert [tickets[i] for i in order] == sorted(tickets.values())
+    for c in clients:
+        await c.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_timeout_gives_the_ticket_up(cluster: smb2.LocalCluster, transport: str, mode: str) -> None:
+    a, b = await cluster.connect(transport=transport), await cluster.connect(transport=transport)
+    holder, late, next_ = a.lock("to", mode=mode), b.lock("to", mode=mode), a.lock("to", mode=mode)
+    await holder.acquire()
+    t0 = time.monotonic()
+    with pytest.raises(smb2.LockTimeout):
+        await late.acquire(timeout=0.2)
+    assert 0.15 < time.monotonic() - t0 < 2
+    assert not late.locked()
+    waiter = asyncio.ensure_future(next_.acquire())
+    await asyncio.sleep(0.05)
+    await holder.release()
+    # the timed-out ticket sits between holder and next_: it must be skipped
+    t0 = time.monotonic()
+    await asyncio.wait_for(waiter, 2)
+    assert time.monotonic() - t0 < 0.5
+    await next_.release()
+    # and the timed-out Lock object works again
+    await late.acquire(timeout=2)
+    await late.release()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_cancellation_leaves_the_lock_usable(cluster: smb2.LocalCluster, transport: str,
+                                                   mode: str) -> None:
+    a, b = await cluster.connect(transport=transport), await cluster.connect(transport=transport)
+    holder = a.lock("cx", mode=mode)
+    await holder.acquire()
+    # cancelled while parked/polling
+    tasks = [asyncio.ensure_future(b.lock("cx", mode=mode).acquire()) for _ in range(5)]
+    await asyncio.sleep(0.05)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await holder.release()
+    # cancelled at every moment around the grant, including after it
+    for i in range(20):
+        lk = b.lock("cx", mode=mode)
+        t = asyncio.ensure_future(lk.acquire())
+        for _ in range(i % 5):
+            await asyncio.sleep(0)
+        t.cancel()
+        try:
+            await t
+        except asyncio.CancelledError:
+            pass
+        if lk.locked():
+            await lk.release()
+    # nothing is left holding the lock or blocking the queue
+    probe = a.lock("cx", mode=mode)
+    await probe.acquire(timeout=2)
+    await probe.release()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_stalled_holder_loses_the_lock_after_its_lease(cluster: smb2.LocalCluster, transport: str,
+                                                             mode: str) -> None:
+    a, b = await cluster.connect(transport=transport), await cluster.connect(transport=transport)
+    buf = await a.create("leased", 4096, stripe=64)
+    stalled = a.lock("lease", lease=0.4, mode=mode)
+    await stalled.acquire()
+    await buf.write(0, b"A", fence=stalled)
+    stalled._renew.cancel()      # type: ignore[union-attr]  # a process that stopped
+    nxt = b.lock("lease", mode=mode)
+    t0 = time.monotonic()
+    await nxt.acquire(timeout=5)
+    assert 0.3 < time.monotonic() - t0 < 0.4 + 1.0
+    await buf.write(0, b"C", fence=nxt)
+    # the stale holder believes it holds, but its fenced writes are refused
+    assert stalled.locked()
+    with pytest.raises(smb2.StaleFence):
+        await buf.write(0, b"B", fence=stalled)
+    with pytest.raises(smb2.StaleFence):
+        await stalled.release()
+    assert bytes(await buf.read(0, 1)) == b"C"
+    await nxt.release()
+
+
+async def test_renewing_holder_keeps_the_lock(client: smb2.Client) -> None:
+    lock = client.lock("renewed", lease=0.3)
+    await lock.acquire()
+    other = client.lock("renewed")
+    with pytest.raises(smb2.LockTimeout):
+        await other.acquire(timeout=1.0)        # > 3 leases: renewals kept it
+    await lock.release()
+
+
+async def test_closed_connection_passes_the_lock_on(cluster: smb2.LocalCluster, transport: str) -> None:
+    a, b = await cluster.connect(transport=transport), await cluster.connect(transport=transport)
+    held = a.lock("conn")
+    await held.acquire()
+    queued = [asyncio.ensure_future(a.lock("conn").acquire()) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    waiter = asyncio.ensure_future(b.lock("conn").acquire())
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    await a.close()          # holder and three parked waiters vanish at once
+    await asyncio.wait_for(waiter, 2)
+    assert time.monotonic() - t0 < 0.5
+    await asyncio.gather(*queued, return_exceptions=True)
+
+
+async def test_fences(cluster: smb2.LocalCluster, client: smb2.Client) -> None:
+    buf = await client.create("fenced", 64 * 8, stripe=64)     # every server holds some
+    lock = client.lock("f")
+    with pytest.raises(smb2.InterfaceError, match="not held"):
+        await buf.write(0, b"x", fence=lock)
+    await lock.acquire()
+    old = lock.fence
+    await buf.write(0, bytes(range(256)) * 2, fence=lock)
+    await lock.release()
+    # on the lock's own server a released token is refused at once; the
+    # others refuse it once a newer holder has written there
+    home = _core.name_hash("f") % cluster.nservers
+    home_off = next(o for o in range(0, buf.nbytes, 64)
+                    if (buf.first + o // 64) % cluster.nservers == home)
+    with pytest.raises(smb2.StaleFence):
+        await buf.write(home_off, b"stale", fence=old)
+    await lock.acquire()
+    await buf.write(0, b"\0" * buf.nbytes, fence=lock)
+    for off in range(0, buf.nbytes, 64):
+        with pytest.raises(smb2.StaleFence):
+            await buf.write(off, b"stale", fence=old)
+    assert bytes(await buf.read(0, buf.nbytes)) == b"\0" * buf.nbytes
+    await lock.release()
+    with pytest.raises(smb2.InvalidArgumentError):
+        await buf.write(0, b"x", fence="f")           # type: ignore[arg-type]
+    stats = await client.stat()
+    assert sum(s["locks"]["stale_fences"] for s in stats) >= 1 + 8
+    assert stats[home]["locks"]["locks"]["f"]["queued"] == 0
+
+
+async def test_buffer_lock_and_lock_segment_protection(client: smb2.Client) -> None:
+    buf = await client.create("own", 4096)
+    async with buf.lock() as lk:
+        assert lk.name == "buffer:own"
+        await buf.write(0, b"mine", fence=lk)
+    t = client._links[0].transport
+    assert t is not None
+    with pytest.raises(smb2.AccessDenied):
+        await t.write([memoryview(b"\xff" * 8)], LOCK_SEGMENT, 0, 8)
+
+
+async def test_fenced_write_arriving_byte_by_byte() -> None:
+    # the fence prefix and the data trickle in: the receiver must wait for
+    # the prefix, check it, and then receive the data in place
+    server = await smb2.start_server("127.0.0.1", 0)
+    try:
+        seg = server.create("trickle", 64, 64, 1, 0)["segment"]
+        info = server.locks.open("t", None)
+        table = server.locks.table
+        ticket, _ = table.acquire(info["slot"], 1, 1, 0.0)
+        reader, writer = await asyncio.open_connection(*server.address)
+
+        async def request(frame: bytes, trickle: bool = False) -> tuple[int, ...]:
+            if trickle:
+                for i in range(len(frame)):
+                    writer.write(frame[i:i + 1])
+                    await writer.drain()
+                    await asyncio.sleep(0)
+            else:
+                writer.write(frame)
+            hdr = _core.decode_header(await reader.readexactly(32))
+            await reader.readexactly(hdr[8])
+            return hdr
+
+        hello = pack({"cmd": "hello", "version": VERSION})
+        await request(_core.encode_header_with(VERSION, Op.CONTROL, 0, 0, 1, 0, 0, len(hello), hello))
+        for rid, token, expect in ((2, ticket, 0), (3, ticket + 1, smb2.ErrorCode.STALE_FENCE)):
+            payload = _core.pack_u64x2(info["key"], token) + b"fenced!!"
+            frame = _core.encode_header_with(VERSION, Op.WRITE, FLAG_FENCED, 0, rid, seg, 8,
+                                             len(payload), payload)
+            hdr = await request(frame, trickle=True)
+            assert hdr[4] == expect
+        # the refused write's bytes were discarded, the stream stayed in sync
+        hdr = await request(_core.encode_header(VERSION, Op.READ, 0, 0, 4, seg, 8, 8))
+        assert bytes(server.segments[seg].view[8:16]) == b"fenced!!"
+        writer.close()
+    finally:
+        await server.close()
+
+
+# -- several processes ---------------------------------------------------------
+
+async def _spawn(cfg: dict) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, WORKER, json.dumps(cfg), stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+async def test_processes_count_exactly_under_the_lock(mode: str) -> None:
+    n, m = 4, 40
+    async with smb2.LocalCluster(servers=2, processes=True, capacity="16MiB") as cluster:
+        client = await cluster.connect()
+        await client.create("counter", 128, stripe=64)
+        cfg = {"servers": cluster.addresses, "buffer": "counter", "lock": "counter", "m": m,
+               "mode": mode, "action": "count", "loop": _loop_name()}
+        procs = [await _spawn(cfg) for _ in range(n)]
+        outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), 90)
+        assert all(p.returncode == 0 for p in procs)
+        seen = [tuple(x) for out, _ in outs for x in json.loads(out)["seen"]]
+        buf = await client.attach("counter")
+        (total,) = struct.unpack("<q", (await buf.read(0, 8)).tobytes())
+        assert total == n * m
+        # every increment saw a distinct value, and the values were handed
+        # out in ticket order: acquisition order == ticket order
+        seen.sort()
+        assert [v for v, _ in seen] == list(range(n * m))
+        tokens = [t for _, t in seen]
+        assert tokens == sorted(tokens) and len(set(tokens)) == n * m
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+async def test_dead_holder_is_passed_within_the_lease(mode: str, sig: int) -> None:
+    lease = 1.0
+    async with smb2.LocalCluster(servers=2, processes=True, capacity="16MiB",
+                                 server_args=["--lock-lease", str(lease)]) as cluster:
+        client = await cluster.connect()
+        buf = await client.create("dead", 128, stripe=64)
+        cfg = {"servers": cluster.addresses, "buffer": "dead", "lock": "dead", "mode": mode,
+               "action": "hold", "loop": _loop_name()}
+        proc = await _spawn(cfg)
+        try:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 30)
+            assert line.startswith(b"HELD "), line
+            dead_token = int(line.split()[1])
+            waiter = client.lock("dead", mode=mode)
+            task = asyncio.ensure_future(waiter.acquire())
+            await asyncio.sleep(0.3)
+            assert not task.done()          # the holder renews: no expiry while alive
+            os.kill(proc.pid, sig)
+            t0 = time.monotonic()
+            await asyncio.wait_for(task, lease + 1.0)
+            assert time.monotonic() - t0 <= lease + 1.0
+            assert waiter.token is not None and waiter.token > dead_token
+            await buf.write(0, b"new holder", fence=waiter)
+            with pytest.raises(smb2.StaleFence):
+                await buf.write(0, b"dead holder", fence=smb2.Fence("dead", dead_token))
+            assert bytes(await buf.read(0, 10)) == b"new holder"
+            await waiter.release()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                os.kill(proc.pid, signal.SIGCONT)
+            await proc.wait()
+
+
+def test_lock_segment_is_page_aligned() -> None:
+    # an RDMA transport registers it like a buffer's segment
+    srv = smb2.Server()
+    seg = srv.segments[LOCK_SEGMENT]
+    assert seg.mem.ctypes.data % os.sysconf("SC_PAGE_SIZE") == 0
+    assert seg.size == srv.locks.nslots * _core.LOCK_SLOT_SIZE
