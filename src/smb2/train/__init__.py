@@ -12,8 +12,8 @@ Only the public client API is used here: no transport code.
 
 from .dropping import LayerDropping
 from .mlp import MLP
-from .rules import EASGD, RULES, Accumulate, UpdateRule, make_rule
+from .rules import EASGD, RULES, Accumulate, Locked, UpdateRule, make_rule
 from .store import POLICIES, ParameterStore
 
-__all__ = ["EASGD", "MLP", "POLICIES", "RULES", "Accumulate", "LayerDropping", "ParameterStore",
+__all__ = ["EASGD", "MLP", "POLICIES", "RULES", "Accumulate", "LayerDropping", "Locked", "ParameterStore",
            "UpdateRule", "make_rule"]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import InterfaceError, InvalidArgumentError
+from ..lock import Lock
 
 if TYPE_CHECKING:
     from .store import ParameterStore
@@ -108,6 +109,71 @@ class Accumulate(UpdateRule):
         await st.bump_version()
 
 
+class Locked(UpdateRule):
+    """TFSM on SMB2: read-modify-write of the weights under the lock.
+
+    With ``per_layer=False`` one lock (the buffer's own) covers the whole
+    model, so every update is applied to the latest weights and none is
+    lost.  ``per_layer=True`` takes one lock per tensor (named
+    ``"<buffer>/<tensor>"``): updates of different layers by different workers
+    then proceed in parallel.  Write-backs are fenced: a worker that stalled
+    past its lease gets :class:`~smb2.StaleFence` instead of overwriting a
+    newer update."""
+
+    name = "locked"
+
+    def __init__(self, lr: float = 0.01, per_layer: bool = False, lease: float | None = None,
+                 timeout: float | None = 60.0) -> None:
+        super().__init__(lr)
+        if not isinstance(per_layer, bool):
+            raise InvalidArgumentError(f"per_layer must be a bool, not {per_layer!r}")
+        self.per_layer = per_layer
+        self.lease = lease
+        self.timeout = timeout
+        self._locks: dict[str, Lock] = {}
+        self._lock: Lock | None = None
+
+    def settings(self) -> dict[str, Any]:
+        return {"name": self.name, "lr": self.lr, "per_layer": self.per_layer}
+
+    def bind(self, store: ParameterStore) -> None:
+        super().bind(store)
+        opts = {} if self.lease is None else {"lease": self.lease}
+        if self.per_layer:
+            self._locks = {name: store.client.lock(f"{store.buf.name}/{name}", **opts) for name in store.params}
+        else:
+            self._lock = store.buf.lock(**opts)
+
+    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
+        st = self.store
+        sent = self._selected(grads)
+        if not sent:
+            return
+        if self.per_layer:
+            await asyncio.gather(*(self._update({name: g}, self._locks[name]) for name, g in sent.items()))
+        else:
+            assert self._lock is not None
+            await self._update(sent, self._lock)
+        st.stats["bytes_pushed"] += sum(st.ranges[name][1] for name in sent)
+        st.stats["bytes_pulled"] += sum(st.ranges[name][1] for name in sent)
+        await st.bump_version()
+
+    async def _update(self, grads: Mapping[str, np.ndarray], lock: Lock) -> None:
+        st = self.store
+        dt = st.layout.dtype
+        await lock.acquire(timeout=self.timeout)
+        try:
+            # read the latest values of exactly these tensors into the mirror ...
+            await asyncio.gather(*(st.buf.read_into(st.params[name], st.ranges[name][0]) for name in grads))
+            for name, g in grads.items():
+                st.params[name] -= (self.lr * g).astype(dt, copy=False)
+            # ... and write them back before anyone else may read them
+            await asyncio.gather(*(st.buf.write(st.ranges[name][0], st.params[name], fence=lock)
+                                   for name in grads))
+        finally:
+            await lock.release()
+
+
 class EASGD(UpdateRule):
     """Elastic averaging SGD against a shared center (ShmCaffe)."""
 
@@ -164,7 +230,7 @@ class EASGD(UpdateRule):
         return out
 
 
-RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "easgd": EASGD}
+RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "locked": Locked, "easgd": EASGD}
 
 
 def make_rule(rule: str | UpdateRule, **options: Any) -> UpdateRule:

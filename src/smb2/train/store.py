@@ -15,9 +15,10 @@ The buffer describes itself, so a worker that knows only its name can attach
                   slots 8 + rank: each worker's iteration count (progress table)
     (4 KiB)     the data: every tensor at a 64-byte aligned offset
 
-``state`` is 0 (empty), 1 (being initialized) or 2 (ready).  The worker that
-moves it from 0 to 1 writes the table and the initial values, then raises it
-to 2; everyone else waits for 2.  The data region is one contiguous range, so
+``state`` is 0 (empty), 1 (being initialized) or 2 (ready).  The first worker
+to take the buffer's lock and find it not ready writes the table and the
+initial values, then sets it to 2 (all with fenced writes); everyone else
+waits for 2.  The data region is one contiguous range, so
 ``pull`` is a single read that the client splits over every server and runs
 concurrently.
 
@@ -39,7 +40,8 @@ import msgpack
 import numpy as np
 
 from ..client import Buffer, Client
-from ..errors import InterfaceError, InvalidArgumentError, NoSuchBuffer, NotifyTimeout
+from ..errors import BufferConflict, InterfaceError, InvalidArgumentError, NoSuchBuffer, NotifyTimeout
+from ..lock import Lock
 from .dropping import LayerDropping
 from .rules import UpdateRule, make_rule
 
@@ -175,24 +177,37 @@ class ParameterStore:
         layout = Layout.plan(params, workers, rule_obj.settings())
         note_off, slots, data_off, total = layout.geometry()
         kw = {} if stripe is None else {"stripe": stripe}
-        buf = await client.create(name, total, **kw)
+        try:
+            buf = await client.create(name, total, **kw)
+        except BufferConflict as exc:
+            # another size: another model (or another number of workers)
+            raise InvalidArgumentError(f"store {name!r} exists with another layout or geometry",
+                                       detail=str(exc)) from exc
         buf.set_notify_area(note_off, slots)
-        state = await buf.compare_swap(_STATE, EMPTY, INITIALIZING)
-        if state == EMPTY:
-            # ours to initialize: table and values first, the ready state last
-            # (raised only after both writes completed on every server)
-            await _write_words(buf, {_MAGIC: MAGIC, _FORMAT: FORMAT, _TABLE: len(layout.table()),
-                                     _DATA_OFF: data_off, _DATA_LEN: layout.data_len,
-                                     _NOTE_OFF: note_off, _NOTE_SLOTS: slots})
-            await buf.write(PREAMBLE, layout.table())
-            store = cls(client, buf, layout, data_off, rank=rank, rule=rule_obj, dropping=dropping)
-            for tname, arr in params.items():
-                store.params[tname][...] = arr
-            await buf.write(data_off, store.mirror)
-            await buf.write(_STATE, np.array([READY], dtype=np.int64))
-            log.info("store %r created: %d tensors, %d bytes of %s, %d workers, rule %s",
-                     name, len(layout.tensors), layout.data_len, layout.dtype, workers, rule_obj.name)
-            return store
+        # the first worker initializes, under the buffer's lock: the others
+        # queue behind it and find the store ready; if it dies half-way, its
+        # lease runs out and the next one in line starts over
+        lock = buf.lock()
+        await lock.acquire(timeout=timeout)
+        try:
+            state = await buf.fetch_add(_STATE, 0)
+            if state != READY:
+                await buf.write(_STATE, np.array([INITIALIZING], dtype=np.int64), fence=lock)
+                await _write_words(buf, {_MAGIC: MAGIC, _FORMAT: FORMAT, _TABLE: len(layout.table()),
+                                         _DATA_OFF: data_off, _DATA_LEN: layout.data_len,
+                                         _NOTE_OFF: note_off, _NOTE_SLOTS: slots}, fence=lock)
+                await buf.write(PREAMBLE, layout.table(), fence=lock)
+                store = cls(client, buf, layout, data_off, rank=rank, rule=rule_obj, dropping=dropping)
+                for tname, arr in params.items():
+                    store.params[tname][...] = arr
+                await buf.write(data_off, store.mirror, fence=lock)
+                # the ready state last, after the table and the values are in place everywhere
+                await buf.write(_STATE, np.array([READY], dtype=np.int64), fence=lock)
+                log.info("store %r created: %d tensors, %d bytes of %s, %d workers, rule %s",
+                         name, len(layout.tensors), layout.data_len, layout.dtype, workers, rule_obj.name)
+                return store
+        finally:
+            await lock.release()
         theirs, data_off2 = await _read_layout(buf, timeout)
         if not theirs.same_as(layout) or data_off2 != data_off:
             raise InvalidArgumentError(
@@ -332,7 +347,7 @@ def _check_rank(rank: Any, workers: Any) -> int:
     return int(workers)
 
 
-async def _write_words(buf: Buffer, words: dict[int, int]) -> None:
+async def _write_words(buf: Buffer, words: dict[int, int], fence: Lock) -> None:
     """Write int64 words, one write per run of adjacent words (never
     touching the words in between, such as the state word)."""
     runs: list[list[int]] = []
@@ -341,7 +356,7 @@ async def _write_words(buf: Buffer, words: dict[int, int]) -> None:
             runs[-1].append(off)
         else:
             runs.append([off])
-    await asyncio.gather(*(buf.write(run[0], np.array([words[o] for o in run], dtype=np.int64))
+    await asyncio.gather(*(buf.write(run[0], np.array([words[o] for o in run], dtype=np.int64), fence=fence)
                            for run in runs))
 
 
