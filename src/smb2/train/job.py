@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -53,6 +54,8 @@ class JobConfig:
     #: publish progress (and check the end policy) every this many steps
     report_every: int = 1
     stripe: int | None = None
+    #: steps per worker instead of epochs (benchmarks)
+    steps: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -65,6 +68,10 @@ class JobConfig:
         shard = math.ceil(n_train / self.workers)
         return math.ceil(shard / self.batch)
 
+    def target(self, n_train: int) -> int:
+        """Steps per worker: the end policy's goal."""
+        return self.steps if self.steps is not None else self.epochs * self.steps_per_epoch(n_train)
+
 
 # -- one worker -------------------------------------------------------------------
 
@@ -76,7 +83,7 @@ async def run_worker(servers: list[str], name: str, rank: int, cfg: JobConfig,
     # the same permutation on every worker, so the shards are disjoint
     order = np.random.default_rng(cfg.seed).permutation(len(x))
     shard = order[rank::cfg.workers]
-    target = cfg.epochs * cfg.steps_per_epoch(len(x))
+    target = cfg.target(len(x))
     rng = np.random.default_rng(cfg.seed * 1000 + rank + 1)
     dropping = LayerDropping(cfg.dropping) if cfg.dropping is not None else None
     async with await connect(servers) as client:
@@ -145,16 +152,18 @@ ProgressCallback = Callable[[np.ndarray, int], None]
 
 async def run_job(cfg: JobConfig, servers: list[str], data_path: str | Path, *, name: str = "job",
                   on_progress: ProgressCallback | None = None, interval: float = 0.25,
-                  timeout: float = 600.0) -> dict[str, Any]:
+                  timeout: float = 600.0, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``cfg.workers`` worker processes against ``servers``; return the
-    job's statistics and the test accuracy of the shared parameters."""
+    job's statistics and the test accuracy of the shared parameters.
+    ``env``: extra environment variables for the workers."""
     split = datasets.load(data_path)
-    target = cfg.epochs * cfg.steps_per_epoch(len(split[0]))
+    target = cfg.target(len(split[0]))
     cmd = [sys.executable, "-m", "smb2.train.job", "worker", "--servers", ",".join(servers),
            "--name", name, "--config", cfg.to_json(), "--data", str(data_path)]
     t0 = time.perf_counter()
+    penv = None if env is None else {**os.environ, **env}
     procs = [await asyncio.create_subprocess_exec(*cmd, "--rank", str(r), stdout=asyncio.subprocess.PIPE,
-                                                  stderr=asyncio.subprocess.PIPE)
+                                                  stderr=asyncio.subprocess.PIPE, env=penv)
              for r in range(cfg.workers)]
     async with await connect(servers) as client:
         watcher = asyncio.ensure_future(_watch(client, name, target, on_progress, interval))
