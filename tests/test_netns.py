@@ -156,7 +156,7 @@ def test_striped_data_reads_back_identical_across_hosts() -> None:
 # Each process takes the named lock 50 times and does a read-modify-write of an int64 counter
 # striped like any buffer data (the buffer's other stripes on other hosts).  Both start on "go".
 LOCKER = """
-import asyncio, sys
+import asyncio, inspect, sys
 import numpy as np
 import smb2
 
@@ -166,6 +166,8 @@ async def main(name, increments):
         print("ready", flush=True)
         assert sys.stdin.readline().strip() == "go"
         lock = client.lock(name)
+        # a fenced write where the API has it: refused if this process lost the lock meanwhile
+        fenced = {"fence": lock} if "fence" in inspect.signature(buf.write).parameters else {}
         tokens = []
         for _ in range(increments):
             await lock.acquire(timeout=30)
@@ -173,7 +175,7 @@ async def main(name, increments):
                 tokens.append(lock.token)
                 v = int(np.frombuffer(await buf.read(2048, 8), dtype=np.int64)[0])
                 await asyncio.sleep(0)       # widen the window a lost update would need
-                await buf.write(2048, np.array([v + 1], dtype=np.int64))
+                await buf.write(2048, np.array([v + 1], dtype=np.int64), **fenced)
             finally:
                 await lock.release()
         assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens

@@ -47,6 +47,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -118,6 +119,7 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
     if max(counts) > len(endpoints):
         raise SystemExit(f"asked for {max(counts)} servers, SMB2_SERVERS has {len(endpoints)}")
     server_pids = [int(p) for p in args.server_pids.split(",") if p]
+    ncpu = os.cpu_count() or 1
     size, stripe, tasks = args.size, args.stripe, args.tasks
     chunk = args.chunk or (size // tasks)
     share = size // tasks
@@ -186,18 +188,25 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
                     s1 = [_proc_cpu(p) for p in server_pids[:n]]
                     m1 = _machine_cpu()
                     total, idle = m1[0] - m0[0], m1[1] - m0[1]
+                    ours = (c1 - c0) + sum(b - a for a, b in zip(s0, s1))  # cpu-s of the client and servers
+                    busy = 1 - idle / total if total > 0 else None
                     samples.append({
                         "round": r, "servers": n, "op": op, "seconds": dt, "bytes": size,
                         "GBps": size / dt / GB, "rtt_us": round(rtt, 1),
                         "client_cpu_s_per_GB": round((c1 - c0) / (size / GB), 3),
                         "server_cpu_s_per_GB": (round(sum(b - a for a, b in zip(s0, s1)) / (size / GB), 3)
                                                 if server_pids else None),
-                        "machine_busy": round(1 - idle / total, 3) if total > 0 else None,
+                        "machine_busy": round(busy, 3) if busy is not None else None,
+                        # the rest of the machine's busy time: other programs, and kernel work (the
+                        # bridge, tbf, softirqs) not charged to our processes -- high = a noisy sample
+                        "others_busy": (round(max(0.0, busy - ours / (dt * ncpu)), 3)
+                                        if busy is not None and server_pids else None),
                     })
                     s = samples[-1]
                     print(f"bench_scaleout[worker]: round {r} {n} server(s) {op:5} {s['GBps']:.3f} GB/s "
                           f"rtt {s['rtt_us']:.0f} us client {s['client_cpu_s_per_GB']:.2f} cpu-s/GB "
-                          f"machine {s['machine_busy']:.0%} busy", file=sys.stderr, flush=True)
+                          f"machine {s['machine_busy']:.0%} busy, others {s['others_busy'] or 0:.0%}",
+                          file=sys.stderr, flush=True)
         # the last full read must still be exactly what was written
         for n in counts:
             await move("write", n)
@@ -288,15 +297,16 @@ def summarize(samples: list[dict[str, Any]], counts: list[int]) -> dict[str, Any
                 "client_cpu_s_per_GB": med("client_cpu_s_per_GB"),
                 "server_cpu_s_per_GB": med("server_cpu_s_per_GB"),
                 "machine_busy": med("machine_busy"),
+                "others_busy": med("others_busy"),
             }
     return rows
 
 
 def format_table(rows: dict[str, Any], counts: list[int], rate_bits: int | None,
                  training: dict[int, float | None]) -> str:
-    link_payload = rate_bits / 8 * 1448 / 1514 / GB if rate_bits else None
+    link_payload = link_payload_GBps(rate_bits)
     head = (f"{'op':5} {'servers':>7} {'GB/s':>7} {'min..max':>13} {'x 1 srv':>7} {'eff':>6} "
-            f"{'of links':>8} {'rtt us':>7} {'cli cpu-s/GB':>12} {'srv cpu-s/GB':>12} {'machine':>7} "
+            f"{'of links':>8} {'rtt us':>7} {'cli cpu-s/GB':>12} {'srv cpu-s/GB':>12} {'machine':>7} {'others':>6} "
             f"{'train samples/s':>15}")
     lines = [head, "-" * len(head)]
     for op in OPS:
@@ -311,11 +321,16 @@ def format_table(rows: dict[str, Any], counts: list[int], rate_bits: int | None,
                 f"{r['speedup']:6.2f}x {r['efficiency']:6.1%} {of_links:>8} {r['rtt_us_median']:7.0f} "
                 f"{r['client_cpu_s_per_GB']:12.2f} "
                 f"{(r['server_cpu_s_per_GB'] if r['server_cpu_s_per_GB'] is not None else float('nan')):12.2f} "
-                f"{r['machine_busy']:7.0%} {('n/a' if tr is None else f'{tr:.1f}'):>15}")
+                f"{r['machine_busy']:7.0%} {(r['others_busy'] or 0):6.0%} {('n/a' if tr is None else f'{tr:.1f}'):>15}")
     return "\n".join(lines)
 
 
-def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str) -> str | None:
+def link_payload_GBps(rate_bits: int | None) -> float | None:
+    """The most TCP payload a link of ``rate_bits`` carries (1448 of 1514 bytes per frame)."""
+    return rate_bits / 8 * 1448 / 1514 / GB if rate_bits else None
+
+
+def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_GBps: float | None) -> str | None:
     """Draw the PNG; returns None on success, else why not."""
     try:
         import matplotlib
@@ -338,6 +353,11 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str) -> str
         if one is not None and op == "read":
             ax.plot([1, nmax], [one["GBps_median"], nmax * one["GBps_median"]], "k--", lw=1,
                     label="ideal (N x one server's read)")
+            ax.plot([SMB2_PUBLISHED[0]], [SMB2_PUBLISHED[1] * one["GBps_median"]], "r*", ms=14,
+                    label=f"SMB2 paper: {SMB2_PUBLISHED[1]}x one server at {SMB2_PUBLISHED[0]}")
+    if link_GBps:
+        ax.plot([1, nmax], [link_GBps, nmax * link_GBps], ":", color="gray", lw=1,
+                label="N links' TCP payload capacity")
     ax.set_xlabel("memory servers (one 1-link host each)")
     ax.set_ylabel("aggregate bandwidth, GB/s")
     ax.set_xticks(counts)
@@ -397,6 +417,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="PATH",
                    help="run the worker under py-spy (inside the client namespace): collapsed stacks to PATH "
                         "(py-spy's raw format) and the top frames by own time on stderr")
+    p.add_argument("--profile-server", metavar="PATH",
+                   help="py-spy server 0 (smb2-server, attached by pid) while the worker runs: collapsed stacks "
+                        "to PATH and its top frames on stderr")
     p.add_argument("--json", default=str(REPO / "bench-results" / "scaleout.json"), help="where to write JSON")
     p.add_argument("--png", default=str(REPO / "bench-results" / "scaleout.png"), help="where to draw the plot")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
@@ -429,13 +452,20 @@ def main(argv: list[str] | None = None) -> int:
                "--size", str(size), "--stripe", str(stripe), "--tasks", str(args.tasks), "--chunk", str(chunk),
                "--rounds", str(args.rounds), "--server-pids", ",".join(pids), "--loop", args.loop,
                "--ops", args.ops, "--out", str(out_path)]
-        if args.profile:
-            pyspy = Path(sys.executable).with_name("py-spy")
+        pyspy = Path(sys.executable).with_name("py-spy")
+        if args.profile or args.profile_server:
             if not pyspy.exists():
                 print(f"bench_scaleout: --profile needs py-spy ({pyspy} is missing: "
                       f"{Path(sys.executable).with_name('pip')} install py-spy)", file=sys.stderr)
                 return 2
+        if args.profile:
             cmd = [str(pyspy), "record", "--nonblocking", "-r", "250", "-f", "raw", "-o", args.profile, "--", *cmd]
+        spy = None
+        if args.profile_server:
+            # py-spy reads the server's memory by pid: it sends nothing over any network
+            spy = subprocess.Popen([str(pyspy), "record", "--nonblocking", "-r", "250", "-f", "raw",
+                                    "-o", args.profile_server, "-p", pids[0]],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if not args.quiet:
             progress(f"worker in the client namespace {cluster.client_netns}: {size >> 20} MiB, stripe "
                      f"{fmt_size(stripe)}, {args.tasks} tasks, {args.rounds} rounds over {counts} server(s)")
@@ -449,9 +479,16 @@ def main(argv: list[str] | None = None) -> int:
             result = json.loads(out_path.read_text())
         finally:
             shutil.rmtree(out_path.parent, ignore_errors=True)
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                try:
+                    spy.wait(30)
+                except subprocess.TimeoutExpired:
+                    spy.kill()
         training = {n: training_samples_per_s(cluster, n) for n in counts}
-    if args.profile:
-        print(top_frames(Path(args.profile)), file=sys.stderr)
+    for path in (args.profile, args.profile_server):
+        if path and Path(path).exists():
+            print(top_frames(Path(path)), file=sys.stderr)
     rows = summarize(result["samples"], counts)
     title = (f"smb2 scale-out: {fmt_size(size)} buffer, stripe {fmt_size(stripe)}, {args.tasks} client tasks, "
              f"tbf {args.rate} per server link, median of {args.rounds} rounds ({started:%Y-%m-%d %H:%M} UTC)")
@@ -482,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     jpath.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"JSON: {jpath}")
     if not args.no_plot:
-        why_not = plot(Path(args.png), rows, counts, title)
+        why_not = plot(Path(args.png), rows, counts, title, link_payload_GBps(rate_bits))
         print(f"plot: {why_not}" if why_not else f"plot: {args.png}")
     return 0
 
