@@ -150,7 +150,7 @@ async def test_stalled_holder_loses_the_lock_after_its_lease(cluster: smb2.Local
     with pytest.raises(smb2.StaleFence):
         await buf.write(0, b"B", fence=stalled)
     with pytest.raises(smb2.StaleFence):
-        await stalled.release()
+        await stalled.release(wait=True)
     assert bytes(await buf.read(0, 1)) == b"C"
     await nxt.release()
 
@@ -335,3 +335,25 @@ def test_lock_segment_is_page_aligned() -> None:
     seg = srv.segments[LOCK_SEGMENT]
     assert seg.mem.ctypes.data % os.sysconf("SC_PAGE_SIZE") == 0
     assert seg.size == srv.locks.nslots * _core.LOCK_SLOT_SIZE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+async def test_lock_after_its_server_restarts(mode: str) -> None:
+    async with smb2.LocalCluster(servers=1, processes=True, capacity="16MiB") as cluster:
+        a, b = await cluster.connect(), await cluster.connect()
+        alpha = a.lock("alpha", mode=mode)
+        await alpha.acquire()
+        before = alpha.token
+        await alpha.release(wait=True)
+        await cluster.kill(0)
+        await cluster.restart(0)
+        # another client opens a different lock first: it gets the slot
+        # "alpha" had, which alpha's cached placement must not reach
+        beta = b.lock("beta", mode=mode)
+        await beta.acquire()
+        await alpha.acquire(timeout=5)
+        assert alpha.token is not None and before is not None and alpha.token > before
+        assert beta.locked()
+        await alpha.release(wait=True)
+        await beta.release(wait=True)

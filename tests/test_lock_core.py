@@ -280,7 +280,7 @@ def _ref_observe(ticket: int, serving: int, est: float, lo: float, hi: float) ->
         return _core.OBSERVE_GRANTED, 0.0
     if d < 0:
         return _core.OBSERVE_LAPSED, 0.0
-    return _core.OBSERVE_WAIT, min(max(d * est, lo), hi)
+    return _core.OBSERVE_WAIT, min(max(0.5 * (d - 0.5) * est, lo), hi)
 
 
 @settings(max_examples=300, deadline=None)
@@ -296,21 +296,30 @@ def test_ticket_state_matches_reference(ticket: int, steps: list[tuple[int, floa
     now = 1.0
     state.start(ticket, now)
     est = state.est_hold
-    last: tuple[int, float] | None = None
+    last_serving: int | None = None
+    prev_t = 0.0
+    move_t: float | None = None
     # now_serving only moves forward: walk it towards the ticket
     for back, dt in steps:
         now += dt
         serving = (ticket - back) % M64
-        if last is not None and _d(serving, last[0]) < 0:
+        if last_serving is not None and _d(serving, last_serving) < 0:
             continue
         assert state.distance(serving) == back
         code, delay = state.observe(serving, now)
-        if back > 0 and last is not None and _d(serving, last[0]) > 0:
-            est = 0.5 * est + 0.5 * (now - last[1]) / _d(serving, last[0])
-        assert code == _ref_observe(ticket, serving, est, lo_eff, hi_eff)[0]
-        assert delay == pytest.approx(_ref_observe(ticket, serving, est, lo_eff, hi_eff)[1])
-        if back > 0 and (last is None or _d(serving, last[0]) > 0):
-            last = (serving, now)
+        if back > 0:
+            if last_serving is None:
+                last_serving = serving
+            elif _d(serving, last_serving) > 0:
+                t_move = (prev_t + now) / 2
+                if move_t is not None and (t_move - move_t) > 0:
+                    est = 0.5 * est + 0.5 * (t_move - move_t) / _d(serving, last_serving)
+                move_t = t_move
+                last_serving = serving
+            prev_t = now
+        ref_code, ref_delay = _ref_observe(ticket, serving, est, lo_eff, hi_eff)
+        assert code == ref_code
+        assert delay == pytest.approx(ref_delay)
         if code == _core.OBSERVE_GRANTED:
             assert state.state == _core.TICKET_HELD
             assert state.renew_at == pytest.approx(now + lease / 3)

@@ -724,10 +724,10 @@ cdef class TicketState:
     ``observe(serving, now)`` decides from one read of now_serving: granted,
     lapsed (the queue passed the ticket: its lease ran out while we slept),
     or wait ``delay`` seconds.  The delay is proportional to the distance
-    ``ticket - serving`` times the estimated hold time (learnt from how fast
-    now_serving moves), clamped to ``[min_delay, max_delay]``: a waiter far
-    back reads rarely, the next in line reads often, and nobody sleeps
-    through a lease."""
+    ``d = ticket - serving``: ``(d - 1/2) / 2`` estimated hold times (the
+    hold time is learnt from how fast now_serving moves), clamped to
+    ``[min_delay, max_delay]``: a waiter far back reads rarely, the next in
+    line often, and nobody sleeps through a lease."""
 
     cdef readonly int state
     cdef readonly uint64_t ticket
@@ -736,9 +736,10 @@ cdef class TicketState:
     cdef readonly double est_hold       # seconds per ticket served (EWMA)
     cdef readonly double renew_at       # when the holder must next renew
     cdef readonly double acquired_at
-    cdef uint64_t _last_serving
-    cdef double _last_t
-    cdef bint _have_last
+    cdef uint64_t _last_serving     # now_serving at the last read
+    cdef double _prev_t             # time of the last read
+    cdef double _move_t             # estimated time of the last move seen
+    cdef bint _have_last, _have_move
 
     def __init__(self, double lease, double min_delay=20e-6, double max_delay=0.05,
                  double est_hold=50e-6):
@@ -761,6 +762,7 @@ cdef class TicketState:
         self.ticket = ticket
         self.state = TICKET_WAITING
         self._have_last = False
+        self._have_move = False
         return None
 
     def distance(self, uint64_t serving):
@@ -772,7 +774,7 @@ cdef class TicketState:
             raise ValueError("not waiting")
         cdef int64_t d = _tdiff(self.ticket, serving)
         cdef int64_t moved
-        cdef double sample, delay
+        cdef double sample, delay, t_move
         if d == 0:
             self.granted(now)
             return OBSERVE_GRANTED, 0.0
@@ -782,15 +784,30 @@ cdef class TicketState:
         if self._have_last:
             moved = _tdiff(serving, self._last_serving)
             if moved > 0:
-                sample = (now - self._last_t) / moved
-                self.est_hold = 0.5 * self.est_hold + 0.5 * sample
+                # The move happened between the previous read and this one:
+                # date it half-way, so that reading rarely (far back in the
+                # queue) does not inflate the estimate by the read interval.
+                # The first move seen only starts the clock.
+                t_move = 0.5 * (self._prev_t + now)
+                if self._have_move:
+                    sample = (t_move - self._move_t) / moved
+                    if sample > 0:
+                        self.est_hold = 0.5 * self.est_hold + 0.5 * sample
+                self._move_t = t_move
+                self._have_move = True
                 self._last_serving = serving
-                self._last_t = now
         else:
             self._have_last = True
             self._last_serving = serving
-            self._last_t = now
-        delay = d * self.est_hold
+        self._prev_t = now
+        # Sleep until about half-way to our expected turn, (d - 1/2) hold
+        # times away: the next in line (d == 1) looks again after a quarter
+        # of a hold.  Sleeping the whole expected time instead would make
+        # each hand-off idle while the next in line sleeps; the observed
+        # service interval would include that idle time, and the estimate
+        # would feed on itself up to max_delay.  Waking half-way bounds the
+        # idle time, so the estimate settles near the true hold time.
+        delay = 0.5 * (d - 0.5) * self.est_hold
         if delay < self.min_delay:
             delay = self.min_delay
         elif delay > self.max_delay:

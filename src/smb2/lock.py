@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("smb2.lock")
 
 MODES = ("auto", "park", "poll")
+# The loops' timers tick in milliseconds (libuv under uvloop rounds to them):
+# a shorter sleep would really last about a millisecond and idle every
+# hand-off that long, so the poll loop does not sleep for less.
+_TIMER_RESOLUTION = 1e-3
 
 # lock_open answers, per client: name -> info (segment, offset, key, lease)
 _opened: weakref.WeakKeyDictionary[Client, dict[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
@@ -150,6 +154,19 @@ class Lock:
         self._busy = True
         try:
             if timeout is None:
+                tr, st = self._transport, self._state
+                if self._path == "park" and tr is not None and st is not None and not tr.closed:
+                    # the common case, without the layers below: one frame
+                    # on a connection and a lock we used before
+                    info = self._info
+                    assert info is not None
+                    try:
+                        ticket = await tr.lock_acquire(info["segment"], info["offset"])  # type: ignore[attr-defined]
+                    except NoSuchBuffer:
+                        await self._acquire()
+                        return True
+                    self._granted(st, ticket)
+                    return True
                 await self._acquire()
             else:
                 try:
@@ -161,27 +178,60 @@ class Lock:
             self._busy = False
         return True
 
-    async def release(self) -> None:
-        """Release the lock.  Raises :class:`StaleFence` if it had been lost
-        (lease expired): what was done under it was not protected."""
+    async def release(self, *, wait: bool = False) -> None:
+        """Release the lock.
+
+        The release is sent at once and this returns without waiting for
+        the server's answer: anything this client sends the lock's server
+        afterwards is ordered behind it, so nothing can observe the
+        difference except a holder whose lease had already run out.  With
+        ``wait=True`` the answer is awaited and such a holder gets
+        :class:`StaleFence` (what it did under the lock was not protected);
+        otherwise that case is logged at WARNING on ``smb2.lock``."""
         st = self._state
         if st is None or st.state != _core.TICKET_HELD:
             raise InterfaceError(f"release() of lock {self.name!r}, which this Lock object does not hold")
         ticket = st.ticket
         st.released()
-        if self._renew is not None:
-            self._renew.cancel()
-            self._renew = None
         tr, info = self._transport, self._info
         assert tr is not None and info is not None
+        if tr.closed:
+            # the server gave the lock up when the connection went
+            if wait:
+                raise StaleFence(f"lock {self.name!r}: the connection to its server was lost, "
+                                 "and the lock with it")
+            return
         seg, off = info["segment"], info["offset"]
         if self._path == "park":
-            await tr.lock_release(seg, off, ticket)       # type: ignore[attr-defined]
+            fut: asyncio.Future[Any] = tr.lock_release_nowait(seg, off, ticket)  # type: ignore[attr-defined]
+            if wait:
+                await fut
+            else:
+                fut.add_done_callback(self._released)
             return
+        done = asyncio.ensure_future(self._release_cas(tr, seg, off, ticket))
+        _background.add(done)
+        done.add_done_callback(_background.discard)
+        if wait:
+            await done
+        else:
+            done.add_done_callback(self._released)
+
+    async def _release_cas(self, tr: Transport, seg: int, off: int, ticket: int) -> None:
         old = await tr.compare_swap(seg, off + _core.LOCK_SERVING, ticket, ticket + 1)
         if old != ticket:
             raise StaleFence(f"lock {self.name!r} was lost before release (lease expired: "
                              f"now serving {old}, our ticket {ticket})")
+
+    def _released(self, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if isinstance(exc, StaleFence):
+            log.warning("%s", exc)
+        elif exc is not None:
+            # the connection failed: the server passes the lock on by itself
+            log.debug("lock %r: release not confirmed: %s", self.name, exc)
 
     async def __aenter__(self) -> Lock:
         await self.acquire()
@@ -201,16 +251,22 @@ class Lock:
             tr = await link.get()
         cache = _opened.setdefault(client, {})
         info = None if fresh else cache.get(self.name)
-        if info is None:
+        server_id = tr.server_info.get("server_id")
+        # A restarted server has forgotten its locks and may have given our
+        # slot to another name: a slot is only good for the server process
+        # that assigned it.
+        if info is None or info.get("server_id") != server_id:
             msg: dict[str, Any] = {"cmd": "lock_open", "name": self.name}
             if self._lease is not None:
                 msg["lease"] = float(self._lease)
-            info = await tr.control(msg)
+            info = {**await tr.control(msg), "server_id": server_id}
             cache[self.name] = info
         return tr, info
 
     async def _acquire(self) -> None:
-        tr, info = await self._open()
+        tr, info = self._transport, self._info
+        if tr is None or info is None or tr.closed:
+            tr, info = await self._open()
         try:
             await self._acquire_on(tr, info)
         except NoSuchBuffer:
@@ -220,9 +276,9 @@ class Lock:
 
     async def _acquire_on(self, tr: Transport, info: dict[str, Any]) -> None:
         loop = asyncio.get_running_loop()
-        if self._state is None or self._state.lease != info["lease"]:
-            self._state = _core.TicketState(float(info["lease"]), self._min_delay, self._max_delay)
         st = self._state
+        if st is None or st.lease != info["lease"]:
+            st = self._state = _core.TicketState(float(info["lease"]), self._min_delay, self._max_delay)
         seg, off = info["segment"], info["offset"]
         park = self.mode == "park" or (self.mode == "auto" and tr.name == "tcp")
         if park and not hasattr(tr, "lock_acquire"):
@@ -230,13 +286,22 @@ class Lock:
         self._transport, self._info = tr, info
         if park:
             self._path = "park"
-            ticket = await tr.lock_acquire(seg, off)      # type: ignore[attr-defined]
-            st.start(ticket, loop.time())
-            st.granted(loop.time())
-        else:
-            self._path = "poll"
-            await self._poll(tr, st, seg, off)
-        self._renew = loop.call_at(st.renew_at, self._renew_due, st.ticket)
+            self._granted(st, await tr.lock_acquire(seg, off))      # type: ignore[attr-defined]
+            return
+        self._path = "poll"
+        await self._poll(tr, st, seg, off)
+        if self._renew is None:
+            self._renew = loop.call_at(st.renew_at, self._renew_due)
+
+    def _granted(self, st: _core.TicketState, ticket: int) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        st.start(ticket, now)
+        st.granted(now)
+        # One renewal timer per Lock, armed lazily: a lock taken and given
+        # back many times per lease costs no timer per acquisition.
+        if self._renew is None:
+            self._renew = loop.call_at(st.renew_at, self._renew_due)
 
     async def _draw(self, tr: Transport, seg: int, off: int) -> int:
         # The fetch-and-add must not be lost to a cancellation: a ticket
@@ -266,7 +331,9 @@ class Lock:
                     log.debug("lock %r: ticket passed while waiting; drawing a new one", self.name)
                     st.start(await self._draw(tr, seg, off), loop.time())
                     continue
-                await asyncio.sleep(delay)
+                if delay >= _TIMER_RESOLUTION:
+                    await asyncio.sleep(delay)
+                # else read again at once: the read's round trip is the pause
         except BaseException:
             if st.state != _core.TICKET_IDLE:
                 self._give_up(tr, off, st.ticket)
@@ -278,11 +345,17 @@ class Lock:
         # come already: then we were the holder, and this releases)
         _spawn(tr.control({"cmd": "lock_abandon", "offset": off, "ticket": ticket}))
 
-    def _renew_due(self, ticket: int) -> None:
+    def _renew_due(self) -> None:
+        self._renew = None
         st = self._state
-        if st is None or st.state != _core.TICKET_HELD or st.ticket != ticket:
+        if st is None or st.state != _core.TICKET_HELD or self.client.closed:
+            return          # released meanwhile (the next grant re-arms), or closed
+        loop = asyncio.get_running_loop()
+        if loop.time() < st.renew_at - 1e-3:
+            # re-acquired since the timer was armed: not due yet
+            self._renew = loop.call_at(st.renew_at, self._renew_due)
             return
-        _spawn(self._renew_now(ticket))
+        _spawn(self._renew_now(st.ticket))
 
     async def _renew_now(self, ticket: int) -> None:
         tr, info = self._transport, self._info
@@ -295,7 +368,9 @@ class Lock:
         st = self._state
         if st is not None and st.state == _core.TICKET_HELD and st.ticket == ticket:
             loop = asyncio.get_running_loop()
-            self._renew = loop.call_at(st.renewed(loop.time()), self._renew_due, ticket)
+            st.renewed(loop.time())
+            if self._renew is None:
+                self._renew = loop.call_at(st.renew_at, self._renew_due)
 
 
 def fence_of(fence: Lock | Fence) -> tuple[int, int]:

@@ -282,6 +282,9 @@ class _Connection(FrameReceiver):
         self._uvloop = False
         # the write whose payload is being received in place: (segment, range)
         self._write: tuple[Segment, tuple[int, int]] | None = None
+        # small replies made while one receive is parsed, sent with one write
+        # (a pipelined LOCK_RELEASE + LOCK_ACQUIRE costs one syscall, not two)
+        self._cork: list[bytes] | None = None
 
     # -- asyncio -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -324,6 +327,19 @@ class _Connection(FrameReceiver):
             self.transport.abort()
 
     # -- replies -----------------------------------------------------------
+    def buffer_updated(self, nbytes: int) -> None:
+        self._cork = []
+        try:
+            super().buffer_updated(nbytes)
+        finally:
+            self._uncork()
+
+    def _uncork(self) -> None:
+        cork, self._cork = self._cork, None
+        t = self.transport
+        if cork and t is not None and not t.is_closing():
+            t.write(cork[0] if len(cork) == 1 else b"".join(cork))
+
     def _reply(self, hdr: tuple[int, ...], payload: bytes | memoryview = b"",
                status: int = 0) -> None:
         t = self.transport
@@ -332,9 +348,17 @@ class _Connection(FrameReceiver):
         n = len(payload)
         self.server.bytes_out += n
         if n <= 65536:
-            t.write(_core.encode_header_with(VERSION, hdr[2], FLAG_REPLY, status, hdr[5],
-                                             hdr[6], hdr[7], n, payload))
+            frame = _core.encode_header_with(VERSION, hdr[2], FLAG_REPLY, status, hdr[5],
+                                             hdr[6], hdr[7], n, payload)
+            if self._cork is not None:
+                self._cork.append(frame)
+            else:
+                t.write(frame)
             return
+        if self._cork:
+            # keep the order of replies: the corked ones go first
+            cork, self._cork = self._cork, []
+            t.write(b"".join(cork))
         head = _core.encode_header(VERSION, hdr[2], FLAG_REPLY, status, hdr[5], hdr[6], hdr[7], n)
         if self._uvloop:
             t.writelines((head, payload))       # one writev, payload not copied
@@ -350,6 +374,9 @@ class _Connection(FrameReceiver):
                    code: ErrorCode = ErrorCode.BAD_REQUEST) -> None:
         """Answer with the reason (so the client can tell why), then close."""
         super().close_with(reason)
+        if self._cork is not None:
+            self._uncork()
+            self._cork = []
         self.server.refused += 1
         log.info("closing connection from %s: %s", self.peer, reason)
         t = self.transport

@@ -87,13 +87,12 @@ class LockService:
         self.names: list[str | None] = [None] * slots
         self.by_key: dict[int, int] = {}       # fence key -> slot (locks held here)
         self.fences: dict[int, int] = {}       # fence key -> highest token seen (others)
-        # parked LOCK_ACQUIREs: waiter id -> (connection, header)
+        # parked LOCK_ACQUIREs: waiter id -> (connection, header).  A waiter
+        # id is (owner << 32 | request id): LOCK_CANCEL names the acquire by
+        # its request id, and no table maps one to the other.
         self._parked: dict[int, tuple[_Connection, tuple[int, ...]]] = {}
-        # (owner, request id) -> waiter id, for LOCK_CANCEL
-        self._by_rid: dict[tuple[int, int], int] = {}
-        self._rid_of: dict[int, tuple[int, int]] = {}
         self._leases: dict[int, float] = {}      # slot -> lease, where set by lock_open
-        self._next_waiter = 1
+        self._next_owner = 1
         self._sweeper: asyncio.Task[None] | None = None
         self.stale_fences = 0
 
@@ -110,7 +109,6 @@ class LockService:
                 pass
             self._sweeper = None
         self._parked.clear()
-        self._by_rid.clear()
 
     def _interval(self) -> float:
         # the sweep's period bounds how late an expiry is noticed: a small
@@ -201,17 +199,25 @@ class LockService:
         if size != want:
             raise LockRefused(ErrorCode.BAD_REQUEST, f"{Op(op).name} carries {want} bytes, not {size}")
 
+    def _owner(self, conn: _Connection) -> int:
+        owner: int | None = conn.__dict__.get("_lock_owner")
+        if owner is None:
+            owner = conn.__dict__["_lock_owner"] = self._next_owner
+            self._next_owner = self._next_owner % 0x7FFFFFFF + 1
+        return owner
+
     def on_frame(self, conn: _Connection, hdr: tuple[int, ...], payload: memoryview) -> None:
         op, rid, offset = hdr[2], hdr[5], hdr[7]
         now = asyncio.get_running_loop().time()
-        owner = id(conn)
+        owner = self._owner(conn)
         slot = self._slot_of(offset)
         if op == Op.LOCK_ACQUIRE:
-            waiter = self._next_waiter
-            self._next_waiter += 1
-            ticket, granted = self.table.acquire(slot, waiter, owner, now)
-            self._by_rid[(owner, rid)] = waiter
-            self._rid_of[waiter] = (owner, rid)
+            waiter = owner << 32 | rid
+            try:
+                ticket, granted = self.table.acquire(slot, waiter, owner, now)
+            except ValueError:
+                raise LockRefused(ErrorCode.BAD_REQUEST,
+                                  f"request id {rid} already waits for or holds a lock") from None
             if granted:
                 conn._reply(hdr, _core.pack_u64(ticket))
             else:
@@ -219,10 +225,7 @@ class LockService:
             return
         if op == Op.LOCK_RELEASE:
             ticket = _core.unpack_u64(payload)
-            holder = self.table.holder(slot)
             ok, grants = self.table.release(slot, ticket, now)
-            if ok and holder is not None:
-                self._forget(holder)
             if not ok:
                 raise LockRefused(ErrorCode.STALE_FENCE,
                                   f"ticket {ticket} does not hold lock {self.names[slot]!r} "
@@ -232,9 +235,8 @@ class LockService:
             return
         # LOCK_CANCEL: give up what the acquire with that request id got
         target = _core.unpack_u64(payload)
-        waiter_id = self._by_rid.get((owner, target))
-        if waiter_id is not None:
-            self._forget(waiter_id)
+        if target <= 0xFFFFFFFF:
+            waiter_id = owner << 32 | target
             parked = self._parked.pop(waiter_id, None)
             grants = self.table.cancel(waiter_id, now)
             if parked is not None:
@@ -252,20 +254,15 @@ class LockService:
             self._deliver(self.table.poke(slot, asyncio.get_running_loop().time()))
 
     def connection_lost(self, conn: _Connection) -> None:
-        owner = id(conn)
+        owner = conn.__dict__.get("_lock_owner")
+        if owner is None:
+            return          # never used a lock
         grants = self.table.drop_owner(owner, asyncio.get_running_loop().time())
-        for key in [k for k in self._by_rid if k[0] == owner]:
-            wid = self._by_rid.pop(key)
-            self._rid_of.pop(wid, None)
-            self._parked.pop(wid, None)
+        for wid in [w for w in self._parked if w >> 32 == owner]:
+            del self._parked[wid]
         if grants:
             log.info("connection %s lost while holding or waiting for a lock; passed on", conn.peer)
         self._deliver(grants)
-
-    def _forget(self, waiter: int) -> None:
-        key = self._rid_of.pop(waiter, None)
-        if key is not None:
-            self._by_rid.pop(key, None)
 
     def _deliver(self, grants: list[int]) -> None:
         # Answer the parked acquires that were just granted.  A grant to a
@@ -280,7 +277,6 @@ class LockService:
             conn, hdr = entry
             t = conn.transport
             if t is None or t.is_closing():
-                self._forget(wid)
                 queue.extend(self.table.cancel(wid, asyncio.get_running_loop().time()))
                 continue
             got = self.table.waiter_ticket(wid)
@@ -290,7 +286,6 @@ class LockService:
             lost = list(self.table.lost)
             self.table.lost.clear()
             for _slot, wid in lost:
-                self._forget(wid)
                 entry = self._parked.pop(wid, None)
                 if entry is not None:
                     conn, hdr = entry

@@ -174,6 +174,9 @@ class TcpTransport(Transport):
         super().__init__(address)
         self._proto = protocol
         self._next_id = 0
+        # small frames that may wait for the next request (a lock release):
+        # sent with it in one write, or at the end of this loop iteration
+        self._cork: list[bytes] = []
 
     @classmethod
     async def connect(cls, address: tuple[str, int], *, timeout: float = 10.0) -> TcpTransport:
@@ -216,6 +219,9 @@ class TcpTransport(Transport):
                                                errno=errno_mod.ENOTCONN, server=self.label)
         fut = asyncio.get_running_loop().create_future()
         proto.pending[rid] = _Pending(fut, kind, targets, length)
+        if self._cork:
+            parts = [*self._cork, *parts]
+            self._cork.clear()
         if len(parts) == 1:
             t.write(parts[0])
         elif proto.uvloop:
@@ -313,8 +319,29 @@ class TcpTransport(Transport):
 
     async def lock_release(self, segment: int, offset: int, ticket: int) -> None:
         """Release the lock held with ``ticket``; StaleFence if it was lost."""
-        await self._call(Op.LOCK_RELEASE, 0, segment, offset, 8, _core.pack_u64(ticket & _MASK64),
-                         _EMPTY)
+        await self.lock_release_nowait(segment, offset, ticket)
+
+    def lock_release_nowait(self, segment: int, offset: int, ticket: int) -> asyncio.Future[Any]:
+        """Send the release now; the future resolves with the server's
+        answer.  Whatever this connection sends next is ordered after it."""
+        proto = self._proto
+        if proto.transport is None:
+            raise proto.lost or TransportError(f"connection to {self.label} is closed",
+                                               errno=errno_mod.ENOTCONN, server=self.label)
+        rid = self._new_id()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        proto.pending[rid] = _Pending(fut, _EMPTY, None, 0)
+        if not self._cork:
+            asyncio.get_running_loop().call_soon(self._uncork)
+        self._cork.append(_core.encode_header_with(
+            VERSION, Op.LOCK_RELEASE, 0, 0, rid, segment, offset, 8, _core.pack_u64(ticket & _MASK64)))
+        return fut
+
+    def _uncork(self) -> None:
+        t = self._proto.transport
+        if self._cork and t is not None:
+            t.write(b"".join(self._cork))
+        self._cork.clear()
 
     async def close(self) -> None:
         t = self._proto.transport

@@ -1,0 +1,372 @@
+#!/usr/bin/env python3
+"""The distributed ticket lock against two baselines, in one run (issue 7).
+
+* **uncontended**: acquire + release latency (p50, p99) of the ticket lock,
+  on both waiting paths ("park": the server answers when our turn comes, the
+  TCP default; "poll": fetch_add + reads of now_serving, the RDMA algorithm
+  run over TCP), against
+    - a raw 64-byte round trip between two uvloop processes (smb2.bench's
+      raw peer: no smb2 code on either side),
+    - a 64-byte smb2 READ round trip to the same server,
+    - a naive spin lock: ``compare_swap(w, 0, 1)`` until it succeeds, then
+      ``compare_swap(w, 1, 0)``, on the same transport.
+* **contended**: acquisitions per second with 1, 2, 4 and 8 client
+  processes looping acquire/release (empty critical section) for a fixed
+  time, for the spin lock and the ticket lock, with fairness (max/min
+  acquisitions per client) and the server's data ops per acquisition (from
+  its statistics: the parked path sends nothing while it waits).
+
+The machine is shared and noisy: subject and baselines are measured in
+alternation (the order rotates every round), every figure is a median, every
+ratio is the median of per-round ratios, and the raw round trip is measured
+right before each contended run and stored beside it.  Prints a table and
+writes JSON (``--json``, default bench-results/lock.json).
+
+    python tools/bench_lock.py [--rounds 15] [--duration 1.5] [--procs 1,2,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+import smb2
+from smb2.bench import _READY, _machine, _now, _pct, _RawClient
+
+TARGET_UNCONTENDED = 3.0      # park p50 <= 3x raw round trip p50
+TARGET_THROUGHPUT = 2.0       # with 4 processes, >= 2x the spin lock
+TARGET_FAIRNESS = 1.1         # max/min acquisitions per client, 4 processes
+LOCK = "bench-lock"
+SPIN_BUFFER = "bench-spin"
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+async def _lat(fn: Callable[[], Awaitable[Any]], n: int) -> list[float]:
+    out = []
+    clock = time.perf_counter_ns
+    for _ in range(n):
+        t0 = clock()
+        await fn()
+        out.append((clock() - t0) / 1000)
+    return out
+
+
+class _Ops:
+    """Lock and baseline operations over one client (used by the main
+    process for latencies and by every worker for throughput)."""
+
+    def __init__(self, client: smb2.Client, spin: smb2.Buffer) -> None:
+        self.client = client
+        self.park = client.lock(LOCK, mode="park")
+        self.poll = client.lock(LOCK, mode="poll")
+        link = client._links[0]
+        assert link.transport is not None
+        self.tr = link.transport
+        self.spin_seg = spin.segments[0]
+        self.read_dst = [memoryview(bytearray(64))]
+
+        self.word = bytearray(8)
+        self.word_view = [memoryview(self.word)]
+
+    async def park_once(self) -> None:
+        await self.park.acquire()
+        await self.park.release()
+
+    async def poll_once(self) -> None:
+        await self.poll.acquire()
+        await self.poll.release()
+
+    async def spin_acquire(self) -> None:
+        tr, seg = self.tr, self.spin_seg
+        while await tr.compare_swap(seg, 0, 0, 1) != 0:
+            pass
+
+    async def spin_release(self) -> None:
+        await self.tr.compare_swap(self.spin_seg, 0, 1, 0)
+
+    async def spin_once(self) -> None:
+        await self.spin_acquire()
+        await self.spin_release()
+
+    async def rmw(self) -> None:
+        # the critical section of asynchronous training: read a word of the
+        # shared buffer, change it, write it back
+        await self.tr.read_into(self.word_view, self.spin_seg, 128, 8)
+        self.word[0] = (self.word[0] + 1) & 0xFF
+        await self.tr.write(self.word_view, self.spin_seg, 128, 8)
+
+    async def park_rmw(self) -> None:
+        await self.park.acquire()
+        await self.rmw()
+        await self.park.release()
+
+    async def poll_rmw(self) -> None:
+        await self.poll.acquire()
+        await self.rmw()
+        await self.poll.release()
+
+    async def spin_rmw(self) -> None:
+        await self.spin_acquire()
+        await self.rmw()
+        await self.spin_release()
+
+    async def read64(self) -> None:
+        await self.tr.read_into(self.read_dst, self.spin_seg, 64, 64)
+
+    def op(self, kind: str, cs: str = "empty") -> Callable[[], Awaitable[None]]:
+        if cs == "rmw":
+            return {"park": self.park_rmw, "poll": self.poll_rmw, "spin": self.spin_rmw}[kind]
+        return {"park": self.park_once, "poll": self.poll_once, "spin": self.spin_once,
+                "read64": self.read64}[kind]
+
+
+# -- worker processes --------------------------------------------------------------
+
+async def _worker(servers: list[str]) -> None:
+    client = await smb2.connect(servers, transport="tcp")
+    ops = _Ops(client, await client.attach(SPIN_BUFFER))
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    print("ready", flush=True)
+    while line := await reader.readline():
+        cmd = json.loads(line)
+        fn = ops.op(cmd["kind"], cmd["cs"])
+        start, end = cmd["start"], cmd["start"] + cmd["duration"]
+        await asyncio.sleep(max(0.0, start - time.time()))
+        n = 0
+        # count acquisitions that completed inside the window; the one in
+        # flight at its end still runs to completion (and releases)
+        while time.time() < end:
+            await fn()
+            if time.time() <= end:
+                n += 1
+        print(json.dumps({"n": n}), flush=True)
+    await client.close()
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.procs: list[asyncio.subprocess.Process] = []
+
+    async def start(self, n: int, servers: list[str]) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(_ROOT / "src"),
+                                                                          os.environ.get("PYTHONPATH"))))}
+        for _ in range(n):
+            p = await asyncio.create_subprocess_exec(
+                sys.executable, __file__, "--worker", ",".join(servers),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
+            self.procs.append(p)
+        for p in self.procs:
+            assert p.stdout is not None
+            line = await asyncio.wait_for(p.stdout.readline(), 60)
+            if line.strip() != b"ready":
+                raise RuntimeError(f"a worker did not start: {line!r}")
+
+    async def run(self, kind: str, cs: str, nprocs: int, duration: float) -> list[int]:
+        start = time.time() + 0.2
+        cmd = (json.dumps({"kind": kind, "cs": cs, "start": start, "duration": duration}) + "\n").encode()
+        procs = self.procs[:nprocs]
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(cmd)
+        counts = []
+        for p in procs:
+            assert p.stdout is not None
+            counts.append(json.loads(await asyncio.wait_for(p.stdout.readline(), duration + 60))["n"])
+        return counts
+
+    async def close(self) -> None:
+        for p in self.procs:
+            if p.stdin is not None:
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                await asyncio.wait_for(p.wait(), 10)
+            except TimeoutError:
+                p.kill()
+                await p.wait()
+
+
+# -- the run ---------------------------------------------------------------------
+
+async def _start_raw_peer() -> tuple[asyncio.subprocess.Process, _RawClient]:
+    loop = asyncio.get_running_loop()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(_ROOT / "src"),
+                                                                      os.environ.get("PYTHONPATH"))))}
+    peer = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "smb2.bench", "--raw-peer", "--raw-peer-bytes", "64",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
+    assert peer.stdout is not None
+    line = (await asyncio.wait_for(peer.stdout.readline(), 30)).decode()
+    if not line.startswith(_READY):
+        raise RuntimeError(f"the raw peer did not start: {line!r}")
+    host, _, port = line[len(_READY):].strip().rpartition(":")
+    _, raw = await loop.create_connection(_RawClient, host, int(port))
+    return peer, raw
+
+
+def _server_data_ops(stats: list[dict[str, Any]]) -> int:
+    return sum(sum(c.values()) for s in stats for c in s["ops"].values())
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    result: dict[str, Any] = {"started": _now(), "machine": _machine(loop), "args": vars(args)}
+    async with smb2.LocalCluster(servers=1, processes=True, capacity="64MiB") as cluster:
+        client = await cluster.connect(transport="tcp")
+        spin = await client.create(SPIN_BUFFER, 4096)
+        ops = _Ops(client, spin)
+        peer, raw = await _start_raw_peer()
+        pool = _Pool()
+        try:
+            await _lat(raw.ping, 2000)          # warm up every path
+            for kind in ("read64", "park", "poll", "spin"):
+                await _lat(ops.op(kind), 500)
+
+            # -- uncontended ------------------------------------------------
+            kinds = ["raw", "read64", "park", "poll", "spin"]
+            fns = {"raw": raw.ping, **{k: ops.op(k) for k in kinds[1:]}}
+            samples: dict[str, list[float]] = {k: [] for k in kinds}
+            rounds: list[dict[str, float]] = []
+            for r in range(args.rounds):
+                order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
+                med = {}
+                for k in order:
+                    lat = await _lat(fns[k], args.n)
+                    samples[k].extend(lat)
+                    med[k] = statistics.median(lat)
+                rounds.append(med)
+                _progress(f"round {r + 1}/{args.rounds}: " + "  ".join(f"{k} {med[k]:.1f}us" for k in kinds))
+            unc: dict[str, Any] = {}
+            for k in kinds:
+                unc[k] = {"p50_us": _pct(samples[k], 50), "p99_us": _pct(samples[k], 99),
+                          "ratio_p50_vs_raw": statistics.median(m[k] / m["raw"] for m in rounds),
+                          "ratio_p50_vs_read64": statistics.median(m[k] / m["read64"] for m in rounds)}
+            result["uncontended"] = {"rounds": rounds, "summary": unc}
+
+            # -- contended ----------------------------------------------------
+            await pool.start(max(args.procs), cluster.addresses)
+            contended: list[dict[str, Any]] = []
+            ckinds = ["spin", "park", "poll"]
+            for cs, nprocs in [(cs, n) for cs in args.cs for n in args.procs]:
+                for rep in range(args.reps):
+                    order = ckinds[rep % 3:] + ckinds[:rep % 3]
+                    for kind in order:
+                        rtt = statistics.median(await _lat(raw.ping, 300))
+                        before = _server_data_ops(await client.stat())
+                        counts = await pool.run(kind, cs, nprocs, args.duration)
+                        after = _server_data_ops(await client.stat())
+                        total = sum(counts)
+                        row = {"kind": kind, "cs": cs, "procs": nprocs, "rep": rep, "rtt_us": rtt,
+                               "counts": counts, "per_s": total / args.duration,
+                               "fairness": (max(counts) / min(counts)) if min(counts) else None,
+                               "server_ops_per_acq": (after - before) / total if total else None}
+                        contended.append(row)
+                        _progress(f"{cs:5s} {nprocs} procs {kind:5s}: {row['per_s']:8.0f}/s  fairness "
+                                  f"{row['fairness'] or float('inf'):.3f}  server ops/acq "
+                                  f"{row['server_ops_per_acq'] or 0:.1f}  rtt {rtt:.1f}us")
+            summary = []
+            for cs, nprocs in [(cs, n) for cs in args.cs for n in args.procs]:
+                rows = {k: [c for c in contended if c["procs"] == nprocs and c["kind"] == k and c["cs"] == cs]
+                        for k in ckinds}
+                ratio = {k: statistics.median(a["per_s"] / b["per_s"]
+                                              for a, b in zip(rows[k], rows["spin"]))
+                         for k in ("park", "poll")}
+                summary.append({
+                    "cs": cs, "procs": nprocs,
+                    **{f"{k}_per_s": statistics.median(r["per_s"] for r in rows[k]) for k in ckinds},
+                    **{f"{k}_vs_spin": ratio[k] for k in ("park", "poll")},
+                    **{f"{k}_fairness": statistics.median((r["fairness"] or float("inf")) for r in rows[k])
+                       for k in ckinds},
+                    **{f"{k}_server_ops_per_acq": statistics.median(r["server_ops_per_acq"] or 0
+                                                                    for r in rows[k]) for k in ckinds},
+                    "rtt_us": statistics.median(r["rtt_us"] for k in ckinds for r in rows[k]),
+                })
+            result["contended"] = {"runs": contended, "summary": summary}
+        finally:
+            await pool.close()
+            if raw.transport is not None:
+                raw.transport.close()
+            if peer.stdin is not None:
+                peer.stdin.close()
+            await peer.wait()
+    result["finished"] = _now()
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    u = result["uncontended"]["summary"]
+    lines = ["uncontended acquire+release (medians of per-round ratios)",
+             f"{'':8s} {'p50 us':>8s} {'p99 us':>8s} {'x raw':>7s} {'x read64':>9s}"]
+    for k, v in u.items():
+        lines.append(f"{k:8s} {v['p50_us']:8.1f} {v['p99_us']:8.1f} {v['ratio_p50_vs_raw']:7.2f} "
+                     f"{v['ratio_p50_vs_read64']:9.2f}")
+    park = u["park"]["ratio_p50_vs_raw"]
+    lines.append(f"target: park p50 <= {TARGET_UNCONTENDED}x raw: {park:.2f}x "
+                 f"{'MET' if park <= TARGET_UNCONTENDED else 'MISSED'}")
+    lines += ["", "contended (acquisitions/s; fairness = max/min per client; critical section: empty, or "
+              "rmw = read 8 bytes + write them back)",
+              f"{'cs':5s} {'procs':>5s} {'spin/s':>8s} {'park/s':>8s} {'poll/s':>8s} {'park/spin':>9s} "
+              f"{'poll/spin':>9s} {'fair park':>9s} {'fair spin':>9s} {'ops/acq park':>12s} "
+              f"{'ops/acq spin':>12s} {'rtt us':>7s}"]
+    for s in result["contended"]["summary"]:
+        lines.append(f"{s['cs']:5s} {s['procs']:5d} {s['spin_per_s']:8.0f} {s['park_per_s']:8.0f} "
+                     f"{s['poll_per_s']:8.0f} "
+                     f"{s['park_vs_spin']:9.2f} {s['poll_vs_spin']:9.2f} {s['park_fairness']:9.3f} "
+                     f"{s['spin_fairness']:9.3f} {s['park_server_ops_per_acq']:12.1f} "
+                     f"{s['spin_server_ops_per_acq']:12.1f} {s['rtt_us']:7.1f}")
+    for s in result["contended"]["summary"]:
+        if s["procs"] != 4:
+            continue
+        ok_t = s["park_vs_spin"] >= TARGET_THROUGHPUT
+        ok_f = s["park_fairness"] <= TARGET_FAIRNESS
+        lines.append(f"target (4 procs, cs {s['cs']}): park >= {TARGET_THROUGHPUT}x spin: "
+                     f"{s['park_vs_spin']:.2f}x {'MET' if ok_t else 'MISSED'}; max/min <= {TARGET_FAIRNESS}: "
+                     f"{s['park_fairness']:.3f} {'MET' if ok_f else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=15, help="uncontended rounds (default 15)")
+    p.add_argument("-n", type=int, default=300, help="operations per kind per round (default 300)")
+    p.add_argument("--procs", default="1,2,4,8", help="client processes for the contended runs")
+    p.add_argument("--cs", default="empty,rmw", help="critical sections: empty, rmw (default both)")
+    p.add_argument("--reps", type=int, default=3, help="contended runs per kind and process count")
+    p.add_argument("--duration", type=float, default=1.5, help="seconds per contended run")
+    p.add_argument("--json", default=str(_ROOT / "bench-results" / "lock.json"))
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        uvloop.run(_worker(args.worker.split(",")))
+        return 0
+    args.procs = [int(x) for x in args.procs.split(",")]
+    args.cs = [x for x in args.cs.split(",") if x]
+    result = uvloop.run(bench(args))
+    text = table(result)
+    print(text)
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**result, "table": text}, indent=1))
+    _progress(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
