@@ -47,7 +47,7 @@ class Bars:
         self.label = label
         self.tty = sys.stdout.isatty()
         self.drawn = False
-        self.quarter = -1
+        self.quarter = 0        # printed at 25, 50, 75 and 100 % (not at 0)
         self.t0 = time.perf_counter()
 
     def __call__(self, progress: np.ndarray, target: int) -> None:
