@@ -40,8 +40,6 @@ class UpdateRule:
     name = "?"
     #: gradients go to the shared buffer each push (layer dropping applies)
     gradient_rule = True
-    #: the worker should pull fresh parameters before each step
-    pull_each_step = True
 
     def __init__(self, lr: float = 0.01) -> None:
         self.lr = _positive("lr", lr)
@@ -60,6 +58,11 @@ class UpdateRule:
 
     def settings(self) -> dict[str, Any]:
         return {"name": self.name, "lr": self.lr}
+
+    @property
+    def pull_each_step(self) -> bool:
+        """Should the worker pull fresh parameters before each step?"""
+        return True
 
     async def push(self, grads: Mapping[str, np.ndarray]) -> None:
         raise NotImplementedError
@@ -136,6 +139,13 @@ class Locked(UpdateRule):
     def settings(self) -> dict[str, Any]:
         return {"name": self.name, "lr": self.lr, "per_layer": self.per_layer}
 
+    @property
+    def pull_each_step(self) -> bool:
+        # A push reads the latest weights under the lock and leaves them,
+        # updated, in the mirror: a pull before the next step would read them
+        # again.  Only tensors that layer dropping kept home go stale.
+        return self._store is not None and self._store.dropping is not None
+
     def bind(self, store: ParameterStore) -> None:
         super().bind(store)
         opts = {} if self.lease is None else {"lease": self.lease}
@@ -179,7 +189,10 @@ class EASGD(UpdateRule):
 
     name = "easgd"
     gradient_rule = False
-    pull_each_step = False
+
+    @property
+    def pull_each_step(self) -> bool:
+        return False        # each worker trains its own copy; the center is not its weights
 
     def __init__(self, lr: float = 0.01, alpha: float | None = None, tau: int = 4) -> None:
         super().__init__(lr)
