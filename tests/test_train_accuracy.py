@@ -87,3 +87,16 @@ def test_layer_dropping_cuts_bytes_keeps_accuracy(digits: Path) -> None:
     assert cut >= 0.65
     assert drop["dropping"]["saved_fraction"] >= 0.65
     assert drop["accuracy"] >= base - 1.5
+
+
+@pytest.mark.parametrize("policy", ["first", "slowest"])
+def test_end_policies_end_all_workers_together(digits: Path, policy: str) -> None:
+    cfg = JobConfig(rule="accumulate", policy=policy, **{**BASE, "epochs": 2})
+    res = _job(cfg, digits)
+    its, target = res["iterations"], res["target"]
+    # every worker stopped (the job returned), at the moment the policy named
+    if policy == "first":
+        assert max(its) >= target
+    else:
+        assert min(its) >= target
+    assert res["accuracy"] > 80
