@@ -276,3 +276,20 @@ def test_mlp_gradients_match_finite_differences() -> None:
         assert abs((up - down) / (2 * eps) - grads[k][idx]) < 1e-5
     with pytest.raises(smb2.InvalidArgumentError):
         MLP([3])
+
+
+def test_smb2_torch_imports_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """smb2.torch imports torch lazily: without torch it imports, and says
+    what to install when used."""
+    import importlib
+    monkeypatch.setitem(sys.modules, "torch", None)        # "import torch" now fails
+    monkeypatch.delitem(sys.modules, "smb2.torch", raising=False)
+    mod = importlib.import_module("smb2.torch")
+    with pytest.raises(smb2.InterfaceError, match="needs PyTorch"):
+        mod._torch()
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert mod.env_rank() == (3, 4)
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(smb2.InvalidArgumentError):
+        mod.env_rank()
