@@ -96,6 +96,7 @@ async def run_worker(servers: list[str], name: str, rank: int, cfg: JobConfig,
         await store.join(timeout=120)
         t0 = time.perf_counter()
         it = samples = 0
+        compute = 0.0       # seconds spent computing gradients (the rest: smb2)
         losses: list[float] = []
         done = False
         while not done:
@@ -104,7 +105,9 @@ async def run_worker(servers: list[str], name: str, rank: int, cfg: JobConfig,
                 idx = perm[s:s + cfg.batch]
                 if store.rule.pull_each_step:
                     await store.pull()
+                tc = time.perf_counter()
                 loss, grads = model.grads(store.params, x[idx], y[idx])
+                compute += time.perf_counter() - tc
                 await store.push(grads)
                 losses.append(loss)
                 it += 1
@@ -117,7 +120,7 @@ async def run_worker(servers: list[str], name: str, rank: int, cfg: JobConfig,
             # leave our last local progress in the center before it is evaluated
             await store.rule.exchange()  # type: ignore[attr-defined]
         out: dict[str, Any] = {
-            "rank": rank, "iterations": it, "samples": samples, "seconds": elapsed,
+            "rank": rank, "iterations": it, "samples": samples, "seconds": elapsed, "compute_seconds": compute,
             "open_seconds": t0 - t_open, "loss": float(np.mean(losses[-20:])) if losses else None,
             **store.stats,
         }
@@ -194,6 +197,8 @@ async def run_job(cfg: JobConfig, servers: list[str], data_path: str | Path, *, 
         "bytes_pulled": sum(o["bytes_pulled"] for o in outs),
         "bytes_pushed": sum(o["bytes_pushed"] for o in outs),
         "iterations": [o["iterations"] for o in outs], "target": target, "per_worker": outs,
+        # the share of the workers' time not spent computing gradients
+        "comm_fraction": 1 - sum(o["compute_seconds"] for o in outs) / sum(o["seconds"] for o in outs),
     }
     result["bytes_moved"] = result["bytes_pulled"] + result["bytes_pushed"]
     if cfg.dropping is not None:
