@@ -55,6 +55,18 @@ class UpdateRule:
         if self._store is not None and self._store is not store:
             raise InterfaceError(f"rule {self.name!r} is already bound to another store")
         self._store = store
+        # -lr * g of every tensor, laid out like the data region (padding
+        # stays zero): allocated once, since a step of a big model would
+        # otherwise pay for a fresh model-sized temporary (and its page faults)
+        self._stage = np.zeros_like(store.flat())
+
+    def _delta(self, name: str, g: np.ndarray) -> np.ndarray:
+        """``-lr * g`` in the stage (a view shaped like the tensor)."""
+        st = self.store
+        o = st.flat_offset(name)
+        out = self._stage[o:o + g.size]
+        np.multiply(g.reshape(-1), -self.lr, out=out, casting="unsafe")
+        return out.reshape(g.shape)
 
     def settings(self) -> dict[str, Any]:
         return {"name": self.name, "lr": self.lr}
@@ -77,37 +89,23 @@ class Accumulate(UpdateRule):
 
     name = "accumulate"
 
-    def bind(self, store: ParameterStore) -> None:
-        super().bind(store)
-        # the whole data region's delta, so that a full step is one accumulate
-        # (the client splits it over all servers); padding stays zero
-        self._stage = np.zeros_like(store.flat())
-
     async def push(self, grads: Mapping[str, np.ndarray]) -> None:
         st = self.store
         sent = self._selected(grads)
         if not sent:
             return
-        flat = self._stage
+        deltas = {name: self._delta(name, g) for name, g in sent.items()}
         if len(sent) == len(st.params):
-            for name, g in sent.items():
-                o = st.flat_offset(name)
-                np.multiply(g.reshape(-1), -self.lr, out=flat[o:o + g.size], casting="unsafe")
-            await st.buf.accumulate(st.data_off, flat)
-            nbytes = flat.nbytes
+            # the whole model: one accumulate, which the client splits over all servers
+            await st.buf.accumulate(st.data_off, self._stage)
+            nbytes = self._stage.nbytes
+            st.flat()[...] += self._stage       # our own step, seen at once
         else:
-            ops = []
-            nbytes = 0
-            for name, g in sent.items():
-                o = st.flat_offset(name)
-                seg = flat[o:o + g.size]
-                np.multiply(g.reshape(-1), -self.lr, out=seg, casting="unsafe")
-                ops.append(st.buf.accumulate(st.ranges[name][0], seg))
-                nbytes += seg.nbytes
-            await asyncio.gather(*ops)
-        for name, g in sent.items():
-            # our own step, seen at once (the next pull replaces it with the sum of everyone's)
-            st.params[name] -= (self.lr * g).astype(st.layout.dtype, copy=False)
+            await asyncio.gather(*(st.buf.accumulate(st.ranges[name][0], d.reshape(-1))
+                                   for name, d in deltas.items()))
+            nbytes = sum(d.nbytes for d in deltas.values())
+            for name, d in deltas.items():
+                st.params[name] += d
         st.stats["bytes_pushed"] += nbytes
         await st.bump_version()
 
@@ -170,13 +168,12 @@ class Locked(UpdateRule):
 
     async def _update(self, grads: Mapping[str, np.ndarray], lock: Lock) -> None:
         st = self.store
-        dt = st.layout.dtype
         await lock.acquire(timeout=self.timeout)
         try:
             # read the latest values of exactly these tensors into the mirror ...
             await asyncio.gather(*(st.buf.read_into(st.params[name], st.ranges[name][0]) for name in grads))
             for name, g in grads.items():
-                st.params[name] -= (self.lr * g).astype(dt, copy=False)
+                st.params[name] += self._delta(name, g)
             # ... and write them back before anyone else may read them
             await asyncio.gather(*(st.buf.write(st.ranges[name][0], st.params[name], fence=lock)
                                    for name in grads))
@@ -216,7 +213,7 @@ class EASGD(UpdateRule):
     async def push(self, grads: Mapping[str, np.ndarray]) -> None:
         st = self.store
         for name, g in grads.items():
-            st.params[name] -= (self.lr * g).astype(st.layout.dtype, copy=False)
+            st.params[name] += self._delta(name, g)        # local SGD on our own copy
         self.steps += 1
         if self.steps % self.tau == 0:
             await self.exchange()
