@@ -19,9 +19,16 @@ What one run does:
 * one measurement = ``--tasks`` concurrent asyncio tasks (a training job's workers), each
   moving its contiguous share of the buffer (in ``--chunk`` pieces, default its whole share in
   one call) with ``buf.write`` / ``buf.read_into``;
+* the baseline, measured next to every smb2 measurement (order alternating): the same bytes
+  over plain blocking sockets, one thread per server host, to netns_cluster's stand-in
+  sink/source started beside smb2-server on every host (same link, same tbf) -- what the links
+  and this machine deliver without smb2 (``--no-baseline`` to skip); "vs raw" is the median of
+  the per-round ratios smb2 / raw;
 * beside every measurement: the smb2 round trip through the namespaces (median of 21 8-byte
-  ``fetch_add``s, just before), the client's CPU seconds per GB moved, the servers' CPU seconds
-  per GB and the whole machine's busy fraction;
+  ``fetch_add``s, just before), the client's and the servers' CPU seconds per GB moved and
+  event-loop wakeups per MiB, the whole machine's busy fraction and the part of it that is not
+  ours ("others": other programs and uncharged kernel work -- a sample taken with "others" high
+  was taken on a loaded machine);
 * figures are medians over rounds; the speedup of N servers is the median over rounds of
   ``BW_r(N) / BW_r(1)`` (a ratio taken within one round), efficiency = speedup / N.
 
@@ -33,6 +40,8 @@ Needs root and ``ip netns`` (see netns_cluster.py); otherwise it says why and ex
 
     sudo .venv/bin/python tools/bench_scaleout.py                  # 1,2,4,8 servers, 1 Gbit/s
     .venv/bin/python tools/bench_scaleout.py --rate 500mbit --tasks 4 --stripe 4MiB --rounds 3
+    .venv/bin/python tools/bench_scaleout.py --servers 1,8 --loop asyncio --profile /tmp/client.txt \
+        --profile-server /tmp/server.txt [--native]   # where the client's / server 0's time goes
 
 GB/s here are 10**9 bytes per second; a 1 Gbit/s link carries at most about 0.119 GB/s of TCP
 payload (1448 of every 1514 bytes on the wire at MTU 1500).
@@ -52,6 +61,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -67,6 +77,7 @@ GB = 1e9
 SMB2_PUBLISHED = (8, 6.3)  # SMB2 (IEEE Access 2020): 6.3x SMB1's bandwidth with 8 memory servers
 TARGET_EFFICIENCY = 0.90  # issue 5: >= 7.2x one server's bandwidth at 8 servers
 OPS = ("write", "read")
+RAW_OPS = ("raw-write", "raw-read")  # the baseline: plain sockets to a stand-in on each server host
 
 
 def parse_size(text: str) -> int:
@@ -102,11 +113,49 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _wakeups(pid: int | str) -> int:
+    """Voluntary context switches of all threads of ``pid`` so far: about one per time a thread
+    slept (in epoll, recv, send) and was woken (0 if it is gone)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:  # the thread ended meanwhile
+            pass
+    return total
+
+
 def _machine_cpu() -> tuple[float, float]:
     """(total, idle) jiffies of the whole machine."""
     with open("/proc/stat") as f:
         v = [float(x) for x in f.readline().split()[1:]]
     return sum(v), v[3] + v[4]
+
+
+def _spy(pyspy: str, pid: int, path: str, native: bool) -> subprocess.Popen:
+    """py-spy record of ``pid`` into ``path`` (raw collapsed stacks) until :func:`_stop_spy`.
+    py-spy reads the target's memory by pid; it sends nothing over any network."""
+    # --native cannot sample without pausing the target; then fewer samples per second
+    mode = ["--native", "-r", "100"] if native else ["--nonblocking", "-r", "250"]
+    return subprocess.Popen([pyspy, "record", *mode, "-f", "raw", "-o", path, "-p", str(pid)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stop_spy(spy: subprocess.Popen) -> None:
+    spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    try:
+        spy.wait(30)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
 
 
 async def _worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,7 +167,8 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
     counts = [int(x) for x in args.servers.split(",")]
     if max(counts) > len(endpoints):
         raise SystemExit(f"asked for {max(counts)} servers, SMB2_SERVERS has {len(endpoints)}")
-    server_pids = [int(p) for p in args.server_pids.split(",") if p]
+    smb2_pids = [int(p) for p in args.server_pids.split(",") if p]
+    raw_pids = [int(p) for p in args.raw_pids.split(",") if p]
     ncpu = os.cpu_count() or 1
     size, stripe, tasks = args.size, args.stripe, args.tasks
     chunk = args.chunk or (size // tasks)
@@ -134,13 +184,40 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
     clients: dict[int, Any] = {}
     bufs: dict[int, Any] = {}
     counter_off = size - 8  # the fetch_add word used for round trips (overwritten by writes: fine)
+    raw_endpoints = [e for e in args.raw.split(",") if e]
+    raw_conns: list[Any] = []
     try:
+        # the baseline: one plain blocking socket per server host (a thread each, sendall /
+        # recv_into of 1 MiB pieces) to netns_cluster's stand-in server on the same host and link
+        raw_conns = [netns_cluster._ProbeConn(e) for e in raw_endpoints]
+
+        def raw_move(op: str, n: int) -> None:
+            part = size // n
+            errors: list[BaseException] = []
+
+            def one(c: Any) -> None:
+                try:
+                    c.write(part) if op == "raw-write" else c.read(part)
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=one, args=(c,)) for c in raw_conns[:n]]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+
         for n in counts:
             clients[n] = await smb2.connect(endpoints[:n])
             name = f"scaleout-{os.getpid()}-{n}"
             bufs[n] = await clients[n].create(name, size, stripe=stripe)
 
         async def move(op: str, n: int) -> None:
+            if op in RAW_OPS:
+                raw_move(op, n)  # blocks the loop: nothing else runs meanwhile
+                return
             buf = bufs[n]
 
             async def task(i: int) -> None:
@@ -163,29 +240,38 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
 
         # warm up every buffer (server pages, TCP windows, the planner), check one round trip
         for n in counts:
-            for op in OPS:
+            for op in OPS + (RAW_OPS if raw_conns else ()):
                 await move(op, n)
             if not np.array_equal(src[:-8], dst[:-8]):
                 raise SystemExit(f"warm-up: data read back from {n} server(s) differs from what was written")
             await rtt_us(n)
             print(f"bench_scaleout[worker]: {n} server(s) warmed up", file=sys.stderr, flush=True)
 
+        spy = _spy(args.pyspy, os.getpid(), args.profile, args.native) if args.profile else None
+        if spy is not None:
+            await asyncio.sleep(1.0)  # let py-spy attach
         samples: list[dict[str, Any]] = []
         measured = tuple(op for op in OPS if op in args.ops.split(","))
+        if raw_conns:  # each smb2 op next to its baseline, in alternating order
+            measured = tuple(x for op in measured for x in (op, "raw-" + op))
         for r in range(args.rounds):
             order = counts if r % 2 == 0 else counts[::-1]
             ops = measured if r % 2 == 0 else measured[::-1]
             for n in order:
                 for op in ops:
+                    # the servers that serve this op: smb2-server, or the stand-ins for the baseline
+                    server_pids = raw_pids if op in RAW_OPS else smb2_pids
                     rtt = await rtt_us(n)
                     m0 = _machine_cpu()
                     s0 = [_proc_cpu(p) for p in server_pids[:n]]
+                    w0 = [_wakeups("self"), sum(_wakeups(p) for p in server_pids[:n])]
                     c0 = time.process_time()
                     t0 = time.perf_counter()
                     await move(op, n)
                     dt = time.perf_counter() - t0
                     c1 = time.process_time()
                     s1 = [_proc_cpu(p) for p in server_pids[:n]]
+                    w1 = [_wakeups("self"), sum(_wakeups(p) for p in server_pids[:n])]
                     m1 = _machine_cpu()
                     total, idle = m1[0] - m0[0], m1[1] - m0[1]
                     ours = (c1 - c0) + sum(b - a for a, b in zip(s0, s1))  # cpu-s of the client and servers
@@ -196,6 +282,9 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
                         "client_cpu_s_per_GB": round((c1 - c0) / (size / GB), 3),
                         "server_cpu_s_per_GB": (round(sum(b - a for a, b in zip(s0, s1)) / (size / GB), 3)
                                                 if server_pids else None),
+                        "client_wakeups_per_MiB": round((w1[0] - w0[0]) / (size / MiB), 2),
+                        "server_wakeups_per_MiB": (round((w1[1] - w0[1]) / (size / MiB), 2)
+                                                   if server_pids else None),
                         "machine_busy": round(busy, 3) if busy is not None else None,
                         # the rest of the machine's busy time: other programs, and kernel work (the
                         # bridge, tbf, softirqs) not charged to our processes -- high = a noisy sample
@@ -203,10 +292,14 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
                                         if busy is not None and server_pids else None),
                     })
                     s = samples[-1]
-                    print(f"bench_scaleout[worker]: round {r} {n} server(s) {op:5} {s['GBps']:.3f} GB/s "
+                    print(f"bench_scaleout[worker]: round {r} {n} server(s) {op:9} {s['GBps']:.3f} GB/s "
                           f"rtt {s['rtt_us']:.0f} us client {s['client_cpu_s_per_GB']:.2f} cpu-s/GB "
+                          f"wakeups/MiB client {s['client_wakeups_per_MiB']:.1f} "
+                          f"servers {s['server_wakeups_per_MiB'] or 0:.1f} "
                           f"machine {s['machine_busy']:.0%} busy, others {s['others_busy'] or 0:.0%}",
                           file=sys.stderr, flush=True)
+        if spy is not None:
+            _stop_spy(spy)
         # the last full read must still be exactly what was written
         for n in counts:
             await move("write", n)
@@ -217,6 +310,8 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
         return {"samples": samples, "transports": {n: clients[n].transports for n in counts},
                 "loop": type(asyncio.get_running_loop()).__module__.split(".")[0]}
     finally:
+        for rc in raw_conns:
+            rc.sock.close()
         for n, c in clients.items():
             if n in bufs:
                 try:
@@ -237,7 +332,12 @@ def worker_main(argv: list[str]) -> int:
     ap.add_argument("--server-pids", default="")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--raw", default="", help="stand-in endpoints for the raw baseline")
+    ap.add_argument("--raw-pids", default="", help="their pids (for their CPU time)")
     ap.add_argument("--out", help="write the JSON here instead of stdout")
+    ap.add_argument("--profile", help="py-spy this process during the measured rounds, raw output here")
+    ap.add_argument("--pyspy", default="py-spy")
+    ap.add_argument("--native", action="store_true")
     args = ap.parse_args(argv)
     if args.loop == "uvloop":
         import uvloop
@@ -259,11 +359,16 @@ def worker_main(argv: list[str]) -> int:
 def training_samples_per_s(cluster: netns_cluster.NetnsCluster, nservers: int) -> float | None:
     """Hook for issue 5's "the same for the training benchmark's samples/s when that exists".
 
-    There is no training benchmark yet (no ``smb2.train``, no ``tools/bench_train.py``), so this
-    returns None and the table says "n/a".  When it exists: run it in the client namespace
-    against the first ``nservers`` of ``cluster.servers`` (``cluster.run_client([...],
-    env={"SMB2_SERVERS": ",".join(cluster.servers[:nservers])})``), parse its samples/s and
-    return it; the table, JSON and efficiency column then pick it up unchanged.
+    Nothing to measure in this checkout: there is no training benchmark (``tools/bench_training.py``)
+    and no ``smb2.train`` here yet, so this returns None and the table says "n/a" -- never a
+    made-up figure.  (The training branch has ``smb2.train.job.run_job(cfg, servers, data_path)``,
+    which launches the worker processes and returns a dict with ``samples_per_s``.)  To wire it:
+    run that job in the CLIENT namespace against the first ``nservers`` servers, e.g.
+    ``cluster.run_client([sys.executable, "tools/bench_training.py", "--json", "-"],
+    env={"SMB2_SERVERS": ",".join(cluster.servers[:nservers])}, capture_output=True, text=True)``,
+    parse its samples/s and return it; the table, the JSON and the speedup/efficiency arithmetic
+    pick it up unchanged.  Its workers must be children of that client-namespace process (never
+    started from this root-namespace process).
     """
     return None
 
@@ -274,7 +379,7 @@ def summarize(samples: list[dict[str, Any]], counts: list[int]) -> dict[str, Any
         by.setdefault((s["servers"], s["op"]), []).append(s)
     base = counts[0]
     rows: dict[str, Any] = {}
-    for op in OPS:
+    for op in OPS + RAW_OPS:
         for n in counts:
             ss = by.get((n, op), [])
             if not ss:
@@ -288,14 +393,20 @@ def summarize(samples: list[dict[str, Any]], counts: list[int]) -> dict[str, Any
                 vals = [s[key] for s in ss if s.get(key) is not None]
                 return statistics.median(vals) if vals else None
 
+            raw_by_round = {s["round"]: s["GBps"] for s in by.get((n, "raw-" + op), [])}
+            vs_raw = [s["GBps"] / raw_by_round[s["round"]] for s in ss if s["round"] in raw_by_round]
             rows[f"{op}/{n}"] = {
                 "op": op, "servers": n, "rounds": len(ss),
                 "GBps_median": med("GBps"), "GBps_min": min(s["GBps"] for s in ss),
                 "GBps_max": max(s["GBps"] for s in ss),
                 "speedup": speedup, "efficiency": speedup / n if speedup is not None else None,
+                # smb2 against plain sockets over the same links in the same round (median of ratios)
+                "vs_raw": statistics.median(vs_raw) if vs_raw else None,
                 "rtt_us_median": med("rtt_us"),
                 "client_cpu_s_per_GB": med("client_cpu_s_per_GB"),
                 "server_cpu_s_per_GB": med("server_cpu_s_per_GB"),
+                "client_wakeups_per_MiB": med("client_wakeups_per_MiB"),
+                "server_wakeups_per_MiB": med("server_wakeups_per_MiB"),
                 "machine_busy": med("machine_busy"),
                 "others_busy": med("others_busy"),
             }
@@ -305,23 +416,29 @@ def summarize(samples: list[dict[str, Any]], counts: list[int]) -> dict[str, Any
 def format_table(rows: dict[str, Any], counts: list[int], rate_bits: int | None,
                  training: dict[int, float | None]) -> str:
     link_payload = link_payload_GBps(rate_bits)
-    head = (f"{'op':5} {'servers':>7} {'GB/s':>7} {'min..max':>13} {'x 1 srv':>7} {'eff':>6} "
-            f"{'of links':>8} {'rtt us':>7} {'cli cpu-s/GB':>12} {'srv cpu-s/GB':>12} {'machine':>7} {'others':>6} "
+    head = (f"{'op':9} {'servers':>7} {'GB/s':>7} {'min..max':>13} {'x 1 srv':>7} {'eff':>6} {'vs raw':>6} "
+            f"{'of links':>8} {'rtt us':>6} {'cli cpu-s/GB':>12} {'srv cpu-s/GB':>12} {'machine':>7} {'others':>6} "
             f"{'train samples/s':>15}")
     lines = [head, "-" * len(head)]
-    for op in OPS:
+
+    def f(v: float | None, fmt: str, width: int) -> str:
+        return f"{v:{fmt}}".rjust(width) if v is not None else "-".rjust(width)
+
+    for op in OPS + RAW_OPS:
         for n in counts:
             r = rows.get(f"{op}/{n}")
             if r is None:
                 continue
+            raw = op in RAW_OPS
             of_links = f"{r['GBps_median'] / (n * link_payload):.0%}" if link_payload else "-"
             tr = training.get(n)
             lines.append(
-                f"{op:5} {n:>7} {r['GBps_median']:7.3f} {r['GBps_min']:6.3f}..{r['GBps_max']:<6.3f} "
-                f"{r['speedup']:6.2f}x {r['efficiency']:6.1%} {of_links:>8} {r['rtt_us_median']:7.0f} "
-                f"{r['client_cpu_s_per_GB']:12.2f} "
-                f"{(r['server_cpu_s_per_GB'] if r['server_cpu_s_per_GB'] is not None else float('nan')):12.2f} "
-                f"{r['machine_busy']:7.0%} {(r['others_busy'] or 0):6.0%} {('n/a' if tr is None else f'{tr:.1f}'):>15}")
+                f"{op:9} {n:>7} {r['GBps_median']:7.3f} {r['GBps_min']:6.3f}..{r['GBps_max']:<6.3f} "
+                f"{r['speedup']:6.2f}x {r['efficiency']:6.1%} {f(r['vs_raw'], '.0%', 6)} {of_links:>8} "
+                f"{r['rtt_us_median']:6.0f} {r['client_cpu_s_per_GB']:12.2f} "
+                f"{f(r['server_cpu_s_per_GB'], '.2f', 12)} "
+                f"{r['machine_busy']:7.0%} {(r['others_busy'] or 0):6.0%} "
+                f"{'' if raw else ('n/a' if tr is None else f'{tr:.1f}'):>15}")
     return "\n".join(lines)
 
 
@@ -340,6 +457,11 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
         return "matplotlib is not installed (.venv/bin/pip install matplotlib): no plot drawn"
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
     nmax = max(counts)
+    for op, color in (("raw-write", "tab:blue"), ("raw-read", "tab:orange")):
+        ns = [n for n in counts if f"{op}/{n}" in rows]
+        if ns:
+            ax.plot(ns, [rows[f"{op}/{n}"]["GBps_median"] for n in ns], ls="--", color=color, alpha=0.5, lw=1,
+                    label=f"raw sockets, {op[4:]} (baseline)")
     for op, marker in (("write", "o"), ("read", "s")):
         ns = [n for n in counts if f"{op}/{n}" in rows]
         if not ns:
@@ -347,8 +469,10 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
         bw = [rows[f"{op}/{n}"]["GBps_median"] for n in ns]
         lo = [b - rows[f"{op}/{n}"]["GBps_min"] for b, n in zip(bw, ns)]
         hi = [rows[f"{op}/{n}"]["GBps_max"] - b for b, n in zip(bw, ns)]
-        ax.errorbar(ns, bw, yerr=[lo, hi], marker=marker, capsize=3, label=f"smb2 {op}")
-        ax2.plot(ns, [rows[f"{op}/{n}"]["speedup"] for n in ns], marker=marker, label=f"smb2 {op}")
+        ax.errorbar(ns, bw, yerr=[lo, hi], marker=marker, capsize=3, label=f"smb2 {op} (median, min..max)",
+                    color="tab:blue" if op == "write" else "tab:orange")
+        ax2.plot(ns, [rows[f"{op}/{n}"]["speedup"] for n in ns], marker=marker, label=f"smb2 {op}",
+                 color="tab:blue" if op == "write" else "tab:orange")
         one = rows.get(f"{op}/1")
         if one is not None and op == "read":
             ax.plot([1, nmax], [one["GBps_median"], nmax * one["GBps_median"]], "k--", lw=1,
@@ -362,7 +486,7 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
     ax.set_ylabel("aggregate bandwidth, GB/s")
     ax.set_xticks(counts)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.set_title("bandwidth")
     ax2.plot([1, nmax], [1, nmax], "k--", lw=1, label="ideal (N x)")
     ax2.plot([1, nmax], [TARGET_EFFICIENCY, TARGET_EFFICIENCY * nmax], ":", color="gray", lw=1,
@@ -372,7 +496,7 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
     ax2.set_ylabel("speedup over one server")
     ax2.set_xticks(counts)
     ax2.grid(alpha=0.3)
-    ax2.legend()
+    ax2.legend(fontsize=8)
     ax2.set_title("scale-out")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -386,6 +510,7 @@ def top_frames(path: Path, limit: int = 25) -> str:
     """The frames that the samples of a py-spy raw (collapsed stacks) file spent most *own* time
     in, and the worker's share of samples in each op's code path."""
     own: dict[str, int] = {}
+    incl: dict[str, int] = {}
     total = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -393,12 +518,39 @@ def top_frames(path: Path, limit: int = 25) -> str:
             continue
         n = int(count)
         total += n
-        leaf = stack.rsplit(";", 1)[-1]
-        own[leaf] = own.get(leaf, 0) + n
+        frames = stack.split(";")
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + n
     lines = [f"py-spy: {total} samples in {path}; frames by own time:"]
     for leaf, n in sorted(own.items(), key=lambda kv: -kv[1])[:limit]:
         lines.append(f"  {n / max(total, 1):6.1%}  {leaf}")
+    lines.append("frames by inclusive time:")
+    for f, n in sorted(incl.items(), key=lambda kv: -kv[1])[:limit]:
+        lines.append(f"  {n / max(total, 1):6.1%}  {f}")
     return "\n".join(lines)
+
+
+def start_stand_ins(cluster: netns_cluster.NetnsCluster) -> tuple[list[str], list[int]]:
+    """Start netns_cluster's stand-in server (plain sockets: sink for writes, source for reads)
+    beside smb2-server on every server host, one port up; return their endpoints.  They live in
+    the cluster's server namespaces, so the cluster's teardown removes them with everything else.
+    Returns their endpoints and pids."""
+    port = cluster.port + 1
+    procs = []
+    for netns, addr in zip(cluster.server_netns, cluster.server_addrs):
+        argv = cluster.exec_prefix(netns) + [sys.executable, str(TOOLS / "netns_cluster.py"), "_standin",
+                                             "--host", addr, "--port", str(port)]
+        procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                                      preexec_fn=netns_cluster._pdeathsig_kill))
+    for p in procs:
+        line = p.stdout.readline() if p.stdout is not None else ""
+        if "listening on" not in line:
+            raise netns_cluster.NetnsError(f"a stand-in server did not start (exit {p.poll()}): {line!r}")
+        assert p.stdout is not None
+        p.stdout.close()
+    return [f"{addr}:{port}" for addr in cluster.server_addrs], [p.pid for p in procs]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -414,9 +566,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="client event loop (default uvloop)")
     p.add_argument("--ops", default=",".join(OPS), help="what to measure (default write,read)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the raw-socket baseline (a stand-in sink/source on every server host)")
     p.add_argument("--profile", metavar="PATH",
                    help="run the worker under py-spy (inside the client namespace): collapsed stacks to PATH "
                         "(py-spy's raw format) and the top frames by own time on stderr")
+    p.add_argument("--native", action="store_true", help="py-spy --native: C frames too (uvloop, numpy, _core)")
     p.add_argument("--profile-server", metavar="PATH",
                    help="py-spy server 0 (smb2-server, attached by pid) while the worker runs: collapsed stacks "
                         "to PATH and its top frames on stderr")
@@ -452,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
                "--size", str(size), "--stripe", str(stripe), "--tasks", str(args.tasks), "--chunk", str(chunk),
                "--rounds", str(args.rounds), "--server-pids", ",".join(pids), "--loop", args.loop,
                "--ops", args.ops, "--out", str(out_path)]
+        if not args.no_baseline:
+            raw_endpoints, raw_pids = start_stand_ins(cluster)
+            cmd += ["--raw", ",".join(raw_endpoints), "--raw-pids", ",".join(map(str, raw_pids))]
         pyspy = Path(sys.executable).with_name("py-spy")
         if args.profile or args.profile_server:
             if not pyspy.exists():
@@ -459,13 +617,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{Path(sys.executable).with_name('pip')} install py-spy)", file=sys.stderr)
                 return 2
         if args.profile:
-            cmd = [str(pyspy), "record", "--nonblocking", "-r", "250", "-f", "raw", "-o", args.profile, "--", *cmd]
+            # the worker attaches py-spy to itself for the measured rounds only (not set-up, warm-up)
+            cmd += ["--profile", args.profile, "--pyspy", str(pyspy)] + (["--native"] if args.native else [])
         spy = None
         if args.profile_server:
             # py-spy reads the server's memory by pid: it sends nothing over any network
-            spy = subprocess.Popen([str(pyspy), "record", "--nonblocking", "-r", "250", "-f", "raw",
-                                    "-o", args.profile_server, "-p", pids[0]],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = _spy(str(pyspy), int(pids[0]), args.profile_server, args.native)
         if not args.quiet:
             progress(f"worker in the client namespace {cluster.client_netns}: {size >> 20} MiB, stripe "
                      f"{fmt_size(stripe)}, {args.tasks} tasks, {args.rounds} rounds over {counts} server(s)")
@@ -480,15 +637,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(out_path.parent, ignore_errors=True)
             if spy is not None:
-                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-                try:
-                    spy.wait(30)
-                except subprocess.TimeoutExpired:
-                    spy.kill()
+                _stop_spy(spy)
         training = {n: training_samples_per_s(cluster, n) for n in counts}
     for path in (args.profile, args.profile_server):
-        if path and Path(path).exists():
-            print(top_frames(Path(path)), file=sys.stderr)
+        if path:
+            print(top_frames(Path(path)) if Path(path).exists() else f"py-spy wrote no {path}", file=sys.stderr)
     rows = summarize(result["samples"], counts)
     title = (f"smb2 scale-out: {fmt_size(size)} buffer, stripe {fmt_size(stripe)}, {args.tasks} client tasks, "
              f"tbf {args.rate} per server link, median of {args.rounds} rounds ({started:%Y-%m-%d %H:%M} UTC)")

@@ -672,23 +672,31 @@ class NetnsCluster:
             if self._closed or not self._started:
                 return
             self._closed = True
-        # a second Ctrl-C during teardown must not leave things half-removed
-        old_int = None
+        # A second Ctrl-C during teardown must not leave things half-removed; nor may a second
+        # SIGTERM/SIGHUP (`timeout` and `kill -- -PGID` send one to the process AND one to its
+        # group, so the second lands while the first is unwinding through this teardown): they are
+        # held back and the first of them is raised once everything is gone.
+        held: dict[int, Any] = {}
+        pending: list[int] = []
         if threading.current_thread() is threading.main_thread():
-            try:
-                old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-            except (ValueError, OSError):
-                pass
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                try:
+                    held[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
+                except (ValueError, OSError):
+                    pass
         try:
             self._teardown()
         finally:
-            if old_int is not None:
-                signal.signal(signal.SIGINT, old_int)
+            for sig, old in held.items():
+                signal.signal(sig, old)
             self._restore_signal_handlers()
             try:
                 atexit.unregister(self.close)
             except Exception:
                 pass
+        terminations = [s for s in pending if s != signal.SIGINT]
+        if terminations and sys.exc_info()[0] is None:
+            raise Terminated(terminations[0])
 
     def _teardown(self) -> None:
         t0 = time.monotonic()
@@ -842,7 +850,12 @@ class NetnsCluster:
         self, coro_fn: Callable[..., Any], *args: Any, runner: Callable[[Any], Any] = asyncio.run, **kwargs: Any
     ) -> Any:
         """``runner(coro_fn(*args, **kwargs))`` (default ``asyncio.run``; pass ``uvloop.run`` for
-        uvloop) on a new event loop in a thread in the client namespace; returns the result."""
+        uvloop) on a new event loop in a thread in the client namespace; returns the result.
+
+        For anything measured, pass ``runner=uvloop.run``: on Python 3.11 the stdlib loop's socket
+        transport copies every unsent write payload into one growing bytearray, which made smb2
+        writes over 8 rate-limited links CPU-bound at 4.9x one server (1.4 client CPU-s/GB)
+        where uvloop reaches 7.5x at 0.2 CPU-s/GB (tools/bench_scaleout.py --loop asyncio)."""
         return self.call_in_client(lambda: runner(coro_fn(*args, **kwargs)))
 
     async def run_coroutine_async(

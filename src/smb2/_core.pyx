@@ -372,6 +372,25 @@ LOCK_NEXT = 0
 LOCK_SERVING = 8
 LOCK_HEARTBEAT = 16
 
+cdef extern from *:
+    """
+    #include <stdint.h>
+    /* The lock words are shared with one-sided clients (RDMA atomics on the
+       NIC): the server's own changes are CPU atomics, never plain stores,
+       so that a parked acquire and an RDMA fetch-and-add can never draw the
+       same ticket.  (The IB spec only promises atomicity among the HCA's
+       own atomics; on the hosts smb2 targets, including soft-RoCE, whose
+       "NIC" is this CPU, CPU atomics are what it can do.) */
+    static inline uint64_t smb2_fetch_add64(uint64_t *p, uint64_t v) {
+        return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+    static inline int smb2_cas64(uint64_t *p, uint64_t expected, uint64_t desired) {
+        return __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST,
+                                           __ATOMIC_SEQ_CST); }
+    """
+    uint64_t smb2_fetch_add64(uint64_t *p, uint64_t v) nogil
+    bint smb2_cas64(uint64_t *p, uint64_t expected, uint64_t desired) nogil
+
+
 cdef inline int64_t _tdiff(uint64_t a, uint64_t b) noexcept nogil:
     # a - b as a signed distance: correct across wrap-around as long as the
     # two tickets are less than 2**63 apart (they are: a queue that long
@@ -483,8 +502,7 @@ cdef class LockTable:
         if waiter in self._waiters:
             raise ValueError(f"waiter {waiter} already has a ticket")
         cdef uint64_t *w = self._words(slot)
-        cdef uint64_t t = w[0]
-        w[0] = t + 1
+        cdef uint64_t t = smb2_fetch_add64(&w[0], 1)
         self._waiters[waiter] = [slot, t, owner]
         self._owners.setdefault(owner, set()).add(waiter)
         if w[1] == t:
@@ -499,10 +517,9 @@ cdef class LockTable:
         expired, or it was released already."""
         cdef _Slot *s = self._slot(slot)
         cdef uint64_t *w = self._words(slot)
-        if w[1] != ticket or w[0] == w[1]:
+        if w[1] != ticket or w[0] == w[1] or not smb2_cas64(&w[1], ticket, ticket + 1):
             return False, []
         self._forget_holder(slot, s)
-        w[1] = ticket + 1
         return True, self._advance(slot, now)
 
     def cancel(self, int64_t waiter, double now):
@@ -518,7 +535,7 @@ cdef class LockTable:
         cdef uint64_t *w = self._words(slot)
         if s.holder == waiter and w[1] == t:
             self._forget_holder(slot, s)
-            w[1] = t + 1
+            smb2_cas64(&w[1], t, t + 1)
             return self._advance(slot, now)
         self._drop_waiter(waiter)
         parked = <object>self._parked[slot]
@@ -558,7 +575,7 @@ cdef class LockTable:
             return []           # passed already, or never issued
         if d == 0:
             self._forget_holder(slot, s)
-            w[1] = ticket + 1
+            smb2_cas64(&w[1], ticket, ticket + 1)
             return self._advance(slot, now)
         (<object>self._abandoned[slot]).add(ticket)
         return []
@@ -591,10 +608,13 @@ cdef class LockTable:
                 # the holder of now_serving showed no sign of life for a
                 # whole lease: move the queue past it.  Its fenced writes
                 # are refused from now on (check_fence).
-                self.expired += 1
-                self._forget_holder(i, s)
-                w[1] = w[1] + 1
+                if smb2_cas64(&w[1], s.seen_serving, s.seen_serving + 1):
+                    self.expired += 1
+                    self._forget_holder(i, s)
+                # else it moved under us (a late release): that is a sign of
+                # life too, and the next sweep sees it
                 s.seen_serving = w[1]
+                s.seen_heartbeat = w[2]
                 s.last_change = now
                 grants.extend(self._advance(i, now))
         return grants
@@ -690,9 +710,9 @@ cdef class LockTable:
             if cur == w[0]:
                 break
             if cur in gone:
-                gone.discard(cur)
-                self.abandoned_skips += 1
-                w[1] = cur + 1
+                if smb2_cas64(&w[1], cur, cur + 1):
+                    gone.discard(cur)
+                    self.abandoned_skips += 1
                 continue
             if parked and parked[0][0] == cur:
                 t, wid = parked.popleft()

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _core
+from . import _core, auth, persist
 from . import notify as _notify
 from .errors import (
     BufferConflict,
@@ -72,12 +72,14 @@ class _Link:
     """One server of the client: its address, and the transport to it
     (reconnected on the next operation after a failure)."""
 
-    __slots__ = ("address", "kind", "timeout", "transport", "_connecting")
+    __slots__ = ("address", "kind", "timeout", "token", "transport", "_connecting")
 
-    def __init__(self, address: tuple[str, int], kind: str, timeout: float) -> None:
+    def __init__(self, address: tuple[str, int], kind: str, timeout: float,
+                 token: bytes | None = None) -> None:
         self.address = address
         self.kind = kind
         self.timeout = timeout
+        self.token = token
         self.transport: Transport | None = None
         self._connecting: asyncio.Future[Transport] | None = None
 
@@ -91,7 +93,7 @@ class _Link:
             return t
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(
-                open_transport(self.address, self.kind, timeout=self.timeout))
+                open_transport(self.address, self.kind, timeout=self.timeout, token=self.token))
         fut = self._connecting
         try:
             t = await asyncio.shield(fut)
@@ -225,6 +227,20 @@ class Client:
 
     async def _one_control(self, link: _Link, msg: dict[str, Any]) -> dict[str, Any]:
         return await (await link.get()).control(msg)
+
+    # -- checkpoints (persist.py) ---------------------------------------------
+    async def checkpoint(self, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Save the whole buffer ``name`` to the file ``path`` (atomically,
+        with a header and a SHA-256); returns ``name``, ``nbytes``, ``sha256``."""
+        self._check()
+        return await persist.checkpoint(self, name, path)
+
+    async def restore(self, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Load a checkpoint file into buffer ``name`` (created if missing).
+        The checksum is verified first; a buffer of another size or a
+        checkpoint of another buffer is refused (InvalidArgumentError)."""
+        self._check()
+        return await persist.restore(self, name, path)
 
     # -- locks ----------------------------------------------------------------
     def lock(self, name: str, **options: Any) -> Lock:
@@ -488,13 +504,16 @@ def _servers_from_env() -> list[str]:
 
 
 async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, *,
-                  transport: str = "auto", timeout: float = 10.0) -> Client:
+                  transport: str = "auto", timeout: float = 10.0,
+                  token: str | bytes | None = None) -> Client:
     """Connect to the memory servers (``"host:port"`` each; default from the
     environment variable ``SMB2_SERVERS="h:p,h:p"``).
 
     The order of the servers defines the buffers' striping: every client of a
-    cluster must list them in the same order.  Raises :class:`TransportError`
-    if a server cannot be reached."""
+    cluster must list them in the same order.  ``token`` (default: the
+    environment variable ``SMB2_AUTH_TOKEN``) authenticates to servers that
+    require it.  Raises :class:`TransportError` if a server cannot be
+    reached, :class:`AccessDenied` if one refuses the token."""
     if isinstance(servers, str):
         servers = [s for s in (p.strip() for p in servers.split(",")) if s]
     if servers is None:
@@ -508,7 +527,8 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     addresses = [parse_address(s) for s in servers]
     if len(set(addresses)) != len(addresses):
         raise InvalidArgumentError(f"a server is listed twice in {list(servers)}")
-    links = [_Link(a, transport, timeout) for a in addresses]
+    secret = auth.as_token(token) if token is not None else auth.token_from_env()
+    links = [_Link(a, transport, timeout, secret) for a in addresses]
     client = Client(links)
     try:
         await asyncio.gather(*(link.get() for link in links))

@@ -17,6 +17,7 @@ import signal
 import sys
 from typing import Any
 
+from . import auth
 from .client import Client, connect
 from .errors import InterfaceError
 from .server import MemoryServer, start_server
@@ -35,11 +36,16 @@ class _Process:
         self.port = port
 
     @classmethod
-    async def spawn(cls, host: str, port: int, args: list[str], timeout: float) -> _Process:
+    async def spawn(cls, host: str, port: int, args: list[str], timeout: float,
+                    token: bytes | None = None) -> _Process:
         cmd = [sys.executable, "-m", "smb2.server", "--host", host, "--port", str(port), *args]
+        # the token goes by environment, not argv: argv is visible to every user in ps
+        env = {k: v for k, v in os.environ.items() if k != auth.ENV}
+        if token is not None:
+            env[auth.ENV] = token.decode("utf-8", "surrogateescape")
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True)
+            start_new_session=True, env=env)
         assert proc.stdout is not None and proc.stderr is not None
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), timeout)
@@ -81,7 +87,8 @@ class LocalCluster:
 
     def __init__(self, servers: int = 4, *, processes: bool = False, capacity: int | str = "256MiB",
                  host: str = "127.0.0.1", server_args: list[str] | None = None,
-                 start_timeout: float = 30.0) -> None:
+                 start_timeout: float = 30.0, token: str | bytes | None = None,
+                 data_dir: str | os.PathLike[str] | None = None) -> None:
         if servers < 1:
             raise InterfaceError("a cluster needs at least one server")
         self.nservers = servers
@@ -90,6 +97,10 @@ class LocalCluster:
         self.host = host
         self.server_args = list(server_args or [])
         self.start_timeout = start_timeout
+        # servers require it; clients from ``connect`` present it
+        self.token = auth.as_token(token)
+        # server i saves and restores its segments in data_dir/server-<i>
+        self.data_dir = data_dir
         self.servers: list[MemoryServer] = []          # in-process mode
         self.procs: list[_Process | None] = []           # processes mode
         self._addresses: list[tuple[str, int]] = []
@@ -103,11 +114,12 @@ class LocalCluster:
         try:
             if self.processes:
                 self.procs = list(await asyncio.gather(
-                    *(self._spawn(self.host, 0) for _ in range(self.nservers))))
+                    *(self._spawn(self.host, 0, i) for i in range(self.nservers))))
                 self._addresses = [(p.host, p.port) for p in self.procs if p is not None]
             else:
-                for _ in range(self.nservers):
-                    s = await start_server(self.host, 0, capacity=self.capacity)
+                for i in range(self.nservers):
+                    s = await start_server(self.host, 0, capacity=self.capacity, token=self.token,
+                                           data_dir=self._data_dir(i))
                     self.servers.append(s)
                 self._addresses = [s.address for s in self.servers]
         except BaseException:
@@ -116,12 +128,19 @@ class LocalCluster:
         log.info("local cluster of %d servers: %s", self.nservers, ", ".join(self.addresses))
         return self
 
-    async def _spawn(self, host: str, port: int) -> _Process:
-        return await _Process.spawn(host, port, ["--capacity", str(self.capacity), *self.server_args],
-                                    self.start_timeout)
+    def _data_dir(self, index: int) -> str | None:
+        return None if self.data_dir is None else os.path.join(self.data_dir, f"server-{index}")
+
+    async def _spawn(self, host: str, port: int, index: int) -> _Process:
+        args = ["--capacity", str(self.capacity), *self.server_args]
+        if self.data_dir is not None:
+            args += ["--data-dir", str(self._data_dir(index))]
+        return await _Process.spawn(host, port, args, self.start_timeout, self.token)
 
     async def connect(self, **kwargs: Any) -> Client:
         """A client of all servers (closed with the cluster if still open)."""
+        if self.token is not None:
+            kwargs.setdefault("token", self.token)
         client = await connect(self.addresses, **kwargs)
         self._clients.append(client)
         return client
@@ -137,7 +156,7 @@ class LocalCluster:
         old = self._proc(index)
         if old.proc.returncode is None:
             await old.stop()
-        self.procs[index] = await self._spawn(old.host, old.port)
+        self.procs[index] = await self._spawn(old.host, old.port, index)
 
     def _proc(self, index: int) -> _Process:
         if not self.processes:

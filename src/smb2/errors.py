@@ -49,6 +49,11 @@ class ProtocolError(Smb2Error):
     """A frame was malformed (bad magic, version, op or length)."""
 
 
+class PersistenceError(Smb2Error):
+    """A data directory or checkpoint file is unreadable, corrupt (checksum
+    mismatch) or in use."""
+
+
 class LockTimeout(Smb2Error, TimeoutError):
     """A lock could not be acquired within the timeout."""
 

@@ -187,7 +187,8 @@ class Lock:
         difference except a holder whose lease had already run out.  With
         ``wait=True`` the answer is awaited and such a holder gets
         :class:`StaleFence` (what it did under the lock was not protected);
-        otherwise that case is logged at WARNING on ``smb2.lock``."""
+        otherwise the server only counts it (``stale_releases`` in its
+        statistics), and over RDMA it is logged at WARNING on ``smb2.lock``."""
         st = self._state
         if st is None or st.state != _core.TICKET_HELD:
             raise InterfaceError(f"release() of lock {self.name!r}, which this Lock object does not hold")
@@ -203,11 +204,10 @@ class Lock:
             return
         seg, off = info["segment"], info["offset"]
         if self._path == "park":
-            fut: asyncio.Future[Any] = tr.lock_release_nowait(seg, off, ticket)  # type: ignore[attr-defined]
             if wait:
-                await fut
+                await tr.lock_release(seg, off, ticket)   # type: ignore[attr-defined]
             else:
-                fut.add_done_callback(self._released)
+                tr.lock_release_nowait(seg, off, ticket)  # type: ignore[attr-defined]
             return
         done = asyncio.ensure_future(self._release_cas(tr, seg, off, ticket))
         _background.add(done)

@@ -47,8 +47,11 @@ LOCK_OPS: Final = frozenset({Op.LOCK_ACQUIRE, Op.LOCK_RELEASE, Op.LOCK_CANCEL})
 FLAG_REPLY: Final = 0x0001
 # WRITE: the payload starts with a fence (u64 lock key, u64 token); the
 # server checks it before a byte of the data lands in the segment
-FLAG_FENCED: Final = 0x0002
+FLAG_FENCED: Final = 0x0004
 FENCE_SIZE: Final = 16
+# LOCK_RELEASE: send no reply (the releaser does not wait for one; a reply
+# would only wake its process).  A release that fails is counted and logged.
+FLAG_NOREPLY: Final = 0x0008
 # segment id of every server's lock segment (buffers' segments start at 1)
 LOCK_SEGMENT: Final = 0
 DTYPE_SHIFT: Final = 4
@@ -202,6 +205,8 @@ class FrameReceiver(asyncio.BufferedProtocol):
         # the header at self._start asked for a prefix that is not all here yet
         self._prefix_wait: Prefix | None = None
         self._stopped = False
+        # why parsing is on hold (see hold()); frames already in the inbox wait
+        self._holds: set[str] = set()
 
     # -- to implement -----------------------------------------------------
     def payload_size(self, hdr: tuple[int, ...]) -> int:
@@ -228,6 +233,24 @@ class FrameReceiver(asyncio.BufferedProtocol):
     def close_with(self, reason: str) -> None:
         """Stop parsing; subclasses also close the transport."""
         self._stopped = True
+
+    def hold(self, reason: str) -> None:
+        """Parse no further frame until ``unhold(reason)``.  Pausing the
+        transport's reading is not enough: one recv can bring thousands of
+        small requests into the inbox (8192 READ headers in 256 KiB), and
+        answering all of them before looking at back-pressure again would
+        buffer gigabytes of replies."""
+        self._holds.add(reason)
+
+    def unhold(self, reason: str) -> None:
+        """Lift one hold; with none left, parse what is waiting in the inbox."""
+        self._holds.discard(reason)
+        if not self._holds and not self._stopped and self._hdr is None:
+            self._parse()
+
+    @property
+    def held(self) -> bool:
+        return bool(self._holds)
 
     # -- asyncio.BufferedProtocol ------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -291,7 +314,7 @@ class FrameReceiver(asyncio.BufferedProtocol):
 
     def _parse(self) -> None:
         inview = self._inview
-        while not self._stopped and self._hdr is None:
+        while not self._stopped and self._hdr is None and not self._holds:
             avail = self._end - self._start
             if avail < HEADER_SIZE:
                 return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import ipaddress
 import itertools
 import logging
 import mmap
@@ -26,8 +27,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from . import _core
-from .errors import ErrorCode, InvalidArgumentError
+from . import _core, auth
+from .errors import ErrorCode, InvalidArgumentError, PersistenceError
+from .persist import DataDir
 from .protocol import (
     CLOSED,
     DATA_OPS,
@@ -38,6 +40,7 @@ from .protocol import (
     DTYPE_SHIFT,
     FENCE_SIZE,
     FLAG_FENCED,
+    FLAG_NOREPLY,
     FLAG_REPLY,
     INLINE,
     LOCK_OPS,
@@ -59,6 +62,9 @@ from .server_locks import DEFAULT_LEASE, DEFAULT_SLOTS, LockRefused, LockService
 log = logging.getLogger("smb2.server")
 
 MAX_NAME = 255
+# accumulate deltas one connection may have waiting behind in-flight writes
+MAX_DEFERRED = 2 * MAX_ACCUMULATE
+DEFAULT_WRITE_TIMEOUT = 30.0
 PAGE = mmap.PAGESIZE
 
 
@@ -126,9 +132,21 @@ class MemoryServer:
     Create it with :func:`start_server`; ``address`` is ``(host, port)``."""
 
     def __init__(self, *, capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
-                 max_buffers: int = 4096, lock_lease: float = DEFAULT_LEASE,
+                 max_buffers: int = 4096, token: str | bytes | None = None,
+                 data_dir: str | os.PathLike[str] | None = None,
+                 write_timeout: float = DEFAULT_WRITE_TIMEOUT, lock_lease: float = DEFAULT_LEASE,
                  lock_slots: int = DEFAULT_SLOTS) -> None:
         self.capacity = parse_size(capacity)
+        # a connection that stops sending in the middle of a WRITE is closed
+        # after this long: its half-received range holds up every accumulate
+        # that overlaps it (see Segment.inflight)
+        self.write_timeout = write_timeout
+        self._sweeper: asyncio.Task[None] | None = None
+        # segments are saved here on close and restored on start (persist.py)
+        self.data_dir = DataDir(data_dir) if data_dir is not None else None
+        # the shared secret clients must prove they know (None: no authentication)
+        self.token = auth.as_token(token)
+        self.auth_failures = 0
         self.max_frame = max_frame
         self.max_buffers = max_buffers
         self.used = 0
@@ -154,21 +172,67 @@ class MemoryServer:
     # -- lifecycle --------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _Connection(self), host, port, reuse_address=True)
+        if self.data_dir is not None:
+            # restored before listening: no client ever sees the server empty
+            self.data_dir.acquire()
+            try:
+                self.data_dir.load(self)
+            except BaseException:
+                self.data_dir.release()
+                raise
+        try:
+            self._server = await loop.create_server(
+                lambda: _Connection(self), host, port, reuse_address=True)
+        except BaseException:
+            if self.data_dir is not None:
+                self.data_dir.release()
+            raise
         sock = self._server.sockets[0]
         self.address = sock.getsockname()[:2]
+        if self.token is None and not _is_loopback(host):
+            log.warning("listening on %s without an authentication token: anyone who can reach "
+                        "this port can read and write its memory (--auth-token-file or %s)",
+                        host or "all addresses", auth.ENV)
+        if self.write_timeout > 0:
+            self._sweeper = asyncio.create_task(self._sweep())
         self.locks.start()
         log.info("listening on %s:%d (capacity %d bytes)", *self.address, self.capacity)
 
+    async def _sweep(self) -> None:
+        period = min(1.0, self.write_timeout / 4)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for conn in list(self.connections):
+                if conn.stalled_write(now, self.write_timeout):
+                    conn.close_with(f"no data for {self.write_timeout:g} s in the middle of a write")
+
+    def set_next_id(self, next_id: int) -> None:
+        self._ids = itertools.count(next_id)
+
     async def close(self) -> None:
-        """Stop listening, drop every connection, release all segments."""
+        """Stop listening, drop every connection, save the segments (with a
+        data directory), release all segments."""
         if self._server is not None:
             self._server.close()
             for conn in list(self.connections):
                 conn.abort("server shutting down")
             await self._server.wait_closed()
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+                self._sweeper = None
             self._server = None
+            if self.data_dir is not None:
+                # nothing can change the segments any more: save them
+                try:
+                    self.data_dir.save(self)
+                except OSError as exc:
+                    # the previous manifest is intact: the last good state survives
+                    raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: "
+                                           f"{exc}") from exc
+                finally:
+                    self.data_dir.release()
         await self.locks.close()
         self.segments.clear()
         self.by_name.clear()
@@ -197,7 +261,7 @@ class MemoryServer:
                     f"over {seg.nservers} servers (this server #{seg.index}); asked for "
                     f"nbytes={nbytes} stripe={stripe} over {nservers} servers (#{index})")
             return {**seg.info(), "created": False}
-        if len(self.segments) >= self.max_buffers:
+        if len(self.by_name) >= self.max_buffers:      # the lock segment is not a buffer
             raise _Refused(ErrorCode.OUT_OF_MEMORY, f"server holds its maximum of {self.max_buffers} buffers")
         if self.used + size > self.capacity:
             raise _Refused(ErrorCode.OUT_OF_MEMORY,
@@ -246,8 +310,19 @@ class MemoryServer:
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "refused": self.refused,
+            "auth": auth.MECH if self.token is not None else None,
+            "auth_failures": self.auth_failures,
             "locks": self.locks.stat(),
         }
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False     # "" (all addresses), a host name: treat as exposed
 
 
 def _str(msg: dict[str, Any], key: str) -> str:
@@ -278,10 +353,17 @@ class _Connection(FrameReceiver):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.greeted = False
+        # set by a valid ``auth`` (or by ``hello`` when the server has no token);
+        # until then only auth.PUBLIC_COMMANDS are answered
+        self.authed = False
+        self._nonce = b""
         self._paused = False
         self._uvloop = False
         # the write whose payload is being received in place: (segment, range)
         self._write: tuple[Segment, tuple[int, int]] | None = None
+        # bytes of accumulate deltas waiting for an overlapping write
+        self._deferred_bytes = 0
+        self._last_rx = 0.0
         # small replies made while one receive is parsed, sent with one write
         # (a pipelined LOCK_RELEASE + LOCK_ACQUIRE costs one syscall, not two)
         self._cork: list[bytes] | None = None
@@ -296,6 +378,7 @@ class _Connection(FrameReceiver):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+        self._last_rx = asyncio.get_running_loop().time()
         self.server.connections.add(self)
         log.debug("connection from %s", self.peer)
 
@@ -309,17 +392,35 @@ class _Connection(FrameReceiver):
         self.transport = None
         log.debug("connection from %s closed%s", self.peer, f": {exc}" if exc else "")
 
-    # Flow control: a client that does not read its replies stops being read,
-    # so one connection's memory stays bounded.
+    def stalled_write(self, now: float, timeout: float) -> bool:
+        """In the middle of a WRITE, not paused by us, and silent too long."""
+        return (self._write is not None and not self._paused and self.transport is not None
+                and now - self._last_rx > timeout)
+
+    # Flow control: a client that does not read its replies stops being read
+    # and parsed, so one connection's memory stays bounded by the transport's
+    # high-water mark plus one reply (at most max_frame).
     def pause_writing(self) -> None:
-        if self.transport is not None and not self._paused:
-            self._paused = True
-            self.transport.pause_reading()
+        self._hold_input("writing")
 
     def resume_writing(self) -> None:
-        if self.transport is not None and self._paused:
+        self._unhold_input("writing")
+
+    def _hold_input(self, reason: str) -> None:
+        if self.transport is None:
+            return
+        if not self.held:
+            self._paused = True
+            self.transport.pause_reading()
+        self.hold(reason)
+
+    def _unhold_input(self, reason: str) -> None:
+        if self.transport is None or reason not in self._holds:
+            return
+        if len(self._holds) == 1:
             self._paused = False
             self.transport.resume_reading()
+        self.unhold(reason)      # parses what waited in the inbox
 
     def abort(self, reason: str) -> None:
         if self.transport is not None:
@@ -328,6 +429,7 @@ class _Connection(FrameReceiver):
 
     # -- replies -----------------------------------------------------------
     def buffer_updated(self, nbytes: int) -> None:
+        self._last_rx = asyncio.get_running_loop().time()     # see stalled_write
         self._cork = []
         try:
             super().buffer_updated(nbytes)
@@ -368,6 +470,10 @@ class _Connection(FrameReceiver):
 
     def _refuse(self, hdr: tuple[int, ...], code: ErrorCode, message: str) -> None:
         self.server.refused += 1
+        if hdr[3] & FLAG_NOREPLY:
+            # the client asked for no answer (a lock release): none, not even this
+            log.info("refused a request from %s that wants no reply: %s", self.peer, message)
+            return
         self._reply(hdr, error_payload(message), status=code)
 
     def close_with(self, reason: str, hdr: tuple[int, ...] | None = None,
@@ -416,8 +522,11 @@ class _Connection(FrameReceiver):
             self.close_with(f"accumulate of {size} bytes exceeds the limit of {MAX_ACCUMULATE}",
                             hdr, ErrorCode.TOO_LARGE)
             return CLOSED
-        if not self.greeted:
-            self.close_with("the first request must be hello", hdr)
+        if not self.authed:
+            if not self.greeted:
+                self.close_with("the first request must be hello", hdr)
+            else:
+                self.close_with("not authenticated", hdr, ErrorCode.ACCESS_DENIED)
             return CLOSED
         try:
             if op in LOCK_OPS:
@@ -550,11 +659,22 @@ class _Connection(FrameReceiver):
         code = (hdr[3] & DTYPE_MASK) >> DTYPE_SHIFT
         if seg.overlaps_inflight(offset, offset + length):
             delta = bytes(payload)       # the inbox is reused: keep a copy
+            # Waiting accumulates hold copies of their deltas: bound them per
+            # connection (a write that never completes must not let a client
+            # queue unbounded memory behind it).
+            self._deferred_bytes += length
+            if self._deferred_bytes > MAX_DEFERRED:
+                self._hold_input("deferred")
 
             def run() -> None:
                 if seg.id in self.server.segments:
                     _core.accumulate(seg.view[offset:offset + length], delta, code)
+                self._deferred_bytes -= length
                 self._reply(hdr)
+                if self._deferred_bytes <= MAX_DEFERRED and "deferred" in self._holds:
+                    # not from here: this runs inside another connection's
+                    # frame handling, and parsing ours now would nest them
+                    asyncio.get_running_loop().call_soon(self._unhold_input, "deferred")
             seg.deferred.append((offset, offset + length, run))
             return
         _core.accumulate(seg.view[offset:offset + length], payload, code)
@@ -579,9 +699,22 @@ class _Connection(FrameReceiver):
             result: dict[str, Any] = {
                 "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
                 "max_frame": srv.max_frame, "transports": ["tcp"]}
+            if srv.token is None:
+                self.authed = True
+            elif not self.authed:
+                self._nonce = auth.new_nonce()
+                result.update(auth=auth.MECH, nonce=self._nonce)
         elif not self.greeted:
             self.close_with("the first request must be hello", hdr)
             return
+        elif cmd == "auth":
+            result = self._auth(hdr, msg)
+            if not result:
+                return
+        elif not self.authed:
+            # the one gate: whatever a later branch adds to the control
+            # commands (RDMA keys, addresses) is unreachable before auth
+            raise _Refused(ErrorCode.ACCESS_DENIED, f"{cmd!r} needs authentication first")
         elif cmd == "create":
             result = srv.create(_str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
                                 _uint(msg, "nservers"), _uint(msg, "index"))
@@ -608,15 +741,41 @@ class _Connection(FrameReceiver):
             raise _Refused(ErrorCode.BAD_REQUEST, f"unknown control command {cmd!r}")
         self._reply(hdr, pack(result))
 
+    def _auth(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+        srv = self.server
+        if srv.token is None:
+            raise _Refused(ErrorCode.BAD_REQUEST, "this server does not use authentication")
+        if self.authed:
+            raise _Refused(ErrorCode.BAD_REQUEST, "already authenticated")
+        nonce = msg.get("nonce")
+        ok = (isinstance(nonce, bytes) and len(nonce) == auth.NONCE_SIZE
+              and auth.check(auth.client_proof(srv.token, self._nonce, nonce), msg.get("proof")))
+        if not ok:
+            # one try per challenge: a guesser must reconnect for each
+            srv.auth_failures += 1
+            log.warning("authentication failed from %s", self.peer)
+            self.close_with("authentication failed: wrong token", hdr, ErrorCode.ACCESS_DENIED)
+            return {}
+        assert isinstance(nonce, bytes)
+        self.authed = True
+        log.debug("%s authenticated", self.peer)
+        return {"proof": auth.server_proof(srv.token, self._nonce, nonce)}
+
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                        capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
-                       max_buffers: int = 4096, lock_lease: float = DEFAULT_LEASE,
+                       max_buffers: int = 4096, token: str | bytes | None = None,
+                       data_dir: str | os.PathLike[str] | None = None,
+                       write_timeout: float = DEFAULT_WRITE_TIMEOUT, lock_lease: float = DEFAULT_LEASE,
                        lock_slots: int = DEFAULT_SLOTS) -> MemoryServer:
     """Start a memory server in the running loop and return it once it listens.
 
-    ``port=0`` picks a free port (see ``server.address``)."""
+    ``port=0`` picks a free port (see ``server.address``).  With ``token``,
+    clients must authenticate (``smb2.connect(..., token=...)``).  With
+    ``data_dir``, the segments saved there are restored now and saved again
+    by ``close()``."""
     server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers,
+                          token=token, data_dir=data_dir, write_timeout=write_timeout,
                           lock_lease=lock_lease, lock_slots=lock_slots)
     await server.start(host, port)
     return server
@@ -635,6 +794,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", default="1GiB", help="memory to serve, e.g. 512MiB, 8GiB (default 1GiB)")
     p.add_argument("--max-frame", default=str(DEFAULT_MAX_FRAME),
                    help="largest payload of one request (default 64MiB)")
+    p.add_argument("--auth-token-file", metavar="FILE",
+                   help=f"require clients to prove they know the token in FILE "
+                        f"(default: ${auth.ENV} if set, else no authentication)")
+    p.add_argument("--max-buffers", type=int, default=4096, help="buffers this server holds at most (default 4096)")
+    p.add_argument("--write-timeout", type=float, default=DEFAULT_WRITE_TIMEOUT,
+                   help="close a connection silent this many seconds in the middle of a write "
+                        f"(default {DEFAULT_WRITE_TIMEOUT:g}; 0 = never)")
+    p.add_argument("--data-dir", metavar="DIR",
+                   help="save the segments to DIR on SIGTERM/SIGINT and restore them at start")
     p.add_argument("--lock-lease", type=float, default=DEFAULT_LEASE,
                    help=f"seconds a lock holder may go without renewing (default {DEFAULT_LEASE:g})")
     p.add_argument("--lock-slots", type=int, default=DEFAULT_SLOTS,
@@ -646,7 +814,9 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _serve(args: argparse.Namespace) -> None:
     server = await start_server(args.host, args.port, capacity=args.capacity,
-                                max_frame=parse_size(args.max_frame), lock_lease=args.lock_lease,
+                                max_frame=parse_size(args.max_frame), max_buffers=args.max_buffers,
+                                token=args.token, write_timeout=args.write_timeout,
+                                data_dir=args.data_dir, lock_lease=args.lock_lease,
                                 lock_slots=args.lock_slots)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -668,8 +838,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parse_size(args.capacity)
         parse_size(args.max_frame)
+        args.token = (auth.token_from_file(args.auth_token_file) if args.auth_token_file
+                      else auth.token_from_env())
     except InvalidArgumentError as exc:
         print(f"smb2-server: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"smb2-server: cannot read the token file: {exc}", file=sys.stderr)
         return 2
     try:
         if args.loop == "uvloop":
@@ -677,6 +852,9 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(_serve(args))
         else:
             asyncio.run(_serve(args))
+    except PersistenceError as exc:
+        print(f"smb2-server: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"smb2-server: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

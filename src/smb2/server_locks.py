@@ -33,12 +33,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _core
 from .errors import ErrorCode
-from .protocol import LOCK_SEGMENT, Op, error_payload
+from .protocol import FLAG_NOREPLY, LOCK_SEGMENT, Op, error_payload
 
 if TYPE_CHECKING:
     from .server import MemoryServer, _Connection
@@ -95,6 +94,7 @@ class LockService:
         self._next_owner = 1
         self._sweeper: asyncio.Task[None] | None = None
         self.stale_fences = 0
+        self.stale_releases = 0
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -177,7 +177,8 @@ class LockService:
                            "parked": len(self.table.parked(slot)), "lease": self.table_lease(slot)}
         return {"slots": self.nslots, "open": len(self.by_name), "grants": self.table.grants,
                 "expired": self.table.expired, "abandoned_skips": self.table.abandoned_skips,
-                "stale_fences": self.stale_fences, "locks": locks}
+                "stale_fences": self.stale_fences, "stale_releases": self.stale_releases,
+                "locks": locks}
 
     def _slot_of(self, offset: int) -> int:
         if offset % SLOT or not 0 <= offset < self.nslots * SLOT:
@@ -226,6 +227,13 @@ class LockService:
         if op == Op.LOCK_RELEASE:
             ticket = _core.unpack_u64(payload)
             ok, grants = self.table.release(slot, ticket, now)
+            if hdr[3] & FLAG_NOREPLY:
+                if not ok:
+                    self.stale_releases += 1
+                    log.info("%s released lock %r with ticket %d, which did not hold it "
+                             "(lease expired?)", conn.peer, self.names[slot], ticket)
+                self._deliver(grants)
+                return
             if not ok:
                 raise LockRefused(ErrorCode.STALE_FENCE,
                                   f"ticket {ticket} does not hold lock {self.names[slot]!r} "
@@ -309,7 +317,3 @@ class LockService:
             self.stale_fences += 1
         return ok
 
-
-def alloc_lock_segment(alloc: Callable[[int], tuple[Any, memoryview]], slots: int
-                       ) -> tuple[Any, memoryview]:
-    return alloc(slots * SLOT)

@@ -24,7 +24,7 @@ def rdma_unavailable_reason() -> str | None:
 
 
 async def open_transport(address: tuple[str, int], kind: str = "auto", *,
-                         timeout: float = 10.0) -> Transport:
+                         timeout: float = 10.0, token: bytes | None = None) -> Transport:
     """Connect to one server with the transport ``kind``.
 
     ``auto`` picks RDMA where both ends can, else TCP, and says why once at
@@ -36,7 +36,7 @@ async def open_transport(address: tuple[str, int], kind: str = "auto", *,
         reason = rdma_unavailable_reason()
         raise TransportError(f"transport='rdma' for {label} is not possible: {reason}",
                              server=label)
-    transport = await TcpTransport.connect(address, timeout=timeout)
+    transport = await TcpTransport.connect(address, timeout=timeout, token=token)
     if kind == "auto":
         reason = rdma_unavailable_reason()
         key = (label, reason or "")

@@ -15,12 +15,13 @@ import socket
 from collections.abc import Sequence
 from typing import Any, cast
 
-from .. import _core
+from .. import _core, auth
 from ..errors import ProtocolError, TransportError, server_error
 from ..protocol import (
     CLOSED,
     DTYPE_SHIFT,
     FLAG_FENCED,
+    FLAG_NOREPLY,
     FLAG_REPLY,
     INLINE,
     MAX_ACCUMULATE,
@@ -39,6 +40,10 @@ _MASK64 = (1 << 64) - 1
 
 # what a reply carries
 _EMPTY, _INTO, _U64, _MSG = 0, 1, 2, 3
+# the largest replies the client accepts: an error's message, a control
+# reply (``stat`` of a server with thousands of buffers and locks)
+_MAX_ERROR_REPLY = 64 << 10
+_MAX_CONTROL_REPLY = 16 << 20
 
 
 class _Pending:
@@ -117,8 +122,23 @@ class _ClientProtocol(FrameReceiver):
         p = self.pending.get(hdr[5])
         if p is None:
             if hdr[5] == 0 and hdr[4]:
+                if size > _MAX_ERROR_REPLY:
+                    self.close_with(f"close reason of {size} bytes")
+                    return CLOSED
                 return INLINE     # the server's reason for closing us
             self.close_with(f"reply to unknown request {hdr[5]}")
+            return CLOSED
+        # Never trust an announced length: an inline payload is allocated
+        # before it arrives, and a broken or hostile server must not make the
+        # client allocate what it names.
+        if hdr[4] or p.kind == _MSG:
+            limit = _MAX_ERROR_REPLY if hdr[4] else _MAX_CONTROL_REPLY
+            if size > limit:
+                self.close_with(f"reply of {size} bytes to a request that expects at most {limit}")
+                return CLOSED
+        elif p.kind in (_U64, _EMPTY) and size != (8 if p.kind == _U64 else 0):
+            self.close_with(f"reply of {size} bytes to a request that expects "
+                            f"{8 if p.kind == _U64 else 0}")
             return CLOSED
         if hdr[4] == 0 and p.kind == _INTO:
             if size != p.length:
@@ -179,8 +199,10 @@ class TcpTransport(Transport):
         self._cork: list[bytes] = []
 
     @classmethod
-    async def connect(cls, address: tuple[str, int], *, timeout: float = 10.0) -> TcpTransport:
-        """Open the connection and say hello; raises TransportError."""
+    async def connect(cls, address: tuple[str, int], *, timeout: float = 10.0,
+                      token: bytes | None = None) -> TcpTransport:
+        """Open the connection, say hello and authenticate if the server asks;
+        raises TransportError (or AccessDenied)."""
         loop = asyncio.get_running_loop()
         label = f"{address[0]}:{address[1]}"
         try:
@@ -197,6 +219,8 @@ class TcpTransport(Transport):
         try:
             info = await asyncio.wait_for(
                 self.control({"cmd": "hello", "version": VERSION, "transports": ["tcp"]}), timeout)
+            info.update(await asyncio.wait_for(
+                auth.client_handshake(self.control, info, token, label), timeout))
         except BaseException:
             await self.close()
             raise
@@ -319,23 +343,23 @@ class TcpTransport(Transport):
 
     async def lock_release(self, segment: int, offset: int, ticket: int) -> None:
         """Release the lock held with ``ticket``; StaleFence if it was lost."""
-        await self.lock_release_nowait(segment, offset, ticket)
+        await self._call(Op.LOCK_RELEASE, 0, segment, offset, 8, _core.pack_u64(ticket & _MASK64),
+                         _EMPTY)
 
-    def lock_release_nowait(self, segment: int, offset: int, ticket: int) -> asyncio.Future[Any]:
-        """Send the release now; the future resolves with the server's
-        answer.  Whatever this connection sends next is ordered after it."""
+    def lock_release_nowait(self, segment: int, offset: int, ticket: int) -> None:
+        """Release without an answer (FLAG_NOREPLY).  The frame leaves with
+        this connection's next request, or at the end of this loop
+        iteration; whatever this connection sends next is ordered after it."""
         proto = self._proto
         if proto.transport is None:
             raise proto.lost or TransportError(f"connection to {self.label} is closed",
                                                errno=errno_mod.ENOTCONN, server=self.label)
-        rid = self._new_id()
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        proto.pending[rid] = _Pending(fut, _EMPTY, None, 0)
         if not self._cork:
             asyncio.get_running_loop().call_soon(self._uncork)
+        # request id 0: no reply will name it
         self._cork.append(_core.encode_header_with(
-            VERSION, Op.LOCK_RELEASE, 0, 0, rid, segment, offset, 8, _core.pack_u64(ticket & _MASK64)))
-        return fut
+            VERSION, Op.LOCK_RELEASE, FLAG_NOREPLY, 0, 0, segment, offset, 8,
+            _core.pack_u64(ticket & _MASK64)))
 
     def _uncork(self) -> None:
         t = self._proto.transport
