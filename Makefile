@@ -24,10 +24,20 @@ $(VENV)/.installed-runtime: $(BUILD_INPUTS) $(VENV)/.sysdeps | $(BIN)/python
 
 $(VENV)/.installed-test: $(BUILD_INPUTS) $(VENV)/.sysdeps | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
+	@# the torch adapter's test: an exact CPU build, never a range (that would
+	@# pull a multi-GB CUDA build); where it cannot be had the test skips
+	$(BIN)/python -m pip install -q torch==2.13.0 \
+	  || echo "make: torch==2.13.0 could not be installed: the smb2.torch test will skip"
+	touch $@ $(VENV)/.installed-runtime $(VENV)/.installed-demo
+
+$(VENV)/.installed-demo: $(BUILD_INPUTS) | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[demo]'
 	touch $@ $(VENV)/.installed-runtime
 
-demo: $(VENV)/.installed-runtime
+# first the quick bandwidth demo, then 4 workers training on smb2 (< 2 min)
+demo: $(VENV)/.installed-demo
 	$(BIN)/smb2 demo
+	$(BIN)/python examples/async_training.py
 
 # the host tests (tcp), then the same suite over rdma in a soft-RoCE VM
 test: test-host

@@ -19,6 +19,7 @@ from .errors import (
     InvalidArgumentError,
     LockTimeout,
     NoSuchBuffer,
+    NotifyTimeout,
     OutOfBounds,
     OutOfMemory,
     PersistenceError,
@@ -39,7 +40,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "Client", "ErrorCode",
     "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockTimeout",
-    "NoSuchBuffer", "OutOfBounds", "OutOfMemory", "PersistenceError", "ProtocolError", "Server", "ServerError",
+    "NoSuchBuffer", "NotifyTimeout", "OutOfBounds", "OutOfMemory", "PersistenceError", "ProtocolError",
+    "Server", "ServerError",
     "Smb2Error", "StaleFence", "TransportError", "Unsupported", "VersionMismatch", "connect",
     "start_server",
 ]

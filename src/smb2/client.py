@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import _core, auth, persist
+from . import notify as _notify
 from .errors import (
     BufferConflict,
     InterfaceError,
@@ -337,7 +338,8 @@ class Buffer:
     All offsets are byte offsets into the buffer.  Operations spanning
     several servers run on all of them concurrently."""
 
-    __slots__ = ("client", "name", "nbytes", "stripe", "nservers", "first", "segments")
+    __slots__ = ("client", "name", "nbytes", "stripe", "nservers", "first", "segments",
+                 "notify_area")
 
     def __init__(self, client: Client, name: str, infos: Sequence[dict[str, Any]]) -> None:
         geometry = {(i["nbytes"], i["stripe"], i["nservers"]) for i in infos}
@@ -360,6 +362,9 @@ class Buffer:
         self.nservers: int = nservers
         self.first: int = _core.name_hash(name) % nservers
         self.segments: list[int] = [int(i["segment"]) for i in infos]
+        #: (offset, slots) of the notification area, None until designated
+        #: (see smb2.notify: every client of the buffer designates the same)
+        self.notify_area: tuple[int, int] | None = None
 
     def __repr__(self) -> str:
         return (f"<smb2.Buffer {self.name!r} {self.nbytes} bytes, stripe {self.stripe}, "
@@ -429,7 +434,8 @@ class Buffer:
         return self.client._links[server], self.segments[server], seg_off
 
     # -- data operations ------------------------------------------------------
-    async def write(self, offset: int, data: Any, *, fence: Lock | Fence | None = None) -> None:
+    async def write(self, offset: int, data: Any, *, fence: Lock | Fence | None = None,
+                    notify: tuple[int, int] | None = None) -> None:
         """Store ``data`` (bytes-like or a C-contiguous numpy array) at ``offset``.
 
         With ``fence`` (a held :class:`Lock`, or a :class:`Fence`), each
@@ -437,10 +443,17 @@ class Buffer:
         longer fences the lock: on the lock's own server, unless it holds
         the lock now; elsewhere, if a newer holder has written there.
 
+        ``notify=(slot, value)`` raises that notification slot to ``value``
+        once the data is in place on every server (see :mod:`smb2.notify`).
+
         Do not modify ``data`` until this returns (it is sent without a copy)."""
         view = _bytes_view(data, writable=False, what="data")
         offset = self._range(offset, len(view), "a write")
+        slot = _notify.check_notify(self, notify) if notify is not None else None
         await self._run("write", view, offset, fence=None if fence is None else fence_of(fence))
+        if slot is not None:
+            # only now: every server acknowledged its part, so the data is visible
+            await _notify.raise_to(self, *slot)
 
     async def read(self, offset: int, nbytes: int) -> np.ndarray:
         """Return ``nbytes`` from ``offset`` as a new uint8 numpy array."""
@@ -455,10 +468,11 @@ class Buffer:
         offset = self._range(offset, len(view), "a read")
         await self._run("read", view, offset)
 
-    async def accumulate(self, offset: int, delta: np.ndarray) -> None:
+    async def accumulate(self, offset: int, delta: np.ndarray, *,
+                         notify: tuple[int, int] | None = None) -> None:
         """Server-side ``buffer[offset:...] += delta`` elementwise, as delta's
         dtype (float32, float64, int32, int64).  Atomic per server request with
-        respect to other accumulates and writes."""
+        respect to other accumulates and writes.  ``notify`` as for :meth:`write`."""
         if not isinstance(delta, np.ndarray):
             raise InvalidArgumentError(f"delta must be a numpy array, not {type(delta).__name__}")
         code = DTYPE_CODES.get(delta.dtype.name)
@@ -472,7 +486,10 @@ class Buffer:
                 f"accumulate of {delta.dtype} needs an offset aligned to {delta.itemsize} bytes, not {offset}")
         if self.stripe % delta.itemsize:
             raise InvalidArgumentError(f"stripe {self.stripe} is not a multiple of {delta.itemsize}")
+        slot = _notify.check_notify(self, notify) if notify is not None else None
         await self._run("accumulate", view, offset, code)
+        if slot is not None:
+            await _notify.raise_to(self, *slot)    # after every server applied its part
 
     async def fetch_add(self, offset: int, value: int = 1) -> int:
         """Atomically add ``value`` to the int64 word at ``offset`` (8-byte
@@ -494,6 +511,42 @@ class Buffer:
         if t is None or t.closed:
             t = await link.get()
         return _to_signed(await t.compare_swap(seg, seg_off, expected, new))
+
+
+    # -- notifications (GPI-2 style; the logic lives in smb2.notify) ----------
+    def set_notify_area(self, offset: int, slots: int) -> Buffer:
+        """Designate ``slots`` int64 notification words at the 8-byte aligned
+        ``offset`` of this buffer (slot ``i`` at ``offset + 8*i``).  Every
+        client of the buffer must designate the same area; returns self."""
+        self.notify_area = _notify.check_area(self, offset, slots)
+        return self
+
+    async def notify(self, slot: int, value: int) -> int:
+        """Raise ``slot`` to ``max(slot, value)`` now; return its old value.
+        Everything this task awaited before is visible to whoever sees it."""
+        off = _notify.slot_offset(self, slot)
+        return await _notify.raise_to(self, off, _check_i64("value", value))
+
+    async def notify_add(self, slot: int, value: int = 1) -> int:
+        """Add ``value`` to ``slot`` (a counter); return its old value."""
+        return await self.fetch_add(_notify.slot_offset(self, slot), value)
+
+    async def read_notify(self, slot: int | None = None) -> Any:
+        """The value of ``slot``, or with no slot all slots as an int64 array
+        (one read)."""
+        if slot is None:
+            return await _notify.read_slots(self)
+        return await self.fetch_add(_notify.slot_offset(self, slot), 0)
+
+    async def wait_notify(self, slot: int, at_least: int = 1, *, timeout: float | None = None) -> int:
+        """Wait until ``slot >= at_least`` and return its value; polls with
+        exponential backoff (50 µs up to 5 ms).  Raises
+        :class:`~smb2.NotifyTimeout` after ``timeout`` seconds."""
+        off = _notify.slot_offset(self, slot)
+        at_least = _check_i64("at_least", at_least)
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise InvalidArgumentError(f"timeout must be a non-negative number of seconds, not {timeout!r}")
+        return await _notify.wait_word(self, off, at_least, timeout)
 
 
 async def _gather(coros: list[Any]) -> None:

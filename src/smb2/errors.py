@@ -58,6 +58,10 @@ class LockTimeout(Smb2Error, TimeoutError):
     """A lock could not be acquired within the timeout."""
 
 
+class NotifyTimeout(Smb2Error, TimeoutError):
+    """A notification slot did not reach the awaited value within the timeout."""
+
+
 class ErrorCode(enum.IntEnum):
     """Status codes in a reply header; 0 means success."""
 

@@ -1,0 +1,132 @@
+"""PyTorch adapter: a ``torch.nn.Module`` trained through a smb2 parameter store.
+
+    import smb2, smb2.torch
+    model = torch.nn.Sequential(...)
+    async with await smb2.connect() as client:             # SMB2_SERVERS=h:p,...
+        dm = await smb2.torch.DistributedModule.open(client, "mlp", model, rule="accumulate", lr=0.05)
+        for x, y in batches:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            await dm.step()          # push the gradients, zero them, pull fresh weights
+
+The module's parameters are bound to the store's local mirror without
+copies (``param.data`` becomes a tensor over the mirror's memory), so a pull
+updates the module in place, and ``param.grad`` is pushed as a numpy view.
+Workers started by ``torchrun`` read ``RANK`` and ``WORLD_SIZE``; rank 0
+creates the store, the others attach to it by name.  CPU tensors, float32
+or float64.
+
+torch is imported lazily (``pip install 'smb2[torch]'``): importing this
+module without torch works; using it raises :class:`~smb2.InterfaceError`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .client import Client
+from .errors import InterfaceError, InvalidArgumentError
+from .train.dropping import LayerDropping
+from .train.rules import UpdateRule
+from .train.store import ParameterStore
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise InterfaceError("smb2.torch needs PyTorch", hint="pip install 'smb2[torch]'") from None
+    return torch
+
+
+def env_rank() -> tuple[int, int]:
+    """(rank, world size) from torchrun's ``RANK``/``WORLD_SIZE`` (default 0, 1)."""
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise InvalidArgumentError(f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE="
+                                   f"{os.environ.get('WORLD_SIZE')!r} are not integers") from None
+    return rank, world
+
+
+def module_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The module's parameters as numpy arrays (copies), by their names."""
+    out = {}
+    for name, p in module.named_parameters():
+        if p.device.type != "cpu":
+            raise InvalidArgumentError(f"parameter {name!r} is on {p.device}; smb2.torch binds CPU tensors")
+        out[name] = p.detach().numpy().copy()
+    return out
+
+
+class DistributedModule:
+    """A module whose parameters live in a :class:`ParameterStore`."""
+
+    def __init__(self, store: ParameterStore, module: torch.nn.Module) -> None:
+        self.store = store
+        self.module = module
+        torch = _torch()
+        names = [n for n, _ in module.named_parameters()]
+        if names != list(store.params):
+            raise InvalidArgumentError(f"the module's parameters {names} are not the store's {list(store.params)}")
+        self._params = list(module.named_parameters())
+        for name, p in self._params:
+            view = store.params[name]
+            if tuple(p.shape) != view.shape:
+                raise InvalidArgumentError(f"parameter {name!r} has shape {tuple(p.shape)}, "
+                                           f"the store has {view.shape}")
+            # no copy: the parameter's storage IS the mirror from now on
+            p.data = torch.from_numpy(view)
+
+    @classmethod
+    async def open(cls, client: Client, name: str, module: torch.nn.Module, *,
+                   rule: str | UpdateRule = "accumulate", rank: int | None = None,
+                   world_size: int | None = None, dropping: LayerDropping | None = None,
+                   timeout: float = 120.0, **rule_options: Any) -> DistributedModule:
+        """Rank 0 creates the store ``name`` from the module's current
+        parameters; the other ranks attach to it by name (waiting up to
+        ``timeout``) and take its values.  ``rank``/``world_size`` default to
+        torchrun's ``RANK``/``WORLD_SIZE``."""
+        _torch()
+        env_r, env_w = env_rank()
+        rank = env_r if rank is None else rank
+        world_size = env_w if world_size is None else world_size
+        if rank == 0:
+            store = await ParameterStore.open(client, name, module_arrays(module), rule=rule, workers=world_size,
+                                              rank=0, dropping=dropping, timeout=timeout, **rule_options)
+        else:
+            store = await ParameterStore.attach(client, name, rank=rank, rule=rule, dropping=dropping,
+                                                timeout=timeout, **rule_options)
+            if store.workers != world_size:
+                raise InvalidArgumentError(f"store {name!r} was made for {store.workers} workers, "
+                                           f"this job has WORLD_SIZE={world_size}")
+        return cls(store, module)
+
+    async def pull(self) -> None:
+        """Fresh parameters from the store, in place."""
+        await self.store.pull()
+
+    def grads(self) -> dict[str, np.ndarray]:
+        """The parameters' gradients as numpy views (parameters without a
+        gradient are left out)."""
+        return {name: p.grad.numpy() for name, p in self._params if p.grad is not None}
+
+    async def push(self) -> None:
+        """Apply the current gradients with the store's update rule."""
+        await self.store.push(self.grads())
+
+    async def step(self) -> None:
+        """After ``loss.backward()``: push, zero the gradients, and pull the
+        parameters if the rule trains on the shared ones."""
+        await self.push()
+        for _, p in self._params:
+            p.grad = None
+        if self.store.rule.pull_each_step:
+            await self.store.pull()

@@ -1,0 +1,258 @@
+"""Update rules: how a worker's step reaches the shared parameters.
+
+* ``"accumulate"`` (SMB1): the servers add ``-lr * g`` in place; no lock, so
+  concurrent workers' updates all land (each server request is atomic with
+  respect to the others), at the price of reading slightly stale weights.
+* ``"locked"`` (TFSM on SMB2): under the buffer's lock, read the weights, apply
+  ``w -= lr * g``, write them back; ``per_layer=True`` takes one lock per
+  tensor so updates of different layers proceed in parallel.
+* ``"easgd"`` (ShmCaffe's elastic averaging SGD): each worker trains its own
+  copy with local SGD and every ``tau`` steps exchanges an elastic difference
+  ``d = alpha * (w_local - w_center)`` with the shared center: ``w_local -= d``
+  locally and ``w_center += d`` by a server-side accumulate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import InterfaceError, InvalidArgumentError
+from ..lock import Lock
+
+if TYPE_CHECKING:
+    from .store import ParameterStore
+
+
+def _positive(what: str, v: Any, *, upper: float | None = None) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or (upper is not None and v > upper):
+        rng = f"in (0, {upper}]" if upper is not None else "> 0"
+        raise InvalidArgumentError(f"{what} must be a number {rng}, not {v!r}")
+    return float(v)
+
+
+class UpdateRule:
+    """Base of the rules; ``bind`` attaches a rule to one store."""
+
+    name = "?"
+    #: gradients go to the shared buffer each push (layer dropping applies)
+    gradient_rule = True
+
+    def __init__(self, lr: float = 0.01) -> None:
+        self.lr = _positive("lr", lr)
+        self._store: ParameterStore | None = None
+
+    @property
+    def store(self) -> ParameterStore:
+        if self._store is None:
+            raise InterfaceError(f"rule {self.name!r} is not bound to a store")
+        return self._store
+
+    def bind(self, store: ParameterStore) -> None:
+        if self._store is not None and self._store is not store:
+            raise InterfaceError(f"rule {self.name!r} is already bound to another store")
+        self._store = store
+        # -lr * g of every tensor, laid out like the data region (padding
+        # stays zero): allocated once, since a step of a big model would
+        # otherwise pay for a fresh model-sized temporary (and its page faults)
+        self._stage = np.zeros_like(store.flat())
+
+    def _delta(self, name: str, g: np.ndarray) -> np.ndarray:
+        """``-lr * g`` in the stage (a view shaped like the tensor)."""
+        st = self.store
+        o = st.flat_offset(name)
+        out = self._stage[o:o + g.size]
+        np.multiply(g.reshape(-1), -self.lr, out=out, casting="unsafe")
+        return out.reshape(g.shape)
+
+    def settings(self) -> dict[str, Any]:
+        return {"name": self.name, "lr": self.lr}
+
+    @property
+    def pull_each_step(self) -> bool:
+        """Should the worker pull fresh parameters before each step?"""
+        return True
+
+    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
+        raise NotImplementedError
+
+    def _selected(self, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        st = self.store
+        return st.dropping.select(grads) if st.dropping is not None else dict(grads)
+
+
+class Accumulate(UpdateRule):
+    """Server-side accumulate of ``-lr * g``, no lock."""
+
+    name = "accumulate"
+
+    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
+        st = self.store
+        sent = self._selected(grads)
+        if not sent:
+            return
+        deltas = {name: self._delta(name, g) for name, g in sent.items()}
+        if len(sent) == len(st.params):
+            # the whole model: one accumulate, which the client splits over all servers
+            await st.buf.accumulate(st.data_off, self._stage)
+            nbytes = self._stage.nbytes
+            st.flat()[...] += self._stage       # our own step, seen at once
+        else:
+            await asyncio.gather(*(st.buf.accumulate(st.ranges[name][0], d.reshape(-1))
+                                   for name, d in deltas.items()))
+            nbytes = sum(d.nbytes for d in deltas.values())
+            for name, d in deltas.items():
+                st.params[name] += d
+        st.stats["bytes_pushed"] += nbytes
+        await st.bump_version()
+
+
+class Locked(UpdateRule):
+    """TFSM on SMB2: read-modify-write of the weights under the lock.
+
+    With ``per_layer=False`` one lock (the buffer's own) covers the whole
+    model, so every update is applied to the latest weights and none is
+    lost.  ``per_layer=True`` takes one lock per tensor (named
+    ``"<buffer>/<tensor>"``): updates of different layers by different workers
+    then proceed in parallel.  Write-backs are fenced: a worker that stalled
+    past its lease gets :class:`~smb2.StaleFence` instead of overwriting a
+    newer update."""
+
+    name = "locked"
+
+    def __init__(self, lr: float = 0.01, per_layer: bool = False, lease: float | None = None,
+                 timeout: float | None = 60.0) -> None:
+        super().__init__(lr)
+        if not isinstance(per_layer, bool):
+            raise InvalidArgumentError(f"per_layer must be a bool, not {per_layer!r}")
+        self.per_layer = per_layer
+        self.lease = lease
+        self.timeout = timeout
+        self._locks: dict[str, Lock] = {}
+        self._lock: Lock | None = None
+
+    def settings(self) -> dict[str, Any]:
+        return {"name": self.name, "lr": self.lr, "per_layer": self.per_layer}
+
+    @property
+    def pull_each_step(self) -> bool:
+        # A push reads the latest weights under the lock and leaves them,
+        # updated, in the mirror: a pull before the next step would read them
+        # again.  Only tensors that layer dropping kept home go stale.
+        return self._store is not None and self._store.dropping is not None
+
+    def bind(self, store: ParameterStore) -> None:
+        super().bind(store)
+        opts = {} if self.lease is None else {"lease": self.lease}
+        if self.per_layer:
+            self._locks = {name: store.client.lock(f"{store.buf.name}/{name}", **opts) for name in store.params}
+        else:
+            self._lock = store.buf.lock(**opts)
+
+    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
+        st = self.store
+        sent = self._selected(grads)
+        if not sent:
+            return
+        if self.per_layer:
+            await asyncio.gather(*(self._update({name: g}, self._locks[name]) for name, g in sent.items()))
+        else:
+            assert self._lock is not None
+            await self._update(sent, self._lock)
+        st.stats["bytes_pushed"] += sum(st.ranges[name][1] for name in sent)
+        st.stats["bytes_pulled"] += sum(st.ranges[name][1] for name in sent)
+        await st.bump_version()
+
+    async def _update(self, grads: Mapping[str, np.ndarray], lock: Lock) -> None:
+        st = self.store
+        await lock.acquire(timeout=self.timeout)
+        try:
+            # read the latest values of exactly these tensors into the mirror ...
+            await asyncio.gather(*(st.buf.read_into(st.params[name], st.ranges[name][0]) for name in grads))
+            for name, g in grads.items():
+                st.params[name] += self._delta(name, g)
+            # ... and write them back before anyone else may read them
+            await asyncio.gather(*(st.buf.write(st.ranges[name][0], st.params[name], fence=lock)
+                                   for name in grads))
+        finally:
+            await lock.release()
+
+
+class EASGD(UpdateRule):
+    """Elastic averaging SGD against a shared center (ShmCaffe)."""
+
+    name = "easgd"
+    gradient_rule = False
+
+    @property
+    def pull_each_step(self) -> bool:
+        return False        # each worker trains its own copy; the center is not its weights
+
+    def __init__(self, lr: float = 0.01, alpha: float | None = None, tau: int = 4) -> None:
+        super().__init__(lr)
+        self.alpha = None if alpha is None else _positive("alpha", alpha, upper=1.0)
+        if not isinstance(tau, int) or isinstance(tau, bool) or tau < 1:
+            raise InvalidArgumentError(f"tau must be a positive int, not {tau!r}")
+        self.tau = tau
+        self.steps = 0
+
+    def bind(self, store: ParameterStore) -> None:
+        super().bind(store)
+        if self.alpha is None:
+            # EASGD's stability condition: alpha = beta / p with beta = 0.9
+            self.alpha = min(1.0, 0.9 / store.workers)
+        self._center = np.zeros_like(store.flat())
+        self._diff = np.zeros_like(store.flat())
+
+    def settings(self) -> dict[str, Any]:
+        return {"name": self.name, "lr": self.lr, "alpha": self.alpha, "tau": self.tau}
+
+    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
+        st = self.store
+        for name, g in grads.items():
+            st.params[name] += self._delta(name, g)        # local SGD on our own copy
+        self.steps += 1
+        if self.steps % self.tau == 0:
+            await self.exchange()
+
+    async def exchange(self) -> None:
+        """One elastic exchange with the center."""
+        st = self.store
+        assert self.alpha is not None
+        await st.buf.read_into(self._center, st.data_off)
+        local = st.flat()
+        np.subtract(local, self._center, out=self._diff)
+        self._diff *= self.alpha
+        local -= self._diff
+        await st.buf.accumulate(st.data_off, self._diff)
+        st.stats["bytes_pulled"] += self._center.nbytes
+        st.stats["bytes_pushed"] += self._diff.nbytes
+        await st.bump_version()
+
+    async def center(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The shared center's values (flat), e.g. to evaluate the model."""
+        st = self.store
+        out = np.empty_like(st.flat()) if out is None else out
+        await st.buf.read_into(out, st.data_off)
+        return out
+
+
+RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "locked": Locked, "easgd": EASGD}
+
+
+def make_rule(rule: str | UpdateRule, **options: Any) -> UpdateRule:
+    """A rule instance from its name and options (or a rule given as is)."""
+    if isinstance(rule, UpdateRule):
+        if options:
+            raise InvalidArgumentError(f"options {sorted(options)} given with a ready-made rule")
+        return rule
+    cls = RULES.get(rule) if isinstance(rule, str) else None
+    if cls is None:
+        raise InvalidArgumentError(f"unknown update rule {rule!r}: one of {', '.join(RULES)}")
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"bad options for rule {rule!r}: {exc}") from None
