@@ -181,10 +181,12 @@ class Lock:
     async def release(self, *, wait: bool = False) -> None:
         """Release the lock.
 
-        The release is sent at once and this returns without waiting for
-        the server's answer: anything this client sends the lock's server
-        afterwards is ordered behind it, so nothing can observe the
-        difference except a holder whose lease had already run out.  With
+        On the parked (TCP) path the release is sent at once and this
+        returns without waiting for the server's answer: anything this
+        client sends the lock's server afterwards is ordered behind it, so
+        nothing can observe the difference except a holder whose lease had
+        already run out.  On the polling (RDMA) path it returns once the
+        releasing atomic has completed.  With
         ``wait=True`` the answer is awaited and such a holder gets
         :class:`StaleFence` (what it did under the lock was not protected);
         otherwise the server only counts it (``stale_releases`` in its
@@ -209,13 +211,20 @@ class Lock:
             else:
                 tr.lock_release_nowait(seg, off, ticket)  # type: ignore[attr-defined]
             return
+        # The polling path's release is an atomic that may travel on another
+        # channel than this client's next request (RDMA: the QP, while fenced
+        # writes go through the server's CPU), so nothing orders the two:
+        # wait for the atomic, or a write fenced with the released token could
+        # reach the server first and pass.  Shielded: a cancelled caller must
+        # not leave the lock held.
         done = asyncio.ensure_future(self._release_cas(tr, seg, off, ticket))
         _background.add(done)
         done.add_done_callback(_background.discard)
-        if wait:
-            await done
-        else:
+        if not wait:
             done.add_done_callback(self._released)
+            await asyncio.wait([done])
+            return
+        await asyncio.shield(done)
 
     async def _release_cas(self, tr: Transport, seg: int, off: int, ticket: int) -> None:
         old = await tr.compare_swap(seg, off + _core.LOCK_SERVING, ticket, ticket + 1)

@@ -111,6 +111,10 @@ class RdmaServer:
         self.peers: set[Peer] = set()
         #: access every new segment gets (tests lower it to see the error)
         self.segment_access: int = _verbs.ACCESS_REMOTE_ALL
+        # the lock segment: clients READ and use atomics on it, never WRITE
+        # (a one-sided WRITE could not be refused by this CPU: the NIC must)
+        self.lock_access: int = (_verbs.ACCESS_LOCAL_WRITE | _verbs.ACCESS_REMOTE_READ
+                                 | _verbs.ACCESS_REMOTE_ATOMIC)
 
     @classmethod
     def open(cls, device: str | None, gid_index: int | None) -> tuple[RdmaServer | None, str | None]:
@@ -126,10 +130,11 @@ class RdmaServer:
     def describe(self) -> dict[str, Any]:
         return self.device.describe()
 
-    def register(self, seg_id: int, view: memoryview) -> None:
+    def register(self, seg_id: int, view: memoryview, access: int | None = None) -> None:
         assert _verbs is not None
         try:
-            self.mrs[seg_id] = _verbs.MR(self.device.pd, view, self.segment_access)
+            self.mrs[seg_id] = _verbs.MR(self.device.pd, view,
+                                         self.segment_access if access is None else access)
         except OSError as exc:
             raise RefusedError(ErrorCode.OUT_OF_MEMORY,
                                f"cannot register {len(view)} bytes for RDMA: {exc} (registered "

@@ -202,7 +202,8 @@ class MemoryServer:
             # buffers) are registered now; create() registers later ones
             for seg in self.segments.values():
                 if seg.id not in self.rdma.mrs:
-                    self.rdma.register(seg.id, seg.view)
+                    access = self.rdma.lock_access if seg.id == LOCK_SEGMENT else None
+                    self.rdma.register(seg.id, seg.view, access)
         try:
             self._server = await loop.create_server(
                 lambda: _Connection(self), host, port, reuse_address=True)

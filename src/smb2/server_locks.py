@@ -304,6 +304,10 @@ class LockService:
     def check_fence(self, key: int, token: int) -> bool:
         slot = self.by_key.get(key)
         if slot is not None:
+            # An RDMA holder releases one-sidedly, and the sweep sees that
+            # only a few ms later: read the words now, so a write fenced with
+            # a just-released token cannot slip through that gap.
+            self.touched(slot * SLOT)
             ok = bool(self.table.check_fence(slot, token))
         else:
             seen = self.fences.get(key)

@@ -426,6 +426,12 @@ class RdmaTransport(Transport):
         return exc
 
     # -- the interface -----------------------------------------------------------
+    async def write_fenced(self, src: Sequence[memoryview], segment: int, offset: int,
+                           length: int, lock_key: int, token: int) -> None:
+        # A one-sided WRITE cannot be refused by anyone: the fence can only be
+        # checked by the server's CPU, so fenced writes take the TCP path.
+        await self._tcp.write_fenced(src, segment, offset, length, lock_key, token)
+
     async def control(self, msg: dict[str, Any]) -> dict[str, Any]:
         reply = await self._tcp.control(msg)
         cmd = msg.get("cmd")
