@@ -41,7 +41,7 @@ from typing import Any
 import uvloop
 
 import smb2
-from smb2.bench import _READY, _machine, _now, _pct, _RawClient
+from smb2.bench import _READY, _machine, _now, _pct, _RawClient, latencies
 
 TARGET_UNCONTENDED = 3.0      # park p50 <= 3x raw round trip p50
 TARGET_THROUGHPUT = 2.0       # with 4 processes, >= 2x the spin lock
@@ -53,16 +53,6 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-async def _lat(fn: Callable[[], Awaitable[Any]], n: int) -> list[float]:
-    out = []
-    clock = time.perf_counter_ns
-    for _ in range(n):
-        t0 = clock()
-        await fn()
-        out.append((clock() - t0) / 1000)
-    return out
 
 
 class _Ops:
@@ -234,9 +224,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         peer, raw = await _start_raw_peer()
         pool = _Pool()
         try:
-            await _lat(raw.ping, 2000)          # warm up every path
+            await latencies(raw.ping, 2000)          # warm up every path
             for kind in ("read64", "park", "poll", "spin"):
-                await _lat(ops.op(kind), 500)
+                await latencies(ops.op(kind), 500)
 
             # -- uncontended ------------------------------------------------
             kinds = ["raw", "read64", "park", "poll", "spin"]
@@ -247,7 +237,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
                 med = {}
                 for k in order:
-                    lat = await _lat(fns[k], args.n)
+                    lat = await latencies(fns[k], args.n)
                     samples[k].extend(lat)
                     med[k] = statistics.median(lat)
                 rounds.append(med)
@@ -267,7 +257,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 for rep in range(args.reps):
                     order = ckinds[rep % 3:] + ckinds[:rep % 3]
                     for kind in order:
-                        rtt = statistics.median(await _lat(raw.ping, 300))
+                        rtt = statistics.median(await latencies(raw.ping, 300))
                         before = _server_data_ops(await client.stat())
                         counts = await pool.run(kind, cs, nprocs, args.duration)
                         after = _server_data_ops(await client.stat())

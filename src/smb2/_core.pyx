@@ -266,45 +266,24 @@ def dtype_itemsize(int code):
     return n
 
 
-cdef void _acc_f32(char *d, const char *s, Py_ssize_t n) noexcept nogil:
-    cdef float a, b
-    cdef Py_ssize_t i
+# One kernel for every dtype.  Integers are added as unsigned so that they
+# wrap around like numpy's instead of overflowing (undefined in C); memcpy
+# keeps unaligned payload views defined, and compiles to plain loads.
+ctypedef fused _elem:
+    float
+    double
+    uint32_t
+    uint64_t
+
+
+cdef void _acc(_elem kind, char *d, const char *s, Py_ssize_t n) noexcept nogil:
+    cdef _elem a, b
+    cdef Py_ssize_t i, k = sizeof(_elem)
     for i in range(n):
-        memcpy(&a, d + 4 * i, 4)
-        memcpy(&b, s + 4 * i, 4)
+        memcpy(&a, d + k * i, k)
+        memcpy(&b, s + k * i, k)
         a = a + b
-        memcpy(d + 4 * i, &a, 4)
-
-
-cdef void _acc_f64(char *d, const char *s, Py_ssize_t n) noexcept nogil:
-    cdef double a, b
-    cdef Py_ssize_t i
-    for i in range(n):
-        memcpy(&a, d + 8 * i, 8)
-        memcpy(&b, s + 8 * i, 8)
-        a = a + b
-        memcpy(d + 8 * i, &a, 8)
-
-
-cdef void _acc_i32(char *d, const char *s, Py_ssize_t n) noexcept nogil:
-    # unsigned arithmetic: wraps around like numpy's int32 instead of UB
-    cdef uint32_t a, b
-    cdef Py_ssize_t i
-    for i in range(n):
-        memcpy(&a, d + 4 * i, 4)
-        memcpy(&b, s + 4 * i, 4)
-        a = a + b
-        memcpy(d + 4 * i, &a, 4)
-
-
-cdef void _acc_i64(char *d, const char *s, Py_ssize_t n) noexcept nogil:
-    cdef uint64_t a, b
-    cdef Py_ssize_t i
-    for i in range(n):
-        memcpy(&a, d + 8 * i, 8)
-        memcpy(&b, s + 8 * i, 8)
-        a = a + b
-        memcpy(d + 8 * i, &a, 8)
+        memcpy(d + k * i, &a, k)
 
 
 def accumulate(uint8_t[::1] dst, const uint8_t[::1] src, int code):
@@ -329,13 +308,13 @@ def accumulate(uint8_t[::1] dst, const uint8_t[::1] src, int code):
     cdef Py_ssize_t n = nb // size
     with nogil:
         if code == 1:
-            _acc_f32(d, s, n)
+            _acc(<float>0, d, s, n)
         elif code == 2:
-            _acc_f64(d, s, n)
+            _acc(<double>0, d, s, n)
         elif code == 3:
-            _acc_i32(d, s, n)
+            _acc(<uint32_t>0, d, s, n)
         else:
-            _acc_i64(d, s, n)
+            _acc(<uint64_t>0, d, s, n)
 
 
 def copy_into(uint8_t[::1] dst, const uint8_t[::1] src):

@@ -332,7 +332,7 @@ async def _timed(fn: Callable[[], Awaitable[None]], k: int) -> float:
     return time.perf_counter() - t0
 
 
-async def _latencies(fn: Callable[[], Awaitable[None]], n: int) -> list[float]:
+async def latencies(fn: Callable[[], Awaitable[None]], n: int) -> list[float]:
     """``n`` sequential calls; each one's time in microseconds."""
     out = []
     clock = time.perf_counter_ns
@@ -390,7 +390,7 @@ class _Bench:
 
     async def rtt_burst(self, n: int) -> list[float]:
         assert self.raw is not None
-        return await _latencies(self.raw.ping, n)
+        return await latencies(self.raw.ping, n)
 
     # the run -------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
@@ -537,7 +537,7 @@ class _Bench:
             ("smb2_read_64", lambda: buf.read_into(tiny, 0)),
         ]
         for _, fn in runs:
-            await _latencies(fn, 50)
+            await latencies(fn, 50)
         lat: dict[str, list[float]] = {key: [] for key, _ in runs}
         blocks: list[dict[str, Any]] = []
         per = args.latency_block
@@ -545,7 +545,7 @@ class _Bench:
             block: dict[str, Any] = {"block": b, "t": time.time()}
             cpu0 = self.cpu.read()
             for key, fn in (runs if b % 2 == 0 else runs[::-1]):
-                xs = await _latencies(fn, per)
+                xs = await latencies(fn, per)
                 lat[key].extend(xs)
                 block[f"{key}_p50_us"] = statistics.median(xs)
             block["others_cpu"] = self.cpu.others(cpu0, self.cpu.read())
