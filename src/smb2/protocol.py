@@ -8,6 +8,7 @@ msgpack map.  docs/protocol.md is the written contract.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import enum
 import re
@@ -172,7 +173,7 @@ CLOSED: Final = _Closed()
 Destination = _Inline | _Discard | _Closed | Prefix | list[memoryview]
 
 
-class FrameReceiver(asyncio.BufferedProtocol):
+class FrameReceiver(asyncio.BufferedProtocol, abc.ABC):
     """Frames off a stream, with payloads received straight into place.
 
     Three modes.  *Inbox*: bytes land in a 256 KiB inbox and frames are parsed
@@ -212,26 +213,26 @@ class FrameReceiver(asyncio.BufferedProtocol):
         self._holds: set[str] = set()
 
     # -- to implement -----------------------------------------------------
+    @abc.abstractmethod
     def payload_size(self, hdr: tuple[int, ...]) -> int:
         """Bytes of payload that follow this header."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def on_header(self, hdr: tuple[int, ...], size: int) -> Destination:
         """Where this frame's payload goes: INLINE, DISCARD, CLOSED or a
         list of memoryviews whose lengths add up to ``size``."""
-        raise NotImplementedError
 
     def on_prefix(self, hdr: tuple[int, ...], prefix: memoryview, rest: int) -> Destination:
         """Where the payload after a requested ``Prefix`` goes (``rest``
         bytes): INLINE, DISCARD, CLOSED or a list of memoryviews.  Only
         subclasses whose ``on_header`` returns a Prefix implement it."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__}.on_header asked for a prefix but has no on_prefix")
 
+    @abc.abstractmethod
     def on_frame(self, hdr: tuple[int, ...], payload: memoryview | None) -> None:
         """The whole frame is in: ``payload`` for INLINE, else None (never
         called for DISCARD).  An inline payload may be a view of the inbox:
         use it before returning."""
-        raise NotImplementedError
 
     def close_with(self, reason: str) -> None:
         """Stop parsing; subclasses also close the transport."""

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,7 @@ def _positive(what: str, v: Any, *, upper: float | None = None) -> float:
     return float(v)
 
 
-class UpdateRule:
+class UpdateRule(abc.ABC):
     """Base of the rules; ``bind`` attaches a rule to one store."""
 
     name = "?"
@@ -76,8 +77,9 @@ class UpdateRule:
         """Should the worker pull fresh parameters before each step?"""
         return True
 
+    @abc.abstractmethod
     async def push(self, grads: Mapping[str, np.ndarray]) -> None:
-        raise NotImplementedError
+        """Apply one step of gradients to the shared parameters."""
 
     def _selected(self, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         st = self.store
