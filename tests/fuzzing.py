@@ -23,6 +23,7 @@ import msgpack
 from smb2 import _core
 from smb2.errors import ErrorCode
 from smb2.protocol import FLAG_REPLY, MAGIC, VERSION, Op
+from wire import control, frame, hello
 
 HEADER = 32
 # header layout (docs/protocol.md): field -> (offset, struct format)
@@ -32,20 +33,6 @@ FIELDS = {
     "length": (24, "<Q"),
 }
 COMMANDS = ["hello", "auth", "create", "lookup", "destroy", "list", "stat", "lock_open", "lock_abandon", "bogus"]
-
-
-def frame(op: int, payload: bytes = b"", *, rid: int = 1, segment: int = 0, offset: int = 0,
-          length: int | None = None, flags: int = 0) -> bytes:
-    n = len(payload) if length is None else length
-    return _core.encode_header(VERSION, op, flags, 0, rid, segment, offset, n) + payload
-
-
-def control(msg: object, rid: int = 1) -> bytes:
-    return frame(Op.CONTROL, msgpack.packb(msg, use_bin_type=True), rid=rid)
-
-
-def hello(rid: int = 1) -> bytes:
-    return control({"cmd": "hello", "version": VERSION, "transports": ["tcp"]}, rid)
 
 
 # -- values for control messages -------------------------------------------

@@ -14,6 +14,7 @@ import msgpack
 import pytest
 
 import smb2
+import wire
 from smb2 import _core, auth
 from smb2.errors import ErrorCode
 from smb2.protocol import FLAG_REPLY, VERSION, Op
@@ -21,29 +22,9 @@ from smb2.protocol import FLAG_REPLY, VERSION, Op
 TOKEN = b"correct horse battery staple"
 
 
-def _frame(op: int, payload: bytes = b"", *, rid: int = 1, segment: int = 0, offset: int = 0,
-           length: int | None = None) -> bytes:
-    n = len(payload) if length is None else length
-    return _core.encode_header(VERSION, op, 0, 0, rid, segment, offset, n) + payload
-
-
-def _control(msg: object, rid: int) -> bytes:
-    return _frame(Op.CONTROL, msgpack.packb(msg, use_bin_type=True), rid=rid)
-
-
 async def _reply(reader: asyncio.StreamReader) -> tuple[tuple[int, ...], dict]:
-    hdr = _core.decode_header(await asyncio.wait_for(reader.readexactly(32), 10))
-    body = await asyncio.wait_for(reader.readexactly(hdr[8]), 10)
+    hdr, body = await wire.reply(reader)
     return hdr, (msgpack.unpackb(body) if body else {})
-
-
-async def _closed(reader: asyncio.StreamReader) -> bool:
-    try:
-        while await asyncio.wait_for(reader.read(65536), 10):
-            pass
-    except ConnectionResetError:
-        pass
-    return True
 
 
 @pytest.fixture
@@ -84,23 +65,23 @@ async def test_everything_but_hello_and_auth_is_refused_before_auth(server: smb2
     async with await smb2.connect([server.address], token=TOKEN) as c:
         seg = (await c.create("target", 4096)).segments[0]
     reader, writer = await asyncio.open_connection(*server.address)
-    writer.write(_control({"cmd": "hello", "version": VERSION}, 1))
+    writer.write(wire.control({"cmd": "hello", "version": VERSION}, 1))
     hdr, hello = await _reply(reader)
     assert hdr[4] == 0 and hello["auth"] == auth.MECH and len(hello["nonce"]) == auth.NONCE_SIZE
     assert "segment" not in hello and "buffers" not in hello
     # control commands: refused one by one, the connection stays (it may still authenticate)
     for rid, cmd in enumerate(["list", "stat", "lookup", "create", "destroy", "rdma_connect"], 2):
-        writer.write(_control({"cmd": cmd, "name": "target", "nbytes": 8, "stripe": 8,
+        writer.write(wire.control({"cmd": cmd, "name": "target", "nbytes": 8, "stripe": 8,
                                "nservers": 1, "index": 0}, rid))
         hdr, body = await _reply(reader)
         assert (hdr[4], hdr[5]) == (ErrorCode.ACCESS_DENIED, rid), (cmd, body)
         assert "authentication" in body["message"]
     assert list(server.by_name) == ["target"]
     # a data op: refused and the connection closed, nothing touched
-    writer.write(_frame(Op.WRITE, b"evil", rid=20, segment=seg))
+    writer.write(wire.frame(Op.WRITE, b"evil", rid=20, segment=seg))
     hdr, body = await _reply(reader)
     assert (hdr[4], hdr[5]) == (ErrorCode.ACCESS_DENIED, 20)
-    assert await _closed(reader)
+    assert await wire.closed(reader)
     writer.close()
     assert not server.segments[seg].mem[:4].any()
     assert not server.ops
@@ -122,29 +103,29 @@ async def test_everything_but_hello_and_auth_is_refused_before_auth(server: smb2
 ])
 async def test_bad_auth_messages_close_the_connection(server: smb2.Server, make_auth) -> None:
     reader, writer = await asyncio.open_connection(*server.address)
-    writer.write(_control({"cmd": "hello", "version": VERSION}, 1))
+    writer.write(wire.control({"cmd": "hello", "version": VERSION}, 1))
     _, hello = await _reply(reader)
-    writer.write(_control(make_auth(hello["nonce"]), 2))
+    writer.write(wire.control(make_auth(hello["nonce"]), 2))
     hdr, body = await _reply(reader)
     assert (hdr[4], hdr[5]) == (ErrorCode.ACCESS_DENIED, 2)
-    assert await _closed(reader)
+    assert await wire.closed(reader)
     writer.close()
     assert server.auth_failures == 1
 
 
 async def test_valid_raw_handshake_then_ops(server: smb2.Server) -> None:
     reader, writer = await asyncio.open_connection(*server.address)
-    writer.write(_control({"cmd": "hello", "version": VERSION}, 1))
+    writer.write(wire.control({"cmd": "hello", "version": VERSION}, 1))
     _, hello = await _reply(reader)
     cn = os.urandom(32)
-    writer.write(_control({"cmd": "auth", "nonce": cn,
+    writer.write(wire.control({"cmd": "auth", "nonce": cn,
                            "proof": auth.client_proof(TOKEN, hello["nonce"], cn)}, 2))
     hdr, body = await _reply(reader)
     assert hdr[4] == 0 and body["proof"] == auth.server_proof(TOKEN, hello["nonce"], cn)
-    writer.write(_control({"cmd": "auth", "nonce": cn, "proof": b""}, 3))   # twice: refused
+    writer.write(wire.control({"cmd": "auth", "nonce": cn, "proof": b""}, 3))   # twice: refused
     hdr, _ = await _reply(reader)
     assert hdr[4] == ErrorCode.BAD_REQUEST
-    writer.write(_control({"cmd": "list"}, 4))
+    writer.write(wire.control({"cmd": "list"}, 4))
     hdr, body = await _reply(reader)
     assert hdr[4] == 0 and body == {"buffers": []}
     writer.close()

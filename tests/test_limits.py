@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 import smb2
-from fuzzing import frame, hello
-from smb2 import _core
+import wire
 from smb2.protocol import Op
 
 MiB = 1 << 20
@@ -40,9 +39,7 @@ async def test_max_buffers(server: smb2.Server) -> None:
 
 
 async def _reply(reader: asyncio.StreamReader) -> tuple[int, ...]:
-    hdr = _core.decode_header(await asyncio.wait_for(reader.readexactly(32), 10))
-    await asyncio.wait_for(reader.readexactly(hdr[8]), 10)
-    return hdr
+    return (await wire.reply(reader))[0]
 
 
 def _flood(address: tuple[str, int], data: bytes) -> socket.socket:
@@ -78,7 +75,7 @@ async def test_flood_of_reads_without_reading_replies(server: smb2.Server) -> No
         buf = await c.create("src", 8 * MiB)
         await buf.write(0, np.ones(buf.nbytes, np.uint8))
         seg = buf.segments[0]
-    reqs = hello() + b"".join(frame(Op.READ, rid=k + 2, segment=seg, length=4 * MiB) for k in range(4000))
+    reqs = wire.hello() + b"".join(wire.frame(Op.READ, rid=k + 2, segment=seg, length=4 * MiB) for k in range(4000))
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
@@ -97,11 +94,11 @@ async def test_flood_of_reads_without_reading_replies(server: smb2.Server) -> No
 async def test_flood_of_small_requests_without_reading_replies(server: smb2.Server) -> None:
     async with await smb2.connect([server.address]) as c:
         seg = (await c.create("ctr", 4096)).segments[0]
-    one = frame(Op.FETCH_ADD, (1).to_bytes(8, "little"), rid=7, segment=seg)
+    one = wire.frame(Op.FETCH_ADD, (1).to_bytes(8, "little"), rid=7, segment=seg)
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        socks = [_flood(server.address, hello() + one * 20000) for _ in range(4)]
+        socks = [_flood(server.address, wire.hello() + one * 20000) for _ in range(4)]
         peak, peak_buf = await _server_memory(server, 1.0)
     finally:
         tracemalloc.stop()
@@ -118,14 +115,14 @@ async def test_accumulates_queued_behind_a_stalled_write_are_bounded(server: smb
     async with await smb2.connect([server.address]) as c:
         seg = (await c.create("acc", 4 * MiB)).segments[0]
     ra, wa = await asyncio.open_connection(*server.address)
-    wa.write(hello() + frame(Op.WRITE, b"\0" * (512 << 10), rid=2, segment=seg, length=MiB))
+    wa.write(wire.hello() + wire.frame(Op.WRITE, b"\0" * (512 << 10), rid=2, segment=seg, length=MiB))
     await wa.drain()
     await _reply(ra)                                        # hello
     n = 60
     delta = np.ones(MiB // 8, np.int64).tobytes()
-    acc = frame(Op.ACCUMULATE, delta, rid=9, segment=seg, flags=4 << 4)   # int64
+    acc = wire.frame(Op.ACCUMULATE, delta, rid=9, segment=seg, flags=4 << 4)   # int64
     rb, wb = await asyncio.open_connection(*server.address)
-    wb.write(hello() + acc * n)           # 60 MiB of deltas
+    wb.write(wire.hello() + acc * n)           # 60 MiB of deltas
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
@@ -156,7 +153,7 @@ async def test_a_stalled_write_is_cut_after_the_write_timeout() -> None:
         async with await smb2.connect([s.address]) as c:
             buf = await c.create("w", MiB)
             ra, wa = await asyncio.open_connection(*s.address)
-            wa.write(hello() + frame(Op.WRITE, b"\1" * 1000, rid=2, segment=buf.segments[0], length=MiB))
+            wa.write(wire.hello() + wire.frame(Op.WRITE, b"\1" * 1000, rid=2, segment=buf.segments[0], length=MiB))
             await wa.drain()
             await _reply(ra)
             t0 = asyncio.get_running_loop().time()
@@ -169,7 +166,7 @@ async def test_a_stalled_write_is_cut_after_the_write_timeout() -> None:
             wa.close()
             # a slow but steady writer is not cut
             ra, wa = await asyncio.open_connection(*s.address)
-            wa.write(hello() + frame(Op.WRITE, b"", rid=2, segment=buf.segments[0], length=8000))
+            wa.write(wire.hello() + wire.frame(Op.WRITE, b"", rid=2, segment=buf.segments[0], length=8000))
             for _ in range(8):
                 await asyncio.sleep(0.2)
                 wa.write(b"\2" * 1000)

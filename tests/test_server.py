@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import smb2
+import wire
 from smb2 import _core
 from smb2.errors import ErrorCode
 from smb2.protocol import FLAG_REPLY, VERSION, Op
@@ -21,32 +22,6 @@ from smb2.protocol import FLAG_REPLY, VERSION, Op
 
 async def _raw(server: smb2.Server) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.open_connection(*server.address)
-
-
-def _frame(op: int, payload: bytes = b"", *, rid: int = 1, segment: int = 0, offset: int = 0,
-           length: int | None = None, version: int = VERSION, flags: int = 0) -> bytes:
-    n = len(payload) if length is None else length
-    return _core.encode_header(version, op, flags, 0, rid, segment, offset, n) + payload
-
-
-def _hello() -> bytes:
-    return _frame(Op.CONTROL, msgpack.packb({"cmd": "hello", "version": VERSION}), rid=1)
-
-
-async def _reply(reader: asyncio.StreamReader) -> tuple[tuple[int, ...], bytes]:
-    hdr = _core.decode_header(await asyncio.wait_for(reader.readexactly(32), 10))
-    body = await asyncio.wait_for(reader.readexactly(hdr[8]), 10)
-    return hdr, body
-
-
-async def _closed(reader: asyncio.StreamReader) -> bool:
-    """True if the server closed the connection (after any final reply)."""
-    try:
-        while await asyncio.wait_for(reader.read(65536), 10):
-            pass
-    except ConnectionResetError:
-        pass
-    return True
 
 
 async def _serves_others(server: smb2.Server) -> None:
@@ -113,7 +88,7 @@ async def test_garbage_closes_that_connection_only(server: smb2.Server, garbage:
     reader, writer = await _raw(server)
     writer.write(garbage)
     await writer.drain()
-    assert await _closed(reader)
+    assert await wire.closed(reader)
     writer.close()
     await _serves_others(server)
 
@@ -124,14 +99,14 @@ async def test_absurd_length_allocates_nothing(server: smb2.Server) -> None:
         before = tracemalloc.get_traced_memory()[0]
         for op in (Op.WRITE, Op.ACCUMULATE, Op.CONTROL, Op.READ):
             reader, writer = await _raw(server)
-            writer.write(_hello() + _frame(op, length=2**62, rid=2))
+            writer.write(wire.hello() + wire.frame(op, length=2**62, rid=2))
             await writer.drain()
-            hdr, _ = await _reply(reader)                 # hello's reply
+            hdr, _ = await wire.reply(reader)                 # hello's reply
             assert hdr[4] == 0
-            hdr, body = await _reply(reader)
+            hdr, body = await wire.reply(reader)
             assert hdr[4] == ErrorCode.TOO_LARGE
             assert b"limit" in body or b"exceeds" in body
-            assert await _closed(reader)
+            assert await wire.closed(reader)
             writer.close()
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:
@@ -142,18 +117,18 @@ async def test_absurd_length_allocates_nothing(server: smb2.Server) -> None:
 
 async def test_truncated_frame_then_disconnect(server: smb2.Server) -> None:
     reader, writer = await _raw(server)
-    writer.write(_hello() + _frame(Op.WRITE, length=1000, rid=2)[:20])
+    writer.write(wire.hello() + wire.frame(Op.WRITE, length=1000, rid=2)[:20])
     await writer.drain()
-    await _reply(reader)
+    await wire.reply(reader)
     writer.close()
     # and a header promising a payload that never fully comes
     reader, writer = await _raw(server)
     async with await smb2.connect([server.address]) as c:
         buf = await c.create("trunc", 4096)
         seg = buf.segments[0]
-    writer.write(_hello() + _frame(Op.WRITE, b"x" * 10, rid=2, segment=seg, length=100))
+    writer.write(wire.hello() + wire.frame(Op.WRITE, b"x" * 10, rid=2, segment=seg, length=100))
     await writer.drain()
-    await _reply(reader)
+    await wire.reply(reader)
     writer.close()
     await asyncio.sleep(0.05)
     assert not server.segments[seg].inflight     # the half write was forgotten
@@ -162,29 +137,29 @@ async def test_truncated_frame_then_disconnect(server: smb2.Server) -> None:
 
 async def test_unknown_op_and_bad_version_and_reply_flag(server: smb2.Server) -> None:
     cases = [
-        (_frame(99), ErrorCode.BAD_REQUEST),
-        (_frame(Op.CONTROL, b"", version=VERSION + 1), ErrorCode.VERSION_MISMATCH),
-        (_frame(Op.READ, length=8, flags=FLAG_REPLY), ErrorCode.BAD_REQUEST),
+        (wire.frame(99), ErrorCode.BAD_REQUEST),
+        (wire.frame(Op.CONTROL, b"", version=VERSION + 1), ErrorCode.VERSION_MISMATCH),
+        (wire.frame(Op.READ, length=8, flags=FLAG_REPLY), ErrorCode.BAD_REQUEST),
     ]
     for frame, code in cases:
         reader, writer = await _raw(server)
-        writer.write(_hello() + frame)
+        writer.write(wire.hello() + frame)
         await writer.drain()
-        await _reply(reader)
-        hdr, _ = await _reply(reader)
+        await wire.reply(reader)
+        hdr, _ = await wire.reply(reader)
         assert hdr[4] == code
-        assert await _closed(reader)
+        assert await wire.closed(reader)
         writer.close()
     await _serves_others(server)
 
 
 async def test_data_before_hello_is_refused(server: smb2.Server) -> None:
     reader, writer = await _raw(server)
-    writer.write(_frame(Op.READ, length=8))
+    writer.write(wire.frame(Op.READ, length=8))
     await writer.drain()
-    hdr, body = await _reply(reader)
+    hdr, body = await wire.reply(reader)
     assert hdr[4] == ErrorCode.BAD_REQUEST and b"hello" in body
-    assert await _closed(reader)
+    assert await wire.closed(reader)
     writer.close()
 
 
@@ -203,15 +178,15 @@ async def test_data_before_hello_is_refused(server: smb2.Server) -> None:
 ])
 async def test_malformed_control_messages_get_error_replies(server: smb2.Server, msg: bytes) -> None:
     reader, writer = await _raw(server)
-    writer.write(_hello() + _frame(Op.CONTROL, msg, rid=7))
+    writer.write(wire.hello() + wire.frame(Op.CONTROL, msg, rid=7))
     await writer.drain()
-    await _reply(reader)
-    hdr, body = await _reply(reader)
+    await wire.reply(reader)
+    hdr, body = await wire.reply(reader)
     assert hdr[4] == ErrorCode.BAD_REQUEST and hdr[5] == 7
     # the same connection keeps working
-    writer.write(_frame(Op.CONTROL, msgpack.packb({"cmd": "list"}), rid=8))
+    writer.write(wire.frame(Op.CONTROL, msgpack.packb({"cmd": "list"}), rid=8))
     await writer.drain()
-    hdr, body = await _reply(reader)
+    hdr, body = await wire.reply(reader)
     assert hdr[4] == 0 and hdr[5] == 8
     writer.close()
     assert server.by_name == {} or "x" not in server.by_name
@@ -223,16 +198,16 @@ async def test_out_of_bounds_and_unknown_segment_keep_the_connection(server: smb
         seg = buf.segments[0]
     end = server.segments[seg].size          # whole stripes: larger than the buffer
     reader, writer = await _raw(server)
-    writer.write(_hello()
-                 + _frame(Op.WRITE, b"y" * 100, rid=2, segment=seg, offset=end - 50)
-                 + _frame(Op.READ, rid=3, segment=seg + 99, length=10)
-                 + _frame(Op.FETCH_ADD, b"\1" + b"\0" * 7, rid=4, segment=seg, offset=3)
-                 + _frame(Op.ACCUMULATE, b"\0" * 8, rid=5, segment=seg, flags=0xF0)
-                 + _frame(Op.WRITE, b"z" * 10, rid=6, segment=seg, offset=0))
+    writer.write(wire.hello()
+                 + wire.frame(Op.WRITE, b"y" * 100, rid=2, segment=seg, offset=end - 50)
+                 + wire.frame(Op.READ, rid=3, segment=seg + 99, length=10)
+                 + wire.frame(Op.FETCH_ADD, b"\1" + b"\0" * 7, rid=4, segment=seg, offset=3)
+                 + wire.frame(Op.ACCUMULATE, b"\0" * 8, rid=5, segment=seg, flags=0xF0)
+                 + wire.frame(Op.WRITE, b"z" * 10, rid=6, segment=seg, offset=0))
     await writer.drain()
     codes = {}
     for _ in range(6):
-        hdr, _ = await _reply(reader)
+        hdr, _ = await wire.reply(reader)
         codes[hdr[5]] = hdr[4]
     assert codes == {1: 0, 2: ErrorCode.OUT_OF_BOUNDS, 3: ErrorCode.NO_SUCH_BUFFER,
                      4: ErrorCode.BAD_REQUEST, 5: ErrorCode.BAD_REQUEST, 6: 0}
@@ -246,13 +221,13 @@ async def test_many_pipelined_small_frames_in_one_burst(server: smb2.Server) -> 
         buf = await c.create("burst", 1 << 16)
         seg = buf.segments[0]
     reader, writer = await _raw(server)
-    frames = [_hello()] + [_frame(Op.FETCH_ADD, _core.pack_u64(1), rid=10 + k, segment=seg)
+    frames = [wire.hello()] + [wire.frame(Op.FETCH_ADD, _core.pack_u64(1), rid=10 + k, segment=seg)
                            for k in range(5000)]
     writer.write(b"".join(frames))
     await writer.drain()
     olds = []
     for _ in range(5001):
-        hdr, body = await _reply(reader)
+        hdr, body = await wire.reply(reader)
         if hdr[2] == Op.FETCH_ADD:
             olds.append(_core.unpack_u64(body))
     assert sorted(olds) == list(range(5000))
