@@ -12,6 +12,7 @@ import struct
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -412,3 +413,37 @@ async def test_parked_waiter_sends_nothing_and_poll_uses_only_generic_ops(client
     after = await _ops(client)
     used = {op for op in after if after[op] != before.get(op, 0)}
     assert used == {"fetch_add", "read", "compare_swap"}
+
+
+async def _lock_stat(client: smb2.Client) -> dict[str, Any]:
+    (stat,) = await client.stat()
+    locks: dict[str, Any] = stat["locks"]
+    return locks
+
+
+@pytest.mark.parametrize("spin", [0.05, 0.0])
+async def test_server_polls_only_while_a_hand_off_is_due(spin: float) -> None:
+    server = await smb2.start_server("127.0.0.1", 0, capacity="1MiB", lock_spin=spin)
+    try:
+        async with await smb2.connect([f"127.0.0.1:{server.address[1]}"]) as client:
+            holder, waiter = client.lock("spin"), client.lock("spin")
+            await holder.acquire()
+            assert not (await _lock_stat(client))["spinning"]      # nobody waits: the loop sleeps
+            task = asyncio.ensure_future(waiter.acquire())
+            await asyncio.sleep(0.01)
+            stat = await _lock_stat(client)
+            assert stat["spin"] == spin and stat["spinning"] == (spin > 0)
+            # a long critical section: the server polls for at most `spin`
+            await asyncio.sleep(spin + 0.15)
+            stat = await _lock_stat(client)
+            assert not stat["spinning"]
+            assert (spin * 0.8 <= stat["spin_seconds"] <= spin + 0.1) if spin else stat["spin_seconds"] == 0
+            await holder.release()
+            await asyncio.wait_for(task, 2)
+            await asyncio.sleep(0.01)
+            # the grant left nobody parked: the polling stopped at once
+            assert not (await _lock_stat(client))["spinning"]
+            await waiter.release(wait=True)
+            assert server.locks.spin_seconds < 2 * spin + 0.2
+    finally:
+        await server.close()

@@ -293,9 +293,10 @@ def test_ticket_state_matches_reference(ticket: int, steps: list[tuple[int, floa
     hi_eff = min(hi, lease / 4)
     lo_eff = min(lo, hi_eff)
     assert (state.min_delay, state.max_delay) == (lo_eff, hi_eff)
-    now = 1.0
+    now = start_t = 1.0
     state.start(ticket, now)
     est = state.est_hold
+    first_d = 0
     last_serving: int | None = None
     prev_t = 0.0
     move_t: float | None = None
@@ -307,7 +308,10 @@ def test_ticket_state_matches_reference(ticket: int, steps: list[tuple[int, floa
             continue
         assert state.distance(serving) == back
         code, delay = state.observe(serving, now)
+        if back == 0 and first_d > 0 and (now - start_t) / first_d < est:
+            est = 0.5 * est + 0.5 * (now - start_t) / first_d
         if back > 0:
+            first_d = first_d or back
             if last_serving is None:
                 last_serving = serving
             elif _d(serving, last_serving) > 0:
@@ -320,6 +324,7 @@ def test_ticket_state_matches_reference(ticket: int, steps: list[tuple[int, floa
         ref_code, ref_delay = _ref_observe(ticket, serving, est, lo_eff, hi_eff)
         assert code == ref_code
         assert delay == pytest.approx(ref_delay)
+        assert state.est_hold == pytest.approx(est)
         if code == _core.OBSERVE_GRANTED:
             assert state.state == _core.TICKET_HELD
             assert state.renew_at == pytest.approx(now + lease / 3)
@@ -329,6 +334,26 @@ def test_ticket_state_matches_reference(ticket: int, steps: list[tuple[int, floa
             assert state.state == _core.TICKET_IDLE
             return
         assert 0 <= delay <= lease / 4
+
+
+def test_ticket_state_estimate_decays_in_a_short_queue() -> None:
+    # a long queue taught it slow hand-offs (10 ms); now every wait is one
+    # 0.5 ms hand-off long, which a next-in-line waiter only sees as its
+    # grant: the estimate must come down, or it would sleep 2.5 ms per turn
+    state = _core.TicketState(5.0, 20e-6, 0.05, est_hold=10e-3)
+    now, ticket = 0.0, 100
+    for _ in range(20):
+        state.start(ticket, now)
+        assert state.observe(ticket - 1, now + 1e-4)[0] == _core.OBSERVE_WAIT
+        assert state.observe(ticket, now + 5e-4)[0] == _core.OBSERVE_GRANTED
+        state.released()
+        now, ticket = now + 1e-3, ticket + 2
+    assert state.est_hold < 1e-3
+    # ... and a slow wait does not push it up from the grant alone
+    state.start(ticket, now)
+    state.observe(ticket - 1, now)
+    state.observe(ticket, now + 1.0)
+    assert state.est_hold < 1e-3
 
 
 def test_ticket_state_misuse() -> None:

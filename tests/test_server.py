@@ -266,6 +266,13 @@ def test_smb2_server_command_rejects_bad_options() -> None:
     proc = _spawn("--capacity", "lots")
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "not a size" in err
+    for option, value, words in [("--lock-spin", "-1", "lock spin must be in [0, 0.1] s"),
+                                 ("--lock-spin", "0.5", "lock spin must be in [0, 0.1] s"),
+                                 ("--lock-lease", "0", "lock lease must be in (0, 3600] s"),
+                                 ("--lock-slots", "0", "lock slots must be in 1..")]:
+        proc = _spawn("--port", "0", option, value)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 2 and words in err and "Traceback" not in err, (option, value, err)
     # a port in use
     holder = _spawn("--port", "0")
     try:

@@ -217,11 +217,33 @@ def _server_data_ops(stats: list[dict[str, Any]]) -> int:
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     result: dict[str, Any] = {"started": _now(), "machine": _machine(loop), "args": vars(args)}
-    async with smb2.LocalCluster(servers=1, processes=True, capacity="64MiB") as cluster:
+    # Pinned as smb2.bench pins: the server and the raw peer are started on
+    # the "far" CPU (children inherit the affinity they are spawned with),
+    # this process and the contending workers on the "near" one.  Every
+    # round trip then crosses CPUs, as it would cross hosts, for subject and
+    # baselines alike; unpinned, the kernel puts two processes that ping
+    # each other on one CPU at some times and on two at others, and the
+    # ratios follow placement rather than the lock.
+    own = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    near = far = None
+    if args.pin and len(own) >= 2:
+        near, far = own[0], own[1]
+        os.sched_setaffinity(0, {far})
+    result["machine"]["pinning"] = {"clients": near, "server_and_raw_peer": far} if near is not None else None
+    server_args = [] if args.lock_spin is None else ["--lock-spin", str(args.lock_spin)]
+    cluster = smb2.LocalCluster(servers=1, processes=True, capacity="64MiB", server_args=server_args)
+    peer = None
+    try:
+        try:
+            await cluster.start()
+            peer, raw = await _start_raw_peer()
+        finally:
+            if near is not None:
+                os.sched_setaffinity(0, {near})
+        _progress(f"pinned: {result['machine']['pinning'] or 'no'}")
         client = await cluster.connect(transport="tcp")
         spin = await client.create(SPIN_BUFFER, 4096)
         ops = _Ops(client, spin)
-        peer, raw = await _start_raw_peer()
         pool = _Pool()
         try:
             await latencies(raw.ping, 2000)          # warm up every path
@@ -290,11 +312,15 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             result["contended"] = {"runs": contended, "summary": summary}
         finally:
             await pool.close()
+            await client.close()
+    finally:
+        if peer is not None:
             if raw.transport is not None:
                 raw.transport.close()
             if peer.stdin is not None:
                 peer.stdin.close()
             await peer.wait()
+        await cluster.close()
     result["finished"] = _now()
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     return result
@@ -302,7 +328,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     u = result["uncontended"]["summary"]
-    lines = ["uncontended acquire+release (medians of per-round ratios)",
+    pin = result["machine"].get("pinning")
+    spin = result["args"].get("lock_spin")
+    lines = [f"pinned: {pin or 'no'}; server --lock-spin: {'default' if spin is None else spin}",
+             "uncontended acquire+release (medians of per-round ratios)",
              f"{'':8s} {'p50 us':>8s} {'p99 us':>8s} {'x raw':>7s} {'x read64':>9s}"]
     for k, v in u.items():
         lines.append(f"{k:8s} {v['p50_us']:8.1f} {v['p99_us']:8.1f} {v['ratio_p50_vs_raw']:7.2f} "
@@ -341,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="contended runs per kind and process count")
     p.add_argument("--duration", type=float, default=1.5, help="seconds per contended run")
     p.add_argument("--json", default=str(_ROOT / "bench-results" / "lock.json"))
+    p.add_argument("--lock-spin", type=float, default=None,
+                   help="the server's --lock-spin (default: its default; 0 shows the hand-offs without it)")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not pin the server and raw peer to one CPU and the clients to another")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:

@@ -739,6 +739,8 @@ cdef class TicketState:
     cdef double _prev_t             # time of the last read
     cdef double _move_t             # estimated time of the last move seen
     cdef bint _have_last, _have_move
+    cdef double _start_t            # when the ticket was drawn
+    cdef int64_t _first_d           # its distance at the first read
 
     def __init__(self, double lease, double min_delay=20e-6, double max_delay=0.05,
                  double est_hold=50e-6):
@@ -762,6 +764,8 @@ cdef class TicketState:
         self.state = TICKET_WAITING
         self._have_last = False
         self._have_move = False
+        self._start_t = now
+        self._first_d = 0
         return None
 
     def distance(self, uint64_t serving):
@@ -775,11 +779,23 @@ cdef class TicketState:
         cdef int64_t moved
         cdef double sample, delay, t_move
         if d == 0:
+            # Our wait served _first_d tickets: an upper bound of sorts on the
+            # hold time, and the only sample a short queue gives (a waiter
+            # next in line sees one move, the grant, and moves are timed
+            # between two).  Taken only downwards, so that an estimate
+            # inflated under a long queue decays once the queue is short,
+            # and never upwards, where a late look would feed on itself.
+            if self._first_d > 0:
+                sample = (now - self._start_t) / self._first_d
+                if sample < self.est_hold:
+                    self.est_hold = 0.5 * self.est_hold + 0.5 * sample
             self.granted(now)
             return OBSERVE_GRANTED, 0.0
         if d < 0:
             self.state = TICKET_IDLE
             return OBSERVE_LAPSED, 0.0
+        if self._first_d == 0:
+            self._first_d = d
         if self._have_last:
             moved = _tdiff(serving, self._last_serving)
             if moved > 0:

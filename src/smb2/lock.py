@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -326,19 +327,23 @@ class Lock:
             raise
 
     async def _poll(self, tr: Transport, st: _core.TicketState, seg: int, off: int) -> None:
-        loop = asyncio.get_running_loop()
-        st.start(await self._draw(tr, seg, off), loop.time())
+        # time.monotonic, not loop.time: uvloop's clock is cached per loop
+        # iteration in whole milliseconds, and the hold times the backoff
+        # learns are tens of microseconds.  Both read CLOCK_MONOTONIC, so
+        # renew_at stays good for loop.call_at.
+        now = time.monotonic
+        st.start(await self._draw(tr, seg, off), now())
         view = [self._view8]
         try:
             while True:
                 await tr.read_into(view, seg, off + _core.LOCK_SERVING, 8)
-                code, delay = st.observe(_core.unpack_u64(self._buf8), loop.time())
+                code, delay = st.observe(_core.unpack_u64(self._buf8), now())
                 if code == _core.OBSERVE_GRANTED:
                     return
                 if code == _core.OBSERVE_LAPSED:
                     # we slept past our turn and the server expired our ticket
                     log.debug("lock %r: ticket passed while waiting; drawing a new one", self.name)
-                    st.start(await self._draw(tr, seg, off), loop.time())
+                    st.start(await self._draw(tr, seg, off), now())
                     continue
                 if delay >= _TIMER_RESOLUTION:
                     await asyncio.sleep(delay)

@@ -59,7 +59,7 @@ from .protocol import (
     unpack,
 )
 from .rdma_server import RdmaServer, RefusedError
-from .server_locks import DEFAULT_LEASE, DEFAULT_SLOTS, LockRefused, LockService
+from .server_locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_SLOTS, MAX_SPIN, LockRefused, LockService
 
 log = logging.getLogger("smb2.server")
 
@@ -137,7 +137,8 @@ class MemoryServer:
                  max_buffers: int = 4096, token: str | bytes | None = None,
                  data_dir: str | os.PathLike[str] | None = None,
                  write_timeout: float = DEFAULT_WRITE_TIMEOUT, lock_lease: float = DEFAULT_LEASE,
-                 lock_slots: int = DEFAULT_SLOTS, rdma: str = "auto", rdma_device: str | None = None,
+                 lock_slots: int = DEFAULT_SLOTS, lock_spin: float = DEFAULT_SPIN, rdma: str = "auto",
+                 rdma_device: str | None = None,
                  rdma_gid_index: int | None = None) -> None:
         if rdma not in ("auto", "on", "off"):
             raise InvalidArgumentError(f"rdma must be auto, on or off, not {rdma!r}")
@@ -170,9 +171,12 @@ class MemoryServer:
         self.server_id = os.urandom(8).hex()
         # the lock segment: lock words in memory an RDMA transport registers
         # like a buffer's segment (server_locks.py)
+        if not 0 < lock_slots <= MAX_SLOTS:
+            raise InvalidArgumentError(f"lock slots must be in 1..{MAX_SLOTS}, not {lock_slots}")
         mem, view = _alloc(lock_slots * _core.LOCK_SLOT_SIZE)
         self.segments[LOCK_SEGMENT] = Segment(LOCK_SEGMENT, "", 0, 8, 1, 0, len(view), mem, view)
-        self.locks = LockService(self, mem, view, slots=lock_slots, lease=lock_lease)
+        self.locks = LockService(self, mem, view, slots=lock_slots, lease=lock_lease,
+                                 spin=lock_spin)
         # RDMA (rdma_server.py): opened at start() unless rdma="off"
         self._rdma_args = (rdma, rdma_device, rdma_gid_index)
         self.rdma: RdmaServer | None = None
@@ -857,7 +861,8 @@ async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                        max_buffers: int = 4096, token: str | bytes | None = None,
                        data_dir: str | os.PathLike[str] | None = None,
                        write_timeout: float = DEFAULT_WRITE_TIMEOUT, lock_lease: float = DEFAULT_LEASE,
-                       lock_slots: int = DEFAULT_SLOTS, rdma: str = "auto", rdma_device: str | None = None,
+                       lock_slots: int = DEFAULT_SLOTS, lock_spin: float = DEFAULT_SPIN, rdma: str = "auto",
+                 rdma_device: str | None = None,
                        rdma_gid_index: int | None = None) -> MemoryServer:
     """Start a memory server in the running loop and return it once it listens.
 
@@ -868,7 +873,7 @@ async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
     "on" (fail if it cannot), "off"."""
     server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers,
                           token=token, data_dir=data_dir, write_timeout=write_timeout,
-                          lock_lease=lock_lease, lock_slots=lock_slots, rdma=rdma,
+                          lock_lease=lock_lease, lock_slots=lock_slots, lock_spin=lock_spin, rdma=rdma,
                           rdma_device=rdma_device, rdma_gid_index=rdma_gid_index)
     await server.start(host, port)
     return server
@@ -900,6 +905,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"seconds a lock holder may go without renewing (default {DEFAULT_LEASE:g})")
     p.add_argument("--lock-slots", type=int, default=DEFAULT_SLOTS,
                    help=f"locks this server can hold (default {DEFAULT_SLOTS})")
+    p.add_argument("--lock-spin", type=float, default=DEFAULT_SPIN,
+                   help="while lock waiters are parked, poll instead of sleeping for up to this many "
+                        f"seconds after each grant (default {DEFAULT_SPIN:g}; 0 = never, at most {MAX_SPIN:g})")
     p.add_argument("--rdma", choices=("auto", "on", "off"), default="auto",
                    help="serve RDMA: auto (where a device is usable; default), on, off")
     p.add_argument("--rdma-device", default=None, help="RDMA device name (default: the first ACTIVE one)")
@@ -915,7 +923,7 @@ async def _serve(args: argparse.Namespace) -> None:
                                 max_frame=parse_size(args.max_frame), max_buffers=args.max_buffers,
                                 token=args.token, write_timeout=args.write_timeout,
                                 data_dir=args.data_dir, lock_lease=args.lock_lease,
-                                lock_slots=args.lock_slots, rdma=args.rdma,
+                                lock_slots=args.lock_slots, lock_spin=args.lock_spin, rdma=args.rdma,
                                 rdma_device=args.rdma_device, rdma_gid_index=args.rdma_gid_index)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -951,6 +959,9 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(_serve(args))
         else:
             asyncio.run(_serve(args))
+    except InvalidArgumentError as exc:     # an option out of range
+        print(f"smb2-server: {exc}", file=sys.stderr)
+        return 2
     except (PersistenceError, TransportError) as exc:
         print(f"smb2-server: {exc}", file=sys.stderr)
         return 1

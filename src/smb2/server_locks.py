@@ -20,6 +20,14 @@ Three ways in:
   releases and renewals), expires holders whose lease ran out, and skips
   tickets that were given up.
 
+Hand-offs: between a grant and the release that ends it the server has
+nothing to do but wait, and sleeping in epoll there costs a wakeup on every
+hand-off (on a virtual machine most of a round trip).  So while waiters are
+parked the server keeps its loop polling instead of sleeping, for at most
+``spin`` seconds after the last grant: the adaptive spinning of kernel
+mutexes, bounded so that a long critical section costs at most ``spin`` of
+one CPU per hand-off, and none at all without contention.
+
 Fences: a fenced WRITE carries (lock key, token).  On the lock's own server
 the token must hold the lock right now.  Any other server cannot see the
 lock's words, so it applies the classic fencing-token rule: refuse a token
@@ -36,7 +44,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from . import _core
-from .errors import ErrorCode
+from .errors import ErrorCode, InvalidArgumentError
 from .protocol import FLAG_NOREPLY, LOCK_SEGMENT, Op, error_payload
 
 if TYPE_CHECKING:
@@ -48,6 +56,9 @@ SLOT = _core.LOCK_SLOT_SIZE
 DEFAULT_LEASE = 5.0
 DEFAULT_SLOTS = 4096
 MAX_LEASE = 3600.0
+DEFAULT_SPIN = 0.001
+MAX_SPIN = 0.1
+MAX_SLOTS = 1 << 20
 # tokens seen in fenced writes for locks held elsewhere; an untrusted client
 # must not grow this without bound (the oldest keys are forgotten first)
 MAX_FENCE_KEYS = 1 << 16
@@ -73,9 +84,12 @@ class LockService:
     """One server's locks: the lock segment, the table, parked requests."""
 
     def __init__(self, server: MemoryServer, mem: Any, view: memoryview, *,
-                 slots: int = DEFAULT_SLOTS, lease: float = DEFAULT_LEASE) -> None:
+                 slots: int = DEFAULT_SLOTS, lease: float = DEFAULT_LEASE,
+                 spin: float = DEFAULT_SPIN) -> None:
         if not 0 < lease <= MAX_LEASE:
-            raise ValueError(f"lock lease must be in (0, {MAX_LEASE}] s, not {lease}")
+            raise InvalidArgumentError(f"lock lease must be in (0, {MAX_LEASE:g}] s, not {lease:g}")
+        if not 0 <= spin <= MAX_SPIN:
+            raise InvalidArgumentError(f"lock spin must be in [0, {MAX_SPIN:g}] s, not {spin:g}")
         self.server = server
         self.mem = mem
         self.view = view
@@ -95,6 +109,11 @@ class LockService:
         self._sweeper: asyncio.Task[None] | None = None
         self.stale_fences = 0
         self.stale_releases = 0
+        # polling instead of sleeping while a hand-off is due (see the top)
+        self.spin = spin
+        self._spin_until = 0.0
+        self._spin_since: float | None = None
+        self.spin_seconds = 0.0
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -109,6 +128,7 @@ class LockService:
                 pass
             self._sweeper = None
         self._parked.clear()
+        self._spin_until = 0.0
 
     def _interval(self) -> float:
         # the sweep's period bounds how late an expiry is noticed: a small
@@ -134,6 +154,28 @@ class LockService:
                              self.table.expired - expired)
             except Exception:  # a bug must not stop expiries for good
                 log.exception("lock sweep failed")
+
+    def _hand_off_due(self) -> None:
+        """A waiter was parked or granted: poll for the release that comes
+        next rather than sleep, for up to ``spin`` s."""
+        if not self.spin:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self._spin_until = now + self.spin
+        if self._spin_since is None:
+            self._spin_since = now
+            loop.call_soon(self._spin, loop)
+
+    def _spin(self, loop: asyncio.AbstractEventLoop) -> None:
+        # a ready callback makes the loop poll with a zero timeout
+        now = loop.time()
+        if self._parked and now < self._spin_until:
+            loop.call_soon(self._spin, loop)
+            return
+        assert self._spin_since is not None
+        self.spin_seconds += now - self._spin_since
+        self._spin_since = None
 
     # -- control ------------------------------------------------------------
     def open(self, name: str, lease: float | None) -> dict[str, Any]:
@@ -176,6 +218,8 @@ class LockService:
                            "queued": (nxt - serving) % (1 << 64),
                            "parked": len(self.table.parked(slot)), "lease": self.table_lease(slot)}
         return {"slots": self.nslots, "open": len(self.by_name), "grants": self.table.grants,
+                "spin": self.spin, "spinning": self._spin_since is not None,
+                "spin_seconds": self.spin_seconds,
                 "expired": self.table.expired, "abandoned_skips": self.table.abandoned_skips,
                 "stale_fences": self.stale_fences, "stale_releases": self.stale_releases,
                 "locks": locks}
@@ -223,6 +267,7 @@ class LockService:
                 conn._reply(hdr, _core.pack_u64(ticket))
             else:
                 self._parked[waiter] = (conn, hdr)
+                self._hand_off_due()
             return
         if op == Op.LOCK_RELEASE:
             ticket = _core.unpack_u64(payload)
@@ -290,6 +335,7 @@ class LockService:
             got = self.table.waiter_ticket(wid)
             assert got is not None
             conn._reply(hdr, _core.pack_u64(got[1]))
+            self._hand_off_due()
         if self.table.lost:
             lost = list(self.table.lost)
             self.table.lost.clear()
