@@ -447,3 +447,38 @@ async def test_server_polls_only_while_a_hand_off_is_due(spin: float) -> None:
             assert server.locks.spin_seconds < 2 * spin + 0.2
     finally:
         await server.close()
+
+
+async def test_contended_grant_is_flagged_and_its_holder_polls_for_a_while() -> None:
+    server = await smb2.start_server("127.0.0.1", 0, capacity="1MiB", lock_spin=0.0)
+    try:
+        async with await smb2.connect([f"127.0.0.1:{server.address[1]}"]) as client:
+            holder = client.lock("flag")
+            first, second = client.lock("flag", spin=0.05), client.lock("flag", spin=0.05)
+            await holder.acquire()
+            assert not holder.contended             # nobody was waiting
+            t1 = asyncio.ensure_future(first.acquire())
+            await asyncio.sleep(0.01)
+            t2 = asyncio.ensure_future(second.acquire())
+            await asyncio.sleep(0.01)
+            await holder.release()
+            await asyncio.wait_for(t1, 2)
+            assert first.contended                  # `second` waits behind it
+            # its loop polls for `spin` seconds, then sleeps again
+            cpu = time.process_time()
+            await asyncio.sleep(0.04)
+            busy = time.process_time() - cpu
+            await asyncio.sleep(0.05)
+            cpu = time.process_time()
+            await asyncio.sleep(0.2)
+            idle = time.process_time() - cpu
+            assert busy > 0.004 and idle < 0.03, (busy, idle)
+            await first.release()
+            await asyncio.wait_for(t2, 2)
+            assert not second.contended             # the last in the queue
+            await second.release(wait=True)
+            assert not first.contended and not second.contended    # not held
+            with pytest.raises(smb2.InvalidArgumentError, match="spin"):
+                client.lock("flag", spin=-1)
+    finally:
+        await server.close()

@@ -87,25 +87,36 @@ class Fence:
 
 class Lock:
     """One contender for the named lock.  Not reentrant; one acquisition at a
-    time per object (make several objects to contend from one client)."""
+    time per object (make several objects to contend from one client).
 
-    __slots__ = ("client", "name", "mode", "_lease", "_min_delay", "_max_delay", "_state",
-                 "_info", "_transport", "_path", "_renew", "_busy", "_buf8", "_view8")
+    ``lease``: seconds the holder may go without renewing (default: the
+    server's ``--lock-lease``); ``mode``: "park", "poll" or "auto" (park
+    over TCP, poll over RDMA); ``min_delay``/``max_delay``: bounds of the
+    polling backoff; ``spin``: seconds this client's loop polls instead of
+    sleeping after a contended grant (parked path), so that the critical
+    section's round trips are not slowed by wakeups (0 = never)."""
+
+    __slots__ = ("client", "name", "mode", "_lease", "_min_delay", "_max_delay", "_spin", "_state",
+                 "_info", "_transport", "_path", "_renew", "_busy", "_buf8", "_view8", "_contended")
 
     def __init__(self, client: Client, name: str, *, lease: float | None = None, mode: str = "auto",
-                 min_delay: float = 20e-6, max_delay: float = 0.05) -> None:
+                 min_delay: float = 20e-6, max_delay: float = 0.05, spin: float = 1e-3) -> None:
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 255:
             raise InvalidArgumentError(f"a lock name is a non-empty str of at most 255 bytes, not {name!r}")
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         if lease is not None and not 0 < lease <= 3600:
             raise InvalidArgumentError(f"lease must be in (0, 3600] seconds, not {lease!r}")
+        if not 0 <= spin <= 0.1:
+            raise InvalidArgumentError(f"spin must be in [0, 0.1] seconds, not {spin!r}")
         self.client = client
         self.name = name
         self.mode = mode
         self._lease = lease
         self._min_delay = min_delay
         self._max_delay = max_delay
+        self._spin = spin
+        self._contended = False
         self._state: _core.TicketState | None = None
         self._info: dict[str, Any] | None = None
         self._transport: Transport | None = None
@@ -139,6 +150,12 @@ class Lock:
         return Fence(self.name, self._state.ticket)
 
     @property
+    def contended(self) -> bool:
+        """True if, when the server granted the lock we hold, other tickets
+        waited behind ours (parked path; the polling path does not know)."""
+        return self.locked() and self._contended
+
+    @property
     def path(self) -> str:
         """How the last acquisition waited: "park" or "poll" ("" before any)."""
         return self._path
@@ -162,11 +179,12 @@ class Lock:
                     info = self._info
                     assert info is not None
                     try:
-                        ticket = await tr.lock_acquire(info["segment"], info["offset"])  # type: ignore[attr-defined]
+                        ticket, queued = await tr.lock_acquire(  # type: ignore[attr-defined]
+                            info["segment"], info["offset"])
                     except NoSuchBuffer:
                         await self._acquire()
                         return True
-                    self._granted(st, ticket)
+                    self._granted(st, ticket, queued)
                     return True
                 await self._acquire()
             else:
@@ -296,22 +314,35 @@ class Lock:
         self._transport, self._info = tr, info
         if park:
             self._path = "park"
-            self._granted(st, await tr.lock_acquire(seg, off))      # type: ignore[attr-defined]
+            self._granted(st, *await tr.lock_acquire(seg, off))      # type: ignore[attr-defined]
             return
         self._path = "poll"
         await self._poll(tr, st, seg, off)
         if self._renew is None:
             self._renew = loop.call_at(st.renew_at, self._renew_due)
 
-    def _granted(self, st: _core.TicketState, ticket: int) -> None:
+    def _granted(self, st: _core.TicketState, ticket: int, queued: bool) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
         st.start(ticket, now)
         st.granted(now)
+        self._contended = queued
+        if queued and self._spin:
+            # Others wait on us: answers to what we send inside the critical
+            # section should find this loop polling rather than asleep
+            # (each wakeup is most of a round trip on a virtual machine).
+            # For at most `spin` seconds, and none without contention.
+            loop.call_soon(self._poll_while_held, loop, time.monotonic() + self._spin, ticket)
         # One renewal timer per Lock, armed lazily: a lock taken and given
         # back many times per lease costs no timer per acquisition.
         if self._renew is None:
             self._renew = loop.call_at(st.renew_at, self._renew_due)
+
+    def _poll_while_held(self, loop: asyncio.AbstractEventLoop, until: float, ticket: int) -> None:
+        # a ready callback makes the loop poll with a zero timeout
+        st = self._state
+        if st is not None and st.state == _core.TICKET_HELD and st.ticket == ticket and time.monotonic() < until:
+            loop.call_soon(self._poll_while_held, loop, until, ticket)
 
     async def _draw(self, tr: Transport, seg: int, off: int) -> int:
         # The fetch-and-add must not be lost to a cancellation: a ticket

@@ -53,6 +53,9 @@ FENCE_SIZE: Final = 16
 # LOCK_RELEASE: send no reply (the releaser does not wait for one; a reply
 # would only wake its process).  A release that fails is counted and logged.
 FLAG_NOREPLY: Final = 0x0008
+# LOCK_ACQUIRE reply: other tickets wait behind the one granted (the holder
+# may poll rather than sleep through its critical section: others wait on it)
+FLAG_QUEUED: Final = 0x0100
 # segment id of every server's lock segment (buffers' segments start at 1)
 LOCK_SEGMENT: Final = 0
 # ACCUMULATE only: the delta is in the connection's RDMA staging area; the

@@ -489,14 +489,14 @@ class _Connection(FrameReceiver):
             t.write(cork[0] if len(cork) == 1 else b"".join(cork))
 
     def _reply(self, hdr: tuple[int, ...], payload: bytes | memoryview = b"",
-               status: int = 0) -> None:
+               status: int = 0, flags: int = 0) -> None:
         t = self.transport
         if t is None or t.is_closing():
             return
         n = len(payload)
         self.server.bytes_out += n
         if n <= 65536:
-            frame = _core.encode_header_with(VERSION, hdr[2], FLAG_REPLY, status, hdr[5],
+            frame = _core.encode_header_with(VERSION, hdr[2], FLAG_REPLY | flags, status, hdr[5],
                                              hdr[6], hdr[7], n, payload)
             if self._cork is not None:
                 self._cork.append(frame)
@@ -507,7 +507,7 @@ class _Connection(FrameReceiver):
             # keep the order of replies: the corked ones go first
             cork, self._cork = self._cork, []
             t.write(b"".join(cork))
-        head = _core.encode_header(VERSION, hdr[2], FLAG_REPLY, status, hdr[5], hdr[6], hdr[7], n)
+        head = _core.encode_header(VERSION, hdr[2], FLAG_REPLY | flags, status, hdr[5], hdr[6], hdr[7], n)
         if self._uvloop:
             t.writelines((head, payload))       # one writev, payload not copied
         else:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _core
 from .errors import ErrorCode, InvalidArgumentError
-from .protocol import FLAG_NOREPLY, LOCK_SEGMENT, Op, error_payload
+from .protocol import FLAG_NOREPLY, FLAG_QUEUED, LOCK_SEGMENT, Op, error_payload
 
 if TYPE_CHECKING:
     from .server import MemoryServer, _Connection
@@ -334,7 +334,9 @@ class LockService:
                 continue
             got = self.table.waiter_ticket(wid)
             assert got is not None
-            conn._reply(hdr, _core.pack_u64(got[1]))
+            slot, ticket = got
+            behind = (self.table.words(slot)[0] - ticket - 1) % (1 << 64)
+            conn._reply(hdr, _core.pack_u64(ticket), flags=FLAG_QUEUED if behind else 0)
             self._hand_off_due()
         if self.table.lost:
             lost = list(self.table.lost)

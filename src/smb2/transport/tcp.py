@@ -22,6 +22,7 @@ from ..protocol import (
     DTYPE_SHIFT,
     FLAG_FENCED,
     FLAG_NOREPLY,
+    FLAG_QUEUED,
     FLAG_REPLY,
     INLINE,
     MAX_ACCUMULATE,
@@ -39,7 +40,9 @@ log = logging.getLogger("smb2.transport.tcp")
 _MASK64 = (1 << 64) - 1
 
 # what a reply carries
-_EMPTY, _INTO, _U64, _MSG = 0, 1, 2, 3
+# what a reply carries: nothing, data into the caller's buffers, a u64, a
+# msgpack map, or a lock grant (u64 ticket; flag QUEUED: others wait behind)
+_EMPTY, _INTO, _U64, _MSG, _GRANT = 0, 1, 2, 3, 4
 # the largest replies the client accepts: an error's message, a control
 # reply (``stat`` of a server with thousands of buffers and locks)
 _MAX_ERROR_REPLY = 64 << 10
@@ -142,9 +145,9 @@ class _ClientProtocol(FrameReceiver):
             if size > limit:
                 self.close_with(f"reply of {size} bytes to a request that expects at most {limit}")
                 return CLOSED
-        elif p.kind in (_U64, _EMPTY) and size != (8 if p.kind == _U64 else 0):
+        elif p.kind in (_U64, _GRANT, _EMPTY) and size != (0 if p.kind == _EMPTY else 8):
             self.close_with(f"reply of {size} bytes to a request that expects "
-                            f"{8 if p.kind == _U64 else 0}")
+                            f"{0 if p.kind == _EMPTY else 8}")
             return CLOSED
         if hdr[4] == 0 and p.kind == _INTO:
             if size != p.length:
@@ -174,6 +177,9 @@ class _ClientProtocol(FrameReceiver):
         elif p.kind == _U64:
             assert payload is not None
             p.fut.set_result(_core.unpack_u64(payload))
+        elif p.kind == _GRANT:
+            assert payload is not None
+            p.fut.set_result((_core.unpack_u64(payload), bool(hdr[3] & FLAG_QUEUED)))
         else:
             try:
                 p.fut.set_result(unpack(payload))
@@ -318,17 +324,19 @@ class TcpTransport(Transport):
         await self._call(Op.WRITE, FLAG_FENCED, segment, offset, length + 16, parts, _EMPTY)
 
     # -- the lock's server-side waiting (server_locks.py) -------------------
-    async def lock_acquire(self, segment: int, offset: int) -> int:
-        """Queue for the lock in slot ``offset``; return the ticket once it
-        is ours.  If the caller is cancelled (or times out) while waiting,
-        the server is told to give the ticket up (LOCK_CANCEL), and to
-        release the lock if the grant crossed the cancellation."""
+    async def lock_acquire(self, segment: int, offset: int) -> tuple[int, bool]:
+        """Queue for the lock in slot ``offset``; return ``(ticket, queued)``
+        once it is ours (``queued``: other tickets wait behind it).  If the
+        caller is cancelled (or times out) while waiting, the server is told
+        to give the ticket up (LOCK_CANCEL), and to release the lock if the
+        grant crossed the cancellation."""
         await self._proto.drain()
         rid = self._new_id()
         fut = self._submit(rid, [_core.encode_header(VERSION, Op.LOCK_ACQUIRE, 0, 0, rid,
-                                                     segment, offset, 0)], _U64, None, 0)
+                                                     segment, offset, 0)], _GRANT, None, 0)
         try:
-            return int(await fut)
+            ticket, queued = await fut
+            return int(ticket), queued
         except asyncio.CancelledError:
             if not (fut.done() and not fut.cancelled() and fut.exception() is not None):
                 self._lock_cancel(segment, offset, rid)
