@@ -22,6 +22,12 @@ ratio is the median of per-round ratios, and the raw round trip is measured
 right before each contended run and stored beside it.  Prints a table and
 writes JSON (``--json``, default bench-results/lock.json).
 
+The server and the raw peer are pinned to one CPU, this process and the
+workers to another (``--no-pin`` to leave placement to the kernel), as
+``smb2 bench`` does.  ``--lock-spin 0 --holder-spin 0`` runs the parked
+path without its polling (server and holder sleep between hand-offs), to
+see what the polling buys.
+
     python tools/bench_lock.py [--rounds 15] [--duration 1.5] [--procs 1,2,4,8]
 """
 
@@ -59,9 +65,10 @@ class _Ops:
     """Lock and baseline operations over one client (used by the main
     process for latencies and by every worker for throughput)."""
 
-    def __init__(self, client: smb2.Client, spin: smb2.Buffer) -> None:
+    def __init__(self, client: smb2.Client, spin: smb2.Buffer, holder_spin: float | None = None) -> None:
         self.client = client
-        self.park = client.lock(LOCK, mode="park")
+        # holder_spin: the Lock's `spin` (None: the library's default)
+        self.park = client.lock(LOCK, mode="park", **({} if holder_spin is None else {"spin": holder_spin}))
         self.poll = client.lock(LOCK, mode="poll")
         link = client._links[0]
         assert link.transport is not None
@@ -126,9 +133,9 @@ class _Ops:
 
 # -- worker processes --------------------------------------------------------------
 
-async def _worker(servers: list[str]) -> None:
+async def _worker(servers: list[str], holder_spin: float | None) -> None:
     client = await smb2.connect(servers, transport="tcp")
-    ops = _Ops(client, await client.attach(SPIN_BUFFER))
+    ops = _Ops(client, await client.attach(SPIN_BUFFER), holder_spin)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -153,12 +160,13 @@ class _Pool:
     def __init__(self) -> None:
         self.procs: list[asyncio.subprocess.Process] = []
 
-    async def start(self, n: int, servers: list[str]) -> None:
+    async def start(self, n: int, servers: list[str], holder_spin: float | None) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(_ROOT / "src"),
                                                                           os.environ.get("PYTHONPATH"))))}
         for _ in range(n):
             p = await asyncio.create_subprocess_exec(
                 sys.executable, __file__, "--worker", ",".join(servers),
+                *([] if holder_spin is None else ["--holder-spin", str(holder_spin)]),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
             self.procs.append(p)
         for p in self.procs:
@@ -243,7 +251,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         _progress(f"pinned: {result['machine']['pinning'] or 'no'}")
         client = await cluster.connect(transport="tcp")
         spin = await client.create(SPIN_BUFFER, 4096)
-        ops = _Ops(client, spin)
+        ops = _Ops(client, spin, args.holder_spin)
         pool = _Pool()
         try:
             await latencies(raw.ping, 2000)          # warm up every path
@@ -272,7 +280,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             result["uncontended"] = {"rounds": rounds, "summary": unc}
 
             # -- contended ----------------------------------------------------
-            await pool.start(max(args.procs), cluster.addresses)
+            await pool.start(max(args.procs), cluster.addresses, args.holder_spin)
             contended: list[dict[str, Any]] = []
             ckinds = ["spin", "park", "poll"]
             for cs, nprocs in [(cs, n) for cs in args.cs for n in args.procs]:
@@ -329,8 +337,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     u = result["uncontended"]["summary"]
     pin = result["machine"].get("pinning")
-    spin = result["args"].get("lock_spin")
-    lines = [f"pinned: {pin or 'no'}; server --lock-spin: {'default' if spin is None else spin}",
+    spin, hspin = result["args"].get("lock_spin"), result["args"].get("holder_spin")
+    lines = [f"pinned: {pin or 'no'}; server --lock-spin: {'default' if spin is None else spin}; "
+             f"Lock(spin=...): {'default' if hspin is None else hspin}",
              "uncontended acquire+release (medians of per-round ratios)",
              f"{'':8s} {'p50 us':>8s} {'p99 us':>8s} {'x raw':>7s} {'x read64':>9s}"]
     for k, v in u.items():
@@ -372,12 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=str(_ROOT / "bench-results" / "lock.json"))
     p.add_argument("--lock-spin", type=float, default=None,
                    help="the server's --lock-spin (default: its default; 0 shows the hand-offs without it)")
+    p.add_argument("--holder-spin", type=float, default=None,
+                   help="the workers' Lock(spin=...) (default: the library's; 0 shows hand-offs without it)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin the server and raw peer to one CPU and the clients to another")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        uvloop.run(_worker(args.worker.split(",")))
+        uvloop.run(_worker(args.worker.split(","), args.holder_spin))
         return 0
     args.procs = [int(x) for x in args.procs.split(",")]
     args.cs = [x for x in args.cs.split(",") if x]
