@@ -1,4 +1,4 @@
-"""A lock client in its own process, for tests/test_lock.py and tools/bench_lock.py.
+"""A lock client in its own process, for tests/test_lock.py.
 
     python lock_worker.py '{"servers": [...], "action": "count", ...}'
 

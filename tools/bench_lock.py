@@ -370,6 +370,47 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(path: Path, result: dict[str, Any]) -> str | None:
+    """Acquisitions/s against contending processes, one panel per critical
+    section.  Returns None once drawn, else why not."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (.venv/bin/pip install matplotlib): no plot drawn"
+    summary = result["contended"]["summary"]
+    kinds = [("park", "ticket lock, parked (TCP default)", "tab:blue", "o"),
+             ("poll", "ticket lock, polling (RDMA's algorithm, here over TCP)", "tab:green", "^"),
+             ("spin", "compare-and-swap spin lock (baseline)", "tab:red", "s")]
+    css = list(dict.fromkeys(s["cs"] for s in summary))
+    fig, axes = plt.subplots(1, len(css), figsize=(6 * len(css), 4.5), squeeze=False)
+    for ax, cs in zip(axes[0], css):
+        rows = [s for s in summary if s["cs"] == cs]
+        procs = [s["procs"] for s in rows]
+        for kind, label, color, marker in kinds:
+            ax.plot(procs, [s[f"{kind}_per_s"] for s in rows], marker=marker, color=color, label=label)
+        for s in rows:
+            ax.annotate(f"{s['park_vs_spin']:.2f}x", (s["procs"], s["park_per_s"]), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=8, color="tab:blue")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(procs, [str(p) for p in procs])
+        ax.set_ylim(0, 1.12 * max(s[f"{k}_per_s"] for s in rows for k, *_ in kinds))
+        ax.set_xlabel("contending client processes")
+        ax.set_ylabel("acquisitions per second (median)")
+        ax.set_title("empty critical section" if cs == "empty" else "read-modify-write critical section")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    pin = result["machine"].get("pinning")
+    fig.suptitle(f"smb2 lock over TCP loopback, {result['machine'].get('nproc', '?')} CPUs"
+                 f"{', pinned' if pin else ''}; labels: parked / spin lock", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=15, help="uncontended rounds (default 15)")
@@ -379,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="contended runs per kind and process count")
     p.add_argument("--duration", type=float, default=1.5, help="seconds per contended run")
     p.add_argument("--json", default=str(_ROOT / "bench-results" / "lock.json"))
+    p.add_argument("--png", default=str(_ROOT / "bench-results" / "lock.png"), help="where to draw the plot")
+    p.add_argument("--replot", metavar="JSON", help="only draw --png from an earlier run's JSON")
     p.add_argument("--lock-spin", type=float, default=None,
                    help="the server's --lock-spin (default: its default; 0 shows the hand-offs without it)")
     p.add_argument("--holder-spin", type=float, default=None,
@@ -390,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         uvloop.run(_worker(args.worker.split(","), args.holder_spin))
         return 0
+    if args.replot:
+        why_not = plot(Path(args.png), json.loads(Path(args.replot).read_text()))
+        print(f"plot: {why_not}" if why_not else f"plot: {args.png}")
+        return 0 if why_not is None else 1
     args.procs = [int(x) for x in args.procs.split(",")]
     args.cs = [x for x in args.cs.split(",") if x]
     result = uvloop.run(bench(args))
@@ -399,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**result, "table": text}, indent=1))
     _progress(f"wrote {path}")
+    why_not = plot(Path(args.png), result)
+    _progress(f"plot: {why_not}" if why_not else f"plot: {args.png}")
     return 0
 
 
