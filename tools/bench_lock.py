@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", type=int, default=300, help="operations per kind per round (default 300)")
     p.add_argument("--procs", default="1,2,4,8", help="client processes for the contended runs")
     p.add_argument("--cs", default="empty,rmw", help="critical sections: empty, rmw (default both)")
-    p.add_argument("--reps", type=int, default=3, help="contended runs per kind and process count")
+    p.add_argument("--reps", type=int, default=5, help="contended runs per kind and process count (default 5)")
     p.add_argument("--duration", type=float, default=1.5, help="seconds per contended run")
     p.add_argument("--json", default=str(_ROOT / "bench-results" / "lock.json"))
     p.add_argument("--png", default=str(_ROOT / "bench-results" / "lock.png"), help="where to draw the plot")
