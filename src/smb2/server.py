@@ -381,6 +381,8 @@ def _uint(msg: dict[str, Any], key: str) -> int:
 
 
 _FENCE = Prefix(FENCE_SIZE)
+# the statistics' name of each op, looked up once per frame
+_STAT_NAME = {int(op): op.name.lower() for op in Op}
 
 
 class _Connection(FrameReceiver):
@@ -655,7 +657,7 @@ class _Connection(FrameReceiver):
                 self._control(hdr, payload)
                 return
             stats = self.server.ops[self.transport_name]
-            stats[Op(op).name.lower()] += 1
+            stats[_STAT_NAME[op]] += 1
             if op in LOCK_OPS:
                 assert payload is not None
                 try:
