@@ -230,6 +230,38 @@ async def test_fences(cluster: smb2.LocalCluster, client: smb2.Client) -> None:
     assert stats[home]["locks"]["locks"]["f"]["queued"] == 0
 
 
+async def test_a_name_placed_on_another_server_by_another_server_list(cluster: smb2.LocalCluster,
+                                                                        transport: str) -> None:
+    # One job uses server 0 alone; a later one servers 0 and 1, where the
+    # same lock name lands on server 1.  Server 0 keeps its leftover lock of
+    # that name: the later job's fenced writes there must still pass, and a
+    # stale token of the leftover must still be refused.
+    name = next(f"moved-{i}" for i in range(100) if _core.name_hash(f"moved-{i}") % 2 == 1)
+    a0, a1 = cluster.addresses[:2]
+    first = await smb2.connect([a0], transport=transport)
+    later = await smb2.connect([a0, a1], transport=transport)
+    try:
+        solo = await first.create("moved-solo", 64)
+        old = first.lock(name)
+        async with old:
+            stale = old.fence
+            await solo.write(0, b"first job", fence=old)
+        pair = await later.create("moved-pair", 128, stripe=64)      # on both servers
+        new = later.lock(name)
+        async with new:
+            assert new.token is not None and new.token > stale.token     # opened later, elsewhere
+            await pair.write(0, b"x" * 128, fence=new)
+        assert bytes(await pair.read(0, 128)) == b"x" * 128
+        with pytest.raises(smb2.StaleFence):
+            await solo.write(0, b"stale", fence=stale)
+        async with old:                     # the leftover still works for its own users
+            await solo.write(0, b"first again", fence=old)
+        assert bytes(await solo.read(0, 11)) == b"first again"
+    finally:
+        await first.close()
+        await later.close()
+
+
 async def test_buffer_lock_and_lock_segment_protection(client: smb2.Client) -> None:
     buf = await client.create("own", 4096)
     async with buf.lock() as lk:
@@ -270,7 +302,8 @@ async def test_fenced_write_arriving_byte_by_byte() -> None:
 
         hello = pack({"cmd": "hello", "version": VERSION})
         await request(_core.encode_header_with(VERSION, Op.CONTROL, 0, 0, 1, 0, 0, len(hello), hello))
-        for rid, token, expect in ((2, ticket, 0), (3, ticket + 1, smb2.ErrorCode.STALE_FENCE)):
+        # the holder's token passes; an older one (issued here, not holding) is refused
+        for rid, token, expect in ((2, ticket, 0), (3, ticket - 1, smb2.ErrorCode.STALE_FENCE)):
             payload = _core.pack_u64x2(info["key"], token) + b"fenced!!"
             frame = _core.encode_header_with(VERSION, Op.WRITE, FLAG_FENCED, 0, rid, seg, 8,
                                              len(payload), payload)

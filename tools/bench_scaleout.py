@@ -29,6 +29,10 @@ What one run does:
   event-loop wakeups per MiB, the whole machine's busy fraction and the part of it that is not
   ours ("others": other programs and uncharged kernel work -- a sample taken with "others" high
   was taken on a loaded machine);
+* then the training benchmark (``tools/bench_training.py --against``: an MLP of 12.6 M
+  parameters, ``--training-workers`` worker processes, ``--training-rule``) runs once per
+  server count from the client namespace, for its samples/s against one server's
+  (``--training-steps 0`` to skip it);
 * figures are medians over rounds; the speedup of N servers is the median over rounds of
   ``BW_r(N) / BW_r(1)`` (a ratio taken within one round), efficiency = speedup / N.
 
@@ -356,21 +360,24 @@ def worker_main(argv: list[str]) -> int:
 # The driver: builds the cluster, runs the worker in the client namespace, summarizes
 
 
-def training_samples_per_s(cluster: netns_cluster.NetnsCluster, nservers: int) -> float | None:
-    """Hook for issue 5's "the same for the training benchmark's samples/s when that exists".
-
-    Nothing to measure in this checkout: there is no training benchmark (``tools/bench_training.py``)
-    and no ``smb2.train`` here yet, so this returns None and the table says "n/a" -- never a
-    made-up figure.  (The training branch has ``smb2.train.job.run_job(cfg, servers, data_path)``,
-    which launches the worker processes and returns a dict with ``samples_per_s``.)  To wire it:
-    run that job in the CLIENT namespace against the first ``nservers`` servers, e.g.
-    ``cluster.run_client([sys.executable, "tools/bench_training.py", "--json", "-"],
-    env={"SMB2_SERVERS": ",".join(cluster.servers[:nservers])}, capture_output=True, text=True)``,
-    parse its samples/s and return it; the table, the JSON and the speedup/efficiency arithmetic
-    pick it up unchanged.  Its workers must be children of that client-namespace process (never
-    started from this root-namespace process).
-    """
-    return None
+def training_samples_per_s(cluster: netns_cluster.NetnsCluster, nservers: int, *, steps: int, workers: int,
+                           rule: str, quiet: bool) -> float | None:
+    """The training benchmark (tools/bench_training.py, one configuration) against the first
+    ``nservers`` servers: samples/s, or None (with the reason on stderr) if it failed.  It runs in
+    the client namespace, and its worker processes are its children there, so every byte it moves
+    crosses the rate-limited links."""
+    servers = ",".join(cluster.servers[:nservers])
+    cmd = [sys.executable, str(REPO / "tools" / "bench_training.py"), "--against", servers,
+           "--rules", rule, "--workers", str(workers), "--steps", str(steps)]
+    r = cluster.run_client(cmd, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        print(f"bench_scaleout: the training run on {nservers} server(s) failed (exit {r.returncode}):\n"
+              f"{r.stderr[-2000:]}", file=sys.stderr)
+        return None
+    sps = float(json.loads(r.stdout.strip().splitlines()[-1])["samples_per_s"])
+    if not quiet:
+        progress(f"training ({rule}, {workers} workers, {steps} steps) on {nservers} server(s): {sps:.1f} samples/s")
+    return sps
 
 
 def summarize(samples: list[dict[str, Any]], counts: list[int]) -> dict[str, Any]:
@@ -417,8 +424,7 @@ def format_table(rows: dict[str, Any], counts: list[int], rate_bits: int | None,
                  training: dict[int, float | None]) -> str:
     link_payload = link_payload_GBps(rate_bits)
     head = (f"{'op':9} {'servers':>7} {'GB/s':>7} {'min..max':>13} {'x 1 srv':>7} {'eff':>6} {'vs raw':>6} "
-            f"{'of links':>8} {'rtt us':>6} {'cli cpu-s/GB':>12} {'srv cpu-s/GB':>12} {'machine':>7} {'others':>6} "
-            f"{'train samples/s':>15}")
+            f"{'of links':>8} {'rtt us':>6} {'cli cpu-s/GB':>12} {'srv cpu-s/GB':>12} {'machine':>7} {'others':>6}")
     lines = [head, "-" * len(head)]
 
     def f(v: float | None, fmt: str, width: int) -> str:
@@ -429,16 +435,20 @@ def format_table(rows: dict[str, Any], counts: list[int], rate_bits: int | None,
             r = rows.get(f"{op}/{n}")
             if r is None:
                 continue
-            raw = op in RAW_OPS
             of_links = f"{r['GBps_median'] / (n * link_payload):.0%}" if link_payload else "-"
-            tr = training.get(n)
             lines.append(
                 f"{op:9} {n:>7} {r['GBps_median']:7.3f} {r['GBps_min']:6.3f}..{r['GBps_max']:<6.3f} "
                 f"{r['speedup']:6.2f}x {r['efficiency']:6.1%} {f(r['vs_raw'], '.0%', 6)} {of_links:>8} "
                 f"{r['rtt_us_median']:6.0f} {r['client_cpu_s_per_GB']:12.2f} "
                 f"{f(r['server_cpu_s_per_GB'], '.2f', 12)} "
-                f"{r['machine_busy']:7.0%} {(r['others_busy'] or 0):6.0%} "
-                f"{'' if raw else ('n/a' if tr is None else f'{tr:.1f}'):>15}")
+                f"{r['machine_busy']:7.0%} {(r['others_busy'] or 0):6.0%}")
+    one = training.get(1)
+    if training:
+        lines += ["", "training benchmark (tools/bench_training.py, one run per server count):",
+                  f"{'servers':>7} {'samples/s':>10} {'x 1 srv':>7}"]
+        for n, sps in training.items():
+            lines.append(f"{n:>7} {f(sps, '.1f', 10)} "
+                         f"{f(sps / one if sps is not None and one else None, '.2f', 6)}x")
     return "\n".join(lines)
 
 
@@ -575,6 +585,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-server", metavar="PATH",
                    help="py-spy server 0 (smb2-server, attached by pid) while the worker runs: collapsed stacks "
                         "to PATH and its top frames on stderr")
+    p.add_argument("--training-steps", type=int, default=6,
+                   help="steps per worker of the training benchmark on each server count (0 = skip it; default 6)")
+    p.add_argument("--training-workers", type=int, default=4, help="its worker processes (default 4)")
+    p.add_argument("--training-rule", default="accumulate", help="its update rule (default accumulate)")
     p.add_argument("--json", default=str(REPO / "bench-results" / "scaleout.json"), help="where to write JSON")
     p.add_argument("--png", default=str(REPO / "bench-results" / "scaleout.png"), help="where to draw the plot")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
@@ -638,7 +652,12 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(out_path.parent, ignore_errors=True)
             if spy is not None:
                 _stop_spy(spy)
-        training = {n: training_samples_per_s(cluster, n) for n in counts}
+        training: dict[int, float | None] = {}
+        if args.training_steps > 0:
+            for n in counts:
+                training[n] = training_samples_per_s(cluster, n, steps=args.training_steps,
+                                                     workers=args.training_workers, rule=args.training_rule,
+                                                     quiet=args.quiet)
     for path in (args.profile, args.profile_server):
         if path:
             print(top_frames(Path(path)) if Path(path).exists() else f"py-spy wrote no {path}", file=sys.stderr)
@@ -663,7 +682,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "summary": rows,
         "training_samples_per_s": {str(n): v for n, v in training.items()},
-        "training_note": "no training benchmark exists yet; see training_samples_per_s() in this script",
+        "training": {"steps": args.training_steps, "workers": args.training_workers, "rule": args.training_rule,
+                     "benchmark": "tools/bench_training.py --against (MLP of 12.6 M parameters)"},
         "smb2_published": {"servers": SMB2_PUBLISHED[0], "speedup": SMB2_PUBLISHED[1]},
         "samples": result["samples"],
     }

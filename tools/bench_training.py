@@ -23,6 +23,11 @@ the machine's noise.
 
     python tools/bench_training.py [--steps 12] [--workers 1,2,4] [--servers 1,4]
         [--rules accumulate,locked,locked/layer,easgd] [--json out.json] [--png out.png]
+
+``--against HOST:PORT,...`` runs one configuration (the first rule, the
+first worker count) against servers that run elsewhere and prints its
+result as one JSON line: tools/bench_scaleout.py uses it for the
+samples/s column of its table, from inside its client namespace.
 """
 
 from __future__ import annotations
@@ -199,6 +204,19 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     return {"model": SIZES, "params": MLP(SIZES).nparams, "batch": BATCH, "steps": a.steps, "rows": rows}
 
 
+async def against(a: argparse.Namespace) -> dict[str, Any]:
+    """One configuration against the servers in ``--against``."""
+    servers = [s for s in a.against.split(",") if s]
+    workers = int(a.workers.split(",")[0])
+    label = a.rules.split(",")[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "synthetic.npz"
+        data.save(path, data.synthetic(4096, SIZES[0], SIZES[-1], seed=0, test=256))
+        rtt = await round_trip(servers)
+        r = await smb2_run(label, workers, servers, a.steps, path)
+    return {"system": "smb2", "rule": label, "workers": workers, "servers": len(servers), "rtt_us": rtt, **r}
+
+
 def _best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per configuration, the best of its repeats (interference only slows)."""
     best: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -291,6 +309,8 @@ def cli() -> int:
     p.add_argument("--json", default="bench_training.json")
     p.add_argument("--png", default="bench_training.png")
     p.add_argument("--from-json", metavar="JSON", help="only print the table and draw the plot of an earlier run")
+    p.add_argument("--against", metavar="SERVERS",
+                   help="one configuration against these servers (HOST:PORT,...); prints one JSON line")
     # internal: one gloo worker
     p.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -304,6 +324,9 @@ def cli() -> int:
     unknown = [r for r in a.rules.split(",") if r and r not in RULES]
     if unknown:
         p.error(f"unknown rules {unknown}; known: {', '.join(RULES)}")
+    if a.against:
+        print(json.dumps(asyncio.run(against(a))), flush=True)
+        return 0
     if a.from_json:
         result = json.loads(Path(a.from_json).read_text())
         for r in result["rows"]:

@@ -29,7 +29,8 @@ mutexes, bounded so that a long critical section costs at most ``spin`` of
 one CPU per hand-off, and none at all without contention.
 
 Fences: a fenced WRITE carries (lock key, token).  On the lock's own server
-the token must hold the lock right now.  Any other server cannot see the
+the token must hold the lock right now (a token it never issued belongs to
+the same name placed on another server, and is judged like the next case).  Any other server cannot see the
 lock's words, so it applies the classic fencing-token rule: refuse a token
 lower than the highest it has seen for that key.  A stale holder's write is
 thus refused everywhere once the next holder has written there, and on the
@@ -356,6 +357,12 @@ class LockService:
             # only a few ms later: read the words now, so a write fenced with
             # a just-released token cannot slip through that gap.
             self.touched(slot * SLOT)
+        # A token at or past our next ticket was never issued here: the same
+        # name lives on another server for this writer (a client with
+        # another server list -- say the next job on a subset of this
+        # cluster -- places it by its own list).  Ours is then a leftover,
+        # and the rule for locks held elsewhere applies.
+        if slot is not None and token < self.table.words(slot)[0]:
             ok = bool(self.table.check_fence(slot, token))
         else:
             seen = self.fences.get(key)
