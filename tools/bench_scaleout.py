@@ -457,7 +457,8 @@ def link_payload_GBps(rate_bits: int | None) -> float | None:
     return rate_bits / 8 * 1448 / 1514 / GB if rate_bits else None
 
 
-def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_GBps: float | None) -> str | None:
+def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_GBps: float | None,
+         training: dict[int, float | None] | None = None) -> str | None:
     """Draw the PNG; returns None on success, else why not."""
     try:
         import matplotlib
@@ -498,6 +499,11 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("bandwidth")
+    trained = {n: v for n, v in (training or {}).items() if v is not None}
+    if 1 in trained and len(trained) > 1:
+        ns = sorted(trained)
+        ax2.plot(ns, [trained[n] / trained[1] for n in ns], marker="D", color="tab:green",
+                 label="training samples/s (bench_training.py)")
     ax2.plot([1, nmax], [1, nmax], "k--", lw=1, label="ideal (N x)")
     ax2.plot([1, nmax], [TARGET_EFFICIENCY, TARGET_EFFICIENCY * nmax], ":", color="gray", lw=1,
              label=f"target ({TARGET_EFFICIENCY:.0%} efficiency)")
@@ -692,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     jpath.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"JSON: {jpath}")
     if not args.no_plot:
-        why_not = plot(Path(args.png), rows, counts, title, link_payload_GBps(rate_bits))
+        why_not = plot(Path(args.png), rows, counts, title, link_payload_GBps(rate_bits), training)
         print(f"plot: {why_not}" if why_not else f"plot: {args.png}")
     return 0
 
