@@ -161,16 +161,16 @@ class LockService:
         next rather than sleep, for up to ``spin`` s."""
         if not self.spin:
             return
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        # time.monotonic: uvloop's loop.time() moves in whole milliseconds
+        now = time.monotonic()
         self._spin_until = now + self.spin
         if self._spin_since is None:
             self._spin_since = now
-            loop.call_soon(self._spin, loop)
+            asyncio.get_running_loop().call_soon(self._spin, asyncio.get_running_loop())
 
     def _spin(self, loop: asyncio.AbstractEventLoop) -> None:
         # a ready callback makes the loop poll with a zero timeout
-        now = loop.time()
+        now = time.monotonic()
         if self._parked and now < self._spin_until:
             loop.call_soon(self._spin, loop)
             return
