@@ -53,7 +53,7 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff check $(wildcard src tests tools examples)
 
 typecheck: $(VENV)/.installed-test
-	$(BIN)/mypy src/smb2
+	$(BIN)/mypy src/smb2 tools
 
 # pytest exits 5 when it collected no test: not a failure of the project
 pytest: $(VENV)/.installed-test

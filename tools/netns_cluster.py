@@ -687,8 +687,8 @@ class NetnsCluster:
         try:
             self._teardown()
         finally:
-            for sig, old in held.items():
-                signal.signal(sig, old)
+            for signum, old in held.items():
+                signal.signal(signum, old)
             self._restore_signal_handlers()
             try:
                 atexit.unregister(self.close)

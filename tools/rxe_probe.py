@@ -22,21 +22,24 @@ points at the VM/device/pyverbs layer, not at the project's code. Steps:
 Prints one line per step and exits 0 when everything passed, 1 otherwise.
 """
 
+from __future__ import annotations
+
 import os
 import random
 import struct
 import sys
 import time
+from typing import Any, NoReturn
 
 PORT = 1
 POLL_LIMIT_S = 20.0  # the rxe loopback path can stall a jiffy per op under load
 
 
-def say(msg):
+def say(msg: str) -> None:
     print(f"rxe_probe: {msg}", flush=True)
 
 
-def fail(msg):
+def fail(msg: str) -> NoReturn:
     say(f"FAIL: {msg}")
     sys.exit(1)
 
@@ -64,7 +67,7 @@ PORT_STATES = {1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 ATOMIC_CAPS = {0: "NONE", 1: "HCA", 2: "GLOB"}
 
 
-def open_device(var="RXE_DEV"):
+def open_device(var: str = "RXE_DEV") -> Any:
     # Without any RDMA device get_device_list() raises (no
     # /sys/class/infiniband_verbs) instead of returning [].
     try:
@@ -79,7 +82,7 @@ def open_device(var="RXE_DEV"):
     return want, dev.Context(name=want)
 
 
-def pick_gid(ctx, gid_tbl_len, var="RXE_GID_INDEX"):
+def pick_gid(ctx: Any, gid_tbl_len: int, var: str = "RXE_GID_INDEX") -> int:
     env = os.environ.get(var)
     if env:
         return int(env)
@@ -95,7 +98,7 @@ def pick_gid(ctx, gid_tbl_len, var="RXE_GID_INDEX"):
 class End:
     """One side of the loopback: its own PD, CQ, MR and RC QP."""
 
-    def __init__(self, ctx, gid_index, size):
+    def __init__(self, ctx: Any, gid_index: int, size: int) -> None:
         self.pd = PD(ctx)
         self.cq = CQ(ctx, 16, None, None, 0)
         self.mr = MR(self.pd, size, ACCESS)
@@ -108,7 +111,7 @@ class End:
         self.gid_index = gid_index
         self.gid = ctx.query_gid(PORT, gid_index)
 
-    def connect(self, peer):
+    def connect(self, peer: End) -> None:
         a = QPAttr(port_num=PORT)
         a.qp_access_flags = ACCESS
         a.path_mtu = en.IBV_MTU_1024
@@ -121,7 +124,7 @@ class End:
         a.ah_attr = AHAttr(port_num=PORT, is_global=1, gr=route)
         self.qp.to_rts(a)  # INIT -> RTR -> RTS
 
-    def post_and_wait(self, wr, what):
+    def post_and_wait(self, wr: Any, what: str) -> Any:
         self.qp.post_send(wr)
         deadline = time.monotonic() + POLL_LIMIT_S
         while True:
@@ -136,7 +139,7 @@ class End:
         return wc
 
 
-def main():
+def main() -> int:
     t_start = time.perf_counter()
     name, ctx = open_device()
     dattr = ctx.query_device()
