@@ -35,6 +35,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from . import _core
+from .busypoll import poll_while
 from .errors import InterfaceError, InvalidArgumentError, LockTimeout, NoSuchBuffer, StaleFence
 
 if TYPE_CHECKING:
@@ -332,17 +333,13 @@ class Lock:
             # section should find this loop polling rather than asleep
             # (each wakeup is most of a round trip on a virtual machine).
             # For at most `spin` seconds, and none without contention.
-            loop.call_soon(self._poll_while_held, loop, time.monotonic() + self._spin, ticket)
+            until = time.monotonic() + self._spin
+            poll_while(loop, lambda: st.state == _core.TICKET_HELD and st.ticket == ticket
+                       and time.monotonic() < until)
         # One renewal timer per Lock, armed lazily: a lock taken and given
         # back many times per lease costs no timer per acquisition.
         if self._renew is None:
             self._renew = loop.call_at(st.renew_at, self._renew_due)
-
-    def _poll_while_held(self, loop: asyncio.AbstractEventLoop, until: float, ticket: int) -> None:
-        # a ready callback makes the loop poll with a zero timeout
-        st = self._state
-        if st is not None and st.state == _core.TICKET_HELD and st.ticket == ticket and time.monotonic() < until:
-            loop.call_soon(self._poll_while_held, loop, until, ticket)
 
     async def _draw(self, tr: Transport, seg: int, off: int) -> int:
         # The fetch-and-add must not be lost to a cancellation: a ticket

@@ -45,6 +45,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from . import _core
+from .busypoll import poll_while
 from .errors import ErrorCode, InvalidArgumentError
 from .protocol import FLAG_NOREPLY, FLAG_QUEUED, LOCK_SEGMENT, Op, error_payload
 
@@ -166,16 +167,12 @@ class LockService:
         self._spin_until = now + self.spin
         if self._spin_since is None:
             self._spin_since = now
-            asyncio.get_running_loop().call_soon(self._spin, asyncio.get_running_loop())
+            poll_while(asyncio.get_running_loop(),
+                       lambda: bool(self._parked) and time.monotonic() < self._spin_until, self._spin_stopped)
 
-    def _spin(self, loop: asyncio.AbstractEventLoop) -> None:
-        # a ready callback makes the loop poll with a zero timeout
-        now = time.monotonic()
-        if self._parked and now < self._spin_until:
-            loop.call_soon(self._spin, loop)
-            return
+    def _spin_stopped(self) -> None:
         assert self._spin_since is not None
-        self.spin_seconds += now - self._spin_since
+        self.spin_seconds += time.monotonic() - self._spin_since
         self._spin_since = None
 
     # -- control ------------------------------------------------------------

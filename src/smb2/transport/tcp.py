@@ -39,7 +39,6 @@ log = logging.getLogger("smb2.transport.tcp")
 
 _MASK64 = (1 << 64) - 1
 
-# what a reply carries
 # what a reply carries: nothing, data into the caller's buffers, a u64, a
 # msgpack map, or a lock grant (u64 ticket; flag QUEUED: others wait behind)
 _EMPTY, _INTO, _U64, _MSG, _GRANT = 0, 1, 2, 3, 4
