@@ -255,6 +255,16 @@ def _progress(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def write_json(path: str, result: dict[str, Any]) -> None:
+    """Write a run's result where ``--json`` says, making the directory."""
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
@@ -733,12 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     result["summary"] = summary
     print(format_table(summary))
     if args.json:
-        d = os.path.dirname(args.json)
-        if d:
-            os.makedirs(d, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        _progress(f"wrote {args.json}")
+        write_json(args.json, result)
     return 0
 
 

@@ -18,7 +18,6 @@ the ratio still shows what the Python/asyncio layer adds.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from .bench import write_json
 from .protocol import parse_size
 
 KiB = 1 << 10
@@ -284,12 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     results["summary"] = rows
     print(format_table(rows, args.poll))
     if args.json:
-        d = os.path.dirname(args.json)
-        if d:
-            os.makedirs(d, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {args.json}", file=sys.stderr)
+        write_json(args.json, results)
     return 0
 
 

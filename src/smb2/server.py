@@ -858,25 +858,17 @@ class _Connection(FrameReceiver):
         return {"proof": auth.server_proof(srv.token, self._nonce, nonce)}
 
 
-async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
-                       capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
-                       max_buffers: int = 4096, token: str | bytes | None = None,
-                       data_dir: str | os.PathLike[str] | None = None,
-                       write_timeout: float = DEFAULT_WRITE_TIMEOUT, lock_lease: float = DEFAULT_LEASE,
-                       lock_slots: int = DEFAULT_SLOTS, lock_spin: float = DEFAULT_SPIN, rdma: str = "auto",
-                 rdma_device: str | None = None,
-                       rdma_gid_index: int | None = None) -> MemoryServer:
+async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, **options: Any) -> MemoryServer:
     """Start a memory server in the running loop and return it once it listens.
 
-    ``port=0`` picks a free port (see ``server.address``).  With ``token``,
-    clients must authenticate (``smb2.connect(..., token=...)``).  With
-    ``data_dir``, the segments saved there are restored now and saved again
-    by ``close()``.  ``rdma``: "auto" (serve RDMA where this machine can),
-    "on" (fail if it cannot), "off"."""
-    server = MemoryServer(capacity=capacity, max_frame=max_frame, max_buffers=max_buffers,
-                          token=token, data_dir=data_dir, write_timeout=write_timeout,
-                          lock_lease=lock_lease, lock_slots=lock_slots, lock_spin=lock_spin, rdma=rdma,
-                          rdma_device=rdma_device, rdma_gid_index=rdma_gid_index)
+    ``options`` are :class:`MemoryServer`'s keyword arguments (capacity,
+    token, data_dir, lock_lease, lock_spin, rdma, ...).  ``port=0`` picks a
+    free port (see ``server.address``).  With ``token``, clients must
+    authenticate (``smb2.connect(..., token=...)``).  With ``data_dir``, the
+    segments saved there are restored now and saved again by ``close()``.
+    ``rdma``: "auto" (serve RDMA where this machine can), "on" (fail if it
+    cannot), "off"."""
+    server = MemoryServer(**options)
     await server.start(host, port)
     return server
 
