@@ -47,7 +47,7 @@ from typing import Any
 import uvloop
 
 import smb2
-from smb2.bench import _READY, _machine, _now, _pct, _RawClient, latencies
+from smb2.bench.common import describe_machine, latencies, now, pct, start_raw_peer, stop_raw_peer
 
 TARGET_UNCONTENDED = 3.0      # park p50 <= 3x raw round trip p50
 TARGET_THROUGHPUT = 2.0       # with 4 processes, >= 2x the spin lock
@@ -202,29 +202,13 @@ class _Pool:
 
 # -- the run ---------------------------------------------------------------------
 
-async def _start_raw_peer() -> tuple[asyncio.subprocess.Process, _RawClient]:
-    loop = asyncio.get_running_loop()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(_ROOT / "src"),
-                                                                      os.environ.get("PYTHONPATH"))))}
-    peer = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "smb2.bench", "--raw-peer", "--raw-peer-bytes", "64",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
-    assert peer.stdout is not None
-    line = (await asyncio.wait_for(peer.stdout.readline(), 30)).decode()
-    if not line.startswith(_READY):
-        raise RuntimeError(f"the raw peer did not start: {line!r}")
-    host, _, port = line[len(_READY):].strip().rpartition(":")
-    _, raw = await loop.create_connection(_RawClient, host, int(port))
-    return peer, raw
-
-
 def _server_data_ops(stats: list[dict[str, Any]]) -> int:
     return sum(sum(c.values()) for s in stats for c in s["ops"].values())
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
-    result: dict[str, Any] = {"started": _now(), "machine": _machine(loop), "args": vars(args)}
+    result: dict[str, Any] = {"started": now(), "machine": describe_machine(loop), "args": vars(args)}
     # Pinned as smb2.bench pins: the server and the raw peer are started on
     # the "far" CPU (children inherit the affinity they are spawned with),
     # this process and the contending workers on the "near" one.  Every
@@ -244,7 +228,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
         try:
             await cluster.start()
-            peer, raw = await _start_raw_peer()
+            peer, raw = await start_raw_peer(64)
         finally:
             if near is not None:
                 os.sched_setaffinity(0, {near})
@@ -274,7 +258,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 _progress(f"round {r + 1}/{args.rounds}: " + "  ".join(f"{k} {med[k]:.1f}us" for k in kinds))
             unc: dict[str, Any] = {}
             for k in kinds:
-                unc[k] = {"p50_us": _pct(samples[k], 50), "p99_us": _pct(samples[k], 99),
+                unc[k] = {"p50_us": pct(samples[k], 50), "p99_us": pct(samples[k], 99),
                           "ratio_p50_vs_raw": statistics.median(m[k] / m["raw"] for m in rounds),
                           "ratio_p50_vs_read64": statistics.median(m[k] / m["read64"] for m in rounds)}
             result["uncontended"] = {"rounds": rounds, "summary": unc}
@@ -323,13 +307,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             await client.close()
     finally:
         if peer is not None:
-            if raw.transport is not None:
-                raw.transport.close()
-            if peer.stdin is not None:
-                peer.stdin.close()
-            await peer.wait()
+            await stop_raw_peer(peer, raw)
         await cluster.close()
-    result["finished"] = _now()
+    result["finished"] = now()
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     return result
 

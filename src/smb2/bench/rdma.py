@@ -8,7 +8,7 @@ an RC queue pair of the same device to the same server.  The baseline posts
 with pyverbs and spins on ``CQ.poll`` (no event loop, no futures); the
 subject is ``Buffer.read_into``/``Buffer.write`` on a registered array, with
 ``poll="event"`` (completion channel fd in the loop) and ``poll="busy"``.
-Rounds alternate baseline and subject (DESIGN.md, "Measuring"); each ratio
+Rounds alternate baseline and subject (docs/design.md, "Measuring"); each ratio
 is subject / baseline time per operation within one round, reported as the
 median over rounds, with the baseline's 8-byte READ round trip of that round
 beside it.  Under TCG (the soft-RoCE VM) the absolute numbers mean nothing;
@@ -27,11 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from .bench import write_json
-from .protocol import parse_size
+from ..protocol import parse_size
+from .common import MiB, fmt_size, write_json
 
 KiB = 1 << 10
-MiB = 1 << 20
 DEFAULT_SIZES = "4KiB,64KiB"
 TARGET_SIZE = 4 * KiB
 TARGET_RATIO = 1.5
@@ -133,9 +132,9 @@ async def _subject(buf: Any, arr: np.ndarray, op: str, size: int, n: int) -> flo
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    from .client import connect
-    from .server import start_server
-    from .transport.tcp import TcpTransport
+    from ..client import connect
+    from ..server import start_server
+    from ..transport.tcp import TcpTransport
 
     server = await start_server("127.0.0.1", 0, capacity=4 * max(args.sizes) + 64 * MiB, rdma="on")
     assert server.rdma is not None
@@ -209,7 +208,7 @@ def format_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
         f"  {m + ' us/op':>13}  {m + ' ratio':>12}" for m in modes) + f"  {'rtt us':>8}  target"
     out = [head, "-" * len(head)]
     for r in rows:
-        line = f"{r['op']:<6}{_fmt(r['size']):>8}  {r['bare_us']:>11.1f}" + "".join(
+        line = f"{r['op']:<6}{fmt_size(r['size'], sep=''):>8}  {r['bare_us']:>11.1f}" + "".join(
             f"  {r[m + '_us']:>13.1f}  {r[m + '_ratio']:>11.2f}x" for m in modes)
         line += f"  {r['rtt_us']:>8.1f}"
         if r["size"] == TARGET_SIZE:
@@ -221,13 +220,6 @@ def format_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
                "at a time;")
     out.append("rtt = the bare loop's 8-byte RDMA READ round trip in that round (the machine's mode)")
     return "\n".join(out)
-
-
-def _fmt(n: int) -> str:
-    for unit, k in (("MiB", MiB), ("KiB", KiB)):
-        if n >= k and n % k == 0:
-            return f"{n // k}{unit}"
-    return f"{n}B"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -247,7 +239,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # bench.py hands over its whole command line: ignore its other flags
+    # smb2.bench hands over its whole command line: ignore the TCP benchmark's flags
     args, _ = _parser().parse_known_args(argv)
     try:
         args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
@@ -268,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smb2 bench: the baseline needs pyverbs (apt-get install python3-pyverbs): {exc}",
               file=sys.stderr)
         return 1
-    from .errors import Smb2Error
-    from .transport import rdma_unavailable_reason
+    from ..errors import Smb2Error
+    from ..transport import rdma_unavailable_reason
     reason = rdma_unavailable_reason()
     if reason is not None:
         print(f"smb2 bench: no RDMA here: {reason}", file=sys.stderr)
@@ -286,7 +278,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, results)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

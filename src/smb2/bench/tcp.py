@@ -1,6 +1,6 @@
 """``smb2 bench``: smb2 against a raw uvloop TCP baseline, in one run.
 
-What it measures (DESIGN.md, "Measuring"; issue 2, "Performance"):
+What it measures (docs/design.md, "Measuring"; issue 2, "Performance"):
 
 * **baseline** -- a raw ``asyncio.BufferedProtocol`` transfer over loopback
   between this process and a child process (``python -m smb2.bench
@@ -28,24 +28,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as _dt
-import json
 import os
-import platform
-import socket
 import statistics
-import struct
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
-from .protocol import parse_size
+from ..protocol import parse_size
+from .common import (
+    MiB,
+    RawClient,
+    describe_machine,
+    fmt_size,
+    latencies,
+    now,
+    pct,
+    start_raw_peer,
+    stop_raw_peer,
+    timed,
+    write_json,
+)
 
-MiB = 1 << 20
 DEFAULT_SIZES = "1MiB,16MiB,64MiB"
 
 # Targets of issue 2: (op, size) -> least ratio smb2/raw
@@ -62,247 +68,9 @@ SLOW_RTT_US = 30.0
 
 OPS = ("write", "read", "accumulate")
 
-# -- the raw baseline's wire format --------------------------------------------
-# Every message of the raw protocol is one 64-byte frame (cmd, 0, length, then
-# padding), so that a ping is exactly 64 bytes each way.  SINK is followed by
-# ``length`` payload bytes and answered with one frame once they are all in;
-# SOURCE is answered with ``length`` bytes.  Each side receives straight into
-# a preallocated buffer via ``get_buffer``: no copies, no ``bytes`` objects.
-FRAME = 64
-_HDR = struct.Struct("<IIQ")
-CMD_PING, CMD_SINK, CMD_SOURCE = 1, 2, 3
-_READY = "raw-peer listening on"
-# the directory holding the smb2 package (the child imports the same one)
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _frame(cmd: int, length: int = 0) -> bytes:
-    return _HDR.pack(cmd, 0, length).ljust(FRAME, b"\0")
-
-
-def _nodelay(transport: asyncio.BaseTransport) -> None:
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class _PeerProtocol(asyncio.BufferedProtocol):
-    """The child's end: echoes pings, sinks and sources payloads."""
-
-    def __init__(self, mem: memoryview, closed: asyncio.Future[None]) -> None:
-        self.mem = mem
-        self.closed = closed
-        self.head = bytearray(FRAME)
-        self.hview = memoryview(self.head)
-        self.hpos = 0
-        self.sink: memoryview | None = None
-        self.spos = 0
-        self.ack = _frame(CMD_SINK)
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-        _nodelay(transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self.sink is not None:
-            return self.sink[self.spos:]
-        return self.hview[self.hpos:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        t = self.transport
-        assert t is not None
-        if self.sink is not None:
-            self.spos += nbytes
-            if self.spos == len(self.sink):
-                self.sink = None
-                t.write(self.ack)
-            return
-        self.hpos += nbytes
-        if self.hpos < FRAME:
-            return
-        self.hpos = 0
-        cmd, _, length = _HDR.unpack_from(self.head)
-        if cmd == CMD_PING:
-            t.write(bytes(self.head))
-        elif cmd == CMD_SINK and length <= len(self.mem):
-            if length:
-                self.sink, self.spos = self.mem[:length], 0
-            else:
-                t.write(self.ack)
-        elif cmd == CMD_SOURCE and length <= len(self.mem):
-            t.write(self.mem[:length])
-        else:
-            t.abort()
-
-
-async def _raw_peer(nbytes: int) -> None:
-    loop = asyncio.get_running_loop()
-    # filled, so that its pages are faulted in before anything is timed
-    mem = memoryview(bytearray(b"\1") * max(nbytes, FRAME))
-    closed: asyncio.Future[None] = loop.create_future()
-    server = await loop.create_server(lambda: _PeerProtocol(mem, closed), "127.0.0.1", 0)
-    host, port = server.sockets[0].getsockname()[:2]
-    print(f"{_READY} {host}:{port}", flush=True)
-
-    # exit with the connection, or when the parent goes away (stdin closes)
-    def stdin_readable() -> None:
-        if not os.read(0, 4096) and not closed.done():
-            closed.set_result(None)
-
-    loop.add_reader(0, stdin_readable)
-    try:
-        await closed
-    finally:
-        loop.remove_reader(0)
-        server.close()
-
-
-def _run_peer(nbytes: int) -> int:
-    import uvloop
-    uvloop.run(_raw_peer(nbytes))
-    return 0
-
-
-class _RawClient(asyncio.BufferedProtocol):
-    """This process's end of the baseline: one request at a time."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.dest: memoryview | None = None
-        self.pos = 0
-        self.fut: asyncio.Future[None] | None = None
-        self.reply = memoryview(bytearray(FRAME))
-        self.scratch = memoryview(bytearray(FRAME))
-        self.ping_frame = _frame(CMD_PING)
-        self.lost: Exception | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-        _nodelay(transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = exc or ConnectionResetError("raw peer closed the connection")
-        self.transport = None
-        if self.fut is not None and not self.fut.done():
-            self.fut.set_exception(self.lost)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.dest[self.pos:] if self.dest is not None else self.scratch
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.dest is None:
-            assert self.transport is not None
-            self.transport.abort()      # nothing was asked: the peer is broken
-            return
-        self.pos += nbytes
-        if self.pos == len(self.dest):
-            self.dest = None
-            assert self.fut is not None
-            self.fut.set_result(None)
-
-    def _expect(self, dest: memoryview) -> asyncio.Future[None]:
-        if self.transport is None:
-            raise self.lost or ConnectionError("raw peer not connected")
-        self.dest, self.pos = dest, 0
-        self.fut = asyncio.get_running_loop().create_future()
-        return self.fut
-
-    async def ping(self) -> None:
-        fut = self._expect(self.reply)
-        assert self.transport is not None
-        self.transport.write(self.ping_frame)
-        await fut
-
-    async def sink(self, src: memoryview) -> None:
-        """Send ``src`` to the peer; return once the peer has all of it."""
-        fut = self._expect(self.reply)
-        assert self.transport is not None
-        self.transport.writelines((_frame(CMD_SINK, len(src)), src))
-        await fut
-
-    async def source(self, dest: memoryview) -> None:
-        """Receive ``len(dest)`` bytes from the peer straight into ``dest``."""
-        fut = self._expect(dest)
-        assert self.transport is not None
-        self.transport.write(_frame(CMD_SOURCE, len(dest)))
-        await fut
-
-
-# -- helpers -------------------------------------------------------------------
-
-def _pct(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), nearest rank on the sorted values."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
-    return s[k]
-
-
-def _fmt_size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
-
 
 def _progress(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def write_json(path: str, result: dict[str, Any]) -> None:
-    """Write a run's result where ``--json`` says, making the directory."""
-    d = os.path.dirname(path)
-    if d:
-        os.makedirs(d, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}", file=sys.stderr)
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-
-
-def _machine(loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
-    import uvloop
-
-    info: dict[str, Any] = {
-        "nproc": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "python": sys.version.split()[0],
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "loop": f"{type(loop).__module__}.{type(loop).__name__}",
-        "uvloop": uvloop.__version__,
-        "numpy": np.__version__,
-        "loadavg_start": list(os.getloadavg()),
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            models = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        info["cpu"] = models[0] if models else None
-    except OSError:
-        info["cpu"] = None
-    try:
-        from . import __version__
-        info["smb2"] = __version__
-        here = os.path.dirname(os.path.abspath(__file__))
-        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--", "."],
-                               capture_output=True, text=True, timeout=5)
-        if rev.returncode == 0:
-            info["git"] = rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
 
 
 class _CpuMeter:
@@ -335,24 +103,6 @@ class _CpuMeter:
         return max(0, (b[1] - a[1]) - (b[2] - a[2])) / (b[0] - a[0])
 
 
-async def _timed(fn: Callable[[], Awaitable[None]], k: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(k):
-        await fn()
-    return time.perf_counter() - t0
-
-
-async def latencies(fn: Callable[[], Awaitable[None]], n: int) -> list[float]:
-    """``n`` sequential calls; each one's time in microseconds."""
-    out = []
-    clock = time.perf_counter_ns
-    for _ in range(n):
-        t0 = clock()
-        await fn()
-        out.append((clock() - t0) / 1000)
-    return out
-
-
 # -- the run -------------------------------------------------------------------
 
 class _Bench:
@@ -363,40 +113,17 @@ class _Bench:
         self.samples: list[dict[str, Any]] = []
         self.latency: dict[str, Any] = {}
         self.peer: asyncio.subprocess.Process | None = None
-        self.raw: _RawClient | None = None
+        self.raw: RawClient | None = None
         self.cpu = _CpuMeter()
 
     # raw peer ------------------------------------------------------------
-    async def start_peer(self) -> _RawClient:
-        loop = asyncio.get_running_loop()
-        # the child imports this very smb2, installed or not
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (_PACKAGE_ROOT, env.get("PYTHONPATH"))))
-        self.peer = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "smb2.bench", "--raw-peer", "--raw-peer-bytes", str(self.maxsize),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
-        assert self.peer.stdout is not None
-        line = (await asyncio.wait_for(self.peer.stdout.readline(), 30)).decode()
-        if not line.startswith(_READY):
-            raise RuntimeError(f"the raw peer did not start: {line!r}")
-        host, _, port = line[len(_READY):].strip().rpartition(":")
-        _, proto = await loop.create_connection(_RawClient, host, int(port))
-        self.raw = proto
-        return proto
+    async def start_peer(self) -> RawClient:
+        self.peer, self.raw = await start_raw_peer(self.maxsize)
+        return self.raw
 
     async def stop_peer(self) -> None:
-        if self.raw is not None and self.raw.transport is not None:
-            self.raw.transport.close()
-        p = self.peer
-        if p is None:
-            return
-        if p.stdin is not None:
-            p.stdin.close()
-        try:
-            await asyncio.wait_for(p.wait(), 5)
-        except TimeoutError:
-            p.kill()
-            await p.wait()
+        if self.peer is not None:
+            await stop_raw_peer(self.peer, self.raw)
 
     async def rtt_burst(self, n: int) -> list[float]:
         assert self.raw is not None
@@ -407,8 +134,8 @@ class _Bench:
         import smb2
 
         args = self.args
-        started = _now()
-        machine = _machine(asyncio.get_running_loop())
+        started = now()
+        machine = describe_machine(asyncio.get_running_loop())
         _progress(f"{machine['nproc']} CPUs, load {machine['loadavg_start']}, loop {machine['loop']}")
 
         # Children inherit the affinity they are spawned with: start the raw
@@ -457,7 +184,7 @@ class _Bench:
         machine["loadavg_end"] = list(os.getloadavg())
         return {
             "benchmark": "smb2 bandwidth and latency against raw uvloop TCP",
-            "started": started, "finished": _now(),
+            "started": started, "finished": now(),
             "machine": machine,
             "config": {"sizes": self.sizes, "repeat": args.repeat, "servers": args.servers,
                        "transport": args.transport, "transports_used": transports,
@@ -470,7 +197,7 @@ class _Bench:
             "latency": self.latency,
         }
 
-    async def bandwidth(self, raw: _RawClient, buf: Any) -> None:
+    async def bandwidth(self, raw: RawClient, buf: Any) -> None:
         """Pairs of (raw, smb2) samples per op and size, ``repeat`` rounds."""
         args = self.args
         n = self.maxsize
@@ -513,10 +240,10 @@ class _Bench:
                     npair += 1
                     a, b = (r, s) if raw_first else (s, r)
                     cpu0 = self.cpu.read()
-                    ta = await _timed(a, k)
-                    tb = await _timed(b, k)
-                    tb += await _timed(b, k)
-                    ta += await _timed(a, k)
+                    ta = await timed(a, k)
+                    tb = await timed(b, k)
+                    tb += await timed(b, k)
+                    ta += await timed(a, k)
                     others = self.cpu.others(cpu0, self.cpu.read())
                     t_raw, t_smb2 = (ta, tb) if raw_first else (tb, ta)
                     nbytes = 2 * k * size
@@ -532,10 +259,10 @@ class _Bench:
                     })
             last = [x for x in self.samples[-len(self.sizes) * len(OPS):] if x["size"] == self.maxsize]
             _progress(f"round {rep + 1}/{args.repeat}: " + "; ".join(
-                f"{x['op']} {_fmt_size(x['size'])} smb2 {x['smb2_gbps']:.2f} raw {x['raw_gbps']:.2f} GB/s"
+                f"{x['op']} {fmt_size(x['size'])} smb2 {x['smb2_gbps']:.2f} raw {x['raw_gbps']:.2f} GB/s"
                 for x in last) + f"; rtt {self.samples[-1]['rtt_p50_us']:.0f} us")
 
-    async def latencies(self, raw: _RawClient, buf: Any) -> None:
+    async def latencies(self, raw: RawClient, buf: Any) -> None:
         """Blocks of raw 64-byte round trips and smb2 small reads, taken in
         turn so that both see the same modes of the machine."""
         args = self.args
@@ -560,13 +287,13 @@ class _Bench:
                 block[f"{key}_p50_us"] = statistics.median(xs)
             block["others_cpu"] = self.cpu.others(cpu0, self.cpu.read())
             blocks.append(block)
-        _progress(f"latency: smb2 4 KiB read p50 {_pct(lat['smb2_read_4k'], 50):.1f} us, "
-                  f"raw 64 B rtt p50 {_pct(lat['raw_rtt_64'], 50):.1f} us")
+        _progress(f"latency: smb2 4 KiB read p50 {pct(lat['smb2_read_4k'], 50):.1f} us, "
+                  f"raw 64 B rtt p50 {pct(lat['raw_rtt_64'], 50):.1f} us")
         self.latency = {
             "samples_us": {k: [round(x, 2) for x in v] for k, v in lat.items()},
             "blocks": blocks,
-            "p50_us": {k: _pct(v, 50) for k, v in lat.items()},
-            "p99_us": {k: _pct(v, 99) for k, v in lat.items()},
+            "p50_us": {k: pct(v, 50) for k, v in lat.items()},
+            "p99_us": {k: pct(v, 99) for k, v in lat.items()},
         }
 
 
@@ -640,7 +367,7 @@ def format_table(summary: dict[str, Any]) -> str:
     for r in summary["bandwidth"]:
         tgt = "" if r["target"] is None else \
             f">={r['target']:.2f}x {'PASS' if r['pass'] else 'MISS'}"
-        out.append(f"{r['op']:<11}{_fmt_size(r['size']):>8}  {r['smb2_gbps']:>9.2f}  "
+        out.append(f"{r['op']:<11}{fmt_size(r['size']):>8}  {r['smb2_gbps']:>9.2f}  "
                    f"{r['raw_gbps']:>8.2f}  {r['ratio']:>5.2f}x  {r['rtt_us']:>6.1f}  "
                    f"{r['slow']:>2}/{r['n']:<2}  {_pcent(r['others_cpu']):>6}  {tgt}")
     if summary["latency"]:
@@ -654,7 +381,7 @@ def format_table(summary: dict[str, Any]) -> str:
                 f"<={r['target']:.1f}x {'PASS' if r['pass'] else 'MISS'}"
             smb2 = f"{r['smb2_p50_us']:.1f} / {r['smb2_p99_us']:.1f}"
             raw = f"{r['raw_p50_us']:.1f} / {r['raw_p99_us']:.1f}"
-            out.append(f"{'read':<11}{_fmt_size(r['size']):>8}  {smb2:>16}  {raw:>20}  "
+            out.append(f"{'read':<11}{fmt_size(r['size']):>8}  {smb2:>16}  {raw:>20}  "
                        f"{r['ratio']:>5.2f}x  {_pcent(r['others_cpu']):>6}  {tgt}")
     out.append("")
     out.append("ratio = median over back-to-back pairs of smb2/raw; rtt = raw 64 B round trip "
@@ -664,7 +391,7 @@ def format_table(summary: dict[str, Any]) -> str:
     out.append("others = share of all CPUs busy with other processes meanwhile")
     missing = sorted({size for _, size in BANDWIDTH_TARGETS} - {r["size"] for r in summary["bandwidth"]})
     if missing:
-        out.append(f"(the bandwidth targets need --sizes to include {', '.join(map(_fmt_size, missing))})")
+        out.append(f"(the bandwidth targets need --sizes to include {', '.join(map(fmt_size, missing))})")
     if not summary["pinned"]:
         out.append("unpinned: the rtt also depends on whether the kernel put both ends on one CPU")
     return "\n".join(out)
@@ -699,19 +426,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer samples: done in about 20 s")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin this process to one CPU and the peers to another")
-    p.add_argument("--raw-peer", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--raw-peer-bytes", type=int, default=64 * MiB, help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.transport == "rdma":
-        # against a bare pyverbs post-and-poll loop instead (bench_rdma.py)
-        from . import bench_rdma
-        return bench_rdma.main(argv)
-    if args.raw_peer:
-        return _run_peer(args.raw_peer_bytes)
     if args.servers < 1:
         print("smb2 bench: --servers must be at least 1", file=sys.stderr)
         return 2
@@ -730,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvloop
 
-    from .errors import Smb2Error
+    from ..errors import Smb2Error
     try:
         result = uvloop.run(_Bench(args).run())
     except (Smb2Error, OSError, RuntimeError) as exc:
@@ -745,7 +464,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, result)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
