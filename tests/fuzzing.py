@@ -253,7 +253,7 @@ def check_replies(data: bytes) -> Replies:
 # -- in process, no sockets: the server's frame handling fed byte by byte --------
 
 class FakeTransport:
-    """Just enough of an asyncio transport for ``server._Connection``."""
+    """Just enough of an asyncio transport for ``smb2.server.memory.Connection``."""
 
     def __init__(self) -> None:
         self.out = bytearray()
@@ -304,9 +304,9 @@ class Harness:
         self.segment = int(info["segment"])
 
     def feed(self, data: bytes, cuts: list[int]) -> Replies:
-        from smb2.server import _Connection
+        from smb2.server.memory import Connection
 
-        conn = _Connection(self.server)
+        conn = Connection(self.server)
         t = FakeTransport()
         conn.connection_made(t)  # type: ignore[arg-type]
         pos = 0

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import smb2
-from smb2 import persist
+from smb2 import checkpoint
 
 MiB = 1 << 20
 
@@ -256,5 +256,5 @@ async def test_checkpoint_memory_is_two_chunks(cluster: smb2.LocalCluster, tmp_p
     finally:
         tracemalloc.stop()
     # the in-process servers are in this process too: they allocate nothing per byte either
-    assert peak < 3 * persist.CHUNK + 4 * MiB, peak
+    assert peak < 3 * checkpoint.CHUNK + 4 * MiB, peak
     assert bytes(await buf.read(50 * MiB, 4)) == b"mark"

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _core, auth, persist
+from . import _core, auth, checkpoint
 from . import notify as _notify
 from .errors import (
     BufferConflict,
@@ -260,19 +260,19 @@ class Client:
     async def _one_control(self, link: _Link, msg: dict[str, Any]) -> dict[str, Any]:
         return await (await link.get()).control(msg)
 
-    # -- checkpoints (persist.py) ---------------------------------------------
+    # -- checkpoints (checkpoint.py) ------------------------------------------
     async def checkpoint(self, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Save the whole buffer ``name`` to the file ``path`` (atomically,
         with a header and a SHA-256); returns ``name``, ``nbytes``, ``sha256``."""
         self._check()
-        return await persist.checkpoint(self, name, path)
+        return await checkpoint.checkpoint(self, name, path)
 
     async def restore(self, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a checkpoint file into buffer ``name`` (created if missing).
         The checksum is verified first; a buffer of another size or a
         checkpoint of another buffer is refused (InvalidArgumentError)."""
         self._check()
-        return await persist.restore(self, name, path)
+        return await checkpoint.restore(self, name, path)
 
     # -- locks ----------------------------------------------------------------
     def lock(self, name: str, **options: Any) -> Lock:

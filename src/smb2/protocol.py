@@ -59,7 +59,7 @@ FLAG_QUEUED: Final = 0x0100
 # segment id of every server's lock segment (buffers' segments start at 1)
 LOCK_SEGMENT: Final = 0
 # ACCUMULATE only: the delta is in the connection's RDMA staging area; the
-# payload is u64 staging offset, u64 length (see rdma_server.py)
+# payload is u64 staging offset, u64 length (see server/rdma.py)
 FLAG_STAGED: Final = 0x0002
 DTYPE_SHIFT: Final = 4
 DTYPE_MASK: Final = 0x00F0

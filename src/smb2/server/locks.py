@@ -1,5 +1,5 @@
 """The server's half of the lock: glue between ``_core.LockTable`` and the
-connections (DESIGN.md, "The lock"; docs/protocol.md, "Locks").
+connections (docs/design.md, "The lock"; docs/protocol.md, "Locks").
 
 Every server has one *lock segment* (segment id ``LOCK_SEGMENT`` = 0): page
 aligned, so an RDMA transport can register it like any segment, made of
@@ -44,13 +44,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import _core
-from .busypoll import poll_while
-from .errors import ErrorCode, InvalidArgumentError
-from .protocol import FLAG_NOREPLY, FLAG_QUEUED, LOCK_SEGMENT, Op, error_payload
+from .. import _core
+from ..busypoll import poll_while
+from ..errors import ErrorCode, InvalidArgumentError
+from ..protocol import FLAG_NOREPLY, FLAG_QUEUED, LOCK_SEGMENT, Op, error_payload
+from .segment import Refused
 
 if TYPE_CHECKING:
-    from .server import MemoryServer, _Connection
+    from .memory import Connection, MemoryServer
 
 log = logging.getLogger("smb2.lock")
 
@@ -64,14 +65,6 @@ MAX_SLOTS = 1 << 20
 # tokens seen in fenced writes for locks held elsewhere; an untrusted client
 # must not grow this without bound (the oldest keys are forgotten first)
 MAX_FENCE_KEYS = 1 << 16
-
-
-class LockRefused(Exception):
-    """A lock request the server answers with an error code."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _ticket_base() -> int:
@@ -105,7 +98,7 @@ class LockService:
         # parked LOCK_ACQUIREs: waiter id -> (connection, header).  A waiter
         # id is (owner << 32 | request id): LOCK_CANCEL names the acquire by
         # its request id, and no table maps one to the other.
-        self._parked: dict[int, tuple[_Connection, tuple[int, ...]]] = {}
+        self._parked: dict[int, tuple[Connection, tuple[int, ...]]] = {}
         self._leases: dict[int, float] = {}      # slot -> lease, where set by lock_open
         self._next_owner = 1
         self._sweeper: asyncio.Task[None] | None = None
@@ -178,16 +171,16 @@ class LockService:
     # -- control ------------------------------------------------------------
     def open(self, name: str, lease: float | None) -> dict[str, Any]:
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 255:
-            raise LockRefused(ErrorCode.BAD_REQUEST, "lock names are 1..255 bytes of str")
+            raise Refused(ErrorCode.BAD_REQUEST, "lock names are 1..255 bytes of str")
         if lease is not None and not (isinstance(lease, (int, float)) and 0 < lease <= MAX_LEASE):
-            raise LockRefused(ErrorCode.BAD_REQUEST, f"lease must be in (0, {MAX_LEASE}] seconds")
+            raise Refused(ErrorCode.BAD_REQUEST, f"lease must be in (0, {MAX_LEASE}] seconds")
         slot = self.by_name.get(name)
         now = asyncio.get_running_loop().time()
         if slot is None:
             try:
                 slot = self.names.index(None)
             except ValueError:
-                raise LockRefused(ErrorCode.OUT_OF_MEMORY,
+                raise Refused(ErrorCode.OUT_OF_MEMORY,
                                   f"this server holds its maximum of {self.nslots} locks") from None
             self.table.open(slot, _ticket_base(), float(lease or self.lease), now)
             self.by_name[name] = slot
@@ -224,10 +217,10 @@ class LockService:
 
     def _slot_of(self, offset: int) -> int:
         if offset % SLOT or not 0 <= offset < self.nslots * SLOT:
-            raise LockRefused(ErrorCode.BAD_REQUEST, f"offset {offset} is not a lock slot")
+            raise Refused(ErrorCode.BAD_REQUEST, f"offset {offset} is not a lock slot")
         slot = offset // SLOT
         if not self.table.is_open(slot):
-            raise LockRefused(ErrorCode.NO_SUCH_BUFFER,
+            raise Refused(ErrorCode.NO_SUCH_BUFFER,
                               f"no lock in slot {slot} (open it first; did the server restart?)")
         return slot
 
@@ -236,20 +229,20 @@ class LockService:
         """Validate a lock op's header before its payload is read."""
         op, segment, offset = hdr[2], hdr[6], hdr[7]
         if segment != LOCK_SEGMENT:
-            raise LockRefused(ErrorCode.BAD_REQUEST, "lock ops address the lock segment (0)")
+            raise Refused(ErrorCode.BAD_REQUEST, "lock ops address the lock segment (0)")
         self._slot_of(offset)
         want = 0 if op == Op.LOCK_ACQUIRE else 8
         if size != want:
-            raise LockRefused(ErrorCode.BAD_REQUEST, f"{Op(op).name} carries {want} bytes, not {size}")
+            raise Refused(ErrorCode.BAD_REQUEST, f"{Op(op).name} carries {want} bytes, not {size}")
 
-    def _owner(self, conn: _Connection) -> int:
+    def _owner(self, conn: Connection) -> int:
         owner: int | None = conn.__dict__.get("_lock_owner")
         if owner is None:
             owner = conn.__dict__["_lock_owner"] = self._next_owner
             self._next_owner = self._next_owner % 0x7FFFFFFF + 1
         return owner
 
-    def on_frame(self, conn: _Connection, hdr: tuple[int, ...], payload: memoryview) -> None:
+    def on_frame(self, conn: Connection, hdr: tuple[int, ...], payload: memoryview) -> None:
         op, rid, offset = hdr[2], hdr[5], hdr[7]
         now = asyncio.get_running_loop().time()
         owner = self._owner(conn)
@@ -259,7 +252,7 @@ class LockService:
             try:
                 ticket, granted = self.table.acquire(slot, waiter, owner, now)
             except ValueError:
-                raise LockRefused(ErrorCode.BAD_REQUEST,
+                raise Refused(ErrorCode.BAD_REQUEST,
                                   f"request id {rid} already waits for or holds a lock") from None
             if granted:
                 conn._reply(hdr, _core.pack_u64(ticket))
@@ -278,7 +271,7 @@ class LockService:
                 self._deliver(grants)
                 return
             if not ok:
-                raise LockRefused(ErrorCode.STALE_FENCE,
+                raise Refused(ErrorCode.STALE_FENCE,
                                   f"ticket {ticket} does not hold lock {self.names[slot]!r} "
                                   "(its lease expired, or it was released already)")
             conn._reply(hdr)
@@ -304,7 +297,7 @@ class LockService:
         if self.table.is_open(slot):
             self._deliver(self.table.poke(slot, asyncio.get_running_loop().time()))
 
-    def connection_lost(self, conn: _Connection) -> None:
+    def connection_lost(self, conn: Connection) -> None:
         owner = conn.__dict__.get("_lock_owner")
         if owner is None:
             return          # never used a lock

@@ -1,6 +1,6 @@
 """The memory server: owns RAM as segments and serves them to clients.
 
-listener -> :class:`_Connection` (frames, ``protocol.FrameReceiver``) ->
+listener -> :class:`Connection` (frames, ``protocol.FrameReceiver``) ->
 :class:`MemoryServer` (segments, capacity, stats).  The server never trusts a
 client: every header is validated before anything is allocated, a refused
 request gets an error reply, a malformed stream gets that one connection
@@ -9,28 +9,21 @@ closed with a reason, and nothing one client sends can stop the others.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import ipaddress
 import itertools
 import logging
-import mmap
 import os
-import signal
 import socket
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 
-from . import _core, auth
-from .errors import ErrorCode, InvalidArgumentError, PersistenceError, TransportError
-from .persist import DataDir
-from .protocol import (
+from .. import _core, auth
+from ..errors import ErrorCode, InvalidArgumentError, PersistenceError, TransportError
+from ..protocol import (
     CLOSED,
     DATA_OPS,
     DEFAULT_MAX_FRAME,
@@ -58,8 +51,10 @@ from .protocol import (
     parse_size,
     unpack,
 )
-from .rdma_server import RdmaServer, RefusedError
-from .server_locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_SLOTS, MAX_SPIN, LockRefused, LockService
+from .datadir import DataDir
+from .locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_SLOTS, LockService
+from .rdma import RdmaServer
+from .segment import Refused, Segment, alloc
 
 log = logging.getLogger("smb2.server")
 
@@ -67,65 +62,6 @@ MAX_NAME = 255
 # accumulate deltas one connection may have waiting behind in-flight writes
 MAX_DEFERRED = 2 * MAX_ACCUMULATE
 DEFAULT_WRITE_TIMEOUT = 30.0
-PAGE = mmap.PAGESIZE
-
-
-class _Refused(Exception):
-    """A request the server answers with an error code (internal)."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(eq=False)
-class Segment:
-    """One server's share of one buffer: page-aligned, zero-filled memory."""
-
-    id: int
-    name: str
-    nbytes: int          # the whole buffer's size (geometry, for attach)
-    stripe: int
-    nservers: int
-    index: int           # this server's position in the buffer's server list
-    size: int            # bytes held here
-    mem: np.ndarray      # uint8 over an anonymous mmap (page aligned, lazily backed)
-    view: memoryview
-    created: float = field(default_factory=time.time)
-    # byte ranges of writes being received in place right now; an accumulate
-    # that overlaps one waits for it, so that it is atomic w.r.t. writes
-    inflight: list[tuple[int, int]] = field(default_factory=list)
-    deferred: collections.deque[tuple[int, int, Callable[[], None]]] = field(
-        default_factory=collections.deque)
-
-    def info(self) -> dict[str, Any]:
-        return {"segment": self.id, "name": self.name, "nbytes": self.nbytes,
-                "stripe": self.stripe, "nservers": self.nservers,
-                "index": self.index, "size": self.size}
-
-    def overlaps_inflight(self, lo: int, hi: int) -> bool:
-        return any(a < hi and lo < b for a, b in self.inflight)
-
-    def write_done(self, rng: tuple[int, int]) -> None:
-        self.inflight.remove(rng)
-        if not self.deferred:
-            return
-        waiting: collections.deque[tuple[int, int, Callable[[], None]]] = collections.deque()
-        while self.deferred:
-            lo, hi, run = self.deferred.popleft()
-            if self.overlaps_inflight(lo, hi):
-                waiting.append((lo, hi, run))
-            else:
-                run()
-        self.deferred = waiting
-
-
-def _alloc(size: int) -> tuple[np.ndarray, memoryview]:
-    # An anonymous mmap is page aligned (so RDMA can register it) and
-    # zero-filled on first touch, so capacity is not committed up front.
-    mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mem = np.frombuffer(mm, dtype=np.uint8, count=size)
-    return mem, memoryview(mm)[:size]
 
 
 class MemoryServer:
@@ -148,7 +84,7 @@ class MemoryServer:
         # that overlaps it (see Segment.inflight)
         self.write_timeout = write_timeout
         self._sweeper: asyncio.Task[None] | None = None
-        # segments are saved here on close and restored on start (persist.py)
+        # segments are saved here on close and restored on start (datadir.py)
         self.data_dir = DataDir(data_dir) if data_dir is not None else None
         # the shared secret clients must prove they know (None: no authentication)
         self.token = auth.as_token(token)
@@ -159,7 +95,7 @@ class MemoryServer:
         self.segments: dict[int, Segment] = {}
         self.by_name: dict[str, Segment] = {}
         self._ids = itertools.count(1)
-        self.connections: set[_Connection] = set()
+        self.connections: set[Connection] = set()
         self.started = time.time()
         # data operations this server's CPU executed, per transport and op
         self.ops: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -170,14 +106,14 @@ class MemoryServer:
         self.address: tuple[str, int] = ("", 0)
         self.server_id = os.urandom(8).hex()
         # the lock segment: lock words in memory an RDMA transport registers
-        # like a buffer's segment (server_locks.py)
+        # like a buffer's segment (locks.py)
         if not 0 < lock_slots <= MAX_SLOTS:
             raise InvalidArgumentError(f"lock slots must be in 1..{MAX_SLOTS}, not {lock_slots}")
-        mem, view = _alloc(lock_slots * _core.LOCK_SLOT_SIZE)
+        mem, view = alloc(lock_slots * _core.LOCK_SLOT_SIZE)
         self.segments[LOCK_SEGMENT] = Segment(LOCK_SEGMENT, "", 0, 8, 1, 0, len(view), mem, view)
         self.locks = LockService(self, mem, view, slots=lock_slots, lease=lock_lease,
                                  spin=lock_spin)
-        # RDMA (rdma_server.py): opened at start() unless rdma="off"
+        # RDMA (rdma.py): opened at start() unless rdma="off"
         self._rdma_args = (rdma, rdma_device, rdma_gid_index)
         self.rdma: RdmaServer | None = None
         self.rdma_reason: str | None = "not started"
@@ -210,7 +146,7 @@ class MemoryServer:
                     self.rdma.register(seg.id, seg.view, access)
         try:
             self._server = await loop.create_server(
-                lambda: _Connection(self), host, port, reuse_address=True)
+                lambda: Connection(self), host, port, reuse_address=True)
         except BaseException:
             if self.data_dir is not None:
                 self.data_dir.release()
@@ -278,36 +214,33 @@ class MemoryServer:
     # -- control commands ----------------------------------------------
     def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int) -> dict[str, Any]:
         if not 0 < len(name.encode()) <= MAX_NAME:
-            raise _Refused(ErrorCode.BAD_REQUEST, f"buffer names are 1..{MAX_NAME} bytes")
+            raise Refused(ErrorCode.BAD_REQUEST, f"buffer names are 1..{MAX_NAME} bytes")
         if nbytes <= 0 or stripe <= 0 or stripe % 8 or nservers <= 0 or not 0 <= index < nservers:
-            raise _Refused(ErrorCode.BAD_REQUEST, "bad buffer geometry")
+            raise Refused(ErrorCode.BAD_REQUEST, "bad buffer geometry")
         size = _core.segment_size(nbytes, stripe, nservers)
         seg = self.by_name.get(name)
         if seg is not None:
             same = (seg.nbytes, seg.stripe, seg.nservers, seg.index) == (nbytes, stripe, nservers, index)
             if not same:
-                raise _Refused(
+                raise Refused(
                     ErrorCode.CONFLICT,
                     f"buffer {name!r} exists with nbytes={seg.nbytes} stripe={seg.stripe} "
                     f"over {seg.nservers} servers (this server #{seg.index}); asked for "
                     f"nbytes={nbytes} stripe={stripe} over {nservers} servers (#{index})")
             return {**seg.info(), "created": False}
         if len(self.by_name) >= self.max_buffers:      # the lock segment is not a buffer
-            raise _Refused(ErrorCode.OUT_OF_MEMORY, f"server holds its maximum of {self.max_buffers} buffers")
+            raise Refused(ErrorCode.OUT_OF_MEMORY, f"server holds its maximum of {self.max_buffers} buffers")
         if self.used + size > self.capacity:
-            raise _Refused(ErrorCode.OUT_OF_MEMORY,
+            raise Refused(ErrorCode.OUT_OF_MEMORY,
                            f"buffer {name!r} needs {size} bytes on this server; "
                            f"{self.capacity - self.used} of {self.capacity} are free")
         try:
-            mem, view = _alloc(size)
+            mem, view = alloc(size)
         except (OSError, MemoryError, OverflowError) as exc:
-            raise _Refused(ErrorCode.OUT_OF_MEMORY, f"cannot map {size} bytes: {exc}") from None
+            raise Refused(ErrorCode.OUT_OF_MEMORY, f"cannot map {size} bytes: {exc}") from None
         seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view)
         if self.rdma is not None:
-            try:
-                self.rdma.register(seg.id, view)     # once, for the segment's lifetime
-            except RefusedError as exc:
-                raise _Refused(exc.code, str(exc)) from None
+            self.rdma.register(seg.id, view)     # once, for the segment's lifetime
         self.segments[seg.id] = seg
         self.by_name[name] = seg
         self.used += size
@@ -317,7 +250,7 @@ class MemoryServer:
     def lookup(self, name: str) -> dict[str, Any]:
         seg = self.by_name.get(name)
         if seg is None:
-            raise _Refused(ErrorCode.NO_SUCH_BUFFER, f"no buffer named {name!r}")
+            raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no buffer named {name!r}")
         return seg.info()
 
     def destroy(self, name: str) -> dict[str, Any]:
@@ -369,14 +302,14 @@ def _is_loopback(host: str) -> bool:
 def _str(msg: dict[str, Any], key: str) -> str:
     v = msg.get(key)
     if not isinstance(v, str):
-        raise _Refused(ErrorCode.BAD_REQUEST, f"control field {key!r} must be a string")
+        raise Refused(ErrorCode.BAD_REQUEST, f"control field {key!r} must be a string")
     return v
 
 
 def _uint(msg: dict[str, Any], key: str) -> int:
     v = msg.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 63:
-        raise _Refused(ErrorCode.BAD_REQUEST, f"control field {key!r} must be a non-negative integer")
+        raise Refused(ErrorCode.BAD_REQUEST, f"control field {key!r} must be a non-negative integer")
     return v
 
 
@@ -385,7 +318,7 @@ _FENCE = Prefix(FENCE_SIZE)
 _STAT_NAME = {int(op): op.name.lower() for op in Op}
 
 
-class _Connection(FrameReceiver):
+class Connection(FrameReceiver):
     """One client connection: validates frames and executes them."""
 
     transport_name = "tcp"
@@ -578,23 +511,20 @@ class _Connection(FrameReceiver):
             return CLOSED
         try:
             if op in LOCK_OPS:
-                try:
-                    self.server.locks.check_header(hdr, size)
-                except LockRefused as exc:
-                    raise _Refused(exc.code, str(exc)) from None
+                self.server.locks.check_header(hdr, size)
                 return INLINE
             if op == Op.ACCUMULATE and flags & FLAG_STAGED:
                 # payload: u64 staging offset, u64 length (checked in on_frame)
                 if size != 16 or self.rdma_peer is None:
-                    raise _Refused(ErrorCode.BAD_REQUEST, "a staged accumulate needs rdma_connect "
+                    raise Refused(ErrorCode.BAD_REQUEST, "a staged accumulate needs rdma_connect "
                                    "and a 16-byte payload")
                 return INLINE
             atomic = op in (Op.FETCH_ADD, Op.COMPARE_SWAP)
             if segment == LOCK_SEGMENT and op in (Op.WRITE, Op.ACCUMULATE):
-                raise _Refused(ErrorCode.ACCESS_DENIED, "the lock segment only takes READ and atomics")
+                raise Refused(ErrorCode.ACCESS_DENIED, "the lock segment only takes READ and atomics")
             if op == Op.WRITE and flags & FLAG_FENCED:
                 if length < FENCE_SIZE:
-                    raise _Refused(ErrorCode.BAD_REQUEST, "a fenced WRITE starts with a 16-byte fence")
+                    raise Refused(ErrorCode.BAD_REQUEST, "a fenced WRITE starts with a 16-byte fence")
                 self._segment(segment, offset, length - FENCE_SIZE)
                 return _FENCE
             seg = self._segment(segment, offset, 8 if atomic else length)
@@ -608,16 +538,16 @@ class _Connection(FrameReceiver):
                 try:
                     itemsize = _core.dtype_itemsize(code)
                 except ValueError:
-                    raise _Refused(ErrorCode.BAD_REQUEST, f"unknown dtype code {code}") from None
+                    raise Refused(ErrorCode.BAD_REQUEST, f"unknown dtype code {code}") from None
                 if offset % itemsize or length % itemsize:
-                    raise _Refused(ErrorCode.BAD_REQUEST,
+                    raise Refused(ErrorCode.BAD_REQUEST,
                                    f"accumulate of {itemsize}-byte items needs an aligned offset and length")
             elif atomic:
                 want = 8 if op == Op.FETCH_ADD else 16
                 if offset % 8 or size != want:
-                    raise _Refused(ErrorCode.BAD_REQUEST,
+                    raise Refused(ErrorCode.BAD_REQUEST,
                                    "atomics act on one 8-byte aligned word")
-        except _Refused as exc:
+        except Refused as exc:
             self._refuse(hdr, exc.code, str(exc))
             return DISCARD
         return INLINE
@@ -643,9 +573,9 @@ class _Connection(FrameReceiver):
     def _segment(self, segment: int, offset: int, length: int) -> Segment:
         seg = self.server.segments.get(segment)
         if seg is None:
-            raise _Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {segment} (destroyed, or the server restarted)")
+            raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {segment} (destroyed, or the server restarted)")
         if offset > seg.size or length > seg.size - offset:
-            raise _Refused(ErrorCode.OUT_OF_BOUNDS,
+            raise Refused(ErrorCode.OUT_OF_BOUNDS,
                            f"range [{offset}, {offset + length}) is outside segment {segment} of {seg.size} bytes")
         return seg
 
@@ -660,10 +590,7 @@ class _Connection(FrameReceiver):
             stats[_STAT_NAME[op]] += 1
             if op in LOCK_OPS:
                 assert payload is not None
-                try:
-                    self.server.locks.on_frame(self, hdr, payload)
-                except LockRefused as exc:
-                    raise _Refused(exc.code, str(exc)) from None
+                self.server.locks.on_frame(self, hdr, payload)
                 return
             seg = self.server.segments.get(hdr[6])
             offset, length = hdr[7], hdr[8]
@@ -705,7 +632,7 @@ class _Connection(FrameReceiver):
                 self._reply(hdr, _core.pack_u64(old))
                 if seg.id == LOCK_SEGMENT:
                     self.server.locks.touched(offset)
-        except _Refused as exc:
+        except Refused as exc:
             self._refuse(hdr, exc.code, str(exc))
         except Exception as exc:  # a bug must cost one request, not the server
             log.exception("internal error handling op %d from %s", op, self.peer)
@@ -743,21 +670,18 @@ class _Connection(FrameReceiver):
         seg = self._segment(hdr[6], hdr[7], length)
         itemsize = _core.dtype_itemsize((hdr[3] & DTYPE_MASK) >> DTYPE_SHIFT)
         if hdr[7] % itemsize or length % itemsize:
-            raise _Refused(ErrorCode.BAD_REQUEST,
+            raise Refused(ErrorCode.BAD_REQUEST,
                            f"accumulate of {itemsize}-byte items needs an aligned offset and length")
-        try:
-            delta = self.rdma_peer.staged(soff, length)
-        except RefusedError as exc:
-            raise _Refused(exc.code, str(exc)) from None
+        delta = self.rdma_peer.staged(soff, length)
         self._accumulate((*hdr[:8], length), seg, delta)
 
     def _control(self, hdr: tuple[int, ...], payload: memoryview) -> None:
         try:
             msg = unpack(payload)
         except ValueError as exc:
-            raise _Refused(ErrorCode.BAD_REQUEST, str(exc)) from None
+            raise Refused(ErrorCode.BAD_REQUEST, str(exc)) from None
         if not isinstance(msg, dict):
-            raise _Refused(ErrorCode.BAD_REQUEST, "a control message is a msgpack map")
+            raise Refused(ErrorCode.BAD_REQUEST, "a control message is a msgpack map")
         cmd = msg.get("cmd")
         srv = self.server
         if cmd == "hello":
@@ -788,7 +712,7 @@ class _Connection(FrameReceiver):
         elif not self.authed:
             # the one gate: whatever a later branch adds to the control
             # commands (RDMA keys, addresses) is unreachable before auth
-            raise _Refused(ErrorCode.ACCESS_DENIED, f"{cmd!r} needs authentication first")
+            raise Refused(ErrorCode.ACCESS_DENIED, f"{cmd!r} needs authentication first")
         elif cmd == "create":
             result = srv.create(_str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
                                 _uint(msg, "nservers"), _uint(msg, "index"))
@@ -801,16 +725,13 @@ class _Connection(FrameReceiver):
         elif cmd == "rdma_segment":
             seg = srv.segments.get(_uint(msg, "segment"))
             if seg is None:
-                raise _Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {msg['segment']} "
+                raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {msg['segment']} "
                                "(destroyed, or the server restarted)")
             result = {**seg.info(), **(srv.rdma.segment_info(seg.id) if srv.rdma else {})}
         elif cmd == "rdma_connect":
             if srv.rdma is None:
-                raise _Refused(ErrorCode.UNSUPPORTED, f"this server has no RDMA: {srv.rdma_reason}")
-            try:
-                peer, result = srv.rdma.connect(msg)
-            except RefusedError as exc:
-                raise _Refused(exc.code, str(exc)) from None
+                raise Refused(ErrorCode.UNSUPPORTED, f"this server has no RDMA: {srv.rdma_reason}")
+            peer, result = srv.rdma.connect(msg)
             if self.rdma_peer is not None:
                 srv.rdma.drop(self.rdma_peer)
             self.rdma_peer = peer
@@ -824,25 +745,19 @@ class _Connection(FrameReceiver):
             result = srv.stat()
         elif cmd == "lock_open":
             lease = msg.get("lease")
-            try:
-                result = srv.locks.open(_str(msg, "name"), lease)
-            except LockRefused as exc:
-                raise _Refused(exc.code, str(exc)) from None
+            result = srv.locks.open(_str(msg, "name"), lease)
         elif cmd == "lock_abandon":
-            try:
-                result = srv.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
-            except LockRefused as exc:
-                raise _Refused(exc.code, str(exc)) from None
+            result = srv.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
         else:
-            raise _Refused(ErrorCode.BAD_REQUEST, f"unknown control command {cmd!r}")
+            raise Refused(ErrorCode.BAD_REQUEST, f"unknown control command {cmd!r}")
         self._reply(hdr, pack(result))
 
     def _auth(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
         srv = self.server
         if srv.token is None:
-            raise _Refused(ErrorCode.BAD_REQUEST, "this server does not use authentication")
+            raise Refused(ErrorCode.BAD_REQUEST, "this server does not use authentication")
         if self.authed:
-            raise _Refused(ErrorCode.BAD_REQUEST, "already authenticated")
+            raise Refused(ErrorCode.BAD_REQUEST, "already authenticated")
         nonce = msg.get("nonce")
         ok = (isinstance(nonce, bytes) and len(nonce) == auth.NONCE_SIZE
               and auth.check(auth.client_proof(srv.token, self._nonce, nonce), msg.get("proof")))
@@ -871,99 +786,3 @@ async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, **opti
     server = MemoryServer(**options)
     await server.start(host, port)
     return server
-
-
-# --------------------------------------------------------------------------
-# smb2-server
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="smb2-server",
-        description="Serve this machine's memory as smb2 segments.")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 = any free)")
-    p.add_argument("--capacity", default="1GiB", help="memory to serve, e.g. 512MiB, 8GiB (default 1GiB)")
-    p.add_argument("--max-frame", default=str(DEFAULT_MAX_FRAME),
-                   help="largest payload of one request (default 64MiB)")
-    p.add_argument("--auth-token-file", metavar="FILE",
-                   help=f"require clients to prove they know the token in FILE "
-                        f"(default: ${auth.ENV} if set, else no authentication)")
-    p.add_argument("--max-buffers", type=int, default=4096, help="buffers this server holds at most (default 4096)")
-    p.add_argument("--write-timeout", type=float, default=DEFAULT_WRITE_TIMEOUT,
-                   help="close a connection silent this many seconds in the middle of a write "
-                        f"(default {DEFAULT_WRITE_TIMEOUT:g}; 0 = never)")
-    p.add_argument("--data-dir", metavar="DIR",
-                   help="save the segments to DIR on SIGTERM/SIGINT and restore them at start")
-    p.add_argument("--lock-lease", type=float, default=DEFAULT_LEASE,
-                   help=f"seconds a lock holder may go without renewing (default {DEFAULT_LEASE:g})")
-    p.add_argument("--lock-slots", type=int, default=DEFAULT_SLOTS,
-                   help=f"locks this server can hold (default {DEFAULT_SLOTS})")
-    p.add_argument("--lock-spin", type=float, default=DEFAULT_SPIN,
-                   help="while lock waiters are parked, poll instead of sleeping for up to this many "
-                        f"seconds after each grant (default {DEFAULT_SPIN:g}; 0 = never, at most {MAX_SPIN:g})")
-    p.add_argument("--rdma", choices=("auto", "on", "off"), default="auto",
-                   help="serve RDMA: auto (where a device is usable; default), on, off")
-    p.add_argument("--rdma-device", default=None, help="RDMA device name (default: the first ACTIVE one)")
-    p.add_argument("--rdma-gid-index", type=int, default=None,
-                   help="GID index (default: the port's IPv4 RoCE v2 GID)")
-    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
-    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
-    return p
-
-
-async def _serve(args: argparse.Namespace) -> None:
-    server = await start_server(args.host, args.port, capacity=args.capacity,
-                                max_frame=parse_size(args.max_frame), max_buffers=args.max_buffers,
-                                token=args.token, write_timeout=args.write_timeout,
-                                data_dir=args.data_dir, lock_lease=args.lock_lease,
-                                lock_slots=args.lock_slots, lock_spin=args.lock_spin, rdma=args.rdma,
-                                rdma_device=args.rdma_device, rdma_gid_index=args.rdma_gid_index)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    host, port = server.address
-    print(f"smb2-server listening on {host}:{port}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await server.close()
-        log.info("stopped")
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        parse_size(args.capacity)
-        parse_size(args.max_frame)
-        args.token = (auth.token_from_file(args.auth_token_file) if args.auth_token_file
-                      else auth.token_from_env())
-    except InvalidArgumentError as exc:
-        print(f"smb2-server: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"smb2-server: cannot read the token file: {exc}", file=sys.stderr)
-        return 2
-    try:
-        if args.loop == "uvloop":
-            import uvloop
-            uvloop.run(_serve(args))
-        else:
-            asyncio.run(_serve(args))
-    except InvalidArgumentError as exc:     # an option out of range
-        print(f"smb2-server: {exc}", file=sys.stderr)
-        return 2
-    except (PersistenceError, TransportError) as exc:
-        print(f"smb2-server: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"smb2-server: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

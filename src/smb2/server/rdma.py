@@ -1,6 +1,6 @@
 """The server's side of the RDMA transport.
 
-The memory server calls in here through a few hooks (server.py): every
+The memory server calls in here through a few hooks (memory.py): every
 segment is registered once, at creation, as a memory region with local
 write, remote read, remote write and remote atomic access (``register`` /
 ``deregister``); a connection that says ``rdma_connect`` over the TCP control
@@ -20,22 +20,15 @@ import logging
 import os
 from typing import Any
 
-from .errors import ErrorCode
-from .rdma_device import Device, _verbs, alloc_pinned, get_device, unavailable_reason
+from ..errors import ErrorCode
+from ..rdma_device import Device, _verbs, alloc_pinned, get_device, unavailable_reason
+from .segment import Refused
 
 log = logging.getLogger("smb2.transport.rdma")
 
 #: staging area per RDMA connection: STAGING_SLOTS slots of STAGING_SLOT bytes
 STAGING_SLOT = 1 << 20
 STAGING_SLOTS = 4
-
-
-class RefusedError(Exception):
-    """A request the server answers with an error code."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class Peer:
@@ -48,10 +41,10 @@ class Peer:
             qpn, psn, gid = int(msg["qpn"]), int(msg["psn"]), msg["gid"]
             lid, mtu = int(msg.get("lid", 0)), int(msg.get("mtu", dev.mtu))
         except (KeyError, TypeError, ValueError):
-            raise RefusedError(ErrorCode.BAD_REQUEST,
+            raise Refused(ErrorCode.BAD_REQUEST,
                                "rdma_connect needs qpn, psn, gid (16 bytes), lid, mtu") from None
         if not isinstance(gid, bytes) or len(gid) != 16:
-            raise RefusedError(ErrorCode.BAD_REQUEST, "rdma_connect: gid must be 16 bytes")
+            raise Refused(ErrorCode.BAD_REQUEST, "rdma_connect: gid must be 16 bytes")
         self.mtu = max(1, min(mtu, dev.mtu))
         self.psn = int.from_bytes(os.urandom(3), "little")
         self.staging_mem = alloc_pinned(STAGING_SLOT * STAGING_SLOTS)
@@ -69,7 +62,7 @@ class Peer:
             self.qp.to_rts(self.psn)
         except OSError as exc:
             self.close()
-            raise RefusedError(ErrorCode.INTERNAL, f"cannot set up the RDMA queue pair: {exc}") from None
+            raise Refused(ErrorCode.INTERNAL, f"cannot set up the RDMA queue pair: {exc}") from None
 
     def reply(self, server: RdmaServer) -> dict[str, Any]:
         dev = server.device
@@ -81,7 +74,7 @@ class Peer:
     def staged(self, offset: int, length: int) -> memoryview:
         """The staging bytes a FLAG_STAGED accumulate names (validated)."""
         if offset > len(self.staging_view) or length > len(self.staging_view) - offset:
-            raise RefusedError(ErrorCode.OUT_OF_BOUNDS,
+            raise Refused(ErrorCode.OUT_OF_BOUNDS,
                                f"staged range [{offset}, {offset + length}) is outside the "
                                f"staging area of {len(self.staging_view)} bytes")
         return self.staging_view[offset:offset + length]
@@ -136,7 +129,7 @@ class RdmaServer:
             self.mrs[seg_id] = _verbs.MR(self.device.pd, view,
                                          self.segment_access if access is None else access)
         except OSError as exc:
-            raise RefusedError(ErrorCode.OUT_OF_MEMORY,
+            raise Refused(ErrorCode.OUT_OF_MEMORY,
                                f"cannot register {len(view)} bytes for RDMA: {exc} (registered "
                                "memory is pinned: see the memlock limit, ulimit -l)") from None
 

@@ -1,0 +1,194 @@
+"""The server's data directory: its segments saved on a planned stop and
+restored at the next start.
+
+``smb2-server --data-dir DIR``: on a planned stop (SIGTERM, SIGINT,
+``await server.close()``) every segment is written to ``seg-<id>.<gen>.bin``
+and the layout to ``manifest.json``, and at the next start the segments come
+back under the same ids, so clients' buffer handles keep working once they
+reconnect.  Atomic as a whole: each file is written to a temporary name,
+fsynced and renamed; the segment files carry the new generation number in
+their names, so the manifest that is on disk keeps pointing at complete files
+of its own generation until the new manifest replaces it (rename, then fsync
+of the directory).  Only then are the old generation's files removed.  A
+crash at any moment leaves either the old or the new state, never a mixture.
+Each segment carries a SHA-256 in the manifest; a mismatch at start is an
+error (the server does not start), not a silent loss.  Segments are streamed
+in chunks (no second copy in memory) and all-zero chunks become holes in a
+sparse file, so a large, mostly untouched segment costs neither RAM nor disk.
+Writes that had not been acknowledged when the server stopped may be torn;
+acknowledged ones are in the files.
+
+(A client's checkpoint of a whole buffer is :mod:`smb2.checkpoint`.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from .. import _core
+from ..durable import CHUNK, chunks, fsync_dir
+from ..errors import PersistenceError
+from .segment import Segment, alloc
+
+if TYPE_CHECKING:
+    from .memory import MemoryServer
+
+log = logging.getLogger("smb2.persist")
+
+MANIFEST: Final = "manifest.json"
+LOCKFILE: Final = ".lock"
+FORMAT: Final = 1
+
+
+def _write_sparse(f: IO[bytes], data: memoryview, h: Any) -> None:
+    """Write ``data`` (hashing it), leaving all-zero chunks as holes."""
+    arr = np.frombuffer(data, dtype=np.uint8)
+    for off, n in chunks(len(data), 1 << 20):
+        piece = data[off:off + n]
+        h.update(piece)
+        if arr[off:off + n].any():
+            f.write(piece)
+        else:
+            f.seek(n, os.SEEK_CUR)
+    f.truncate()          # a trailing hole still counts towards the size
+
+
+def _read_into(f: io.BufferedReader, dst: memoryview, h: Any, what: str) -> None:
+    pos = 0
+    while pos < len(dst):
+        n = f.readinto(dst[pos:pos + CHUNK])
+        if not n:
+            raise PersistenceError(f"{what} is truncated: {pos} of {len(dst)} bytes")
+        h.update(dst[pos:pos + n])
+        pos += n
+
+
+class DataDir:
+    """One server's data directory, held with an exclusive lock for the
+    server's lifetime (two servers on one directory would overwrite each
+    other's state)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._lock: int | None = None
+
+    def acquire(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / LOCKFILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise PersistenceError(f"data directory {self.path} is in use by another server") from None
+        self._lock = fd
+
+    def release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def manifest(self) -> dict[str, Any] | None:
+        p = self.path / MANIFEST
+        try:
+            m = json.loads(p.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise PersistenceError(f"{p} is unreadable: {exc}") from None
+        if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("segments"), list):
+            raise PersistenceError(f"{p} is not an smb2 manifest of format {FORMAT}")
+        return m
+
+    def save(self, server: MemoryServer) -> int:
+        """Write every segment and the manifest; returns the bytes of data saved."""
+        old = self.manifest()
+        gen = int(old.get("generation", 0)) + 1 if old else 1
+        entries = []
+        total = 0
+        t0 = time.monotonic()
+        # buffers' segments only: the lock segment's leases mean nothing to
+        # the next server process
+        for seg in sorted(server.by_name.values(), key=lambda s: s.id):
+            name = f"seg-{seg.id}.{gen}.bin"
+            tmp = self.path / (name + ".tmp")
+            h = hashlib.sha256()
+            with open(tmp, "wb") as f:
+                _write_sparse(f, seg.view, h)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path / name)
+            entries.append({**seg.info(), "file": name, "sha256": h.hexdigest()})
+            total += seg.size
+        manifest = {"format": FORMAT, "generation": gen, "saved_at": time.time(),
+                    "next_id": max([s.id for s in server.by_name.values()] + [0]) + 1,
+                    "segments": entries}
+        tmp = self.path / (MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path / MANIFEST)
+        fsync_dir(self.path)
+        # the new state is durable: the old generation's files may go
+        keep = {e["file"] for e in entries} | {MANIFEST, LOCKFILE}
+        for p in self.path.iterdir():
+            if p.name not in keep and (p.name.startswith("seg-") or p.name.endswith(".tmp")):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+        log.info("saved %d segments (%d bytes) to %s in %.2f s", len(entries), total, self.path,
+                 time.monotonic() - t0)
+        return total
+
+    def load(self, server: MemoryServer) -> int:
+        """Bring the saved segments back (same ids); returns how many."""
+        m = self.manifest()
+        if m is None:
+            return 0
+        segs = []
+        used = 0
+        for e in m["segments"]:
+            try:
+                sid, name, nbytes, stripe = int(e["segment"]), str(e["name"]), int(e["nbytes"]), int(e["stripe"])
+                nservers, index, size = int(e["nservers"]), int(e["index"]), int(e["size"])
+                fname, digest = str(e["file"]), str(e["sha256"])
+            except (KeyError, TypeError, ValueError):
+                raise PersistenceError(f"{self.path / MANIFEST}: malformed segment entry {e!r}") from None
+            if (size != _core.segment_size(nbytes, stripe, nservers) or "/" in fname
+                    or sid in server.segments or not name):
+                raise PersistenceError(f"{self.path / MANIFEST}: inconsistent entry for {name!r}")
+            used += size
+            if used > server.capacity:
+                raise PersistenceError(f"the saved segments in {self.path} need more than this "
+                                       f"server's capacity of {server.capacity} bytes")
+            path = self.path / fname
+            mem, view = alloc(size)
+            h = hashlib.sha256()
+            try:
+                with open(path, "rb") as f:
+                    _read_into(f, view, h, str(path))
+                    if f.read(1):
+                        raise PersistenceError(f"{path} is longer than its segment ({size} bytes)")
+            except OSError as exc:
+                raise PersistenceError(f"cannot read {path}: {exc}") from None
+            if h.hexdigest() != digest:
+                raise PersistenceError(f"{path}: checksum mismatch (the file is corrupt); "
+                                       f"move {self.path} aside to start empty")
+            segs.append(Segment(sid, name, nbytes, stripe, nservers, index, size, mem, view))
+        for seg in segs:
+            server.segments[seg.id] = seg
+            server.by_name[seg.name] = seg
+        server.used += used
+        server.set_next_id(max(int(m.get("next_id", 1)), max((s.id for s in segs), default=0) + 1))
+        log.info("restored %d segments (%d bytes) from %s", len(segs), used, self.path)
+        return len(segs)

@@ -1,0 +1,80 @@
+"""Segments: the memory a server holds for one buffer, and the one error a
+server answers a request with.
+
+Every part of the server (the connection, the lock service, the RDMA side, the
+data directory) allocates segments with :func:`alloc` and refuses requests by
+raising :class:`Refused`; the connection turns it into an error reply.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ErrorCode
+
+
+class Refused(Exception):
+    """A request the server answers with an error code (``code``) and this
+    message; the connection stays open."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(eq=False)
+class Segment:
+    """One server's share of one buffer: page-aligned, zero-filled memory."""
+
+    id: int
+    name: str
+    nbytes: int          # the whole buffer's size (geometry, for attach)
+    stripe: int
+    nservers: int
+    index: int           # this server's position in the buffer's server list
+    size: int            # bytes held here
+    mem: np.ndarray      # uint8 over an anonymous mmap (page aligned, lazily backed)
+    view: memoryview
+    created: float = field(default_factory=time.time)
+    # byte ranges of writes being received in place right now; an accumulate
+    # that overlaps one waits for it, so that it is atomic w.r.t. writes
+    inflight: list[tuple[int, int]] = field(default_factory=list)
+    deferred: collections.deque[tuple[int, int, Callable[[], None]]] = field(
+        default_factory=collections.deque)
+
+    def info(self) -> dict[str, Any]:
+        return {"segment": self.id, "name": self.name, "nbytes": self.nbytes,
+                "stripe": self.stripe, "nservers": self.nservers,
+                "index": self.index, "size": self.size}
+
+    def overlaps_inflight(self, lo: int, hi: int) -> bool:
+        return any(a < hi and lo < b for a, b in self.inflight)
+
+    def write_done(self, rng: tuple[int, int]) -> None:
+        self.inflight.remove(rng)
+        if not self.deferred:
+            return
+        waiting: collections.deque[tuple[int, int, Callable[[], None]]] = collections.deque()
+        while self.deferred:
+            lo, hi, run = self.deferred.popleft()
+            if self.overlaps_inflight(lo, hi):
+                waiting.append((lo, hi, run))
+            else:
+                run()
+        self.deferred = waiting
+
+
+def alloc(size: int) -> tuple[np.ndarray, memoryview]:
+    """``size`` bytes of fresh memory: a uint8 array and a view of the same bytes."""
+    # An anonymous mmap is page aligned (so RDMA can register it) and
+    # zero-filled on first touch, so capacity is not committed up front.
+    mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mem = np.frombuffer(mm, dtype=np.uint8, count=size)
+    return mem, memoryview(mm)[:size]
