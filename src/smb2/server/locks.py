@@ -42,16 +42,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .. import _core
 from ..busypoll import poll_while
 from ..errors import ErrorCode, InvalidArgumentError
 from ..protocol import FLAG_NOREPLY, FLAG_QUEUED, LOCK_SEGMENT, Op, error_payload
 from .segment import Refused
-
-if TYPE_CHECKING:
-    from .memory import Connection, MemoryServer
 
 log = logging.getLogger("smb2.lock")
 
@@ -67,6 +64,24 @@ MAX_SLOTS = 1 << 20
 MAX_FENCE_KEYS = 1 << 16
 
 
+class Requester(Protocol):
+    """What the lock service needs of a client connection (``memory.Connection``
+    implements it): its address for the log, whether it can still be answered,
+    and a way to answer a request, maybe long after the request came in (a
+    parked acquire)."""
+
+    peer: str
+
+    def is_open(self) -> bool:
+        """False once the connection is closing or closed."""
+        ...
+
+    def reply(self, hdr: tuple[int, ...], payload: bytes | memoryview = b"",
+              status: int = 0, flags: int = 0) -> None:
+        """Answer the request whose header is ``hdr``."""
+        ...
+
+
 def _ticket_base() -> int:
     # Tickets start at a time-based value, so that tokens stay monotone
     # across a restart of this server (other servers remember the highest
@@ -78,14 +93,13 @@ def _ticket_base() -> int:
 class LockService:
     """One server's locks: the lock segment, the table, parked requests."""
 
-    def __init__(self, server: MemoryServer, mem: Any, view: memoryview, *,
+    def __init__(self, mem: Any, view: memoryview, *,
                  slots: int = DEFAULT_SLOTS, lease: float = DEFAULT_LEASE,
                  spin: float = DEFAULT_SPIN) -> None:
         if not 0 < lease <= MAX_LEASE:
             raise InvalidArgumentError(f"lock lease must be in (0, {MAX_LEASE:g}] s, not {lease:g}")
         if not 0 <= spin <= MAX_SPIN:
             raise InvalidArgumentError(f"lock spin must be in [0, {MAX_SPIN:g}] s, not {spin:g}")
-        self.server = server
         self.mem = mem
         self.view = view
         self.nslots = slots
@@ -98,7 +112,10 @@ class LockService:
         # parked LOCK_ACQUIREs: waiter id -> (connection, header).  A waiter
         # id is (owner << 32 | request id): LOCK_CANCEL names the acquire by
         # its request id, and no table maps one to the other.
-        self._parked: dict[int, tuple[Connection, tuple[int, ...]]] = {}
+        self._parked: dict[int, tuple[Requester, tuple[int, ...]]] = {}
+        # each connection that used a lock: its owner id in the table (the
+        # table knows owners, not connections; connection_lost forgets it)
+        self._owners: dict[Requester, int] = {}
         self._leases: dict[int, float] = {}      # slot -> lease, where set by lock_open
         self._next_owner = 1
         self._sweeper: asyncio.Task[None] | None = None
@@ -235,14 +252,14 @@ class LockService:
         if size != want:
             raise Refused(ErrorCode.BAD_REQUEST, f"{Op(op).name} carries {want} bytes, not {size}")
 
-    def _owner(self, conn: Connection) -> int:
-        owner: int | None = conn.__dict__.get("_lock_owner")
+    def _owner(self, conn: Requester) -> int:
+        owner = self._owners.get(conn)
         if owner is None:
-            owner = conn.__dict__["_lock_owner"] = self._next_owner
+            owner = self._owners[conn] = self._next_owner
             self._next_owner = self._next_owner % 0x7FFFFFFF + 1
         return owner
 
-    def on_frame(self, conn: Connection, hdr: tuple[int, ...], payload: memoryview) -> None:
+    def on_frame(self, conn: Requester, hdr: tuple[int, ...], payload: memoryview) -> None:
         op, rid, offset = hdr[2], hdr[5], hdr[7]
         now = asyncio.get_running_loop().time()
         owner = self._owner(conn)
@@ -255,7 +272,7 @@ class LockService:
                 raise Refused(ErrorCode.BAD_REQUEST,
                                   f"request id {rid} already waits for or holds a lock") from None
             if granted:
-                conn._reply(hdr, _core.pack_u64(ticket))
+                conn.reply(hdr, _core.pack_u64(ticket))
             else:
                 self._parked[waiter] = (conn, hdr)
                 self._hand_off_due()
@@ -274,7 +291,7 @@ class LockService:
                 raise Refused(ErrorCode.STALE_FENCE,
                                   f"ticket {ticket} does not hold lock {self.names[slot]!r} "
                                   "(its lease expired, or it was released already)")
-            conn._reply(hdr)
+            conn.reply(hdr)
             self._deliver(grants)
             return
         # LOCK_CANCEL: give up what the acquire with that request id got
@@ -287,9 +304,9 @@ class LockService:
                 # the acquire is answered (the client ignores it) so that
                 # its request id is not pending forever
                 pconn, phdr = parked
-                pconn._reply(phdr, error_payload("acquire cancelled"), status=ErrorCode.CONFLICT)
+                pconn.reply(phdr, error_payload("acquire cancelled"), status=ErrorCode.CONFLICT)
             self._deliver(grants)
-        conn._reply(hdr)
+        conn.reply(hdr)
 
     def touched(self, offset: int) -> None:
         """A generic atomic changed a lock word (the polling path over TCP)."""
@@ -297,8 +314,8 @@ class LockService:
         if self.table.is_open(slot):
             self._deliver(self.table.poke(slot, asyncio.get_running_loop().time()))
 
-    def connection_lost(self, conn: Connection) -> None:
-        owner = conn.__dict__.get("_lock_owner")
+    def connection_lost(self, conn: Requester) -> None:
+        owner = self._owners.pop(conn, None)
         if owner is None:
             return          # never used a lock
         grants = self.table.drop_owner(owner, asyncio.get_running_loop().time())
@@ -319,15 +336,14 @@ class LockService:
             if entry is None:
                 continue
             conn, hdr = entry
-            t = conn.transport
-            if t is None or t.is_closing():
+            if not conn.is_open():
                 queue.extend(self.table.cancel(wid, asyncio.get_running_loop().time()))
                 continue
             got = self.table.waiter_ticket(wid)
             assert got is not None
             slot, ticket = got
             behind = (self.table.words(slot)[0] - ticket - 1) % (1 << 64)
-            conn._reply(hdr, _core.pack_u64(ticket), flags=FLAG_QUEUED if behind else 0)
+            conn.reply(hdr, _core.pack_u64(ticket), flags=FLAG_QUEUED if behind else 0)
             self._hand_off_due()
         if self.table.lost:
             lost = list(self.table.lost)
@@ -336,7 +352,7 @@ class LockService:
                 entry = self._parked.pop(wid, None)
                 if entry is not None:
                     conn, hdr = entry
-                    conn._reply(hdr, error_payload("the queue passed this ticket"),
+                    conn.reply(hdr, error_payload("the queue passed this ticket"),
                                 status=ErrorCode.STALE_FENCE)
 
     # -- fences -------------------------------------------------------------

@@ -111,7 +111,7 @@ class MemoryServer:
             raise InvalidArgumentError(f"lock slots must be in 1..{MAX_SLOTS}, not {lock_slots}")
         mem, view = alloc(lock_slots * _core.LOCK_SLOT_SIZE)
         self.segments[LOCK_SEGMENT] = Segment(LOCK_SEGMENT, "", 0, 8, 1, 0, len(view), mem, view)
-        self.locks = LockService(self, mem, view, slots=lock_slots, lease=lock_lease,
+        self.locks = LockService(mem, view, slots=lock_slots, lease=lock_lease,
                                  spin=lock_spin)
         # RDMA (rdma.py): opened at start() unless rdma="off"
         self._rdma_args = (rdma, rdma_device, rdma_gid_index)
@@ -403,6 +403,10 @@ class Connection(FrameReceiver):
             self.transport.resume_reading()
         self.unhold(reason)      # parses what waited in the inbox
 
+    def is_open(self) -> bool:
+        t = self.transport
+        return t is not None and not t.is_closing()
+
     def abort(self, reason: str) -> None:
         if self.transport is not None:
             log.debug("closing %s: %s", self.peer, reason)
@@ -423,8 +427,10 @@ class Connection(FrameReceiver):
         if cork and t is not None and not t.is_closing():
             t.write(cork[0] if len(cork) == 1 else b"".join(cork))
 
-    def _reply(self, hdr: tuple[int, ...], payload: bytes | memoryview = b"",
+    def reply(self, hdr: tuple[int, ...], payload: bytes | memoryview = b"",
                status: int = 0, flags: int = 0) -> None:
+        """Answer the request whose header is ``hdr`` (the lock service
+        answers parked acquires through this too)."""
         t = self.transport
         if t is None or t.is_closing():
             return
@@ -455,7 +461,7 @@ class Connection(FrameReceiver):
             # the client asked for no answer (a lock release): none, not even this
             log.info("refused a request from %s that wants no reply: %s", self.peer, message)
             return
-        self._reply(hdr, error_payload(message), status=code)
+        self.reply(hdr, error_payload(message), status=code)
 
     def close_with(self, reason: str, hdr: tuple[int, ...] | None = None,
                    code: ErrorCode = ErrorCode.BAD_REQUEST) -> None:
@@ -598,7 +604,7 @@ class Connection(FrameReceiver):
                 length -= FENCE_SIZE
             if op == Op.READ:
                 assert seg is not None
-                self._reply(hdr, seg.view[offset:offset + length])
+                self.reply(hdr, seg.view[offset:offset + length])
             elif op == Op.WRITE:
                 self.server.bytes_in += length
                 if self._write is not None:
@@ -607,7 +613,7 @@ class Connection(FrameReceiver):
                     if payload is not None and length:
                         _core.copy_into(wseg.view[offset:offset + length], payload)
                     wseg.write_done(rng)
-                self._reply(hdr)
+                self.reply(hdr)
             elif op == Op.ACCUMULATE and hdr[3] & FLAG_STAGED:
                 assert payload is not None
                 self._accumulate_staged(hdr, payload)
@@ -620,7 +626,7 @@ class Connection(FrameReceiver):
                 word = seg.mem[offset:offset + 8].view(np.uint64)
                 old = int(word[0])
                 word[0] = (old + _core.unpack_u64(payload)) & 0xFFFFFFFFFFFFFFFF
-                self._reply(hdr, _core.pack_u64(old))
+                self.reply(hdr, _core.pack_u64(old))
                 if seg.id == LOCK_SEGMENT:
                     self.server.locks.touched(offset)
             elif op == Op.COMPARE_SWAP:
@@ -629,7 +635,7 @@ class Connection(FrameReceiver):
                 old = int(word[0])
                 if old == _core.unpack_u64(payload, 0):
                     word[0] = _core.unpack_u64(payload, 8)
-                self._reply(hdr, _core.pack_u64(old))
+                self.reply(hdr, _core.pack_u64(old))
                 if seg.id == LOCK_SEGMENT:
                     self.server.locks.touched(offset)
         except Refused as exc:
@@ -654,7 +660,7 @@ class Connection(FrameReceiver):
                 if seg.id in self.server.segments:
                     _core.accumulate(seg.view[offset:offset + length], delta, code)
                 self._deferred_bytes -= length
-                self._reply(hdr)
+                self.reply(hdr)
                 if self._deferred_bytes <= MAX_DEFERRED and "deferred" in self._holds:
                     # not from here: this runs inside another connection's
                     # frame handling, and parsing ours now would nest them
@@ -662,7 +668,7 @@ class Connection(FrameReceiver):
             seg.deferred.append((offset, offset + length, run))
             return
         _core.accumulate(seg.view[offset:offset + length], payload, code)
-        self._reply(hdr)
+        self.reply(hdr)
 
     def _accumulate_staged(self, hdr: tuple[int, ...], payload: memoryview) -> None:
         # The delta was RDMA-written into this connection's staging area.
@@ -750,7 +756,7 @@ class Connection(FrameReceiver):
             result = srv.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
         else:
             raise Refused(ErrorCode.BAD_REQUEST, f"unknown control command {cmd!r}")
-        self._reply(hdr, pack(result))
+        self.reply(hdr, pack(result))
 
     def _auth(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
         srv = self.server
