@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 
 import numpy as np
 import pytest
@@ -265,6 +267,27 @@ async def test_closed_client_refuses_use(cluster: smb2.LocalCluster, transport: 
         await buf.read(0, 1)
     with pytest.raises(smb2.InterfaceError):
         await c.buffers()
+
+
+async def test_repr_and_the_unclosed_warning_say_what_and_where(cluster: smb2.LocalCluster,
+                                                                 transport: str) -> None:
+    here = sys._getframe().f_lineno
+    c = await smb2.connect(cluster.addresses, transport=transport)     # here + 1: the warning names it
+    assert repr(c) == f"<smb2.Client open, 4 servers: {', '.join(cluster.addresses)}>"
+    reg = c.register(np.zeros(64, dtype=np.uint8))
+    assert repr(reg).startswith("<smb2.Registration of 64 bytes, registered with ")
+    reg.close()
+    assert repr(reg) == "<smb2.Registration of 64 bytes, closed>"
+    links = c.links
+    with pytest.warns(ResourceWarning, match="unclosed smb2 client") as caught:
+        del c
+        gc.collect()
+    assert f"connected at {__file__}:{here + 1}" in str(caught[0].message)
+    for link in links:          # what the dropped client would have closed
+        await link.close()
+    closed = await smb2.connect(cluster.addresses, transport=transport)
+    await closed.close()
+    assert repr(closed).startswith("<smb2.Client closed, 4 servers: ")
 
 
 async def test_connect_errors(transport: str) -> None:

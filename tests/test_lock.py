@@ -267,7 +267,7 @@ async def test_buffer_lock_and_lock_segment_protection(client: smb2.Client) -> N
     async with buf.lock() as lk:
         assert lk.name == "buffer:own"
         await buf.write(0, b"mine", fence=lk)
-    t = client._links[0].transport
+    t = client.links[0].transport
     assert t is not None
     # TCP: the server refuses; RDMA: the lock segment's memory region has no
     # remote write access, so the NIC refuses (a remote access error)

@@ -70,7 +70,7 @@ class _Ops:
         # holder_spin: the Lock's `spin` (None: the library's default)
         self.park = client.lock(LOCK, mode="park", **({} if holder_spin is None else {"spin": holder_spin}))
         self.poll = client.lock(LOCK, mode="poll")
-        link = client._links[0]
+        link = client.links[0]
         assert link.transport is not None
         self.tr = link.transport
         self.spin_seg = spin.segments[0]

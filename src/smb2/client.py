@@ -1,8 +1,8 @@
 """The async API users write against: :func:`connect`, :class:`Client`,
 :class:`Buffer`.
 
-A buffer's bytes are striped over all servers of the client (DESIGN.md,
-"stripe").  Each operation is planned by ``_core.plan`` into at most a few
+A buffer's bytes are striped over all servers of the client (docs/design.md,
+"Words": stripe).  Each operation is planned by ``_core.plan`` into at most a few
 requests per server (one contiguous segment range each, cut at the
 transport's request size) and all of them run concurrently.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 
 from . import _core, auth, checkpoint
 from . import notify as _notify
+from .checks import check_int, check_word, to_signed
 from .errors import (
     BufferConflict,
     InterfaceError,
@@ -28,24 +30,12 @@ from .errors import (
 )
 from .lock import Fence, Lock, fence_of
 from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, parse_address
-from .transport import KINDS, Transport, open_transport
+from .transport import KINDS, Link, MemoryDomain
 
 DEFAULT_STRIPE = 1 << 20
-_I64 = 1 << 63
-_U64 = 1 << 64
-
-
-def _to_signed(v: int) -> int:
-    return v - _U64 if v >= _I64 else v
-
-
-def _check_i64(name: str, v: int) -> int:
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-        raise InvalidArgumentError(f"{name} must be an integer, not {type(v).__name__}")
-    v = int(v)
-    if not -_I64 <= v < _U64:
-        raise InvalidArgumentError(f"{name}={v} does not fit in 64 bits")
-    return v
+# the smb2 package's directory: an unclosed client's warning names the first
+# frame outside it (the user's code that connected)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _bytes_view(data: Any, *, writable: bool, what: str) -> memoryview:
@@ -69,66 +59,30 @@ def _bytes_view(data: Any, *, writable: bool, what: str) -> memoryview:
     return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
-class _Link:
-    """One server of the client: its address, and the transport to it
-    (reconnected on the next operation after a failure)."""
-
-    __slots__ = ("address", "kind", "timeout", "options", "transport", "_connecting")
-
-    def __init__(self, address: tuple[str, int], kind: str, timeout: float,
-                 options: dict[str, Any] | None = None) -> None:
-        self.address = address
-        self.kind = kind
-        self.timeout = timeout
-        self.options = options or {}
-        self.transport: Transport | None = None
-        self._connecting: asyncio.Future[Transport] | None = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.address[0]}:{self.address[1]}"
-
-    async def get(self) -> Transport:
-        t = self.transport
-        if t is not None and not t.closed:
-            return t
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(
-                open_transport(self.address, self.kind, timeout=self.timeout, **self.options))
-        fut = self._connecting
-        try:
-            t = await asyncio.shield(fut)
-        finally:
-            if fut.done():
-                self._connecting = None
-                if not fut.cancelled():
-                    fut.exception()     # retrieved: a failure is re-raised to each waiter
-        old, self.transport = self.transport, t
-        if old is not None and old is not t:
-            await old.close()       # a failed one: release what it still holds
-        return t
-
-    async def close(self) -> None:
-        if self._connecting is not None:
-            self._connecting.cancel()
-            self._connecting = None
-        if self.transport is not None:
-            t, self.transport = self.transport, None
-            await t.close()
-
-
 class Client:
     """A connection to a cluster of memory servers.  Make it with
     :func:`connect`; close it with ``await client.close()`` or ``async with``."""
 
-    __slots__ = ("_links", "_closed", "_registered", "__weakref__")
+    __slots__ = ("_links", "_closed", "_registered", "_created_at", "__weakref__")
 
-    def __init__(self, links: list[_Link]) -> None:
-        self._links = links
+    def __init__(self, links: Sequence[Link], created_at: str = "") -> None:
+        self._links = tuple(links)
         self._closed = False
         self._registered: list[Registration] = []
+        #: "file:line" of the code that connected (for the unclosed-client warning)
+        self._created_at = created_at or _caller_outside_package()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<smb2.Client {state}, {len(self._links)} servers: {', '.join(self.servers)}>"
 
     # -- lifecycle --------------------------------------------------------
+    @property
+    def links(self) -> tuple[Link, ...]:
+        """One link per server, in the order that defines the striping
+        (read-only: a client's servers never change)."""
+        return self._links
+
     @property
     def servers(self) -> list[str]:
         return [link.label for link in self._links]
@@ -136,8 +90,7 @@ class Client:
     @property
     def transports(self) -> list[str]:
         """The transport in use per server ("tcp", "rdma"; "-" if not connected)."""
-        return [link.transport.name if link.transport and not link.transport.closed else "-"
-                for link in self._links]
+        return [t.name if (t := link.open) is not None else "-" for link in self._links]
 
     @property
     def closed(self) -> bool:
@@ -158,11 +111,11 @@ class Client:
 
         Close the returned handle (or the client) before freeing the array.
         On TCP-only clients it does nothing, so code stays portable."""
-        self._check()
+        self.ensure_open()
         view = _bytes_view(array, writable=True, what="array")
-        domains: dict[int, Any] = {}
+        domains: dict[int, MemoryDomain] = {}
         for link in self._links:
-            dom = getattr(link.transport, "memory_domain", None)
+            dom = link.transport.memory_domain if link.transport is not None else None
             if dom is not None:
                 domains.setdefault(id(dom), dom)
         handles = []
@@ -185,16 +138,17 @@ class Client:
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            warnings.warn(f"unclosed smb2 client for {self.servers}", ResourceWarning, stacklevel=2)
+            warnings.warn(f"unclosed smb2 client for {self.servers}, connected at {self._created_at}: "
+                          "close it (await client.close(), or async with)", ResourceWarning, stacklevel=2)
 
-    def _check(self) -> None:
+    def ensure_open(self) -> None:
+        """Raise :class:`InterfaceError` if the client is closed."""
         if self._closed:
-            raise InterfaceError("the client is closed")
+            raise InterfaceError("the client is closed",
+                                 hint="connect again with smb2.connect(...)")
 
     async def _each(self, msgs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-        async def one(link: _Link, msg: dict[str, Any]) -> dict[str, Any]:
-            return await (await link.get()).control(msg)
-        return list(await asyncio.gather(*(one(link, m) for link, m in zip(self._links, msgs))))
+        return list(await asyncio.gather(*(_control(link, m) for link, m in zip(self._links, msgs))))
 
     # -- buffers ------------------------------------------------------------
     async def create(self, name: str, nbytes: int, *, stripe: int = DEFAULT_STRIPE) -> Buffer:
@@ -202,34 +156,34 @@ class Client:
 
         Idempotent: creating an existing buffer with the same size and stripe
         returns it; other parameters raise :class:`BufferConflict`."""
-        self._check()
+        self.ensure_open()
         _check_name(name)
-        nbytes = _check_int("nbytes", nbytes, low=1)
-        stripe = _check_int("stripe", stripe, low=8)
+        nbytes = check_int("nbytes", nbytes, low=1)
+        stripe = check_int("stripe", stripe, low=8)
         if stripe % 8:
             raise InvalidArgumentError(f"stripe must be a multiple of 8 bytes, not {stripe}")
         n = len(self._links)
         msgs = [{"cmd": "create", "name": name, "nbytes": nbytes, "stripe": stripe,
                  "nservers": n, "index": i} for i in range(n)]
         results = await asyncio.gather(
-            *(self._one_control(link, msg) for link, msg in zip(self._links, msgs)),
+            *(_control(link, msg) for link, msg in zip(self._links, msgs)),
             return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             # undo what this call created, so a failed create leaves nothing behind
             made = [link for link, r in zip(self._links, results)
                     if isinstance(r, dict) and r.get("created")]
-            await asyncio.gather(*(self._one_control(link, {"cmd": "destroy", "name": name})
+            await asyncio.gather(*(_control(link, {"cmd": "destroy", "name": name})
                                    for link in made), return_exceptions=True)
             raise _first_error(errors)
         return Buffer(self, name, [r for r in results if isinstance(r, dict)])
 
     async def attach(self, name: str) -> Buffer:
         """Open an existing buffer by name (from any client of the cluster)."""
-        self._check()
+        self.ensure_open()
         _check_name(name)
         results = await asyncio.gather(
-            *(self._one_control(link, {"cmd": "lookup", "name": name}) for link in self._links),
+            *(_control(link, {"cmd": "lookup", "name": name}) for link in self._links),
             return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -238,14 +192,14 @@ class Client:
 
     async def destroy(self, name: str) -> bool:
         """Destroy the buffer on every server; True if any server had it."""
-        self._check()
+        self.ensure_open()
         _check_name(name)
         results = await self._each({"cmd": "destroy", "name": name} for _ in self._links)
         return any(r.get("destroyed") for r in results)
 
     async def buffers(self) -> list[str]:
         """Names of the buffers that exist on the cluster."""
-        self._check()
+        self.ensure_open()
         results = await self._each({"cmd": "list"} for _ in self._links)
         names: set[str] = set()
         for r in results:
@@ -254,32 +208,42 @@ class Client:
 
     async def stat(self) -> list[dict[str, Any]]:
         """Each server's statistics (see ``smb2 stat``)."""
-        self._check()
+        self.ensure_open()
         return await self._each({"cmd": "stat"} for _ in self._links)
-
-    async def _one_control(self, link: _Link, msg: dict[str, Any]) -> dict[str, Any]:
-        return await (await link.get()).control(msg)
 
     # -- checkpoints (checkpoint.py) ------------------------------------------
     async def checkpoint(self, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Save the whole buffer ``name`` to the file ``path`` (atomically,
         with a header and a SHA-256); returns ``name``, ``nbytes``, ``sha256``."""
-        self._check()
+        self.ensure_open()
         return await checkpoint.checkpoint(self, name, path)
 
     async def restore(self, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a checkpoint file into buffer ``name`` (created if missing).
         The checksum is verified first; a buffer of another size or a
         checkpoint of another buffer is refused (InvalidArgumentError)."""
-        self._check()
+        self.ensure_open()
         return await checkpoint.restore(self, name, path)
 
     # -- locks ----------------------------------------------------------------
     def lock(self, name: str, **options: Any) -> Lock:
         """A contender for the distributed FIFO lock ``name`` (see
         :class:`smb2.lock.Lock` for ``lease``, ``mode``)."""
-        self._check()
+        self.ensure_open()
         return Lock(self, name, **options)
+
+
+async def _control(link: Link, msg: dict[str, Any]) -> dict[str, Any]:
+    return await (link.open or await link.get()).control(msg)
+
+
+def _caller_outside_package() -> str:
+    """``file:line`` of the innermost frame outside the smb2 package (the
+    user's call that led here); a few frame hops, no traceback object."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def _first_error(errors: list[BaseException]) -> BaseException:
@@ -295,25 +259,20 @@ def _check_name(name: str) -> None:
         raise InvalidArgumentError(f"a buffer name is a non-empty str of at most 255 bytes, not {name!r}")
 
 
-def _check_int(what: str, v: Any, *, low: int = 0) -> int:
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-        raise InvalidArgumentError(f"{what} must be an integer, not {type(v).__name__}")
-    v = int(v)
-    if v < low:
-        raise InvalidArgumentError(f"{what} must be at least {low}, not {v}")
-    return v
-
-
 class Registration:
     """Memory registered by :meth:`Client.register`; ``close()`` (idempotent)
     unregisters it."""
 
     __slots__ = ("view", "_handles", "_closed")
 
-    def __init__(self, view: memoryview, handles: list[tuple[Any, Any]]) -> None:
+    def __init__(self, view: memoryview, handles: list[tuple[MemoryDomain, Any]]) -> None:
         self.view = view
         self._handles = handles
         self._closed = False
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"registered with {len(self._handles)} device(s)"
+        return f"<smb2.Registration of {len(self.view)} bytes, {state}>"
 
     @property
     def closed(self) -> bool:
@@ -372,7 +331,7 @@ class Buffer:
 
     # -- planning -----------------------------------------------------------
     def _range(self, offset: Any, length: int, what: str) -> int:
-        offset = _check_int("offset", offset)
+        offset = check_int("offset", offset, low=0)
         if offset + length > self.nbytes:
             raise InvalidArgumentError(
                 f"{what} of {length} bytes at offset {offset} runs past the end of "
@@ -385,14 +344,13 @@ class Buffer:
 
     async def _run(self, what: str, view: memoryview, offset: int, dtype_code: int = 0,
                    fence: tuple[int, int] | None = None) -> None:
-        self.client._check()
+        self.client.ensure_open()
         length = len(view)
         if length == 0:
             return
-        links = self.client._links
+        links = self.client.links
         # all transports of one client cut requests at the same size
-        first_link = links[0]
-        tr = first_link.transport
+        tr = links[0].transport
         max_request = tr.max_request if tr is not None else DEFAULT_MAX_REQUEST
         reqs, pieces = _core.plan(self.nbytes, self.stripe, self.nservers, self.first,
                                   offset, length, max_request)
@@ -407,12 +365,10 @@ class Buffer:
         else:
             await _gather(coros)
 
-    async def _one(self, what: str, link: _Link, server: int, parts: list[memoryview],
+    async def _one(self, what: str, link: Link, server: int, parts: list[memoryview],
                    seg_off: int, length: int, dtype_code: int,
                    fence: tuple[int, int] | None = None) -> None:
-        t = link.transport
-        if t is None or t.closed:
-            t = await link.get()
+        t = link.open or await link.get()
         seg = self.segments[server]
         if what == "read":
             await t.read_into(parts, seg, seg_off, length)
@@ -424,14 +380,14 @@ class Buffer:
         else:
             await t.accumulate(parts, seg, seg_off, length, dtype_code)
 
-    def _word(self, offset: Any) -> tuple[_Link, int, int]:
+    def _word(self, offset: Any) -> tuple[Link, int, int]:
         offset = self._range(offset, 8, "an atomic")
         if offset % 8:
             raise InvalidArgumentError(f"atomics need an 8-byte aligned offset, not {offset}")
         i = offset // self.stripe
         server = (self.first + i) % self.nservers
         seg_off = (i // self.nservers) * self.stripe + offset % self.stripe
-        return self.client._links[server], self.segments[server], seg_off
+        return self.client.links[server], self.segments[server], seg_off
 
     # -- data operations ------------------------------------------------------
     async def write(self, offset: int, data: Any, *, fence: Lock | Fence | None = None,
@@ -457,7 +413,7 @@ class Buffer:
 
     async def read(self, offset: int, nbytes: int) -> np.ndarray:
         """Return ``nbytes`` from ``offset`` as a new uint8 numpy array."""
-        nbytes = _check_int("nbytes", nbytes)
+        nbytes = check_int("nbytes", nbytes, low=0)
         out = np.empty(nbytes, dtype=np.uint8)
         await self.read_into(out, offset)
         return out
@@ -494,24 +450,19 @@ class Buffer:
     async def fetch_add(self, offset: int, value: int = 1) -> int:
         """Atomically add ``value`` to the int64 word at ``offset`` (8-byte
         aligned); return the word's old value."""
-        value = _check_i64("value", value)
+        value = check_word("value", value)
         link, seg, seg_off = self._word(offset)
-        t = link.transport
-        if t is None or t.closed:
-            t = await link.get()
-        return _to_signed(await t.fetch_add(seg, seg_off, value))
+        t = link.open or await link.get()
+        return to_signed(await t.fetch_add(seg, seg_off, value))
 
     async def compare_swap(self, offset: int, expected: int, new: int) -> int:
         """Atomically replace the int64 word at ``offset`` with ``new`` if it
         equals ``expected``; return the old value (== expected on success)."""
-        expected = _check_i64("expected", expected)
-        new = _check_i64("new", new)
+        expected = check_word("expected", expected)
+        new = check_word("new", new)
         link, seg, seg_off = self._word(offset)
-        t = link.transport
-        if t is None or t.closed:
-            t = await link.get()
-        return _to_signed(await t.compare_swap(seg, seg_off, expected, new))
-
+        t = link.open or await link.get()
+        return to_signed(await t.compare_swap(seg, seg_off, expected, new))
 
     # -- notifications (GPI-2 style; the logic lives in smb2.notify) ----------
     def set_notify_area(self, offset: int, slots: int) -> Buffer:
@@ -525,7 +476,7 @@ class Buffer:
         """Raise ``slot`` to ``max(slot, value)`` now; return its old value.
         Everything this task awaited before is visible to whoever sees it."""
         off = _notify.slot_offset(self, slot)
-        return await _notify.raise_to(self, off, _check_i64("value", value))
+        return await _notify.raise_to(self, off, check_word("value", value))
 
     async def notify_add(self, slot: int, value: int = 1) -> int:
         """Add ``value`` to ``slot`` (a counter); return its old value."""
@@ -543,7 +494,7 @@ class Buffer:
         exponential backoff (50 µs up to 5 ms).  Raises
         :class:`~smb2.NotifyTimeout` after ``timeout`` seconds."""
         off = _notify.slot_offset(self, slot)
-        at_least = _check_i64("at_least", at_least)
+        at_least = check_word("at_least", at_least)
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise InvalidArgumentError(f"timeout must be a non-negative number of seconds, not {timeout!r}")
         return await _notify.wait_word(self, off, at_least, timeout)
@@ -603,8 +554,8 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     secret = auth.as_token(token) if token is not None else auth.token_from_env()
     options = {"token": secret, "rdma_device": rdma_device, "rdma_gid_index": rdma_gid_index,
                "poll": poll}
-    links = [_Link(a, transport, timeout, options) for a in addresses]
-    client = Client(links)
+    links = [Link(a, transport, timeout, options) for a in addresses]
+    client = Client(links, _caller_outside_package())
     try:
         await asyncio.gather(*(link.get() for link in links))
     except BaseException:

@@ -1,4 +1,4 @@
-"""The distributed FIFO ticket lock, client side (DESIGN.md, "The lock").
+"""The distributed FIFO ticket lock, client side (docs/design.md, "The lock").
 
     async with buf.lock():                 # the buffer's own lock
         ...
@@ -10,8 +10,9 @@
 A lock lives on one server (its name's hash picks it, like a buffer's first
 stripe) as two words, ``next_ticket`` and ``now_serving``.  Two ways to wait:
 
-* **park** (TCP): one LOCK_ACQUIRE frame; the server answers when our turn
-  comes.  Release is one LOCK_RELEASE.  No traffic while waiting.
+* **park** (TCP, a :class:`~smb2.transport.LockCapable` transport):
+  one LOCK_ACQUIRE frame; the server answers when our turn comes.  Release
+  is one LOCK_RELEASE.  No traffic while waiting.
 * **poll** (RDMA, and TCP when asked): ``fetch_add(next_ticket, 1)``, then
   reads of ``now_serving`` with a backoff proportional to the distance to
   our ticket (``_core.TicketState``).  Only the transport interface's
@@ -31,16 +32,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from . import _core
 from .busypoll import poll_while
 from .errors import InterfaceError, InvalidArgumentError, LockTimeout, NoSuchBuffer, StaleFence
-
-if TYPE_CHECKING:
-    from .client import Client
-    from .transport import Transport
+from .transport import Link, LockCapable, LockSlot, Transport
 
 log = logging.getLogger("smb2.lock")
 
@@ -50,8 +48,21 @@ MODES = ("auto", "park", "poll")
 # hand-off that long, so the poll loop does not sleep for less.
 _TIMER_RESOLUTION = 1e-3
 
-# lock_open answers, per client: name -> info (segment, offset, key, lease)
-_opened: weakref.WeakKeyDictionary[Client, dict[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
+
+
+class LockOwner(Protocol):
+    """What a lock needs of its client (:class:`smb2.Client` is one): the
+    links to the servers, and whether it is still open."""
+
+    @property
+    def links(self) -> Sequence[Link]: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def ensure_open(self) -> None: ...
+
+
 # fire-and-forget work (renewals, giving tickets up): referenced until done
 _background: set[asyncio.Future[Any]] = set()
 
@@ -98,9 +109,10 @@ class Lock:
     section's round trips are not slowed by wakeups (0 = never)."""
 
     __slots__ = ("client", "name", "mode", "_lease", "_min_delay", "_max_delay", "_spin", "_state",
-                 "_info", "_transport", "_path", "_renew", "_busy", "_buf8", "_view8", "_contended")
+                 "_slot", "_transport", "_parker", "_path", "_renew", "_busy", "_buf8", "_view8",
+                 "_contended")
 
-    def __init__(self, client: Client, name: str, *, lease: float | None = None, mode: str = "auto",
+    def __init__(self, client: LockOwner, name: str, *, lease: float | None = None, mode: str = "auto",
                  min_delay: float = 20e-6, max_delay: float = 0.05, spin: float = 1e-3) -> None:
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 255:
             raise InvalidArgumentError(f"a lock name is a non-empty str of at most 255 bytes, not {name!r}")
@@ -119,8 +131,10 @@ class Lock:
         self._spin = spin
         self._contended = False
         self._state: _core.TicketState | None = None
-        self._info: dict[str, Any] | None = None
+        self._slot: LockSlot | None = None
         self._transport: Transport | None = None
+        # the same transport while the last acquisition parked (else None)
+        self._parker: LockCapable | None = None
         self._path = ""
         self._renew: asyncio.TimerHandle | None = None
         self._busy = False
@@ -166,22 +180,20 @@ class Lock:
         """Wait for the lock (FIFO).  With ``timeout`` (seconds), raise
         :class:`LockTimeout` when it runs out; the ticket is then given up
         and the queue does not wait for it.  Cancellation does the same."""
-        self.client._check()
+        self.client.ensure_open()
         if self._busy or self.locked():
             raise InterfaceError(f"lock {self.name!r} is already held or being acquired by this "
                                  "Lock object (it is not reentrant)")
         self._busy = True
         try:
             if timeout is None:
-                tr, st = self._transport, self._state
-                if self._path == "park" and tr is not None and st is not None and not tr.closed:
+                tr, parker, st, slot = self._transport, self._parker, self._state, self._slot
+                if parker is not None and tr is not None and st is not None and slot is not None \
+                        and not tr.closed:
                     # the common case, without the layers below: one frame
                     # on a connection and a lock we used before
-                    info = self._info
-                    assert info is not None
                     try:
-                        ticket, queued = await tr.lock_acquire(  # type: ignore[attr-defined]
-                            info["segment"], info["offset"])
+                        ticket, queued = await parker.lock_acquire(slot.segment, slot.offset)
                     except NoSuchBuffer:
                         await self._acquire()
                         return True
@@ -216,20 +228,21 @@ class Lock:
             raise InterfaceError(f"release() of lock {self.name!r}, which this Lock object does not hold")
         ticket = st.ticket
         st.released()
-        tr, info = self._transport, self._info
-        assert tr is not None and info is not None
+        tr, slot = self._transport, self._slot
+        assert tr is not None and slot is not None
         if tr.closed:
             # the server gave the lock up when the connection went
             if wait:
                 raise StaleFence(f"lock {self.name!r}: the connection to its server was lost, "
                                  "and the lock with it")
             return
-        seg, off = info["segment"], info["offset"]
-        if self._path == "park":
+        seg, off = slot.segment, slot.offset
+        parker = self._parker
+        if parker is not None:
             if wait:
-                await tr.lock_release(seg, off, ticket)   # type: ignore[attr-defined]
+                await parker.lock_release(seg, off, ticket)
             else:
-                tr.lock_release_nowait(seg, off, ticket)  # type: ignore[attr-defined]
+                parker.lock_release_nowait(seg, off, ticket)
             return
         # The polling path's release is an atomic that may travel on another
         # channel than this client's next request (RDMA: the QP, while fenced
@@ -271,53 +284,40 @@ class Lock:
             await self.release()
 
     # -- internals ------------------------------------------------------------
-    async def _open(self, fresh: bool = False) -> tuple[Transport, dict[str, Any]]:
-        client = self.client
-        links = client._links
+    async def _open(self, fresh: bool = False) -> tuple[Transport, LockSlot]:
+        links = self.client.links
+        # on the server its name's hash picks, like a buffer's first stripe
         link = links[_core.name_hash(self.name) % len(links)]
-        tr = link.transport
-        if tr is None or tr.closed:
-            tr = await link.get()
-        cache = _opened.setdefault(client, {})
-        info = None if fresh else cache.get(self.name)
-        server_id = tr.server_info.get("server_id")
-        # A restarted server has forgotten its locks and may have given our
-        # slot to another name: a slot is only good for the server process
-        # that assigned it.
-        if info is None or info.get("server_id") != server_id:
-            msg: dict[str, Any] = {"cmd": "lock_open", "name": self.name}
-            if self._lease is not None:
-                msg["lease"] = float(self._lease)
-            info = {**await tr.control(msg), "server_id": server_id}
-            cache[self.name] = info
-        return tr, info
+        return await link.lock_slot(self.name, self._lease, fresh=fresh)
 
     async def _acquire(self) -> None:
-        tr, info = self._transport, self._info
-        if tr is None or info is None or tr.closed:
-            tr, info = await self._open()
+        tr, slot = self._transport, self._slot
+        if tr is None or slot is None or tr.closed:
+            tr, slot = await self._open()
         try:
-            await self._acquire_on(tr, info)
+            await self._acquire_on(tr, slot)
         except NoSuchBuffer:
             # the lock's server restarted and forgot the lock: open it again
-            tr, info = await self._open(fresh=True)
-            await self._acquire_on(tr, info)
+            tr, slot = await self._open(fresh=True)
+            await self._acquire_on(tr, slot)
 
-    async def _acquire_on(self, tr: Transport, info: dict[str, Any]) -> None:
+    async def _acquire_on(self, tr: Transport, slot: LockSlot) -> None:
         loop = asyncio.get_running_loop()
         st = self._state
-        if st is None or st.lease != info["lease"]:
-            st = self._state = _core.TicketState(float(info["lease"]), self._min_delay, self._max_delay)
-        seg, off = info["segment"], info["offset"]
-        park = self.mode == "park" or (self.mode == "auto" and tr.name == "tcp")
-        if park and not hasattr(tr, "lock_acquire"):
-            raise InterfaceError(f"the {tr.name} transport cannot park lock waiters; use mode='poll'")
-        self._transport, self._info = tr, info
-        if park:
-            self._path = "park"
-            self._granted(st, *await tr.lock_acquire(seg, off))      # type: ignore[attr-defined]
+        if st is None or st.lease != slot.lease:
+            st = self._state = _core.TicketState(slot.lease, self._min_delay, self._max_delay)
+        seg, off = slot.segment, slot.offset
+        # auto: park where the server can (its CPU reads our requests: TCP),
+        # poll where it cannot (one-sided RDMA never wakes the server)
+        self._transport, self._slot = tr, slot
+        if self.mode == "park" or (self.mode == "auto" and isinstance(tr, LockCapable)):
+            if not isinstance(tr, LockCapable):
+                raise InterfaceError(f"the {tr.name} transport cannot park lock waiters",
+                                     hint="use mode='poll' (or 'auto')")
+            self._path, self._parker = "park", tr
+            self._granted(st, *await tr.lock_acquire(seg, off))
             return
-        self._path = "poll"
+        self._path, self._parker = "poll", None
         await self._poll(tr, st, seg, off)
         if self._renew is None:
             self._renew = loop.call_at(st.renew_at, self._renew_due)
@@ -400,10 +400,10 @@ class Lock:
         _spawn(self._renew_now(st.ticket))
 
     async def _renew_now(self, ticket: int) -> None:
-        tr, info = self._transport, self._info
-        assert tr is not None and info is not None
+        tr, slot = self._transport, self._slot
+        assert tr is not None and slot is not None
         try:
-            await tr.fetch_add(info["segment"], info["offset"] + _core.LOCK_HEARTBEAT, 1)
+            await tr.fetch_add(slot.segment, slot.offset + _core.LOCK_HEARTBEAT, 1)
         except Exception as exc:
             log.warning("lock %r: renewing the lease failed (%s); the lock may be lost", self.name, exc)
             return

@@ -31,14 +31,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
+from .checks import check_int
 from .errors import InterfaceError, InvalidArgumentError, NotifyTimeout
 
-if TYPE_CHECKING:
-    from .client import Buffer
+
+class NotifyBuffer(Protocol):
+    """What notifications need of a buffer (:class:`smb2.Buffer` is one):
+    its size and notification area, and its public one-sided operations."""
+
+    name: str
+    nbytes: int
+    notify_area: tuple[int, int] | None
+
+    async def fetch_add(self, offset: int, value: int = 1) -> int: ...
+
+    async def compare_swap(self, offset: int, expected: int, new: int) -> int: ...
+
+    async def read_into(self, out: Any, offset: int = 0) -> None: ...
 
 #: polling of a slot starts this fast (seconds) ...
 FIRST_DELAY = 50e-6
@@ -48,26 +61,23 @@ FIRST_DELAY = 50e-6
 MAX_DELAY = 5e-3
 
 
-def slot_offset(buf: Buffer, slot: int) -> int:
+def slot_offset(buf: NotifyBuffer, slot: int) -> int:
     """The byte offset of ``slot``'s word (validated)."""
     area = buf.notify_area
     if area is None:
         raise InterfaceError(
             f"buffer {buf.name!r} has no notification area",
             hint="designate one first: buf.set_notify_area(offset, slots)")
-    if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool):
-        raise InvalidArgumentError(f"a notification slot is an int, not {type(slot).__name__}")
+    slot = check_int("a notification slot", slot)
     offset, nslots = area
     if not 0 <= slot < nslots:
         raise InvalidArgumentError(f"slot {slot} is outside the notification area of {nslots} slots")
-    return offset + 8 * int(slot)
+    return offset + 8 * slot
 
 
-def check_area(buf: Buffer, offset: int, slots: int) -> tuple[int, int]:
-    for what, v in (("offset", offset), ("slots", slots)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-            raise InvalidArgumentError(f"notification area {what} must be an int, not {type(v).__name__}")
-    offset, slots = int(offset), int(slots)
+def check_area(buf: NotifyBuffer, offset: int, slots: int) -> tuple[int, int]:
+    offset = check_int("the notification area's offset", offset)
+    slots = check_int("the notification area's slots", slots)
     if offset < 0 or offset % 8:
         raise InvalidArgumentError(f"the notification area needs an 8-byte aligned offset, not {offset}")
     if slots < 1 or offset + 8 * slots > buf.nbytes:
@@ -77,18 +87,16 @@ def check_area(buf: Buffer, offset: int, slots: int) -> tuple[int, int]:
     return offset, slots
 
 
-def check_notify(buf: Buffer, notify: object) -> tuple[int, int]:
+def check_notify(buf: NotifyBuffer, notify: object) -> tuple[int, int]:
     """Validate a ``notify=(slot, value)`` argument before any data moves."""
     if not (isinstance(notify, tuple) and len(notify) == 2):
         raise InvalidArgumentError(f"notify must be a (slot, value) tuple, not {notify!r}")
     slot, value = notify
     off = slot_offset(buf, slot)
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise InvalidArgumentError(f"a notification value is an int, not {type(value).__name__}")
-    return off, int(value)
+    return off, check_int("a notification value", value)
 
 
-async def raise_to(buf: Buffer, offset: int, value: int) -> int:
+async def raise_to(buf: NotifyBuffer, offset: int, value: int) -> int:
     """Atomically set the word at ``offset`` to ``max(word, value)``; return
     the old value.  Usually two round trips (read, then compare-and-swap)."""
     old = await buf.fetch_add(offset, 0)      # an atomic read of the word
@@ -100,7 +108,7 @@ async def raise_to(buf: Buffer, offset: int, value: int) -> int:
     return old
 
 
-async def wait_word(buf: Buffer, offset: int, at_least: int, timeout: float | None,
+async def wait_word(buf: NotifyBuffer, offset: int, at_least: int, timeout: float | None,
                     what: str = "notification") -> int:
     """Poll the int64 word at ``offset`` with exponential backoff until it is
     ``>= at_least``; return the value seen.  Raises :class:`NotifyTimeout`."""
@@ -120,7 +128,7 @@ async def wait_word(buf: Buffer, offset: int, at_least: int, timeout: float | No
         delay = min(delay * 2, MAX_DELAY)
 
 
-async def read_slots(buf: Buffer) -> np.ndarray:
+async def read_slots(buf: NotifyBuffer) -> np.ndarray:
     """All slots of the area as an int64 array, in one read."""
     area = buf.notify_area
     if area is None:

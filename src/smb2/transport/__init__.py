@@ -1,73 +1,22 @@
 """Transports: how a client reaches one server (tcp, rdma).
 
-``open_transport`` is the one place that chooses a transport for a server.
+* :mod:`.base` -- the interface every transport offers (and the optional
+  lock capability);
+* :mod:`.tcp`, :mod:`.rdma` -- the two transports;
+* :mod:`.choose` -- ``open_transport``, the one place that picks one;
+* :mod:`.link` -- a client's link to one server (reconnects, its lock slots).
+
+This package imports only the modules both sides share (``errors``,
+``protocol``, ``auth``, ``_core``, ``rdma_device``): never the client or the
+server (docs/design.md, "Layers").
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
-from ..errors import InvalidArgumentError, TransportError
-from .base import Transport
+from .base import MASK64, LockCapable, MemoryDomain, Transport
+from .choose import KINDS, open_transport, rdma_unavailable_reason
+from .link import Link, LockSlot
 from .tcp import TcpTransport
 
-log = logging.getLogger("smb2.transport")
-
-KINDS = ("auto", "tcp", "rdma")
-
-_reported: set[tuple[str, str, str]] = set()
-
-
-def rdma_unavailable_reason(rdma_device: str | None = None,
-                            rdma_gid_index: int | None = None) -> str | None:
-    """Why RDMA cannot be used from this process, or None if it can."""
-    from ..rdma_device import unavailable_reason
-    return unavailable_reason(rdma_device, rdma_gid_index)
-
-
-def _report(label: str, kind: str, reason: str) -> None:
-    key = (label, kind, reason)
-    if key not in _reported:
-        _reported.add(key)
-        log.info("%s: using %s (%s)", label, kind, reason)
-
-
-async def open_transport(address: tuple[str, int], kind: str = "auto", *,
-                         timeout: float = 10.0, token: bytes | None = None,
-                         rdma_device: str | None = None, rdma_gid_index: int | None = None,
-                         poll: str = "event") -> Transport:
-    """Connect to one server with the transport ``kind``.
-
-    ``auto`` picks RDMA where both ends can (this process has a usable device,
-    the server said ``rdma`` at hello), else TCP, and says why once at INFO;
-    an explicit ``rdma`` never falls back."""
-    if kind not in KINDS:
-        raise InvalidArgumentError(f"transport must be one of {', '.join(KINDS)}, not {kind!r}")
-    label = f"{address[0]}:{address[1]}"
-    opts: dict[str, Any] = {"rdma_device": rdma_device, "rdma_gid_index": rdma_gid_index,
-                            "poll": poll}
-    if kind == "rdma":
-        from .rdma import RdmaTransport
-        return await RdmaTransport.connect(address, timeout=timeout, token=token, **opts)
-    if kind == "tcp":
-        return await TcpTransport.connect(address, timeout=timeout, token=token)
-    reason = rdma_unavailable_reason(rdma_device, rdma_gid_index)
-    transport = await TcpTransport.connect(address, timeout=timeout, token=token)
-    if reason is None and "rdma" not in transport.server_info.get("transports", ()):
-        reason = f"the server has no RDMA: {transport.server_info.get('rdma_off', 'not offered')}"
-    if reason is not None:
-        _report(label, "tcp", reason)
-        return transport
-    from .rdma import RdmaTransport
-    try:
-        rdma = await RdmaTransport.upgrade(transport, timeout=timeout, **opts)
-    except TransportError as exc:
-        # both ends said they could, and yet: TCP still works
-        _report(label, "tcp", f"RDMA set-up failed: {exc}")
-        return await TcpTransport.connect(address, timeout=timeout, token=token)
-    _report(label, "rdma", "device {device}, GID {gid_index} ({gid})".format(**rdma.device.describe()))
-    return rdma
-
-
-__all__ = ["KINDS", "TcpTransport", "Transport", "open_transport", "rdma_unavailable_reason"]
+__all__ = ["KINDS", "MASK64", "Link", "LockCapable", "LockSlot", "MemoryDomain", "TcpTransport", "Transport",
+           "open_transport", "rdma_unavailable_reason"]

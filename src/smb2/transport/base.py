@@ -1,20 +1,39 @@
-"""The one interface every transport offers (DESIGN.md, "The transport
-interface").
+"""The one interface every transport offers (docs/design.md, "The transport
+interface"), and the capabilities only some offer.
 
 A transport reaches ONE server.  It knows segments and offsets, never buffer
 names, stripes or training.  Data arguments are sequences of memoryviews (the
 pieces of the caller's memory that one request scatters to or gathers from);
 their lengths add up to ``length``.
+
+Optional capabilities are mixins a transport inherits, tested with
+``isinstance``: :class:`LockCapable` (the server parks lock waiters).  A
+transport that can use registered memory in place names its
+:class:`MemoryDomain` in ``memory_domain``.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import InterfaceError
 from ..protocol import DEFAULT_MAX_REQUEST
+
+#: the words of the interface are u64 on the wire; callers may pass int64
+#: values (negative), which a transport reduces modulo 2**64 with this
+MASK64 = (1 << 64) - 1
+
+
+class MemoryDomain(Protocol):
+    """Something user memory can be registered with (an RDMA device)."""
+
+    def register(self, view: memoryview, /) -> Any:
+        """Register ``view``; return a handle for :meth:`unregister` (OSError on failure)."""
+
+    def unregister(self, handle: Any, /) -> None:
+        """Forget a registration made by :meth:`register`."""
 
 
 class Transport(abc.ABC):
@@ -24,6 +43,9 @@ class Transport(abc.ABC):
     name: str = "?"
     #: the largest request the client should send (the planner cuts at this)
     max_request: int = DEFAULT_MAX_REQUEST
+    #: where ``Client.register`` registers memory for zero-copy use (None:
+    #: this transport copies anyway, registering would buy nothing)
+    memory_domain: MemoryDomain | None = None
 
     def __init__(self, address: tuple[str, int]) -> None:
         self.address = address
@@ -77,3 +99,25 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Close the connection; pending operations fail with TransportError."""
+
+
+class LockCapable(abc.ABC):
+    """A transport whose server can park lock waiters: one request waits
+    for the grant, instead of the client polling the lock's words
+    (docs/design.md, "The lock").  Only over a connection the server's CPU
+    reads (TCP): a one-sided fabric never wakes anybody."""
+
+    @abc.abstractmethod
+    async def lock_acquire(self, segment: int, offset: int) -> tuple[int, bool]:
+        """Queue for the lock in slot ``offset``; return ``(ticket, queued)``
+        once it is ours (``queued``: other tickets wait behind it).  A
+        cancelled caller's ticket is given up."""
+
+    @abc.abstractmethod
+    async def lock_release(self, segment: int, offset: int, ticket: int) -> None:
+        """Release the lock held with ``ticket``; StaleFence if it was lost."""
+
+    @abc.abstractmethod
+    def lock_release_nowait(self, segment: int, offset: int, ticket: int) -> None:
+        """Release without waiting for (or getting) an answer; whatever this
+        transport sends next reaches the server after it."""

@@ -36,14 +36,12 @@ from typing import Any
 
 from .. import _core
 from ..errors import NoSuchBuffer, OutOfBounds, TransportError
-from ..protocol import DTYPE_SHIFT, FLAG_STAGED, Op
 from ..rdma_device import Device, _verbs, alloc_pinned, get_device, unavailable_reason
-from .base import Transport
-from .tcp import _EMPTY, TcpTransport
+from .base import MASK64, Transport
+from .tcp import TcpTransport
 
 log = logging.getLogger("smb2.transport.rdma")
 
-_MASK64 = (1 << 64) - 1
 #: bytes of one request (the client's planner cuts here) = one bounce chunk
 CHUNK = 1 << 20
 BOUNCE_CHUNKS = 4
@@ -245,7 +243,7 @@ class RdmaTransport(Transport):
             self._loop.add_reader(cq.fd, self._on_ready)
             self._reader = True
             cq.arm()
-        self._tcp._proto.on_lost = self._on_tcp_lost
+        self._tcp.on_lost = self._on_tcp_lost
         log.debug("%s: RC QP %d <-> %d up", self.label, qp.qpn, int(r["qpn"]))
 
     # -- state ------------------------------------------------------------------
@@ -310,7 +308,7 @@ class RdmaTransport(Transport):
                     mem.close()
                 except BufferError:   # a slice is still referenced: GC frees it
                     pass
-        self._tcp._proto.on_lost = None
+        self._tcp.on_lost = None
         if not self._tcp.closed:
             self._tcp.abort()
 
@@ -536,9 +534,8 @@ class RdmaTransport(Transport):
                     await self._rw_bounce(_verbs.WR_RDMA_WRITE, "WRITE (accumulate)",
                                           window, saddr + s * slot_size, srkey, n)
                 # ... then the server adds it in (over the control connection)
-                call = asyncio.ensure_future(self._tcp._call(
-                    Op.ACCUMULATE, (dtype_code << DTYPE_SHIFT) | FLAG_STAGED, segment, offset + pos,
-                    16, _core.pack_u64x2(s * slot_size, n), _EMPTY))
+                call = asyncio.ensure_future(self._tcp.accumulate_staged(
+                    segment, offset + pos, s * slot_size, n, dtype_code))
                 try:
                     await asyncio.shield(call)
                 except asyncio.CancelledError:
@@ -567,7 +564,7 @@ class RdmaTransport(Transport):
         slot = await self._alloc(fut, 1, kind, atomic=True)
         try:
             self._qp.post_atomic(cas, slot, self._comps.word_addr(slot), self._atomic_mr.lkey,
-                                 raddr, rkey, a & _MASK64, b & _MASK64)
+                                 raddr, rkey, a & MASK64, b & MASK64)
         except OSError as exc:
             raise self._post_error(slot, exc) from None
         try:

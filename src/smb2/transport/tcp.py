@@ -24,6 +24,7 @@ from ..protocol import (
     FLAG_NOREPLY,
     FLAG_QUEUED,
     FLAG_REPLY,
+    FLAG_STAGED,
     INLINE,
     MAX_ACCUMULATE,
     VERSION,
@@ -33,11 +34,9 @@ from ..protocol import (
     pack,
     unpack,
 )
-from .base import Transport
+from .base import MASK64, LockCapable, Transport
 
 log = logging.getLogger("smb2.transport.tcp")
-
-_MASK64 = (1 << 64) - 1
 
 # what a reply carries: nothing, data into the caller's buffers, a u64, a
 # msgpack map, or a lock grant (u64 ticket; flag QUEUED: others wait behind)
@@ -196,7 +195,7 @@ def _message(payload: memoryview | None) -> str:
         return bytes(payload[:200]).decode("utf-8", "replace")
 
 
-class TcpTransport(Transport):
+class TcpTransport(Transport, LockCapable):
     """Client side of one TCP connection to one server."""
 
     name = "tcp"
@@ -244,6 +243,17 @@ class TcpTransport(Transport):
     @property
     def closed(self) -> bool:
         return self._proto.transport is None
+
+    @property
+    def on_lost(self) -> Callable[[Exception], None] | None:
+        """Called once, with the error, when the connection is lost (a
+        transport that rides on this connection fails its own operations
+        with it); None for nobody."""
+        return self._proto.on_lost
+
+    @on_lost.setter
+    def on_lost(self, callback: Callable[[Exception], None] | None) -> None:
+        self._proto.on_lost = callback
 
     def _submit(self, rid: int, parts: Sequence[bytes | memoryview], kind: int,
                 targets: Sequence[memoryview] | None, length: int) -> asyncio.Future[Any]:
@@ -308,27 +318,33 @@ class TcpTransport(Transport):
 
     async def fetch_add(self, segment: int, offset: int, value: int) -> int:
         return int(await self._call(Op.FETCH_ADD, 0, segment, offset, 8,
-                                    _core.pack_u64(value & _MASK64), _U64))
+                                    _core.pack_u64(value & MASK64), _U64))
 
     async def compare_swap(self, segment: int, offset: int, expected: int, new: int) -> int:
         return int(await self._call(Op.COMPARE_SWAP, 0, segment, offset, 16,
-                                    _core.pack_u64x2(expected & _MASK64, new & _MASK64), _U64))
+                                    _core.pack_u64x2(expected & MASK64, new & MASK64), _U64))
+
+    async def accumulate_staged(self, segment: int, offset: int, staging_offset: int, length: int,
+                                dtype_code: int) -> None:
+        """Add ``length`` bytes that the client has already put into the
+        server's staging area at ``staging_offset`` (an RDMA WRITE) to the
+        segment at ``offset``: the server's CPU does the adding."""
+        await self._call(Op.ACCUMULATE, (dtype_code << DTYPE_SHIFT) | FLAG_STAGED, segment, offset, 16,
+                         _core.pack_u64x2(staging_offset, length), _EMPTY)
 
     async def write_fenced(self, src: Sequence[memoryview], segment: int, offset: int,
                            length: int, lock_key: int, token: int) -> None:
         # the fence travels as a 16-byte prefix of the payload, in the same
         # writev as the header and the data (which is not copied)
-        parts: list[memoryview] = [memoryview(_core.pack_u64x2(lock_key & _MASK64, token & _MASK64))]
+        parts: list[memoryview] = [memoryview(_core.pack_u64x2(lock_key & MASK64, token & MASK64))]
         parts.extend(src)
         await self._call(Op.WRITE, FLAG_FENCED, segment, offset, length + 16, parts, _EMPTY)
 
-    # -- the lock's server-side waiting (server_locks.py) -------------------
+    # -- LockCapable: the server parks waiters (smb2.server.locks) -------------
     async def lock_acquire(self, segment: int, offset: int) -> tuple[int, bool]:
-        """Queue for the lock in slot ``offset``; return ``(ticket, queued)``
-        once it is ours (``queued``: other tickets wait behind it).  If the
-        caller is cancelled (or times out) while waiting, the server is told
-        to give the ticket up (LOCK_CANCEL), and to release the lock if the
-        grant crossed the cancellation."""
+        # If the caller is cancelled (or times out) while waiting, the server
+        # is told to give the ticket up (LOCK_CANCEL), and to release the lock
+        # if the grant crossed the cancellation.
         await self._proto.drain()
         rid = self._new_id()
         fut = self._submit(rid, [_core.encode_header(VERSION, Op.LOCK_ACQUIRE, 0, 0, rid,
@@ -355,14 +371,12 @@ class TcpTransport(Transport):
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def lock_release(self, segment: int, offset: int, ticket: int) -> None:
-        """Release the lock held with ``ticket``; StaleFence if it was lost."""
-        await self._call(Op.LOCK_RELEASE, 0, segment, offset, 8, _core.pack_u64(ticket & _MASK64),
+        await self._call(Op.LOCK_RELEASE, 0, segment, offset, 8, _core.pack_u64(ticket & MASK64),
                          _EMPTY)
 
     def lock_release_nowait(self, segment: int, offset: int, ticket: int) -> None:
-        """Release without an answer (FLAG_NOREPLY).  The frame leaves with
-        this connection's next request, or at the end of this loop
-        iteration; whatever this connection sends next is ordered after it."""
+        # FLAG_NOREPLY: the frame leaves with this connection's next request,
+        # or at the end of this loop iteration
         proto = self._proto
         if proto.transport is None:
             raise proto.lost or TransportError(f"connection to {self.label} is closed",
@@ -372,13 +386,14 @@ class TcpTransport(Transport):
         # request id 0: no reply will name it
         self._cork.append(_core.encode_header_with(
             VERSION, Op.LOCK_RELEASE, FLAG_NOREPLY, 0, 0, segment, offset, 8,
-            _core.pack_u64(ticket & _MASK64)))
+            _core.pack_u64(ticket & MASK64)))
 
     def _uncork(self) -> None:
         t = self._proto.transport
         if self._cork and t is not None:
             t.write(b"".join(self._cork))
         self._cork.clear()
+
     def abort(self) -> None:
         """Drop the connection now (no waiting; pending ops fail)."""
         t = self._proto.transport
