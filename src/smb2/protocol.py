@@ -25,6 +25,23 @@ MAGIC: Final = _core.MAGIC
 DEFAULT_PORT: Final = 7420
 
 
+# A decoded header (``_core.decode_header``) is a plain tuple, the cheapest
+# thing to make once per frame; these name its fields' positions.
+Header = tuple[int, ...]
+H_MAGIC: Final = 0
+H_VERSION: Final = 1
+H_OP: Final = 2
+H_FLAGS: Final = 3
+H_STATUS: Final = 4
+H_REQUEST: Final = 5          # the request id a reply echoes
+H_SEGMENT: Final = 6
+H_OFFSET: Final = 7
+H_LENGTH: Final = 8
+
+# the wire's words are u64: Python ints are reduced to 64 bits with this
+MASK64: Final = (1 << 64) - 1
+
+
 class Op(enum.IntEnum):
     CONTROL = 1        # payload: msgpack map {"cmd": ..., ...}; reply: msgpack map
     READ = 2           # length = bytes wanted, no payload; reply payload: the bytes

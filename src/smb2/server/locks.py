@@ -198,7 +198,7 @@ class LockService:
                 slot = self.names.index(None)
             except ValueError:
                 raise Refused(ErrorCode.OUT_OF_MEMORY,
-                                  f"this server holds its maximum of {self.nslots} locks") from None
+                              f"this server holds its maximum of {self.nslots} locks") from None
             self.table.open(slot, _ticket_base(), float(lease or self.lease), now)
             self.by_name[name] = slot
             self.names[slot] = name
@@ -238,7 +238,7 @@ class LockService:
         slot = offset // SLOT
         if not self.table.is_open(slot):
             raise Refused(ErrorCode.NO_SUCH_BUFFER,
-                              f"no lock in slot {slot} (open it first; did the server restart?)")
+                          f"no lock in slot {slot} (open it first; did the server restart?)")
         return slot
 
     # -- frames -------------------------------------------------------------
@@ -270,7 +270,7 @@ class LockService:
                 ticket, granted = self.table.acquire(slot, waiter, owner, now)
             except ValueError:
                 raise Refused(ErrorCode.BAD_REQUEST,
-                                  f"request id {rid} already waits for or holds a lock") from None
+                              f"request id {rid} already waits for or holds a lock") from None
             if granted:
                 conn.reply(hdr, _core.pack_u64(ticket))
             else:
@@ -289,8 +289,8 @@ class LockService:
                 return
             if not ok:
                 raise Refused(ErrorCode.STALE_FENCE,
-                                  f"ticket {ticket} does not hold lock {self.names[slot]!r} "
-                                  "(its lease expired, or it was released already)")
+                              f"ticket {ticket} does not hold lock {self.names[slot]!r} "
+                              "(its lease expired, or it was released already)")
             conn.reply(hdr)
             self._deliver(grants)
             return

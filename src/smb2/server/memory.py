@@ -17,7 +17,8 @@ import logging
 import os
 import socket
 import time
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, ClassVar, cast
 
 import numpy as np
 
@@ -25,7 +26,6 @@ from .. import _core, auth
 from ..errors import ErrorCode, InvalidArgumentError, PersistenceError, TransportError
 from ..protocol import (
     CLOSED,
-    DATA_OPS,
     DEFAULT_MAX_FRAME,
     DEFAULT_PORT,
     DISCARD,
@@ -36,14 +36,22 @@ from ..protocol import (
     FLAG_NOREPLY,
     FLAG_REPLY,
     FLAG_STAGED,
+    H_FLAGS,
+    H_LENGTH,
+    H_OFFSET,
+    H_OP,
+    H_SEGMENT,
+    H_VERSION,
     INLINE,
     LOCK_OPS,
     LOCK_SEGMENT,
+    MASK64,
     MAX_ACCUMULATE,
     MAX_CONTROL,
     VERSION,
     Destination,
     FrameReceiver,
+    Header,
     Op,
     Prefix,
     error_payload,
@@ -232,8 +240,8 @@ class MemoryServer:
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"server holds its maximum of {self.max_buffers} buffers")
         if self.used + size > self.capacity:
             raise Refused(ErrorCode.OUT_OF_MEMORY,
-                           f"buffer {name!r} needs {size} bytes on this server; "
-                           f"{self.capacity - self.used} of {self.capacity} are free")
+                          f"buffer {name!r} needs {size} bytes on this server; "
+                          f"{self.capacity - self.used} of {self.capacity} are free")
         try:
             mem, view = alloc(size)
         except (OSError, MemoryError, OverflowError) as exc:
@@ -313,6 +321,26 @@ def _uint(msg: dict[str, Any], key: str) -> int:
     return v
 
 
+def _refuse_lock_segment(segment: int) -> None:
+    # a client changes lock words only with atomics, which the lock service sees
+    if segment == LOCK_SEGMENT:
+        raise Refused(ErrorCode.ACCESS_DENIED, "the lock segment only takes READ and atomics")
+
+
+def _check_items(hdr: Header, offset: int, length: int) -> None:
+    """An accumulate's range holds whole items of its dtype."""
+    code = (hdr[H_FLAGS] & DTYPE_MASK) >> DTYPE_SHIFT
+    try:
+        itemsize = _core.dtype_itemsize(code)
+    except ValueError:
+        raise Refused(ErrorCode.BAD_REQUEST, f"unknown dtype code {code}") from None
+    if offset % itemsize or length % itemsize:
+        raise Refused(ErrorCode.BAD_REQUEST,
+                      f"accumulate of {itemsize}-byte items needs an aligned offset and length")
+
+
+# a staged accumulate's payload: u64 staging offset, u64 length
+STAGED_PAYLOAD = 16
 _FENCE = Prefix(FENCE_SIZE)
 # the statistics' name of each op, looked up once per frame
 _STAT_NAME = {int(op): op.name.lower() for op in Op}
@@ -483,8 +511,9 @@ class Connection(FrameReceiver):
     def payload_size(self, hdr: tuple[int, ...]) -> int:
         return 0 if hdr[2] == Op.READ else hdr[8]
 
-    def on_header(self, hdr: tuple[int, ...], size: int) -> Destination:
-        _, version, op, flags, _, _, segment, offset, length = hdr
+    def on_header(self, hdr: Header, size: int) -> Destination:
+        version, op, flags, length = hdr[H_VERSION], hdr[H_OP], hdr[H_FLAGS], hdr[H_LENGTH]
+        # what a well-behaved client never sends closes the connection
         if version != VERSION:
             self.close_with(f"protocol version {version} not supported (server speaks {VERSION})",
                             hdr, ErrorCode.VERSION_MISMATCH)
@@ -498,7 +527,8 @@ class Connection(FrameReceiver):
                                 hdr, ErrorCode.TOO_LARGE)
                 return CLOSED
             return INLINE
-        if op not in DATA_OPS and op not in LOCK_OPS:
+        check = self._HEADER_CHECKS.get(op)
+        if check is None:
             self.close_with(f"unknown op {op}", hdr)
             return CLOSED
         if size > self.server.max_frame or (op == Op.READ and length > self.server.max_frame):
@@ -515,50 +545,64 @@ class Connection(FrameReceiver):
             else:
                 self.close_with("not authenticated", hdr, ErrorCode.ACCESS_DENIED)
             return CLOSED
+        # a request this server refuses gets an error reply; its payload is dropped
         try:
-            if op in LOCK_OPS:
-                self.server.locks.check_header(hdr, size)
-                return INLINE
-            if op == Op.ACCUMULATE and flags & FLAG_STAGED:
-                # payload: u64 staging offset, u64 length (checked in on_frame)
-                if size != 16 or self.rdma_peer is None:
-                    raise Refused(ErrorCode.BAD_REQUEST, "a staged accumulate needs rdma_connect "
-                                   "and a 16-byte payload")
-                return INLINE
-            atomic = op in (Op.FETCH_ADD, Op.COMPARE_SWAP)
-            if segment == LOCK_SEGMENT and op in (Op.WRITE, Op.ACCUMULATE):
-                raise Refused(ErrorCode.ACCESS_DENIED, "the lock segment only takes READ and atomics")
-            if op == Op.WRITE and flags & FLAG_FENCED:
-                if length < FENCE_SIZE:
-                    raise Refused(ErrorCode.BAD_REQUEST, "a fenced WRITE starts with a 16-byte fence")
-                self._segment(segment, offset, length - FENCE_SIZE)
-                return _FENCE
-            seg = self._segment(segment, offset, 8 if atomic else length)
-            if op == Op.WRITE:
-                rng = (offset, offset + length)
-                seg.inflight.append(rng)
-                self._write = (seg, rng)
-                return [seg.view[offset:offset + length]] if length else INLINE
-            if op == Op.ACCUMULATE:
-                code = (flags & DTYPE_MASK) >> DTYPE_SHIFT
-                try:
-                    itemsize = _core.dtype_itemsize(code)
-                except ValueError:
-                    raise Refused(ErrorCode.BAD_REQUEST, f"unknown dtype code {code}") from None
-                if offset % itemsize or length % itemsize:
-                    raise Refused(ErrorCode.BAD_REQUEST,
-                                   f"accumulate of {itemsize}-byte items needs an aligned offset and length")
-            elif atomic:
-                want = 8 if op == Op.FETCH_ADD else 16
-                if offset % 8 or size != want:
-                    raise Refused(ErrorCode.BAD_REQUEST,
-                                   "atomics act on one 8-byte aligned word")
+            return check(self, hdr, size)
         except Refused as exc:
             self._refuse(hdr, exc.code, str(exc))
             return DISCARD
+
+    # Each op's header check, before a byte of its payload is read: where the
+    # payload goes, or Refused.
+    def _check_lock_op(self, hdr: Header, size: int) -> Destination:
+        self.server.locks.check_header(hdr, size)
         return INLINE
 
-    def on_prefix(self, hdr: tuple[int, ...], prefix: memoryview, rest: int) -> Destination:
+    def _check_read(self, hdr: Header, size: int) -> Destination:
+        self._segment(hdr[H_SEGMENT], hdr[H_OFFSET], hdr[H_LENGTH])
+        return INLINE
+
+    def _check_write(self, hdr: Header, size: int) -> Destination:
+        segment, offset, length = hdr[H_SEGMENT], hdr[H_OFFSET], hdr[H_LENGTH]
+        _refuse_lock_segment(segment)
+        if hdr[H_FLAGS] & FLAG_FENCED:
+            if length < FENCE_SIZE:
+                raise Refused(ErrorCode.BAD_REQUEST, "a fenced WRITE starts with a 16-byte fence")
+            self._segment(segment, offset, length - FENCE_SIZE)
+            return _FENCE
+        seg = self._segment(segment, offset, length)
+        return self._receive_write(seg, offset, length)
+
+    def _receive_write(self, seg: Segment, offset: int, length: int) -> Destination:
+        # the payload lands straight in the segment; accumulates that overlap
+        # it wait until it is complete (Segment.inflight)
+        rng = (offset, offset + length)
+        seg.inflight.append(rng)
+        self._write = (seg, rng)
+        return [seg.view[offset:offset + length]] if length else INLINE
+
+    def _check_accumulate(self, hdr: Header, size: int) -> Destination:
+        segment, offset, length = hdr[H_SEGMENT], hdr[H_OFFSET], hdr[H_LENGTH]
+        if hdr[H_FLAGS] & FLAG_STAGED:
+            # payload: u64 staging offset, u64 length (checked in on_frame)
+            if size != STAGED_PAYLOAD or self.rdma_peer is None:
+                raise Refused(ErrorCode.BAD_REQUEST, "a staged accumulate needs rdma_connect "
+                              "and a 16-byte payload")
+            return INLINE
+        _refuse_lock_segment(segment)
+        self._segment(segment, offset, length)
+        _check_items(hdr, offset, length)
+        return INLINE
+
+    def _check_atomic(self, hdr: Header, size: int) -> Destination:
+        offset = hdr[H_OFFSET]
+        self._segment(hdr[H_SEGMENT], offset, 8)
+        want = 8 if hdr[H_OP] == Op.FETCH_ADD else 16
+        if offset % 8 or size != want:
+            raise Refused(ErrorCode.BAD_REQUEST, "atomics act on one 8-byte aligned word")
+        return INLINE
+
+    def on_prefix(self, hdr: Header, prefix: memoryview, rest: int) -> Destination:
         # a fenced WRITE: check the fence before a byte of data lands
         key, token = _core.unpack_u64(prefix, 0), _core.unpack_u64(prefix, 8)
         if not self.server.locks.check_fence(key, token):
@@ -566,15 +610,11 @@ class Connection(FrameReceiver):
                          f"write fenced with token {token} refused: the lock was lost "
                          "(lease expired, released, or a newer holder wrote here)")
             return DISCARD
-        seg = self.server.segments.get(hdr[6])
+        seg = self.server.segments.get(hdr[H_SEGMENT])
         if seg is None:     # destroyed between header and prefix
-            self._refuse(hdr, ErrorCode.NO_SUCH_BUFFER, f"no segment {hdr[6]}")
+            self._refuse(hdr, ErrorCode.NO_SUCH_BUFFER, f"no segment {hdr[H_SEGMENT]}")
             return DISCARD
-        offset = hdr[7]
-        rng = (offset, offset + rest)
-        seg.inflight.append(rng)
-        self._write = (seg, rng)
-        return [seg.view[offset:offset + rest]] if rest else INLINE
+        return self._receive_write(seg, hdr[H_OFFSET], rest)
 
     def _segment(self, segment: int, offset: int, length: int) -> Segment:
         seg = self.server.segments.get(segment)
@@ -582,71 +622,91 @@ class Connection(FrameReceiver):
             raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {segment} (destroyed, or the server restarted)")
         if offset > seg.size or length > seg.size - offset:
             raise Refused(ErrorCode.OUT_OF_BOUNDS,
-                           f"range [{offset}, {offset + length}) is outside segment {segment} of {seg.size} bytes")
+                          f"range [{offset}, {offset + length}) is outside segment {segment} of {seg.size} bytes")
         return seg
 
-    def on_frame(self, hdr: tuple[int, ...], payload: memoryview | None) -> None:
-        op = hdr[2]
+    def _still_there(self, segment: int) -> Segment:
+        # another connection may have destroyed it while this payload came in
+        seg = self.server.segments.get(segment)
+        if seg is None:
+            raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {segment} (destroyed while the "
+                          "request was being received)")
+        return seg
+
+    def on_frame(self, hdr: Header, payload: memoryview | None) -> None:
+        op = hdr[H_OP]
         try:
             if op == Op.CONTROL:
                 assert payload is not None
                 self._control(hdr, payload)
                 return
-            stats = self.server.ops[self.transport_name]
-            stats[_STAT_NAME[op]] += 1
-            if op in LOCK_OPS:
-                assert payload is not None
-                self.server.locks.on_frame(self, hdr, payload)
-                return
-            seg = self.server.segments.get(hdr[6])
-            offset, length = hdr[7], hdr[8]
-            if hdr[3] & FLAG_FENCED:
-                length -= FENCE_SIZE
-            if op == Op.READ:
-                assert seg is not None
-                self.reply(hdr, seg.view[offset:offset + length])
-            elif op == Op.WRITE:
-                self.server.bytes_in += length
-                if self._write is not None:
-                    wseg, rng = self._write
-                    self._write = None
-                    if payload is not None and length:
-                        _core.copy_into(wseg.view[offset:offset + length], payload)
-                    wseg.write_done(rng)
-                self.reply(hdr)
-            elif op == Op.ACCUMULATE and hdr[3] & FLAG_STAGED:
-                assert payload is not None
-                self._accumulate_staged(hdr, payload)
-            elif op == Op.ACCUMULATE:
-                assert seg is not None and payload is not None
-                self.server.bytes_in += length
-                self._accumulate(hdr, seg, payload)
-            elif op == Op.FETCH_ADD:
-                assert seg is not None and payload is not None
-                word = seg.mem[offset:offset + 8].view(np.uint64)
-                old = int(word[0])
-                word[0] = (old + _core.unpack_u64(payload)) & 0xFFFFFFFFFFFFFFFF
-                self.reply(hdr, _core.pack_u64(old))
-                if seg.id == LOCK_SEGMENT:
-                    self.server.locks.touched(offset)
-            elif op == Op.COMPARE_SWAP:
-                assert seg is not None and payload is not None
-                word = seg.mem[offset:offset + 8].view(np.uint64)
-                old = int(word[0])
-                if old == _core.unpack_u64(payload, 0):
-                    word[0] = _core.unpack_u64(payload, 8)
-                self.reply(hdr, _core.pack_u64(old))
-                if seg.id == LOCK_SEGMENT:
-                    self.server.locks.touched(offset)
+            self.server.ops[self.transport_name][_STAT_NAME[op]] += 1
+            self._EXECUTE[op](self, hdr, payload)
         except Refused as exc:
             self._refuse(hdr, exc.code, str(exc))
         except Exception as exc:  # a bug must cost one request, not the server
             log.exception("internal error handling op %d from %s", op, self.peer)
             self._refuse(hdr, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
-    def _accumulate(self, hdr: tuple[int, ...], seg: Segment, payload: memoryview) -> None:
-        offset, length = hdr[7], hdr[8]
-        code = (hdr[3] & DTYPE_MASK) >> DTYPE_SHIFT
+    # Each op, executed once its frame is all in (its header was checked).
+    def _lock_op(self, hdr: Header, payload: memoryview | None) -> None:
+        assert payload is not None
+        self.server.locks.on_frame(self, hdr, payload)
+
+    def _read(self, hdr: Header, payload: memoryview | None) -> None:
+        # no payload: this runs right after on_header found the segment
+        seg = self.server.segments[hdr[H_SEGMENT]]
+        offset = hdr[H_OFFSET]
+        self.reply(hdr, seg.view[offset:offset + hdr[H_LENGTH]])
+
+    def _write_op(self, hdr: Header, payload: memoryview | None) -> None:
+        offset, length = hdr[H_OFFSET], hdr[H_LENGTH]
+        if hdr[H_FLAGS] & FLAG_FENCED:
+            length -= FENCE_SIZE
+        self.server.bytes_in += length
+        if self._write is not None:
+            wseg, rng = self._write
+            self._write = None
+            if payload is not None and length:
+                # the part that came inline (a short write, or one whose
+                # payload arrived with its header)
+                _core.copy_into(wseg.view[offset:offset + length], payload)
+            wseg.write_done(rng)
+        self.reply(hdr)
+
+    def _accumulate_op(self, hdr: Header, payload: memoryview | None) -> None:
+        assert payload is not None
+        if hdr[H_FLAGS] & FLAG_STAGED:
+            self._accumulate_staged(hdr, payload)
+            return
+        seg = self._still_there(hdr[H_SEGMENT])
+        self.server.bytes_in += hdr[H_LENGTH]
+        self._accumulate(hdr, seg, payload)
+
+    def _fetch_add(self, hdr: Header, payload: memoryview | None) -> None:
+        assert payload is not None
+        seg, offset = self._still_there(hdr[H_SEGMENT]), hdr[H_OFFSET]
+        word = seg.mem[offset:offset + 8].view(np.uint64)
+        old = int(word[0])
+        word[0] = (old + _core.unpack_u64(payload)) & MASK64
+        self.reply(hdr, _core.pack_u64(old))
+        if seg.id == LOCK_SEGMENT:
+            self.server.locks.touched(offset)
+
+    def _compare_swap(self, hdr: Header, payload: memoryview | None) -> None:
+        assert payload is not None
+        seg, offset = self._still_there(hdr[H_SEGMENT]), hdr[H_OFFSET]
+        word = seg.mem[offset:offset + 8].view(np.uint64)
+        old = int(word[0])
+        if old == _core.unpack_u64(payload, 0):
+            word[0] = _core.unpack_u64(payload, 8)
+        self.reply(hdr, _core.pack_u64(old))
+        if seg.id == LOCK_SEGMENT:
+            self.server.locks.touched(offset)
+
+    def _accumulate(self, hdr: Header, seg: Segment, payload: memoryview) -> None:
+        offset, length = hdr[H_OFFSET], hdr[H_LENGTH]
+        code = (hdr[H_FLAGS] & DTYPE_MASK) >> DTYPE_SHIFT
         if seg.overlaps_inflight(offset, offset + length):
             delta = bytes(payload)       # the inbox is reused: keep a copy
             # Waiting accumulates hold copies of their deltas: bound them per
@@ -670,16 +730,14 @@ class Connection(FrameReceiver):
         _core.accumulate(seg.view[offset:offset + length], payload, code)
         self.reply(hdr)
 
-    def _accumulate_staged(self, hdr: tuple[int, ...], payload: memoryview) -> None:
+    def _accumulate_staged(self, hdr: Header, payload: memoryview) -> None:
         # The delta was RDMA-written into this connection's staging area.
         soff, length = _core.unpack_u64(payload, 0), _core.unpack_u64(payload, 8)
-        seg = self._segment(hdr[6], hdr[7], length)
-        itemsize = _core.dtype_itemsize((hdr[3] & DTYPE_MASK) >> DTYPE_SHIFT)
-        if hdr[7] % itemsize or length % itemsize:
-            raise Refused(ErrorCode.BAD_REQUEST,
-                           f"accumulate of {itemsize}-byte items needs an aligned offset and length")
+        offset = hdr[H_OFFSET]
+        seg = self._segment(hdr[H_SEGMENT], offset, length)
+        _check_items(hdr, offset, length)
         delta = self.rdma_peer.staged(soff, length)
-        self._accumulate((*hdr[:8], length), seg, delta)
+        self._accumulate((*hdr[:H_LENGTH], length), seg, delta)
 
     def _control(self, hdr: tuple[int, ...], payload: memoryview) -> None:
         try:
@@ -689,76 +747,91 @@ class Connection(FrameReceiver):
         if not isinstance(msg, dict):
             raise Refused(ErrorCode.BAD_REQUEST, "a control message is a msgpack map")
         cmd = msg.get("cmd")
-        srv = self.server
-        if cmd == "hello":
-            version = msg.get("version")
-            if version != VERSION:
-                self.close_with(f"client speaks protocol version {version!r}, server {VERSION}",
-                                hdr, ErrorCode.VERSION_MISMATCH)
-                return
-            self.greeted = True
-            result: dict[str, Any] = {
-                "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
-                "max_frame": srv.max_frame,
-                "transports": ["tcp", "rdma"] if srv.rdma else ["tcp"]}
-            if srv.rdma is None:
-                result["rdma_off"] = srv.rdma_reason
-            if srv.token is None:
-                self.authed = True
-            elif not self.authed:
-                self._nonce = auth.new_nonce()
-                result.update(auth=auth.MECH, nonce=self._nonce)
-        elif not self.greeted:
+        if cmd != "hello" and not self.greeted:
             self.close_with("the first request must be hello", hdr)
             return
-        elif cmd == "auth":
-            result = self._auth(hdr, msg)
-            if not result:
-                return
-        elif not self.authed:
-            # the one gate: whatever a later branch adds to the control
-            # commands (RDMA keys, addresses) is unreachable before auth
+        if not self.authed and not (isinstance(cmd, str) and cmd in auth.PUBLIC_COMMANDS):
+            # the one gate: whatever a handler adds to the control commands
+            # (RDMA keys, addresses) is unreachable before auth
             raise Refused(ErrorCode.ACCESS_DENIED, f"{cmd!r} needs authentication first")
-        elif cmd == "create":
-            result = srv.create(_str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
-                                _uint(msg, "nservers"), _uint(msg, "index"))
-            if srv.rdma is not None:
-                result.update(srv.rdma.segment_info(result["segment"]))
-        elif cmd == "lookup":
-            result = srv.lookup(_str(msg, "name"))
-            if srv.rdma is not None:
-                result.update(srv.rdma.segment_info(result["segment"]))
-        elif cmd == "rdma_segment":
-            seg = srv.segments.get(_uint(msg, "segment"))
-            if seg is None:
-                raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {msg['segment']} "
-                               "(destroyed, or the server restarted)")
-            result = {**seg.info(), **(srv.rdma.segment_info(seg.id) if srv.rdma else {})}
-        elif cmd == "rdma_connect":
-            if srv.rdma is None:
-                raise Refused(ErrorCode.UNSUPPORTED, f"this server has no RDMA: {srv.rdma_reason}")
-            peer, result = srv.rdma.connect(msg)
-            if self.rdma_peer is not None:
-                srv.rdma.drop(self.rdma_peer)
-            self.rdma_peer = peer
-            # from now on this connection's server-side work counts as rdma's
-            self.transport_name = "rdma"
-        elif cmd == "destroy":
-            result = srv.destroy(_str(msg, "name"))
-        elif cmd == "list":
-            result = {"buffers": sorted(srv.by_name)}
-        elif cmd == "stat":
-            result = srv.stat()
-        elif cmd == "lock_open":
-            lease = msg.get("lease")
-            result = srv.locks.open(_str(msg, "name"), lease)
-        elif cmd == "lock_abandon":
-            result = srv.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
-        else:
+        handler = self._CONTROL.get(cmd) if isinstance(cmd, str) else None
+        if handler is None:
             raise Refused(ErrorCode.BAD_REQUEST, f"unknown control command {cmd!r}")
-        self.reply(hdr, pack(result))
+        result = handler(self, hdr, msg)
+        if result is not None:      # None: the handler closed the connection
+            self.reply(hdr, pack(result))
 
-    def _auth(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+    # The control commands (docs/protocol.md): each takes the request's header
+    # and message and returns the reply's map, or None after close_with.
+    def _hello(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any] | None:
+        srv = self.server
+        version = msg.get("version")
+        if version != VERSION:
+            self.close_with(f"client speaks protocol version {version!r}, server {VERSION}",
+                            hdr, ErrorCode.VERSION_MISMATCH)
+            return None
+        self.greeted = True
+        result: dict[str, Any] = {
+            "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
+            "max_frame": srv.max_frame,
+            "transports": ["tcp", "rdma"] if srv.rdma else ["tcp"]}
+        if srv.rdma is None:
+            result["rdma_off"] = srv.rdma_reason
+        if srv.token is None:
+            self.authed = True
+        elif not self.authed:
+            self._nonce = auth.new_nonce()
+            result.update(auth=auth.MECH, nonce=self._nonce)
+        return result
+
+    def _with_rdma_keys(self, info: dict[str, Any]) -> dict[str, Any]:
+        # a segment's address and key, for clients that read it one-sidedly
+        rdma = self.server.rdma
+        return {**info, **rdma.segment_info(info["segment"])} if rdma is not None else info
+
+    def _create(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+        return self._with_rdma_keys(self.server.create(
+            _str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
+            _uint(msg, "nservers"), _uint(msg, "index")))
+
+    def _lookup(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+        return self._with_rdma_keys(self.server.lookup(_str(msg, "name")))
+
+    def _rdma_segment(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+        seg = self.server.segments.get(_uint(msg, "segment"))
+        if seg is None:
+            raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {msg['segment']} "
+                          "(destroyed, or the server restarted)")
+        return self._with_rdma_keys(seg.info())
+
+    def _rdma_connect(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+        srv = self.server
+        if srv.rdma is None:
+            raise Refused(ErrorCode.UNSUPPORTED, f"this server has no RDMA: {srv.rdma_reason}")
+        peer, result = srv.rdma.connect(msg)
+        if self.rdma_peer is not None:
+            srv.rdma.drop(self.rdma_peer)
+        self.rdma_peer = peer
+        # from now on this connection's server-side work counts as rdma's
+        self.transport_name = "rdma"
+        return result
+
+    def _destroy(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+        return self.server.destroy(_str(msg, "name"))
+
+    def _list(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+        return {"buffers": sorted(self.server.by_name)}
+
+    def _stat(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+        return self.server.stat()
+
+    def _lock_open(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+        return self.server.locks.open(_str(msg, "name"), msg.get("lease"))
+
+    def _lock_abandon(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+        return self.server.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
+
+    def _auth(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any] | None:
         srv = self.server
         if srv.token is None:
             raise Refused(ErrorCode.BAD_REQUEST, "this server does not use authentication")
@@ -772,12 +845,25 @@ class Connection(FrameReceiver):
             srv.auth_failures += 1
             log.warning("authentication failed from %s", self.peer)
             self.close_with("authentication failed: wrong token", hdr, ErrorCode.ACCESS_DENIED)
-            return {}
+            return None
         assert isinstance(nonce, bytes)
         self.authed = True
         log.debug("%s authenticated", self.peer)
         return {"proof": auth.server_proof(srv.token, self._nonce, nonce)}
 
+
+    _HEADER_CHECKS: ClassVar[dict[int, Callable[[Connection, Header, int], Destination]]] = {
+        Op.READ: _check_read, Op.WRITE: _check_write, Op.ACCUMULATE: _check_accumulate,
+        Op.FETCH_ADD: _check_atomic, Op.COMPARE_SWAP: _check_atomic,
+        **dict.fromkeys(LOCK_OPS, _check_lock_op)}
+    _EXECUTE: ClassVar[dict[int, Callable[[Connection, Header, memoryview | None], None]]] = {
+        Op.READ: _read, Op.WRITE: _write_op, Op.ACCUMULATE: _accumulate_op,
+        Op.FETCH_ADD: _fetch_add, Op.COMPARE_SWAP: _compare_swap,
+        **dict.fromkeys(LOCK_OPS, _lock_op)}
+    _CONTROL: ClassVar[dict[str, Callable[[Connection, tuple[int, ...], dict[str, Any]], dict[str, Any] | None]]] = {
+        "hello": _hello, "auth": _auth, "create": _create, "lookup": _lookup,
+        "rdma_segment": _rdma_segment, "rdma_connect": _rdma_connect, "destroy": _destroy,
+        "list": _list, "stat": _stat, "lock_open": _lock_open, "lock_abandon": _lock_abandon}
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, **options: Any) -> MemoryServer:
     """Start a memory server in the running loop and return it once it listens.

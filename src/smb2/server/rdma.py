@@ -42,7 +42,7 @@ class Peer:
             lid, mtu = int(msg.get("lid", 0)), int(msg.get("mtu", dev.mtu))
         except (KeyError, TypeError, ValueError):
             raise Refused(ErrorCode.BAD_REQUEST,
-                               "rdma_connect needs qpn, psn, gid (16 bytes), lid, mtu") from None
+                          "rdma_connect needs qpn, psn, gid (16 bytes), lid, mtu") from None
         if not isinstance(gid, bytes) or len(gid) != 16:
             raise Refused(ErrorCode.BAD_REQUEST, "rdma_connect: gid must be 16 bytes")
         self.mtu = max(1, min(mtu, dev.mtu))
@@ -75,8 +75,8 @@ class Peer:
         """The staging bytes a FLAG_STAGED accumulate names (validated)."""
         if offset > len(self.staging_view) or length > len(self.staging_view) - offset:
             raise Refused(ErrorCode.OUT_OF_BOUNDS,
-                               f"staged range [{offset}, {offset + length}) is outside the "
-                               f"staging area of {len(self.staging_view)} bytes")
+                          f"staged range [{offset}, {offset + length}) is outside the "
+                          f"staging area of {len(self.staging_view)} bytes")
         return self.staging_view[offset:offset + length]
 
     def close(self) -> None:
@@ -130,8 +130,8 @@ class RdmaServer:
                                          self.segment_access if access is None else access)
         except OSError as exc:
             raise Refused(ErrorCode.OUT_OF_MEMORY,
-                               f"cannot register {len(view)} bytes for RDMA: {exc} (registered "
-                               "memory is pinned: see the memlock limit, ulimit -l)") from None
+                          f"cannot register {len(view)} bytes for RDMA: {exc} (registered "
+                          "memory is pinned: see the memlock limit, ulimit -l)") from None
 
     def deregister(self, seg_id: int) -> None:
         mr = self.mrs.pop(seg_id, None)
