@@ -18,15 +18,34 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Final
+from typing import IO, Any, Final, Protocol
 
 import numpy as np
 
 from .durable import CHUNK, chunks, fsync_dir
 from .errors import InvalidArgumentError, NoSuchBuffer, PersistenceError
 
-if TYPE_CHECKING:
-    from .client import Client
+
+class StoredBuffer(Protocol):
+    """What a checkpoint needs of a buffer (:class:`smb2.Buffer` is one)."""
+
+    name: str
+    nbytes: int
+    stripe: int
+    nservers: int
+
+    async def read_into(self, out: Any, offset: int = 0) -> None: ...
+
+    async def write(self, offset: int, data: Any) -> None: ...
+
+
+class Client(Protocol):
+    """What a checkpoint needs of a client (:class:`smb2.Client` is one);
+    stated here so that this module does not import the client's."""
+
+    async def attach(self, name: str) -> StoredBuffer: ...
+
+    async def create(self, name: str, nbytes: int, *, stripe: int = ...) -> StoredBuffer: ...
 
 __all__ = ["CHUNK", "checkpoint", "read_checkpoint_header", "restore"]
 
