@@ -13,10 +13,10 @@ server (docs/design.md, "Layers").
 
 from __future__ import annotations
 
-from .base import MASK64, LockCapable, MemoryDomain, Transport
+from .base import LockCapable, MemoryDomain, Transport
 from .choose import KINDS, open_transport, rdma_unavailable_reason
 from .link import Link, LockSlot
 from .tcp import TcpTransport
 
-__all__ = ["KINDS", "MASK64", "Link", "LockCapable", "LockSlot", "MemoryDomain", "TcpTransport", "Transport",
+__all__ = ["KINDS", "Link", "LockCapable", "LockSlot", "MemoryDomain", "TcpTransport", "Transport",
            "open_transport", "rdma_unavailable_reason"]

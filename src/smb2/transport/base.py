@@ -21,10 +21,6 @@ from typing import Any, Protocol
 from ..errors import InterfaceError
 from ..protocol import DEFAULT_MAX_REQUEST
 
-#: the words of the interface are u64 on the wire; callers may pass int64
-#: values (negative), which a transport reduces modulo 2**64 with this
-MASK64 = (1 << 64) - 1
-
 
 class MemoryDomain(Protocol):
     """Something user memory can be registered with (an RDMA device)."""

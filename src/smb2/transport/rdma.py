@@ -36,8 +36,9 @@ from typing import Any
 
 from .. import _core
 from ..errors import NoSuchBuffer, OutOfBounds, TransportError
+from ..protocol import MASK64
 from ..rdma_device import Device, _verbs, alloc_pinned, get_device, unavailable_reason
-from .base import MASK64, Transport
+from .base import Transport
 from .tcp import TcpTransport
 
 log = logging.getLogger("smb2.transport.rdma")

@@ -25,16 +25,23 @@ from ..protocol import (
     FLAG_QUEUED,
     FLAG_REPLY,
     FLAG_STAGED,
+    H_FLAGS,
+    H_LENGTH,
+    H_OP,
+    H_REQUEST,
+    H_STATUS,
     INLINE,
+    MASK64,
     MAX_ACCUMULATE,
     VERSION,
     Destination,
     FrameReceiver,
+    Header,
     Op,
     pack,
     unpack,
 )
-from .base import MASK64, LockCapable, Transport
+from .base import LockCapable, Transport
 
 log = logging.getLogger("smb2.transport.tcp")
 
@@ -119,27 +126,27 @@ class _ClientProtocol(FrameReceiver):
             self.transport.abort()
 
     # -- frames ------------------------------------------------------------
-    def payload_size(self, hdr: tuple[int, ...]) -> int:
-        return hdr[8]
+    def payload_size(self, hdr: Header) -> int:
+        return hdr[H_LENGTH]
 
-    def on_header(self, hdr: tuple[int, ...], size: int) -> Destination:
-        if not hdr[3] & FLAG_REPLY:
-            self.close_with(f"server sent a request frame (op {hdr[2]})")
+    def on_header(self, hdr: Header, size: int) -> Destination:
+        if not hdr[H_FLAGS] & FLAG_REPLY:
+            self.close_with(f"server sent a request frame (op {hdr[H_OP]})")
             return CLOSED
-        p = self.pending.get(hdr[5])
+        p = self.pending.get(hdr[H_REQUEST])
         if p is None:
-            if hdr[5] == 0 and hdr[4]:
+            if hdr[H_REQUEST] == 0 and hdr[H_STATUS]:
                 if size > _MAX_ERROR_REPLY:
                     self.close_with(f"close reason of {size} bytes")
                     return CLOSED
                 return INLINE     # the server's reason for closing us
-            self.close_with(f"reply to unknown request {hdr[5]}")
+            self.close_with(f"reply to unknown request {hdr[H_REQUEST]}")
             return CLOSED
         # Never trust an announced length: an inline payload is allocated
         # before it arrives, and a broken or hostile server must not make the
         # client allocate what it names.
-        if hdr[4] or p.kind == _MSG:
-            limit = _MAX_ERROR_REPLY if hdr[4] else _MAX_CONTROL_REPLY
+        if hdr[H_STATUS] or p.kind == _MSG:
+            limit = _MAX_ERROR_REPLY if hdr[H_STATUS] else _MAX_CONTROL_REPLY
             if size > limit:
                 self.close_with(f"reply of {size} bytes to a request that expects at most {limit}")
                 return CLOSED
@@ -147,7 +154,7 @@ class _ClientProtocol(FrameReceiver):
             self.close_with(f"reply of {size} bytes to a request that expects "
                             f"{0 if p.kind == _EMPTY else 8}")
             return CLOSED
-        if hdr[4] == 0 and p.kind == _INTO:
+        if hdr[H_STATUS] == 0 and p.kind == _INTO:
             if size != p.length:
                 self.close_with(f"READ reply of {size} bytes for {p.length} asked")
                 return CLOSED
@@ -155,9 +162,9 @@ class _ClientProtocol(FrameReceiver):
             return list(p.targets)
         return INLINE
 
-    def on_frame(self, hdr: tuple[int, ...], payload: memoryview | None) -> None:
-        status = hdr[4]
-        p = self.pending.pop(hdr[5], None)
+    def on_frame(self, hdr: Header, payload: memoryview | None) -> None:
+        status = hdr[H_STATUS]
+        p = self.pending.pop(hdr[H_REQUEST], None)
         if p is None:
             # status != 0 with request id 0: the server closes the connection
             msg = _message(payload)
@@ -177,7 +184,7 @@ class _ClientProtocol(FrameReceiver):
             p.fut.set_result(_core.unpack_u64(payload))
         elif p.kind == _GRANT:
             assert payload is not None
-            p.fut.set_result((_core.unpack_u64(payload), bool(hdr[3] & FLAG_QUEUED)))
+            p.fut.set_result((_core.unpack_u64(payload), bool(hdr[H_FLAGS] & FLAG_QUEUED)))
         else:
             try:
                 p.fut.set_result(unpack(payload))
