@@ -215,7 +215,7 @@ class FrameReceiver(asyncio.BufferedProtocol, abc.ABC):
         self._start = 0
         self._end = 0
         # the frame whose payload is being received outside the inbox
-        self._hdr: tuple[int, ...] | None = None
+        self._hdr: Header | None = None
         self._targets: list[memoryview] = []
         self._tidx = 0
         self._tpos = 0
@@ -234,22 +234,22 @@ class FrameReceiver(asyncio.BufferedProtocol, abc.ABC):
 
     # -- to implement -----------------------------------------------------
     @abc.abstractmethod
-    def payload_size(self, hdr: tuple[int, ...]) -> int:
+    def payload_size(self, hdr: Header) -> int:
         """Bytes of payload that follow this header."""
 
     @abc.abstractmethod
-    def on_header(self, hdr: tuple[int, ...], size: int) -> Destination:
+    def on_header(self, hdr: Header, size: int) -> Destination:
         """Where this frame's payload goes: INLINE, DISCARD, CLOSED or a
         list of memoryviews whose lengths add up to ``size``."""
 
-    def on_prefix(self, hdr: tuple[int, ...], prefix: memoryview, rest: int) -> Destination:
+    def on_prefix(self, hdr: Header, prefix: memoryview, rest: int) -> Destination:
         """Where the payload after a requested ``Prefix`` goes (``rest``
         bytes): INLINE, DISCARD, CLOSED or a list of memoryviews.  Only
         subclasses whose ``on_header`` returns a Prefix implement it."""
         raise TypeError(f"{type(self).__name__}.on_header asked for a prefix but has no on_prefix")
 
     @abc.abstractmethod
-    def on_frame(self, hdr: tuple[int, ...], payload: memoryview | None) -> None:
+    def on_frame(self, hdr: Header, payload: memoryview | None) -> None:
         """The whole frame is in: ``payload`` for INLINE, else None (never
         called for DISCARD).  An inline payload may be a view of the inbox:
         use it before returning."""
@@ -343,8 +343,8 @@ class FrameReceiver(asyncio.BufferedProtocol, abc.ABC):
             if avail < HEADER_SIZE:
                 return
             hdr = _core.decode_header(self._inbox, self._start)
-            if hdr[0] != MAGIC:
-                self.close_with(f"bad magic 0x{hdr[0]:04x}: not an smb2 peer")
+            if hdr[H_MAGIC] != MAGIC:
+                self.close_with(f"bad magic 0x{hdr[H_MAGIC]:04x}: not an smb2 peer")
                 return
             size = self.payload_size(hdr)
             if self._inline_wait:

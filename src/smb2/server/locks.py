@@ -47,7 +47,19 @@ from typing import Any, Protocol
 from .. import _core
 from ..busypoll import poll_while
 from ..errors import ErrorCode, InvalidArgumentError
-from ..protocol import FLAG_NOREPLY, FLAG_QUEUED, LOCK_SEGMENT, Op, error_payload
+from ..protocol import (
+    FLAG_NOREPLY,
+    FLAG_QUEUED,
+    H_FLAGS,
+    H_OFFSET,
+    H_OP,
+    H_REQUEST,
+    H_SEGMENT,
+    LOCK_SEGMENT,
+    Header,
+    Op,
+    error_payload,
+)
 from .segment import Refused
 
 log = logging.getLogger("smb2.lock")
@@ -76,7 +88,7 @@ class Requester(Protocol):
         """False once the connection is closing or closed."""
         ...
 
-    def reply(self, hdr: tuple[int, ...], payload: bytes | memoryview = b"",
+    def reply(self, hdr: Header, payload: bytes | memoryview = b"",
               status: int = 0, flags: int = 0) -> None:
         """Answer the request whose header is ``hdr``."""
         ...
@@ -112,7 +124,7 @@ class LockService:
         # parked LOCK_ACQUIREs: waiter id -> (connection, header).  A waiter
         # id is (owner << 32 | request id): LOCK_CANCEL names the acquire by
         # its request id, and no table maps one to the other.
-        self._parked: dict[int, tuple[Requester, tuple[int, ...]]] = {}
+        self._parked: dict[int, tuple[Requester, Header]] = {}
         # each connection that used a lock: its owner id in the table (the
         # table knows owners, not connections; connection_lost forgets it)
         self._owners: dict[Requester, int] = {}
@@ -242,9 +254,9 @@ class LockService:
         return slot
 
     # -- frames -------------------------------------------------------------
-    def check_header(self, hdr: tuple[int, ...], size: int) -> None:
+    def check_header(self, hdr: Header, size: int) -> None:
         """Validate a lock op's header before its payload is read."""
-        op, segment, offset = hdr[2], hdr[6], hdr[7]
+        op, segment, offset = hdr[H_OP], hdr[H_SEGMENT], hdr[H_OFFSET]
         if segment != LOCK_SEGMENT:
             raise Refused(ErrorCode.BAD_REQUEST, "lock ops address the lock segment (0)")
         self._slot_of(offset)
@@ -259,8 +271,8 @@ class LockService:
             self._next_owner = self._next_owner % 0x7FFFFFFF + 1
         return owner
 
-    def on_frame(self, conn: Requester, hdr: tuple[int, ...], payload: memoryview) -> None:
-        op, rid, offset = hdr[2], hdr[5], hdr[7]
+    def on_frame(self, conn: Requester, hdr: Header, payload: memoryview) -> None:
+        op, rid, offset = hdr[H_OP], hdr[H_REQUEST], hdr[H_OFFSET]
         now = asyncio.get_running_loop().time()
         owner = self._owner(conn)
         slot = self._slot_of(offset)
@@ -280,7 +292,7 @@ class LockService:
         if op == Op.LOCK_RELEASE:
             ticket = _core.unpack_u64(payload)
             ok, grants = self.table.release(slot, ticket, now)
-            if hdr[3] & FLAG_NOREPLY:
+            if hdr[H_FLAGS] & FLAG_NOREPLY:
                 if not ok:
                     self.stale_releases += 1
                     log.info("%s released lock %r with ticket %d, which did not hold it "

@@ -40,6 +40,7 @@ from ..protocol import (
     H_LENGTH,
     H_OFFSET,
     H_OP,
+    H_REQUEST,
     H_SEGMENT,
     H_VERSION,
     INLINE,
@@ -339,6 +340,13 @@ def _check_items(hdr: Header, offset: int, length: int) -> None:
                       f"accumulate of {itemsize}-byte items needs an aligned offset and length")
 
 
+# A reply payload up to this size is copied behind its header into one
+# frame (one write, and corked with its neighbours); a larger one goes out
+# as header + payload in one writev, not copied.
+COPY_REPLY_MAX = 64 << 10
+# close_with without a request to answer: the reason goes out as a reply to
+# request id 0 of op 0, which the client reads as the connection's last word
+NO_REQUEST: Header = (0,) * 9
 # a staged accumulate's payload: u64 staging offset, u64 length
 STAGED_PAYLOAD = 16
 _FENCE = Prefix(FENCE_SIZE)
@@ -455,8 +463,8 @@ class Connection(FrameReceiver):
         if cork and t is not None and not t.is_closing():
             t.write(cork[0] if len(cork) == 1 else b"".join(cork))
 
-    def reply(self, hdr: tuple[int, ...], payload: bytes | memoryview = b"",
-               status: int = 0, flags: int = 0) -> None:
+    def reply(self, hdr: Header, payload: bytes | memoryview = b"",
+              status: int = 0, flags: int = 0) -> None:
         """Answer the request whose header is ``hdr`` (the lock service
         answers parked acquires through this too)."""
         t = self.transport
@@ -464,9 +472,9 @@ class Connection(FrameReceiver):
             return
         n = len(payload)
         self.server.bytes_out += n
-        if n <= 65536:
-            frame = _core.encode_header_with(VERSION, hdr[2], FLAG_REPLY | flags, status, hdr[5],
-                                             hdr[6], hdr[7], n, payload)
+        if n <= COPY_REPLY_MAX:
+            frame = _core.encode_header_with(VERSION, hdr[H_OP], FLAG_REPLY | flags, status, hdr[H_REQUEST],
+                                             hdr[H_SEGMENT], hdr[H_OFFSET], n, payload)
             if self._cork is not None:
                 self._cork.append(frame)
             else:
@@ -476,22 +484,23 @@ class Connection(FrameReceiver):
             # keep the order of replies: the corked ones go first
             cork, self._cork = self._cork, []
             t.write(b"".join(cork))
-        head = _core.encode_header(VERSION, hdr[2], FLAG_REPLY | flags, status, hdr[5], hdr[6], hdr[7], n)
+        head = _core.encode_header(VERSION, hdr[H_OP], FLAG_REPLY | flags, status, hdr[H_REQUEST],
+                                   hdr[H_SEGMENT], hdr[H_OFFSET], n)
         if self._uvloop:
             t.writelines((head, payload))       # one writev, payload not copied
         else:
             t.write(head)
             t.write(payload)
 
-    def _refuse(self, hdr: tuple[int, ...], code: ErrorCode, message: str) -> None:
+    def _refuse(self, hdr: Header, code: ErrorCode, message: str) -> None:
         self.server.refused += 1
-        if hdr[3] & FLAG_NOREPLY:
+        if hdr[H_FLAGS] & FLAG_NOREPLY:
             # the client asked for no answer (a lock release): none, not even this
             log.info("refused a request from %s that wants no reply: %s", self.peer, message)
             return
         self.reply(hdr, error_payload(message), status=code)
 
-    def close_with(self, reason: str, hdr: tuple[int, ...] | None = None,
+    def close_with(self, reason: str, hdr: Header | None = None,
                    code: ErrorCode = ErrorCode.BAD_REQUEST) -> None:
         """Answer with the reason (so the client can tell why), then close."""
         super().close_with(reason)
@@ -502,14 +511,14 @@ class Connection(FrameReceiver):
         log.info("closing connection from %s: %s", self.peer, reason)
         t = self.transport
         if t is not None and not t.is_closing():
-            h = hdr if hdr is not None else (0, 0, 0, 0, 0, 0, 0, 0, 0)
-            t.write(_core.encode_header_with(VERSION, h[2] & 0xFF, FLAG_REPLY, code, h[5], 0, 0,
+            h = hdr if hdr is not None else NO_REQUEST
+            t.write(_core.encode_header_with(VERSION, h[H_OP] & 0xFF, FLAG_REPLY, code, h[H_REQUEST], 0, 0,
                                              len(p := error_payload(reason)), p))
             t.close()
 
     # -- frames --------------------------------------------------------
-    def payload_size(self, hdr: tuple[int, ...]) -> int:
-        return 0 if hdr[2] == Op.READ else hdr[8]
+    def payload_size(self, hdr: Header) -> int:
+        return 0 if hdr[H_OP] == Op.READ else hdr[H_LENGTH]
 
     def on_header(self, hdr: Header, size: int) -> Destination:
         version, op, flags, length = hdr[H_VERSION], hdr[H_OP], hdr[H_FLAGS], hdr[H_LENGTH]
@@ -739,7 +748,7 @@ class Connection(FrameReceiver):
         delta = self.rdma_peer.staged(soff, length)
         self._accumulate((*hdr[:H_LENGTH], length), seg, delta)
 
-    def _control(self, hdr: tuple[int, ...], payload: memoryview) -> None:
+    def _control(self, hdr: Header, payload: memoryview) -> None:
         try:
             msg = unpack(payload)
         except ValueError as exc:
@@ -763,7 +772,7 @@ class Connection(FrameReceiver):
 
     # The control commands (docs/protocol.md): each takes the request's header
     # and message and returns the reply's map, or None after close_with.
-    def _hello(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _hello(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
         srv = self.server
         version = msg.get("version")
         if version != VERSION:
@@ -789,22 +798,22 @@ class Connection(FrameReceiver):
         rdma = self.server.rdma
         return {**info, **rdma.segment_info(info["segment"])} if rdma is not None else info
 
-    def _create(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+    def _create(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self._with_rdma_keys(self.server.create(
             _str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
             _uint(msg, "nservers"), _uint(msg, "index")))
 
-    def _lookup(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+    def _lookup(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self._with_rdma_keys(self.server.lookup(_str(msg, "name")))
 
-    def _rdma_segment(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+    def _rdma_segment(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         seg = self.server.segments.get(_uint(msg, "segment"))
         if seg is None:
             raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {msg['segment']} "
                           "(destroyed, or the server restarted)")
         return self._with_rdma_keys(seg.info())
 
-    def _rdma_connect(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+    def _rdma_connect(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         srv = self.server
         if srv.rdma is None:
             raise Refused(ErrorCode.UNSUPPORTED, f"this server has no RDMA: {srv.rdma_reason}")
@@ -816,22 +825,22 @@ class Connection(FrameReceiver):
         self.transport_name = "rdma"
         return result
 
-    def _destroy(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+    def _destroy(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.destroy(_str(msg, "name"))
 
-    def _list(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+    def _list(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return {"buffers": sorted(self.server.by_name)}
 
-    def _stat(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+    def _stat(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.stat()
 
-    def _lock_open(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+    def _lock_open(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.locks.open(_str(msg, "name"), msg.get("lease"))
 
-    def _lock_abandon(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any]:
+    def _lock_abandon(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
 
-    def _auth(self, hdr: tuple[int, ...], msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _auth(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
         srv = self.server
         if srv.token is None:
             raise Refused(ErrorCode.BAD_REQUEST, "this server does not use authentication")
@@ -860,7 +869,7 @@ class Connection(FrameReceiver):
         Op.READ: _read, Op.WRITE: _write_op, Op.ACCUMULATE: _accumulate_op,
         Op.FETCH_ADD: _fetch_add, Op.COMPARE_SWAP: _compare_swap,
         **dict.fromkeys(LOCK_OPS, _lock_op)}
-    _CONTROL: ClassVar[dict[str, Callable[[Connection, tuple[int, ...], dict[str, Any]], dict[str, Any] | None]]] = {
+    _CONTROL: ClassVar[dict[str, Callable[[Connection, Header, dict[str, Any]], dict[str, Any] | None]]] = {
         "hello": _hello, "auth": _auth, "create": _create, "lookup": _lookup,
         "rdma_segment": _rdma_segment, "rdma_connect": _rdma_connect, "destroy": _destroy,
         "list": _list, "stat": _stat, "lock_open": _lock_open, "lock_abandon": _lock_abandon}
