@@ -49,8 +49,11 @@ test-host: $(VENV)/.installed-test lint typecheck pytest
 test-rdma: $(VENV)/.installed-test
 	tools/rdma_tier.sh $(RDMA_PYTEST_ARGS)
 
+# ruff, then the import directions of docs/design.md ("Layers"; the contracts
+# are in pyproject.toml, [tool.importlinter])
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check $(wildcard src tests tools examples)
+	$(BIN)/lint-imports --no-cache
 
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy src/smb2 tools
