@@ -13,7 +13,7 @@ the striped buffer (EASGD only every tau steps).
 
 Every worker uses one BLAS thread.  Before each configuration the 64-byte
 round trip to a memory server is measured and recorded beside the result
-(this machine has a slow mode: see DESIGN.md, "Measuring").  Figures are
+(this machine has a slow mode: see docs/design.md, "Measuring").  Figures are
 ratios against baselines measured in the same run: samples/s against the
 same rule with 1 worker and 1 server, and against gloo with as many workers.
 "not comp" is the share of the workers' time not spent computing gradients
