@@ -49,7 +49,6 @@ MODES = ("auto", "park", "poll")
 _TIMER_RESOLUTION = 1e-3
 
 
-
 class LockOwner(Protocol):
     """What a lock needs of its client (:class:`smb2.Client` is one): the
     links to the servers, and whether it is still open."""
