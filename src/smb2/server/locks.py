@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 from .. import _core
 from ..busypoll import poll_while
-from ..errors import ErrorCode, InvalidArgumentError
+from ..errors import ErrorCode
 from ..protocol import (
     FLAG_NOREPLY,
     FLAG_QUEUED,
@@ -108,10 +108,6 @@ class LockService:
     def __init__(self, mem: Any, view: memoryview, *,
                  slots: int = DEFAULT_SLOTS, lease: float = DEFAULT_LEASE,
                  spin: float = DEFAULT_SPIN) -> None:
-        if not 0 < lease <= MAX_LEASE:
-            raise InvalidArgumentError(f"lock lease must be in (0, {MAX_LEASE:g}] s, not {lease:g}")
-        if not 0 <= spin <= MAX_SPIN:
-            raise InvalidArgumentError(f"lock spin must be in [0, {MAX_SPIN:g}] s, not {spin:g}")
         self.mem = mem
         self.view = view
         self.nslots = slots

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import ipaddress
 import itertools
 import logging
@@ -23,10 +24,9 @@ from typing import Any, ClassVar, cast
 import numpy as np
 
 from .. import _core, auth
-from ..errors import ErrorCode, InvalidArgumentError, PersistenceError, TransportError
+from ..errors import ErrorCode, PersistenceError, TransportError
 from ..protocol import (
     CLOSED,
-    DEFAULT_MAX_FRAME,
     DEFAULT_PORT,
     DISCARD,
     DTYPE_MASK,
@@ -61,7 +61,8 @@ from ..protocol import (
     unpack,
 )
 from .datadir import DataDir
-from .locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_SLOTS, LockService
+from .locks import LockService
+from .options import ServerOptions
 from .rdma import RdmaServer
 from .segment import Refused, Segment, alloc
 
@@ -70,7 +71,6 @@ log = logging.getLogger("smb2.server")
 MAX_NAME = 255
 # accumulate deltas one connection may have waiting behind in-flight writes
 MAX_DEFERRED = 2 * MAX_ACCUMULATE
-DEFAULT_WRITE_TIMEOUT = 30.0
 
 
 class MemoryServer:
@@ -78,28 +78,27 @@ class MemoryServer:
 
     Create it with :func:`start_server`; ``address`` is ``(host, port)``."""
 
-    def __init__(self, *, capacity: int | str = "1GiB", max_frame: int = DEFAULT_MAX_FRAME,
-                 max_buffers: int = 4096, token: str | bytes | None = None,
-                 data_dir: str | os.PathLike[str] | None = None,
-                 write_timeout: float = DEFAULT_WRITE_TIMEOUT, lock_lease: float = DEFAULT_LEASE,
-                 lock_slots: int = DEFAULT_SLOTS, lock_spin: float = DEFAULT_SPIN, rdma: str = "auto",
-                 rdma_device: str | None = None,
-                 rdma_gid_index: int | None = None) -> None:
-        if rdma not in ("auto", "on", "off"):
-            raise InvalidArgumentError(f"rdma must be auto, on or off, not {rdma!r}")
-        self.capacity = parse_size(capacity)
+    def __init__(self, options: ServerOptions | None = None, /, **overrides: Any) -> None:
+        """``options``, or ServerOptions' fields as keyword arguments
+        (``capacity="8GiB", lock_lease=2.0``), or both (the keywords win)."""
+        if options is None:
+            options = ServerOptions(**overrides)
+        elif overrides:
+            options = dataclasses.replace(options, **overrides)
+        self.options = options
+        self.capacity = parse_size(options.capacity)
         # a connection that stops sending in the middle of a WRITE is closed
         # after this long: its half-received range holds up every accumulate
         # that overlaps it (see Segment.inflight)
-        self.write_timeout = write_timeout
+        self.write_timeout = options.write_timeout
         self._sweeper: asyncio.Task[None] | None = None
         # segments are saved here on close and restored on start (datadir.py)
-        self.data_dir = DataDir(data_dir) if data_dir is not None else None
+        self.data_dir = DataDir(options.data_dir) if options.data_dir is not None else None
         # the shared secret clients must prove they know (None: no authentication)
-        self.token = auth.as_token(token)
+        self.token = auth.as_token(options.token)
         self.auth_failures = 0
-        self.max_frame = max_frame
-        self.max_buffers = max_buffers
+        self.max_frame = parse_size(options.max_frame)
+        self.max_buffers = options.max_buffers
         self.used = 0
         self.segments: dict[int, Segment] = {}
         self.by_name: dict[str, Segment] = {}
@@ -116,24 +115,21 @@ class MemoryServer:
         self.server_id = os.urandom(8).hex()
         # the lock segment: lock words in memory an RDMA transport registers
         # like a buffer's segment (locks.py)
-        if not 0 < lock_slots <= MAX_SLOTS:
-            raise InvalidArgumentError(f"lock slots must be in 1..{MAX_SLOTS}, not {lock_slots}")
-        mem, view = alloc(lock_slots * _core.LOCK_SLOT_SIZE)
+        mem, view = alloc(options.lock_slots * _core.LOCK_SLOT_SIZE)
         self.segments[LOCK_SEGMENT] = Segment(LOCK_SEGMENT, "", 0, 8, 1, 0, len(view), mem, view)
-        self.locks = LockService(mem, view, slots=lock_slots, lease=lock_lease,
-                                 spin=lock_spin)
+        self.locks = LockService(mem, view, slots=options.lock_slots, lease=options.lock_lease,
+                                 spin=options.lock_spin)
         # RDMA (rdma.py): opened at start() unless rdma="off"
-        self._rdma_args = (rdma, rdma_device, rdma_gid_index)
         self.rdma: RdmaServer | None = None
         self.rdma_reason: str | None = "not started"
 
     # -- lifecycle --------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
-        mode, device, gid_index = self._rdma_args
+        mode = self.options.rdma
         if mode == "off":
             self.rdma_reason = "the server runs with rdma off"
         elif self.rdma is None:
-            self.rdma, self.rdma_reason = RdmaServer.open(device, gid_index)
+            self.rdma, self.rdma_reason = RdmaServer.open(self.options.rdma_device, self.options.rdma_gid_index)
             if self.rdma is None and mode == "on":
                 raise TransportError(f"rdma=on, but RDMA is not available: {self.rdma_reason}")
             log.info("RDMA: %s", self.rdma.describe() if self.rdma else f"off ({self.rdma_reason})")
@@ -874,16 +870,17 @@ class Connection(FrameReceiver):
         "rdma_segment": _rdma_segment, "rdma_connect": _rdma_connect, "destroy": _destroy,
         "list": _list, "stat": _stat, "lock_open": _lock_open, "lock_abandon": _lock_abandon}
 
-async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT, **options: Any) -> MemoryServer:
+async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                       options: ServerOptions | None = None, **overrides: Any) -> MemoryServer:
     """Start a memory server in the running loop and return it once it listens.
 
-    ``options`` are :class:`MemoryServer`'s keyword arguments (capacity,
-    token, data_dir, lock_lease, lock_spin, rdma, ...).  ``port=0`` picks a
-    free port (see ``server.address``).  With ``token``, clients must
-    authenticate (``smb2.connect(..., token=...)``).  With ``data_dir``, the
-    segments saved there are restored now and saved again by ``close()``.
-    ``rdma``: "auto" (serve RDMA where this machine can), "on" (fail if it
-    cannot), "off"."""
-    server = MemoryServer(**options)
+    ``options`` / ``overrides`` are :class:`ServerOptions` (capacity, token,
+    data_dir, lock_lease, lock_spin, rdma, ...), as :class:`MemoryServer`
+    takes them.  ``port=0`` picks a free port (see ``server.address``).  With
+    ``token``, clients must authenticate (``smb2.connect(..., token=...)``).
+    With ``data_dir``, the segments saved there are restored now and saved
+    again by ``close()``.  ``rdma``: "auto" (serve RDMA where this machine
+    can), "on" (fail if it cannot), "off"."""
+    server = MemoryServer(options, **overrides)
     await server.start(host, port)
     return server

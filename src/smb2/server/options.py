@@ -1,0 +1,68 @@
+"""A memory server's options, listed once.
+
+:class:`MemoryServer` and :func:`start_server` take them as keyword arguments
+(or a :class:`ServerOptions`), and ``smb2-server`` builds one flag per field
+from the field's metadata (``--lock-spin`` for ``lock_spin``), so a new option
+is added here and nowhere else.  Every value is checked when the options are
+made: a bad one is an :class:`InvalidArgumentError` before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from ..protocol import DEFAULT_MAX_FRAME, parse_size
+from .locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_LEASE, MAX_SLOTS, MAX_SPIN
+
+DEFAULT_WRITE_TIMEOUT = 30.0
+RDMA_MODES = ("auto", "on", "off")
+
+
+def _option(default: Any, help: str, *, type: Any = None, metavar: str | None = None,
+            choices: tuple[str, ...] | None = None, flag: bool = True) -> Any:
+    # the metadata is what smb2-server's argparse flag needs (cli.py);
+    # ``help`` may use argparse's %(default)s
+    return field(default=default, metadata={"help": help, "type": type, "metavar": metavar,
+                                            "choices": choices, "flag": flag})
+
+
+@dataclass
+class ServerOptions:
+    """What a memory server is configured with (see each field's help)."""
+
+    capacity: int | str = _option("1GiB", "memory to serve, e.g. 512MiB, 8GiB (default %(default)s)", type=str)
+    max_frame: int | str = _option(DEFAULT_MAX_FRAME, "largest payload of one request (default 64MiB)", type=str)
+    max_buffers: int = _option(4096, "buffers this server holds at most (default %(default)s)", type=int)
+    # the shared secret clients must prove they know (None: no authentication);
+    # smb2-server reads it from --auth-token-file or the environment instead
+    token: str | bytes | None = _option(None, "", flag=False)
+    data_dir: str | os.PathLike[str] | None = _option(
+        None, "save the segments to DIR on SIGTERM/SIGINT and restore them at start", metavar="DIR")
+    write_timeout: float = _option(
+        DEFAULT_WRITE_TIMEOUT, "close a connection silent this many seconds in the middle of a write "
+        "(default %(default)g; 0 = never)", type=float)
+    lock_lease: float = _option(
+        DEFAULT_LEASE, "seconds a lock holder may go without renewing (default %(default)g)", type=float)
+    lock_slots: int = _option(DEFAULT_SLOTS, "locks this server can hold (default %(default)s)", type=int)
+    lock_spin: float = _option(
+        DEFAULT_SPIN, "while lock waiters are parked, poll instead of sleeping for up to this many "
+        f"seconds after each grant (default %(default)g; 0 = never, at most {MAX_SPIN:g})", type=float)
+    rdma: str = _option("auto", "serve RDMA: auto (where a device is usable; default), on, off",
+                        choices=RDMA_MODES)
+    rdma_device: str | None = _option(None, "RDMA device name (default: the first ACTIVE one)")
+    rdma_gid_index: int | None = _option(None, "GID index (default: the port's IPv4 RoCE v2 GID)", type=int)
+
+    def __post_init__(self) -> None:
+        parse_size(self.capacity)
+        parse_size(self.max_frame)
+        if self.rdma not in RDMA_MODES:
+            raise InvalidArgumentError(f"rdma must be auto, on or off, not {self.rdma!r}")
+        if not 0 < self.lock_slots <= MAX_SLOTS:
+            raise InvalidArgumentError(f"lock slots must be in 1..{MAX_SLOTS}, not {self.lock_slots}")
+        if not 0 < self.lock_lease <= MAX_LEASE:
+            raise InvalidArgumentError(f"lock lease must be in (0, {MAX_LEASE:g}] s, not {self.lock_lease:g}")
+        if not 0 <= self.lock_spin <= MAX_SPIN:
+            raise InvalidArgumentError(f"lock spin must be in [0, {MAX_SPIN:g}] s, not {self.lock_spin:g}")
