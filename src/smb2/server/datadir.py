@@ -31,8 +31,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Collection, Container
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Final
+from typing import IO, Any, Final
 
 import numpy as np
 
@@ -40,9 +41,6 @@ from .. import _core
 from ..durable import CHUNK, chunks, fsync_dir
 from ..errors import PersistenceError
 from .segment import Segment, alloc
-
-if TYPE_CHECKING:
-    from .memory import MemoryServer
 
 log = logging.getLogger("smb2.persist")
 
@@ -110,16 +108,14 @@ class DataDir:
             raise PersistenceError(f"{p} is not an smb2 manifest of format {FORMAT}")
         return m
 
-    def save(self, server: MemoryServer) -> int:
-        """Write every segment and the manifest; returns the bytes of data saved."""
+    def save(self, buffers: Collection[Segment]) -> int:
+        """Write the buffers' segments and the manifest; returns the bytes of data saved."""
         old = self.manifest()
         gen = int(old.get("generation", 0)) + 1 if old else 1
         entries = []
         total = 0
         t0 = time.monotonic()
-        # buffers' segments only: the lock segment's leases mean nothing to
-        # the next server process
-        for seg in sorted(server.by_name.values(), key=lambda s: s.id):
+        for seg in sorted(buffers, key=lambda s: s.id):
             name = f"seg-{seg.id}.{gen}.bin"
             tmp = self.path / (name + ".tmp")
             h = hashlib.sha256()
@@ -131,7 +127,7 @@ class DataDir:
             entries.append({**seg.info(), "file": name, "sha256": h.hexdigest()})
             total += seg.size
         manifest = {"format": FORMAT, "generation": gen, "saved_at": time.time(),
-                    "next_id": max([s.id for s in server.by_name.values()] + [0]) + 1,
+                    "next_id": max([s.id for s in buffers] + [0]) + 1,
                     "segments": entries}
         tmp = self.path / (MANIFEST + ".tmp")
         with open(tmp, "w") as f:
@@ -150,11 +146,12 @@ class DataDir:
                  time.monotonic() - t0)
         return total
 
-    def load(self, server: MemoryServer) -> int:
-        """Bring the saved segments back (same ids); returns how many."""
+    def load(self, capacity: int, taken: Container[int]) -> tuple[list[Segment], int]:
+        """The saved segments, read back (same ids), and the next free id.
+        Their total size must fit in ``capacity``, and no id may be ``taken``."""
         m = self.manifest()
         if m is None:
-            return 0
+            return [], 1
         segs = []
         used = 0
         for e in m["segments"]:
@@ -165,12 +162,12 @@ class DataDir:
             except (KeyError, TypeError, ValueError):
                 raise PersistenceError(f"{self.path / MANIFEST}: malformed segment entry {e!r}") from None
             if (size != _core.segment_size(nbytes, stripe, nservers) or "/" in fname
-                    or sid in server.segments or not name):
+                    or sid in taken or not name):
                 raise PersistenceError(f"{self.path / MANIFEST}: inconsistent entry for {name!r}")
             used += size
-            if used > server.capacity:
+            if used > capacity:
                 raise PersistenceError(f"the saved segments in {self.path} need more than this "
-                                       f"server's capacity of {server.capacity} bytes")
+                                       f"server's capacity of {capacity} bytes")
             path = self.path / fname
             mem, view = alloc(size)
             h = hashlib.sha256()
@@ -185,10 +182,5 @@ class DataDir:
                 raise PersistenceError(f"{path}: checksum mismatch (the file is corrupt); "
                                        f"move {self.path} aside to start empty")
             segs.append(Segment(sid, name, nbytes, stripe, nservers, index, size, mem, view))
-        for seg in segs:
-            server.segments[seg.id] = seg
-            server.by_name[seg.name] = seg
-        server.used += used
-        server.set_next_id(max(int(m.get("next_id", 1)), max((s.id for s in segs), default=0) + 1))
         log.info("restored %d segments (%d bytes) from %s", len(segs), used, self.path)
-        return len(segs)
+        return segs, max(int(m.get("next_id", 1)), max((s.id for s in segs), default=0) + 1)

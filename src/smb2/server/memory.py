@@ -138,10 +138,13 @@ class MemoryServer:
             # restored before listening: no client ever sees the server empty
             self.data_dir.acquire()
             try:
-                self.data_dir.load(self)
+                restored, next_id = self.data_dir.load(self.capacity, taken=self.segments)
             except BaseException:
                 self.data_dir.release()
                 raise
+            for seg in restored:
+                self._add(seg)
+            self._ids = itertools.count(next_id)
         if self.rdma is not None:
             # segments made before RDMA was open (the lock segment, restored
             # buffers) are registered now; create() registers later ones
@@ -177,9 +180,6 @@ class MemoryServer:
                 if conn.stalled_write(now, self.write_timeout):
                     conn.close_with(f"no data for {self.write_timeout:g} s in the middle of a write")
 
-    def set_next_id(self, next_id: int) -> None:
-        self._ids = itertools.count(next_id)
-
     async def close(self) -> None:
         """Stop listening, drop every connection, save the segments (with a
         data directory), release all segments."""
@@ -195,7 +195,9 @@ class MemoryServer:
             if self.data_dir is not None:
                 # nothing can change the segments any more: save them
                 try:
-                    self.data_dir.save(self)
+                    # buffers' segments only: the lock segment's leases
+                    # mean nothing to the next server process
+                    self.data_dir.save(self.by_name.values())
                 except OSError as exc:
                     # the previous manifest is intact: the last good state survives
                     raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: "
@@ -246,11 +248,14 @@ class MemoryServer:
         seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view)
         if self.rdma is not None:
             self.rdma.register(seg.id, view)     # once, for the segment's lifetime
-        self.segments[seg.id] = seg
-        self.by_name[name] = seg
-        self.used += size
+        self._add(seg)
         log.debug("created buffer %r: segment %d, %d bytes", name, seg.id, size)
         return {**seg.info(), "created": True}
+
+    def _add(self, seg: Segment) -> None:
+        self.segments[seg.id] = seg
+        self.by_name[seg.name] = seg
+        self.used += seg.size
 
     def lookup(self, name: str) -> dict[str, Any]:
         seg = self.by_name.get(name)
