@@ -4,6 +4,8 @@ notification slots): one wording of the error everywhere.
 
 from __future__ import annotations
 
+from typing import Any, TypeGuard
+
 import numpy as np
 
 from .errors import InvalidArgumentError
@@ -12,10 +14,16 @@ _I64 = 1 << 63
 _U64 = 1 << 64
 
 
+def is_int(value: object) -> TypeGuard[int | np.integer[Any]]:
+    """An int or a numpy integer, and not a bool (True is an int to Python,
+    never a count or an offset to smb2)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def check_int(what: str, value: object, *, low: int | None = None) -> int:
     """``value`` as an int (numpy integers accepted, bools refused), at
     least ``low`` if given; else :class:`InvalidArgumentError` naming ``what``."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+    if not is_int(value):
         raise InvalidArgumentError(f"{what} must be an integer, not {type(value).__name__}")
     v = int(value)
     if low is not None and v < low:
