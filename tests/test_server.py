@@ -47,6 +47,19 @@ async def test_start_server_address_and_close() -> None:
         await smb2.connect([f"{host}:{port}"], timeout=5)
 
 
+async def test_repr_says_where_and_how_full() -> None:
+    s = smb2.Server(capacity="1MiB", rdma="off")
+    assert repr(s) == "<MemoryServer not listening: 0 buffers, 0 of 1048576 bytes used, 0 connections, rdma off>"
+    await s.start("127.0.0.1", 0)
+    try:
+        async with await smb2.connect([s.address]) as c:
+            await c.create("r", 4096, stripe=4096)
+            assert repr(s) == (f"<MemoryServer 127.0.0.1:{s.address[1]}: 1 buffers, 4096 of 1048576 bytes "
+                               "used, 1 connections, rdma off>")
+    finally:
+        await s.close()
+
+
 async def test_capacity_is_enforced(server: smb2.Server) -> None:
     async with await smb2.connect([server.address]) as c:
         await c.create("fits", 48 << 20)

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, cast
 import numpy as np
 
 from .. import _core, auth
+from ..checks import is_int
 from ..errors import ErrorCode, PersistenceError, TransportError
 from ..protocol import (
     CLOSED,
@@ -122,6 +123,12 @@ class MemoryServer:
         # RDMA (rdma.py): opened at start() unless rdma="off"
         self.rdma: RdmaServer | None = None
         self.rdma_reason: str | None = "not started"
+
+    def __repr__(self) -> str:
+        host, port = self.address
+        where = f"{host}:{port}" if port else "not listening"
+        return (f"<MemoryServer {where}: {len(self.by_name)} buffers, {self.used} of {self.capacity} "
+                f"bytes used, {len(self.connections)} connections, rdma {'on' if self.rdma else 'off'}>")
 
     # -- lifecycle --------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
@@ -318,9 +325,9 @@ def _str(msg: dict[str, Any], key: str) -> str:
 
 def _uint(msg: dict[str, Any], key: str) -> int:
     v = msg.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 63:
+    if not is_int(v) or not 0 <= v < 1 << 63:
         raise Refused(ErrorCode.BAD_REQUEST, f"control field {key!r} must be a non-negative integer")
-    return v
+    return int(v)
 
 
 def _refuse_lock_segment(segment: int) -> None:
