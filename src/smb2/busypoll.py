@@ -3,7 +3,7 @@
 A loop with a ready callback polls with a zero timeout, so a reply that
 arrives is seen at once rather than after the wakeup of a sleeping process
 (on a virtual machine, most of a round trip).  The lock uses it on both
-ends of a hand-off that is due (server_locks.py, lock.py), each bounded in
+ends of a hand-off that is due (server/locks.py, lock.py), each bounded in
 time: CPU spent for latency only where others are waiting.
 """
 
