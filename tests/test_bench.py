@@ -1,0 +1,56 @@
+"""``smb2 bench`` / ``python -m smb2.bench``: the dispatch to the TCP and
+RDMA benchmarks, and the raw baseline peer both benchmark programs use.
+(The benchmarks' figures are for the benchmarks to show, not for tests.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from smb2 import bench, cli
+from smb2.bench.common import fmt_size, latencies, pct, start_raw_peer, stop_raw_peer
+
+
+def test_python_m_smb2_bench_is_smb2_bench() -> None:
+    out = subprocess.run([sys.executable, "-m", "smb2.bench", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: smb2 bench")
+    assert "--transport {tcp,rdma,auto}" in out.stdout
+
+
+def test_each_benchmark_checks_its_own_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    # the TCP benchmark (the default), reached through the smb2 command
+    assert cli.main(["bench", "--servers", "0"]) == 2
+    assert "--servers must be at least 1" in capsys.readouterr().err
+    # --transport rdma goes to the RDMA benchmark, whose --poll the TCP one does not have
+    assert bench.main(["--transport", "rdma", "--poll", "sideways"]) == 2
+    assert "--poll takes event and/or busy" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--sizes", "3"])     # not a multiple of 4 bytes
+    assert "positive multiples of 4 bytes" in capsys.readouterr().err
+
+
+async def test_the_raw_peer_sinks_sources_and_echoes() -> None:
+    peer, raw = await start_raw_peer(1 << 16)
+    try:
+        src = np.arange(1 << 16, dtype=np.uint8)
+        await raw.sink(src.data)
+        back = np.zeros_like(src)
+        await raw.source(back.data)
+        assert np.array_equal(back, src)     # it sank the bytes into the memory it sources from
+        times = await latencies(raw.ping, 20)
+        assert len(times) == 20 and all(t > 0 for t in times)
+        assert pct(times, 0) == min(times) and pct(times, 100) == max(times)
+    finally:
+        await stop_raw_peer(peer, raw)
+    assert peer.returncode is not None
+
+
+def test_sizes_read_in_binary_units() -> None:
+    assert fmt_size(16 << 20) == "16 MiB"
+    assert fmt_size(4096, sep="") == "4KiB"
+    assert fmt_size(1000) == "1000 B"
