@@ -20,6 +20,7 @@ import pytest
 import smb2
 from smb2 import _core
 from smb2.protocol import FLAG_FENCED, LOCK_SEGMENT, VERSION, Op, pack
+from smb2.transport import LockCapable
 
 MODES = ["park", "poll"]
 WORKER = str(Path(__file__).with_name("lock_worker.py"))
@@ -424,6 +425,20 @@ async def _ops(client: smb2.Client) -> dict[str, int]:
             for op, n in counts.items():
                 total[op] = total.get(op, 0) + n
     return total
+
+
+async def test_auto_parks_where_the_transport_can_and_park_says_where_it_cannot(client: smb2.Client) -> None:
+    lock = client.lock("capable")
+    async with lock:
+        pass
+    tr = client.links[_core.name_hash("capable") % len(client.links)].transport
+    # parking is a capability of the transport (LockCapable), not of its name
+    assert lock.path == ("park" if isinstance(tr, LockCapable) else "poll")
+    if isinstance(tr, LockCapable):
+        return
+    with pytest.raises(smb2.InterfaceError, match="cannot park") as info:
+        await client.lock("capable", mode="park").acquire()
+    assert info.value.hint is not None and "mode='poll'" in info.value.hint
 
 
 async def test_parked_waiter_sends_nothing_and_poll_uses_only_generic_ops(client: smb2.Client) -> None:
