@@ -666,17 +666,17 @@ class Connection(FrameReceiver):
             self._refuse(hdr, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
     # Each op, executed once its frame is all in (its header was checked).
-    def _lock_op(self, hdr: Header, payload: memoryview | None) -> None:
+    def _do_lock_op(self, hdr: Header, payload: memoryview | None) -> None:
         assert payload is not None
         self.server.locks.on_frame(self, hdr, payload)
 
-    def _read(self, hdr: Header, payload: memoryview | None) -> None:
+    def _do_read(self, hdr: Header, payload: memoryview | None) -> None:
         # no payload: this runs right after on_header found the segment
         seg = self.server.segments[hdr[H_SEGMENT]]
         offset = hdr[H_OFFSET]
         self.reply(hdr, seg.view[offset:offset + hdr[H_LENGTH]])
 
-    def _write_op(self, hdr: Header, payload: memoryview | None) -> None:
+    def _do_write(self, hdr: Header, payload: memoryview | None) -> None:
         offset, length = hdr[H_OFFSET], hdr[H_LENGTH]
         if hdr[H_FLAGS] & FLAG_FENCED:
             length -= FENCE_SIZE
@@ -691,7 +691,7 @@ class Connection(FrameReceiver):
             wseg.write_done(rng)
         self.reply(hdr)
 
-    def _accumulate_op(self, hdr: Header, payload: memoryview | None) -> None:
+    def _do_accumulate(self, hdr: Header, payload: memoryview | None) -> None:
         assert payload is not None
         if hdr[H_FLAGS] & FLAG_STAGED:
             self._accumulate_staged(hdr, payload)
@@ -700,7 +700,7 @@ class Connection(FrameReceiver):
         self.server.bytes_in += hdr[H_LENGTH]
         self._accumulate(hdr, seg, payload)
 
-    def _fetch_add(self, hdr: Header, payload: memoryview | None) -> None:
+    def _do_fetch_add(self, hdr: Header, payload: memoryview | None) -> None:
         assert payload is not None
         seg, offset = self._still_there(hdr[H_SEGMENT]), hdr[H_OFFSET]
         word = seg.mem[offset:offset + 8].view(np.uint64)
@@ -710,7 +710,7 @@ class Connection(FrameReceiver):
         if seg.id == LOCK_SEGMENT:
             self.server.locks.touched(offset)
 
-    def _compare_swap(self, hdr: Header, payload: memoryview | None) -> None:
+    def _do_compare_swap(self, hdr: Header, payload: memoryview | None) -> None:
         assert payload is not None
         seg, offset = self._still_there(hdr[H_SEGMENT]), hdr[H_OFFSET]
         word = seg.mem[offset:offset + 8].view(np.uint64)
@@ -780,7 +780,7 @@ class Connection(FrameReceiver):
 
     # The control commands (docs/protocol.md): each takes the request's header
     # and message and returns the reply's map, or None after close_with.
-    def _hello(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _cmd_hello(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
         srv = self.server
         version = msg.get("version")
         if version != VERSION:
@@ -806,22 +806,22 @@ class Connection(FrameReceiver):
         rdma = self.server.rdma
         return {**info, **rdma.segment_info(info["segment"])} if rdma is not None else info
 
-    def _create(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+    def _cmd_create(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self._with_rdma_keys(self.server.create(
             _str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
             _uint(msg, "nservers"), _uint(msg, "index")))
 
-    def _lookup(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+    def _cmd_lookup(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self._with_rdma_keys(self.server.lookup(_str(msg, "name")))
 
-    def _rdma_segment(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+    def _cmd_rdma_segment(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         seg = self.server.segments.get(_uint(msg, "segment"))
         if seg is None:
             raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {msg['segment']} "
                           "(destroyed, or the server restarted)")
         return self._with_rdma_keys(seg.info())
 
-    def _rdma_connect(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+    def _cmd_rdma_connect(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         srv = self.server
         if srv.rdma is None:
             raise Refused(ErrorCode.UNSUPPORTED, f"this server has no RDMA: {srv.rdma_reason}")
@@ -833,22 +833,22 @@ class Connection(FrameReceiver):
         self.transport_name = "rdma"
         return result
 
-    def _destroy(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+    def _cmd_destroy(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.destroy(_str(msg, "name"))
 
-    def _list(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+    def _cmd_list(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return {"buffers": sorted(self.server.by_name)}
 
-    def _stat(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+    def _cmd_stat(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.stat()
 
-    def _lock_open(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+    def _cmd_lock_open(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.locks.open(_str(msg, "name"), msg.get("lease"))
 
-    def _lock_abandon(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+    def _cmd_lock_abandon(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
 
-    def _auth(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _cmd_auth(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
         srv = self.server
         if srv.token is None:
             raise Refused(ErrorCode.BAD_REQUEST, "this server does not use authentication")
@@ -874,13 +874,13 @@ class Connection(FrameReceiver):
         Op.FETCH_ADD: _check_atomic, Op.COMPARE_SWAP: _check_atomic,
         **dict.fromkeys(LOCK_OPS, _check_lock_op)}
     _EXECUTE: ClassVar[dict[int, Callable[[Connection, Header, memoryview | None], None]]] = {
-        Op.READ: _read, Op.WRITE: _write_op, Op.ACCUMULATE: _accumulate_op,
-        Op.FETCH_ADD: _fetch_add, Op.COMPARE_SWAP: _compare_swap,
-        **dict.fromkeys(LOCK_OPS, _lock_op)}
+        Op.READ: _do_read, Op.WRITE: _do_write, Op.ACCUMULATE: _do_accumulate,
+        Op.FETCH_ADD: _do_fetch_add, Op.COMPARE_SWAP: _do_compare_swap,
+        **dict.fromkeys(LOCK_OPS, _do_lock_op)}
     _CONTROL: ClassVar[dict[str, Callable[[Connection, Header, dict[str, Any]], dict[str, Any] | None]]] = {
-        "hello": _hello, "auth": _auth, "create": _create, "lookup": _lookup,
-        "rdma_segment": _rdma_segment, "rdma_connect": _rdma_connect, "destroy": _destroy,
-        "list": _list, "stat": _stat, "lock_open": _lock_open, "lock_abandon": _lock_abandon}
+        "hello": _cmd_hello, "auth": _cmd_auth, "create": _cmd_create, "lookup": _cmd_lookup,
+        "rdma_segment": _cmd_rdma_segment, "rdma_connect": _cmd_rdma_connect, "destroy": _cmd_destroy,
+        "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon}
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                        options: ServerOptions | None = None, **overrides: Any) -> MemoryServer:
