@@ -349,7 +349,7 @@ class ParameterStore:
             control = await store.refresh()
             decision = lc.decide_rank0(control, resume=resume, restarted=restarted, stale_after=stale_after)
             if decision.action == "rejoin":
-                store._enter(control, joined=True)
+                store._enter(control, joined=True, rejoined=True)
                 await store._write_own(joined=control.generation)
                 log.warning("store %r: rank 0 rejoins run %d at step %d (%s)", name, control.generation,
                             store.start_step, decision.why)
@@ -438,7 +438,8 @@ class ParameterStore:
             control = await self.refresh()
             decision = lc.decide_other(control, self.rank, restarted=self.restarted, stale_after=self.stale_after)
             if decision.action != "wait" and control.generation > newer_than:
-                self._enter(control, joined=decision.action == "rejoin")
+                rejoined = decision.action == "rejoin"
+                self._enter(control, joined=rejoined, rejoined=rejoined)
                 await self._write_own(joined=control.generation if self._joined else None)
                 return decision
             if time.monotonic() >= deadline:
@@ -449,11 +450,12 @@ class ParameterStore:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    def _enter(self, control: Control, *, joined: bool) -> None:
+    def _enter(self, control: Control, *, joined: bool, rejoined: bool = False) -> None:
         self.member = True
         self.control = control
         self.generation = control.generation
-        self.resumed = control.resumed
+        # a rank that rejoins a run continues where it was, like a resumed one
+        self.resumed = control.resumed or rejoined
         self.start_step = self._step = self.iteration = int(control.steps[self.rank])
         self.version = control.version
         self._joined = joined
@@ -643,10 +645,13 @@ class ParameterStore:
         Nothing is destroyed: the store stays for the slower ranks, for
         evaluation and for the next run."""
         self._check_member()
-        if self._checkpointing is not None:
-            await asyncio.gather(self._checkpointing, return_exceptions=True)
         await self._write_own(finished=self.generation)
-        self._raise_checkpoint_error()
+        # a checkpoint in flight, and one that came due while it ran
+        for _ in range(2):
+            if self._checkpointing is not None:
+                await asyncio.gather(self._checkpointing, return_exceptions=True)
+                self._raise_checkpoint_error()
+            self._maybe_checkpoint()
 
     async def wait_finished(self, timeout: float | None = None) -> None:
         """The end barrier (optional): wait until every rank of this run has
