@@ -53,6 +53,7 @@ from .protocol import (
     FrameReceiver,
     Op,
     Prefix,
+    accumulate_span,
     error_payload,
     pack,
     parse_size,
@@ -357,6 +358,13 @@ class MemoryServer:
         }
 
 
+def _accumulate_span(flags: int, offset: int, length: int) -> int:
+    try:
+        return accumulate_span(flags, offset, length)
+    except ValueError as exc:
+        raise _Refused(ErrorCode.BAD_REQUEST, str(exc)) from None
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -583,6 +591,9 @@ class _Connection(FrameReceiver):
                 except LockRefused as exc:
                     raise _Refused(exc.code, str(exc)) from None
                 return INLINE
+            # (before the staged case, which names its segment in the header too)
+            if segment == LOCK_SEGMENT and op in (Op.WRITE, Op.ACCUMULATE):
+                raise _Refused(ErrorCode.ACCESS_DENIED, "the lock segment only takes READ and atomics")
             if op == Op.ACCUMULATE and flags & FLAG_STAGED:
                 # payload: u64 staging offset, u64 length (checked in on_frame)
                 if size != 16 or self.rdma_peer is None:
@@ -590,29 +601,20 @@ class _Connection(FrameReceiver):
                                    "and a 16-byte payload")
                 return INLINE
             atomic = op in (Op.FETCH_ADD, Op.COMPARE_SWAP)
-            if segment == LOCK_SEGMENT and op in (Op.WRITE, Op.ACCUMULATE):
-                raise _Refused(ErrorCode.ACCESS_DENIED, "the lock segment only takes READ and atomics")
             if op == Op.WRITE and flags & FLAG_FENCED:
                 if length < FENCE_SIZE:
                     raise _Refused(ErrorCode.BAD_REQUEST, "a fenced WRITE starts with a 16-byte fence")
                 self._segment(segment, offset, length - FENCE_SIZE)
                 return _FENCE
-            seg = self._segment(segment, offset, 8 if atomic else length)
+            # an accumulate's range: validated (dtype, alignment) before its bounds
+            span = _accumulate_span(flags, offset, length) if op == Op.ACCUMULATE else length
+            seg = self._segment(segment, offset, 8 if atomic else span)
             if op == Op.WRITE:
                 rng = (offset, offset + length)
                 seg.inflight.append(rng)
                 self._write = (seg, rng)
                 return [seg.view[offset:offset + length]] if length else INLINE
-            if op == Op.ACCUMULATE:
-                code = (flags & DTYPE_MASK) >> DTYPE_SHIFT
-                try:
-                    itemsize = _core.dtype_itemsize(code)
-                except ValueError:
-                    raise _Refused(ErrorCode.BAD_REQUEST, f"unknown dtype code {code}") from None
-                if offset % itemsize or length % itemsize:
-                    raise _Refused(ErrorCode.BAD_REQUEST,
-                                   f"accumulate of {itemsize}-byte items needs an aligned offset and length")
-            elif atomic:
+            if atomic:
                 want = 8 if op == Op.FETCH_ADD else 16
                 if offset % 8 or size != want:
                     raise _Refused(ErrorCode.BAD_REQUEST,
@@ -712,9 +714,11 @@ class _Connection(FrameReceiver):
             self._refuse(hdr, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
     def _accumulate(self, hdr: tuple[int, ...], seg: Segment, payload: memoryview) -> None:
+        # ``length`` is the payload's; a widening dtype covers twice that (validated)
         offset, length = hdr[7], hdr[8]
         code = (hdr[3] & DTYPE_MASK) >> DTYPE_SHIFT
-        if seg.overlaps_inflight(offset, offset + length):
+        end = offset + accumulate_span(hdr[3], offset, length)
+        if seg.overlaps_inflight(offset, end):
             delta = bytes(payload)       # the inbox is reused: keep a copy
             # Waiting accumulates hold copies of their deltas: bound them per
             # connection (a write that never completes must not let a client
@@ -725,26 +729,23 @@ class _Connection(FrameReceiver):
 
             def run() -> None:
                 if seg.id in self.server.segments:
-                    _core.accumulate(seg.view[offset:offset + length], delta, code)
+                    _core.accumulate(seg.view[offset:end], delta, code)
                 self._deferred_bytes -= length
                 self._reply(hdr)
                 if self._deferred_bytes <= MAX_DEFERRED and "deferred" in self._holds:
                     # not from here: this runs inside another connection's
                     # frame handling, and parsing ours now would nest them
                     asyncio.get_running_loop().call_soon(self._unhold_input, "deferred")
-            seg.deferred.append((offset, offset + length, run))
+            seg.deferred.append((offset, end, run))
             return
-        _core.accumulate(seg.view[offset:offset + length], payload, code)
+        _core.accumulate(seg.view[offset:end], payload, code)
         self._reply(hdr)
 
     def _accumulate_staged(self, hdr: tuple[int, ...], payload: memoryview) -> None:
         # The delta was RDMA-written into this connection's staging area.
+        # ``length`` is the staged delta's; a widening dtype covers twice that
         soff, length = _core.unpack_u64(payload, 0), _core.unpack_u64(payload, 8)
-        seg = self._segment(hdr[6], hdr[7], length)
-        itemsize = _core.dtype_itemsize((hdr[3] & DTYPE_MASK) >> DTYPE_SHIFT)
-        if hdr[7] % itemsize or length % itemsize:
-            raise _Refused(ErrorCode.BAD_REQUEST,
-                           f"accumulate of {itemsize}-byte items needs an aligned offset and length")
+        seg = self._segment(hdr[6], hdr[7], _accumulate_span(hdr[3], hdr[7], length))
         try:
             delta = self.rdma_peer.staged(soff, length)
         except RefusedError as exc:
