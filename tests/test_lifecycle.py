@@ -258,7 +258,7 @@ def params(seed):
     rng = np.random.default_rng(seed)
     return {"w": rng.standard_normal((16, 8)).astype(np.float32), "b": rng.standard_normal(8).astype(np.float32)}
 
-async def main(servers, name, steps, pause):
+async def main(servers, name, steps, pause, die_at):
     rank, world = int(os.environ["SMB2_RANK"]), int(os.environ["SMB2_WORLD_SIZE"])
     async with await smb2.connect(servers) as c:
         s = await ParameterStore.open(c, name, params(100 + rank), timeout=30, stale_after=5)
@@ -272,12 +272,15 @@ async def main(servers, name, steps, pause):
             await s.push(ones)
             await s.heartbeat(step, force=True)
             print(json.dumps({"event": "step", "step": step}), flush=True)
+            if step == die_at and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                os._exit(3)         # a crash, in the first attempt only
             await asyncio.sleep(pause)
         await s.finish()
         await s.wait_finished(timeout=60)
         print(json.dumps({"event": "done", "version": await s.read_version()}), flush=True)
 
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])))
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]),
+                 int(sys.argv[5]) if len(sys.argv) > 5 else 0))
 """
 
 
@@ -288,12 +291,20 @@ class Worker:
 
     @classmethod
     async def start(cls, cluster: smb2.LocalCluster, name: str, rank: int, world: int, steps: int,
-                    pause: float, restart: int = 0) -> Worker:
+                    pause: float, restart: int = 0, torchrun: Path | None = None, die_at: int = 0) -> Worker:
+        """A worker process; with ``torchrun`` (the script's path), launched
+        as one torchrun per worker that restarts it once."""
         env = {**os.environ, "SMB2_RANK": str(rank), "SMB2_WORLD_SIZE": str(world),
                "TORCHELASTIC_RESTART_COUNT": str(restart)}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", WORKER, ",".join(cluster.addresses), name, str(steps), str(pause),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+        args = [",".join(cluster.addresses), name, str(steps), str(pause), str(die_at)]
+        if torchrun is None:
+            cmd = [sys.executable, "-c", WORKER, *args]
+        else:
+            del env["TORCHELASTIC_RESTART_COUNT"]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                   "--nproc-per-node=1", "--max-restarts=1", "--monitor-interval=0.2", str(torchrun), *args]
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE, env=env)
         return cls(proc)
 
     async def until(self, event: str, at_least: int = 0, timeout: float = 60) -> dict[str, Any]:
@@ -321,6 +332,7 @@ class Worker:
         return e
 
 
+@pytest.mark.slow
 async def test_a_killed_worker_restarted_resumes_from_the_shared_weights(cluster: smb2.LocalCluster) -> None:
     workers = [await Worker.start(cluster, "lc-kill", r, 2, steps=40, pause=0.05) for r in range(2)]
     opened = [await w.until("open") for w in workers]
@@ -342,6 +354,7 @@ async def test_a_killed_worker_restarted_resumes_from_the_shared_weights(cluster
     assert ctl.generation == 1 and ctl.steps.tolist() == [40, 40] and ctl.run_finished()
 
 
+@pytest.mark.slow
 async def test_a_restarted_rank_0_leaves_a_ready_store_untouched(cluster: smb2.LocalCluster) -> None:
     workers = [await Worker.start(cluster, "lc-r0", r, 2, steps=30, pause=0.05) for r in range(2)]
     await asyncio.gather(*(w.until("open") for w in workers))
@@ -361,6 +374,7 @@ async def test_a_restarted_rank_0_leaves_a_ready_store_untouched(cluster: smb2.L
     assert ctl.generation == 1 and ctl.run_finished()
 
 
+@pytest.mark.slow
 async def test_a_whole_job_rerun_in_processes_after_kill(cluster: smb2.LocalCluster) -> None:
     """Both workers killed; the job launched again (no restart count): a new
     run resumes the old one's weights and steps and finishes."""
@@ -372,6 +386,30 @@ async def test_a_whole_job_rerun_in_processes_after_kill(cluster: smb2.LocalClus
     opened = [await w.until("open") for w in rerun]
     assert all(o["generation"] == 2 and o["resumed"] and o["start_step"] >= 5 for o in opened)
     await asyncio.gather(*(w.done() for w in rerun))
+
+
+@pytest.mark.slow
+def test_one_torchrun_per_worker_restarts_only_the_failed_one(tmp_path: Path) -> None:
+    """What docs/training.md tells a user to run: one torchrun per worker
+    (SMB2_RANK / SMB2_WORLD_SIZE, --max-restarts).  Rank 1 crashes at step
+    8; its torchrun restarts it, it rejoins the run from its step, and rank
+    0 never stops.  (One event loop is enough: the workers are processes.)"""
+    pytest.importorskip("torch", reason="torchrun comes with PyTorch (pip install 'smb2[torch]')")
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+
+    async def main() -> None:
+        async with smb2.LocalCluster(servers=2) as cluster:
+            workers = [await Worker.start(cluster, "lc-torchrun", r, 2, steps=40, pause=0.1, torchrun=script,
+                                          die_at=8 if r == 1 else 0) for r in range(2)]
+            await asyncio.gather(*(w.until("open", timeout=100) for w in workers))
+            back = await workers[1].until("open", timeout=100)       # the second attempt
+            assert back["generation"] == 1 and back["resumed"] is True and back["start_step"] >= 8
+            await asyncio.gather(*(w.done() for w in workers))
+            assert [e["event"] for e in workers[0].events].count("open") == 1
+            steps0 = [e["step"] for e in workers[0].events if e["event"] == "step"]
+            assert steps0 == list(range(1, 41))
+    asyncio.run(main())
 
 
 # -- smb2 ls / smb2 rm ----------------------------------------------------------------------

@@ -445,8 +445,8 @@ class ParameterStore:
             if time.monotonic() >= deadline:
                 raise NotifyTimeout(
                     f"rank 0 did not open a run of store {self.name!r} for rank {self.rank} in time "
-                    f"({decision.why}; {control.describe_rank(0)})",
-                    hint="start rank 0 with the same store name and SMB2_SERVERS, or raise timeout=")
+                    f"({decision.why}; {control.describe_rank(0)}): start rank 0 with the same store name "
+                    "and SMB2_SERVERS, or raise timeout=")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
@@ -570,8 +570,8 @@ class ParameterStore:
         if control.generation != self.generation:
             raise InterfaceError(
                 f"store {self.name!r} was re-opened by a newer run ({control.generation}) while rank "
-                f"{self.rank} was in run {self.generation}: this worker stops",
-                hint="two jobs use the same store name, or rank 0 of a new job started while this one ran")
+                f"{self.rank} was in run {self.generation}: this worker stops (two jobs use the same store "
+                "name, or rank 0 of a new job started while this one ran)")
 
     async def join(self, timeout: float | None = 60.0) -> None:
         """The start barrier of this run: count this rank in and wait until
@@ -820,8 +820,8 @@ async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int
         except NoSuchBuffer:
             if time.monotonic() >= deadline:
                 raise NotifyTimeout(
-                    f"rank 0 did not create store {name!r} in time; rank {rank} gives up",
-                    hint="start rank 0 with the same store name and SMB2_SERVERS, or raise timeout=") from None
+                    f"rank 0 did not create store {name!r} in time; rank {rank} gives up: start rank 0 "
+                    "with the same store name and SMB2_SERVERS, or raise timeout=") from None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)
 
@@ -870,11 +870,11 @@ async def _read_layout(buf: Buffer) -> tuple[Layout, int]:
     pre = np.empty(PREAMBLE // 8, dtype=np.int64)
     await buf.read_into(pre, 0)
     if int(pre[_MAGIC // 8]) != MAGIC:
-        raise InterfaceError(f"buffer {buf.name!r} is not a parameter store (bad magic)",
-                             hint=f"pick another name, or remove it with `smb2 rm {buf.name}`")
+        raise InterfaceError(f"buffer {buf.name!r} is not a parameter store (bad magic); pick another name, "
+                             f"or remove it with `smb2 rm {buf.name}`")
     if int(pre[_FORMAT // 8]) != FORMAT:
-        raise InterfaceError(f"store {buf.name!r} has format {int(pre[_FORMAT // 8])}; this smb2 reads {FORMAT}",
-                             hint=f"remove it with `smb2 rm {buf.name}` or pick another name")
+        raise InterfaceError(f"store {buf.name!r} has format {int(pre[_FORMAT // 8])}, this smb2 reads {FORMAT}; "
+                             f"remove it with `smb2 rm {buf.name}` or pick another name")
     table = await buf.read(PREAMBLE, int(pre[_TABLE // 8]))
     layout = Layout.from_table(table.tobytes())
     buf.set_notify_area(int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8]))
