@@ -202,6 +202,49 @@ async def test_rank_world_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_rank(4, 4)
 
 
+Ranks = dict[int, tuple[int, int, float, int]]
+
+
+def _control(workers: int, gen: int, ranks: Ranks, now: int = 10_000_000) -> lc.Control:
+    """Control words: run ``gen``; per rank (joined run, step, heartbeat age s, finished run)."""
+    words = np.zeros(lc.slots_for(workers), np.int64)
+    words[lc.GENERATION] = gen
+    for r, (joined, step, age, finished) in ranks.items():
+        base = lc.rank_word(r, 0)
+        words[base:base + 4] = [joined, step, now - int(age * 1000), finished]
+    return lc.Control.parse(words, workers, at_ms=now)
+
+
+@pytest.mark.parametrize("ranks,resume,restarted,action", [
+    ({}, "auto", False, "fresh"),                                                   # (run 0: a new store)
+    ({0: (1, 5, 1, 0), 1: (1, 7, 1, 0)}, "auto", False, "resume"),                  # crashed (or running)
+    ({0: (1, 5, 1, 1), 1: (1, 7, 1, 1)}, "auto", False, "fresh"),                   # finished
+    ({0: (1, 5, 1, 1), 1: (1, 7, 1, 1)}, True, False, "resume"),
+    ({0: (1, 5, 1, 0), 1: (1, 7, 1, 0)}, False, False, "fresh"),
+    ({0: (1, 5, 1, 0), 1: (1, 7, 1, 0)}, False, True, "rejoin"),                    # the run goes on
+    ({0: (1, 5, 90, 0), 1: (1, 7, 90, 0)}, False, True, "resume"),                  # all silent: a new run
+    ({0: (1, 5, 90, 1), 1: (1, 7, 90, 1)}, "auto", True, "rejoin"),                 # crashed after finishing
+])
+def test_rank0_decides(ranks: Ranks, resume: str | bool, restarted: bool,
+                       action: str) -> None:
+    c = _control(2, 1 if ranks else 0, ranks)
+    assert lc.decide_rank0(c, resume=resume, restarted=restarted, stale_after=60).action == action
+
+
+@pytest.mark.parametrize("ranks,restarted,action", [
+    ({}, False, "wait"),                                                            # no run yet
+    ({0: (2, 0, 1, 0), 1: (1, 7, 1, 0)}, False, "join"),                            # rank 0 opened run 2
+    ({0: (2, 0, 1, 0), 1: (2, 7, 1, 0)}, False, "wait"),                            # ... we were in it: old
+    ({0: (2, 0, 1, 0), 1: (2, 7, 1, 0)}, True, "rejoin"),                           # restarted: back in
+    ({0: (2, 0, 90, 0), 1: (1, 7, 1, 0)}, False, "wait"),                           # rank 0 silent
+    ({0: (2, 0, 1, 2), 1: (1, 7, 1, 0)}, False, "wait"),                            # rank 0 finished run 2
+    ({0: (2, 0, 90, 0), 1: (2, 7, 90, 0)}, True, "wait"),                           # all silent: wait for rank 0
+])
+def test_other_ranks_decide(ranks: Ranks, restarted: bool, action: str) -> None:
+    c = _control(2, 2 if ranks else 0, ranks)
+    assert lc.decide_other(c, 1, restarted=restarted, stale_after=60).action == action
+
+
 # -- placement -------------------------------------------------------------------------
 
 async def test_a_small_store_uses_every_server(cluster: smb2.LocalCluster, client: smb2.Client) -> None:

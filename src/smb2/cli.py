@@ -52,7 +52,7 @@ def _what(r: dict[str, Any]) -> str:
         return f"parameter store of format {r['format']} (remove it with `smb2 rm {r['name']}`)"
     state = "finished" if r["finished"] else "not finished"
     beat = r["last_heartbeat_s"]
-    heard = "" if beat is None or beat == float("inf") else f", last heartbeat {beat:.0f} s ago"
+    heard = "" if beat is None else f", last heartbeat {beat:.0f} s ago"
     return (f"parameter store: {r['tensors']} tensors ({r['data_bytes']} bytes of {r['dtype']}), rule {r['rule']}, "
             f"{r['workers']} workers; run {r['run']} {state}, {r['joined']} joined, version {r['version']}, "
             f"steps {r['steps']}{heard}")

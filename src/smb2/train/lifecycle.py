@@ -216,9 +216,10 @@ def others_alive(c: Control, rank: int, stale_after: float) -> bool:
 
 def may_rejoin(c: Control, rank: int, restarted: bool, stale_after: float) -> bool:
     """A restarted worker goes back into the run it was in, if that run is
-    still going on without it."""
-    return (restarted and c.in_run(rank) and not c.has_finished(rank) and c.workers > 1
-            and others_alive(c, rank, stale_after))
+    still going on without it (also when it had finished its part: it
+    then finishes again at once, instead of opening a new run under the
+    others' feet)."""
+    return restarted and c.in_run(rank) and c.workers > 1 and others_alive(c, rank, stale_after)
 
 
 def decide_rank0(c: Control, *, resume: str | bool, restarted: bool, stale_after: float) -> Decision:

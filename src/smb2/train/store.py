@@ -64,6 +64,10 @@ Races, and why they are harmless:
   steps may write its own step word once more before its next heartbeat
   stops it (its joined/finished words carry the old run's number and do
   not count);
+* a whole torchrun group restarts just as the old heartbeats go stale:
+  rank 0 may open a resumed run while a rank that still saw a fresh
+  heartbeat rejoins the old one; that rank's next heartbeat raises, and its
+  next restart joins rank 0's run;
 * heartbeat ages compare the hosts' wall clocks (``stale_after`` defaults
   to 60 s: synchronized hosts are well within that).
 
@@ -354,6 +358,9 @@ class ParameterStore:
                 log.warning("store %r: rank 0 rejoins run %d at step %d (%s)", name, control.generation,
                             store.start_step, decision.why)
             else:
+                if image is not None and decision.action != "fresh":
+                    log.warning("store %r: init_from=%s is not used: the run resumes (%s)", name, init_from,
+                                decision.why)
                 await store._open_run(control, decision, params, image, lock)
         finally:
             await lock.release()
@@ -793,8 +800,12 @@ async def describe(client: Client, name: str) -> dict[str, Any]:
                workers=layout.workers, rule=layout.rule.get("name"), run=control.generation,
                version=control.version, steps=control.steps.tolist(), finished=control.run_finished(),
                joined=layout.workers - len(control.missing()),
-               last_heartbeat_s=min((control.age(r) for r in range(layout.workers)), default=None))
+               last_heartbeat_s=_finite(min(control.age(r) for r in range(layout.workers))))
     return out
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isinf(x) else round(x, 3)
 
 
 # -- the buffer ---------------------------------------------------------------------
