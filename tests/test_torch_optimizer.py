@@ -234,7 +234,7 @@ def test_bf16_model_trains_with_bf16_pushes(servers: str) -> None:
     with _async(model, torch.optim.AdamW(model.parameters(), lr=0.01), servers, "t-bf16") as opt:
         assert opt.push_dtype == "bfloat16" and opt.store.rule.wire == "bfloat16"
         assert opt.store.layout.dtype == np.float32          # the master copy stays fp32
-        first = float(torch.nn.functional.cross_entropy(model(x.bfloat16()).float(), y))
+        first = torch.nn.functional.cross_entropy(model(x.bfloat16()).float(), y).item()
         g = torch.Generator().manual_seed(1)
         for _ in range(60):
             idx = torch.randint(0, len(x), (32,), generator=g)
@@ -243,7 +243,7 @@ def test_bf16_model_trains_with_bf16_pushes(servers: str) -> None:
             loss.backward()
             opt.step()
         assert model[0].weight.dtype == torch.bfloat16
-        last = float(torch.nn.functional.cross_entropy(model(x.bfloat16()).float(), y))
+        last = torch.nn.functional.cross_entropy(model(x.bfloat16()).float(), y).item()
         stats = opt.stats()
     assert last < first * 0.7
     # half the bytes of the fp32 data region per push
@@ -323,12 +323,13 @@ def _single_process_accuracy(kind: str, epochs: int) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)      # four torch processes start and train; a loaded 2-core machine needs minutes
-# AdamW at staleness 1 ended ~2 points under single-process here (96.1 vs 98.0 %): its
-# normalized steps from 4 workers, each a step behind, overshoot; at staleness 0 it is within 1
-@pytest.mark.parametrize(("kind", "staleness"), [("sgd", 1), ("adamw", 0)])
-def test_torchrun_workers_match_single_process_accuracy(servers: str, kind: str, staleness: int) -> None:
+# AdamW's normalized steps suffer more from asynchrony: at 12 epochs 4 workers ended ~2 points
+# under single-process at staleness 1 (96.1 vs 98.0 %) and ~1 at staleness 0; at 16 epochs,
+# staleness 0, within 1 (97.4 %)
+@pytest.mark.parametrize(("kind", "staleness", "epochs"), [("sgd", 1, 12), ("adamw", 0, 16)])
+def test_torchrun_workers_match_single_process_accuracy(servers: str, kind: str, staleness: int,
+                                                        epochs: int) -> None:
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
-    epochs = 12
     env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                           str(EXAMPLE), "--optimizer", kind, "--epochs", str(epochs), "--staleness", str(staleness),

@@ -277,7 +277,7 @@ class Delta(UpdateRule):
     name = "delta"
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()      # (its lr is not used: the worker's optimizer has one)
 
     def settings(self) -> dict[str, Any]:
         return {"name": self.name}
@@ -285,17 +285,14 @@ class Delta(UpdateRule):
     async def push(self, grads: Mapping[str, np.ndarray]) -> None:
         """``grads`` are the changes of the weights (not gradients)."""
         st = self.store
-        sent = self._selected(grads)
-        if not sent:
-            return
         changes = {}
-        for name, d in sent.items():
+        for name, d in self._selected(grads).items():
             o = st.flat_offset(name)
             out = self._stage[o:o + d.size]
-            if d.ctypes.data != out.ctypes.data:
-                out[...] = d.reshape(-1)
+            out[...] = d.reshape(-1)
             changes[name] = out.reshape(d.shape)
-        await accumulate_changes(st, changes, self._stage, self.wire)
+        if changes:
+            await accumulate_changes(st, changes, self._stage, self.wire)
 
 
 RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "locked": Locked, "easgd": EASGD, "delta": Delta}

@@ -63,7 +63,7 @@ from ..client import Client, connect
 from ..errors import InterfaceError, InvalidArgumentError
 from .background import LoopThread
 from .dropping import LayerDropping
-from .rules import EASGD, Delta
+from .rules import EASGD
 from .store import ParameterStore, resolve_rank
 from .torch_staging import Entry, Staging
 
@@ -104,6 +104,7 @@ class Exchange:
     stage: np.ndarray            # what goes out: changes (or, for EASGD, the local weights)
     snapshot: np.ndarray         # what comes back: pulled weights (EASGD: the correction -d)
     grads: np.ndarray | None     # gradient rules: the gradients that go out
+    lr: float = 0.0              # gradient rules: the learning rate of this step
     since: list[Any] = field(default_factory=list)   # own changes after this exchange's push
     future: Any = None
 
@@ -144,7 +145,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self.staleness = staleness
         self.log_every = log_every
         self.rank, self.world = resolve_rank(rank, world_size)
-        self._entries = self._synced_tensors(model, optimizer, sync_buffers, self.world)
+        self._entries = self._synced_tensors(model, optimizer, sync_buffers)
         self.rule_name = rule
         self._gradient_rule = rule in ("accumulate", "locked")
         if self._gradient_rule:
@@ -161,10 +162,11 @@ class AsyncOptimizer(torch.optim.Optimizer):
             self._loop.run(self._close_client())
             self._loop.stop()
             raise
-        self._easgd = isinstance(self.store.rule, EASGD)
+        #: the EASGD rule, when that is the rule (its exchanges are every tau steps)
+        self._easgd = self.store.rule if isinstance(self.store.rule, EASGD) else None
         flat = self.store.flat()
-        self.staging = Staging(torch, [Entry(n, t, self.store.flat_offset(n), scale)
-                                        for n, t, scale in self._entries], flat.size, flat.dtype)
+        self.staging = Staging(torch, [Entry(n, t, self.store.flat_offset(n), 1.0 if param else 1.0 / self.world,
+                                              param) for n, t, param in self._entries], flat.size, flat.dtype)
         self._register = self.staging.cuda
         self.staging.swap(flat, None)          # rank 0's values (or the resumed ones) for everyone
         self._free: list[Exchange] = []
@@ -179,10 +181,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
 
     # -- setting up --------------------------------------------------------------
     @staticmethod
-    def _synced_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, buffers: bool, world: int
-                        ) -> list[tuple[str, torch.Tensor, float]]:
-        """(name, tensor, scale) of what the store holds: trainable
-        parameters (scale 1), floating-point buffers (scale 1/world)."""
+    def _synced_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, buffers: bool
+                        ) -> list[tuple[str, torch.Tensor, bool]]:
+        """(name, tensor, is a parameter) of what the store holds: trainable
+        parameters, floating-point buffers."""
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not params:
             raise InvalidArgumentError("the model has no parameters that require a gradient: nothing to train")
@@ -199,9 +201,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
         for n, t in params:
             if not t.is_floating_point():
                 raise InvalidArgumentError(f"parameter {n!r} is {t.dtype}; smb2.torch trains float parameters")
-        out: list[tuple[str, torch.Tensor, float]] = [(n, p, 1.0) for n, p in params]
+        out: list[tuple[str, torch.Tensor, bool]] = [(n, p, True) for n, p in params]
         if buffers:
-            out += [(n, b, 1.0 / world) for n, b in model.named_buffers() if b.is_floating_point()]
+            out += [(n, b, False) for n, b in model.named_buffers() if b.is_floating_point()]
         return out
 
     def _push_dtype(self, push_dtype: str | None) -> str | None:
@@ -233,7 +235,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
 
     @property
     def _store_f64(self) -> bool:
-        return all(t.dtype == torch.float64 for _, t, s in self._entries if s == 1.0)
+        return all(t.dtype == torch.float64 for _, t, param in self._entries if param)
 
     # -- torch.optim.Optimizer's face: the wrapped optimizer's state ------------
     @property
@@ -277,12 +279,11 @@ class AsyncOptimizer(torch.optim.Optimizer):
             self._t_first = t_start
         if self._gradient_rule:
             check_plain_sgd(self.optimizer, self.rule_name)
-            self.store.rule.lr = float(self.optimizer.param_groups[0]["lr"])   # schedulers apply
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.steps += 1
         wait = 0.0
         if self._easgd:
-            if self.steps % self.store.rule.tau == 0:       # type: ignore[attr-defined]
+            if self.steps % self._easgd.tau == 0:
                 wait += self._settle(limit=0)               # one exchange with the center at a time
                 self._launch()
             else:
@@ -307,7 +308,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         else:
             st = self.staging
             ex = Exchange(0, st.host_array(), st.host_array(), st.host_array() if self._gradient_rule else None,
-                          st.new_since())
+                          since=st.new_since())
             if self._register:
                 for arr in (ex.stage, ex.snapshot):
                     self._loop.run(self._register_array(arr))
@@ -323,6 +324,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
             st.capture(ex.stage, [e.since for e in self._inflight])
             if ex.grads is not None:
                 self._stage_grads(ex.grads)
+                ex.lr = float(self.optimizer.param_groups[0]["lr"])     # this step's (schedulers apply)
         ex.future = self._loop.submit(self._exchange(ex))
         self._inflight.append(ex)
         self._stats["exchanges"] += 1
@@ -330,7 +332,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
     def _stage_grads(self, out: np.ndarray) -> None:
         with torch.no_grad():
             for e in self.staging.entries:
-                if e.scale == 1.0 and e.tensor.grad is not None:
+                if e.param and e.tensor.grad is not None:
                     n = e.tensor.numel()
                     torch.from_numpy(out[e.offset:e.offset + n]).copy_(e.tensor.grad.reshape(-1))
 
@@ -372,13 +374,14 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if self._easgd:
             flat = st.flat()
             flat[...] = ex.stage
-            await st.rule.exchange()       # type: ignore[attr-defined]
+            await self._easgd.exchange()
             np.subtract(flat, ex.stage, out=ex.snapshot)     # -d: how the local weights move
         else:
             if ex.grads is not None:
                 grads = {e.name: ex.grads[e.offset:e.offset + e.tensor.numel()].reshape(e.tensor.shape)
-                         for e in self.staging.entries if e.scale == 1.0}
-                buffers = {e.name: views[e.name] for e in self.staging.entries if e.scale != 1.0}
+                         for e in self.staging.entries if e.param}
+                buffers = {e.name: views[e.name] for e in self.staging.entries if not e.param}
+                st.rule.lr = ex.lr
                 await st.push(grads)
                 await _accumulate_each(st, buffers)
             else:
@@ -488,4 +491,4 @@ async def _accumulate_each(st: ParameterStore, changes: dict[str, np.ndarray]) -
     await asyncio.gather(*(st.buf.accumulate(st.ranges[n][0], d) for n, d in changes.items()))
 
 
-__all__ = ["AsyncOptimizer", "Delta", "check_plain_sgd"]
+__all__ = ["AsyncOptimizer", "check_plain_sgd"]

@@ -38,6 +38,7 @@ class Entry:
     tensor: Any          # torch.Tensor (parameter or buffer)
     offset: int          # first element in the flat region
     scale: float         # a change counts this much in the shared copy
+    param: bool = True   # a parameter (else a buffer)
     recorded: Any = None  # the tensor's value (store dtype, its device) at the last capture/swap
 
 
