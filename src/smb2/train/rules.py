@@ -294,6 +294,17 @@ class Delta(UpdateRule):
         if changes:
             await accumulate_changes(st, changes, self._stage, self.wire)
 
+    async def push_region(self, changes: np.ndarray) -> None:
+        """The changes of every tensor at once, laid out like the data region
+        (padding zero; no layer dropping): accumulated as they are, without a
+        copy, and the local mirror is left alone (its owner keeps its own
+        weights, as :class:`smb2.torch.AsyncOptimizer` does)."""
+        st = self.store
+        await st.buf.accumulate(st.data_off, changes, wire=self.wire)
+        st.stats["bytes_pushed"] += int(changes.nbytes * _wire_fraction(changes.dtype, self.wire))
+        st.stats["pushes"] += 1
+        await st.bump_version()
+
 
 RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "locked": Locked, "easgd": EASGD, "delta": Delta}
 

@@ -63,7 +63,7 @@ from ..client import Client, connect
 from ..errors import InterfaceError, InvalidArgumentError
 from .background import LoopThread
 from .dropping import LayerDropping
-from .rules import EASGD
+from .rules import EASGD, Delta
 from .store import ParameterStore, resolve_rank
 from .torch_staging import Entry, Staging
 
@@ -106,6 +106,7 @@ class Exchange:
     grads: np.ndarray | None     # gradient rules: the gradients that go out
     lr: float = 0.0              # gradient rules: the learning rate of this step
     since: list[Any] = field(default_factory=list)   # own changes after this exchange's push
+    changed_since: bool = False  # any change in ``since`` (else it is all zeros)
     future: Any = None
 
 
@@ -115,8 +116,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
 
     ``servers``: "h:p,..." or a list (default: ``SMB2_SERVERS``).  Every
     worker of the job (torchrun's ``RANK``/``WORLD_SIZE``, or ``rank=`` /
-    ``world_size=``) opens the same store; the first creates it from the
-    model's values, the others take those.  ``staleness``: how many of its own
+    ``world_size=``) opens the same store; rank 0 creates it from its
+    model's values (or resumes it), the others take those.  ``staleness``: how many of its own
     steps a worker may run past its last pull (see the module's doc).
     ``push_dtype``: the type changes travel as: "bfloat16" (default for a
     bf16 model), "float16", or "float32"; the shared master copy is float32
@@ -154,7 +155,6 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self.push_dtype = self._push_dtype(push_dtype)
         self._loop = LoopThread(f"smb2-{name}")
         self._client: Client | None = None
-        self._error: BaseException | None = None
         try:
             self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
                                                    dict(options, resume=resume)))
@@ -175,7 +175,6 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._pulled_at = self.steps            # the step after which the weights in use were pulled
         self._stats = {"steps": 0, "wait_s": 0.0, "max_lag": 0, "exchanges": 0}
         self._lags: collections.Counter[int] = collections.Counter()
-        self._since_stats = time.perf_counter()
         self._t_first: float | None = None
         self.closed = False
 
@@ -303,8 +302,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
     def _take(self) -> Exchange:
         if self._free:
             ex = self._free.pop()
-            for t in ex.since:
-                t.zero_()
+            if ex.changed_since:
+                for t in ex.since:
+                    t.zero_()
+            ex.changed_since = False
         else:
             st = self.staging
             ex = Exchange(0, st.host_array(), st.host_array(), st.host_array() if self._gradient_rule else None,
@@ -322,6 +323,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
             st.load(ex.stage)
         else:
             st.capture(ex.stage, [e.since for e in self._inflight])
+            for e in self._inflight:
+                e.changed_since = True
             if ex.grads is not None:
                 self._stage_grads(ex.grads)
                 ex.lr = float(self.optimizer.param_groups[0]["lr"])     # this step's (schedulers apply)
@@ -361,7 +364,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         else:
             # the pull saw this worker's changes up to ex.step; its later
             # ones (ex.since) are added back on top
-            self.staging.swap(ex.snapshot, ex.since)
+            self.staging.swap(ex.snapshot, ex.since if ex.changed_since else None)
         self._pulled_at = ex.step
         self._free.append(ex)
 
@@ -384,6 +387,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 st.rule.lr = ex.lr
                 await st.push(grads)
                 await _accumulate_each(st, buffers)
+            elif isinstance(st.rule, Delta) and st.dropping is None:
+                await st.rule.push_region(ex.stage)      # the stage is laid out like the data region
             else:
                 await st.push({n: v.reshape(st.params[n].shape) for n, v in views.items()})
             await st.buf.read_into(ex.snapshot, st.data_off)

@@ -97,13 +97,17 @@ class Staging:
         with self.torch.no_grad(), self._side():
             for i, e in enumerate(self.entries):
                 cur = e.tensor.detach().to(self.dtype)
-                change = cur - e.recorded
+                host = self._host(stage, e)
+                # on the CPU the change is computed in the stage itself: no
+                # model-sized temporary (and its page faults) per step
+                change = self.torch.sub(cur, e.recorded, out=host) if not self.cuda else cur - e.recorded
                 if e.scale != 1.0:
                     change.mul_(e.scale)
                 e.recorded.copy_(cur)
                 for acc in since:
                     acc[i].add_(change)
-                self._host(stage, e).copy_(change, non_blocking=self.cuda)
+                if self.cuda:
+                    host.copy_(change, non_blocking=True)
 
     def swap(self, snapshot: np.ndarray, since: list[Any] | None) -> None:
         """The tensors become ``snapshot`` (+ ``since``), in their dtype."""
