@@ -179,6 +179,12 @@ async def test_a_stalled_rank_is_named(cluster: smb2.LocalCluster) -> None:
     stalled = stores[0].stalled(1.0)
     assert [(r, step) for r, step, _age in stalled] == [(1, 340)] and stalled[0][2] >= 1.0
     assert stores[0].stalled(30) == []
+    # the other waits speak of updates and steps too, not of bytes
+    with pytest.raises(smb2.NotifyTimeout, match=r"store 'lc-stall' got 3 updates, still fewer than 5 after 0.1 s"):
+        await stores[0].wait_version(5, timeout=0.1)
+    with pytest.raises(smb2.NotifyTimeout, match=r"end policy of store 'lc-stall' did not fire within 0.1 s "
+                                                 r"\(the ranks' steps: \[3, 340\]\)"):
+        await stores[0].wait_stopped(timeout=0.1)
     await stores[1].finish()
     await stores[0].wait_finished(timeout=5)
     # finishing destroys nothing: the store is still there for evaluation

@@ -547,7 +547,11 @@ class ParameterStore:
 
     async def wait_version(self, at_least: int, timeout: float | None = None) -> int:
         """Wait until at least ``at_least`` updates were applied in all."""
-        self.version = await self.buf.wait_notify(lc.VERSION, at_least, timeout=timeout)
+        try:
+            self.version = await self.buf.wait_notify(lc.VERSION, at_least, timeout=timeout)
+        except NotifyTimeout:
+            raise NotifyTimeout(f"store {self.name!r} got {await self.read_version()} updates, still fewer than "
+                                f"{at_least} after {timeout} s") from None
         return self.version
 
     # -- the run: control words ------------------------------------------------------
@@ -711,7 +715,12 @@ class ParameterStore:
 
     async def wait_stopped(self, timeout: float | None = None) -> None:
         """Wait until the run's end policy fired."""
-        await self.buf.wait_notify(lc.STOP, max(1, self.generation), timeout=timeout)
+        try:
+            await self.buf.wait_notify(lc.STOP, max(1, self.generation), timeout=timeout)
+        except NotifyTimeout:
+            steps = (await self.refresh()).steps.tolist()
+            raise NotifyTimeout(f"the end policy of store {self.name!r} did not fire within {timeout} s "
+                                f"(the ranks' steps: {steps})") from None
 
     async def destroy(self) -> None:
         """Remove the store from the servers (``smb2 rm NAME`` does the same).
