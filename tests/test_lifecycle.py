@@ -253,9 +253,11 @@ def test_other_ranks_decide(ranks: Ranks, restarted: bool, action: str) -> None:
 
 # -- placement -------------------------------------------------------------------------
 
-async def test_a_small_store_uses_every_server(cluster: smb2.LocalCluster, client: smb2.Client) -> None:
+async def test_a_small_store_uses_every_server(cluster: smb2.LocalCluster) -> None:
     """A 40 KB model on 4 servers, far below one default stripe (1 MiB):
-    each server holds a share of it and serves a share of each pull."""
+    each server holds a share of it and serves a share of each pull (over
+    TCP, where the servers count what they send)."""
+    client = await cluster.connect(transport="tcp")
     params = {"w": np.ones((100, 100), np.float32)}
     store = await ParameterStore.open(client, "lc-place", params)
     assert store.buf.stripe == choose_stripe(store.buf.nbytes, 4) < smb2.client.DEFAULT_STRIPE
@@ -472,7 +474,8 @@ async def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str,
     return proc.returncode, out.decode(), err.decode()
 
 
-async def test_smb2_ls_and_rm(cluster: smb2.LocalCluster, client: smb2.Client) -> None:
+async def test_smb2_ls_and_rm(cluster: smb2.LocalCluster) -> None:
+    client = await cluster.connect()
     stores = await _open_all(cluster, "lc-ls", 2)
     await asyncio.gather(*(s.join(timeout=10) for s in stores))
     await asyncio.gather(_train(stores[0], 3), _train(stores[1], 4))
