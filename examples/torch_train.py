@@ -90,10 +90,10 @@ def main() -> None:
     stats = opt.stats()
     opt.close(wait_all=300)  # smb2: wait for every rank, take the weights they trained
 
-    print(json.dumps({"rank": rank, "world": world, "optimizer": a.optimizer, "steps": stats["steps"],
-                      "loss": round(loss, 4), "accuracy": round(accuracy(model, xte, yte), 2),
-                      "seconds": round(time.perf_counter() - t0, 2),
-                      "comm_wait_share": round(stats["comm_wait_share"], 3)}), flush=True)
+    report = {"rank": rank, "world": world, "optimizer": a.optimizer, "steps": stats["steps"],
+              "loss": round(loss, 4), "accuracy": round(accuracy(model, xte, yte), 2),
+              "seconds": round(time.perf_counter() - t0, 2), "comm_wait_share": round(stats["comm_wait_share"], 3)}
+    print(json.dumps(report) + "\n", end="", flush=True)  # one write: ranks share torchrun's stdout
 
 
 if __name__ == "__main__":

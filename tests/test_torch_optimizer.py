@@ -199,19 +199,27 @@ def test_buffers_are_averaged_over_the_workers(servers: str) -> None:
     # two workers whose data have different means: BatchNorm's shared running
     # mean follows the average of the two, and both workers end up with it
     models = [_model(bn=True), _model(bn=True)]
-    opts: list[st.AsyncOptimizer] = []
     errors: list[BaseException] = []
+    # the workers step in turn: the shared copy follows the workers that are
+    # training, so a worker that ran all its steps alone would own it
+    turns = threading.Barrier(2, timeout=60)
 
     def worker(rank: int) -> None:
         try:
             m = models[rank]
             opt = st.AsyncOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), m, name="t-buffers",
                                     servers=servers, rank=rank, world_size=2, resume=False)
-            opts.append(opt)
-            _train(m, opt, 60, seed=rank, shift=4.0 * rank)   # lr 0: only the buffers change
+            x, y = _data(seed=rank, shift=4.0 * rank)
+            for i in range(60):             # lr 0: only the buffers change
+                idx = slice(i * 32 % len(x), i * 32 % len(x) + 32)
+                torch.nn.functional.cross_entropy(m(x[idx]), y[idx]).backward()
+                opt.step()
+                opt.zero_grad()
+                turns.wait()
             opt.close(wait_all=60)
         except BaseException as exc:
             errors.append(exc)
+            turns.abort()
 
     threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
     for t in threads:
@@ -321,6 +329,17 @@ def _single_process_accuracy(kind: str, epochs: int) -> float:
     return float(ex.accuracy(model, xte, yte))
 
 
+def _json_objects(text: str) -> list[dict[str, Any]]:
+    """Every JSON object in ``text`` (the ranks' lines, however torchrun interleaved them)."""
+    decoder = json.JSONDecoder()
+    out, i = [], text.find("{")
+    while i >= 0:
+        obj, end = decoder.raw_decode(text, i)
+        out.append(obj)
+        i = text.find("{", end)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)      # four torch processes start and train; a loaded 2-core machine needs minutes
 # AdamW's normalized steps suffer more from asynchrony: at 12 epochs 4 workers ended ~2 points
@@ -336,7 +355,7 @@ def test_torchrun_workers_match_single_process_accuracy(servers: str, kind: str,
                           "--name", f"t-run-{kind}"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    ranks = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    ranks = _json_objects(out.stdout)
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     # every rank evaluated the same final shared model
     assert len({r["accuracy"] for r in ranks}) == 1
