@@ -1,5 +1,9 @@
 """A PyTorch model trained asynchronously by several processes through smb2.
 
+For an ordinary (not async) training loop use ``smb2.torch.AsyncOptimizer``
+instead: see examples/torch_train.py.  This example drives the store from
+asyncio code.
+
 With torchrun, against memory servers you started (every worker gets the
 same SMB2_SERVERS; rank 0 creates the store, the others attach by name):
 
@@ -60,16 +64,14 @@ async def worker(servers: str, epochs: int) -> None:
                 loss.backward()
                 await dm.step()                  # push grads, pull the shared weights
                 steps += 1
-            await dm.store.report(epoch + 1, epochs, policy="slowest")
-        await dm.store.wait_stopped(timeout=120)  # everyone done: the shared weights are final
+            await dm.store.heartbeat(steps)      # this rank's progress, for stalled-rank reports
+        await dm.store.finish()                  # this rank is done (nothing is destroyed)
+        await dm.store.wait_finished(timeout=120)  # everyone done: the shared weights are final
         await dm.pull()
         with torch.no_grad():
             acc = (model(xte).argmax(1) == yte).float().mean().item() * 100
         print(f"rank {rank}/{world}: {steps} steps in {time.perf_counter() - t0:.1f} s, "
               f"loss {loss.item():.3f}, test accuracy of the shared model {acc:.2f} %", flush=True)
-        if rank == 0:
-            await asyncio.sleep(0.5)             # let the others read before the buffer goes
-            await dm.store.destroy()
 
 
 async def standalone(workers: int, epochs: int) -> int:

@@ -111,7 +111,7 @@ def valid_frame(rng: random.Random, segment: int, seg_size: int, rid: int) -> by
     if op == Op.WRITE:
         return frame(op, rng.randbytes(n), rid=rid, segment=segment, offset=off)
     if op == Op.ACCUMULATE:
-        code = rng.randrange(1, 5)
+        code = rng.randrange(1, 7)      # 5, 6: a half-width delta covering twice n
         return frame(op, rng.randbytes(n), rid=rid, segment=segment, offset=off,
                      flags=code << 4)
     if op == Op.FETCH_ADD:

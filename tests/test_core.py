@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from narrow_floats import NARROW, float32_arrays, same_floats, widen
 from smb2 import _core
-from smb2.protocol import DTYPE_CODES
+from smb2.protocol import DTYPE_CODES, WIRE_CODES
 
 U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)
@@ -192,6 +193,113 @@ def test_accumulate_rejects_bad_input() -> None:
         _core.accumulate(a, a.copy(), 99)
     with pytest.raises(ValueError):
         _core.accumulate(a[:6], a[:6].copy(), 1)
+
+
+# -- half-width floats: bf16 and fp16 pushes (accumulate(wire=...)) ---------
+
+_TO = {"bfloat16": _core.to_bfloat16, "float16": _core.to_float16}
+_FROM = {"bfloat16": _core.from_bfloat16, "float16": _core.from_float16}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(sorted(WIRE_CODES)), float32_arrays())
+def test_narrowing_matches_reference(wire: str, x: np.ndarray) -> None:
+    out = np.empty(x.size, np.uint16)
+    _TO[wire](x, out)
+    ref = NARROW[wire](x)
+    nan = np.isnan(x)
+    assert np.array_equal(out[~nan], ref[~nan])
+    # NaN stays NaN, with its sign
+    assert np.isnan(widen(out[nan], wire)).all()
+    assert np.array_equal(out[nan] >> 15, x[nan].view(np.uint32) >> 31)
+
+
+@pytest.mark.parametrize("wire", sorted(WIRE_CODES))
+def test_widening_is_exact_for_every_pattern(wire: str) -> None:
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    out = np.empty(bits.size, np.float32)
+    _FROM[wire](bits, out)
+    assert same_floats(out, widen(bits, wire))
+    # and narrowing a widened value gives the pattern back (NaNs aside)
+    back = np.empty(bits.size, np.uint16)
+    _TO[wire](out, back)
+    keep = ~np.isnan(out)
+    assert np.array_equal(back[keep], bits[keep])
+
+
+def test_bfloat16_agrees_with_torch() -> None:
+    # a second, independent reference: torch's own float32 -> bfloat16 cast
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    out = np.empty(x.size, np.uint16)
+    _core.to_bfloat16(x, out)
+    ref = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    keep = ~np.isnan(x)
+    assert np.array_equal(out[keep], ref[keep])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(sorted(WIRE_CODES)), st.data())
+def test_widening_accumulate_matches_reference(wire: str, data: st.DataObject) -> None:
+    delta = data.draw(float32_arrays(), label="delta")
+    dst = data.draw(float32_arrays(), label="dst")
+    dst = np.resize(dst, delta.size) if dst.size else np.zeros(delta.size, np.float32)
+    narrow = NARROW[wire](delta)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expect = dst + widen(narrow, wire)
+    got = dst.copy()
+    _core.accumulate(got.view(np.uint8), narrow.view(np.uint8), WIRE_CODES[wire])
+    assert same_floats(got, expect)
+
+
+def test_widening_accumulate_unaligned_views() -> None:
+    dst_raw = np.zeros(4 * 100 + 1, np.uint8)
+    dst = dst_raw[1:]
+    src_raw = np.zeros(2 * 100 + 3, np.uint8)
+    src_raw[3:] = _bf16_of(np.arange(100, dtype=np.float32)).view(np.uint8)
+    for _ in range(2):
+        _core.accumulate(dst, src_raw[3:], WIRE_CODES["bfloat16"])
+    assert np.array_equal(dst.copy().view(np.float32), np.arange(100, dtype=np.float32) * 2)
+
+
+def _bf16_of(x: np.ndarray) -> np.ndarray:
+    out = np.empty(x.size, np.uint16)
+    _core.to_bfloat16(x, out)
+    return out
+
+
+def test_widening_accumulate_rejects_bad_lengths() -> None:
+    code = WIRE_CODES["bfloat16"]
+    dst = np.zeros(16, np.uint8)                    # 4 float32 words
+    with pytest.raises(ValueError, match="need 8"):
+        _core.accumulate(dst, np.zeros(16, np.uint8), code)      # same length: not half
+    with pytest.raises(ValueError, match="need 8"):
+        _core.accumulate(dst, np.zeros(7, np.uint8), code)
+    with pytest.raises(ValueError, match="multiple of the item size"):
+        _core.accumulate(dst[:6], np.zeros(3, np.uint8), code)
+    assert _core.dtype_sizes(code) == (4, 2)
+    assert _core.dtype_sizes(DTYPE_CODES["float64"]) == (8, 8)
+    with pytest.raises(ValueError, match="unknown dtype code 7"):
+        _core.dtype_sizes(7)
+    assert not dst.any()
+
+
+def test_conversions_reject_bad_buffers() -> None:
+    x = np.ones(8, np.float32)
+    with pytest.raises(ValueError, match="need 4-byte items in src and as many 2-byte"):
+        _core.to_bfloat16(x, np.empty(7, np.uint16))
+    with pytest.raises(ValueError, match="need 4-byte items"):
+        _core.to_float16(x.view(np.uint8)[:6], np.empty(3, np.uint8))
+    with pytest.raises(ValueError, match="read-only"):
+        _core.to_bfloat16(x, bytes(16))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _core.to_bfloat16(np.ones(16, np.float32)[::2], np.empty(8, np.uint16))
+    with pytest.raises(ValueError, match="need 2-byte items in src and as many 4-byte"):
+        _core.from_bfloat16(np.zeros(8, np.uint16), np.empty(7, np.float32))
+    out = np.empty(8, np.float32)
+    _core.from_float16(np.full(8, 0x3C00, np.uint16), out)      # 1.0 in float16
+    assert (out == 1).all()
 
 
 @given(st.integers(1, 10**9), st.sampled_from([8, 4096, 1 << 20]), st.integers(1, 16))

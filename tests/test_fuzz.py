@@ -42,9 +42,10 @@ from fuzzing import (
     mutate,
     stream,
 )
+from narrow_floats import same_floats, widen
 from smb2 import _core, auth
 from smb2.errors import ErrorCode
-from smb2.protocol import Op
+from smb2.protocol import DTYPE_SHIFT, FLAG_STAGED, WIRE_CODES, Op
 
 SCALE = float(os.environ.get("SMB2_FUZZ_SCALE", "1"))
 TOKEN = b"fuzz-token-0123456789"
@@ -277,6 +278,69 @@ async def test_in_process_with_every_recv_boundary() -> None:
         STATS["in_process_frames"] = STATS.get("in_process_frames", 0) + n
     one()
     assert h.server.segments
+
+
+_WIDENING = {code: wire for wire, code in WIRE_CODES.items()}
+
+
+@st.composite
+def _widening_frames(draw: st.DrawFn, segment: int, rid: int) -> tuple[bytes, int, int, int, int]:
+    """A widening ACCUMULATE, often subtly wrong: (frame, code, flags, offset, payload length)."""
+    code = draw(st.sampled_from([*_WIDENING] * 3 + [0, 7, 15]))
+    flags = code << DTYPE_SHIFT | (FLAG_STAGED if draw(st.integers(0, 9)) == 0 else 0)
+    items = draw(st.integers(0, 600))
+    payload = draw(st.binary(min_size=2 * items, max_size=2 * items))  # bf16/fp16 bit patterns
+    if items and not draw(st.integers(0, 4)):
+        payload = payload[:-1]                   # half an item
+    offset = draw(st.one_of(
+        st.integers(0, SEG_SIZE // 4 - items).map(lambda k: 4 * k),
+        # the payload would fit before the end, the float32 range it covers not
+        st.integers(items // 2 + 1, max(items, items // 2 + 1)).map(lambda k: SEG_SIZE - 4 * k),
+        st.integers(0, SEG_SIZE + 64)))
+    return (frame(Op.ACCUMULATE, payload, rid=rid, segment=segment, offset=offset, flags=flags),
+            code, flags, offset, len(payload))
+
+
+async def test_widening_accumulates_never_write_outside_their_range() -> None:
+    """Widening accumulates (a bf16/fp16 payload covering twice its length of
+    float32) with every field a little off, in arbitrary pieces: each one is
+    answered; the ones that are right add exactly upcast(payload) into
+    exactly their range; the others are refused with the reason and change
+    no byte anywhere."""
+    h = Harness()
+    applied: list[int] = []
+
+    @settings(max_examples=_n(150), **_SETTINGS)
+    @given(st.data(), st.lists(st.integers(0, 4096), max_size=6))
+    def one(data: st.DataObject, cuts: list[int]) -> None:
+        seg = h.server.by_name["fuzz"]
+        frames = [data.draw(_widening_frames(h.segment, rid), label=f"frame {rid}")
+                  for rid in range(2, 2 + data.draw(st.integers(1, 4)))]
+        stream = hello() + b"".join(f for f, *_ in frames)
+        before = seg.mem.copy()
+        replies = h.feed(stream, cuts)
+        STATS["frames"] += len(frames)
+        assert [hdr[5] for hdr in replies.frames] == [1] + [2 + i for i in range(len(frames))]
+        expect = before.view(np.float32).copy()
+        for (raw, code, flags, offset, length), hdr in zip(frames, replies.frames[1:], strict=True):
+            rid = hdr[5]
+            span = 2 * length
+            if code not in _WIDENING or offset % 4 or length % 2:
+                assert hdr[4] == ErrorCode.BAD_REQUEST, hdr
+            elif flags & FLAG_STAGED:
+                assert hdr[4] == ErrorCode.BAD_REQUEST, hdr          # no rdma_connect here
+            elif offset + span > seg.size:
+                assert hdr[4] == ErrorCode.OUT_OF_BOUNDS, hdr
+            else:
+                assert hdr[4] == 0, hdr
+                applied.append(rid)
+                bits = np.frombuffer(raw, np.uint16, offset=32)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    expect[offset // 4:(offset + span) // 4] += widen(bits, _WIDENING[code])
+        assert same_floats(seg.mem.view(np.float32), expect)
+    one()
+    # the draws reach the adding path, not only the refusals
+    assert len(applied) > _n(150) // 4, len(applied)
 
 
 async def test_client_survives_a_hostile_server() -> None:

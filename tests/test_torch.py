@@ -95,7 +95,16 @@ async def test_two_ranks_train_together(cluster: smb2.LocalCluster, transport: s
 async def test_mismatched_module_is_refused(client: smb2.Client) -> None:
     await st.DistributedModule.open(client, "t-mis", _model(0), rank=0, world_size=2)
     other = torch.nn.Sequential(torch.nn.Linear(10, 3))
-    with pytest.raises(smb2.InvalidArgumentError, match="not the store's"):
+    # every rank opens the store with its module: another model is refused, naming the store's
+    with pytest.raises(smb2.InvalidArgumentError, match="another model"):
         await st.DistributedModule.open(client, "t-mis", other, rank=1, world_size=2)
-    with pytest.raises(smb2.InvalidArgumentError, match="WORLD_SIZE"):
+    with pytest.raises(smb2.InvalidArgumentError, match="WORLD_SIZE|workers"):
         await st.DistributedModule.open(client, "t-mis", _model(0), rank=1, world_size=3)
+
+
+async def test_stripe_reaches_the_store_on_every_rank(client: smb2.Client) -> None:
+    # stripe is the store's option: rank 1 passing it must not hand it to the rule
+    dm0 = await st.DistributedModule.open(client, "t-stripe", _model(0), rank=0, world_size=2, stripe=512, lr=0.1)
+    dm1 = await st.DistributedModule.open(client, "t-stripe", _model(1), rank=1, world_size=2, stripe=512, lr=0.1)
+    assert dm0.store.buf.stripe == dm1.store.buf.stripe == 512
+    assert dm1.store.rule.lr == 0.1

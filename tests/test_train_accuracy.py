@@ -27,7 +27,10 @@ from smb2.train.job import JobConfig, run_job, single_process
 
 pytest.importorskip("sklearn", reason="the digits data set comes with scikit-learn (pip install 'smb2[test]')")
 
-pytestmark = pytest.mark.slow
+# 4 worker processes x 30 epochs: close to the default 120 s on a loaded
+# 2-core machine, more now that the small model is striped over all 4
+# servers (4 requests per pull instead of 1)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 EPOCHS = 30
 BASE = {"epochs": EPOCHS, "lr": 0.1, "batch": 32, "sizes": [64, 256, 10], "seed": 0, "workers": 4}

@@ -92,16 +92,17 @@ async def test_attach_to_something_else_fails(client: smb2.Client) -> None:
         await ParameterStore.attach(client, "st-raw", timeout=1)
 
 
-async def test_first_worker_initializes_the_others_get_its_values(cluster: smb2.LocalCluster, transport: str) -> None:
+async def test_rank0_initializes_the_others_get_its_values(cluster: smb2.LocalCluster, transport: str) -> None:
     """Four workers open the same store at once, each with its own initial
-    values: one initializes (under the lock), all end up with its values."""
+    values, the others before rank 0: rank 0's values are what all see."""
     clients = [await cluster.connect(transport=transport) for _ in range(4)]
     stores = await asyncio.gather(*(ParameterStore.open(c, "st-race", _params(10 + r), workers=4, rank=r)
-                                    for r, c in enumerate(clients)))
-    first = stores[0].flat().copy()
-    assert any(np.array_equal(first, ParameterStore_flat(_params(10 + r), stores[0])) for r in range(4))
+                                    for r, c in reversed(list(enumerate(clients)))))
+    stores = stores[::-1]
+    assert np.array_equal(stores[0].flat(), ParameterStore_flat(_params(10), stores[0]))
     for s in stores[1:]:
-        assert np.array_equal(s.flat(), first)
+        assert np.array_equal(s.flat(), stores[0].flat())
+        assert s.generation == stores[0].generation == 1 and not s.resumed and s.start_step == 0
 
 
 def ParameterStore_flat(params: dict[str, np.ndarray], like: ParameterStore) -> np.ndarray:  # noqa: N802
@@ -131,8 +132,14 @@ async def test_open_checks_its_arguments(client: smb2.Client) -> None:
     with pytest.raises(smb2.InvalidArgumentError, match="gradient rules"):
         await ParameterStore.open(client, "st-bad", p, rule="easgd", dropping=LayerDropping())
     store = await ParameterStore.open(client, "st-ok", p)
-    with pytest.raises(smb2.InvalidArgumentError, match="another layout"):
+    with pytest.raises(smb2.InvalidArgumentError,
+                       match=r"store 'st-ok' exists with another model \(its tensors: w0 \(7, 5\), b0 \(5,\), "
+                             r"w1 \(5, 3\)\); remove it with `smb2 rm st-ok` or pick another name"):
         await ParameterStore.open(client, "st-ok", {"w0": np.zeros((2, 2), np.float32)})
+    with pytest.raises(smb2.InvalidArgumentError, match="made for 1 workers, this job has WORLD_SIZE=2"):
+        await ParameterStore.open(client, "st-ok", p, workers=2, rank=0)
+    with pytest.raises(smb2.InvalidArgumentError, match="resume must be"):
+        await ParameterStore.open(client, "st-ok", p, resume="yes")
     with pytest.raises(smb2.InvalidArgumentError, match="shape"):
         await store.push({"w0": np.zeros(3, np.float32)})
     with pytest.raises(smb2.InvalidArgumentError, match="no tensor"):

@@ -24,6 +24,16 @@ the machine's noise.
     python tools/bench_training.py [--steps 12] [--workers 1,2,4] [--servers 1,4]
         [--rules accumulate,locked,locked/layer,easgd] [--json out.json] [--png out.png]
 
+With ``--frontend`` (the default where torch is installed) each worker
+count also runs the torch front ends on a torch twin of the model (the same
+layers, ``torch.nn.Linear``): torch DDP over gloo, and
+``smb2.torch.AsyncOptimizer`` (rule ``delta``, staleness 0 and 1) against the
+first server count; their "x gloo" column is against that DDP run, and
+"not comp" is the share of the training thread's time spent waiting on
+communication (AsyncOptimizer's own measure; for DDP, whose all-reduce hides
+inside backward, 1 - the time of the same steps under ``no_sync()`` over
+the time of the synchronized ones).
+
 ``--against HOST:PORT,...`` runs one configuration (the first rule, the
 first worker count) against servers that run elsewhere and prints its
 result as one JSON line: tools/bench_scaleout.py uses it for the
@@ -54,6 +64,8 @@ from smb2.train.mlp import MLP
 SIZES = [1024, 4096, 2048, 10]
 BATCH = 32
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+#: rows of the torch front ends (a torch twin of the model; their "x gloo" is against torch DDP)
+FRONTENDS = ("torch DDP", "AsyncOptimizer")
 RULES: dict[str, dict[str, Any]] = {
     "accumulate": {"rule": "accumulate"},
     "locked": {"rule": "locked"},
@@ -90,24 +102,113 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def gloo_run(workers: int, steps: int, path: Path) -> dict[str, Any]:
-    port = _free_port()
+async def spawn_workers(what: str, workers: int, args: list[str], env: dict[str, str] | None = None
+                        ) -> list[dict[str, Any]]:
+    """Run ``workers`` processes of this script (``args`` + ``--rank R --world W``);
+    each prints one JSON line, returned in rank order."""
     procs = [await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--gloo-worker", "--rank", str(r), "--world", str(workers),
-        "--port", str(port), "--steps", str(steps), "--data", str(path),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, **ONE_THREAD})
-        for r in range(workers)]
+        sys.executable, __file__, *args, "--rank", str(r), "--world", str(workers),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **ONE_THREAD, **(env or {})}) for r in range(workers)]
     outs = []
     for p in procs:
         out, err = await p.communicate()
         if p.returncode:
-            raise RuntimeError(f"gloo worker failed:\n{err.decode()[-3000:]}")
+            raise RuntimeError(f"{what} worker failed:\n{err.decode()[-3000:]}")
         outs.append(json.loads(out.decode().strip().splitlines()[-1]))
+    return outs
+
+
+def summarize(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the workers' JSON lines (seconds, samples, bytes, compute)."""
     seconds = max(o["seconds"] for o in outs)
     samples = sum(o["samples"] for o in outs)
     return {"samples_per_s": samples / seconds, "seconds": seconds, "samples": samples,
             "bytes_moved": sum(o["bytes"] for o in outs),
             "comm_fraction": 1 - sum(o["compute"] for o in outs) / sum(o["seconds"] for o in outs)}
+
+
+async def gloo_run(workers: int, steps: int, path: Path) -> dict[str, Any]:
+    args = ["--gloo-worker", "--port", str(_free_port()), "--steps", str(steps), "--data", str(path)]
+    return summarize(await spawn_workers("gloo", workers, args))
+
+
+async def frontend_run(kind: str, workers: int, steps: int, path: Path, servers: list[str] | None = None,
+                       staleness: int = 0) -> dict[str, Any]:
+    """The torch front ends on a torch copy of the model: ``kind`` "ddp"
+    (DistributedDataParallel over gloo) or "smb2" (AsyncOptimizer, rule
+    delta, ``staleness``)."""
+    args = ["--torch-worker", kind, "--port", str(_free_port()), "--steps", str(steps), "--data", str(path),
+            "--staleness", str(staleness)]
+    env = {"SMB2_SERVERS": ",".join(servers)} if servers else None
+    return summarize(await spawn_workers(kind, workers, args, env))
+
+
+def torch_worker(kind: str, rank: int, world: int, port: int, steps: int, path: str, staleness: int) -> None:
+    """One worker of a torch front end: SGD on the MLP's torch twin.
+
+    "compute" is the training thread's time not waiting on communication:
+    for smb2 the step time less AsyncOptimizer's measured wait; for DDP
+    (whose all-reduce overlaps backward inside it) the time of the same
+    steps without synchronization (``no_sync``, measured after the timed
+    ones) times the steps."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import smb2.torch
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x, y, _, _ = (torch.from_numpy(v) for v in data.load(path))
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(SIZES, SIZES[1:])):
+        layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(SIZES) - 2 else [])
+    model = nn.Sequential(*layers)
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    g = torch.Generator().manual_seed(rank)
+    shard = torch.arange(rank, len(x), world)
+
+    def one_step(opt: torch.optim.Optimizer, net: nn.Module) -> None:
+        idx = shard[torch.randint(0, len(shard), (BATCH,), generator=g)]
+        loss = nn.functional.cross_entropy(net(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    if kind == "ddp":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        net = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        one_step(opt, net)                          # warm-up (DDP's first step builds its buckets)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            one_step(opt, net)
+        seconds = time.perf_counter() - t0
+        dist.barrier()
+        with net.no_sync():
+            tc = time.perf_counter()
+            for _ in range(steps):
+                one_step(opt, net)
+            compute = time.perf_counter() - tc
+        dist.destroy_process_group()
+        moved = int(2 * (world - 1) / world * nbytes * steps * 2)
+    else:
+        aopt = smb2.torch.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, name="bench-torch",
+                                         rank=rank, world_size=world, staleness=staleness, resume=False)
+        one_step(aopt, model)
+        t0 = time.perf_counter()
+        wait0 = aopt.stats()["wait_s"]
+        for _ in range(steps):
+            one_step(aopt, model)
+        aopt.flush()
+        seconds = time.perf_counter() - t0
+        stats = aopt.stats()
+        compute = seconds - (stats["wait_s"] - wait0)
+        moved = stats["bytes_pushed"] + stats["bytes_pulled"]
+        aopt.close()
+    print(json.dumps({"seconds": seconds, "samples": steps * BATCH, "bytes": moved, "compute": compute}),
+          flush=True)
 
 
 def gloo_worker(rank: int, world: int, port: int, steps: int, path: str) -> None:
@@ -188,6 +289,8 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                                    "repeat": rep, **r}
                             _show(row)
                             rows.append(row)
+                if have_torch and a.frontend:
+                    rows += await frontend_rows(w, a.steps, path, clusters[nservers[0]], nservers[0])
                 if have_torch:
                     gloo_runs.append(await gloo_run(w, a.steps, path))
                     print(f"  gloo all-reduce  {w} workers: {gloo_runs[-1]['samples_per_s']:8.1f} samples/s")
@@ -202,6 +305,22 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     rows = _best(rows)
     _ratios(rows)
     return {"model": SIZES, "params": MLP(SIZES).nparams, "batch": BATCH, "steps": a.steps, "rows": rows}
+
+
+async def frontend_rows(workers: int, steps: int, path: Path, cluster: smb2.LocalCluster, nservers: int
+                        ) -> list[dict[str, Any]]:
+    """torch DDP and AsyncOptimizer (staleness 0, 1), one after the other."""
+    rows = []
+    rtt = await round_trip(cluster.addresses)
+    r = await frontend_run("ddp", workers, steps, path)
+    rows.append({"system": "torch DDP", "rule": "sync", "workers": workers, "servers": 0, "rtt_us": rtt, **r})
+    _show(rows[-1])
+    for s in (0, 1):
+        r = await frontend_run("smb2", workers, steps, path, cluster.addresses, staleness=s)
+        rows.append({"system": "AsyncOptimizer", "rule": f"delta/s{s}", "workers": workers, "servers": nservers,
+                     "rtt_us": rtt, **r})
+        _show(rows[-1])
+    return rows
 
 
 async def against(a: argparse.Namespace) -> dict[str, Any]:
@@ -224,10 +343,11 @@ def _best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         key = (r["system"], r["rule"], r["workers"], r["servers"])
         if key not in best or r["samples_per_s"] > best[key]["samples_per_s"]:
             best[key] = r
-    order = {k: i for i, k in enumerate(["gloo all-reduce", "smb2"])}
-    return sorted(best.values(), key=lambda r: (r["servers"] > 0, r["servers"], r["workers"],
-                                                order[r["system"]], list(RULES).index(r["rule"])
-                                                if r["rule"] in RULES else -1))
+    order = {k: i for i, k in enumerate(["gloo all-reduce", "smb2", "torch DDP", "AsyncOptimizer"])}
+    return sorted(best.values(), key=lambda r: (r["system"] in FRONTENDS, r["servers"] > 0, r["servers"],
+                                                r["workers"], order[r["system"]],
+                                                list(RULES).index(r["rule"]) if r["rule"] in RULES else 0,
+                                                r["rule"]))
 
 
 def _show(r: dict[str, Any]) -> None:
@@ -236,12 +356,17 @@ def _show(r: dict[str, Any]) -> None:
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
-    gloo = {r["workers"]: r["samples_per_s"] for r in rows if r["system"] != "smb2"}
+    gloo = {r["workers"]: r["samples_per_s"] for r in rows if r["system"] == "gloo all-reduce"}
+    ddp = {r["workers"]: r["samples_per_s"] for r in rows if r["system"] == "torch DDP"}
     base = {(r["rule"]): r["samples_per_s"] for r in rows
             if r["system"] == "smb2" and r["workers"] == 1 and r["servers"] == min(x["servers"] for x in rows
                                                                                   if x["system"] == "smb2")}
     for r in rows:
-        if r["system"] == "smb2":
+        if r["system"] in FRONTENDS:
+            # the torch front ends against DDP on the same torch model ("x gloo" column)
+            r["vs_1_worker_1_server"] = None
+            r["vs_gloo"] = r["samples_per_s"] / ddp[r["workers"]] if r["workers"] in ddp else None
+        elif r["system"] == "smb2":
             r["vs_1_worker_1_server"] = r["samples_per_s"] / base[r["rule"]] if r["rule"] in base else None
             r["vs_gloo"] = r["samples_per_s"] / gloo[r["workers"]] if r["workers"] in gloo else None
         else:
@@ -283,7 +408,7 @@ def plot(result: dict[str, Any], path: str) -> None:
             pts = sorted((r["workers"], r["samples_per_s"]) for r in rows
                          if r["system"] == "smb2" and r["rule"] == rule and r["servers"] == ns)
             ax.plot(*zip(*pts), marker="o", label=f"smb2 {rule}")
-        g = sorted((r["workers"], r["samples_per_s"]) for r in rows if r["system"] != "smb2")
+        g = sorted((r["workers"], r["samples_per_s"]) for r in rows if r["system"] == "gloo all-reduce")
         if g:
             ax.plot(*zip(*g), marker="s", linestyle="--", color="black", label="torch gloo all-reduce (no servers)")
         ax.set_title(f"{ns} memory server{'s' if ns > 1 else ''}")
@@ -317,9 +442,17 @@ def cli() -> int:
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
+    p.add_argument("--torch-worker", choices=["ddp", "smb2"], help=argparse.SUPPRESS)
+    p.add_argument("--staleness", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--frontend", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the torch front ends (DDP over gloo; smb2.torch.AsyncOptimizer, rule delta, "
+                        "staleness 0 and 1) on the model's torch twin, with the first server count")
     a = p.parse_args()
     if a.gloo_worker:
         gloo_worker(a.rank, a.world, a.port, a.steps, a.data)
+        return 0
+    if a.torch_worker:
+        torch_worker(a.torch_worker, a.rank, a.world, a.port, a.steps, a.data, a.staleness)
         return 0
     unknown = [r for r in a.rules.split(",") if r and r not in RULES]
     if unknown:

@@ -243,27 +243,43 @@ def plan(uint64_t nbytes, uint64_t stripe, uint64_t nservers, uint64_t first,
 
 
 # --------------------------------------------------------------------------
-# Accumulate kernels: dst[i] += src[i] over n elements of one dtype.
-# Codes are the wire's dtype codes (protocol.DTYPE_CODES).
+# Accumulate kernels: dst[i] += src[i] over n elements.
+# Codes are the wire's dtype codes (protocol.DTYPE_CODES, protocol.WIRE_CODES).
+# Codes 1-4 add a delta of the destination's own dtype.  The *widening* codes
+# 5 and 6 add a half-width delta into float32 words: each bfloat16 (resp.
+# IEEE float16) item of src is upcast to float32 (exactly: every bf16 and f16
+# value is a float32 value) and then added, so src is half dst's length.
 
 DTYPE_FLOAT32 = 1
 DTYPE_FLOAT64 = 2
 DTYPE_INT32 = 3
 DTYPE_INT64 = 4
+DTYPE_BFLOAT16_INTO_FLOAT32 = 5
+DTYPE_FLOAT16_INTO_FLOAT32 = 6
 
 cdef int _itemsize(int code) noexcept nogil:
-    if code == 1 or code == 3:
+    # bytes of one destination item
+    if code == 1 or code == 3 or code == 5 or code == 6:
         return 4
     if code == 2 or code == 4:
         return 8
     return 0
 
 
-def dtype_itemsize(int code):
+cdef int _src_itemsize(int code) noexcept nogil:
+    # bytes of one source (payload) item
+    if code == 5 or code == 6:
+        return 2
+    return _itemsize(code)
+
+
+def dtype_sizes(int code):
+    """``(destination item bytes, source item bytes)`` of dtype ``code``:
+    equal for codes 1-4, ``(4, 2)`` for the widening codes."""
     cdef int n = _itemsize(code)
     if n == 0:
         raise ValueError(f"unknown dtype code {code}")
-    return n
+    return n, _src_itemsize(code)
 
 
 # One kernel for every dtype.  Integers are added as unsigned so that they
@@ -286,26 +302,109 @@ cdef void _acc(_elem kind, char *d, const char *s, Py_ssize_t n) noexcept nogil:
         memcpy(d + k * i, &a, k)
 
 
-def accumulate(uint8_t[::1] dst, const uint8_t[::1] src, int code):
-    """``dst += src`` elementwise, both viewed as the dtype ``code``.
+# Half-width floats <-> float32, on bit patterns.  Rounding is IEEE round to
+# nearest, ties to even (what torch's and numpy's casts do); a value too
+# large for the narrow type becomes +-inf; NaN stays NaN (made quiet, sign
+# kept); signed zeros and infinities are kept.  bfloat16 is the top half of a
+# float32 (same exponent range), so only the mantissa is rounded; float16
+# has a 5-bit exponent: values under 2**-14 become subnormals, and under
+# 2**-25 (exactly 2**-25 too: a tie, to even) zero.
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    static inline uint16_t smb2_f32_to_bf16(uint32_t x) {
+        if ((x & 0x7fffffffu) > 0x7f800000u)          /* NaN: quiet it */
+            return (uint16_t)((x >> 16) | 0x0040u);
+        /* + 0x7fff rounds half down, + 0x8000 half up: the lowest kept bit
+           picks, which is ties to even; a carry moves into the exponent,
+           up to inf, as it must */
+        return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+    }
+    static inline uint32_t smb2_bf16_to_f32(uint16_t h) { return (uint32_t)h << 16; }
 
-    ``dst`` and ``src`` are byte views of equal length, a multiple of the
-    item size.  The GIL is released: large accumulates don't stall other
-    Python threads (the server's loop itself waits, which is what makes an
-    accumulate atomic with respect to other requests)."""
+    /* float16 branch-free (masks, not branches: the loops vectorize), after
+       F. Giesen's float_to_half_fast3_rtne and half_to_float; checked equal
+       to a plain branchy version on all 2**32 float32 inputs.  The FPU does
+       the subnormal rounding (round to nearest even, the default mode; with
+       denormals-are-zero set, float32 subnormal inputs still give 0, right). */
+    static inline uint16_t smb2_f32_to_f16(uint32_t x) {
+        uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu, aligned;
+        float f;
+        /* below 2**-14 the result is subnormal: adding 0.5 leaves the value
+           in units of 2**-24 (rounded) in the low mantissa bits */
+        memcpy(&f, &a, 4);
+        f += 0.5f;
+        memcpy(&aligned, &f, 4);
+        uint32_t subnormal = aligned - 0x3f000000u;
+        /* normal: rebias 127 -> 15 and round 23 -> 10 bits; a carry moves
+           into the exponent, and at 65520 or more on to inf */
+        uint32_t normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
+        uint32_t is_nan = -(uint32_t)(a > 0x7f800000u);
+        uint32_t special = 0x7c00u | (is_nan & (0x0200u | ((a >> 13) & 0x3ffu)));  /* inf, quiet NaN */
+        uint32_t big = -(uint32_t)(a >= 0x47800000u), small = -(uint32_t)(a < 0x38800000u);
+        return (uint16_t)(sign | (big & special) | (~big & ((small & subnormal) | (~small & normal))));
+    }
+    static inline uint32_t smb2_f16_to_f32(uint16_t h) {
+        uint32_t exp = ((uint32_t)h << 13) & 0x0f800000u;
+        uint32_t o = (((uint32_t)h & 0x7fffu) << 13) + 0x38000000u;     /* rebias 15 -> 127 */
+        /* a subnormal m * 2**-24 is (2**-14 + m * 2**-24) - 2**-14, exactly */
+        uint32_t sub = o + 0x00800000u;
+        float f;
+        memcpy(&f, &sub, 4);
+        f -= 6.103515625e-05f;
+        memcpy(&sub, &f, 4);
+        uint32_t infnan = -(uint32_t)(exp == 0x0f800000u), zero = -(uint32_t)(exp == 0);
+        o = (infnan & (o + 0x38000000u)) | (zero & sub) | (~(infnan | zero) & o);
+        return o | ((uint32_t)(h & 0x8000u) << 16);
+    }
+    """
+    uint16_t smb2_f32_to_bf16(uint32_t x) nogil
+    uint32_t smb2_bf16_to_f32(uint16_t h) nogil
+    uint16_t smb2_f32_to_f16(uint32_t x) nogil
+    uint32_t smb2_f16_to_f32(uint16_t h) nogil
+
+
+cdef void _acc_widening(bint bf16, char *d, const char *s, Py_ssize_t n) noexcept nogil:
+    # one loop per type, no test per item: the bf16 one vectorizes
+    cdef float a, b
+    cdef uint16_t h
+    cdef uint32_t u
+    cdef Py_ssize_t i
+    if bf16:
+        for i in range(n):
+            memcpy(&h, s + 2 * i, 2); u = smb2_bf16_to_f32(h); memcpy(&b, &u, 4)
+            memcpy(&a, d + 4 * i, 4); a = a + b; memcpy(d + 4 * i, &a, 4)
+    else:
+        for i in range(n):
+            memcpy(&h, s + 2 * i, 2); u = smb2_f16_to_f32(h); memcpy(&b, &u, 4)
+            memcpy(&a, d + 4 * i, 4); a = a + b; memcpy(d + 4 * i, &a, 4)
+
+
+def accumulate(uint8_t[::1] dst, const uint8_t[::1] src, int code):
+    """``dst += src`` elementwise, dst viewed as the dtype ``code``.
+
+    ``dst`` and ``src`` are byte views; dst's length is a multiple of the
+    item size.  For codes 1-4 src is the same dtype and length; for the
+    widening codes src holds one bfloat16 (5) or float16 (6) per float32 of
+    dst, upcast before the add.  The GIL is released: large accumulates don't
+    stall other Python threads (the server's loop itself waits, which is what
+    makes an accumulate atomic with respect to other requests)."""
     cdef int size = _itemsize(code)
     if size == 0:
         raise ValueError(f"unknown dtype code {code}")
+    cdef int ssize = _src_itemsize(code)
     cdef Py_ssize_t nb = dst.shape[0]
-    if src.shape[0] != nb:
-        raise ValueError("dst and src differ in length")
     if nb % size:
         raise ValueError("length is not a multiple of the item size")
-    if nb == 0:
+    cdef Py_ssize_t n = nb // size
+    if src.shape[0] != n * ssize:
+        raise ValueError(f"src has {src.shape[0]} bytes; {n} items of dtype code {code} "
+                         f"need {n * ssize}")
+    if n == 0:
         return
     cdef char *d = <char *>&dst[0]
     cdef const char *s = <const char *>&src[0]
-    cdef Py_ssize_t n = nb // size
     with nogil:
         if code == 1:
             _acc(<float>0, d, s, n)
@@ -313,8 +412,79 @@ def accumulate(uint8_t[::1] dst, const uint8_t[::1] src, int code):
             _acc(<double>0, d, s, n)
         elif code == 3:
             _acc(<uint32_t>0, d, s, n)
-        else:
+        elif code == 4:
             _acc(<uint64_t>0, d, s, n)
+        else:
+            _acc_widening(code == 5, d, s, n)
+
+
+def to_bfloat16(src, out):
+    """Round float32 ``src`` to bfloat16 bit patterns in ``out`` (uint16, as
+    many items): round to nearest, ties to even; too large -> +-inf; NaN
+    stays NaN (quiet, sign kept).  Both are C-contiguous buffers of any
+    dtype (their bytes count).  GIL released."""
+    _convert(src, out, _TO_BF16, "to_bfloat16")
+
+
+def to_float16(src, out):
+    """Round float32 ``src`` to IEEE float16 bit patterns in ``out``, by the
+    same rules (numpy's ``astype(np.float16)`` agrees on every non-NaN
+    value).  GIL released."""
+    _convert(src, out, _TO_F16, "to_float16")
+
+
+def from_bfloat16(src, out):
+    """Widen bfloat16 bit patterns ``src`` (uint16) into float32 ``out``
+    (exact).  GIL released."""
+    _convert(src, out, _FROM_BF16, "from_bfloat16")
+
+
+def from_float16(src, out):
+    """Widen IEEE float16 bit patterns ``src`` into float32 ``out`` (exact).
+    GIL released."""
+    _convert(src, out, _FROM_F16, "from_float16")
+
+
+cdef enum:
+    _TO_BF16, _TO_F16, _FROM_BF16, _FROM_F16
+
+
+cdef _convert(src, out, int how, str what):
+    cdef bint narrowing = how == _TO_BF16 or how == _TO_F16
+    cdef int src_item = 4 if narrowing else 2, out_item = 2 if narrowing else 4
+    try:
+        s_view = memoryview(src).cast("B")
+        o_view = memoryview(out).cast("B")
+    except TypeError as exc:
+        raise ValueError(f"{what}: src and out must be C-contiguous buffers ({exc})") from None
+    if o_view.readonly:
+        raise ValueError(f"{what}: out is read-only")
+    if len(s_view) % src_item or len(o_view) * src_item != len(s_view) * out_item:
+        raise ValueError(f"{what}: src has {len(s_view)} bytes and out {len(o_view)}; need "
+                         f"{src_item}-byte items in src and as many {out_item}-byte items in out")
+    cdef Py_ssize_t i, n = len(s_view) // src_item
+    if n == 0:
+        return
+    cdef const uint8_t[::1] sb = s_view
+    cdef uint8_t[::1] ob = o_view
+    cdef const char *s = <const char *>&sb[0]
+    cdef char *o = <char *>&ob[0]
+    cdef uint32_t u
+    cdef uint16_t h
+    # one loop per conversion, no test per item: the bf16 ones vectorize
+    with nogil:
+        if how == _TO_BF16:
+            for i in range(n):
+                memcpy(&u, s + 4 * i, 4); h = smb2_f32_to_bf16(u); memcpy(o + 2 * i, &h, 2)
+        elif how == _TO_F16:
+            for i in range(n):
+                memcpy(&u, s + 4 * i, 4); h = smb2_f32_to_f16(u); memcpy(o + 2 * i, &h, 2)
+        elif how == _FROM_BF16:
+            for i in range(n):
+                memcpy(&h, s + 2 * i, 2); u = smb2_bf16_to_f32(h); memcpy(o + 4 * i, &u, 4)
+        else:
+            for i in range(n):
+                memcpy(&h, s + 2 * i, 2); u = smb2_f16_to_f32(h); memcpy(o + 4 * i, &u, 4)
 
 
 def copy_into(uint8_t[::1] dst, const uint8_t[::1] src):
@@ -328,7 +498,7 @@ def copy_into(uint8_t[::1] dst, const uint8_t[::1] src):
 
 
 # --------------------------------------------------------------------------
-# The FIFO ticket lock (DESIGN.md, "The lock").
+# The FIFO ticket lock (docs/design.md, "The lock").
 #
 # A lock is a 32-byte slot of a server's lock segment, four u64 words:
 #
@@ -343,7 +513,7 @@ def copy_into(uint8_t[::1] dst, const uint8_t[::1] src):
 # Two state machines live here, both sans-IO: LockTable is the server's
 # view of its slots (parked waiters, abandoned tickets, leases), TicketState
 # is one client's view of one acquisition (ticket, distance, backoff,
-# renewal).  The asyncio layers (server_locks.py, lock.py) only move bytes
+# renewal).  The asyncio layers (server/locks.py, lock.py) only move bytes
 # and timers between them and the transports.
 
 LOCK_SLOT_SIZE = 32

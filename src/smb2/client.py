@@ -29,7 +29,7 @@ from .errors import (
     TransportError,
 )
 from .lock import Fence, Lock, fence_of
-from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, parse_address
+from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, WIRE_CODES, parse_address
 from .transport import KINDS, Link, MemoryDomain
 
 DEFAULT_STRIPE = 1 << 20
@@ -345,7 +345,14 @@ class Buffer:
     async def _run(self, what: str, view: memoryview, offset: int, dtype_code: int = 0,
                    fence: tuple[int, int] | None = None) -> None:
         self.client.ensure_open()
-        length = len(view)
+        # The plan is in the buffer's bytes.  A widening accumulate's payload
+        # (bf16 for float32) is ``widen`` times shorter than the range it
+        # covers: each request sends the payload's matching slices.
+        widen = 1
+        if dtype_code:
+            dst_item, src_item = _core.dtype_sizes(dtype_code)
+            widen = dst_item // src_item
+        length = len(view) * widen
         if length == 0:
             return
         links = self.client.links
@@ -357,9 +364,9 @@ class Buffer:
         coros = []
         for r in range(0, len(reqs), 5):
             server, seg_off, ln, p0, np_ = reqs[r:r + 5]
-            parts = [view[pieces[2 * p]:pieces[2 * p] + pieces[2 * p + 1]]
+            parts = [view[pieces[2 * p] // widen:(pieces[2 * p] + pieces[2 * p + 1]) // widen]
                      for p in range(p0, p0 + np_)]
-            coros.append(self._one(what, links[server], server, parts, seg_off, ln, dtype_code, fence))
+            coros.append(self._one(what, links[server], server, parts, seg_off, ln // widen, dtype_code, fence))
         if len(coros) == 1:
             await coros[0]
         else:
@@ -424,17 +431,33 @@ class Buffer:
         offset = self._range(offset, len(view), "a read")
         await self._run("read", view, offset)
 
-    async def accumulate(self, offset: int, delta: np.ndarray, *,
+    async def accumulate(self, offset: int, delta: np.ndarray, *, wire: str | None = None,
                          notify: tuple[int, int] | None = None) -> None:
         """Server-side ``buffer[offset:...] += delta`` elementwise, as delta's
         dtype (float32, float64, int32, int64).  Atomic per server request with
-        respect to other accumulates and writes.  ``notify`` as for :meth:`write`."""
+        respect to other accumulates and writes.
+
+        ``wire="bfloat16"`` (or ``"float16"``) sends a float32 delta in half
+        the bytes: it is rounded to that type (to nearest, ties to even; see
+        ``_core.to_bfloat16``), and each server upcasts it and adds it into
+        the float32 words at ``offset``.  ``notify`` as for :meth:`write`."""
         if not isinstance(delta, np.ndarray):
             raise InvalidArgumentError(f"delta must be a numpy array, not {type(delta).__name__}")
-        code = DTYPE_CODES.get(delta.dtype.name)
-        if code is None or delta.dtype.byteorder == ">":
-            raise InvalidArgumentError(
-                f"accumulate supports {', '.join(DTYPE_CODES)} (native byte order), not {delta.dtype}")
+        native = delta.dtype.byteorder != ">"
+        if wire is None:
+            code = DTYPE_CODES.get(delta.dtype.name)
+            if code is None or not native:
+                raise InvalidArgumentError(
+                    f"accumulate supports {', '.join(DTYPE_CODES)} (native byte order), not {delta.dtype}")
+        else:
+            code = WIRE_CODES.get(wire) if isinstance(wire, str) else None
+            if code is None:
+                raise InvalidArgumentError(
+                    f"wire must be None, {' or '.join(map(repr, WIRE_CODES))}, not {wire!r}")
+            if delta.dtype.name != "float32" or not native:
+                raise InvalidArgumentError(
+                    f"accumulate with wire={wire!r} sends a float32 delta narrower, and this one "
+                    f"is {delta.dtype}: pass delta.astype(np.float32)")
         view = _bytes_view(delta, writable=False, what="delta")
         offset = self._range(offset, len(view), "an accumulate")
         if offset % delta.itemsize:
@@ -443,6 +466,10 @@ class Buffer:
         if self.stripe % delta.itemsize:
             raise InvalidArgumentError(f"stripe {self.stripe} is not a multiple of {delta.itemsize}")
         slot = _notify.check_notify(self, notify) if notify is not None else None
+        if wire is not None:
+            narrow = np.empty(delta.size, dtype=np.uint16)
+            (_core.to_bfloat16 if wire == "bfloat16" else _core.to_float16)(view, narrow)
+            view = _bytes_view(narrow, writable=False, what="delta")
         await self._run("accumulate", view, offset, code)
         if slot is not None:
             await _notify.raise_to(self, *slot)    # after every server applied its part

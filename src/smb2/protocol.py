@@ -81,13 +81,42 @@ FLAG_STAGED: Final = 0x0002
 DTYPE_SHIFT: Final = 4
 DTYPE_MASK: Final = 0x00F0
 
-# dtype codes carried in the flags of ACCUMULATE (the same numbers as _core's)
+# dtype codes carried in the flags of ACCUMULATE (the same numbers as _core's):
+# a delta of the destination's own dtype, by its numpy name ...
 DTYPE_CODES: Final[dict[str, int]] = {
     "float32": _core.DTYPE_FLOAT32,
     "float64": _core.DTYPE_FLOAT64,
     "int32": _core.DTYPE_INT32,
     "int64": _core.DTYPE_INT64,
 }
+# ... and a float32 delta that travels narrower (``accumulate(wire=...)``): the
+# payload holds one half-width item per float32 word of the destination range,
+# which the server upcasts before it adds (docs/protocol.md, "Ops")
+WIRE_CODES: Final[dict[str, int]] = {
+    "bfloat16": _core.DTYPE_BFLOAT16_INTO_FLOAT32,
+    "float16": _core.DTYPE_FLOAT16_INTO_FLOAT32,
+}
+_CODE_NAMES: Final = {**{c: n for n, c in DTYPE_CODES.items()},
+                      **{c: f"{n} into float32" for n, c in WIRE_CODES.items()}}
+
+
+def accumulate_span(flags: int, offset: int, length: int) -> int:
+    """The bytes of the destination an ACCUMULATE covers: its flags carry the
+    dtype code, its payload is ``length`` bytes for the segment ``offset``.
+    The same as ``length`` but for the widening codes (twice it).  Raises
+    ValueError, with a message for the sender, for an unknown code or a range
+    that is not whole, aligned items."""
+    code = (flags & DTYPE_MASK) >> DTYPE_SHIFT
+    try:
+        dst_item, src_item = _core.dtype_sizes(code)
+    except ValueError:
+        raise ValueError(f"unknown accumulate dtype code {code} (known: "
+                         f"{', '.join(f'{c} {n}' for c, n in sorted(_CODE_NAMES.items()))})") from None
+    if offset % dst_item or length % src_item:
+        raise ValueError(f"accumulate of {_CODE_NAMES[code]} needs an offset aligned to "
+                         f"{dst_item} bytes and whole {src_item}-byte items of payload, "
+                         f"not offset {offset} and {length} bytes")
+    return length // src_item * dst_item
 
 # Limits a server applies unless configured otherwise.
 DEFAULT_MAX_FRAME: Final = 64 << 20      # largest payload of one frame

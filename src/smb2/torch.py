@@ -1,5 +1,16 @@
 """PyTorch adapter: a ``torch.nn.Module`` trained through a smb2 parameter store.
 
+An ordinary training loop uses :class:`AsyncOptimizer` (no asyncio: see
+:mod:`smb2.train.torch_optimizer`)::
+
+    opt = smb2.torch.AsyncOptimizer(torch.optim.AdamW(model.parameters()), model, name="run-17")
+    for x, y in loader:
+        loss_fn(model(x), y).backward()
+        opt.step(); opt.zero_grad()
+    opt.close()
+
+asyncio code may use the store directly through :class:`DistributedModule`::
+
     import smb2, smb2.torch
     model = torch.nn.Sequential(...)
     async with await smb2.connect() as client:             # SMB2_SERVERS=h:p,...
@@ -35,6 +46,18 @@ from .train.store import ParameterStore
 
 if TYPE_CHECKING:
     import torch
+
+    from .train.torch_optimizer import AsyncOptimizer
+
+
+def __getattr__(name: str) -> Any:
+    # AsyncOptimizer subclasses torch.optim.Optimizer (LR schedulers check
+    # for one), so it is defined where torch is imported: on first use
+    if name == "AsyncOptimizer":
+        _torch()
+        from .train.torch_optimizer import AsyncOptimizer
+        return AsyncOptimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _torch() -> Any:
@@ -89,24 +112,22 @@ class DistributedModule:
     async def open(cls, client: Client, name: str, module: torch.nn.Module, *,
                    rule: str | UpdateRule = "accumulate", rank: int | None = None,
                    world_size: int | None = None, dropping: LayerDropping | None = None,
-                   timeout: float = 120.0, **rule_options: Any) -> DistributedModule:
-        """Rank 0 creates the store ``name`` from the module's current
-        parameters; the other ranks attach to it by name (waiting up to
+                   stripe: int | None = None, timeout: float = 120.0, **rule_options: Any) -> DistributedModule:
+        """Every rank opens the store ``name``: the first creates it from the
+        module's current parameters, the others attach to it (waiting up to
         ``timeout``) and take its values.  ``rank``/``world_size`` default to
-        torchrun's ``RANK``/``WORLD_SIZE``."""
+        torchrun's ``RANK``/``WORLD_SIZE``; ``stripe`` is the store's (on
+        every rank), the other options are the rule's."""
         _torch()
         env_r, env_w = env_rank()
         rank = env_r if rank is None else rank
         world_size = env_w if world_size is None else world_size
-        if rank == 0:
-            store = await ParameterStore.open(client, name, module_arrays(module), rule=rule, workers=world_size,
-                                              rank=0, dropping=dropping, timeout=timeout, **rule_options)
-        else:
-            store = await ParameterStore.attach(client, name, rank=rank, rule=rule, dropping=dropping,
-                                                timeout=timeout, **rule_options)
-            if store.workers != world_size:
-                raise InvalidArgumentError(f"store {name!r} was made for {store.workers} workers, "
-                                           f"this job has WORLD_SIZE={world_size}")
+        store = await ParameterStore.open(client, name, module_arrays(module), rule=rule, workers=world_size,
+                                          rank=rank, dropping=dropping, stripe=stripe, timeout=timeout,
+                                          **rule_options)
+        if store.workers != world_size:
+            raise InvalidArgumentError(f"store {name!r} was made for {store.workers} workers, "
+                                       f"this job has WORLD_SIZE={world_size}")
         return cls(store, module)
 
     async def pull(self) -> None:
@@ -130,3 +151,6 @@ class DistributedModule:
             p.grad = None
         if self.store.rule.pull_each_step:
             await self.store.pull()
+
+
+__all__ = ["AsyncOptimizer", "DistributedModule", "env_rank", "module_arrays"]

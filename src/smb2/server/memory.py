@@ -56,6 +56,7 @@ from ..protocol import (
     Header,
     Op,
     Prefix,
+    accumulate_span,
     error_payload,
     pack,
     parse_size,
@@ -336,16 +337,14 @@ def _refuse_lock_segment(segment: int) -> None:
         raise Refused(ErrorCode.ACCESS_DENIED, "the lock segment only takes READ and atomics")
 
 
-def _check_items(hdr: Header, offset: int, length: int) -> None:
-    """An accumulate's range holds whole items of its dtype."""
-    code = (hdr[H_FLAGS] & DTYPE_MASK) >> DTYPE_SHIFT
+def _accumulate_span(hdr: Header, offset: int, length: int) -> int:
+    """The destination bytes an accumulate covers: ``length`` (its payload's
+    bytes) for a same-width dtype, twice that for a widening one (bf16/fp16
+    into float32); refused unless whole, aligned items of a known dtype."""
     try:
-        itemsize = _core.dtype_itemsize(code)
-    except ValueError:
-        raise Refused(ErrorCode.BAD_REQUEST, f"unknown dtype code {code}") from None
-    if offset % itemsize or length % itemsize:
-        raise Refused(ErrorCode.BAD_REQUEST,
-                      f"accumulate of {itemsize}-byte items needs an aligned offset and length")
+        return accumulate_span(hdr[H_FLAGS], offset, length)
+    except ValueError as exc:
+        raise Refused(ErrorCode.BAD_REQUEST, str(exc)) from None
 
 
 # A reply payload up to this size is copied behind its header into one
@@ -600,15 +599,16 @@ class Connection(FrameReceiver):
 
     def _check_accumulate(self, hdr: Header, size: int) -> Destination:
         segment, offset, length = hdr[H_SEGMENT], hdr[H_OFFSET], hdr[H_LENGTH]
+        # before the staged case, which names its segment in the header too
+        _refuse_lock_segment(segment)
         if hdr[H_FLAGS] & FLAG_STAGED:
             # payload: u64 staging offset, u64 length (checked in on_frame)
             if size != STAGED_PAYLOAD or self.rdma_peer is None:
                 raise Refused(ErrorCode.BAD_REQUEST, "a staged accumulate needs rdma_connect "
                               "and a 16-byte payload")
             return INLINE
-        _refuse_lock_segment(segment)
-        self._segment(segment, offset, length)
-        _check_items(hdr, offset, length)
+        # the dtype and alignment first, then the bounds of the whole range
+        self._segment(segment, offset, _accumulate_span(hdr, offset, length))
         return INLINE
 
     def _check_atomic(self, hdr: Header, size: int) -> Destination:
@@ -722,9 +722,11 @@ class Connection(FrameReceiver):
             self.server.locks.touched(offset)
 
     def _accumulate(self, hdr: Header, seg: Segment, payload: memoryview) -> None:
+        # ``length`` is the payload's; a widening dtype covers twice that (checked)
         offset, length = hdr[H_OFFSET], hdr[H_LENGTH]
         code = (hdr[H_FLAGS] & DTYPE_MASK) >> DTYPE_SHIFT
-        if seg.overlaps_inflight(offset, offset + length):
+        end = offset + accumulate_span(hdr[H_FLAGS], offset, length)
+        if seg.overlaps_inflight(offset, end):
             delta = bytes(payload)       # the inbox is reused: keep a copy
             # Waiting accumulates hold copies of their deltas: bound them per
             # connection (a write that never completes must not let a client
@@ -735,24 +737,24 @@ class Connection(FrameReceiver):
 
             def run() -> None:
                 if seg.id in self.server.segments:
-                    _core.accumulate(seg.view[offset:offset + length], delta, code)
+                    _core.accumulate(seg.view[offset:end], delta, code)
                 self._deferred_bytes -= length
                 self.reply(hdr)
                 if self._deferred_bytes <= MAX_DEFERRED and "deferred" in self._holds:
                     # not from here: this runs inside another connection's
                     # frame handling, and parsing ours now would nest them
                     asyncio.get_running_loop().call_soon(self._unhold_input, "deferred")
-            seg.deferred.append((offset, offset + length, run))
+            seg.deferred.append((offset, end, run))
             return
-        _core.accumulate(seg.view[offset:offset + length], payload, code)
+        _core.accumulate(seg.view[offset:end], payload, code)
         self.reply(hdr)
 
     def _accumulate_staged(self, hdr: Header, payload: memoryview) -> None:
-        # The delta was RDMA-written into this connection's staging area.
+        # The delta was RDMA-written into this connection's staging area;
+        # ``length`` is the staged delta's, a widening dtype covers twice that
         soff, length = _core.unpack_u64(payload, 0), _core.unpack_u64(payload, 8)
         offset = hdr[H_OFFSET]
-        seg = self._segment(hdr[H_SEGMENT], offset, length)
-        _check_items(hdr, offset, length)
+        seg = self._segment(hdr[H_SEGMENT], offset, _accumulate_span(hdr, offset, length))
         delta = self.rdma_peer.staged(soff, length)
         self._accumulate((*hdr[:H_LENGTH], length), seg, delta)
 

@@ -95,7 +95,8 @@ async def run_worker(servers: list[str], name: str, rank: int, cfg: JobConfig,
         # would do most of the job alone
         await store.join(timeout=120)
         t0 = time.perf_counter()
-        it = samples = 0
+        it = store.start_step       # a resumed run continues from this rank's step
+        samples = 0
         compute = 0.0       # seconds spent computing gradients (the rest: smb2)
         losses: list[float] = []
         done = False
@@ -119,6 +120,8 @@ async def run_worker(servers: list[str], name: str, rank: int, cfg: JobConfig,
         if store.rule.name == "easgd":
             # leave our last local progress in the center before it is evaluated
             await store.rule.exchange()  # type: ignore[attr-defined]
+        # done: the store stays (the launcher evaluates it; slower ranks still train)
+        await store.finish()
         out: dict[str, Any] = {
             "rank": rank, "iterations": it, "samples": samples, "seconds": elapsed, "compute_seconds": compute,
             "open_seconds": t0 - t_open, "loss": float(np.mean(losses[-20:])) if losses else None,
@@ -187,6 +190,7 @@ async def run_job(cfg: JobConfig, servers: list[str], data_path: str | Path, *, 
             on_progress(await store.progress(), target)
         model = MLP(cfg.sizes)
         accuracy = model.accuracy(store.params, split[2], split[3])
+        # every worker process has exited: nobody uses the store any more
         await store.destroy()
     samples = sum(o["samples"] for o in outs)
     seconds = max(o["seconds"] for o in outs)

@@ -10,6 +10,16 @@
   copy with local SGD and every ``tau`` steps exchanges an elastic difference
   ``d = alpha * (w_local - w_center)`` with the shared center: ``w_local -= d``
   locally and ``w_center += d`` by a server-side accumulate.
+* ``"delta"`` (local SGD's pseudo-gradient): the worker applies its own
+  optimizer (momentum, Adam, weight decay: any torch optimizer) to its local
+  weights and pushes the change ``dw = w_after - w_before`` by a server-side
+  accumulate.  Concurrent workers' changes add up; with plain SGD
+  ``dw = -lr * g``, so it equals ``"accumulate"``.  Its ``push`` takes the
+  changes, not gradients (see :class:`smb2.torch.AsyncOptimizer`).
+
+``wire`` (an attribute of every rule, default None) names the type a pushed
+float32 change travels as ("bfloat16", "float16": half the bytes; the server
+adds it into the float32 words), where the client offers it.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ class UpdateRule(abc.ABC):
     def __init__(self, lr: float = 0.01) -> None:
         self.lr = _positive("lr", lr)
         self._store: ParameterStore | None = None
+        #: the type pushed changes travel as (None: the store's own dtype)
+        self.wire: str | None = None
 
     @property
     def store(self) -> ParameterStore:
@@ -97,19 +109,32 @@ class Accumulate(UpdateRule):
         if not sent:
             return
         deltas = {name: self._delta(name, g) for name, g in sent.items()}
-        if len(sent) == len(st.params):
-            # the whole model: one accumulate, which the client splits over all servers
-            await st.buf.accumulate(st.data_off, self._stage)
-            nbytes = self._stage.nbytes
-            st.flat()[...] += self._stage       # our own step, seen at once
-        else:
-            await asyncio.gather(*(st.buf.accumulate(st.ranges[name][0], d.reshape(-1))
-                                   for name, d in deltas.items()))
-            nbytes = sum(d.nbytes for d in deltas.values())
-            for name, d in deltas.items():
-                st.params[name] += d
-        st.stats["bytes_pushed"] += nbytes
-        await st.bump_version()
+        await accumulate_changes(st, deltas, self._stage, self.wire)
+
+
+async def accumulate_changes(st: ParameterStore, changes: Mapping[str, np.ndarray], stage: np.ndarray,
+                             wire: str | None) -> None:
+    """Add ``changes`` (tensor name -> array, views of ``stage`` laid out
+    like the data region) to the shared tensors by server-side accumulate,
+    and to the local mirror; count the update in the version."""
+    if len(changes) == len(st.params):
+        # the whole model: one accumulate, which the client splits over all servers
+        await st.buf.accumulate(st.data_off, stage, wire=wire)
+        nbytes = stage.nbytes
+        st.flat()[...] += stage       # our own step, seen at once
+    else:
+        await asyncio.gather(*(st.buf.accumulate(st.ranges[name][0], d.reshape(-1), wire=wire)
+                               for name, d in changes.items()))
+        nbytes = sum(d.nbytes for d in changes.values())
+        for name, d in changes.items():
+            st.params[name] += d
+    st.stats["bytes_pushed"] += int(nbytes * _wire_fraction(stage.dtype, wire))
+    await st.bump_version()
+
+
+def _wire_fraction(dtype: np.dtype[Any], wire: str | None) -> float:
+    """The bytes on the wire per byte of ``dtype`` pushed as ``wire``."""
+    return 1.0 if wire is None else np.dtype("uint16").itemsize / dtype.itemsize
 
 
 class Locked(UpdateRule):
@@ -242,7 +267,46 @@ class EASGD(UpdateRule):
         return out
 
 
-RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "locked": Locked, "easgd": EASGD}
+class Delta(UpdateRule):
+    """Server-side accumulate of the worker's own change ``w_after - w_before``.
+
+    The worker's optimizer decides the change (so its learning rate, not
+    this rule's, applies); the rule only carries it to the shared weights.
+    Layer dropping applies to the changes as to gradients."""
+
+    name = "delta"
+
+    def __init__(self) -> None:
+        super().__init__()      # (its lr is not used: the worker's optimizer has one)
+
+    def settings(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
+        """``grads`` are the changes of the weights (not gradients)."""
+        st = self.store
+        changes = {}
+        for name, d in self._selected(grads).items():
+            o = st.flat_offset(name)
+            out = self._stage[o:o + d.size]
+            out[...] = d.reshape(-1)
+            changes[name] = out.reshape(d.shape)
+        if changes:
+            await accumulate_changes(st, changes, self._stage, self.wire)
+
+    async def push_region(self, changes: np.ndarray) -> None:
+        """The changes of every tensor at once, laid out like the data region
+        (padding zero; no layer dropping): accumulated as they are, without a
+        copy, and the local mirror is left alone (its owner keeps its own
+        weights, as :class:`smb2.torch.AsyncOptimizer` does)."""
+        st = self.store
+        await st.buf.accumulate(st.data_off, changes, wire=self.wire)
+        st.stats["bytes_pushed"] += int(changes.nbytes * _wire_fraction(changes.dtype, self.wire))
+        st.stats["pushes"] += 1
+        await st.bump_version()
+
+
+RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "locked": Locked, "easgd": EASGD, "delta": Delta}
 
 
 def make_rule(rule: str | UpdateRule, **options: Any) -> UpdateRule:

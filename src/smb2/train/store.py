@@ -1,26 +1,75 @@
-"""ParameterStore: a model's named tensors laid out in one striped buffer.
+"""ParameterStore: a model's named tensors laid out in one striped buffer,
+and the life of the training runs that share it.
 
 The buffer describes itself, so a worker that knows only its name can attach
 (ETRI's design: a mapping table of named parameters inside the shared memory)::
 
     byte 0      preamble, eight int64 words
-                  magic "SMB2PSTR" | format | state | table bytes |
-                  data offset | data bytes | notify offset | notify slots
+                  magic "SMB2PSTR" | format (2) | state | table bytes |
+                  data offset | data bytes | control offset | control words
     byte 64     the layout table, msgpack: tensors [name, dtype, shape, offset],
-                  the update rule and its settings, the number of workers
-    (8-aligned) the notification area (see smb2.notify):
-                  slot 0 parameter version (updates applied so far)
-                  slot 1 stop flag (the end policy fired)
-                  slot 2 workers that joined (the start barrier)
-                  slots 8 + rank: each worker's iteration count (progress table)
+                  the update rule and its settings (of the run that created
+                  the store), the number of workers
+    (8-aligned) the control area, 8 + 4 * workers int64 words (see
+                  smb2.train.lifecycle): parameter version, current run
+                  (generation), stop, when the run opened, whether it
+                  resumed; per rank: run joined, step, heartbeat, run finished
     (4 KiB)     the data: every tensor at a 64-byte aligned offset
 
-``state`` is 0 (empty), 1 (being initialized) or 2 (ready).  The first worker
-to take the buffer's lock and find it not ready writes the table and the
-initial values, then sets it to 2 (all with fenced writes); everyone else
-waits for 2.  The data region is one contiguous range, so
-``pull`` is a single read that the client splits over every server and runs
-concurrently.
+``state`` is 0 (empty), 1 (being initialized) or 2 (ready).  The data region
+is one contiguous range, so ``pull`` is a single read that the client splits
+over every server and runs concurrently.  ``stripe=None`` picks a stripe from
+the buffer's size and the server count so that every server holds a share
+(``round_up(bytes / servers, 4 KiB)``, at most the client's default stripe).
+
+Runs (generations)
+------------------
+Every job that opens the store is one run, numbered G = 1, 2, ... in the
+GENERATION word.  Only rank 0 opens a run, under the buffer's lock:
+
+* the store is new, or ``resume=False``, or (``resume="auto"``) the previous
+  run finished: a **fresh** run: the weights are written again (from
+  ``params`` or ``init_from``), the version and every rank's step go to 0;
+* ``resume=True``, or ("auto") the previous run did not finish, or this
+  process was restarted by torchrun (``TORCHELASTIC_RESTART_COUNT > 0``,
+  whatever ``resume`` says): a **resumed** run: weights, version and steps
+  stay, each rank continues from its step;
+* a restarted rank 0 whose run goes on without it (another rank's heartbeat
+  is fresh, or it finished) **rejoins** that run: it writes nothing but its
+  own heartbeat, so it never re-initializes a ready store.
+
+Opening run G+1 writes the data and the other control words first and the
+GENERATION word last (all fenced by the lock): whoever reads G+1 reads the
+reset words with it.  Every per-run word (joined, finished, stop) holds a
+run number, not a count, so a new run starts with none of them set, and an
+old run's straggler cannot count towards it.
+
+Ranks > 0 never open a run.  They join run G when rank 0 is in it and its
+heartbeat is fresh, and they have not been in G before; a rank restarted by
+torchrun rejoins the run it was in while that run goes on.  Otherwise they
+wait for rank 0 (up to ``timeout``).
+
+Races, and why they are harmless:
+
+* a rank > 0 arrives before rank 0 and finds the old run: it was in it, so
+  it waits; or it was not (the old run lacked it) and the old rank 0 is
+  silent, so it waits; or the old rank 0 was heard from within
+  ``stale_after`` and the rank joins the old run: its ``join()`` barrier
+  sees rank 0's newer run appear and moves it there (and pulls again)
+  before any step was taken;
+* two processes think they are rank 0: the lock orders them, the second
+  opens G+2 and the first one's ranks hear of it at their next heartbeat
+  (``InterfaceError``: the store was re-opened by a newer run);
+* a straggler of the old run still running when a fresh run resets the
+  steps may write its own step word once more before its next heartbeat
+  stops it (its joined/finished words carry the old run's number and do
+  not count);
+* a whole torchrun group restarts just as the old heartbeats go stale:
+  rank 0 may open a resumed run while a rank that still saw a fresh
+  heartbeat rejoins the old one; that rank's next heartbeat raises, and its
+  next restart joins rank 0's run;
+* heartbeat ages compare the hosts' wall clocks (``stale_after`` defaults
+  to 60 s: synchronized hosts are well within that).
 
 Each worker keeps a local mirror of the data region; ``store.params[name]`` are
 numpy views into it (a torch module's parameters can be bound to them without
@@ -30,44 +79,61 @@ copies, see :mod:`smb2.torch`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from ..client import Buffer, Client
-from ..errors import BufferConflict, InterfaceError, InvalidArgumentError, NoSuchBuffer, NotifyTimeout
+from ..checkpoint import read_checkpoint_header
+from ..client import DEFAULT_STRIPE, Buffer, Client
+from ..errors import (
+    BufferConflict,
+    InterfaceError,
+    InvalidArgumentError,
+    NoSuchBuffer,
+    NotifyTimeout,
+    PersistenceError,
+)
 from ..lock import Lock
+from . import lifecycle as lc
 from .dropping import LayerDropping
+from .lifecycle import Control, check_rank, resolve_rank
 from .rules import UpdateRule, make_rule
 
 log = logging.getLogger("smb2.train")
 
+__all__ = ["FORMAT", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe", "resolve_rank"]
+
 MAGIC = int.from_bytes(b"SMB2PSTR", "little")
-FORMAT = 1
+FORMAT = 2
 PREAMBLE = 64
 # byte offsets of the preamble's words
 _MAGIC, _FORMAT, _STATE, _TABLE, _DATA_OFF, _DATA_LEN, _NOTE_OFF, _NOTE_SLOTS = range(0, 64, 8)
 EMPTY, INITIALIZING, READY = 0, 1, 2
 
-#: notification slots of the store
-SLOT_VERSION = 0
-SLOT_STOP = 1
-SLOT_JOINED = 2
-SLOT_PROGRESS = 8       # + rank
 POLICIES = ("first", "slowest", "average")
 DTYPES = ("float32", "float64")
 
 ALIGN = 64              # tensors start on cache-line boundaries
 DATA_ALIGN = 4096
+#: a rank's heartbeat() sends at most this often (seconds) unless forced
+BEAT_INTERVAL = 0.25
 
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def choose_stripe(nbytes: int, nservers: int, limit: int = DEFAULT_STRIPE) -> int:
+    """A stripe that gives each of ``nservers`` a share of ``nbytes``:
+    ``round_up(nbytes / nservers, 4 KiB)``, at most ``limit``."""
+    return max(DATA_ALIGN, min(limit, _round_up(math.ceil(nbytes / max(1, nservers)), DATA_ALIGN)))
 
 
 class Layout:
@@ -115,26 +181,48 @@ class Layout:
         return cls([(n, d, tuple(s), o) for n, d, s, o in t["tensors"]], int(t["workers"]), dict(t["rule"]))
 
     def geometry(self) -> tuple[int, int, int, int]:
-        """(notify offset, notify slots, data offset, total bytes)."""
+        """(control offset, control words, data offset, total bytes)."""
         note_off = _round_up(PREAMBLE + len(self.table()), 8)
-        slots = SLOT_PROGRESS + self.workers
+        slots = lc.slots_for(self.workers)
         data_off = _round_up(note_off + 8 * slots, DATA_ALIGN)
         return note_off, slots, data_off, data_off + self.data_len
 
     def same_as(self, other: Layout) -> bool:
         return self.tensors == other.tensors
 
+    def summary(self, limit: int = 6) -> str:
+        """"w0 (7, 5), b0 (5,), ..." for messages."""
+        parts = [f"{n} {tuple(s)}" for n, _d, s, _o in self.tensors[:limit]]
+        more = len(self.tensors) - limit
+        return ", ".join(parts) + (f", and {more} more" if more > 0 else "")
+
+
+def _another_model(name: str, theirs: Layout | None, ours: Layout, nbytes: int | None = None) -> InvalidArgumentError:
+    what = (f"another model (its tensors: {theirs.summary()})" if theirs is not None
+            else f"other contents ({nbytes} bytes, not a parameter store of this model)")
+    return InvalidArgumentError(
+        f"store {name!r} exists with {what}; remove it with `smb2 rm {name}` or pick another name",
+        detail=f"this job's tensors: {ours.summary()}")
+
+
+def _other_world(name: str, theirs: int, ours: int) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"store {name!r} was made for {theirs} workers, this job has WORLD_SIZE={ours}; check WORLD_SIZE, "
+        f"or remove the store with `smb2 rm {name}` (start from a checkpoint with init_from=)")
+
 
 class ParameterStore:
-    """Named tensors in one shared buffer, a local mirror, and an update rule.
+    """Named tensors in one shared buffer, a local mirror, an update rule, and
+    this rank's place in the current run.
 
-    Make it with :meth:`open` (create or attach, with the model's initial
-    values) or :meth:`attach` (by name only)."""
+    Make it with :meth:`open` (every rank of a job) or :meth:`attach` (an
+    observer that knows only the name)."""
 
     def __init__(self, client: Client, buf: Buffer, layout: Layout, data_off: int, *,
                  rank: int, rule: UpdateRule, dropping: LayerDropping | None) -> None:
         self.client = client
         self.buf = buf
+        self.name = buf.name
         self.layout = layout
         self.data_off = data_off
         self.rank = rank
@@ -157,74 +245,237 @@ class ParameterStore:
         self.version = 0
         self.iteration = 0
         self.stats = {"pulls": 0, "pushes": 0, "bytes_pulled": 0, "bytes_pushed": 0}
+        #: the run (generation) this rank is in; 0 for an observer
+        self.generation = 0
+        #: did this rank's run continue an earlier one's weights and steps?
+        self.resumed = False
+        #: the step this rank continues from (0 in a fresh run)
+        self.start_step = 0
+        #: the last read of the control area (heartbeat, join, refresh)
+        self.control: Control | None = None
+        self.stale_after = lc.STALE_AFTER
+        self.restarted = False
+        self.checkpoint_every: int | None = None
+        self.checkpoint_path: str | None = None
+        self._checkpoint_step = 0
+        self._checkpointing: asyncio.Future[Any] | None = None
+        self._last_beat = 0.0
+        self._step = 0
+        self._joined = False
+        # rank 0 of a fresh run wrote the mirror itself: no pull needed
+        self._mirror_current = False
+        #: False for an observer (attach): it takes no part in a run
+        self.member = False
         rule.bind(self)
 
     # -- opening ----------------------------------------------------------------
     @classmethod
     async def open(cls, client: Client, name: str, params: Mapping[str, np.ndarray], *,
-                   rule: str | UpdateRule = "accumulate", workers: int = 1, rank: int = 0,
-                   dropping: LayerDropping | None = None, stripe: int | None = None,
-                   timeout: float = 60.0, **rule_options: Any) -> ParameterStore:
-        """Create the store ``name`` (or attach to it if it exists) for a model
-        whose tensors and initial values are ``params``.
+                   rule: str | UpdateRule = "accumulate", workers: int | None = None, rank: int | None = None,
+                   resume: str | bool = "auto", dropping: LayerDropping | None = None,
+                   stripe: int | None = None, timeout: float = 60.0, stale_after: float = lc.STALE_AFTER,
+                   checkpoint_every: int | None = None, checkpoint_path: str | Path | None = None,
+                   init_from: str | Path | None = None, restarted: bool | None = None,
+                   **rule_options: Any) -> ParameterStore:
+        """Open the store ``name`` for one rank of a job whose model's
+        tensors are ``params`` (every rank passes the same names, shapes and
+        dtype; only rank 0's values are used).
 
-        The first worker to get here writes the layout table and ``params``;
-        the others wait until it is ready and then read the shared values
-        into their mirror.  All workers must pass the same tensor names,
-        shapes and dtype (the initial values of the others are ignored)."""
+        Rank 0 creates the store if needed and opens a run: fresh or resumed
+        by ``resume`` ("auto": resume a run that did not finish, else fresh;
+        True; False), always resumed when torchrun restarted this process
+        (``restarted``, default ``TORCHELASTIC_RESTART_COUNT > 0``).  The
+        other ranks wait (up to ``timeout`` s) for rank 0's run and join it.
+        ``rank``/``workers`` default to :func:`resolve_rank`.  Then call
+        :meth:`join` (the start barrier), :meth:`heartbeat` as steps go by,
+        and :meth:`finish` at the end.
+
+        ``stripe=None`` spreads the buffer over all servers whatever its
+        size; ``checkpoint_every=K`` makes rank 0 save the store to
+        ``checkpoint_path`` (``{step}`` is replaced) every K of its steps;
+        ``init_from=PATH`` makes a fresh run start from such a checkpoint's
+        weights, version and steps.  Other keywords go to the update rule."""
+        rank, workers = resolve_rank(rank, workers)
+        resume = lc.check_resume(resume)
+        if not isinstance(timeout, (int, float)) or timeout < 0:
+            raise InvalidArgumentError(f"timeout must be a non-negative number of seconds, not {timeout!r}")
+        if checkpoint_every is not None:
+            if not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 1:
+                raise InvalidArgumentError(f"checkpoint_every must be a positive int, not {checkpoint_every!r}")
+            if checkpoint_path is None:
+                raise InvalidArgumentError("checkpoint_every needs checkpoint_path= (a file; '{step}' is replaced)")
         rule_obj = make_rule(rule, **rule_options)
-        workers = _check_rank(rank, workers)
         layout = Layout.plan(params, workers, rule_obj.settings())
+        restarted = lc.restart_count() > 0 if restarted is None else bool(restarted)
+        deadline = time.monotonic() + timeout
+        if rank == 0:
+            store = await cls._open_rank0(client, name, params, layout, rule_obj, dropping, stripe, resume,
+                                          restarted, stale_after, deadline, init_from)
+        else:
+            store = await cls._open_other(client, name, layout, rank, rule_obj, dropping, restarted,
+                                          stale_after, deadline)
+        store.checkpoint_every = checkpoint_every
+        store.checkpoint_path = None if checkpoint_path is None else str(checkpoint_path)
+        store._checkpoint_step = store.start_step
+        if not store._mirror_current:
+            await store.pull()
+        return store
+
+    @classmethod
+    async def _open_rank0(cls, client: Client, name: str, params: Mapping[str, np.ndarray], layout: Layout,
+                          rule: UpdateRule, dropping: LayerDropping | None, stripe: int | None,
+                          resume: str | bool, restarted: bool, stale_after: float, deadline: float,
+                          init_from: str | Path | None) -> ParameterStore:
         note_off, slots, data_off, total = layout.geometry()
-        kw = {} if stripe is None else {"stripe": stripe}
-        try:
-            buf = await client.create(name, total, **kw)
-        except BufferConflict as exc:
-            # another size: another model (or another number of workers)
-            raise InvalidArgumentError(f"store {name!r} exists with another layout or geometry",
-                                       detail=str(exc)) from exc
-        buf.set_notify_area(note_off, slots)
-        # the first worker initializes, under the buffer's lock: the others
-        # queue behind it and find the store ready; if it dies half-way, its
-        # lease runs out and the next one in line starts over
+        image = None if init_from is None else await StoreImage.load(init_from)
+        if image is not None and not image.layout.same_as(layout):
+            raise InvalidArgumentError(f"checkpoint {init_from} holds another model "
+                                       f"(its tensors: {image.layout.summary()})",
+                                       detail=f"this job's tensors: {layout.summary()}")
+        buf = await _attach_or_create(client, name, total, stripe)
         lock = buf.lock()
-        await lock.acquire(timeout=timeout)
+        await lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         try:
             state = await buf.fetch_add(_STATE, 0)
             if state != READY:
-                await buf.write(_STATE, np.array([INITIALIZING], dtype=np.int64), fence=lock)
-                await _write_words(buf, {_MAGIC: MAGIC, _FORMAT: FORMAT, _TABLE: len(layout.table()),
-                                         _DATA_OFF: data_off, _DATA_LEN: layout.data_len,
-                                         _NOTE_OFF: note_off, _NOTE_SLOTS: slots}, fence=lock)
-                await buf.write(PREAMBLE, layout.table(), fence=lock)
-                store = cls(client, buf, layout, data_off, rank=rank, rule=rule_obj, dropping=dropping)
-                for tname, arr in params.items():
-                    store.params[tname][...] = arr
-                await buf.write(data_off, store.mirror, fence=lock)
-                # the ready state last, after the table and the values are in place everywhere
-                await buf.write(_STATE, np.array([READY], dtype=np.int64), fence=lock)
-                log.info("store %r created: %d tensors, %d bytes of %s, %d workers, rule %s",
-                         name, len(layout.tensors), layout.data_len, layout.dtype, workers, rule_obj.name)
-                return store
+                if buf.nbytes != total:
+                    raise _another_model(name, None, layout, buf.nbytes)
+                await _initialize(buf, layout, lock)
+            else:
+                theirs, data_off = await _read_layout(buf)
+                if not theirs.same_as(layout):
+                    raise _another_model(name, theirs, layout)
+                if theirs.workers != layout.workers:
+                    raise _other_world(name, theirs.workers, layout.workers)
+                layout = theirs
+            store = cls(client, buf, layout, data_off, rank=0, rule=rule, dropping=dropping)
+            store.stale_after, store.restarted = stale_after, restarted
+            control = await store.refresh()
+            decision = lc.decide_rank0(control, resume=resume, restarted=restarted, stale_after=stale_after)
+            if decision.action == "rejoin":
+                store._enter(control, joined=True, rejoined=True)
+                await store._write_own(joined=control.generation)
+                log.warning("store %r: rank 0 rejoins run %d at step %d (%s)", name, control.generation,
+                            store.start_step, decision.why)
+            else:
+                if image is not None and decision.action != "fresh":
+                    log.warning("store %r: init_from=%s is not used: the run resumes (%s)", name, init_from,
+                                decision.why)
+                await store._open_run(control, decision, params, image, lock)
         finally:
             await lock.release()
-        theirs, data_off2 = await _read_layout(buf, timeout)
-        if not theirs.same_as(layout) or data_off2 != data_off:
-            raise InvalidArgumentError(
-                f"store {name!r} exists with another layout",
-                detail=f"theirs: {theirs.tensors}, ours: {layout.tensors}")
-        store = cls(client, buf, theirs, data_off, rank=rank, rule=rule_obj, dropping=dropping)
-        await store.pull()
         return store
+
+    async def _open_run(self, old: Control, decision: lc.Decision, params: Mapping[str, np.ndarray],
+                        image: StoreImage | None, lock: Lock) -> None:
+        """Rank 0, under the lock: open run G+1, fresh or resumed."""
+        gen = old.generation + 1
+        words = old.words.copy()
+        fresh = decision.action == "fresh"
+        own = lc.rank_word(0, 0)
+        if fresh:
+            # every control word starts over; the steps from the checkpoint, if any
+            words[:] = 0
+            steps = words[lc.RANK_BASE + lc.STEP::lc.RANK_WORDS]
+            if image is not None:
+                self.mirror[...] = image.data
+                words[lc.VERSION] = image.control.version
+                if image.control.workers == self.workers:
+                    steps[...] = image.control.steps
+            else:
+                for tname, arr in params.items():
+                    self.params[tname][...] = arr
+            await self.buf.write(self.data_off, self.mirror, fence=lock)
+            self._mirror_current = True
+        words[lc.RESUMED] = int(not fresh or image is not None)
+        words[lc.OPENED_MS] = lc.now_ms()
+        words[own + lc.JOINED] = gen
+        words[own + lc.BEAT] = lc.now_ms()
+        area = self.buf.notify_area[0]  # type: ignore[index]
+        # A resumed run rewrites only rank 0's words and the run's own (the
+        # other ranks may still be writing theirs); a fresh one all of them.
+        # The generation goes last: whoever reads G+1 reads the rest with it.
+        if fresh:
+            await self.buf.write(area, words[:lc.GENERATION], fence=lock)
+            await self.buf.write(area + 8 * lc.STOP, words[lc.STOP:], fence=lock)
+        else:
+            await asyncio.gather(
+                self.buf.write(area + 8 * lc.STOP, words[lc.STOP:lc.RANK_BASE], fence=lock),
+                self.buf.write(area + 8 * own, words[own:own + lc.RANK_WORDS], fence=lock))
+        await self.buf.write(area + 8 * lc.GENERATION, np.array([gen], np.int64), fence=lock)
+        words[lc.GENERATION] = gen
+        self._enter(Control.parse(words, self.workers), joined=True)
+        if fresh and image is not None:
+            log.info("store %r: run %d starts from checkpoint (version %d, step %d)",
+                     self.name, gen, self.control.version, self.start_step)  # type: ignore[union-attr]
+        elif fresh:
+            log.info("store %r: run %d starts fresh (%s)", self.name, gen, decision.why)
+        else:
+            log.warning("resuming store %r at version %d, step %d (%s); pass resume=False to start over",
+                        self.name, old.version, self.start_step, decision.why)
+
+    @classmethod
+    async def _open_other(cls, client: Client, name: str, layout: Layout, rank: int, rule: UpdateRule,
+                          dropping: LayerDropping | None, restarted: bool, stale_after: float,
+                          deadline: float) -> ParameterStore:
+        buf = await _wait_for_buffer(client, name, deadline, rank)
+        try:
+            await _wait_ready(buf, max(0.0, deadline - time.monotonic()))
+        except NotifyTimeout:
+            raise NotifyTimeout(f"store {name!r} was not initialized by rank 0 in time (did it die?); "
+                                f"rank {rank} gives up") from None
+        theirs, data_off = await _read_layout(buf)
+        if not theirs.same_as(layout):
+            raise _another_model(name, theirs, layout)
+        if theirs.workers != layout.workers:
+            raise _other_world(name, theirs.workers, layout.workers)
+        store = cls(client, buf, theirs, data_off, rank=rank, rule=rule, dropping=dropping)
+        store.stale_after, store.restarted = stale_after, restarted
+        decision = await store._await_run(deadline)
+        if decision.action == "rejoin":
+            log.warning("store %r: rank %d rejoins run %d at step %d (%s)", name, rank, store.generation,
+                        store.start_step, decision.why)
+        return store
+
+    async def _await_run(self, deadline: float, newer_than: int = 0) -> lc.Decision:
+        """A rank > 0: wait until there is a run to join or rejoin (newer
+        than ``newer_than``), and take its place in it."""
+        delay = 0.005
+        while True:
+            control = await self.refresh()
+            decision = lc.decide_other(control, self.rank, restarted=self.restarted, stale_after=self.stale_after)
+            if decision.action != "wait" and control.generation > newer_than:
+                rejoined = decision.action == "rejoin"
+                self._enter(control, joined=rejoined, rejoined=rejoined)
+                await self._write_own(joined=control.generation if self._joined else None)
+                return decision
+            if time.monotonic() >= deadline:
+                raise NotifyTimeout(
+                    f"rank 0 did not open a run of store {self.name!r} for rank {self.rank} in time "
+                    f"({decision.why}; {control.describe_rank(0)}): start rank 0 with the same store name "
+                    "and SMB2_SERVERS, or raise timeout=")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def _enter(self, control: Control, *, joined: bool, rejoined: bool = False) -> None:
+        self.member = True
+        self.control = control
+        self.generation = control.generation
+        # a rank that rejoins a run continues where it was, like a resumed one
+        self.resumed = control.resumed or rejoined
+        self.start_step = self._step = self.iteration = int(control.steps[self.rank])
+        self.version = control.version
+        self._joined = joined
 
     @classmethod
     async def attach(cls, client: Client, name: str, *, rank: int = 0, rule: str | UpdateRule | None = None,
                      dropping: LayerDropping | None = None, timeout: float = 60.0,
                      **rule_options: Any) -> ParameterStore:
-        """Attach to the store ``name`` knowing nothing but its name: waits
-        (up to ``timeout`` s) for the buffer to exist and be initialized,
-        reads the layout table from it and pulls the parameters.  The update
-        rule defaults to the one recorded by the creator."""
+        """Attach to the store ``name`` knowing nothing but its name, as an
+        observer (it joins no run): waits (up to ``timeout`` s) for the
+        buffer to exist and be initialized, reads the layout table from it and
+        pulls the parameters.  The update rule defaults to the one recorded
+        by the creator."""
         deadline = time.monotonic() + timeout
         delay = 0.01
         while True:
@@ -236,15 +487,17 @@ class ParameterStore:
                     raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.25)
-        layout, data_off = await _read_layout(buf, max(0.0, deadline - time.monotonic()))
+        await _wait_ready(buf, max(0.0, deadline - time.monotonic()))
+        layout, data_off = await _read_layout(buf)
         if rule is None:
             settings = dict(layout.rule)
             rule = settings.pop("name")
             settings.update(rule_options)
             rule_options = settings
         rule_obj = make_rule(rule, **rule_options)
-        _check_rank(rank, layout.workers)
+        check_rank(rank, layout.workers)
         store = cls(client, buf, layout, data_off, rank=rank, rule=rule_obj, dropping=dropping)
+        await store.refresh()
         await store.pull()
         return store
 
@@ -282,69 +535,332 @@ class ParameterStore:
         """Where tensor ``name`` starts in :meth:`flat` (elements)."""
         return (self.ranges[name][0] - self.data_off) // self.layout.dtype.itemsize
 
-    # -- version and progress (notifications) --------------------------------------
+    # -- version ----------------------------------------------------------------
     async def bump_version(self) -> int:
         """Count one applied update; called by the rules after their data."""
-        self.version = await self.buf.notify_add(SLOT_VERSION, 1) + 1
+        self.version = await self.buf.notify_add(lc.VERSION, 1) + 1
         return self.version
 
     async def read_version(self) -> int:
-        self.version = await self.buf.read_notify(SLOT_VERSION)
+        self.version = await self.buf.read_notify(lc.VERSION)
         return self.version
 
     async def wait_version(self, at_least: int, timeout: float | None = None) -> int:
         """Wait until at least ``at_least`` updates were applied in all."""
-        self.version = await self.buf.wait_notify(SLOT_VERSION, at_least, timeout=timeout)
+        try:
+            self.version = await self.buf.wait_notify(lc.VERSION, at_least, timeout=timeout)
+        except NotifyTimeout:
+            raise NotifyTimeout(f"store {self.name!r} got {await self.read_version()} updates, still fewer than "
+                                f"{at_least} after {timeout} s") from None
         return self.version
 
-    async def join(self, timeout: float | None = None) -> None:
-        """Start together: count this worker in and wait until all
-        ``workers`` have (a one-shot barrier on one notification slot)."""
-        await self.buf.notify_add(SLOT_JOINED, 1)
-        await self.buf.wait_notify(SLOT_JOINED, self.workers, timeout=timeout)
+    # -- the run: control words ------------------------------------------------------
+    async def refresh(self) -> Control:
+        """Read the control area (one read) into :attr:`control`."""
+        self.control = Control.parse(await self.buf.read_notify(), self.workers)
+        return self.control
 
+    async def _write_own(self, *, joined: int | None = None, finished: int | None = None) -> None:
+        """This rank's words: step and heartbeat, and joined / finished if given."""
+        base = self.buf.notify_area[0] + 8 * lc.rank_word(self.rank, 0)  # type: ignore[index]
+        step_beat = [self._step, lc.now_ms()]
+        if joined is not None:
+            await self.buf.write(base, np.array([joined, *step_beat], np.int64))
+        elif finished is not None:
+            await self.buf.write(base + 8 * lc.STEP, np.array([*step_beat, finished], np.int64))
+        else:
+            await self.buf.write(base + 8 * lc.STEP, np.array(step_beat, np.int64))
+        self._last_beat = time.monotonic()
+
+    def _check_member(self) -> None:
+        if not self.member:
+            raise InterfaceError(f"this handle of store {self.name!r} is an observer (attach); "
+                                 "only ranks that open() the store take part in a run")
+
+    def _check_current(self, control: Control) -> None:
+        if control.generation != self.generation:
+            raise InterfaceError(
+                f"store {self.name!r} was re-opened by a newer run ({control.generation}) while rank "
+                f"{self.rank} was in run {self.generation}: this worker stops (two jobs use the same store "
+                "name, or rank 0 of a new job started while this one ran)")
+
+    async def join(self, timeout: float | None = 60.0) -> None:
+        """The start barrier of this run: count this rank in and wait until
+        every rank has joined.  Its timeout says how many joined and which
+        ranks are missing.  A rank that rejoined a running run passes."""
+        self._check_member()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._joined:
+            if self.rank:
+                # rank 0 may have opened a newer run since open() chose this one
+                control = await self.refresh()
+                if control.generation != self.generation:
+                    await self._move_to_newer(deadline)
+            await self._write_own(joined=self.generation)
+            self._joined = True
+        delay = 0.005
+        while True:
+            control = await self.refresh()
+            if control.generation != self.generation:
+                if self.rank == 0:
+                    self._check_current(control)
+                await self._move_to_newer(deadline)
+                await self._write_own(joined=self.generation)
+                continue
+            missing = control.missing()
+            if not missing:
+                return
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                joined = self.workers - len(missing)
+                raise NotifyTimeout(
+                    f"{joined} of {self.workers} workers joined store {self.name!r} within {timeout} s "
+                    f"(missing ranks: {', '.join(map(str, missing))}); check WORLD_SIZE ({self.workers}) "
+                    "and that every rank is running")
+            if now - self._last_beat >= 1.0:
+                await self._write_own()     # stay visibly alive while waiting
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    async def _move_to_newer(self, deadline: float | None) -> None:
+        """A rank > 0 still at the barrier follows rank 0 into its newer run."""
+        old = self.generation
+        await self._await_run(float("inf") if deadline is None else deadline, newer_than=old)
+        self._joined = False
+        await self.pull()
+        log.info("store %r: rank %d moved from run %d to rank 0's run %d", self.name, self.rank, old,
+                 self.generation)
+
+    async def heartbeat(self, step: int, *, force: bool = False) -> None:
+        """Publish this rank's ``step`` and that it is alive (at most every
+        0.25 s unless ``force``; cheap: one small write and one small read).
+        Raises :class:`InterfaceError` if a newer run took the store over;
+        re-raises a failed background checkpoint."""
+        self._check_member()
+        self._step = self.iteration = int(step)
+        self._raise_checkpoint_error()
+        if not force and time.monotonic() - self._last_beat < BEAT_INTERVAL:
+            return
+        _, control = await asyncio.gather(self._write_own(), self.refresh())
+        self._check_current(control)
+        self._maybe_checkpoint()
+
+    def stalled(self, threshold: float) -> list[tuple[int, int, float]]:
+        """(rank, last step, seconds since its heartbeat) of every rank that
+        has not finished and has been silent for ``threshold`` s, as of the
+        last :meth:`heartbeat` / :meth:`refresh`."""
+        return [] if self.control is None else self.control.stalled(threshold)
+
+    async def finish(self) -> None:
+        """This rank is done with the run (its last step is published).
+        Nothing is destroyed: the store stays for the slower ranks, for
+        evaluation and for the next run."""
+        self._check_member()
+        await self._write_own(finished=self.generation)
+        # a checkpoint in flight, and one that came due while it ran
+        for _ in range(2):
+            if self._checkpointing is not None:
+                await asyncio.gather(self._checkpointing, return_exceptions=True)
+                self._raise_checkpoint_error()
+            self._maybe_checkpoint()
+
+    async def wait_finished(self, timeout: float | None = None) -> None:
+        """The end barrier (optional): wait until every rank of this run has
+        finished.  Its timeout names the ranks still out and when each was
+        last heard from."""
+        self._check_member()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            control = await self.refresh()
+            self._check_current(control)
+            out = control.unfinished()
+            if not out:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise NotifyTimeout(
+                    f"{self.workers - len(out)} of {self.workers} workers finished store {self.name!r} "
+                    f"within {timeout} s; " + "; ".join(control.describe_rank(r) for r in out))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    # -- progress and the end policy --------------------------------------------------
     async def report(self, iteration: int, target: int, policy: str = "average") -> bool:
         """Publish this worker's iteration count and tell whether the job is
         over: by ``policy`` "first" (some worker reached ``target``), "slowest"
-        (all did) or "average" (the mean did).  When it is, the stop flag is
-        raised so that every worker ends at its next report."""
+        (all did) or "average" (the mean did).  When it is, the run's stop
+        flag is raised so that every worker ends at its next report."""
         if policy not in POLICIES:
             raise InvalidArgumentError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
-        self.iteration = iteration
-        await self.buf.notify(SLOT_PROGRESS + self.rank, iteration)
-        slots = await self.buf.read_notify()
-        if slots[SLOT_STOP]:
+        await self.heartbeat(iteration, force=True)
+        control = self.control
+        assert control is not None
+        if control.stopped:
             return True
-        progress = slots[SLOT_PROGRESS:SLOT_PROGRESS + self.workers]
+        progress = control.steps.copy()
+        progress[self.rank] = iteration     # the read ran beside our write
         level = {"first": progress.max(), "slowest": progress.min(), "average": progress.mean()}[policy]
         if level >= target:
-            await self.buf.notify(SLOT_STOP, 1)
+            await self.buf.notify(lc.STOP, self.generation)
             log.info("worker %d: the %s worker reached %d iterations: stopping all", self.rank, policy, target)
             return True
         return False
 
     async def progress(self) -> np.ndarray:
-        """Every worker's iteration count (the progress table)."""
-        slots = await self.buf.read_notify()
-        return slots[SLOT_PROGRESS:SLOT_PROGRESS + self.workers]
+        """Every worker's step (the progress table)."""
+        return (await self.refresh()).steps.copy()
 
     async def stopped(self) -> bool:
-        return bool(await self.buf.read_notify(SLOT_STOP))
+        return (await self.refresh()).stopped
 
     async def wait_stopped(self, timeout: float | None = None) -> None:
-        await self.buf.wait_notify(SLOT_STOP, 1, timeout=timeout)
+        """Wait until the run's end policy fired."""
+        try:
+            await self.buf.wait_notify(lc.STOP, max(1, self.generation), timeout=timeout)
+        except NotifyTimeout:
+            steps = (await self.refresh()).steps.tolist()
+            raise NotifyTimeout(f"the end policy of store {self.name!r} did not fire within {timeout} s "
+                                f"(the ranks' steps: {steps})") from None
 
     async def destroy(self) -> None:
+        """Remove the store from the servers (``smb2 rm NAME`` does the same).
+        Only when no rank of any run still uses it."""
         await self.client.destroy(self.buf.name)
 
+    # -- checkpoints --------------------------------------------------------------------
+    def _maybe_checkpoint(self) -> None:
+        every = self.checkpoint_every
+        if (self.rank != 0 or every is None or self.checkpoint_path is None
+                or self._step < self._checkpoint_step + every
+                or (self._checkpointing is not None and not self._checkpointing.done())):
+            return
+        self._checkpoint_step = self._step
+        path = self.checkpoint_path.replace("{step}", str(self._step))
+        self._checkpointing = asyncio.ensure_future(self.client.checkpoint(self.name, path))
+        log.info("store %r: checkpoint at step %d to %s", self.name, self._step, path)
 
-def _check_rank(rank: Any, workers: Any) -> int:
-    for what, v in (("rank", rank), ("workers", workers)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-            raise InvalidArgumentError(f"{what} must be an int, not {type(v).__name__}")
-    if workers < 1 or not 0 <= rank < workers:
-        raise InvalidArgumentError(f"rank {rank} is not in range for {workers} workers")
-    return int(workers)
+    def _raise_checkpoint_error(self) -> None:
+        task = self._checkpointing
+        if task is not None and task.done():
+            self._checkpointing = None
+            exc = None if task.cancelled() else task.exception()
+            if exc is not None:
+                raise exc
+
+
+class StoreImage:
+    """A store as saved by ``client.checkpoint`` (``checkpoint_every``): its
+    layout, its data region and its control words, read from the file."""
+
+    def __init__(self, layout: Layout, data: np.ndarray, control: Control) -> None:
+        self.layout = layout
+        self.data = data
+        self.control = control
+
+    @classmethod
+    async def load(cls, path: str | Path) -> StoreImage:
+        return await asyncio.to_thread(cls._load, str(path))
+
+    @classmethod
+    def _load(cls, path: str) -> StoreImage:
+        try:
+            f = open(path, "rb")
+        except OSError as exc:
+            raise InvalidArgumentError(f"cannot open checkpoint {path}: {exc}") from None
+        with f:
+            header, digest, _start = read_checkpoint_header(f, path)
+            raw = f.read()
+        if len(raw) != header["nbytes"] or hashlib.sha256(raw).digest() != digest:
+            raise PersistenceError(f"{path}: checksum mismatch or truncated (the file is corrupt)")
+        pre = np.frombuffer(raw, np.int64, PREAMBLE // 8)
+        if int(pre[_MAGIC // 8]) != MAGIC:
+            raise InvalidArgumentError(f"{path} is a checkpoint of buffer {header['name']!r}, "
+                                       "which is not a parameter store")
+        if int(pre[_FORMAT // 8]) != FORMAT:
+            raise InvalidArgumentError(f"{path} holds a store of format {int(pre[_FORMAT // 8])}; "
+                                       f"this smb2 reads {FORMAT}")
+        layout = Layout.from_table(raw[PREAMBLE:PREAMBLE + int(pre[_TABLE // 8])])
+        note_off, slots = int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8])
+        data_off = int(pre[_DATA_OFF // 8])
+        control = Control.parse(np.frombuffer(raw, np.int64, slots, note_off), layout.workers)
+        data = np.frombuffer(raw, np.uint8, layout.data_len, data_off).copy()
+        return cls(layout, data, control)
+
+
+async def describe(client: Client, name: str) -> dict[str, Any]:
+    """What ``smb2 ls`` shows of one buffer: its size and stripe, and for a
+    parameter store its tensors, workers, rule, run, version, steps, and
+    whether the run finished."""
+    buf = await client.attach(name)
+    out: dict[str, Any] = {"name": name, "bytes": buf.nbytes, "stripe": buf.stripe, "store": False}
+    if buf.nbytes < PREAMBLE:
+        return out
+    pre = np.empty(PREAMBLE // 8, dtype=np.int64)
+    await buf.read_into(pre, 0)
+    if int(pre[_MAGIC // 8]) != MAGIC or int(pre[_STATE // 8]) != READY:
+        return out
+    out["store"] = True
+    out["format"] = int(pre[_FORMAT // 8])
+    if out["format"] != FORMAT:
+        return out
+    layout, _ = await _read_layout(buf)
+    control = Control.parse(await buf.read_notify(), layout.workers)
+    out.update(tensors=len(layout.tensors), data_bytes=layout.data_len, dtype=layout.dtype.name,
+               workers=layout.workers, rule=layout.rule.get("name"), run=control.generation,
+               version=control.version, steps=control.steps.tolist(), finished=control.run_finished(),
+               joined=layout.workers - len(control.missing()),
+               last_heartbeat_s=_finite(min(control.age(r) for r in range(layout.workers))))
+    return out
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isinf(x) else round(x, 3)
+
+
+# -- the buffer ---------------------------------------------------------------------
+
+async def _attach_or_create(client: Client, name: str, total: int, stripe: int | None) -> Buffer:
+    """Rank 0: the existing buffer (whatever its stripe), or a new one."""
+    try:
+        return await client.attach(name)
+    except NoSuchBuffer:
+        pass
+    chosen = choose_stripe(total, len(client.servers)) if stripe is None else stripe
+    try:
+        return await client.create(name, total, stripe=chosen)
+    except BufferConflict:
+        return await client.attach(name)        # made by someone else in between
+
+
+async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int) -> Buffer:
+    delay = 0.01
+    while True:
+        try:
+            return await client.attach(name)
+        except NoSuchBuffer:
+            if time.monotonic() >= deadline:
+                raise NotifyTimeout(
+                    f"rank 0 did not create store {name!r} in time; rank {rank} gives up: start rank 0 "
+                    "with the same store name and SMB2_SERVERS, or raise timeout=") from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+
+async def _initialize(buf: Buffer, layout: Layout, lock: Lock) -> None:
+    """Rank 0, under the lock: preamble, table, zeroed control words, ready.
+    The weights come with the first run (``_open_run``)."""
+    note_off, slots, data_off, _total = layout.geometry()
+    await buf.write(_STATE, np.array([INITIALIZING], dtype=np.int64), fence=lock)
+    await _write_words(buf, {_MAGIC: MAGIC, _FORMAT: FORMAT, _TABLE: len(layout.table()),
+                             _DATA_OFF: data_off, _DATA_LEN: layout.data_len,
+                             _NOTE_OFF: note_off, _NOTE_SLOTS: slots}, fence=lock)
+    await buf.write(PREAMBLE, layout.table(), fence=lock)
+    await buf.write(note_off, np.zeros(slots, np.int64), fence=lock)
+    await buf.write(_STATE, np.array([READY], dtype=np.int64), fence=lock)
+    buf.set_notify_area(note_off, slots)
+    log.info("store %r created: %d tensors, %d bytes of %s, %d workers, stripe %d over %d servers",
+             buf.name, len(layout.tensors), layout.data_len, layout.dtype, layout.workers, buf.stripe,
+             buf.nservers)
 
 
 async def _write_words(buf: Buffer, words: dict[int, int], fence: Lock) -> None:
@@ -360,21 +876,27 @@ async def _write_words(buf: Buffer, words: dict[int, int], fence: Lock) -> None:
                            for run in runs))
 
 
-async def _read_layout(buf: Buffer, timeout: float) -> tuple[Layout, int]:
-    """Wait until the store is ready, then read its preamble and table."""
+async def _wait_ready(buf: Buffer, timeout: float) -> None:
+    from ..notify import wait_word
     try:
-        from ..notify import wait_word
         await wait_word(buf, _STATE, READY, timeout, what="the store's ready state")
     except NotifyTimeout:
-        raise NotifyTimeout(f"store {buf.name!r} was not initialized within {timeout} s "
+        raise NotifyTimeout(f"store {buf.name!r} was not initialized within {timeout:.0f} s "
                             "(did its creator die?)") from None
+
+
+async def _read_layout(buf: Buffer) -> tuple[Layout, int]:
+    """Read a ready store's preamble and table; designate its control area."""
     pre = np.empty(PREAMBLE // 8, dtype=np.int64)
     await buf.read_into(pre, 0)
     if int(pre[_MAGIC // 8]) != MAGIC:
-        raise InterfaceError(f"buffer {buf.name!r} is not a parameter store (bad magic)")
+        raise InterfaceError(f"buffer {buf.name!r} is not a parameter store (bad magic); pick another name, "
+                             f"or remove it with `smb2 rm {buf.name}`")
     if int(pre[_FORMAT // 8]) != FORMAT:
-        raise InterfaceError(f"store {buf.name!r} has format {int(pre[1])}; this smb2 reads {FORMAT}")
+        raise InterfaceError(f"store {buf.name!r} has format {int(pre[_FORMAT // 8])}, this smb2 reads {FORMAT}; "
+                             f"remove it with `smb2 rm {buf.name}` or pick another name")
     table = await buf.read(PREAMBLE, int(pre[_TABLE // 8]))
     layout = Layout.from_table(table.tobytes())
     buf.set_notify_area(int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8]))
     return layout, int(pre[_DATA_OFF // 8])
+

@@ -74,7 +74,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def accumulate(self, src: Sequence[memoryview], segment: int, offset: int,
                          length: int, dtype_code: int) -> None:
-        """Server-side ``segment[offset:offset+length] += src`` as that dtype."""
+        """Server-side ``segment[offset:...] += src`` as that dtype.  ``length``
+        is the bytes of ``src``; a widening dtype code (``protocol.WIRE_CODES``)
+        covers twice that of the segment (``protocol.accumulate_span``)."""
 
     @abc.abstractmethod
     async def fetch_add(self, segment: int, offset: int, value: int) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 
 from .. import _core
 from ..errors import NoSuchBuffer, OutOfBounds, TransportError
-from ..protocol import MASK64
+from ..protocol import DTYPE_SHIFT, MASK64, accumulate_span
 from ..rdma_device import Device, _verbs, alloc_pinned, get_device, unavailable_reason
 from .base import Transport
 from .tcp import TcpTransport
@@ -520,7 +520,11 @@ class RdmaTransport(Transport):
                          length: int, dtype_code: int) -> None:
         if self._failed is not None:
             raise self._failed
-        await self._remote(segment, offset, length)      # bounds, and that it exists
+        # bounds, and that it exists; ``pos`` below counts bytes of src, the
+        # segment's bytes go ``widen`` times as fast (a bf16 delta into float32)
+        span = accumulate_span(dtype_code << DTYPE_SHIFT, offset, length)
+        widen = span // length if length else 1
+        await self._remote(segment, offset, span)
         saddr, srkey, slot_size = self._staging
         pos = 0
         while pos < length:
@@ -536,7 +540,7 @@ class RdmaTransport(Transport):
                                           window, saddr + s * slot_size, srkey, n)
                 # ... then the server adds it in (over the control connection)
                 call = asyncio.ensure_future(self._tcp.accumulate_staged(
-                    segment, offset + pos, s * slot_size, n, dtype_code))
+                    segment, offset + pos * widen, s * slot_size, n, dtype_code))
                 try:
                     await asyncio.shield(call)
                 except asyncio.CancelledError:

@@ -1,0 +1,100 @@
+"""An ordinary torch training script, trained asynchronously through smb2.
+
+A small CNN on scikit-learn's digits (no download), SGD with momentum (or
+AdamW), a StepLR schedule, gradient clipping.  Start memory servers, then
+launch it with torchrun; every worker gets the same SMB2_SERVERS:
+
+    smb2-server --port 7420 & smb2-server --port 7421 &
+    SMB2_SERVERS=127.0.0.1:7420,127.0.0.1:7421 \\
+        torchrun --standalone --nproc-per-node 4 examples/torch_train.py
+
+The lines marked "smb2" are all that differ from the single-process script
+(docs/training.md shows the diff, and the one against DDP).  Each rank
+prints one JSON line: its steps, its last loss, and the test accuracy of the
+shared model once every rank finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import smb2.torch  # smb2
+from smb2.train import data
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+          x: torch.Tensor, y: torch.Tensor, shard: torch.Tensor, epochs: int, batch: int) -> float:
+    """The training loop, as in any torch script; returns the last loss."""
+    for epoch in range(epochs):
+        model.train()
+        order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(epoch))]
+        for i in range(0, len(order), batch):
+            idx = order[i:i + batch]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        sched.step()
+    return loss.item()
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.eval()
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item() * 100
+
+
+def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--name", default="digits-cnn", help="the store's name (one per job)")
+    p.add_argument("--staleness", type=int, default=1)
+    a = p.parse_args()
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # smb2
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
+    xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
+    model = make_model()
+    opt = make_optimizer(model, a.optimizer)
+    opt = smb2.torch.AsyncOptimizer(opt, model, name=a.name, staleness=a.staleness)  # smb2
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    shard = torch.arange(rank, len(xtr), world)  # smb2: this rank's share of the data
+
+    t0 = time.perf_counter()
+    loss = train(model, opt, sched, xtr, ytr, shard, a.epochs, a.batch)
+    stats = opt.stats()
+    opt.close(wait_all=300)  # smb2: wait for every rank, take the weights they trained
+
+    report = {"rank": rank, "world": world, "optimizer": a.optimizer, "steps": stats["steps"],
+              "loss": round(loss, 4), "accuracy": round(accuracy(model, xte, yte), 2),
+              "seconds": round(time.perf_counter() - t0, 2), "comm_wait_share": round(stats["comm_wait_share"], 3)}
+    print(json.dumps(report) + "\n", end="", flush=True)  # one write: ranks share torchrun's stdout
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,499 @@
+"""AsyncOptimizer: a torch optimizer whose steps reach a shared smb2 store.
+
+    opt = smb2.torch.AsyncOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), model,
+                                    name="run-17", rule="delta", staleness=1)
+    for x, y in loader:
+        loss_fn(model(x), y).backward()
+        opt.step(); opt.zero_grad()
+    opt.close()
+
+The training loop stays ordinary code: a background thread owns an event
+loop and the smb2 client.  ``step()`` runs the user's optimizer on the local
+weights, then hands the step's communication (push, then pull) to the
+background thread as one "exchange", and returns while it travels.
+
+Staleness.  After step ``t`` the model computes step ``t+1`` on the weights
+of the last pull it swapped in (issued after step ``k``) plus its own
+changes since then; ``t - k`` (its lag) never exceeds ``staleness``:
+``step()`` waits for the oldest exchange in flight until it does.
+``staleness=0`` is pull -> compute -> push in sequence; ``staleness=1`` lets
+the push of step ``t`` and the pull after it travel while step ``t+1``
+computes (ShmCaffe's overlap).  A finished exchange is swapped in at the
+next ``step()`` whatever the lag.
+
+What a step pushes depends on the rule:
+
+* ``delta`` (default): the change of the weights ``w_after - w_before`` made
+  by the user's optimizer (any optimizer; its state stays local); the
+  servers add it up.
+* ``accumulate`` / ``locked``: the gradients; the servers apply ``-lr * g``
+  with the optimizer's current learning rate (so schedulers apply).  Only a
+  plain ``torch.optim.SGD`` is allowed: momentum, weight decay or Adam would
+  be lost between the servers and the next pull, so anything else is refused
+  with a hint to use ``rule="delta"``.
+* ``easgd``: the user's optimizer trains the local copy; every ``tau`` steps
+  an elastic exchange with the shared center (local weights move by ``-d``
+  when it lands).
+
+Model buffers (BatchNorm's running mean and variance: floating-point
+buffers) are averaged through the store: each exchange adds
+``(b_now - b_then) / world`` to the shared copy, where ``b_then`` is the
+value this worker last took from it, and the worker then takes the shared
+copy.  With every worker doing so, the shared copy moves by the mean of the
+workers' changes, i.e. it follows the running statistics of all workers'
+batches (for EASGD buffers are averaged elastically with the weights).
+Integer buffers (``num_batches_tracked``) stay local.  Parameters with
+``requires_grad=False`` are not in the store and never pushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..client import Client, connect
+from ..errors import InterfaceError, InvalidArgumentError
+from .background import LoopThread
+from .dropping import LayerDropping
+from .rules import EASGD, Delta
+from .store import ParameterStore, resolve_rank
+from .torch_staging import Entry, Staging
+
+log = logging.getLogger("smb2.torch")
+
+#: push_dtype names -> the wire type of the accumulate (None: the store's dtype)
+PUSH_DTYPES = {"float32": None, "float64": None, "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def check_plain_sgd(optimizer: torch.optim.Optimizer, rule: str) -> None:
+    """Refuse an optimizer whose effect a gradient rule would drop."""
+    what = None
+    if type(optimizer) is not torch.optim.SGD:
+        what = type(optimizer).__name__
+    else:
+        for g in optimizer.param_groups:
+            extras = [k for k in ("momentum", "weight_decay", "dampening") if g.get(k)]
+            extras += [k for k in ("nesterov", "maximize") if g.get(k)]
+            if extras:
+                what = "SGD with " + ", ".join(f"{k}={g[k]}" for k in extras)
+                break
+        lrs = {float(g["lr"]) for g in optimizer.param_groups}
+        if what is None and len(lrs) > 1:
+            what = f"SGD with several learning rates {sorted(lrs)}"
+    if what is not None:
+        raise InvalidArgumentError(
+            f"rule {rule!r} applies -lr * gradient on the servers, so the torch optimizer ({what}) would be "
+            "ignored (its momentum, weight decay or adaptive state would never reach the shared weights): "
+            "use rule='delta'", hint="rule='delta' (the default) applies your optimizer locally and pushes "
+                                     "the change it makes")
+
+
+@dataclass
+class Exchange:
+    """One step's communication in flight, and the host memory it uses."""
+
+    step: int
+    stage: np.ndarray            # what goes out: changes (or, for EASGD, the local weights)
+    snapshot: np.ndarray         # what comes back: pulled weights (EASGD: the correction -d)
+    grads: np.ndarray | None     # gradient rules: the gradients that go out
+    lr: float = 0.0              # gradient rules: the learning rate of this step
+    since: list[Any] = field(default_factory=list)   # own changes after this exchange's push
+    changed_since: bool = False  # any change in ``since`` (else it is all zeros)
+    future: Any = None
+
+
+class AsyncOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` (any torch optimizer over ``model``'s parameters)
+    so that its steps train the shared store ``name``.
+
+    ``servers``: "h:p,..." or a list (default: ``SMB2_SERVERS``).  Every
+    worker of the job (torchrun's ``RANK``/``WORLD_SIZE``, or ``rank=`` /
+    ``world_size=``) opens the same store; rank 0 creates it from its
+    model's values (or resumes it), the others take those.  ``staleness``: how many of its own
+    steps a worker may run past its last pull (see the module's doc).
+    ``push_dtype``: the type changes travel as: "bfloat16" (default for a
+    bf16 model), "float16", or "float32"; the shared master copy is float32
+    either way.  ``resume``, ``stripe``, ``checkpoint_every``... go to
+    :meth:`ParameterStore.open` (the store's options), other keywords to the
+    rule (``tau``, ``alpha``, ``per_layer``...).  ``log_every``: steps between INFO lines
+    of :meth:`stats` on logger ``smb2.torch``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, name: str,
+                 rule: str = "delta", staleness: int = 0, servers: str | list[str] | None = None,
+                 resume: str | bool = "auto", push_dtype: str | None = None, timeout: float = 120.0,
+                 rank: int | None = None, world_size: int | None = None, dropping: LayerDropping | None = None,
+                 sync_buffers: bool = True, log_every: int = 100, **options: Any) -> None:
+        # torch's Optimizer.__init__ is not called: param_groups, state and
+        # defaults are the wrapped optimizer's (properties below)
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, AsyncOptimizer):
+            raise InvalidArgumentError(f"optimizer must be a torch optimizer, not {type(optimizer).__name__}")
+        if not isinstance(model, torch.nn.Module):
+            raise InvalidArgumentError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+            raise InvalidArgumentError(f"staleness must be an int >= 0, not {staleness!r}")
+        if not isinstance(rule, str):
+            raise InvalidArgumentError(f"rule must be a rule's name, not {type(rule).__name__}")
+        self.optimizer = optimizer
+        self.model = model
+        self.staleness = staleness
+        self.log_every = log_every
+        self.rank, self.world = resolve_rank(rank, world_size)
+        self._entries = self._synced_tensors(model, optimizer, sync_buffers)
+        self.rule_name = rule
+        self._gradient_rule = rule in ("accumulate", "locked")
+        if self._gradient_rule:
+            check_plain_sgd(optimizer, rule)
+            options.setdefault("lr", float(optimizer.param_groups[0]["lr"]))
+        self.push_dtype = self._push_dtype(push_dtype)
+        self._loop = LoopThread(f"smb2-{name}")
+        self._client: Client | None = None
+        try:
+            self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
+                                                   dict(options, resume=resume)))
+        except BaseException:
+            self._loop.run(self._close_client())
+            self._loop.stop()
+            raise
+        #: the EASGD rule, when that is the rule (its exchanges are every tau steps)
+        self._easgd = self.store.rule if isinstance(self.store.rule, EASGD) else None
+        flat = self.store.flat()
+        self.staging = Staging(torch, [Entry(n, t, self.store.flat_offset(n), 1.0 if param else 1.0 / self.world,
+                                              param) for n, t, param in self._entries], flat.size, flat.dtype)
+        self._register = self.staging.cuda
+        self.staging.swap(flat, None)          # rank 0's values (or the resumed ones) for everyone
+        self._free: list[Exchange] = []
+        self._inflight: collections.deque[Exchange] = collections.deque()
+        self.steps = self.store.start_step
+        self._pulled_at = self.steps            # the step after which the weights in use were pulled
+        self._stats = {"steps": 0, "wait_s": 0.0, "max_lag": 0, "exchanges": 0}
+        self._lags: collections.Counter[int] = collections.Counter()
+        self._t_first: float | None = None
+        self.closed = False
+
+    # -- setting up --------------------------------------------------------------
+    @staticmethod
+    def _synced_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, buffers: bool
+                        ) -> list[tuple[str, torch.Tensor, bool]]:
+        """(name, tensor, is a parameter) of what the store holds: trainable
+        parameters, floating-point buffers."""
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not params:
+            raise InvalidArgumentError("the model has no parameters that require a gradient: nothing to train")
+        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        ours = {id(p) for _, p in model.named_parameters()}
+        if owned - ours:
+            raise InvalidArgumentError(
+                f"the optimizer holds {len(owned - ours)} tensors that are not parameters of the model: "
+                "their updates would never be shared",
+                hint="build the optimizer from model.parameters() of the model you pass")
+        frozen_owned = [n for n, p in model.named_parameters() if not p.requires_grad and id(p) in owned]
+        if frozen_owned:
+            log.info("parameters %s do not require a gradient: kept local, never pushed", frozen_owned)
+        for n, t in params:
+            if not t.is_floating_point():
+                raise InvalidArgumentError(f"parameter {n!r} is {t.dtype}; smb2.torch trains float parameters")
+        out: list[tuple[str, torch.Tensor, bool]] = [(n, p, True) for n, p in params]
+        if buffers:
+            out += [(n, b, False) for n, b in model.named_buffers() if b.is_floating_point()]
+        return out
+
+    def _push_dtype(self, push_dtype: str | None) -> str | None:
+        """The wire type of pushes (None: the store's dtype)."""
+        if push_dtype is None:
+            bf16 = any(t.dtype == torch.bfloat16 for _, t, _ in self._entries)
+            return "bfloat16" if bf16 and self.rule_name == "delta" else None
+        if push_dtype not in PUSH_DTYPES:
+            raise InvalidArgumentError(f"push_dtype must be one of {', '.join(PUSH_DTYPES)}, not {push_dtype!r}")
+        wire = PUSH_DTYPES[push_dtype]
+        if wire is not None and self.rule_name != "delta":
+            raise InvalidArgumentError(f"push_dtype={push_dtype!r} applies to rule 'delta', not {self.rule_name!r}")
+        return wire
+
+    async def _open(self, servers: str | list[str] | None, name: str, rule: str, dropping: LayerDropping | None,
+                    timeout: float, options: dict[str, Any]) -> ParameterStore:
+        self._client = await connect(servers)
+        arrays = {n: t.detach().to("cpu", torch.float64 if self._store_f64 else torch.float32).numpy()
+                  for n, t, _ in self._entries}
+        # the store takes its own options (resume, stripe, checkpoint_every...) and hands the rest to the rule
+        store = await ParameterStore.open(self._client, name, arrays, rule=rule, workers=self.world,
+                                          rank=self.rank, dropping=dropping, timeout=timeout, **options)
+        if store.workers != self.world:
+            raise InvalidArgumentError(f"store {name!r} was made for {store.workers} workers; this job has "
+                                       f"{self.world} (WORLD_SIZE)", hint="use another name, or the same WORLD_SIZE")
+        store.rule.wire = self.push_dtype     # the client converts (half the bytes on the wire)
+        await store.join(timeout)
+        return store
+
+    @property
+    def _store_f64(self) -> bool:
+        return all(t.dtype == torch.float64 for _, t, param in self._entries if param)
+
+    # -- torch.optim.Optimizer's face: the wrapped optimizer's state ------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise InterfaceError("AsyncOptimizer's store is laid out when it is made: parameters cannot be added",
+                             hint="create the torch optimizer with every parameter group first")
+
+    def __repr__(self) -> str:
+        return (f"AsyncOptimizer({self.optimizer.__class__.__name__}, store={self.store.buf.name!r}, "
+                f"rule={self.rule_name!r}, staleness={self.staleness}, rank={self.rank}/{self.world})")
+
+    # -- training ------------------------------------------------------------------
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One step of the wrapped optimizer on the local weights, then its
+        exchange with the store (see the module's doc).  Raises here any
+        error the background exchange met, with its original type."""
+        self._check_open()
+        self._raise_failed()
+        t_start = time.perf_counter()
+        if self._t_first is None:
+            self._t_first = t_start
+        if self._gradient_rule:
+            check_plain_sgd(self.optimizer, self.rule_name)
+        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self.steps += 1
+        wait = 0.0
+        if self._easgd:
+            if self.steps % self._easgd.tau == 0:
+                wait += self._settle(limit=0)               # one exchange with the center at a time
+                self._launch()
+            else:
+                wait += self._settle(limit=None)
+        else:
+            self._launch()
+            wait += self._settle(limit=self.staleness)
+        lag = self.lag
+        self._lags[lag] += 1
+        self._stats["max_lag"] = max(self._stats["max_lag"], lag)
+        self._stats["steps"] += 1
+        self._stats["wait_s"] += wait
+        if self.log_every and self._stats["steps"] % self.log_every == 0:
+            log.info("rank %d step %d: %s", self.rank, self.steps, self.stats())
+        return loss
+
+    def _take(self) -> Exchange:
+        if self._free:
+            ex = self._free.pop()
+            if ex.changed_since:
+                for t in ex.since:
+                    t.zero_()
+            ex.changed_since = False
+        else:
+            st = self.staging
+            ex = Exchange(0, st.host_array(), st.host_array(), st.host_array() if self._gradient_rule else None,
+                          since=st.new_since())
+            if self._register:
+                for arr in (ex.stage, ex.snapshot):
+                    self._loop.run(self._register_array(arr))
+        ex.step = self.steps
+        return ex
+
+    def _launch(self) -> None:
+        ex = self._take()
+        st = self.staging
+        if self._easgd:
+            st.load(ex.stage)
+        else:
+            st.capture(ex.stage, [e.since for e in self._inflight])
+            for e in self._inflight:
+                e.changed_since = True
+            if ex.grads is not None:
+                self._stage_grads(ex.grads)
+                ex.lr = float(self.optimizer.param_groups[0]["lr"])     # this step's (schedulers apply)
+        ex.future = self._loop.submit(self._exchange(ex))
+        self._inflight.append(ex)
+        self._stats["exchanges"] += 1
+
+    def _stage_grads(self, out: np.ndarray) -> None:
+        with torch.no_grad():
+            for e in self.staging.entries:
+                if e.param and e.tensor.grad is not None:
+                    n = e.tensor.numel()
+                    torch.from_numpy(out[e.offset:e.offset + n]).copy_(e.tensor.grad.reshape(-1))
+
+    def _settle(self, limit: int | None) -> float:
+        """Swap in the exchanges that are done; wait for the oldest until
+        the lag is at most ``limit`` (None: never wait).  Seconds waited."""
+        waited = 0.0
+        while self._inflight:
+            ex = self._inflight[0]
+            if not ex.future.done():
+                if limit is None or self.steps - self._pulled_at <= limit:
+                    break
+                t0 = time.perf_counter()
+                try:
+                    ex.future.result()
+                finally:
+                    waited += time.perf_counter() - t0
+            self._inflight.popleft()
+            ex.future.result()          # its error, in its type
+            self._land(ex)
+        return waited
+
+    def _land(self, ex: Exchange) -> None:
+        if self._easgd:
+            self.staging.add(ex.snapshot)
+        else:
+            # the pull saw this worker's changes up to ex.step; its later
+            # ones (ex.since) are added back on top
+            self.staging.swap(ex.snapshot, ex.since if ex.changed_since else None)
+        self._pulled_at = ex.step
+        self._free.append(ex)
+
+    async def _exchange(self, ex: Exchange) -> None:
+        """Push ``ex``'s step, then pull (in the background loop)."""
+        st = self.store
+        if self.staging.cuda:
+            await asyncio.to_thread(self.staging.ready)       # the side stream's copies into ex.stage
+        views = {e.name: ex.stage[e.offset:e.offset + e.tensor.numel()] for e in self.staging.entries}
+        if self._easgd:
+            flat = st.flat()
+            flat[...] = ex.stage
+            await self._easgd.exchange()
+            np.subtract(flat, ex.stage, out=ex.snapshot)     # -d: how the local weights move
+        else:
+            if ex.grads is not None:
+                grads = {e.name: ex.grads[e.offset:e.offset + e.tensor.numel()].reshape(e.tensor.shape)
+                         for e in self.staging.entries if e.param}
+                buffers = {e.name: views[e.name] for e in self.staging.entries if not e.param}
+                st.rule.lr = ex.lr
+                await st.push(grads)
+                await _accumulate_each(st, buffers)
+            elif isinstance(st.rule, Delta) and st.dropping is None:
+                await st.rule.push_region(ex.stage)      # the stage is laid out like the data region
+            else:
+                await st.push({n: v.reshape(st.params[n].shape) for n, v in views.items()})
+            await st.buf.read_into(ex.snapshot, st.data_off)
+            st.stats["pulls"] += 1
+            st.stats["bytes_pulled"] += ex.snapshot.nbytes
+        await st.heartbeat(ex.step)
+
+    # -- state and the end -----------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Steps, seconds the training thread waited on communication, their
+        share of its time since the first step, the largest lag seen, and
+        the store's byte counts."""
+        s: dict[str, Any] = dict(self._stats)
+        elapsed = time.perf_counter() - self._t_first if self._t_first is not None else 0.0
+        s["elapsed_s"] = elapsed
+        s["comm_wait_share"] = s["wait_s"] / elapsed if elapsed > 0 else 0.0
+        s["lags"] = dict(sorted(self._lags.items()))
+        s.update({k: v for k, v in self.store.stats.items() if k.startswith("bytes")})
+        return s
+
+    @property
+    def lag(self) -> int:
+        """Own steps the model's weights run past its last pull (at most
+        ``staleness`` when :meth:`step` returns)."""
+        return self.steps - self._pulled_at
+
+    @property
+    def start_step(self) -> int:
+        """The step this worker started from (0 unless the store resumed)."""
+        return self.store.start_step
+
+    @property
+    def resumed(self) -> bool:
+        return self.store.resumed
+
+    def flush(self) -> None:
+        """Wait for every exchange in flight and swap in the last pull."""
+        self._check_open()
+        t0 = time.perf_counter()
+        self._settle(limit=-1)
+        self._stats["wait_s"] += time.perf_counter() - t0
+
+    def pull(self) -> None:
+        """Flush, then take the shared weights (e.g. to evaluate the model
+        the workers train together; EASGD: the center)."""
+        self.flush()
+        self._take_shared()
+
+    def _take_shared(self) -> None:
+        snapshot = self.staging.host_array()
+        self._loop.run(self.store.buf.read_into(snapshot, self.store.data_off))
+        self.staging.swap(snapshot, None)
+
+    def close(self, *, wait_all: float | None = None) -> None:
+        """Flush, tell the store this worker finished (it is never
+        destroyed here: other workers may still train), close the client
+        and stop the background thread.  Raises what the last exchanges met.
+
+        ``wait_all=T``: then wait up to ``T`` s until every worker finished
+        and take the final shared weights into the model (to evaluate or save
+        the model the job trained); the timeout names the ranks still out."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._settle(limit=-1)
+            self._loop.run(self.store.finish())
+            if wait_all is not None:
+                self._loop.run(self.store.wait_finished(wait_all))
+                self._take_shared()
+        finally:
+            try:
+                self._loop.run(self._close_client())
+            finally:
+                self._loop.stop()
+        log.info("rank %d closed after %d steps: %s", self.rank, self.steps, self.stats())
+
+    async def _register_array(self, arr: np.ndarray) -> None:
+        """Pinned host memory registered with the client: RDMA reads and
+        writes land in it without copies (nothing to do over TCP)."""
+        assert self._client is not None
+        self._client.register(arr)
+
+    async def _close_client(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    def __enter__(self) -> AsyncOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise InterfaceError("the AsyncOptimizer is closed")
+
+    def _raise_failed(self) -> None:
+        for ex in self._inflight:
+            if ex.future.done() and ex.future.exception() is not None:
+                ex.future.result()
+
+
+async def _accumulate_each(st: ParameterStore, changes: dict[str, np.ndarray]) -> None:
+    await asyncio.gather(*(st.buf.accumulate(st.ranges[n][0], d) for n, d in changes.items()))
+
+
+__all__ = ["AsyncOptimizer", "check_plain_sgd"]

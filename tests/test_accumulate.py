@@ -1,0 +1,215 @@
+"""bf16/fp16 pushes end to end: ``Buffer.accumulate(offset, delta, wire=...)``
+sends a float32 delta as half-width floats and each server upcasts it into
+its float32 words.  Real servers: a LocalCluster (every transport this
+machine tests), in-process servers with a small frame limit, and raw frames
+for what a client would never send."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgpack
+import numpy as np
+import pytest
+
+import smb2
+import wire as raw
+from narrow_floats import NARROW, same_floats, widen
+from smb2.errors import ErrorCode
+from smb2.protocol import DTYPE_SHIFT, FLAG_STAGED, WIRE_CODES, Op
+
+WIRES = sorted(WIRE_CODES)
+STRIPE = 4096
+
+
+def _expected(base: np.ndarray, delta: np.ndarray, wire: str) -> np.ndarray:
+    """fp32 += upcast(round(delta)), in numpy."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return base + widen(NARROW[wire](delta), wire)
+
+
+def _values(rng: np.random.Generator, n: int) -> np.ndarray:
+    # spread over many binades, so that rounding to 8 (bf16) or 11 (fp16)
+    # mantissa bits loses something almost everywhere
+    return (rng.standard_normal(n) * 2.0 ** rng.integers(-12, 12, n)).astype(np.float32)
+
+
+@pytest.mark.parametrize("wire", WIRES)
+async def test_push_across_stripes_and_servers(client: smb2.Client, wire: str) -> None:
+    rng = np.random.default_rng(1)
+    buf = await client.create("acc-" + wire, 9 * 4 * STRIPE, stripe=STRIPE)
+    base = _values(rng, buf.nbytes // 4)
+    await buf.write(0, base)
+    # from the middle of a stripe, across all four servers twice, to the
+    # middle of another
+    offset, n = STRIPE + 1000, (7 * 4 * STRIPE) // 4 + 333
+    delta = _values(rng, n)
+    await buf.accumulate(offset, delta, wire=wire)
+    got = (await buf.read(0, buf.nbytes)).view(np.float32)
+    lo, hi = offset // 4, offset // 4 + n
+    assert np.array_equal(got[:lo], base[:lo]) and np.array_equal(got[hi:], base[hi:])
+    assert same_floats(got[lo:hi], _expected(base[lo:hi], delta, wire))
+    # the delta really travelled narrower: a float32 push lands elsewhere
+    assert not same_floats(got[lo:hi], base[lo:hi] + delta)
+
+
+@pytest.fixture
+async def small_frames() -> AsyncIterator[list[smb2.Server]]:
+    """Three servers whose 16 KiB frame limit makes clients cut requests
+    into many pieces per server."""
+    servers = [await smb2.start_server("127.0.0.1", 0, capacity="16MiB", max_frame=16 << 10)
+               for _ in range(3)]
+    yield servers
+    for s in servers:
+        await s.close()
+
+
+@pytest.mark.parametrize("wire", WIRES)
+async def test_push_cut_into_many_requests(small_frames: list[smb2.Server], transport: str,
+                                          wire: str) -> None:
+    rng = np.random.default_rng(2)
+    async with await smb2.connect([s.address for s in small_frames], transport=transport) as c:
+        buf = await c.create("cut", 3 * 8 * 16384, stripe=16384)
+        base = _values(rng, buf.nbytes // 4)
+        await buf.write(0, base)
+        delta = _values(rng, base.size - 3)
+        await buf.accumulate(8, delta, wire=wire)
+        got = (await buf.read(0, buf.nbytes)).view(np.float32)
+    assert same_floats(got[2:-1], _expected(base[2:-1], delta, wire))
+    assert got[:2].tobytes() == base[:2].tobytes() and got[-1:].tobytes() == base[-1:].tobytes()
+    if transport == "tcp":
+        # every server did its share in several requests, each at most 16 KiB
+        # of float32 (over RDMA the frames carry only the staging slot's name)
+        for s in small_frames:
+            assert s.ops["tcp"]["accumulate"] >= 8
+
+
+async def test_concurrent_pushes_from_several_clients_all_land(cluster: smb2.LocalCluster,
+                                                               transport: str) -> None:
+    clients = [await cluster.connect(transport=transport) for _ in range(4)]
+    try:
+        buf0 = await clients[0].create("sum", 5 * 4 * STRIPE + 96, stripe=STRIPE)
+        bufs = [await c.attach("sum") for c in clients]
+        n = buf0.nbytes // 4
+        rounds = 12
+
+        async def worker(k: int, buf: smb2.Buffer) -> None:
+            # small integers are exact in both narrow types: the sum is exact
+            # whatever order the servers apply the pushes in
+            for j in range(rounds):
+                await buf.accumulate(0, np.full(n, k + 1 + j % 3, np.float32),
+                                     wire=(None, "bfloat16", "float16")[(k + j) % 3])
+
+        await asyncio.gather(*(worker(k, b) for k, b in enumerate(bufs)))
+        total = sum(k + 1 + j % 3 for k in range(4) for j in range(rounds))
+        out = (await buf0.read(0, buf0.nbytes)).view(np.float32)
+        assert (out == total).all(), np.unique(out)
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def test_wire_argument_errors(client: smb2.Client) -> None:
+    buf = await client.create("args", 4 * STRIPE, stripe=STRIPE)
+    ones = np.ones(16, np.float32)
+    with pytest.raises(smb2.InvalidArgumentError, match=r"float32 delta .* float64"):
+        await buf.accumulate(0, ones.astype(np.float64), wire="bfloat16")
+    with pytest.raises(smb2.InvalidArgumentError, match="float32 delta"):
+        await buf.accumulate(0, ones.astype(">f4"), wire="float16")
+    with pytest.raises(smb2.InvalidArgumentError, match="wire must be None, 'bfloat16' or 'float16'"):
+        await buf.accumulate(0, ones, wire="int8")
+    with pytest.raises(smb2.InvalidArgumentError, match="wire must be"):
+        await buf.accumulate(0, ones, wire=np.float16)             # type: ignore[arg-type]
+    with pytest.raises(smb2.InvalidArgumentError, match="aligned to 4 bytes"):
+        await buf.accumulate(2, ones, wire="bfloat16")
+    # the range is the float32 one: 64 bytes here, though only 32 travel
+    with pytest.raises(smb2.InvalidArgumentError, match="runs past the end"):
+        await buf.accumulate(buf.nbytes - 48, ones, wire="bfloat16")
+    assert not (await buf.read(0, buf.nbytes)).any()
+
+
+# -- the server's checks, with frames no client would send ----------------
+
+@pytest.fixture
+async def server() -> AsyncIterator[smb2.Server]:
+    s = await smb2.start_server("127.0.0.1", 0, capacity="16MiB")
+    yield s
+    await s.close()
+
+
+def _acc(code: int, payload: bytes, *, segment: int, offset: int, rid: int, flags: int = 0) -> bytes:
+    return raw.frame(Op.ACCUMULATE, payload, rid=rid, segment=segment, offset=offset,
+                     flags=code << DTYPE_SHIFT | flags)
+
+
+async def test_bad_widening_requests_are_refused_and_write_nothing(server: smb2.Server) -> None:
+    async with await smb2.connect([server.address]) as c:
+        await c.create("victim", 2 * STRIPE)
+    seg = server.by_name["victim"]
+    bf16, f16 = WIRE_CODES["bfloat16"], WIRE_CODES["float16"]
+    one = np.full(4, 0x3F80, np.uint16).tobytes()        # four bf16 1.0: 16 bytes of float32
+    bad = [
+        (_acc(bf16, one, segment=seg.id, offset=2, rid=2), ErrorCode.BAD_REQUEST,
+         "bfloat16 into float32 needs an offset aligned to 4 bytes"),
+        (_acc(f16, one[:7], segment=seg.id, offset=0, rid=3), ErrorCode.BAD_REQUEST,
+         "whole 2-byte items"),
+        # 8 bytes of payload would fit before the end; the 16 bytes it covers do not
+        (_acc(f16, one, segment=seg.id, offset=seg.size - 8, rid=4), ErrorCode.OUT_OF_BOUNDS,
+         "outside segment"),
+        (_acc(7, one, segment=seg.id, offset=0, rid=5), ErrorCode.BAD_REQUEST,
+         "unknown accumulate dtype code 7"),
+        (_acc(bf16, one, segment=0, offset=0, rid=6), ErrorCode.ACCESS_DENIED, "lock segment"),
+        (_acc(bf16, one, segment=0, offset=0, rid=7, flags=FLAG_STAGED), ErrorCode.ACCESS_DENIED,
+         "lock segment"),
+        (_acc(bf16, bytes(16), segment=seg.id, offset=0, rid=8, flags=FLAG_STAGED),
+         ErrorCode.BAD_REQUEST, "needs rdma_connect"),
+    ]
+    locks_before = bytes(server.segments[0].mem)
+    reader, writer = await asyncio.open_connection(*server.address)
+    try:
+        writer.write(raw.hello() + b"".join(frame for frame, _, _ in bad))
+        await raw.reply(reader)
+        for _, code, message in bad:
+            hdr, body = await raw.reply(reader)
+            assert hdr[4] == code, (hdr, body)
+            assert message in msgpack.unpackb(body)["message"]
+        assert not seg.mem.any() and bytes(server.segments[0].mem) == locks_before
+        # the connection is still good, and the same frame done right adds
+        writer.write(_acc(bf16, one, segment=seg.id, offset=seg.size - 16, rid=9))
+        hdr, _ = await raw.reply(reader)
+        assert hdr[4] == 0 and hdr[5] == 9
+        assert (seg.mem[-16:].view(np.float32) == 1).all() and not seg.mem[:-16].any()
+    finally:
+        writer.close()
+
+
+async def test_widening_push_waits_for_a_write_into_its_upper_half(server: smb2.Server) -> None:
+    """An accumulate is atomic against writes: it waits for a write still
+    being received into any part of the float32 range it covers, including
+    the half beyond its own payload's length."""
+    async with await smb2.connect([server.address]) as c:
+        buf = await c.create("held", 4 * STRIPE, stripe=4 * STRIPE)
+        seg = server.by_name["held"]
+        # a write of [3072, 4096) of float32 2.0 arrives half way, then stalls
+        twos = np.full(256, 2.0, np.float32).tobytes()
+        reader, writer = await asyncio.open_connection(*server.address)
+        writer.write(raw.hello() + raw.frame(Op.WRITE, twos[:512], rid=2, segment=seg.id,
+                                             offset=3072, length=len(twos)))
+        await raw.reply(reader)
+        for _ in range(500):
+            if seg.inflight:
+                break
+            await asyncio.sleep(0.01)
+        assert seg.inflight == [(3072, 4096)]
+        # 1024 bf16 ones: 2048 bytes of payload, covering [0, 4096) of float32
+        push = asyncio.ensure_future(buf.accumulate(0, np.ones(1024, np.float32), wire="bfloat16"))
+        await asyncio.sleep(0.3)
+        assert not push.done() and not seg.mem[:3072].any()
+        writer.write(twos[512:])
+        await asyncio.wait_for(push, 10)
+        hdr, _ = await raw.reply(reader)
+        assert hdr[4] == 0
+        writer.close()
+        got = (await buf.read(0, 4096)).view(np.float32)
+    assert (got[:768] == 1).all() and (got[768:] == 3).all()

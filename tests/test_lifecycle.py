@@ -1,0 +1,501 @@
+"""The life of a training job on a parameter store: runs (generations) that
+start fresh or resume, the start and end barriers, heartbeats and stalled
+ranks, workers killed and restarted, a restarted rank 0, placement over all
+servers, checkpoints, ``smb2 ls`` / ``smb2 rm``.
+
+Real servers (LocalCluster); where a process must die, a real worker process
+is killed with SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import smb2
+from smb2.train import ParameterStore
+from smb2.train import lifecycle as lc
+from smb2.train.store import choose_stripe, resolve_rank
+
+
+def _params(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((16, 8)).astype(np.float32), "b": rng.standard_normal(8).astype(np.float32)}
+
+
+def _ones() -> dict[str, np.ndarray]:
+    return {k: np.ones_like(v) for k, v in _params().items()}
+
+
+async def _open_all(cluster: smb2.LocalCluster, name: str, workers: int, *, first: int = 0,
+                    **kw: Any) -> list[ParameterStore]:
+    """Every rank of a job opens the store, each with its own client; rank
+    ``first`` starts first (the others open while it waits)."""
+    clients = [await cluster.connect() for _ in range(workers)]
+    order = [first] + [r for r in range(workers) if r != first]
+    tasks = {}
+    for r in order:
+        tasks[r] = asyncio.ensure_future(
+            ParameterStore.open(clients[r], name, _params(r), workers=workers, rank=r, timeout=20, **kw))
+        await asyncio.sleep(0.05)
+    return [await tasks[r] for r in range(workers)]
+
+
+async def _train(store: ParameterStore, steps: int) -> None:
+    for s in range(store.start_step + 1, store.start_step + steps + 1):
+        await store.push(_ones())
+        await store.heartbeat(s)
+    await store.heartbeat(store.start_step + steps, force=True)
+
+
+def _words(store: ParameterStore) -> lc.Control:
+    assert store.control is not None
+    return store.control
+
+
+# -- re-runs ----------------------------------------------------------------------
+
+async def test_rerun_after_a_crash_resumes_then_starts_fresh_when_asked(cluster: smb2.LocalCluster,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    # run 1: two ranks train 5 and 7 steps, then "crash" (never finish)
+    run1 = await _open_all(cluster, "lc-rerun", 2)
+    await asyncio.gather(*(s.join(timeout=10) for s in run1))
+    await asyncio.gather(_train(run1[0], 5), _train(run1[1], 7))
+    await run1[0].pull()
+    weights1 = run1[0].flat().copy()
+    assert await run1[0].read_version() == 12
+
+    # run 2, default resume="auto": rank 1 arrives first and sees run 1 (it
+    # was in it: it waits for rank 0's new run instead of rejoining)
+    with caplog.at_level(logging.WARNING, logger="smb2.train"):
+        run2 = await _open_all(cluster, "lc-rerun", 2, first=1)
+    assert "resuming store 'lc-rerun' at version 12, step 5 (an earlier run did not finish); " \
+           "pass resume=False to start over" in caplog.text
+    for s, step in zip(run2, (5, 7)):
+        assert (s.generation, s.resumed, s.start_step) == (2, True, step)
+        assert np.array_equal(s.flat(), weights1)          # the old weights, with their steps
+    c = await run2[0].refresh()
+    assert c.generation == 2 and c.version == 12 and c.steps.tolist() == [5, 7]
+    # the new run's start barrier does not pass on run 1's joins
+    assert c.joined.tolist() == [2, 1] and c.missing() == [1] and c.finished.tolist() == [0, 0]
+    with pytest.raises(smb2.NotifyTimeout, match=r"1 of 2 workers joined store 'lc-rerun' within 0.3 s "
+                                                 r"\(missing ranks: 1\); check WORLD_SIZE \(2\)"):
+        await run2[0].join(timeout=0.3)
+    await asyncio.gather(*(s.join(timeout=10) for s in run2))
+
+    # run 3, resume=False: every control word starts over, and the weights
+    run3 = await _open_all(cluster, "lc-rerun", 2, resume=False)
+    for s in run3:
+        assert (s.generation, s.resumed, s.start_step) == (3, False, 0)
+        assert np.array_equal(s.params["w"], _params(0)["w"])    # rank 0's initial values
+    c = await run3[0].refresh()
+    assert c.generation == 3 and c.version == 0 and not c.stopped
+    assert c.steps.tolist() == [0, 0] and c.joined.tolist() == [3, 0] and c.finished.tolist() == [0, 0]
+    assert c.age(0) < 5 and c.age(1) < 5        # both heard from in this run
+    # ... and the old run's ranks are told at their next heartbeat
+    for old in run1 + run2:
+        with pytest.raises(smb2.InterfaceError, match="re-opened by a newer run"):
+            await old.heartbeat(99, force=True)
+
+
+async def test_rerun_after_a_finished_run_starts_fresh(cluster: smb2.LocalCluster,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    run1 = await _open_all(cluster, "lc-done", 3)
+    await asyncio.gather(*(s.join(timeout=10) for s in run1))
+    await asyncio.gather(*(_train(s, 3) for s in run1))
+    await asyncio.gather(*(s.finish() for s in run1))
+    await asyncio.gather(*(s.wait_finished(timeout=10) for s in run1))
+    assert (await run1[0].refresh()).run_finished()
+
+    with caplog.at_level(logging.INFO, logger="smb2.train"):
+        run2 = await _open_all(cluster, "lc-done", 3, first=2)
+    assert "run 2 starts fresh (the earlier run finished)" in caplog.text
+    for s in run2:
+        assert (s.generation, s.resumed, s.start_step) == (2, False, 0)
+        assert np.array_equal(s.params["b"], _params(0)["b"])
+    c = await run2[0].refresh()
+    assert c.version == 0 and c.steps.tolist() == [0, 0, 0] and not c.run_finished()
+    # the end barrier of the new run does not pass on the old run's finish
+    await run2[0].finish()
+    with pytest.raises(smb2.NotifyTimeout, match=r"1 of 3 workers finished store 'lc-done' within 0.2 s; "
+                                                 r"rank 1 has not joined; rank 2 has not joined"):
+        await run2[0].wait_finished(timeout=0.2)
+
+
+async def test_resume_true_keeps_a_finished_runs_weights(cluster: smb2.LocalCluster) -> None:
+    (s,) = await _open_all(cluster, "lc-resume", 1)
+    await s.join()
+    await _train(s, 4)
+    await s.finish()
+    (again,) = await _open_all(cluster, "lc-resume", 1, resume=True)
+    assert (again.generation, again.resumed, again.start_step) == (2, True, 4)
+    assert np.array_equal(again.flat(), s.flat())
+
+
+async def test_a_late_rank_follows_rank_0_into_its_new_run(cluster: smb2.LocalCluster) -> None:
+    """Rank 2 of a new job arrives while the old run (which never had a
+    rank 2) still looks open, and joins it; rank 0 of the new job then
+    opens a fresh run: rank 2's barrier moves it there, with the new weights."""
+    c = await cluster.connect()
+    old0 = await ParameterStore.open(c, "lc-late", _params(7), workers=3, rank=0)
+    c1 = await cluster.connect()
+    old1 = await ParameterStore.open(c1, "lc-late", _params(7), workers=3, rank=1)
+    await old1.heartbeat(3, force=True)
+    # the new job's rank 2 comes first and picks the old, open run
+    c2 = await cluster.connect()
+    late = await ParameterStore.open(c2, "lc-late", _params(2), workers=3, rank=2)
+    assert late.generation == 1
+    new0 = await ParameterStore.open(await cluster.connect(), "lc-late", _params(0), workers=3, rank=0,
+                                     resume=False)
+    barrier = asyncio.ensure_future(late.join(timeout=10))
+    new1 = await ParameterStore.open(await cluster.connect(), "lc-late", _params(1), workers=3, rank=1)
+    await asyncio.gather(barrier, new0.join(timeout=10), new1.join(timeout=10))
+    assert late.generation == new0.generation == new1.generation == 2
+    assert np.array_equal(late.params["w"], _params(0)["w"])
+    with pytest.raises(smb2.InterfaceError, match="re-opened by a newer run"):
+        await old0.join(timeout=1)
+
+
+# -- heartbeats, stalls, the end -----------------------------------------------------
+
+async def test_a_stalled_rank_is_named(cluster: smb2.LocalCluster) -> None:
+    stores = await _open_all(cluster, "lc-stall", 2)
+    await asyncio.gather(*(s.join(timeout=10) for s in stores))
+    await stores[1].heartbeat(340, force=True)     # ... and then nothing
+    await _train(stores[0], 3)
+    await stores[0].finish()
+    await asyncio.sleep(1.1)
+    with pytest.raises(smb2.NotifyTimeout, match=r"1 of 2 workers finished store 'lc-stall' within 0.2 s; "
+                                                 r"rank 1 last reported step 340, [12] s ago"):
+        await stores[0].wait_finished(timeout=0.2)
+    stalled = stores[0].stalled(1.0)
+    assert [(r, step) for r, step, _age in stalled] == [(1, 340)] and stalled[0][2] >= 1.0
+    assert stores[0].stalled(30) == []
+    # the other waits speak of updates and steps too, not of bytes
+    with pytest.raises(smb2.NotifyTimeout, match=r"store 'lc-stall' got 3 updates, still fewer than 5 after 0.1 s"):
+        await stores[0].wait_version(5, timeout=0.1)
+    with pytest.raises(smb2.NotifyTimeout, match=r"end policy of store 'lc-stall' did not fire within 0.1 s "
+                                                 r"\(the ranks' steps: \[3, 340\]\)"):
+        await stores[0].wait_stopped(timeout=0.1)
+    await stores[1].finish()
+    await stores[0].wait_finished(timeout=5)
+    # finishing destroys nothing: the store is still there for evaluation
+    assert "lc-stall" in await stores[0].client.buffers()
+
+
+async def test_rank_world_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("SMB2_RANK", "SMB2_WORLD_SIZE", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert resolve_rank() == (0, 1)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")          # one torchrun per worker: torchrun's own view ...
+    monkeypatch.setenv("SMB2_RANK", "2")
+    monkeypatch.setenv("SMB2_WORLD_SIZE", "4")     # ... and the job's
+    assert resolve_rank() == (2, 4)
+    assert resolve_rank(1, 3) == (1, 3)
+    monkeypatch.setenv("SMB2_RANK", "x")
+    with pytest.raises(smb2.InvalidArgumentError, match="SMB2_RANK='x' is not an integer"):
+        resolve_rank()
+    with pytest.raises(smb2.InvalidArgumentError, match="WORLD_SIZE=4"):
+        resolve_rank(4, 4)
+
+
+Ranks = dict[int, tuple[int, int, float, int]]
+
+
+def _control(workers: int, gen: int, ranks: Ranks, now: int = 10_000_000) -> lc.Control:
+    """Control words: run ``gen``; per rank (joined run, step, heartbeat age s, finished run)."""
+    words = np.zeros(lc.slots_for(workers), np.int64)
+    words[lc.GENERATION] = gen
+    for r, (joined, step, age, finished) in ranks.items():
+        base = lc.rank_word(r, 0)
+        words[base:base + 4] = [joined, step, now - int(age * 1000), finished]
+    return lc.Control.parse(words, workers, at_ms=now)
+
+
+@pytest.mark.parametrize("ranks,resume,restarted,action", [
+    ({}, "auto", False, "fresh"),                                                   # (run 0: a new store)
+    ({0: (1, 5, 1, 0), 1: (1, 7, 1, 0)}, "auto", False, "resume"),                  # crashed (or running)
+    ({0: (1, 5, 1, 1), 1: (1, 7, 1, 1)}, "auto", False, "fresh"),                   # finished
+    ({0: (1, 5, 1, 1), 1: (1, 7, 1, 1)}, True, False, "resume"),
+    ({0: (1, 5, 1, 0), 1: (1, 7, 1, 0)}, False, False, "fresh"),
+    ({0: (1, 5, 1, 0), 1: (1, 7, 1, 0)}, False, True, "rejoin"),                    # the run goes on
+    ({0: (1, 5, 90, 0), 1: (1, 7, 90, 0)}, False, True, "resume"),                  # all silent: a new run
+    ({0: (1, 5, 90, 1), 1: (1, 7, 90, 1)}, "auto", True, "rejoin"),                 # crashed after finishing
+])
+def test_rank0_decides(ranks: Ranks, resume: str | bool, restarted: bool,
+                       action: str) -> None:
+    c = _control(2, 1 if ranks else 0, ranks)
+    assert lc.decide_rank0(c, resume=resume, restarted=restarted, stale_after=60).action == action
+
+
+@pytest.mark.parametrize("ranks,restarted,action", [
+    ({}, False, "wait"),                                                            # no run yet
+    ({0: (2, 0, 1, 0), 1: (1, 7, 1, 0)}, False, "join"),                            # rank 0 opened run 2
+    ({0: (2, 0, 1, 0), 1: (2, 7, 1, 0)}, False, "wait"),                            # ... we were in it: old
+    ({0: (2, 0, 1, 0), 1: (2, 7, 1, 0)}, True, "rejoin"),                           # restarted: back in
+    ({0: (2, 0, 90, 0), 1: (1, 7, 1, 0)}, False, "wait"),                           # rank 0 silent
+    ({0: (2, 0, 1, 2), 1: (1, 7, 1, 0)}, False, "wait"),                            # rank 0 finished run 2
+    ({0: (2, 0, 90, 0), 1: (2, 7, 90, 0)}, True, "wait"),                           # all silent: wait for rank 0
+])
+def test_other_ranks_decide(ranks: Ranks, restarted: bool, action: str) -> None:
+    c = _control(2, 2 if ranks else 0, ranks)
+    assert lc.decide_other(c, 1, restarted=restarted, stale_after=60).action == action
+
+
+# -- placement -------------------------------------------------------------------------
+
+async def test_a_small_store_uses_every_server(cluster: smb2.LocalCluster) -> None:
+    """A 40 KB model on 4 servers, far below one default stripe (1 MiB):
+    each server holds a share of it and serves a share of each pull (over
+    TCP, where the servers count what they send)."""
+    client = await cluster.connect(transport="tcp")
+    params = {"w": np.ones((100, 100), np.float32)}
+    store = await ParameterStore.open(client, "lc-place", params)
+    assert store.buf.stripe == choose_stripe(store.buf.nbytes, 4) < smb2.client.DEFAULT_STRIPE
+    before = [s["bytes_out"] for s in await client.stat()]
+    await store.pull()
+    stats = await client.stat()
+    sizes = [s["buffers"]["lc-place"]["size"] for s in stats]
+    served = [s["bytes_out"] - b for s, b in zip(stats, before)]
+    share = store.layout.data_len / 4
+    assert all(size >= 0.5 * share for size in sizes), sizes
+    assert all(n >= 0.5 * share for n in served), served
+    assert choose_stripe(10 << 30, 4) == smb2.client.DEFAULT_STRIPE      # a big model: the default
+    assert choose_stripe(1, 8) == 4096
+
+
+# -- checkpoints -------------------------------------------------------------------------
+
+async def test_checkpoint_every_k_steps_and_start_from_one(cluster: smb2.LocalCluster, tmp_path: Path) -> None:
+    (s,) = await _open_all(cluster, "lc-ckpt", 1, checkpoint_every=3, checkpoint_path=tmp_path / "c-{step}.ckpt")
+    await s.join()
+    for step in range(1, 7):
+        await s.push(_ones())
+        await s.heartbeat(step, force=True)
+    await s.finish()        # waits for the checkpoint of step 6
+    assert sorted(await asyncio.to_thread(os.listdir, tmp_path)) == ["c-3.ckpt", "c-6.ckpt"]
+    # a new job (another store name) starts from the checkpoint of step 6
+    (t,) = await _open_all(cluster, "lc-ckpt-2", 1, init_from=tmp_path / "c-6.ckpt")
+    assert (t.generation, t.resumed, t.start_step) == (1, True, 6)
+    assert await t.read_version() == 6
+    await s.pull()
+    assert np.array_equal(t.flat(), s.flat())                        # the weights of step 6
+    np.testing.assert_allclose(t.params["b"], _params(0)["b"] - 0.01 * 6, atol=1e-6)
+    with pytest.raises(smb2.InvalidArgumentError, match="another model"):
+        await ParameterStore.open(await cluster.connect(), "lc-ckpt-3", {"x": np.zeros(3, np.float32)},
+                                  init_from=tmp_path / "c-6.ckpt")
+    with pytest.raises(smb2.InvalidArgumentError, match="checkpoint_path"):
+        await ParameterStore.open(await cluster.connect(), "lc-ckpt-4", _params(), checkpoint_every=2)
+
+
+# -- real processes: killed and restarted ---------------------------------------------------
+
+WORKER = """
+import asyncio, json, os, sys, time
+import numpy as np
+import smb2
+from smb2.train import ParameterStore
+
+def params(seed):
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((16, 8)).astype(np.float32), "b": rng.standard_normal(8).astype(np.float32)}
+
+async def main(servers, name, steps, pause, die_at):
+    rank, world = int(os.environ["SMB2_RANK"]), int(os.environ["SMB2_WORLD_SIZE"])
+    async with await smb2.connect(servers) as c:
+        s = await ParameterStore.open(c, name, params(100 + rank), timeout=30, stale_after=5)
+        await s.join(timeout=30)
+        print(json.dumps({"event": "open", "generation": s.generation, "resumed": s.resumed,
+                          "start_step": s.start_step, "b": s.params["b"].tolist()}), flush=True)
+        ones = {k: np.ones_like(v) for k, v in s.params.items()}
+        for step in range(s.start_step + 1, steps + 1):
+            if s.rule.pull_each_step:
+                await s.pull()
+            await s.push(ones)
+            await s.heartbeat(step, force=True)
+            print(json.dumps({"event": "step", "step": step}), flush=True)
+            if step == die_at and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                os._exit(3)         # a crash, in the first attempt only
+            await asyncio.sleep(pause)
+        await s.finish()
+        await s.wait_finished(timeout=60)
+        print(json.dumps({"event": "done", "version": await s.read_version()}), flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]),
+                 int(sys.argv[5]) if len(sys.argv) > 5 else 0))
+"""
+
+
+class Worker:
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.events: list[dict[str, Any]] = []
+
+    @classmethod
+    async def start(cls, cluster: smb2.LocalCluster, name: str, rank: int, world: int, steps: int,
+                    pause: float, restart: int = 0, torchrun: Path | None = None, die_at: int = 0) -> Worker:
+        """A worker process; with ``torchrun`` (the script's path), launched
+        as one torchrun per worker that restarts it once."""
+        env = {**os.environ, "SMB2_RANK": str(rank), "SMB2_WORLD_SIZE": str(world),
+               "TORCHELASTIC_RESTART_COUNT": str(restart)}
+        args = [",".join(cluster.addresses), name, str(steps), str(pause), str(die_at)]
+        if torchrun is None:
+            cmd = [sys.executable, "-c", WORKER, *args]
+        else:
+            del env["TORCHELASTIC_RESTART_COUNT"]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                   "--nproc-per-node=1", "--max-restarts=1", "--monitor-interval=0.2", str(torchrun), *args]
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE, env=env)
+        return cls(proc)
+
+    async def until(self, event: str, at_least: int = 0, timeout: float = 60) -> dict[str, Any]:
+        """Read events until ``event`` (a step >= at_least)."""
+        assert self.proc.stdout is not None
+        async def read() -> dict[str, Any]:
+            while True:
+                line = await self.proc.stdout.readline()       # type: ignore[union-attr]
+                if not line:
+                    err = await self.proc.stderr.read()         # type: ignore[union-attr]
+                    raise AssertionError(f"worker ended before {event}: {err.decode()[-2000:]}")
+                e = json.loads(line)
+                self.events.append(e)
+                if e["event"] == event and e.get("step", 0) >= at_least:
+                    return e
+        return await asyncio.wait_for(read(), timeout)
+
+    async def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        await self.proc.wait()
+
+    async def done(self) -> dict[str, Any]:
+        e = await self.until("done")
+        assert await self.proc.wait() == 0
+        return e
+
+
+@pytest.mark.slow
+async def test_a_killed_worker_restarted_resumes_from_the_shared_weights(cluster: smb2.LocalCluster) -> None:
+    workers = [await Worker.start(cluster, "lc-kill", r, 2, steps=40, pause=0.05) for r in range(2)]
+    opened = [await w.until("open") for w in workers]
+    assert [o["generation"] for o in opened] == [1, 1]
+    await workers[1].until("step", 10)
+    await workers[1].kill()                                    # kill -9, mid-run
+    # torchrun --max-restarts would start it again with the restart count set
+    again = await Worker.start(cluster, "lc-kill", 1, 2, steps=40, pause=0.05, restart=1)
+    back = await again.until("open")
+    # it rejoined the same run, from its last published step, with the shared
+    # weights (not its own initial values)
+    assert back["generation"] == 1 and back["resumed"] is True and back["start_step"] >= 10
+    assert back["b"] != _params(101)["b"].tolist()
+    done = [await workers[0].done(), await again.done()]
+    assert all(d["version"] >= 80 - 1 for d in done)         # 40 steps each (a killed push may be lost)
+    c = await cluster.connect()
+    store = await ParameterStore.attach(c, "lc-kill")
+    ctl = await store.refresh()
+    assert ctl.generation == 1 and ctl.steps.tolist() == [40, 40] and ctl.run_finished()
+
+
+@pytest.mark.slow
+async def test_a_restarted_rank_0_leaves_a_ready_store_untouched(cluster: smb2.LocalCluster) -> None:
+    workers = [await Worker.start(cluster, "lc-r0", r, 2, steps=30, pause=0.05) for r in range(2)]
+    await asyncio.gather(*(w.until("open") for w in workers))
+    await workers[0].until("step", 8)
+    await workers[0].kill()
+    c = await cluster.connect()
+    observer = await ParameterStore.attach(c, "lc-r0")
+    version_before = await observer.read_version()
+    again = await Worker.start(cluster, "lc-r0", 0, 2, steps=30, pause=0.05, restart=1)
+    back = await again.until("open")
+    assert back["generation"] == 1 and back["start_step"] >= 8
+    # its own initial values were not written: the shared weights moved on
+    assert back["b"] != _params(100)["b"].tolist()
+    assert await observer.read_version() >= version_before
+    await asyncio.gather(again.done(), workers[1].done())
+    ctl = await observer.refresh()
+    assert ctl.generation == 1 and ctl.run_finished()
+
+
+@pytest.mark.slow
+async def test_a_whole_job_rerun_in_processes_after_kill(cluster: smb2.LocalCluster) -> None:
+    """Both workers killed; the job launched again (no restart count): a new
+    run resumes the old one's weights and steps and finishes."""
+    workers = [await Worker.start(cluster, "lc-all", r, 2, steps=20, pause=0.05) for r in range(2)]
+    await asyncio.gather(*(w.until("step", 5) for w in workers))
+    for w in workers:
+        await w.kill()
+    rerun = [await Worker.start(cluster, "lc-all", r, 2, steps=20, pause=0.02) for r in (1, 0)]
+    opened = [await w.until("open") for w in rerun]
+    assert all(o["generation"] == 2 and o["resumed"] and o["start_step"] >= 5 for o in opened)
+    await asyncio.gather(*(w.done() for w in rerun))
+
+
+@pytest.mark.slow
+def test_one_torchrun_per_worker_restarts_only_the_failed_one(tmp_path: Path) -> None:
+    """What docs/training.md tells a user to run: one torchrun per worker
+    (SMB2_RANK / SMB2_WORLD_SIZE, --max-restarts).  Rank 1 crashes at step
+    8; its torchrun restarts it, it rejoins the run from its step, and rank
+    0 never stops.  (One event loop is enough: the workers are processes.)"""
+    pytest.importorskip("torch", reason="torchrun comes with PyTorch (pip install 'smb2[torch]')")
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+
+    async def main() -> None:
+        async with smb2.LocalCluster(servers=2) as cluster:
+            workers = [await Worker.start(cluster, "lc-torchrun", r, 2, steps=40, pause=0.1, torchrun=script,
+                                          die_at=8 if r == 1 else 0) for r in range(2)]
+            await asyncio.gather(*(w.until("open", timeout=100) for w in workers))
+            back = await workers[1].until("open", timeout=100)       # the second attempt
+            assert back["generation"] == 1 and back["resumed"] is True and back["start_step"] >= 8
+            await asyncio.gather(*(w.done() for w in workers))
+            assert [e["event"] for e in workers[0].events].count("open") == 1
+            steps0 = [e["step"] for e in workers[0].events if e["event"] == "step"]
+            assert steps0 == list(range(1, 41))
+    asyncio.run(main())
+
+
+# -- smb2 ls / smb2 rm ----------------------------------------------------------------------
+
+async def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "smb2.cli", *args, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, **(env or {})})
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_smb2_ls_and_rm(cluster: smb2.LocalCluster) -> None:
+    client = await cluster.connect()
+    stores = await _open_all(cluster, "lc-ls", 2)
+    await asyncio.gather(*(s.join(timeout=10) for s in stores))
+    await asyncio.gather(_train(stores[0], 3), _train(stores[1], 4))
+    await stores[0].finish()
+    await client.create("lc-raw", 1000)
+    servers = cluster.addresses
+    rc, out, err = await _cli("ls", *servers)
+    assert rc == 0, err
+    line = next(ln for ln in out.splitlines() if ln.startswith("lc-ls "))
+    assert "parameter store: 2 tensors" in line and "rule accumulate" in line and "2 workers" in line
+    assert "run 1 not finished, 2 joined, version 7, steps [3, 4]" in line
+    assert any(ln.startswith("lc-raw ") and ln.endswith("buffer") for ln in out.splitlines())
+    rc, out, _ = await _cli("ls", "--json", env={"SMB2_SERVERS": ",".join(servers)})
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["lc-ls"]["steps"] == [3, 4] and rows["lc-raw"]["store"] is False
+
+    rc, out, err = await _cli("rm", "lc-ls", *servers)
+    assert rc == 0 and out.strip() == "removed lc-ls"
+    assert "lc-ls" not in await client.buffers()
+    rc, out, err = await _cli("rm", "lc-ls", *servers)
+    assert rc == 1 and err.count("\n") == 1 and err.startswith("smb2 rm: no buffer 'lc-ls'")
+    rc, out, err = await _cli("ls", env={"SMB2_SERVERS": ""})
+    assert rc == 1 and "SMB2_SERVERS" in err and err.count("\n") == 1
