@@ -37,9 +37,11 @@ def make_model() -> nn.Module:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-          x: torch.Tensor, y: torch.Tensor, shard: torch.Tensor, epochs: int, batch: int) -> float:
+          x: torch.Tensor, y: torch.Tensor, shard: torch.Tensor, epochs: int, batch: int,
+          first_epoch: int = 0) -> float:
     """The training loop, as in any torch script; returns the last loss."""
-    for epoch in range(epochs):
+    loss = torch.tensor(float("nan"))
+    for epoch in range(first_epoch, epochs):
         model.train()
         order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(epoch))]
         for i in range(0, len(order), batch):
@@ -84,9 +86,14 @@ def main() -> None:
     opt = smb2.torch.AsyncOptimizer(opt, model, name=a.name, staleness=a.staleness)  # smb2
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     shard = torch.arange(rank, len(xtr), world)  # smb2: this rank's share of the data
+    # smb2: a resumed store (a crash, a torchrun restart) continues at this rank's
+    # last step: skip the epochs done and advance the schedule to match
+    first_epoch = opt.start_step // -(-len(shard) // a.batch)
+    for _ in range(first_epoch):
+        sched.step()
 
     t0 = time.perf_counter()
-    loss = train(model, opt, sched, xtr, ytr, shard, a.epochs, a.batch)
+    loss = train(model, opt, sched, xtr, ytr, shard, a.epochs, a.batch, first_epoch)
     stats = opt.stats()
     opt.close(wait_all=300)  # smb2: wait for every rank, take the weights they trained
 
