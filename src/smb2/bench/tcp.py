@@ -420,8 +420,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="sample pairs per op and size (default 25; 9 with --quick)")
     p.add_argument("--json", default="bench-results/bandwidth.json", metavar="PATH",
                    help="where to write every sample (default bench-results/bandwidth.json; '' for none)")
-    p.add_argument("--transport", default="tcp", choices=("tcp", "rdma", "auto"),
-                   help="smb2 transport (default tcp, the baseline's fabric)")
+    p.add_argument("--transport", default="tcp", choices=("tcp", "rdma", "shm", "auto"),
+                   help="smb2 transport (default tcp, the baseline's fabric; rdma and shm have "
+                        "benchmarks of their own)")
     p.add_argument("--servers", type=int, default=1, help="smb2-server processes (default 1)")
     p.add_argument("--quick", action="store_true", help="fewer samples: done in about 20 s")
     p.add_argument("--no-pin", dest="pin", action="store_false",
