@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol import parse_size
-from .common import MiB, describe_machine, fmt_size, latencies, now, pct, write_json
+from .common import MiB, describe_machine, fmt_size, latencies, now, pct, run_and_report, size_list
 
 KiB = 1 << 10
 DEFAULT_SIZES = "4KiB,1MiB,64MiB"
@@ -144,28 +143,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, _ = _parser().parse_known_args(argv)
-    try:
-        args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    except ValueError as exc:
-        print(f"smb2 bench: {exc}", file=sys.stderr)
+    sizes = size_list(args.sizes)
+    if sizes is None:
         return 2
-    if not args.sizes or any(s <= 0 for s in args.sizes) or args.servers < 1:
+    if not sizes or any(s <= 0 for s in sizes) or args.servers < 1:
         print("smb2 bench: --sizes must be positive and --servers at least 1", file=sys.stderr)
         return 2
+    args.sizes = sizes
     args.repeat = args.repeat or (5 if args.quick else 15)
     args.sample_bytes = 64 * MiB if args.quick else 256 * MiB
     args.latency_count = 2000 if args.quick else 20000
-    import uvloop
-
-    from ..errors import Smb2Error
-    try:
-        result = uvloop.run(_run(args))
-    except (Smb2Error, OSError, RuntimeError) as exc:
-        print(f"smb2 bench: {exc}", file=sys.stderr)
-        return 1
-    summary = summarize(result)
-    result["summary"] = summary
-    print(format_table(summary))
-    if args.json:
-        write_json(args.json, result)
-    return 0
+    return run_and_report(lambda: _run(args), summarize, format_table, args.json)
