@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import resource
 import weakref
 
 import numpy as np
@@ -39,9 +40,29 @@ def state_offset(size: int) -> int:
     return -(-size // _STATE_ALIGN) * _STATE_ALIGN
 
 
+def _raise_fd_limit() -> None:
+    # Each segment holds two fds (ours and the mapping's own), so a server
+    # with thousands of buffers needs more than the usual soft limit of 1024:
+    # take what the hard limit allows, once.
+    global _fd_limit_raised
+    _fd_limit_raised = True
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
+                                                        else max(soft, 1 << 20), hard))
+        except (ValueError, OSError):
+            pass
+
+
+_fd_limit_raised = False
+
+
 def alloc_shared(size: int, name: str = "smb2-segment") -> tuple[np.ndarray, memoryview]:
     """``size`` bytes of fresh memfd memory: a uint8 array and a view of the
     same bytes (the view's exporter is the mapping, see :func:`fd_of`)."""
+    if not _fd_limit_raised:
+        _raise_fd_limit()
     total = state_offset(size) + _STATE_ALIGN
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:

@@ -91,7 +91,9 @@ class ShmService:
         host = boot_id()
         if host is None:
             return None, "this system does not tell its boot id"
-        path = path or default_socket_path(port)
+        if path is None:
+            path = default_socket_path(port)
+            _remove_dead_servers_sockets(os.path.dirname(path))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             _private_dir(os.path.dirname(path) or ".")
@@ -197,6 +199,28 @@ class ShmService:
             log.debug("shm: a claim failed: %s", exc)
         finally:
             conn.close()
+
+
+def _remove_dead_servers_sockets(directory: str) -> None:
+    # default sockets are named <port>-<pid>.sock: one whose server process
+    # is gone (SIGKILLed, so it could not remove it) is clutter
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        stem, _, pid = name.removesuffix(".sock").rpartition("-")
+        if not (name.endswith(".sock") and stem.isdigit() and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+        except OSError:
+            pass            # alive, another user's: not ours to judge
 
 
 def _close_all(fds: list[int]) -> None:
