@@ -130,17 +130,19 @@ class ShmTransport(Transport, LockCapable):
             for fd in fds:
                 os.close(fd)
 
-    async def _mapping(self, segment: int, offset: int, length: int) -> _Mapping:
+    async def _map_first(self, segment: int) -> None:
+        # the requests of one operation all meet the new segment at once:
+        # one hand-out serves them all
+        async with self._mapping_lock:
+            if segment not in self._maps:
+                await self._map([segment])
+
+    def _mapping(self, segment: int, offset: int, length: int) -> _Mapping:
+        """The live mapping of ``segment`` holding the range (a plain call: the
+        operations' fast path awaits only for a segment not mapped yet)."""
         if self._ctl.closed:
             raise self._lost()
-        m = self._maps.get(segment)
-        if m is None:
-            # the requests of one operation all meet the new segment at once:
-            # one hand-out serves them all
-            async with self._mapping_lock:
-                if segment not in self._maps:
-                    await self._map([segment])
-            m = self._maps[segment]
+        m = self._maps[segment]
         if _core.atomic_load(m.whole, m.state) != _LIVE:
             self._maps.pop(segment, None)
             raise server_error(ErrorCode.NO_SUCH_BUFFER, f"{self.label}: no segment {segment} "
@@ -158,7 +160,9 @@ class ShmTransport(Transport, LockCapable):
     # -- one-sided: our own CPU ------------------------------------------------
     async def read_into(self, dst: Sequence[memoryview], segment: int, offset: int,
                         length: int) -> None:
-        data = (await self._mapping(segment, offset, length)).data
+        if segment not in self._maps:
+            await self._map_first(segment)
+        data = self._mapping(segment, offset, length).data
         for piece in dst:
             n = len(piece)
             _core.copy_into(piece, data[offset:offset + n])
@@ -170,18 +174,24 @@ class ShmTransport(Transport, LockCapable):
             # as the server refuses it: lock words change only by atomics
             raise server_error(ErrorCode.ACCESS_DENIED, f"{self.label}: the lock segment only takes "
                                "READ and atomics", server=self.label)
-        data = (await self._mapping(segment, offset, length)).data
+        if segment not in self._maps:
+            await self._map_first(segment)
+        data = self._mapping(segment, offset, length).data
         for piece in src:
             n = len(piece)
             _core.copy_into(data[offset:offset + n], piece)
             offset += n
 
     async def fetch_add(self, segment: int, offset: int, value: int) -> int:
-        m = await self._mapping(segment, offset, 8)
+        if segment not in self._maps:
+            await self._map_first(segment)
+        m = self._mapping(segment, offset, 8)
         return int(_core.atomic_fetch_add(m.data, offset, value & MASK64))
 
     async def compare_swap(self, segment: int, offset: int, expected: int, new: int) -> int:
-        m = await self._mapping(segment, offset, 8)
+        if segment not in self._maps:
+            await self._map_first(segment)
+        m = self._mapping(segment, offset, 8)
         return int(_core.atomic_compare_swap(m.data, offset, expected & MASK64, new & MASK64))
 
     # -- through the server ------------------------------------------------------
