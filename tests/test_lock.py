@@ -336,7 +336,8 @@ async def test_processes_count_exactly_under_the_lock(mode: str) -> None:
         await client.create("counter", 128, stripe=64)
         cfg = {"servers": cluster.addresses, "buffer": "counter", "lock": "counter", "m": m,
                "mode": mode, "action": "count", "loop": _loop_name()}
-        procs = [await _spawn(cfg) for _ in range(n)]
+        # one lock, two fabrics: half the processes map the servers' memory
+        procs = [await _spawn({**cfg, "transport": ("shm", "tcp")[i % 2]}) for i in range(n)]
         outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), 90)
         assert all(p.returncode == 0 for p in procs)
         seen = [tuple(x) for out, _ in outs for x in json.loads(out)["seen"]]
@@ -354,34 +355,35 @@ async def test_processes_count_exactly_under_the_lock(mode: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
-async def test_dead_holder_is_passed_within_the_lease(mode: str, sig: int) -> None:
+@pytest.mark.parametrize("holder,waiter", [("shm", "tcp"), ("tcp", "shm")], ids=["shm-holder", "tcp-holder"])
+async def test_dead_holder_is_passed_within_the_lease(mode: str, sig: int, holder: str, waiter: str) -> None:
     lease = 1.0
     async with smb2.LocalCluster(servers=2, processes=True, capacity="16MiB",
                                  server_args=["--lock-lease", str(lease)]) as cluster:
-        client = await cluster.connect()
+        client = await cluster.connect(transport=waiter)
         buf = await client.create("dead", 128, stripe=64)
         cfg = {"servers": cluster.addresses, "buffer": "dead", "lock": "dead", "mode": mode,
-               "action": "hold", "loop": _loop_name()}
+               "action": "hold", "loop": _loop_name(), "transport": holder}
         proc = await _spawn(cfg)
         try:
             assert proc.stdout is not None
             line = await asyncio.wait_for(proc.stdout.readline(), 30)
             assert line.startswith(b"HELD "), line
             dead_token = int(line.split()[1])
-            waiter = client.lock("dead", mode=mode)
-            task = asyncio.ensure_future(waiter.acquire())
+            lock = client.lock("dead", mode=mode)
+            task = asyncio.ensure_future(lock.acquire())
             await asyncio.sleep(0.3)
             assert not task.done()          # the holder renews: no expiry while alive
             os.kill(proc.pid, sig)
             t0 = time.monotonic()
             await asyncio.wait_for(task, lease + 1.0)
             assert time.monotonic() - t0 <= lease + 1.0
-            assert waiter.token is not None and waiter.token > dead_token
-            await buf.write(0, b"new holder", fence=waiter)
+            assert lock.token is not None and lock.token > dead_token
+            await buf.write(0, b"new holder", fence=lock)
             with pytest.raises(smb2.StaleFence):
                 await buf.write(0, b"dead holder", fence=smb2.Fence("dead", dead_token))
             assert bytes(await buf.read(0, 10)) == b"new holder"
-            await waiter.release()
+            await lock.release()
         finally:
             if proc.returncode is None:
                 proc.kill()
