@@ -163,3 +163,22 @@ async def test_shm_never_falls_back_and_says_why(caplog: pytest.LogCaptureFixtur
     finally:
         await off.close()
         await on.close()
+
+
+async def test_a_buffer_destroyed_under_a_mapping_frees_nothing_under_it() -> None:
+    async with smb2.LocalCluster(servers=1, processes=True, capacity="16MiB") as cluster:
+        mapper, other = await cluster.connect(transport="shm"), await cluster.connect(transport="tcp")
+        buf = await mapper.create("doomed", 8 * MiB)
+        await buf.write(0, np.full(buf.nbytes, 9, np.uint8))
+        assert await other.destroy("doomed")
+        (st,) = await other.stat()
+        assert st["used"] == 0                  # the server gave the segment up...
+        # ...and the mapper, whose mapping keeps the pages alive, is told it is gone
+        with pytest.raises(smb2.NoSuchBuffer):
+            await buf.read(0, 8)
+        with pytest.raises(smb2.NoSuchBuffer):
+            await buf.write(0, b"late")
+        # a buffer of the same name is a new segment, mapped afresh
+        again = await other.create("doomed", 8 * MiB)
+        await again.write(0, b"fresh")
+        assert bytes(await (await mapper.attach("doomed")).read(0, 5)) == b"fresh"
