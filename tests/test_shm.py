@@ -182,3 +182,20 @@ async def test_a_buffer_destroyed_under_a_mapping_frees_nothing_under_it() -> No
         again = await other.create("doomed", 8 * MiB)
         await again.write(0, b"fresh")
         assert bytes(await (await mapper.attach("doomed")).read(0, 5)) == b"fresh"
+
+
+async def test_mappings_of_destroyed_buffers_are_let_go() -> None:
+    # a mapping keeps its pages alive: a client that goes through many
+    # short-lived buffers must not keep all of their memory
+    server = await smb2.start_server("127.0.0.1", 0, capacity="16MiB")
+    try:
+        async with await smb2.connect([server.address], transport="shm") as c:
+            tr = c.links[0].transport
+            assert isinstance(tr, smb2.transport.ShmTransport)
+            for i in range(20):
+                buf = await c.create(f"tmp{i}", 4 * MiB)
+                await buf.write(0, b"x")
+                await c.destroy(f"tmp{i}")
+            assert len(tr.mapped) <= 2, tr.mapped     # the lock segment and the last buffer
+    finally:
+        await server.close()

@@ -101,7 +101,22 @@ class ShmTransport(Transport, LockCapable):
         return self._ctl.closed
 
     # -- mapping segments ------------------------------------------------------
+    @property
+    def mapped(self) -> list[int]:
+        """The segments this transport maps now."""
+        return sorted(self._maps)
+
+    def _unmap_destroyed(self) -> None:
+        # A mapping keeps its pages alive after the buffer is destroyed: drop
+        # the ones whose buffer is gone, or a client that goes through many
+        # short-lived buffers would hold all their memory.  (A copy still
+        # running keeps its own view; the pages go with the last one.)
+        for sid, m in list(self._maps.items()):
+            if _core.atomic_load(m.whole, m.state) != _LIVE:
+                del self._maps[sid]
+
     async def _map(self, segments: list[int]) -> None:
+        self._unmap_destroyed()
         grant = await self._ctl.control({"cmd": "shm_grant", "segments": segments})
         here, there = boot_id(), grant.get("boot_id")
         if here is None or here != there:
