@@ -5,6 +5,7 @@ turn comes) and "poll" (fetch_add + reads of now_serving, as over RDMA)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -387,7 +388,9 @@ async def test_dead_holder_is_passed_within_the_lease(mode: str, sig: int, holde
         finally:
             if proc.returncode is None:
                 proc.kill()
-                os.kill(proc.pid, signal.SIGCONT)
+                # (SIGKILL ends a stopped process too; it may be reaped already)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)
             await proc.wait()
 
 
