@@ -199,3 +199,26 @@ async def test_mappings_of_destroyed_buffers_are_let_go() -> None:
             assert len(tr.mapped) <= 2, tr.mapped     # the lock segment and the last buffer
     finally:
         await server.close()
+
+
+async def test_accumulates_and_fenced_writes_larger_than_a_frame_are_cut_for_the_connection() -> None:
+    # shm copies are not cut (one server: one 12 MiB request), but what goes
+    # over TCP must fit the connection's frames
+    server = await smb2.start_server("127.0.0.1", 0, capacity="64MiB", max_frame="1MiB")
+    try:
+        async with await smb2.connect([server.address], transport="shm") as c:
+            buf = await c.create("big", 12 * MiB, stripe=12 * MiB)
+            delta = np.arange(buf.nbytes // 4, dtype=np.float32) % 1000
+            await buf.accumulate(0, delta)
+            await buf.accumulate(0, delta)
+            assert np.array_equal((await buf.read(0, buf.nbytes)).view(np.float32), 2 * delta)
+            data = np.random.default_rng(3).integers(0, 256, buf.nbytes, dtype=np.uint8)
+            async with buf.lock() as lk:
+                await buf.write(0, data, fence=lk)
+            assert np.array_equal(await buf.read(0, buf.nbytes), data)
+            (st,) = await c.stat()
+            # frames of 1 MiB: whole MiB of deltas; a fenced write's data leaves room for its fence
+            assert st["ops"]["shm"]["accumulate"] == 2 * 12
+            assert st["ops"]["shm"]["write"] == -(-buf.nbytes // (MiB - 16))
+    finally:
+        await server.close()

@@ -349,9 +349,10 @@ class Buffer:
         if length == 0:
             return
         links = self.client.links
-        # all transports of one client cut requests at the same size
-        tr = links[0].transport
-        max_request = tr.max_request if tr is not None else DEFAULT_MAX_REQUEST
+        # one cut for all servers: the smallest any of this client's
+        # transports takes (they differ where auto chose shm for some)
+        max_request = min((t.max_request for link in links if (t := link.transport) is not None),
+                          default=DEFAULT_MAX_REQUEST)
         reqs, pieces = _core.plan(self.nbytes, self.stripe, self.nservers, self.first,
                                   offset, length, max_request)
         coros = []
