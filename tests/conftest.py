@@ -1,8 +1,8 @@
 """Every async test body runs on both event loops (asyncio, uvloop) and, through
 the ``transport`` fixture, on every transport this machine offers.
 
-``SMB2_TEST_TRANSPORTS`` (default ``tcp``) lists the transports to test, e.g.
-``tcp,rdma`` inside the soft-RoCE VM.  A test fails if its loop logged an
+``SMB2_TEST_TRANSPORTS`` (default ``tcp,shm``: the two every Linux host
+offers) lists the transports to test, e.g. ``rdma`` inside the soft-RoCE VM.  A test fails if its loop logged an
 unhandled exception (asyncpg's ``_testbase`` habit).
 """
 
@@ -19,7 +19,7 @@ import uvloop
 
 import smb2
 
-TRANSPORTS = [t for t in os.environ.get("SMB2_TEST_TRANSPORTS", "tcp").split(",") if t]
+TRANSPORTS = [t for t in os.environ.get("SMB2_TEST_TRANSPORTS", "tcp,shm").split(",") if t]
 
 # The soft-RoCE tier (tools/rdma_tier.sh) runs this suite again in a VM under
 # TCG with SMB2_TEST_TRANSPORTS=rdma.  What it adds is the transport: so it

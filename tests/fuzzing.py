@@ -32,7 +32,8 @@ FIELDS = {
     "status": (6, "<H"), "rid": (8, "<I"), "segment": (12, "<I"), "offset": (16, "<Q"),
     "length": (24, "<Q"),
 }
-COMMANDS = ["hello", "auth", "create", "lookup", "destroy", "list", "stat", "lock_open", "lock_abandon", "bogus"]
+COMMANDS = ["hello", "auth", "create", "lookup", "destroy", "list", "stat", "lock_open", "lock_abandon",
+            "shm_grant", "bogus"]
 
 
 # -- values for control messages -------------------------------------------
@@ -86,7 +87,7 @@ def control_payload(rng: random.Random, seg_name: str = "scratch") -> bytes:
     # a real command whose fields are missing, extra or of the wrong type
     msg: dict[str, object] = {"cmd": rng.choice(COMMANDS)}
     good = {"name": seg_name, "nbytes": 4096, "stripe": 1024, "nservers": 1, "index": 0,
-            "version": VERSION, "nonce": b"n" * 32, "proof": b"p" * 32}
+            "version": VERSION, "nonce": b"n" * 32, "proof": b"p" * 32, "segments": [0]}
     for key, value in good.items():
         r = rng.random()
         if r < 0.5:

@@ -20,7 +20,7 @@ import smb2
 
 
 async def main(cfg: dict) -> None:
-    client = await smb2.connect(cfg["servers"])
+    client = await smb2.connect(cfg["servers"], transport=cfg.get("transport", "auto"))
     try:
         buf = await client.attach(cfg["buffer"])
         lock = client.lock(cfg["lock"], mode=cfg.get("mode", "auto"))

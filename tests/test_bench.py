@@ -19,7 +19,7 @@ def test_python_m_smb2_bench_is_smb2_bench() -> None:
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: smb2 bench")
-    assert "--transport {tcp,rdma,auto}" in out.stdout
+    assert "--transport {tcp,rdma,shm,auto}" in out.stdout
 
 
 def test_each_benchmark_checks_its_own_arguments(capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,3 +54,13 @@ def test_sizes_read_in_binary_units() -> None:
     assert fmt_size(16 << 20) == "16 MiB"
     assert fmt_size(4096, sep="") == "4KiB"
     assert fmt_size(1000) == "1000 B"
+
+
+def test_the_shm_benchmark_runs_against_np_copyto(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--transport", "shm", "--sizes", "64KiB", "--repeat", "2", "--quick",
+                       "--servers", "2", "--json", ""]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0] for line in out.splitlines() if line.strip()}
+    assert {"write", "read", "np.copyto", "fetch_add"} <= rows, out
+    assert bench.main(["--transport", "shm", "--sizes", "0"]) == 2
+    assert "--sizes must be positive" in capsys.readouterr().err

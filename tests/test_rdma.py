@@ -126,17 +126,20 @@ async def test_cancelled_reads_do_not_break_the_transport() -> None:
 @needs_rdma
 async def test_auto_picks_rdma_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="smb2.transport")
-    async with smb2.LocalCluster(servers=1) as cluster:
-        client = await cluster.connect()
+    # shm off: on the server's own host auto would prefer shm
+    server = await smb2.start_server("127.0.0.1", 0, shm="off")
+    tcp_only = await smb2.start_server("127.0.0.1", 0, rdma="off", shm="off")
+    try:
+        client = await smb2.connect([server.address])
         assert client.transports == ["rdma"]
-        tcp_only = await smb2.start_server("127.0.0.1", 0, rdma="off")
-        try:
-            c2 = await smb2.connect([tcp_only.address])
-            assert c2.transports == ["tcp"]
-            await c2.close()
-        finally:
-            await tcp_only.close()
-    assert any("using rdma" in r.getMessage() for r in caplog.records)
+        await client.close()
+        c2 = await smb2.connect([tcp_only.address])
+        assert c2.transports == ["tcp"]
+        await c2.close()
+    finally:
+        await tcp_only.close()
+        await server.close()
+    assert any("using rdma" in r.getMessage() and "shm off" in r.getMessage() for r in caplog.records)
     assert any("using tcp" in r.getMessage() and "rdma off" in r.getMessage()
                for r in caplog.records)
 
@@ -144,12 +147,18 @@ async def test_auto_picks_rdma_and_says_so(caplog: pytest.LogCaptureFixture) -> 
 @pytest.mark.skipif(REASON is None, reason="this machine has RDMA")
 async def test_auto_falls_back_to_tcp_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="smb2.transport")
-    async with smb2.LocalCluster(servers=1) as cluster:
-        client = await cluster.connect()
+    # shm off: on the server's own host auto would prefer shm (test_shm.py)
+    server = await smb2.start_server("127.0.0.1", 0, shm="off")
+    try:
+        client = await smb2.connect([server.address])
         assert client.transports == ["tcp"]
         stats = await client.stat()
         assert stats[0]["transports"] == ["tcp"]
-    assert any("using tcp" in r.getMessage() for r in caplog.records)
+        await client.close()
+    finally:
+        await server.close()
+    assert any("using tcp" in r.getMessage() and "no shm: " in r.getMessage() and "shm off" in r.getMessage()
+               for r in caplog.records)
     with pytest.raises(smb2.TransportError, match="rdma"):
         await smb2.start_server("127.0.0.1", 0, rdma="on")
 

@@ -95,7 +95,10 @@ MAX_SERVERS = 254 - FIRST_SERVER_HOST  # 243
 DEFAULT_PORT = 7420
 DEFAULT_RATE = "1gbit"
 DEFAULT_CAPACITY = "512MiB"  # per server; smb2-server takes 512MiB, 8GiB, or bytes
-DEFAULT_SERVER_CMD = ("{smb2_server}", "--host", "{host}", "--port", "{port}", "--capacity", "{capacity}")
+# --shm off: each namespace stands in for another host, whose memory a client could not map
+# (the namespaces share this kernel and file system, so shm would bypass the rate-limited links)
+DEFAULT_SERVER_CMD = ("{smb2_server}", "--host", "{host}", "--port", "{port}", "--capacity", "{capacity}",
+                      "--shm", "off")
 READY_RE = re.compile(rb"smb2-server listening on (\S+):(\d+)")
 NAME_PREFIX = "smb2-"
 NAME_RE = re.compile(r"^smb2-(\d+)-(\d+)-(br|c|s\d+)$")

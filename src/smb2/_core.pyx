@@ -487,14 +487,22 @@ cdef _convert(src, out, int how, str what):
                 memcpy(&h, s + 2 * i, 2); u = smb2_f16_to_f32(h); memcpy(o + 4 * i, &u, 4)
 
 
+# below this, releasing and taking back the GIL costs more than the copy
+cdef enum:
+    _NOGIL_COPY = 65536
+
+
 def copy_into(uint8_t[::1] dst, const uint8_t[::1] src):
-    """memcpy with the GIL released (used to move the part of a payload that
-    arrived together with its header)."""
-    if dst.shape[0] != src.shape[0]:
+    """memcpy, with the GIL released for large copies (a payload that arrived
+    together with its header; the shm transport's reads and writes)."""
+    cdef Py_ssize_t n = dst.shape[0]
+    if n != src.shape[0]:
         raise ValueError("dst and src differ in length")
-    if dst.shape[0]:
+    if n >= _NOGIL_COPY:
         with nogil:
-            memcpy(&dst[0], &src[0], dst.shape[0])
+            memcpy(&dst[0], &src[0], n)
+    elif n:
+        memcpy(&dst[0], &src[0], n)
 
 
 # --------------------------------------------------------------------------
@@ -538,6 +546,54 @@ cdef extern from *:
     """
     uint64_t smb2_fetch_add64(uint64_t *p, uint64_t v) nogil
     bint smb2_cas64(uint64_t *p, uint64_t expected, uint64_t desired) nogil
+
+
+cdef extern from *:
+    """
+    static inline uint64_t smb2_load64(uint64_t *p) {
+        return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
+    static inline void smb2_store64(uint64_t *p, uint64_t v) {
+        __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
+    static inline uint64_t smb2_cas64_old(uint64_t *p, uint64_t expected, uint64_t desired) {
+        __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+        return expected; /* the old value, whether or not it was replaced */ }
+    """
+    uint64_t smb2_load64(uint64_t *p) nogil
+    void smb2_store64(uint64_t *p, uint64_t v) nogil
+    uint64_t smb2_cas64_old(uint64_t *p, uint64_t expected, uint64_t desired) nogil
+
+
+# Word atomics on shared memory (seq-cst CPU atomics).  Every party that
+# changes a word another process may change at the same time uses these:
+# the server executing a TCP FETCH_ADD/COMPARE_SWAP, and a shm client on its
+# own mapping of the same pages, so that the two can never lose an update.
+cdef uint64_t *_word_at(uint8_t[::1] mem, Py_ssize_t offset) except NULL:
+    if offset < 0 or offset % 8 or offset + 8 > mem.shape[0]:
+        raise ValueError(f"no aligned 8-byte word at offset {offset} of {mem.shape[0]} bytes")
+    cdef uint64_t *p = <uint64_t *>&mem[offset]
+    if <size_t>p % 8:
+        raise ValueError("the memory is not 8-byte aligned")
+    return p
+
+
+def atomic_load(uint8_t[::1] mem, Py_ssize_t offset):
+    """The u64 word at ``offset`` of ``mem``."""
+    return smb2_load64(_word_at(mem, offset))
+
+
+def atomic_store(uint8_t[::1] mem, Py_ssize_t offset, uint64_t value):
+    """Store ``value`` into the u64 word at ``offset``."""
+    smb2_store64(_word_at(mem, offset), value)
+
+
+def atomic_fetch_add(uint8_t[::1] mem, Py_ssize_t offset, uint64_t value):
+    """Add ``value`` (mod 2**64) to the u64 word at ``offset``; the old value."""
+    return smb2_fetch_add64(_word_at(mem, offset), value)
+
+
+def atomic_compare_swap(uint8_t[::1] mem, Py_ssize_t offset, uint64_t expected, uint64_t new):
+    """Store ``new`` if the word at ``offset`` equals ``expected``; the old value."""
+    return smb2_cas64_old(_word_at(mem, offset), expected, new)
 
 
 cdef inline int64_t _tdiff(uint64_t a, uint64_t b) noexcept nogil:

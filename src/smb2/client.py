@@ -89,7 +89,7 @@ class Client:
 
     @property
     def transports(self) -> list[str]:
-        """The transport in use per server ("tcp", "rdma"; "-" if not connected)."""
+        """The transport in use per server ("tcp", "rdma", "shm"; "-" if not connected)."""
         return [t.name if (t := link.open) is not None else "-" for link in self._links]
 
     @property
@@ -356,9 +356,10 @@ class Buffer:
         if length == 0:
             return
         links = self.client.links
-        # all transports of one client cut requests at the same size
-        tr = links[0].transport
-        max_request = tr.max_request if tr is not None else DEFAULT_MAX_REQUEST
+        # one cut for all servers: the smallest any of this client's
+        # transports takes (they differ where auto chose shm for some)
+        max_request = min((t.max_request for link in links if (t := link.transport) is not None),
+                          default=DEFAULT_MAX_REQUEST)
         reqs, pieces = _core.plan(self.nbytes, self.stripe, self.nservers, self.first,
                                   offset, length, max_request)
         coros = []
@@ -553,11 +554,12 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     environment variable ``SMB2_AUTH_TOKEN``) authenticates to servers that
     require it.
 
-    ``transport``: "auto" (RDMA where this machine has a usable device and
-    the server offers it, else TCP; chosen per server and logged once at
-    INFO), "rdma" (never falls back: raises TransportError saying what is
-    missing) or "tcp".  ``rdma_device`` / ``rdma_gid_index`` pick the device
-    and GID (default: the first ACTIVE device, its IPv4 RoCE v2 GID);
+    ``transport``: "auto" (shm where the server runs on this host, else
+    RDMA where this machine has a usable device and the server offers it,
+    else TCP; chosen per server and logged once at INFO), "shm" or "rdma"
+    (never fall back: raise TransportError saying what is missing) or "tcp".
+    ``rdma_device`` / ``rdma_gid_index`` pick the device and GID (default:
+    the first ACTIVE device, its IPv4 RoCE v2 GID);
     ``poll="busy"`` spins on the completion queue while an RDMA operation
     waits (lowest latency, one busy core) instead of sleeping in the loop.
 

@@ -33,6 +33,9 @@ async def _run(servers: int, clients: int, mib: int) -> int:
         nbytes = mib * MiB
         buf = await conns[0].create("demo", nbytes, stripe=MiB)
         bufs: list[Buffer] = [buf] + [await c.attach("demo") for c in conns[1:]]
+        # auto: shm here, where the servers share this host (else RDMA, else TCP)
+        say(f"clients reach the servers over {', '.join(sorted(set(conns[0].transports)))} "
+            "(transport='auto': shm on the same host, else RDMA, else TCP)")
         say(f"client 0 created buffer 'demo': {mib} MiB striped over {servers} servers "
             f"in 1 MiB stripes (first stripe on server {buf.first}); "
             f"{clients - 1} other clients attached by name")
@@ -85,8 +88,12 @@ async def _run(servers: int, clients: int, mib: int) -> int:
             f"{'yes' if ok_cnt else 'NO'}")
 
         stats = await conns[0].stat()
-        said = ", ".join(f"{s['address']}: {sum(s['ops'].get('tcp', {}).values())} ops" for s in stats)
-        say(f"servers:    {said}")
+        # what each server's CPU executed, per transport: over shm only the
+        # accumulates (reads, writes and atomics were the clients' own copies)
+        said = "; ".join(f"{s['address']}: " + (", ".join(
+            f"{t} {', '.join(f'{n} {op}' for op, n in sorted(ops.items()))}" for t, ops in sorted(s["ops"].items()))
+            or "nothing") for s in stats)
+        say(f"servers:    data ops they executed: {said}")
         await conns[0].destroy("demo")
         good = ok and ok_acc and ok_cnt
         say("demo finished: all checks passed" if good else "demo finished: A CHECK FAILED")

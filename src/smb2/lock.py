@@ -372,9 +372,10 @@ class Lock:
                     log.debug("lock %r: ticket passed while waiting; drawing a new one", self.name)
                     st.start(await self._draw(tr, seg, off), now())
                     continue
-                if delay >= _TIMER_RESOLUTION:
-                    await asyncio.sleep(delay)
-                # else read again at once: the read's round trip is the pause
+                # else read again at once: the read's round trip is the pause,
+                # and where there is none (a mapped segment: shm) one pass of
+                # the loop, so that the holder's release can run
+                await asyncio.sleep(delay if delay >= _TIMER_RESOLUTION else 0)
         except BaseException:
             if st.state != _core.TICKET_IDLE:
                 self._give_up(tr, off, st.ticket)

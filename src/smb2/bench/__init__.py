@@ -5,6 +5,8 @@ line asks for.
   baseline (:mod:`smb2.bench.tcp`);
 * ``--transport rdma``: the RDMA transport against a bare pyverbs
   post-and-poll loop (:mod:`smb2.bench.rdma`);
+* ``--transport shm``: the shm transport against ``np.copyto`` of the same
+  size (:mod:`smb2.bench.shm`);
 * ``--raw-peer``: the baseline's peer process (:mod:`smb2.bench.common`),
   started by the benchmarks themselves.
 
@@ -36,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     if picked.transport == "rdma":
         from . import rdma
         return rdma.main(argv)
+    if picked.transport == "shm":
+        from . import shm
+        return shm.main(argv)
     from . import tcp
     return tcp.main(argv)
 

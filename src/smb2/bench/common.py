@@ -20,7 +20,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, cast
 
 import numpy as np
@@ -325,3 +325,39 @@ async def latencies(fn: Callable[[], Awaitable[None]], n: int) -> list[float]:
         out.append((clock() - t0) / 1000)
     return out
 
+
+
+def size_list(text: str) -> list[int] | None:
+    """``--sizes`` (``4KiB,64MiB``) as byte counts, or None after saying
+    on stderr what is wrong with it."""
+    from ..protocol import parse_size
+    try:
+        return [parse_size(s) for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        print(f"smb2 bench: {exc}", file=sys.stderr)
+        return None
+
+
+def run_and_report(benchmark: Callable[[], Coroutine[Any, Any, dict[str, Any]]],
+                   summarize: Callable[[dict[str, Any]], Any], table: Callable[[Any], str],
+                   json_path: str) -> int:
+    """Run ``benchmark`` on uvloop, store its summary in the result, print
+    the table, write every sample to ``json_path`` ('' for none): the exit
+    status (1 when smb2 or the system failed it)."""
+    import uvloop
+
+    from ..errors import Smb2Error
+    try:
+        result = uvloop.run(benchmark())
+    except (Smb2Error, OSError, RuntimeError) as exc:
+        print(f"smb2 bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("smb2 bench: interrupted", file=sys.stderr)
+        return 130
+    summary = summarize(result)
+    result["summary"] = summary
+    print(table(summary))
+    if json_path:
+        write_json(json_path, result)
+    return 0

@@ -27,8 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol import parse_size
-from .common import MiB, fmt_size, write_json
+from .common import MiB, fmt_size, run_and_report, size_list
 
 KiB = 1 << 10
 DEFAULT_SIZES = "4KiB,64KiB"
@@ -241,11 +240,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # smb2.bench hands over its whole command line: ignore the TCP benchmark's flags
     args, _ = _parser().parse_known_args(argv)
-    try:
-        args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    except ValueError as exc:
-        print(f"smb2 bench: {exc}", file=sys.stderr)
+    sizes = size_list(args.sizes)
+    if sizes is None:
         return 2
+    args.sizes = sizes
     args.poll = [m for m in args.poll.split(",") if m]
     if not args.poll or any(m not in ("event", "busy") for m in args.poll):
         print("smb2 bench: --poll takes event and/or busy", file=sys.stderr)
@@ -260,21 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smb2 bench: the baseline needs pyverbs (apt-get install python3-pyverbs): {exc}",
               file=sys.stderr)
         return 1
-    from ..errors import Smb2Error
     from ..transport import rdma_unavailable_reason
     reason = rdma_unavailable_reason()
     if reason is not None:
         print(f"smb2 bench: no RDMA here: {reason}", file=sys.stderr)
         return 1
-    import uvloop
-    try:
-        results = uvloop.run(_run(args))
-    except (Smb2Error, OSError, RuntimeError) as exc:
-        print(f"smb2 bench: {exc}", file=sys.stderr)
-        return 1
-    rows = summarize(results, args.poll)
-    results["summary"] = rows
-    print(format_table(rows, args.poll))
-    if args.json:
-        write_json(args.json, results)
-    return 0
+    return run_and_report(lambda: _run(args), lambda r: summarize(r, args.poll),
+                          lambda rows: format_table(rows, args.poll), args.json)

@@ -46,10 +46,10 @@ from .common import (
     latencies,
     now,
     pct,
+    run_and_report,
     start_raw_peer,
     stop_raw_peer,
     timed,
-    write_json,
 )
 
 DEFAULT_SIZES = "1MiB,16MiB,64MiB"
@@ -420,8 +420,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="sample pairs per op and size (default 25; 9 with --quick)")
     p.add_argument("--json", default="bench-results/bandwidth.json", metavar="PATH",
                    help="where to write every sample (default bench-results/bandwidth.json; '' for none)")
-    p.add_argument("--transport", default="tcp", choices=("tcp", "rdma", "auto"),
-                   help="smb2 transport (default tcp, the baseline's fabric)")
+    p.add_argument("--transport", default="tcp", choices=("tcp", "rdma", "shm", "auto"),
+                   help="smb2 transport (default tcp, the baseline's fabric; rdma and shm have "
+                        "benchmarks of their own)")
     p.add_argument("--servers", type=int, default=1, help="smb2-server processes (default 1)")
     p.add_argument("--quick", action="store_true", help="fewer samples: done in about 20 s")
     p.add_argument("--no-pin", dest="pin", action="store_false",
@@ -447,20 +448,4 @@ def main(argv: list[str] | None = None) -> int:
     args.latency_block = 200
     args.latency_count = 2000 if args.quick else 10000
 
-    import uvloop
-
-    from ..errors import Smb2Error
-    try:
-        result = uvloop.run(_Bench(args).run())
-    except (Smb2Error, OSError, RuntimeError) as exc:
-        print(f"smb2 bench: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("smb2 bench: interrupted", file=sys.stderr)
-        return 130
-    summary = summarize(result)
-    result["summary"] = summary
-    print(format_table(summary))
-    if args.json:
-        write_json(args.json, result)
-    return 0
+    return run_and_report(_Bench(args).run, summarize, format_table, args.json)

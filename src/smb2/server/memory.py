@@ -21,8 +21,6 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
-import numpy as np
-
 from .. import _core, auth
 from ..checks import is_int
 from ..errors import ErrorCode, PersistenceError, TransportError
@@ -47,7 +45,6 @@ from ..protocol import (
     INLINE,
     LOCK_OPS,
     LOCK_SEGMENT,
-    MASK64,
     MAX_ACCUMULATE,
     MAX_CONTROL,
     VERSION,
@@ -64,9 +61,11 @@ from ..protocol import (
 )
 from .datadir import DataDir
 from .locks import LockService
+from .memfd import mark_gone
 from .options import ServerOptions
 from .rdma import RdmaServer
 from .segment import Refused, Segment, alloc
+from .shm import ShmService
 
 log = logging.getLogger("smb2.server")
 
@@ -124,6 +123,9 @@ class MemoryServer:
         # RDMA (rdma.py): opened at start() unless rdma="off"
         self.rdma: RdmaServer | None = None
         self.rdma_reason: str | None = "not started"
+        # the hand-out of segments to clients on this host (shm.py)
+        self.shm: ShmService | None = None
+        self.shm_reason: str | None = "not started"
 
     def __repr__(self) -> str:
         host, port = self.address
@@ -169,6 +171,7 @@ class MemoryServer:
             raise
         sock = self._server.sockets[0]
         self.address = sock.getsockname()[:2]
+        self._start_shm()
         if self.token is None and not _is_loopback(host):
             log.warning("listening on %s without an authentication token: anyone who can reach "
                         "this port can read and write its memory (--auth-token-file or %s)",
@@ -177,6 +180,20 @@ class MemoryServer:
             self._sweeper = asyncio.create_task(self._sweep())
         self.locks.start()
         log.info("listening on %s:%d (capacity %d bytes)", *self.address, self.capacity)
+
+    def _start_shm(self) -> None:
+        if self.options.shm == "off":
+            self.shm_reason = "the server runs with shm off"
+            return
+        self.shm, self.shm_reason = ShmService.open(self.options.shm_socket, self.address[1])
+        if self.shm is None:
+            log.info("shm: off (%s)", self.shm_reason)
+        else:
+            self.shm.start()
+
+    def transports(self) -> list[str]:
+        """What a client can use to reach this server (hello, stat)."""
+        return ["tcp", *(["rdma"] if self.rdma else []), *(["shm"] if self.shm else [])]
 
     async def _sweep(self) -> None:
         period = min(1.0, self.write_timeout / 4)
@@ -213,6 +230,9 @@ class MemoryServer:
                 finally:
                     self.data_dir.release()
         await self.locks.close()
+        if self.shm is not None:
+            await self.shm.close()
+            self.shm = None
         if self.rdma is not None:
             self.rdma.close()
             self.rdma = None
@@ -280,6 +300,8 @@ class MemoryServer:
         if self.rdma is not None:
             # in-flight RDMA to it now fails with a remote access error
             self.rdma.deregister(seg.id)
+        # shm clients that map it see it gone at their next operation
+        mark_gone(seg.view)
         # The memory is released when the last view of it is gone (a reply
         # still being sent may hold one).
         return {"destroyed": True}
@@ -297,8 +319,10 @@ class MemoryServer:
                         for s in self.segments.values() if s.id != LOCK_SEGMENT},
             "connections": len(self.connections),
             "ops": {t: dict(c) for t, c in self.ops.items()},
-            "transports": ["tcp", "rdma"] if self.rdma else ["tcp"],
+            "transports": self.transports(),
             "rdma": self.rdma.describe() if self.rdma else {"off": self.rdma_reason},
+            "shm": ({"socket": self.shm.path, "fds_handed_out": self.shm.handed_out} if self.shm
+                    else {"off": self.shm_reason}),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "refused": self.refused,
@@ -703,9 +727,8 @@ class Connection(FrameReceiver):
     def _do_fetch_add(self, hdr: Header, payload: memoryview | None) -> None:
         assert payload is not None
         seg, offset = self._still_there(hdr[H_SEGMENT]), hdr[H_OFFSET]
-        word = seg.mem[offset:offset + 8].view(np.uint64)
-        old = int(word[0])
-        word[0] = (old + _core.unpack_u64(payload)) & MASK64
+        # a CPU atomic: shm clients change the same word from their processes
+        old = _core.atomic_fetch_add(seg.view, offset, _core.unpack_u64(payload))
         self.reply(hdr, _core.pack_u64(old))
         if seg.id == LOCK_SEGMENT:
             self.server.locks.touched(offset)
@@ -713,10 +736,8 @@ class Connection(FrameReceiver):
     def _do_compare_swap(self, hdr: Header, payload: memoryview | None) -> None:
         assert payload is not None
         seg, offset = self._still_there(hdr[H_SEGMENT]), hdr[H_OFFSET]
-        word = seg.mem[offset:offset + 8].view(np.uint64)
-        old = int(word[0])
-        if old == _core.unpack_u64(payload, 0):
-            word[0] = _core.unpack_u64(payload, 8)
+        old = _core.atomic_compare_swap(seg.view, offset, _core.unpack_u64(payload, 0),
+                                        _core.unpack_u64(payload, 8))
         self.reply(hdr, _core.pack_u64(old))
         if seg.id == LOCK_SEGMENT:
             self.server.locks.touched(offset)
@@ -793,9 +814,11 @@ class Connection(FrameReceiver):
         result: dict[str, Any] = {
             "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
             "max_frame": srv.max_frame,
-            "transports": ["tcp", "rdma"] if srv.rdma else ["tcp"]}
+            "transports": srv.transports()}
         if srv.rdma is None:
             result["rdma_off"] = srv.rdma_reason
+        if srv.shm is None:
+            result["shm_off"] = srv.shm_reason
         if srv.token is None:
             self.authed = True
         elif not self.authed:
@@ -834,6 +857,24 @@ class Connection(FrameReceiver):
         # from now on this connection's server-side work counts as rdma's
         self.transport_name = "rdma"
         return result
+
+    def _cmd_shm_grant(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+        # behind the authentication gate of _control, like every command here
+        srv = self.server
+        if srv.shm is None:
+            raise Refused(ErrorCode.UNSUPPORTED, f"this server has no shm: {srv.shm_reason}")
+        ids = msg.get("segments")
+        if not isinstance(ids, list) or not all(is_int(i) for i in ids):
+            raise Refused(ErrorCode.BAD_REQUEST, "control field 'segments' must be a list of segment ids")
+        segs = []
+        for sid in ids:
+            seg = srv.segments.get(sid)
+            if seg is None:
+                raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {sid} (destroyed, or the server restarted)")
+            segs.append((seg.id, seg.view))
+        # from now on this connection's server-side work counts as shm's
+        self.transport_name = "shm"
+        return srv.shm.grant(segs)
 
     def _cmd_destroy(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.destroy(_str(msg, "name"))
@@ -882,7 +923,8 @@ class Connection(FrameReceiver):
     _CONTROL: ClassVar[dict[str, Callable[[Connection, Header, dict[str, Any]], dict[str, Any] | None]]] = {
         "hello": _cmd_hello, "auth": _cmd_auth, "create": _cmd_create, "lookup": _cmd_lookup,
         "rdma_segment": _cmd_rdma_segment, "rdma_connect": _cmd_rdma_connect, "destroy": _cmd_destroy,
-        "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon}
+        "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon,
+        "shm_grant": _cmd_shm_grant}
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                        options: ServerOptions | None = None, **overrides: Any) -> MemoryServer:

@@ -19,6 +19,7 @@ from .locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_LEASE, MAX_SL
 
 DEFAULT_WRITE_TIMEOUT = 30.0
 RDMA_MODES = ("auto", "on", "off")
+SHM_MODES = ("auto", "off")
 
 
 def _option(default: Any, help: str, *, type: Any = None, metavar: str | None = None,
@@ -55,11 +56,19 @@ class ServerOptions:
     rdma_device: str | None = _option(None, "RDMA device name (default: the first ACTIVE one)")
     rdma_gid_index: int | None = _option(None, "GID index (default: the port's IPv4 RoCE v2 GID)", type=int)
 
+    shm: str = _option("auto", "hand segments to clients on this host over a Unix socket: auto (where "
+                       "memfd works; default), off", choices=SHM_MODES)
+    shm_socket: str | None = _option(
+        None, "the Unix socket for shm clients (default: $XDG_RUNTIME_DIR/smb2/PORT-PID.sock, "
+        "else under /tmp, per user)", metavar="PATH")
+
     def __post_init__(self) -> None:
         parse_size(self.capacity)
         parse_size(self.max_frame)
         if self.rdma not in RDMA_MODES:
             raise InvalidArgumentError(f"rdma must be auto, on or off, not {self.rdma!r}")
+        if self.shm not in SHM_MODES:
+            raise InvalidArgumentError(f"shm must be auto or off, not {self.shm!r}")
         if not 0 < self.lock_slots <= MAX_SLOTS:
             raise InvalidArgumentError(f"lock slots must be in 1..{MAX_SLOTS}, not {self.lock_slots}")
         if not 0 < self.lock_lease <= MAX_LEASE:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import mmap
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ErrorCode
+from .memfd import alloc_shared
 
 
 class Refused(Exception):
@@ -40,7 +42,7 @@ class Segment:
     nservers: int
     index: int           # this server's position in the buffer's server list
     size: int            # bytes held here
-    mem: np.ndarray      # uint8 over an anonymous mmap (page aligned, lazily backed)
+    mem: np.ndarray      # uint8 over a shared memfd mapping (page aligned, lazily backed)
     view: memoryview
     created: float = field(default_factory=time.time)
     # byte ranges of writes being received in place right now; an accumulate
@@ -73,6 +75,9 @@ class Segment:
 
 def alloc(size: int) -> tuple[np.ndarray, memoryview]:
     """``size`` bytes of fresh memory: a uint8 array and a view of the same bytes."""
+    if hasattr(os, "memfd_create"):
+        # shared with the shm clients of this host (memfd.py)
+        return alloc_shared(size)
     # An anonymous mmap is page aligned (so RDMA can register it) and
     # zero-filled on first touch, so capacity is not committed up front.
     mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

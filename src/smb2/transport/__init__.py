@@ -1,8 +1,8 @@
-"""Transports: how a client reaches one server (tcp, rdma).
+"""Transports: how a client reaches one server (tcp, rdma, shm).
 
 * :mod:`.base` -- the interface every transport offers (and the optional
   lock capability);
-* :mod:`.tcp`, :mod:`.rdma` -- the two transports;
+* :mod:`.tcp`, :mod:`.rdma`, :mod:`.shm` -- the transports;
 * :mod:`.choose` -- ``open_transport``, the one place that picks one;
 * :mod:`.link` -- a client's link to one server (reconnects, its lock slots).
 
@@ -16,7 +16,8 @@ from __future__ import annotations
 from .base import LockCapable, MemoryDomain, Transport
 from .choose import KINDS, open_transport, rdma_unavailable_reason
 from .link import Link, LockSlot
+from .shm import ShmTransport
 from .tcp import TcpTransport
 
-__all__ = ["KINDS", "Link", "LockCapable", "LockSlot", "MemoryDomain", "TcpTransport", "Transport",
+__all__ = ["KINDS", "Link", "LockCapable", "LockSlot", "MemoryDomain", "ShmTransport", "TcpTransport", "Transport",
            "open_transport", "rdma_unavailable_reason"]

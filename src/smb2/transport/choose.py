@@ -1,5 +1,6 @@
 """Which transport reaches a server: ``open_transport`` is the one place
-that chooses (tcp, rdma, or auto: RDMA where both ends can)."""
+that chooses (tcp, rdma, shm, or auto: shm on the same host, else RDMA
+where both ends can, else TCP)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, TransportError
 from .base import Transport
+from .shm import ShmTransport
 from .tcp import TcpTransport
 
 log = logging.getLogger("smb2.transport")
 
-KINDS = ("auto", "tcp", "rdma")
+KINDS = ("auto", "tcp", "rdma", "shm")
 
 _reported: set[tuple[str, str, str]] = set()
 
@@ -37,9 +39,10 @@ async def open_transport(address: tuple[str, int], kind: str = "auto", *,
                          poll: str = "event") -> Transport:
     """Connect to one server with the transport ``kind``.
 
-    ``auto`` picks RDMA where both ends can (this process has a usable device,
-    the server said ``rdma`` at hello), else TCP, and says why once at INFO;
-    an explicit ``rdma`` never falls back."""
+    ``auto`` picks shm where the server is on this host and hands us its
+    segments, else RDMA where both ends can (this process has a usable
+    device, the server said ``rdma`` at hello), else TCP, and says why once
+    at INFO; an explicit ``shm`` or ``rdma`` never falls back."""
     if kind not in KINDS:
         raise InvalidArgumentError(f"transport must be one of {', '.join(KINDS)}, not {kind!r}")
     label = f"{address[0]}:{address[1]}"
@@ -50,20 +53,35 @@ async def open_transport(address: tuple[str, int], kind: str = "auto", *,
         return await RdmaTransport.connect(address, timeout=timeout, token=token, **opts)
     if kind == "tcp":
         return await TcpTransport.connect(address, timeout=timeout, token=token)
-    reason = rdma_unavailable_reason(rdma_device, rdma_gid_index)
     transport = await TcpTransport.connect(address, timeout=timeout, token=token)
+    try:
+        shm = await ShmTransport.upgrade(transport, timeout=timeout)
+    except TransportError as exc:
+        if kind == "shm":
+            await transport.close()
+            raise
+        shm_reason = str(exc)
+    except BaseException:
+        await transport.close()
+        raise
+    else:
+        if kind == "auto":
+            _report(label, "shm", f"same host: segments mapped from {shm.socket_path}")
+        return shm
+    reason = rdma_unavailable_reason(rdma_device, rdma_gid_index)
     if reason is None and "rdma" not in transport.server_info.get("transports", ()):
         reason = f"the server has no RDMA: {transport.server_info.get('rdma_off', 'not offered')}"
     if reason is not None:
-        _report(label, "tcp", reason)
+        _report(label, "tcp", f"no shm: {shm_reason}; no RDMA: {reason}")
         return transport
     from .rdma import RdmaTransport
     try:
         rdma = await RdmaTransport.upgrade(transport, timeout=timeout, **opts)
     except TransportError as exc:
         # both ends said they could, and yet: TCP still works
-        _report(label, "tcp", f"RDMA set-up failed: {exc}")
+        _report(label, "tcp", f"no shm: {shm_reason}; RDMA set-up failed: {exc}")
         return await TcpTransport.connect(address, timeout=timeout, token=token)
-    _report(label, "rdma", "device {device}, GID {gid_index} ({gid})".format(**rdma.device.describe()))
+    _report(label, "rdma", "no shm: {}; device {device}, GID {gid_index} ({gid})".format(
+        shm_reason, **rdma.device.describe()))
     return rdma
 

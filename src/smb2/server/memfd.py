@@ -1,0 +1,94 @@
+"""Segment memory that another process can map: a ``memfd`` per segment.
+
+Every segment (and the lock segment) is a ``memfd`` mapped ``MAP_SHARED``:
+page aligned, so RDMA registers it as before, and zero-filled on first
+touch, so capacity is not committed up front.  Its file descriptor is what
+the shm hand-out (``server/shm.py``) passes to a client on this host, which
+maps the same pages.
+
+Behind the segment's bytes, at ``state_offset(size)``, lies one u64 **state
+word**: ``LIVE`` while the segment belongs to a buffer, ``GONE`` once it was
+destroyed.  A shm client checks it before each operation, so an operation
+on a destroyed buffer fails with ``NoSuchBuffer`` as over TCP.  The pages
+themselves are freed only when the last mapping of them and the last fd are
+gone: a client that still maps a destroyed segment keeps its pages alive and
+never touches freed memory.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import resource
+import weakref
+
+import numpy as np
+
+from .. import _core
+
+LIVE = 1
+GONE = 0
+# the state word sits on its own cache line behind the data
+_STATE_ALIGN = 64
+
+# mmap object (the exporter behind a segment's view) -> its memfd
+_fds: weakref.WeakKeyDictionary[mmap.mmap, int] = weakref.WeakKeyDictionary()
+
+
+def state_offset(size: int) -> int:
+    """Where the state word of a ``size``-byte segment lies in its memfd."""
+    return -(-size // _STATE_ALIGN) * _STATE_ALIGN
+
+
+def _raise_fd_limit() -> None:
+    # Each segment holds two fds (ours and the mapping's own), so a server
+    # with thousands of buffers needs more than the usual soft limit of 1024:
+    # take what the hard limit allows, once.
+    global _fd_limit_raised
+    _fd_limit_raised = True
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
+                                                        else max(soft, 1 << 20), hard))
+        except (ValueError, OSError):
+            pass
+
+
+_fd_limit_raised = False
+
+
+def alloc_shared(size: int, name: str = "smb2-segment") -> tuple[np.ndarray, memoryview]:
+    """``size`` bytes of fresh memfd memory: a uint8 array and a view of the
+    same bytes (the view's exporter is the mapping, see :func:`fd_of`)."""
+    if not _fd_limit_raised:
+        _raise_fd_limit()
+    total = state_offset(size) + _STATE_ALIGN
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, total)
+        mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.close(fd)
+        raise
+    # the fd lives as long as the mapping: a buffer's memory is released
+    # when the last view of it is gone (a reply still being sent may hold one)
+    _fds[mm] = fd
+    weakref.finalize(mm, os.close, fd)
+    whole = memoryview(mm)
+    _core.atomic_store(whole, state_offset(size), LIVE)
+    mem = np.frombuffer(mm, dtype=np.uint8, count=size)
+    return mem, whole[:size]
+
+
+def fd_of(view: memoryview) -> int | None:
+    """The memfd behind a view made by :func:`alloc_shared`, else None."""
+    owner = view.obj
+    return _fds.get(owner) if isinstance(owner, mmap.mmap) else None
+
+
+def mark_gone(view: memoryview) -> None:
+    """Tell every client that maps this segment that its buffer is gone."""
+    owner = view.obj
+    if isinstance(owner, mmap.mmap) and owner in _fds:
+        _core.atomic_store(memoryview(owner), state_offset(len(view)), GONE)

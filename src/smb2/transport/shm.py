@@ -1,0 +1,313 @@
+"""The shm transport: a server on this host, its segments mapped into ours.
+
+The client keeps its TCP connection to the server for control messages,
+accumulates, fenced writes and parked lock waits, exactly as the TCP
+transport does.  What changes is everything one-sided: the server hands us
+its segments' memfds (``server/shm.py``: a one-time ticket asked for over
+the authenticated connection, claimed on the server's Unix socket, the fds
+passed with ``SCM_RIGHTS``) and we map them, so that
+
+* ``read_into`` / ``write`` are memcpys in this process (``_core.copy_into``,
+  the GIL released for large copies): no system call, no server CPU;
+* ``fetch_add`` / ``compare_swap`` are seq-cst CPU atomics on the mapped
+  word (``_core.atomic_*``), the same instructions the server uses for the
+  TCP clients' atomics and the lock table, so mixed clients never lose an
+  update;
+* ``accumulate`` is server-assisted: the delta goes over the connection and
+  the server adds it, as for a TCP client.  That keeps an accumulate atomic
+  with respect to every other accumulate and every write that passes
+  through the server (TCP writes, fenced writes), which a client-side
+  read-add-write on the mapping could only do with a lock of its own.  Like
+  RDMA's one-sided writes, a shm client's plain write is not ordered against
+  an accumulate on the same range: readers and writers who race there must
+  hold a lock, over any fabric.
+
+A segment's **state word** (behind its data, ``server/memfd.py``) says
+whether its buffer still exists; every operation checks it, so an operation
+on a destroyed buffer fails with ``NoSuchBuffer`` and never touches memory
+the buffer no longer owns (our mapping keeps the pages alive regardless).
+The server's death is seen on the connection: once the loop has read its
+end, every operation raises ``TransportError`` (the mapping stays valid, so
+nothing crashes), and the link reconnects on the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno as errno_mod
+import mmap
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _core
+from ..errors import ErrorCode, TransportError, server_error
+from ..host import boot_id
+from ..protocol import FENCE_SIZE, LOCK_SEGMENT, MASK64, unpack
+from .base import LockCapable, Transport
+from .tcp import TcpTransport
+
+# the state word's values (server/memfd.py)
+_LIVE = 1
+# fds one hand-out may carry (the server's MAX_SEGMENTS_PER_GRANT)
+_MAX_FDS = 64
+_MAX_REPLY = 64 << 10
+# A copy is cut only where the caller's memory is: glibc's memcpy streams
+# large copies past the cache (non-temporal stores), and 16 copies of 4 MiB
+# run at about 0.65x of one of 64 MiB on the development machines.
+_MAX_COPY = 1 << 30
+
+
+@dataclass(slots=True)
+class _Mapping:
+    """One segment mapped into this process."""
+
+    mm: mmap.mmap
+    whole: memoryview     # data and state word
+    data: memoryview      # the segment's bytes
+    state: int            # offset of the state word in ``whole``
+
+
+class ShmTransport(Transport, LockCapable):
+    """A server on this host: one-sided operations on our mapping of its
+    segments; the rest over ``control``, a :class:`TcpTransport`."""
+
+    name = "shm"
+
+    def __init__(self, control: TcpTransport) -> None:
+        super().__init__(control.address)
+        self._ctl = control
+        self.server_info = control.server_info
+        # copies are cut only where the caller's memory is; what travels over
+        # TCP (accumulate, fenced writes) is cut to the connection's size
+        self.max_request = _MAX_COPY
+        self._frame = control.max_request
+        # a fenced write's frame carries the fence too
+        max_frame = control.server_info.get("max_frame")
+        self._fenced_frame = min(self._frame, max_frame - FENCE_SIZE) if isinstance(max_frame, int) \
+            and max_frame > FENCE_SIZE else self._frame
+        self._maps: dict[int, _Mapping] = {}
+        self._mapping_lock = asyncio.Lock()
+        #: the server's Unix socket, once known
+        self.socket_path: str | None = None
+
+    @classmethod
+    async def upgrade(cls, control: TcpTransport, *, timeout: float = 10.0) -> ShmTransport:
+        """Map the server's lock segment over ``control`` (authenticated):
+        the shm transport, or TransportError saying why this server cannot
+        be reached over shared memory (the caller still owns ``control``)."""
+        if "shm" not in control.server_info.get("transports", ()):
+            raise TransportError(f"{control.label} offers no shm: "
+                                 f"{control.server_info.get('shm_off', 'not offered')}",
+                                 server=control.label)
+        self = cls(control)
+        await asyncio.wait_for(self._map([LOCK_SEGMENT]), timeout)
+        return self
+
+    @property
+    def closed(self) -> bool:
+        return self._ctl.closed
+
+    # -- mapping segments ------------------------------------------------------
+    @property
+    def mapped(self) -> list[int]:
+        """The segments this transport maps now."""
+        return sorted(self._maps)
+
+    def _unmap_destroyed(self) -> None:
+        # A mapping keeps its pages alive after the buffer is destroyed: drop
+        # the ones whose buffer is gone, or a client that goes through many
+        # short-lived buffers would hold all their memory.  (A copy still
+        # running keeps its own view; the pages go with the last one.)
+        for sid, m in list(self._maps.items()):
+            if _core.atomic_load(m.whole, m.state) != _LIVE:
+                del self._maps[sid]
+
+    async def _map(self, segments: list[int]) -> None:
+        self._unmap_destroyed()
+        grant = await self._ctl.control({"cmd": "shm_grant", "segments": segments})
+        here, there = boot_id(), grant.get("boot_id")
+        if here is None or here != there:
+            raise TransportError(
+                f"{self.label} runs on another host (its boot id is {there}, ours {here})",
+                server=self.label, hint="use transport='tcp' or 'rdma' for a remote server")
+        path, ticket = grant.get("path"), grant.get("ticket")
+        if not isinstance(path, str) or not isinstance(ticket, bytes):
+            raise TransportError(f"{self.label}: malformed shm_grant reply", server=self.label)
+        self.socket_path = path
+        # a blocking claim of a few hundred bytes, once per segment: a thread
+        # keeps it off the loop without a file-descriptor dance per loop kind
+        items, fds = await asyncio.to_thread(_claim, path, ticket, self.label)
+        try:
+            if len(items) != len(fds):
+                raise TransportError(f"{self.label} sent {len(fds)} fds for {len(items)} segments",
+                                     server=self.label)
+            for (sid, size, state), fd in zip(items, fds):
+                if os.fstat(fd).st_size < state + 8:
+                    raise TransportError(f"{self.label}: segment {sid} is shorter than announced",
+                                         server=self.label)
+                mm = mmap.mmap(fd, state + 8, flags=mmap.MAP_SHARED)
+                whole = memoryview(mm)
+                self._maps[sid] = _Mapping(mm, whole, whole[:size], state)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    async def _map_first(self, segment: int) -> None:
+        # the requests of one operation all meet the new segment at once:
+        # one hand-out serves them all
+        async with self._mapping_lock:
+            if segment not in self._maps:
+                await self._map([segment])
+
+    def _mapping(self, segment: int, offset: int, length: int) -> _Mapping:
+        """The live mapping of ``segment`` holding the range (a plain call: the
+        operations' fast path awaits only for a segment not mapped yet)."""
+        if self._ctl.closed:
+            raise self._lost()
+        m = self._maps[segment]
+        if _core.atomic_load(m.whole, m.state) != _LIVE:
+            self._maps.pop(segment, None)
+            raise server_error(ErrorCode.NO_SUCH_BUFFER, f"{self.label}: no segment {segment} "
+                               "(its buffer was destroyed)", server=self.label)
+        if offset > len(m.data) or length > len(m.data) - offset:
+            raise server_error(ErrorCode.OUT_OF_BOUNDS, f"{self.label}: range [{offset}, "
+                               f"{offset + length}) is outside segment {segment} of {len(m.data)} bytes",
+                               server=self.label)
+        return m
+
+    def _lost(self) -> TransportError:
+        return TransportError(f"connection to {self.label} lost (the server is gone)",
+                              errno=errno_mod.ECONNRESET, server=self.label)
+
+    # -- one-sided: our own CPU ------------------------------------------------
+    async def read_into(self, dst: Sequence[memoryview], segment: int, offset: int,
+                        length: int) -> None:
+        if segment not in self._maps:
+            await self._map_first(segment)
+        data = self._mapping(segment, offset, length).data
+        for piece in dst:
+            n = len(piece)
+            _core.copy_into(piece, data[offset:offset + n])
+            offset += n
+
+    async def write(self, src: Sequence[memoryview], segment: int, offset: int,
+                    length: int) -> None:
+        if segment == LOCK_SEGMENT:
+            # as the server refuses it: lock words change only by atomics
+            raise server_error(ErrorCode.ACCESS_DENIED, f"{self.label}: the lock segment only takes "
+                               "READ and atomics", server=self.label)
+        if segment not in self._maps:
+            await self._map_first(segment)
+        data = self._mapping(segment, offset, length).data
+        for piece in src:
+            n = len(piece)
+            _core.copy_into(data[offset:offset + n], piece)
+            offset += n
+
+    async def fetch_add(self, segment: int, offset: int, value: int) -> int:
+        if segment not in self._maps:
+            await self._map_first(segment)
+        m = self._mapping(segment, offset, 8)
+        return int(_core.atomic_fetch_add(m.data, offset, value & MASK64))
+
+    async def compare_swap(self, segment: int, offset: int, expected: int, new: int) -> int:
+        if segment not in self._maps:
+            await self._map_first(segment)
+        m = self._mapping(segment, offset, 8)
+        return int(_core.atomic_compare_swap(m.data, offset, expected & MASK64, new & MASK64))
+
+    # -- through the server ------------------------------------------------------
+    async def control(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return await self._ctl.control(msg)
+
+    async def accumulate(self, src: Sequence[memoryview], segment: int, offset: int,
+                         length: int, dtype_code: int) -> None:
+        # ``at`` counts payload bytes; a widening dtype (bf16 into float32)
+        # covers ``widen`` times as many bytes of the segment
+        dst_item, src_item = _core.dtype_sizes(dtype_code)
+        widen = dst_item // src_item
+        for at, pieces, n in _cut(src, self._frame):
+            await self._ctl.accumulate(pieces, segment, offset + at * widen, n, dtype_code)
+
+    async def write_fenced(self, src: Sequence[memoryview], segment: int, offset: int,
+                           length: int, lock_key: int, token: int) -> None:
+        # only the server can refuse a stale token before a byte lands
+        for at, pieces, n in _cut(src, self._fenced_frame):
+            await self._ctl.write_fenced(pieces, segment, offset + at, n, lock_key, token)
+
+    async def lock_acquire(self, segment: int, offset: int) -> tuple[int, bool]:
+        return await self._ctl.lock_acquire(segment, offset)
+
+    async def lock_release(self, segment: int, offset: int, ticket: int) -> None:
+        await self._ctl.lock_release(segment, offset, ticket)
+
+    def lock_release_nowait(self, segment: int, offset: int, ticket: int) -> None:
+        self._ctl.lock_release_nowait(segment, offset, ticket)
+
+    async def close(self) -> None:
+        # the mappings are dropped, not unmapped: a copy still running in
+        # another task keeps its view, and the pages go with the last one
+        self._maps.clear()
+        await self._ctl.close()
+
+
+def _cut(src: Sequence[memoryview], limit: int) -> list[tuple[int, list[memoryview], int]]:
+    """``src`` as consecutive requests of at most ``limit`` bytes each:
+    (offset from the start, pieces, length).  Requests are cut at the same
+    size for every transport of a client as long as they travel on a
+    frame; only shm's own copies are not (``_MAX_COPY``)."""
+    out: list[tuple[int, list[memoryview], int]] = []
+    pieces: list[memoryview] = []
+    start = filled = 0
+    for piece in src:
+        while len(piece):
+            take = min(len(piece), limit - filled)
+            pieces.append(piece[:take])
+            piece = piece[take:]
+            filled += take
+            if filled == limit:
+                out.append((start, pieces, filled))
+                start, pieces, filled = start + filled, [], 0
+    if filled:
+        out.append((start, pieces, filled))
+    return out
+
+
+def _claim(path: str, ticket: bytes, label: str) -> tuple[list[list[int]], list[int]]:
+    """Claim ``ticket`` on the server's Unix socket: (segments, fds)."""
+    fds: list[int] = []
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10.0)
+            sock.connect(path)
+            sock.sendall(ticket)
+            data, fds, flags, _ = socket.recv_fds(sock, _MAX_REPLY, _MAX_FDS)
+            if flags & socket.MSG_CTRUNC:
+                raise TransportError(f"{label} sent more fds than one hand-out carries", server=label)
+            while chunk := sock.recv(_MAX_REPLY):
+                data += chunk
+                if len(data) > _MAX_REPLY:
+                    raise TransportError(f"{label}: shm hand-out too long", server=label)
+        reply = unpack(data)
+        if not isinstance(reply, dict) or "segments" not in reply:
+            message = reply.get("error") if isinstance(reply, dict) else None
+            raise TransportError(f"{label} refused the shm hand-out: {message or 'malformed reply'}",
+                                 server=label)
+        items = reply["segments"]
+        if not (isinstance(items, list) and all(isinstance(i, list) and len(i) == 3 for i in items)):
+            raise TransportError(f"{label}: malformed shm hand-out", server=label)
+        return items, fds
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        raise TransportError(f"cannot reach {label}'s Unix socket {path}: {exc.strerror or exc}",
+                             errno=exc.errno, server=label,
+                             hint="a server in another container or mount namespace cannot be "
+                                  "mapped; use transport='tcp'") from None
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
