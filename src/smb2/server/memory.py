@@ -215,10 +215,18 @@ class MemoryServer:
         for conn in self.connections:
             conn.release_memory()
 
-    async def close(self) -> None:
-        """Stop listening, drop every connection, save the segments (with a
-        data directory), release all segments."""
+    async def close(self, *, save: bool = True) -> None:
+        """Save the segments (with a data directory, unless ``save`` is
+        false), then stop listening, drop every connection and release all
+        segments.
+
+        A save that fails (disk full) raises :class:`PersistenceError` and
+        leaves the server serving as before, with its segments in memory and
+        the previous saved state intact: free space and close again, or
+        ``close(save=False)`` to drop them."""
         if self._server is not None:
+            if self.data_dir is not None and save:
+                self.save()
             self._server.close()
             for conn in list(self.connections):
                 conn.abort("server shutting down")
@@ -228,17 +236,7 @@ class MemoryServer:
                 self._sweeper = None
             self._server = None
             if self.data_dir is not None:
-                # nothing can change the segments any more: save them
-                try:
-                    # buffers' segments only: the lock segment's leases
-                    # mean nothing to the next server process
-                    self.data_dir.save(self.by_name.values())
-                except OSError as exc:
-                    # the previous manifest is intact: the last good state survives
-                    raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: "
-                                           f"{exc}") from exc
-                finally:
-                    self.data_dir.release()
+                self.data_dir.release()
         await self.locks.close()
         if self.rdma is not None:
             self.rdma.close()
@@ -246,6 +244,19 @@ class MemoryServer:
         self.segments.clear()
         self.by_name.clear()
         self.used = 0
+
+    def save(self) -> None:
+        """Write the segments to the data directory (PersistenceError)."""
+        assert self.data_dir is not None
+        # Synchronous: no request runs while it writes, so what is saved is
+        # one moment's state (writes still arriving in place may be torn).
+        # The buffers' segments only: the lock segment's leases mean nothing
+        # to the next server process.
+        try:
+            self.data_dir.save(self.by_name.values())
+        except OSError as exc:
+            # the previous manifest is intact: the last good state survives
+            raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: {exc}") from exc
 
     async def __aenter__(self) -> MemoryServer:
         return self
