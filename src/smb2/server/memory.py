@@ -998,7 +998,10 @@ class Connection(FrameReceiver):
         return self.server.stat()
 
     def _cmd_lock_open(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
-        return self.server.locks.open(_str(msg, "name"), msg.get("lease"))
+        return self.server.locks.open(_str(msg, "name"), msg.get("lease"), self)
+
+    def _cmd_lock_close(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+        return self.server.locks.close_name(_str(msg, "name"), self)
 
     def _cmd_lock_abandon(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
@@ -1050,7 +1053,8 @@ class Connection(FrameReceiver):
     _CONTROL: ClassVar[dict[str, Callable[[Connection, Header, dict[str, Any]], dict[str, Any] | None]]] = {
         "hello": _cmd_hello, "auth": _cmd_auth, "create": _cmd_create, "lookup": _cmd_lookup,
         "rdma_segment": _cmd_rdma_segment, "rdma_connect": _cmd_rdma_connect, "destroy": _cmd_destroy,
-        "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon}
+        "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon,
+        "lock_close": _cmd_lock_close}
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                        options: ServerOptions | None = None, **overrides: Any) -> MemoryServer:
