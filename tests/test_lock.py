@@ -284,7 +284,7 @@ async def test_fenced_write_arriving_byte_by_byte() -> None:
     server = await smb2.start_server("127.0.0.1", 0)
     try:
         seg = server.create("trickle", 64, 64, 1, 0)["segment"]
-        info = server.locks.open("t", None)
+        info = server.locks.open("t", None, server)     # held open by a stand-in for a connection
         table = server.locks.table
         ticket, _ = table.acquire(info["slot"], 1, 1, 0.0)
         reader, writer = await asyncio.open_connection(*server.address)
