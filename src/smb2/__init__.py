@@ -42,8 +42,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "Client", "ErrorCode",
     "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockTimeout",
-    "NoSuchBuffer", "NotifyTimeout", "OperationTimeout", "OutOfBounds", "OutOfMemory", "PersistenceError", "ProtocolError",
-    "Server", "ServerError",
+    "NoSuchBuffer", "NotifyTimeout", "OperationTimeout", "OutOfBounds", "OutOfMemory", "PersistenceError",
+    "ProtocolError", "Server", "ServerError",
     "Smb2Error", "StaleFence", "StaleHandle", "TransportError", "Unsupported", "VersionMismatch", "connect",
     "start_server",
 ]
