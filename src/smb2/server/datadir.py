@@ -108,14 +108,17 @@ class DataDir:
             raise PersistenceError(f"{p} is not an smb2 manifest of format {FORMAT}")
         return m
 
-    def save(self, buffers: Collection[Segment]) -> int:
+    def save(self, buffers: Collection[Segment], next_id: int = 1) -> int:
         """Write the buffers' segments and the manifest; returns the bytes of
-        data saved.  On an error (OSError: disk full, a file size limit) the
+        data saved.  ``next_id``, the server's next segment id, is kept, so
+        that no id is used twice in this directory, not even a destroyed
+        buffer's (a client's stale handle must not reach another buffer).
+        On an error (OSError: disk full, a file size limit) the
         files of this attempt are removed and the previous state stays."""
         old = self.manifest()
         gen = int(old.get("generation", 0)) + 1 if old else 1
         try:
-            return self._save(buffers, gen)
+            return self._save(buffers, gen, next_id)
         except BaseException:
             # keep what the manifest on disk names (the old one, or the new
             # one if only the cleanup after it failed)
@@ -137,7 +140,7 @@ class DataDir:
                 with contextlib.suppress(OSError):
                     p.unlink()
 
-    def _save(self, buffers: Collection[Segment], gen: int) -> int:
+    def _save(self, buffers: Collection[Segment], gen: int, next_id: int) -> int:
         entries = []
         total = 0
         t0 = time.monotonic()
@@ -153,7 +156,7 @@ class DataDir:
             entries.append({**seg.info(), "file": name, "sha256": h.hexdigest()})
             total += seg.size
         manifest = {"format": FORMAT, "generation": gen, "saved_at": time.time(),
-                    "next_id": max([s.id for s in buffers] + [0]) + 1,
+                    "next_id": max([s.id for s in buffers] + [0, next_id - 1]) + 1,
                     "segments": entries}
         tmp = self.path / (MANIFEST + ".tmp")
         with open(tmp, "w") as f:

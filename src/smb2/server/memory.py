@@ -122,6 +122,9 @@ class MemoryServer:
         self.segments: dict[int, Segment] = {}
         self.by_name: dict[str, Segment] = {}
         self._ids = itertools.count(1)
+        # segments restored from the data directory at start: a client's
+        # handle from before the restart may go on using them (lookup says so)
+        self.restored: set[int] = set()
         self.connections: set[Connection] = set()
         self.started = time.time()
         # data operations this server's CPU executed, per transport and op
@@ -169,6 +172,7 @@ class MemoryServer:
                 raise
             for seg in restored:
                 self._add(seg)
+                self.restored.add(seg.id)
             self._ids = itertools.count(next_id)
         if self.rdma is not None:
             # segments made before RDMA was open (the lock segment, restored
@@ -253,7 +257,7 @@ class MemoryServer:
         # The buffers' segments only: the lock segment's leases mean nothing
         # to the next server process.
         try:
-            self.data_dir.save(self.by_name.values())
+            self.data_dir.save(self.by_name.values(), self.next_segment_id())
         except OSError as exc:
             # the previous manifest is intact: the last good state survives
             raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: {exc}") from exc
@@ -307,7 +311,14 @@ class MemoryServer:
         seg = self.by_name.get(name)
         if seg is None:
             raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no buffer named {name!r}")
-        return seg.info()
+        return {**seg.info(), "restored": seg.id in self.restored}
+
+    def next_segment_id(self) -> int:
+        """The id the next segment would get (segment ids are never reused
+        by this server, nor, through its data directory, by its successors)."""
+        nxt = next(self._ids)
+        self._ids = itertools.count(nxt)
+        return nxt
 
     def destroy(self, name: str) -> dict[str, Any]:
         seg = self.by_name.pop(name, None)
