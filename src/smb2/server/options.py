@@ -61,7 +61,7 @@ class ServerOptions:
     max_connections_per_host: int = _option(
         128, "connections one source address may hold at most (default %(default)s)", type=int)
     max_inflight: int = _option(
-        4096, "requests one connection may have waiting for their replies (parked lock acquires, "
+        1024, "requests one connection may have waiting for their replies (parked lock acquires, "
         "accumulates behind a write) before the server stops reading it (default %(default)s)", type=int)
     max_reply_bytes: int | str = _option(
         "1MiB", "replies queued for one connection before the server stops reading its requests "
