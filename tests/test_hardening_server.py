@@ -236,8 +236,9 @@ async def test_a_trickling_write_is_cut_and_the_accumulates_behind_it_go_on() ->
 
 async def test_small_replies_nobody_reads_are_bounded() -> None:
     """Issue 14 #4: pipelined 64 KiB READs whose replies are never read held
-    172 MB for one connection and 961 MB for eight (corked replies)."""
-    with server_process("--capacity", "64MiB") as srv:
+    172 MB for one connection and 961 MB for eight (corked replies).  And a
+    connection whose replies go unread for --write-timeout is closed."""
+    with server_process("--capacity", "64MiB", "--write-timeout", "3") as srv:
         async with await smb2.connect([srv.address]) as c:
             buf = await c.create("src", 4 * MiB)
             await buf.write(0, np.ones(buf.nbytes, np.uint8))
@@ -259,6 +260,9 @@ async def test_small_replies_nobody_reads_are_bounded() -> None:
         # per connection: the reply queue (max_reply_bytes 1 MiB + one 64 KiB
         # batch) and the inbox (256 KiB)
         assert peak - base < 8 * 2 * MiB + 16 * MiB, (base, peak)
+        await asyncio.sleep(2.5)
+        async with await smb2.connect([srv.address]) as c:
+            assert (await c.stat())[0]["connections"] == 1      # only this one
         for s in socks:
             s.close()
         await well_behaved(srv.address)

@@ -210,7 +210,7 @@ class MemoryServer:
             for conn in list(self.connections):
                 why = conn.overdue(now)
                 if why is not None:
-                    conn.close_with(why)
+                    conn.cut(why)
                 elif conn.idle_for(now) > RELEASE_IDLE:
                     conn.release_memory()
 
@@ -450,6 +450,9 @@ class Connection(FrameReceiver):
         # deferred accumulates) count here until their reply: bounded by
         # max_inflight
         self._inflight = 0
+        # when the replies queued for this connection last went over
+        # max_reply_bytes without draining since (None: they drain)
+        self._replies_stuck_since: float | None = None
         # small replies made while one receive is parsed, sent with one write
         # (a pipelined LOCK_RELEASE + LOCK_ACQUIRE costs one syscall, not two)
         self._cork: list[bytes] | None = None
@@ -510,6 +513,9 @@ class Connection(FrameReceiver):
         if self.stalled(now):
             return (f"less than {self.server.write_progress} bytes of a request's payload "
                     f"in {opts.write_timeout:g} s")
+        stuck = self._replies_stuck_since
+        if opts.write_timeout and stuck is not None and now - stuck > opts.write_timeout:
+            return f"its replies were not read for {opts.write_timeout:g} s"
         if opts.idle_timeout and self.idle_for(now) > opts.idle_timeout:
             return f"idle for {opts.idle_timeout:g} s"
         return None
@@ -562,9 +568,11 @@ class Connection(FrameReceiver):
     # and parsed, so one connection's memory stays bounded by the transport's
     # high-water mark plus one reply (at most max_frame).
     def pause_writing(self) -> None:
+        self._replies_stuck_since = asyncio.get_running_loop().time()
         self._hold_input("writing")
 
     def resume_writing(self) -> None:
+        self._replies_stuck_since = None
         self._unhold_input("writing")
 
     def _hold_input(self, reason: str) -> None:
@@ -586,6 +594,14 @@ class Connection(FrameReceiver):
     def is_open(self) -> bool:
         t = self.transport
         return t is not None and not t.is_closing()
+
+    def cut(self, reason: str) -> None:
+        """Close with the reason; abort if replies are still queued (a close
+        would wait for them to drain, and a peer that reads none never lets it)."""
+        self.close_with(reason)
+        t = self.transport
+        if t is not None and t.get_write_buffer_size():
+            self.abort(reason)
 
     def abort(self, reason: str) -> None:
         if self.transport is not None:
