@@ -88,8 +88,11 @@ MAX_SLOTS = 1 << 20
 # into the floor of their bucket)
 MAX_FENCE_KEYS = 1 << 16
 FENCE_BUCKETS = 1 << 12
-# parked LOCK_ACQUIREs per connection (each costs about 800 bytes)
-DEFAULT_MAX_PARKED = 1024
+# parked LOCK_ACQUIREs per connection (each costs about 800 bytes).  Below
+# the server's in-flight cap (--max-inflight, 1024), where it stops reading
+# a connection: a connection full of parked acquires could then no longer
+# send the release they wait for; refused, it can.
+DEFAULT_MAX_PARKED = 512
 
 
 class Requester(Protocol):
