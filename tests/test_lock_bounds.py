@@ -25,11 +25,20 @@ from smb2.server import locks as server_locks
 from wire import control, frame, hello, reply
 
 
-async def _pipeline_acquires(server: smb2.Server, holder: smb2.Lock, n: int
-                             ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """``holder`` takes its lock; then a raw connection sends ``n`` acquires
-    of it in one burst (request ids 100, 101, ...)."""
-    await holder.acquire()
+class _Remote:
+    """A server known only by its address (an smb2-server process)."""
+
+    def __init__(self, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        self.address = (host, int(port))
+
+
+async def _pipeline_acquires(server: smb2.Server | _Remote, holder: smb2.Lock, n: int, *,
+                             acquire: bool = True) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """``holder`` takes its lock (unless not ``acquire``); then a raw
+    connection sends ``n`` acquires of it in one burst (request ids 100, 101, ...)."""
+    if acquire:
+        await holder.acquire()
     reader, writer = await asyncio.open_connection(*server.address)
     writer.write(hello())
     await reply(reader)
@@ -124,6 +133,51 @@ async def test_server_loop_stays_responsive_when_a_connection_with_20k_parked_wa
             await other.release()
     finally:
         await server.close()
+
+
+async def test_smb2_server_process_answers_while_40_connections_drop_20k_parked_waiters() -> None:
+    """The same with the default caps, on a real smb2-server process: 40
+    connections x 500 parked acquires, all closed at once, while another
+    client measures how long its small reads wait."""
+    async with smb2.LocalCluster(servers=1, processes=True, capacity="16MiB") as cluster:
+        client = await cluster.connect(timeout=5)
+        buf = await client.create("ping", 64, stripe=64)
+        holder = client.lock("busy")
+        server = _Remote(cluster.addresses[0])
+        conns = [await _pipeline_acquires(server, holder, 500, acquire=i == 0) for i in range(40)]
+
+        async def parked() -> int:
+            return int((await client.stat())[0]["locks"]["locks"]["busy"]["parked"])
+        for _ in range(600):
+            if await parked() == 20000:
+                break
+            await asyncio.sleep(0.05)
+        assert await parked() == 20000
+        worst = 0.0
+        done = False
+
+        async def ping() -> None:
+            nonlocal worst
+            while not done:
+                t0 = time.monotonic()
+                await buf.read(0, 8)
+                worst = max(worst, time.monotonic() - t0)
+        pinger = asyncio.ensure_future(ping())
+        await asyncio.sleep(0.1)
+        for _, writer in conns:
+            writer.close()
+        for _ in range(600):
+            if await parked() == 0:
+                break
+            await asyncio.sleep(0.01)
+        done = True
+        await pinger
+        print(f"\nsmb2-server: slowest 8-byte read while 20k parked waiters were dropped: "
+              f"{worst * 1e3:.1f} ms")
+        assert await parked() == 0
+        assert worst < 0.5
+        await holder.release(wait=True)
+        assert (await client.lock("busy").acquire(timeout=5)) is True
 
 
 async def test_parked_waiters_per_connection_are_capped() -> None:

@@ -448,6 +448,7 @@ class Buffer:
                 f"buffer {self.name!r} was attached before server {self.client.servers[server]} "
                 "restarted, and that server no longer holds it under the same segment: this handle "
                 "could reach another buffer's memory, so nothing was sent",
+                server=self.client.servers[server],
                 hint=f"attach it again: buf = await client.attach({self.name!r})")
             try:
                 info = await t.control({"cmd": "lookup", "name": self.name})

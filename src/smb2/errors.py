@@ -68,13 +68,6 @@ class OperationTimeout(TransportError, TimeoutError):
     the next operation reconnects."""
 
 
-class StaleHandle(InterfaceError):
-    """A :class:`~smb2.Buffer` handle from before its server restarted
-    without keeping the buffer (or before the buffer was destroyed or made
-    again): its segments may now belong to another buffer, so nothing is
-    sent.  Attach the buffer again."""
-
-
 class ErrorCode(enum.IntEnum):
     """Status codes in a reply header; 0 means success."""
 
@@ -132,6 +125,16 @@ class BufferConflict(ServerError):
     name with another lease)."""
 
     code = ErrorCode.CONFLICT
+
+
+class StaleHandle(NoSuchBuffer):
+    """A :class:`~smb2.Buffer` handle from before its server restarted
+    without keeping the buffer (or before the buffer was destroyed or made
+    again): the server no longer holds it under the handle's segment, which
+    may now belong to another buffer, so nothing is sent.  Attach the
+    buffer again.  Raised by the client after a ``lookup``; a
+    :class:`NoSuchBuffer`, so code that handles a vanished buffer handles
+    this too."""
 
 
 class VersionMismatch(ServerError, ProtocolError):
