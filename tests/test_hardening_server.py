@@ -297,6 +297,10 @@ async def test_accumulate_memory_of_all_connections_stays_in_the_pool() -> None:
         async with await smb2.connect([srv.address]) as c:
             got = (await (await c.attach("acc")).read(0, 4 * MiB)).view(np.int64)
             assert (got == n).all()
+            pool = (await c.stat())[0]["receive_memory"]
+            assert 4 * MiB <= pool["peak"] <= pool["limit"] == 16 * MiB, pool
+            await asyncio.sleep(3.5)           # idle connections give their scratch back
+            assert (await c.stat())[0]["receive_memory"]["used"] == 0
         await well_behaved(srv.address)
 
 
