@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import resource
 import signal
@@ -31,6 +32,7 @@ import wire
 from smb2 import auth
 from smb2.errors import ErrorCode
 from smb2.protocol import VERSION, Op
+from smb2.server import guard
 
 MiB = 1 << 20
 TOKEN = b"the right token"
@@ -414,3 +416,35 @@ async def test_a_failed_save_reports_keeps_serving_and_leaves_no_stray_files(tmp
             assert (await (await c.attach("keep")).read(0, 4 * MiB) == want).all()
     finally:
         srv.stop()
+
+
+def test_rate_limited_warnings_say_how_many_were_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    warn = guard.RateLimitedLog(logging.getLogger("smb2.server"), every=10, clock=lambda: now[0]).warning
+    with caplog.at_level(logging.WARNING, "smb2.server"):
+        for t in range(25):          # one attempt per second for 25 s
+            now[0] = float(t)
+            warn("auth", "authentication failed from %s", f"10.0.0.{t}")
+            warn("admission", "refused %s", t)
+    lines = [r.getMessage() for r in caplog.records]
+    assert [ln for ln in lines if ln.startswith("auth")] == [
+        "authentication failed from 10.0.0.0",
+        "authentication failed from 10.0.0.10 (9 more like this in the last 10 s)",
+        "authentication failed from 10.0.0.20 (9 more like this in the last 10 s)"]
+    assert len(lines) == 6          # each kind has its own budget
+
+
+def test_auth_backoff_doubles_to_its_cap_and_a_success_forgets_it() -> None:
+    now = [100.0]
+    adm = guard.Admission(max_connections=4, max_per_host=2, clock=lambda: now[0])
+    waits = [adm.auth_failed("h") for _ in range(10)]
+    assert waits[:4] == [0.1, 0.2, 0.4, 0.8] and waits[-1] == guard.AUTH_BACKOFF_MAX
+    assert adm.auth_wait("h") == guard.AUTH_BACKOFF_MAX and adm.auth_wait("other") == 0
+    adm.auth_ok("h")
+    assert adm.auth_wait("h") == 0 and adm.auth_failed("h") == 0.1
+    # connection counts: per address, then in total; leave() gives the place back
+    assert [adm.admit(h) for h in ("a", "a", "a")][2] is not None
+    assert adm.admit("b") is None and adm.admit("b") is None
+    assert "maximum of 4 connections" in (adm.admit("c") or "")
+    adm.leave("a")
+    assert adm.admit("c") is None and adm.refused == 2
