@@ -1,4 +1,4 @@
-"""The ``smb2`` command: ``smb2 stat``, ``smb2 bench``, ``smb2 demo``.
+"""The ``smb2`` command: ``smb2 stat``, ``smb2 doctor``, ``smb2 bench``, ``smb2 demo``.
 
 (``smb2-server`` lives in :mod:`smb2.server`.)
 """
@@ -26,10 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("stat", help="print servers' statistics as JSON")
     st.add_argument("servers", nargs="+", help="HOST:PORT of each server")
     st.add_argument("--transport", default="tcp", help="transport for the query (default tcp)")
+    sub.add_parser("doctor", help="preflight: RDMA, memlock, token, each server's transport and clock "
+                   "(smb2 doctor --help)", add_help=False)
     sub.add_parser("bench", help="bandwidth benchmark (smb2 bench --help)", add_help=False)
     sub.add_parser("demo", help="a local cluster, clients and what they measured", add_help=False)
-    if argv and argv[0] in ("bench", "demo"):
+    if argv and argv[0] in ("bench", "demo", "doctor"):
         # these own their flags
+        if argv[0] == "doctor":
+            from . import doctor
+            return doctor.main(argv[1:])
         if argv[0] == "bench":
             from . import bench
             return bench.main(argv[1:])

@@ -55,6 +55,8 @@ async def _serve(args: argparse.Namespace, options: ServerOptions) -> None:
         loop.add_signal_handler(sig, stop.set)
     host, port = server.address
     print(f"smb2-server listening on {host}:{port}", flush=True)
+    if server.metrics is not None:
+        print("smb2-server metrics on http://{}:{}/metrics".format(*server.metrics.address), flush=True)
     closed = False
     try:
         while not closed:

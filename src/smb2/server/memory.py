@@ -64,6 +64,8 @@ from ..protocol import (
 from .datadir import DataDir
 from .guard import Admission, MemoryPool, RateLimitedLog
 from .locks import LockService
+from .metrics import MetricsExporter, package_version
+from .metrics import parse_address as parse_metrics_address
 from .options import ServerOptions
 from .rdma import RdmaServer
 from .segment import Refused, Segment, alloc
@@ -144,6 +146,8 @@ class MemoryServer:
         # RDMA (rdma.py): opened at start() unless rdma="off"
         self.rdma: RdmaServer | None = None
         self.rdma_reason: str | None = "not started"
+        # the Prometheus endpoint (options.metrics; metrics.py)
+        self.metrics: MetricsExporter | None = None
 
     def __repr__(self) -> str:
         host, port = self.address
@@ -196,6 +200,14 @@ class MemoryServer:
                         host or "all addresses", auth.ENV)
         self._sweeper = asyncio.create_task(self._sweep())
         self.locks.start()
+        if self.options.metrics is not None:
+            # read-only over the counters above (metrics.py): no per-request work
+            self.metrics = MetricsExporter(self)
+            try:
+                await self.metrics.start(*parse_metrics_address(self.options.metrics))
+            except BaseException:       # the port is taken: no half-started server
+                await self.close(save=False)
+                raise
         log.info("listening on %s:%d (capacity %d bytes)", *self.address, self.capacity)
 
     async def _sweep(self) -> None:
@@ -241,6 +253,9 @@ class MemoryServer:
             self._server = None
             if self.data_dir is not None:
                 self.data_dir.release()
+        if self.metrics is not None:
+            await self.metrics.close()
+            self.metrics = None
         await self.locks.close()
         if self.rdma is not None:
             self.rdma.close()
@@ -339,6 +354,9 @@ class MemoryServer:
             "address": f"{self.address[0]}:{self.address[1]}",
             "version": VERSION,
             "uptime_s": round(time.time() - self.started, 3),
+            # the server's wall clock: smb2 doctor measures each server's offset
+            "time": time.time(),
+            "package_version": package_version(),
             "capacity": self.capacity,
             "used": self.used,
             "buffers": {s.name: {"segment": s.id, "size": s.size, "nbytes": s.nbytes,

@@ -16,6 +16,8 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from ..protocol import DEFAULT_MAX_FRAME, MAX_ACCUMULATE, parse_size
 from .locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_LEASE, MAX_SLOTS, MAX_SPIN
+from .metrics import parse_address as parse_metrics_address
+from .metrics import prometheus
 
 DEFAULT_WRITE_TIMEOUT = 30.0
 # the smallest pool of payload memory: one accumulate of the largest size
@@ -75,6 +77,9 @@ class ServerOptions:
     lock_spin: float = _option(
         DEFAULT_SPIN, "while lock waiters are parked, poll instead of sleeping for up to this many "
         f"seconds after each grant (default %(default)g; 0 = never, at most {MAX_SPIN:g})", type=float)
+    metrics: str | None = _option(
+        None, "serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus-client: "
+        "pip install 'smb2[metrics]'; default off)", metavar="HOST:PORT")
     rdma: str = _option("auto", "serve RDMA: auto (where a device is usable; default), on, off",
                         choices=RDMA_MODES)
     rdma_device: str | None = _option(None, "RDMA device name (default: the first ACTIVE one)")
@@ -94,6 +99,9 @@ class ServerOptions:
             if not getattr(self, name) >= 1:
                 raise InvalidArgumentError(f"{name.replace('_', ' ')} must be at least 1, "
                                            f"not {getattr(self, name)}")
+        if self.metrics is not None:
+            parse_metrics_address(self.metrics)
+            prometheus()        # missing: said now, not after the server started
         if self.rdma not in RDMA_MODES:
             raise InvalidArgumentError(f"rdma must be auto, on or off, not {self.rdma!r}")
         if not 0 < self.lock_slots <= MAX_SLOTS:
