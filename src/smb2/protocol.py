@@ -19,7 +19,9 @@ import msgpack
 from . import _core
 from .errors import InvalidArgumentError
 
-VERSION: Final = 1
+# 2: lock renewals tagged with the holder's ticket (a version-1 client's
+# renewals would no longer count), lock_close, lookup's "restored"
+VERSION: Final = 2
 HEADER_SIZE: Final = _core.HEADER_SIZE
 MAGIC: Final = _core.MAGIC
 DEFAULT_PORT: Final = 7420
