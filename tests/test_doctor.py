@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_hardening_server import TOKEN, ServerProcess
 
 from smb2 import auth
 from smb2.protocol import VERSION
 from smb2.transport.choose import rdma_unavailable_reason
+from test_hardening_server import TOKEN, ServerProcess
 
 
 def doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
