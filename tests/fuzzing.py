@@ -280,6 +280,9 @@ class FakeTransport:
     def get_extra_info(self, name: str, default: object = None) -> object:
         return ("127.0.0.1", 1) if name == "peername" else default
 
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass        # everything written lands in ``out`` at once: never paused
+
     def pause_reading(self) -> None:
         self.paused = True
 

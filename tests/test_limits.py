@@ -147,8 +147,10 @@ async def test_accumulates_queued_behind_a_stalled_write_are_bounded(server: smb
 
 async def test_a_stalled_write_is_cut_after_the_write_timeout() -> None:
     """A writer that stops half way (SIGSTOP, a hung peer) would hold up every
-    overlapping accumulate forever: the server cuts it after write_timeout."""
-    s = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", write_timeout=0.5)
+    overlapping accumulate forever: the server cuts it after write_timeout.
+    (One that trickles is in test_hardening_server.py.)"""
+    # 500 bytes of payload per 0.5 s count as progress
+    s = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", write_timeout=0.5, write_min_rate=1000)
     try:
         async with await smb2.connect([s.address]) as c:
             buf = await c.create("w", MiB)

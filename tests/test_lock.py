@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 import smb2
+from lock_worker import spawn
 from smb2 import _core
 from smb2.protocol import FLAG_FENCED, LOCK_SEGMENT, VERSION, Op, pack
 from smb2.transport import LockCapable
 
 MODES = ["park", "poll"]
-WORKER = str(Path(__file__).with_name("lock_worker.py"))
 
 
 @pytest.fixture(autouse=True)
@@ -286,7 +286,7 @@ async def test_fenced_write_arriving_byte_by_byte() -> None:
     server = await smb2.start_server("127.0.0.1", 0)
     try:
         seg = server.create("trickle", 64, 64, 1, 0)["segment"]
-        info = server.locks.open("t", None)
+        info = server.locks.open("t", None, server)     # held open by a stand-in for a connection
         table = server.locks.table
         ticket, _ = table.acquire(info["slot"], 1, 1, 0.0)
         reader, writer = await asyncio.open_connection(*server.address)
@@ -322,12 +322,6 @@ async def test_fenced_write_arriving_byte_by_byte() -> None:
 
 # -- several processes ---------------------------------------------------------
 
-async def _spawn(cfg: dict) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, WORKER, json.dumps(cfg), stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 async def test_processes_count_exactly_under_the_lock(mode: str) -> None:
@@ -338,7 +332,7 @@ async def test_processes_count_exactly_under_the_lock(mode: str) -> None:
         cfg = {"servers": cluster.addresses, "buffer": "counter", "lock": "counter", "m": m,
                "mode": mode, "action": "count", "loop": _loop_name()}
         # one lock, two fabrics: half the processes map the servers' memory
-        procs = [await _spawn({**cfg, "transport": ("shm", "tcp")[i % 2]}) for i in range(n)]
+        procs = [await spawn({**cfg, "transport": ("shm", "tcp")[i % 2]}) for i in range(n)]
         outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), 90)
         assert all(p.returncode == 0 for p in procs)
         seen = [tuple(x) for out, _ in outs for x in json.loads(out)["seen"]]
@@ -365,7 +359,7 @@ async def test_dead_holder_is_passed_within_the_lease(mode: str, sig: int, holde
         buf = await client.create("dead", 128, stripe=64)
         cfg = {"servers": cluster.addresses, "buffer": "dead", "lock": "dead", "mode": mode,
                "action": "hold", "loop": _loop_name(), "transport": holder}
-        proc = await _spawn(cfg)
+        proc = await spawn(cfg)
         try:
             assert proc.stdout is not None
             line = await asyncio.wait_for(proc.stdout.readline(), 30)

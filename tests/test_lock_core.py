@@ -43,6 +43,7 @@ class RefTable:
         self.waiters: dict[int, tuple[int, int, int]] = {}    # waiter -> slot, ticket, owner
         self.lost: list[tuple[int, int]] = []
         self.expired = 0
+        self.stale_renewals = 0
 
     def open(self, slot: int, base: int, lease: float, now: float) -> None:
         self.slots[slot] = RefSlot(base, lease, now)
@@ -134,10 +135,17 @@ class RefTable:
         grants = []
         for slot in sorted(self.slots):
             s = self.slots[slot]
-            if (s.serving, s.hb) != s.seen:
+            if s.serving != s.seen[0]:
                 s.seen, s.last = (s.serving, s.hb), now
                 grants += self._settle(slot, now)
-            elif s.next != s.serving and now - s.last >= s.lease:
+                continue
+            if s.hb != s.seen[1]:
+                s.seen = (s.serving, s.hb)
+                if s.hb >> 16 == s.serving % (1 << 48):     # the holder renewed
+                    s.last = now
+                    continue
+                self.stale_renewals += 1                     # a stale holder did
+            if s.next != s.serving and now - s.last >= s.lease:
                 self.expired += 1
                 if s.holder is not None:
                     self.waiters.pop(s.holder, None)
@@ -160,7 +168,7 @@ OPS = st.one_of(
     st.tuples(st.just("abandon"), st.integers(0, 2), st.integers(-2, 5)),
     st.tuples(st.just("raw_take"), st.integers(0, 2)),          # a polling client's fetch_add
     st.tuples(st.just("raw_release"), st.integers(0, 2)),       # its compare_swap
-    st.tuples(st.just("renew"), st.integers(0, 2)),             # heartbeat fetch_add
+    st.tuples(st.just("renew"), st.integers(0, 2), st.integers(-1, 0)),  # heartbeat CAS by holder/stale
     st.tuples(st.just("sweep"), st.floats(0, 2.0)),
 )
 
@@ -211,9 +219,9 @@ def test_lock_table_matches_reference(ops: list[tuple], base: int) -> None:
                 struct.pack_into("<Q", mem, 32 * slot + 8, s.serving)
             assert table.poke(slot, now) == ref._settle(slot, now)
         elif kind == "renew":
-            slot = op[1]
+            _, slot, delta = op
             s = ref.slots[slot]
-            s.hb = (s.hb + 1) % M64
+            s.hb = _core.renewal_word((s.serving + delta) % M64, s.hb)
             struct.pack_into("<Q", mem, 32 * slot + 16, s.hb)
         else:
             now += op[1]
@@ -230,6 +238,7 @@ def test_lock_table_matches_reference(ops: list[tuple], base: int) -> None:
             assert all(_d(t, s.serving) > 0 for t in tickets)
         assert table.lost == ref.lost
         assert table.expired == ref.expired
+        assert table.stale_renewals == ref.stale_renewals
 
 
 def test_lock_table_fifo_grants_and_fences() -> None:

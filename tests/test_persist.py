@@ -116,7 +116,14 @@ async def test_a_save_that_fails_leaves_the_previous_state(tmp_path: Path,
     with pytest.raises(smb2.PersistenceError, match="No space"):
         await s.close()
     monkeypatch.undo()
-    # the new segment files exist, but the manifest on disk is still generation 1
+    # the failed save removed its own files; the server still serves (it
+    # stops only once a save succeeds, or when told not to save)
+    gen1 = json.loads((tmp_path / "manifest.json").read_text())
+    assert sorted(os.listdir(tmp_path)) == sorted([".lock", "manifest.json"] + [e["file"] for e in gen1["segments"]])
+    async with await smb2.connect([s.address]) as c:
+        assert bytes(await (await c.attach("x")).read(0, 3)) == b"new"
+    await s.close(save=False)
+    # the manifest on disk is still generation 1
     s = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", data_dir=tmp_path)
     try:
         async with await smb2.connect([s.address]) as c:

@@ -20,6 +20,7 @@ from .errors import (
     LockTimeout,
     NoSuchBuffer,
     NotifyTimeout,
+    OperationTimeout,
     OutOfBounds,
     OutOfMemory,
     PersistenceError,
@@ -27,6 +28,7 @@ from .errors import (
     ServerError,
     Smb2Error,
     StaleFence,
+    StaleHandle,
     TransportError,
     Unsupported,
     VersionMismatch,
@@ -40,8 +42,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "Client", "ErrorCode",
     "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockTimeout",
-    "NoSuchBuffer", "NotifyTimeout", "OutOfBounds", "OutOfMemory", "PersistenceError", "ProtocolError",
-    "Server", "ServerError",
-    "Smb2Error", "StaleFence", "TransportError", "Unsupported", "VersionMismatch", "connect",
+    "NoSuchBuffer", "NotifyTimeout", "OperationTimeout", "OutOfBounds", "OutOfMemory", "PersistenceError",
+    "ProtocolError", "Server", "ServerError",
+    "Smb2Error", "StaleFence", "StaleHandle", "TransportError", "Unsupported", "VersionMismatch", "connect",
     "start_server",
 ]

@@ -17,6 +17,7 @@ from cpython.array cimport array, clone
 from libc.stdlib cimport calloc, free
 
 from collections import deque
+from heapq import heappop, heappush
 
 # --------------------------------------------------------------------------
 # Frame header
@@ -603,9 +604,37 @@ cdef inline int64_t _tdiff(uint64_t a, uint64_t b) noexcept nogil:
     return <int64_t>(a - b)
 
 
+# The heartbeat word names the ticket that renewed it: the top 48 bits are
+# the renewer's ticket (mod 2**48), the low 16 a counter that every renewal
+# moves.  The server credits a renewal to the holder only when the tag is
+# now_serving's, so a stale holder that keeps renewing cannot extend the
+# lease of the holder that replaced it (issue 14, item 9).
+LOCK_TAG_SHIFT = 16
+cdef uint64_t _TAG_MASK = (1ULL << 48) - 1
+
+
+cdef inline uint64_t _hb_tag(uint64_t ticket) noexcept nogil:
+    return (ticket & _TAG_MASK) << 16
+
+
+def renewal_word(uint64_t ticket, uint64_t old):
+    """The heartbeat word a holder of ``ticket`` writes over ``old``
+    (compare-and-swap): its tag, and a counter that differs from old's."""
+    cdef uint64_t count = (old + 1) & 0xFFFF if (old >> 16) == (ticket & _TAG_MASK) else 0
+    if _hb_tag(ticket) | count == old:
+        count = (count + 1) & 0xFFFF
+    return _hb_tag(ticket) | count
+
+
+def renews(uint64_t heartbeat, uint64_t serving):
+    """True if the heartbeat word was written by the holder of ``serving``."""
+    return (heartbeat >> 16) == (serving & _TAG_MASK)
+
+
 cdef struct _Slot:
     uint64_t seen_serving      # now_serving / heartbeat as of last_change
     uint64_t seen_heartbeat
+    uint64_t base              # the first ticket: keys of the abandoned heap
     double last_change         # when the holder last showed a sign of life
     double lease
     int64_t holder             # waiter id of the parked holder, -1 if none/unknown
@@ -625,19 +654,27 @@ cdef class LockTable:
     Waiters are ints chosen by the caller (one per parked acquire); owners
     are ints too (one per connection).  Every method that can move a lock
     returns the list of waiter ids that were granted the lock by it, in
-    grant order; the caller answers their parked requests."""
+    grant order; the caller answers their parked requests.
+
+    Costs: no operation scans a queue.  A cancelled waiter stays in its
+    slot's FIFO, dead (its ``_waiters`` entry is gone), and is dropped when
+    it reaches the front; abandoned tickets are a set for membership and a
+    heap for pruning the passed ones.  Cancelling N waiters and skipping
+    their tickets is O(N log N) (issue 14, item 3)."""
 
     cdef object _mem            # keeps the buffer alive
     cdef uint64_t *_w
     cdef _Slot *_s
     cdef readonly Py_ssize_t nslots
-    cdef list _parked           # per slot: deque of (ticket, waiter) in ticket order
+    cdef list _parked           # per slot: deque of (ticket, waiter) in ticket order, dead ones too
     cdef list _abandoned        # per slot: set of tickets given up, or None
+    cdef list _abandoned_heap   # per slot: heap of their keys (ticket - base)
+    cdef list _live             # per slot: number of live parked waiters
     cdef dict _waiters          # waiter -> [slot, ticket, owner]
     cdef dict _owners           # owner -> set of waiters
     cdef readonly list lost     # (slot, waiter) parked waiters whose ticket was passed
     # counters for stat()
-    cdef readonly uint64_t grants, expired, abandoned_skips
+    cdef readonly uint64_t grants, expired, abandoned_skips, stale_renewals
 
     def __cinit__(self, mem, Py_ssize_t nslots):
         cdef uint8_t[::1] view = mem
@@ -653,6 +690,8 @@ cdef class LockTable:
         self.nslots = nslots
         self._parked = [None] * nslots
         self._abandoned = [None] * nslots
+        self._abandoned_heap = [None] * nslots
+        self._live = [0] * nslots
         self._waiters = {}
         self._owners = {}
         self.lost = []
@@ -684,12 +723,36 @@ cdef class LockTable:
         w[3] = 0
         s.seen_serving = base
         s.seen_heartbeat = 0
+        s.base = base
         s.last_change = now
         s.lease = lease
         s.holder = -1
         s.used = True
         self._parked[slot] = deque()
         self._abandoned[slot] = set()
+        self._abandoned_heap[slot] = []
+        self._live[slot] = 0
+
+    def idle(self, Py_ssize_t slot):
+        """True if nobody holds ``slot``, waits for it or gave a ticket of
+        it up: it could be closed without anyone noticing."""
+        cdef _Slot *s = self._slot(slot)
+        cdef uint64_t *w = self._words(slot)
+        return w[0] == w[1] and s.holder < 0 and self._live[slot] == 0 \
+            and not self._abandoned[slot]
+
+    def close(self, Py_ssize_t slot):
+        """Stop using an idle ``slot`` (see ``idle``); it may be opened again
+        for another name.  ValueError if it is not idle."""
+        if not self.idle(slot):
+            raise ValueError(f"lock slot {slot} is in use")
+        self._s[slot].used = False
+        self._parked[slot] = None
+        self._abandoned[slot] = None
+        self._abandoned_heap[slot] = None
+
+    def lease_of(self, Py_ssize_t slot):
+        return self._slot(slot).lease
 
     def set_lease(self, Py_ssize_t slot, double lease):
         if not lease > 0:
@@ -714,6 +777,7 @@ cdef class LockTable:
             self._grant(slot, s, waiter, now)
             return t, True
         (<object>self._parked[slot]).append((t, waiter))
+        self._live[slot] += 1
         return t, False
 
     def release(self, Py_ssize_t slot, uint64_t ticket, double now):
@@ -730,7 +794,8 @@ cdef class LockTable:
     def cancel(self, int64_t waiter, double now):
         """Give up whatever ``waiter`` has: a parked ticket is abandoned (the
         queue skips it), a lock it was granted is released.  Unknown waiters
-        (granted and released already, or never seen) are a no-op."""
+        (granted and released already, or never seen) are a no-op.  O(log n):
+        the parked entry stays in the FIFO, dead, until it reaches the front."""
         entry = self._waiters.get(waiter)
         if entry is None:
             return []
@@ -743,11 +808,9 @@ cdef class LockTable:
             smb2_cas64(&w[1], t, t + 1)
             return self._advance(slot, now)
         self._drop_waiter(waiter)
-        parked = <object>self._parked[slot]
-        try:
-            parked.remove((t, waiter))
-        except ValueError:
-            return []
+        if s.holder == waiter:
+            return []           # granted, and passed since (lease expired)
+        self._live[slot] -= 1
         return self.abandon(slot, t, now)
 
     def drop_owner(self, int64_t owner, double now):
@@ -782,7 +845,10 @@ cdef class LockTable:
             self._forget_holder(slot, s)
             smb2_cas64(&w[1], ticket, ticket + 1)
             return self._advance(slot, now)
-        (<object>self._abandoned[slot]).add(ticket)
+        gone = <set>self._abandoned[slot]
+        if ticket not in gone:
+            gone.add(ticket)
+            heappush(<list>self._abandoned_heap[slot], _tdiff(ticket, s.base))
         return []
 
     def poke(self, Py_ssize_t slot, double now):
@@ -794,7 +860,9 @@ cdef class LockTable:
     def sweep(self, double now):
         """Periodic: notice one-sided changes (renewals, releases), expire
         holders whose lease ran out, skip abandoned tickets.  Returns the
-        grants; ``expired`` counts the expiries so far."""
+        grants; ``expired`` counts the expiries so far.  A heartbeat not
+        tagged with now_serving's ticket (``renews``) is a stale holder's:
+        it is counted in ``stale_renewals`` and extends nothing."""
         cdef Py_ssize_t i
         cdef _Slot *s
         cdef uint64_t *w
@@ -804,12 +872,19 @@ cdef class LockTable:
             if not s.used:
                 continue
             w = self._words(i)
-            if w[1] != s.seen_serving or w[2] != s.seen_heartbeat:
+            if w[1] != s.seen_serving:
                 s.seen_serving = w[1]
                 s.seen_heartbeat = w[2]
                 s.last_change = now
                 grants.extend(self._advance(i, now))
-            elif w[0] != w[1] and now - s.last_change >= s.lease:
+                continue
+            if w[2] != s.seen_heartbeat:
+                s.seen_heartbeat = w[2]
+                if (w[2] >> 16) == (w[1] & _TAG_MASK):
+                    s.last_change = now
+                    continue
+                self.stale_renewals += 1
+            if w[0] != w[1] and now - s.last_change >= s.lease:
                 # the holder of now_serving showed no sign of life for a
                 # whole lease: move the queue past it.  Its fenced writes
                 # are refused from now on (check_fence).
@@ -852,9 +927,14 @@ cdef class LockTable:
         return w[0], w[1], w[2]
 
     def parked(self, Py_ssize_t slot):
-        """Parked ``(ticket, waiter)`` pairs in FIFO order."""
+        """Live parked ``(ticket, waiter)`` pairs in FIFO order (O(n): for
+        tests and statistics; ``parked_count`` is O(1))."""
         self._slot(slot)
-        return list(<object>self._parked[slot])
+        return [p for p in <object>self._parked[slot] if self._is_live(p)]
+
+    def parked_count(self, Py_ssize_t slot):
+        self._slot(slot)
+        return self._live[slot]
 
     def abandoned(self, Py_ssize_t slot):
         self._slot(slot)
@@ -866,6 +946,11 @@ cdef class LockTable:
         return None if s.holder < 0 else s.holder
 
     # -- internals --------------------------------------------------------
+    cdef bint _is_live(self, tuple entry):
+        # a parked entry is live while its waiter still waits with that ticket
+        e = self._waiters.get(entry[1])
+        return e is not None and e[1] == entry[0]
+
     cdef void _grant(self, Py_ssize_t slot, _Slot *s, int64_t waiter, double now):
         s.holder = waiter
         s.seen_serving = self._words(slot)[1]
@@ -891,12 +976,15 @@ cdef class LockTable:
         # Whatever moved now_serving, bring the slot to a resting state:
         # skip abandoned tickets, grant the parked waiter whose turn it is,
         # drop parked waiters whose ticket was passed (a client moved the
-        # words by hand; they are told via ``lost``).
+        # words by hand; they are told via ``lost``).  Each step pops what
+        # it looks at, so the work is proportional to what moved.
         cdef _Slot *s = &self._s[slot]
         cdef uint64_t *w = self._words(slot)
         cdef uint64_t cur
+        cdef int64_t cur_key
         parked = <object>self._parked[slot]
-        gone = <object>self._abandoned[slot]
+        gone = <set>self._abandoned[slot]
+        heap = <list>self._abandoned_heap[slot]
         grants = []
         if s.holder >= 0:
             entry = self._waiters.get(s.holder)
@@ -905,13 +993,15 @@ cdef class LockTable:
                 self._forget_holder(slot, s)
         while True:
             cur = w[1]
-            while parked and _tdiff(parked[0][0], cur) < 0:
+            while parked and (_tdiff(parked[0][0], cur) < 0 or not self._is_live(parked[0])):
                 t, wid = parked.popleft()
-                self._drop_waiter(wid)
-                self.lost.append((slot, wid))
-            if gone:
-                for t in [t for t in gone if _tdiff(t, cur) < 0]:
-                    gone.discard(t)
+                if self._is_live((t, wid)):
+                    self._live[slot] -= 1
+                    self._drop_waiter(wid)
+                    self.lost.append((slot, wid))
+            cur_key = _tdiff(cur, s.base)
+            while heap and heap[0] < cur_key:
+                gone.discard(<uint64_t>(s.base + <uint64_t><int64_t>heappop(heap)))
             if cur == w[0]:
                 break
             if cur in gone:
@@ -921,6 +1011,7 @@ cdef class LockTable:
                 continue
             if parked and parked[0][0] == cur:
                 t, wid = parked.popleft()
+                self._live[slot] -= 1
                 self._grant(slot, s, wid, now)
                 grants.append(wid)
             break

@@ -39,6 +39,8 @@ NONCE_SIZE: Final = 32
 ENV: Final = "SMB2_AUTH_TOKEN"
 # commands a connection may send before it has authenticated (the server's gate)
 PUBLIC_COMMANDS: Final = frozenset({"hello", "auth"})
+# a token file larger than this is not a token file (a wrong path, a key store)
+MAX_TOKEN_FILE: Final = 64 << 10
 
 _CLIENT_LABEL: Final = b"smb2 client\0"
 _SERVER_LABEL: Final = b"smb2 server\0"
@@ -66,8 +68,18 @@ def token_from_env() -> bytes | None:
 
 
 def token_from_file(path: str | os.PathLike[str]) -> bytes:
+    """The token in the file at ``path`` (OSError if unreadable).  A file
+    over MAX_TOKEN_FILE bytes is an error, not a token cut short; one that
+    others may read gets a warning (they could read the token)."""
     with open(path, "rb") as f:
-        data = f.read(1 << 16)
+        mode = os.fstat(f.fileno()).st_mode
+        data = f.read(MAX_TOKEN_FILE + 1)
+    if len(data) > MAX_TOKEN_FILE:
+        raise InvalidArgumentError(f"token file {os.fspath(path)} is over {MAX_TOKEN_FILE} bytes: a token is "
+                                   "a short secret (e.g. `openssl rand -hex 32 > FILE`); is this the right file?")
+    if mode & 0o044:
+        log.warning("token file %s can be read by %s (mode %03o): chmod 600 it", os.fspath(path),
+                    "everyone" if mode & 0o004 else "its group", mode & 0o777)
     token = as_token(data)
     assert token is not None
     return token

@@ -1,5 +1,5 @@
-"""The ``smb2`` command: ``smb2 stat``, ``smb2 ls``, ``smb2 rm``, ``smb2 bench``,
-``smb2 demo``.
+"""The ``smb2`` command: ``smb2 stat``, ``smb2 ls``, ``smb2 rm``, ``smb2 doctor``,
+``smb2 bench``, ``smb2 demo``.
 
 Servers are given as arguments or, where none are, by ``SMB2_SERVERS``.
 (``smb2-server`` lives in :mod:`smb2.server`.)
@@ -80,10 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     rm.add_argument("servers", nargs="*", help=servers_help)
     for cmd in (st, ls, rm):
         cmd.add_argument("--transport", default="tcp", help="transport for the query (default tcp)")
+    sub.add_parser("doctor", help="preflight: RDMA, memlock, token, each server's transport and clock "
+                   "(smb2 doctor --help)", add_help=False)
     sub.add_parser("bench", help="bandwidth benchmark (smb2 bench --help)", add_help=False)
     sub.add_parser("demo", help="a local cluster, clients and what they measured", add_help=False)
-    if argv and argv[0] in ("bench", "demo"):
+    if argv and argv[0] in ("bench", "demo", "doctor"):
         # these own their flags
+        if argv[0] == "doctor":
+            from . import doctor
+            return doctor.main(argv[1:])
         if argv[0] == "bench":
             from . import bench
             return bench.main(argv[1:])

@@ -5,6 +5,19 @@ A buffer's bytes are striped over all servers of the client (docs/design.md,
 "Words": stripe).  Each operation is planned by ``_core.plan`` into at most a few
 requests per server (one contiguous segment range each, cut at the
 transport's request size) and all of them run concurrently.
+
+Deadlines: every operation takes ``timeout=`` (seconds; default the
+client's ``op_timeout``, None for none).  When it passes, the connections
+still waited on are reset and :class:`OperationTimeout` is raised; the next
+operation reconnects.  Reads, ``stat``, ``buffers`` and ``attach`` are
+tried once more on a fresh connection when theirs broke; writes, atomics,
+``create`` and ``destroy`` never are.
+
+Stale handles: a :class:`Buffer` remembers which server process (its
+``server_id``, random per start) each of its segments came from.  On each
+new connection it checks: if the server restarted and did not restore the
+buffer from its data directory under the same segment, nothing is sent and
+:class:`StaleHandle` says to attach again.
 """
 
 from __future__ import annotations
@@ -13,7 +26,7 @@ import asyncio
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,12 +38,14 @@ from .errors import (
     BufferConflict,
     InterfaceError,
     InvalidArgumentError,
+    NoSuchBuffer,
     Smb2Error,
+    StaleHandle,
     TransportError,
 )
 from .lock import Fence, Lock, fence_of
 from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, WIRE_CODES, parse_address
-from .transport import KINDS, Link, MemoryDomain
+from .transport import KINDS, Link, MemoryDomain, Transport
 
 DEFAULT_STRIPE = 1 << 20
 # the smb2 package's directory: an unclosed client's warning names the first
@@ -63,9 +78,11 @@ class Client:
     """A connection to a cluster of memory servers.  Make it with
     :func:`connect`; close it with ``await client.close()`` or ``async with``."""
 
-    __slots__ = ("_links", "_closed", "_registered", "_created_at", "__weakref__")
+    __slots__ = ("_links", "_closed", "_registered", "_created_at", "op_timeout", "__weakref__")
 
-    def __init__(self, links: Sequence[Link], created_at: str = "") -> None:
+    def __init__(self, links: Sequence[Link], created_at: str = "", op_timeout: float | None = None) -> None:
+        #: the deadline of an operation that gives no ``timeout=`` (None: none)
+        self.op_timeout = _check_timeout(op_timeout)
         self._links = tuple(links)
         self._closed = False
         self._registered: list[Registration] = []
@@ -147,11 +164,19 @@ class Client:
             raise InterfaceError("the client is closed",
                                  hint="connect again with smb2.connect(...)")
 
-    async def _each(self, msgs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(_control(link, m) for link, m in zip(self._links, msgs))))
+    def deadline(self, timeout: float | None) -> float | None:
+        """An operation's ``timeout=`` argument, checked, or the client's default."""
+        return self.op_timeout if timeout is None else _check_timeout(timeout)
+
+    async def _each(self, msgs: Iterable[dict[str, Any]], timeout: float | None, *,
+                    idempotent: bool) -> list[dict[str, Any]]:
+        t = self.deadline(timeout)
+        return list(await asyncio.gather(*(_control(link, m, t, idempotent=idempotent)
+                                           for link, m in zip(self._links, msgs))))
 
     # -- buffers ------------------------------------------------------------
-    async def create(self, name: str, nbytes: int, *, stripe: int = DEFAULT_STRIPE) -> Buffer:
+    async def create(self, name: str, nbytes: int, *, stripe: int = DEFAULT_STRIPE,
+                     timeout: float | None = None) -> Buffer:
         """Create the buffer ``name`` of ``nbytes`` striped over all servers.
 
         Idempotent: creating an existing buffer with the same size and stripe
@@ -165,51 +190,57 @@ class Client:
         n = len(self._links)
         msgs = [{"cmd": "create", "name": name, "nbytes": nbytes, "stripe": stripe,
                  "nservers": n, "index": i} for i in range(n)]
+        deadline = self.deadline(timeout)
         results = await asyncio.gather(
-            *(_control(link, msg) for link, msg in zip(self._links, msgs)),
+            *(_control(link, msg, deadline, idempotent=False, stamp=True)
+              for link, msg in zip(self._links, msgs)),
             return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             # undo what this call created, so a failed create leaves nothing behind
             made = [link for link, r in zip(self._links, results)
                     if isinstance(r, dict) and r.get("created")]
-            await asyncio.gather(*(_control(link, {"cmd": "destroy", "name": name})
-                                   for link in made), return_exceptions=True)
+            await asyncio.gather(*(_control(link, {"cmd": "destroy", "name": name}, deadline,
+                                            idempotent=False) for link in made),
+                                 return_exceptions=True)
             raise _first_error(errors)
         return Buffer(self, name, [r for r in results if isinstance(r, dict)])
 
-    async def attach(self, name: str) -> Buffer:
+    async def attach(self, name: str, *, timeout: float | None = None) -> Buffer:
         """Open an existing buffer by name (from any client of the cluster)."""
         self.ensure_open()
         _check_name(name)
+        deadline = self.deadline(timeout)
         results = await asyncio.gather(
-            *(_control(link, {"cmd": "lookup", "name": name}) for link in self._links),
+            *(_control(link, {"cmd": "lookup", "name": name}, deadline, idempotent=True, stamp=True)
+              for link in self._links),
             return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise _first_error(errors)
         return Buffer(self, name, [r for r in results if isinstance(r, dict)])
 
-    async def destroy(self, name: str) -> bool:
+    async def destroy(self, name: str, *, timeout: float | None = None) -> bool:
         """Destroy the buffer on every server; True if any server had it."""
         self.ensure_open()
         _check_name(name)
-        results = await self._each({"cmd": "destroy", "name": name} for _ in self._links)
+        results = await self._each(({"cmd": "destroy", "name": name} for _ in self._links), timeout,
+                                   idempotent=False)
         return any(r.get("destroyed") for r in results)
 
-    async def buffers(self) -> list[str]:
+    async def buffers(self, *, timeout: float | None = None) -> list[str]:
         """Names of the buffers that exist on the cluster."""
         self.ensure_open()
-        results = await self._each({"cmd": "list"} for _ in self._links)
+        results = await self._each(({"cmd": "list"} for _ in self._links), timeout, idempotent=True)
         names: set[str] = set()
         for r in results:
             names.update(n for n in r.get("buffers", []) if isinstance(n, str))
         return sorted(names)
 
-    async def stat(self) -> list[dict[str, Any]]:
+    async def stat(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
         """Each server's statistics (see ``smb2 stat``)."""
         self.ensure_open()
-        return await self._each({"cmd": "stat"} for _ in self._links)
+        return await self._each(({"cmd": "stat"} for _ in self._links), timeout, idempotent=True)
 
     # -- checkpoints (checkpoint.py) ------------------------------------------
     async def checkpoint(self, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -233,8 +264,22 @@ class Client:
         return Lock(self, name, **options)
 
 
-async def _control(link: Link, msg: dict[str, Any]) -> dict[str, Any]:
-    return await (link.open or await link.get()).control(msg)
+async def _control(link: Link, msg: dict[str, Any], timeout: float | None, *, idempotent: bool,
+                   stamp: bool = False) -> dict[str, Any]:
+    """A control message to one server under a deadline.  ``stamp``: add
+    the answering server process's id (``server_id``) to the reply, for a
+    Buffer to check its segments against."""
+    async def send(t: Transport) -> dict[str, Any]:
+        reply = await t.control(msg)
+        return {**reply, "server_id": t.server_info.get("server_id")} if stamp else reply
+    return await link.call(send, timeout, idempotent=idempotent, what=str(msg.get("cmd")))
+
+
+def _check_timeout(timeout: Any) -> float | None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+    return timeout
 
 
 def _caller_outside_package() -> str:
@@ -298,7 +343,7 @@ class Buffer:
     several servers run on all of them concurrently."""
 
     __slots__ = ("client", "name", "nbytes", "stripe", "nservers", "first", "segments",
-                 "notify_area")
+                 "notify_area", "_incarnations", "_checked")
 
     def __init__(self, client: Client, name: str, infos: Sequence[dict[str, Any]]) -> None:
         geometry = {(i["nbytes"], i["stripe"], i["nservers"]) for i in infos}
@@ -321,6 +366,10 @@ class Buffer:
         self.nservers: int = nservers
         self.first: int = _core.name_hash(name) % nservers
         self.segments: list[int] = [int(i["segment"]) for i in infos]
+        # per server: the process the segment was planned against, and the
+        # connection last found to reach it (checked once per connection)
+        self._incarnations: list[Any] = [i.get("server_id") for i in infos]
+        self._checked: list[Transport | None] = [link.open for link in client.links]
         #: (offset, slots) of the notification area, None until designated
         #: (see smb2.notify: every client of the buffer designates the same)
         self.notify_area: tuple[int, int] | None = None
@@ -343,7 +392,7 @@ class Buffer:
         return self.client.lock("buffer:" + self.name, **options)
 
     async def _run(self, what: str, view: memoryview, offset: int, dtype_code: int = 0,
-                   fence: tuple[int, int] | None = None) -> None:
+                   fence: tuple[int, int] | None = None, timeout: float | None = None) -> None:
         self.client.ensure_open()
         # The plan is in the buffer's bytes.  A widening accumulate's payload
         # (bf16 for float32) is ``widen`` times shorter than the range it
@@ -367,7 +416,8 @@ class Buffer:
             server, seg_off, ln, p0, np_ = reqs[r:r + 5]
             parts = [view[pieces[2 * p] // widen:(pieces[2 * p] + pieces[2 * p + 1]) // widen]
                      for p in range(p0, p0 + np_)]
-            coros.append(self._one(what, links[server], server, parts, seg_off, ln // widen, dtype_code, fence))
+            coros.append(self._one(what, links[server], server, parts, seg_off, ln // widen, dtype_code, fence,
+                                   timeout))
         if len(coros) == 1:
             await coros[0]
         else:
@@ -375,8 +425,53 @@ class Buffer:
 
     async def _one(self, what: str, link: Link, server: int, parts: list[memoryview],
                    seg_off: int, length: int, dtype_code: int,
-                   fence: tuple[int, int] | None = None) -> None:
-        t = link.open or await link.get()
+                   fence: tuple[int, int] | None = None, timeout: float | None = None) -> None:
+        t = link.open
+        retry = what == "read"
+        deadline = self.client.deadline(timeout)
+        if deadline is None and t is not None and t is self._checked[server]:
+            # the fast path: a connection already checked, no deadline
+            try:
+                return await self._request(t, what, server, parts, seg_off, length, dtype_code, fence)
+            except TransportError:
+                if not retry or not t.closed:
+                    raise
+                retry = False       # the one retry is the one below
+
+        async def request(t: Transport) -> None:
+            await self.check_incarnation(server, t)
+            await self._request(t, what, server, parts, seg_off, length, dtype_code, fence)
+        await link.call(request, deadline, idempotent=retry, what=f"{what} of buffer {self.name!r}")
+
+    async def check_incarnation(self, server: int, t: Transport) -> None:
+        """Make sure the connection ``t`` reaches a server process that holds
+        this buffer's segment under the id it was planned with: the one the
+        handle came from, or a restart of it that restored the buffer from
+        its data directory.  :class:`StaleHandle` otherwise."""
+        if t is self._checked[server]:
+            return
+        sid = t.server_info.get("server_id")
+        if sid != self._incarnations[server]:
+            stale = StaleHandle(
+                f"buffer {self.name!r} was attached before server {self.client.servers[server]} "
+                "restarted, and that server no longer holds it under the same segment: this handle "
+                "could reach another buffer's memory, so nothing was sent",
+                server=self.client.servers[server],
+                hint=f"attach it again: buf = await client.attach({self.name!r})")
+            try:
+                info = await t.control({"cmd": "lookup", "name": self.name})
+            except NoSuchBuffer:
+                raise stale from None
+            if (int(info["segment"]), info["nbytes"], info["stripe"], info["nservers"], info["index"],
+                    info.get("restored")) != (self.segments[server], self.nbytes, self.stripe,
+                                              self.nservers, server, True):
+                raise stale
+            self._incarnations[server] = sid
+        self._checked[server] = t
+
+    async def _request(self, t: Transport, what: str, server: int, parts: list[memoryview],
+                       seg_off: int, length: int, dtype_code: int,
+                       fence: tuple[int, int] | None) -> None:
         seg = self.segments[server]
         if what == "read":
             await t.read_into(parts, seg, seg_off, length)
@@ -388,18 +483,34 @@ class Buffer:
         else:
             await t.accumulate(parts, seg, seg_off, length, dtype_code)
 
-    def _word(self, offset: Any) -> tuple[Link, int, int]:
+    def _word(self, offset: Any) -> tuple[int, int]:
         offset = self._range(offset, 8, "an atomic")
         if offset % 8:
             raise InvalidArgumentError(f"atomics need an 8-byte aligned offset, not {offset}")
         i = offset // self.stripe
         server = (self.first + i) % self.nservers
         seg_off = (i // self.nservers) * self.stripe + offset % self.stripe
-        return self.client.links[server], self.segments[server], seg_off
+        return server, seg_off
+
+    async def _atomic(self, offset: Any, what: str, timeout: float | None,
+                      op: Callable[[Transport, int, int], Awaitable[int]]) -> int:
+        """``op(transport, segment, segment offset)`` on the word at ``offset``."""
+        server, seg_off = self._word(offset)
+        link = self.client.links[server]
+        deadline = self.client.deadline(timeout)
+        t = link.open
+        if deadline is None and t is not None and t is self._checked[server]:
+            return to_signed(await op(t, self.segments[server], seg_off))
+
+        async def request(t: Transport) -> int:
+            await self.check_incarnation(server, t)
+            return await op(t, self.segments[server], seg_off)
+        return to_signed(await link.call(request, deadline, idempotent=False,
+                                         what=f"{what} on buffer {self.name!r}"))
 
     # -- data operations ------------------------------------------------------
     async def write(self, offset: int, data: Any, *, fence: Lock | Fence | None = None,
-                    notify: tuple[int, int] | None = None) -> None:
+                    notify: tuple[int, int] | None = None, timeout: float | None = None) -> None:
         """Store ``data`` (bytes-like or a C-contiguous numpy array) at ``offset``.
 
         With ``fence`` (a held :class:`Lock`, or a :class:`Fence`), each
@@ -414,26 +525,27 @@ class Buffer:
         view = _bytes_view(data, writable=False, what="data")
         offset = self._range(offset, len(view), "a write")
         slot = _notify.check_notify(self, notify) if notify is not None else None
-        await self._run("write", view, offset, fence=None if fence is None else fence_of(fence))
+        await self._run("write", view, offset, fence=None if fence is None else fence_of(fence),
+                        timeout=timeout)
         if slot is not None:
             # only now: every server acknowledged its part, so the data is visible
             await _notify.raise_to(self, *slot)
 
-    async def read(self, offset: int, nbytes: int) -> np.ndarray:
+    async def read(self, offset: int, nbytes: int, *, timeout: float | None = None) -> np.ndarray:
         """Return ``nbytes`` from ``offset`` as a new uint8 numpy array."""
         nbytes = check_int("nbytes", nbytes, low=0)
         out = np.empty(nbytes, dtype=np.uint8)
-        await self.read_into(out, offset)
+        await self.read_into(out, offset, timeout=timeout)
         return out
 
-    async def read_into(self, out: Any, offset: int = 0) -> None:
+    async def read_into(self, out: Any, offset: int = 0, *, timeout: float | None = None) -> None:
         """Fill ``out`` (a writable C-contiguous array) from ``offset``, in place."""
         view = _bytes_view(out, writable=True, what="out")
         offset = self._range(offset, len(view), "a read")
-        await self._run("read", view, offset)
+        await self._run("read", view, offset, timeout=timeout)
 
     async def accumulate(self, offset: int, delta: np.ndarray, *, wire: str | None = None,
-                         notify: tuple[int, int] | None = None) -> None:
+                         notify: tuple[int, int] | None = None, timeout: float | None = None) -> None:
         """Server-side ``buffer[offset:...] += delta`` elementwise, as delta's
         dtype (float32, float64, int32, int64).  Atomic per server request with
         respect to other accumulates and writes.
@@ -471,26 +583,25 @@ class Buffer:
             narrow = np.empty(delta.size, dtype=np.uint16)
             (_core.to_bfloat16 if wire == "bfloat16" else _core.to_float16)(view, narrow)
             view = _bytes_view(narrow, writable=False, what="delta")
-        await self._run("accumulate", view, offset, code)
+        await self._run("accumulate", view, offset, code, timeout=timeout)
         if slot is not None:
             await _notify.raise_to(self, *slot)    # after every server applied its part
 
-    async def fetch_add(self, offset: int, value: int = 1) -> int:
+    async def fetch_add(self, offset: int, value: int = 1, *, timeout: float | None = None) -> int:
         """Atomically add ``value`` to the int64 word at ``offset`` (8-byte
         aligned); return the word's old value."""
         value = check_word("value", value)
-        link, seg, seg_off = self._word(offset)
-        t = link.open or await link.get()
-        return to_signed(await t.fetch_add(seg, seg_off, value))
+        return await self._atomic(offset, "fetch_add", timeout,
+                                  lambda t, seg, off: t.fetch_add(seg, off, value))
 
-    async def compare_swap(self, offset: int, expected: int, new: int) -> int:
+    async def compare_swap(self, offset: int, expected: int, new: int, *,
+                           timeout: float | None = None) -> int:
         """Atomically replace the int64 word at ``offset`` with ``new`` if it
         equals ``expected``; return the old value (== expected on success)."""
         expected = check_word("expected", expected)
         new = check_word("new", new)
-        link, seg, seg_off = self._word(offset)
-        t = link.open or await link.get()
-        return to_signed(await t.compare_swap(seg, seg_off, expected, new))
+        return await self._atomic(offset, "compare_swap", timeout,
+                                  lambda t, seg, off: t.compare_swap(seg, off, expected, new))
 
     # -- notifications (GPI-2 style; the logic lives in smb2.notify) ----------
     def set_notify_area(self, offset: int, slots: int) -> Buffer:
@@ -545,7 +656,8 @@ def _servers_from_env() -> list[str]:
 async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, *,
                   transport: str = "auto", timeout: float = 10.0,
                   token: str | bytes | None = None, rdma_device: str | None = None,
-                  rdma_gid_index: int | None = None, poll: str = "event") -> Client:
+                  rdma_gid_index: int | None = None, poll: str = "event",
+                  op_timeout: float | None = None) -> Client:
     """Connect to the memory servers (``"host:port"`` each; default from the
     environment variable ``SMB2_SERVERS="h:p,h:p"``).
 
@@ -562,6 +674,11 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     the first ACTIVE device, its IPv4 RoCE v2 GID);
     ``poll="busy"`` spins on the completion queue while an RDMA operation
     waits (lowest latency, one busy core) instead of sleeping in the loop.
+
+    ``op_timeout``: the deadline in seconds of every operation that gives
+    no ``timeout=`` of its own (default None: operations wait as long as
+    their connection lives).  ``timeout`` bounds connecting (and
+    reconnecting).
 
     Raises :class:`TransportError` if a server cannot be reached,
     :class:`AccessDenied` if one refuses the token."""
@@ -584,7 +701,7 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     options = {"token": secret, "rdma_device": rdma_device, "rdma_gid_index": rdma_gid_index,
                "poll": poll}
     links = [Link(a, transport, timeout, options) for a in addresses]
-    client = Client(links, _caller_outside_package())
+    client = Client(links, _caller_outside_package(), op_timeout)
     try:
         await asyncio.gather(*(link.get() for link in links))
     except BaseException:

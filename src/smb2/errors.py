@@ -62,6 +62,12 @@ class NotifyTimeout(Smb2Error, TimeoutError):
     """A notification slot did not reach the awaited value within the timeout."""
 
 
+class OperationTimeout(TransportError, TimeoutError):
+    """An operation did not complete within its deadline (``timeout=``, or
+    the client's ``op_timeout``).  The connection it waited on was reset:
+    the next operation reconnects."""
+
+
 class ErrorCode(enum.IntEnum):
     """Status codes in a reply header; 0 means success."""
 
@@ -115,9 +121,20 @@ class StaleFence(ServerError):
 
 
 class BufferConflict(ServerError):
-    """A buffer of that name exists with other parameters."""
+    """A buffer of that name exists with other parameters (or a lock of that
+    name with another lease)."""
 
     code = ErrorCode.CONFLICT
+
+
+class StaleHandle(NoSuchBuffer):
+    """A :class:`~smb2.Buffer` handle from before its server restarted
+    without keeping the buffer (or before the buffer was destroyed or made
+    again): the server no longer holds it under the handle's segment, which
+    may now belong to another buffer, so nothing is sent.  Attach the
+    buffer again.  Raised by the client after a ``lookup``; a
+    :class:`NoSuchBuffer`, so code that handles a vanished buffer handles
+    this too."""
 
 
 class VersionMismatch(ServerError, ProtocolError):

@@ -22,9 +22,18 @@ stripe) as two words, ``next_ticket`` and ``now_serving``.  Two ways to wait:
   the textbook lock, but a holder whose lease ran out cannot move the queue
   past the ticket of the holder that replaced it.
 
-Either way the holder bumps the lock's heartbeat word every lease/3 (one
-``fetch_add``), and a holder that stops doing so loses the lock after the
-lease; the ticket is the fencing token.
+Either way the holder renews its lease every lease/3: a compare-and-swap
+writes the heartbeat word tagged with its ticket (``_core.renewal_word``;
+the server credits only a renewal tagged with the ticket it serves), and an
+atomic read of now_serving tells the holder whether it still holds the
+lock.  A holder that stops renewing loses the lock after the lease, and
+learns it at its next renewal: ``locked()`` turns False and ``release()``,
+``fence`` and the ``async with`` exit raise :class:`StaleFence`.  The
+ticket is the fencing token.
+
+``lock.close()`` (or dropping the object) tells the server this client no
+longer uses the name; a slot nobody uses is freed for other names, so a job
+may use any number of distinct lock names over time.
 """
 
 from __future__ import annotations
@@ -32,12 +41,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from . import _core
 from .busypoll import poll_while
-from .errors import InterfaceError, InvalidArgumentError, LockTimeout, NoSuchBuffer, StaleFence
+from .errors import InterfaceError, InvalidArgumentError, LockTimeout, NoSuchBuffer, StaleFence, TransportError
 from .transport import Link, LockCapable, LockSlot, Transport
 
 log = logging.getLogger("smb2.lock")
@@ -109,7 +119,7 @@ class Lock:
 
     __slots__ = ("client", "name", "mode", "_lease", "_min_delay", "_max_delay", "_spin", "_state",
                  "_slot", "_transport", "_parker", "_path", "_renew", "_busy", "_buf8", "_view8",
-                 "_contended")
+                 "_contended", "_heartbeat", "_lost", "_link", "_unuse", "_closed", "__weakref__")
 
     def __init__(self, client: LockOwner, name: str, *, lease: float | None = None, mode: str = "auto",
                  min_delay: float = 20e-6, max_delay: float = 0.05, spin: float = 1e-3) -> None:
@@ -139,6 +149,11 @@ class Lock:
         self._busy = False
         self._buf8 = bytearray(8)
         self._view8 = memoryview(self._buf8)
+        self._heartbeat = 0             # the heartbeat word as last seen
+        self._lost: str | None = None   # why the lock was lost, until the holder is told
+        self._link: Link | None = None  # where the name is open (see close)
+        self._unuse: weakref.finalize[Any, Any] | None = None
+        self._closed = False
 
     def __repr__(self) -> str:
         state = "locked" if self.locked() else "unlocked"
@@ -158,7 +173,9 @@ class Lock:
 
     @property
     def fence(self) -> Fence:
-        """The current fencing token as a :class:`Fence` (must be held)."""
+        """The current fencing token as a :class:`Fence` (must be held;
+        :class:`StaleFence` if the lock was found lost at a renewal)."""
+        self._raise_if_lost()
         if not self.locked() or self._state is None:
             raise InterfaceError(f"lock {self.name!r} is not held by this Lock object")
         return Fence(self.name, self._state.ticket)
@@ -180,6 +197,9 @@ class Lock:
         :class:`LockTimeout` when it runs out; the ticket is then given up
         and the queue does not wait for it.  Cancellation does the same."""
         self.client.ensure_open()
+        if self._closed:
+            raise InterfaceError(f"lock {self.name!r} was closed", hint="make a new one: client.lock(name)")
+        self._lost = None
         if self._busy or self.locked():
             raise InterfaceError(f"lock {self.name!r} is already held or being acquired by this "
                                  "Lock object (it is not reentrant)")
@@ -224,6 +244,7 @@ class Lock:
         statistics), and over RDMA it is logged at WARNING on ``smb2.lock``."""
         st = self._state
         if st is None or st.state != _core.TICKET_HELD:
+            self._raise_if_lost()
             raise InterfaceError(f"release() of lock {self.name!r}, which this Lock object does not hold")
         ticket = st.ticket
         st.released()
@@ -281,13 +302,40 @@ class Lock:
     async def __aexit__(self, *exc: object) -> None:
         if self.locked():
             await self.release()
+        elif exc[0] is None:
+            self._raise_if_lost()
+
+    def _raise_if_lost(self) -> None:
+        why, self._lost = self._lost, None
+        if why is not None:
+            raise StaleFence(why, hint="what was done under the lock since then was not protected")
+
+    async def close(self) -> None:
+        """Release the lock if held, and stop using its name: once no Lock
+        of this client uses it, the server is told, and frees the slot when
+        nobody else uses it either.  Dropping the object does the same."""
+        if self._closed:
+            return
+        try:
+            if self.locked():
+                await self.release()
+        finally:
+            self._closed = True
+            link, unuse, self._unuse = self._link, self._unuse, None
+            if link is not None and unuse is not None and unuse.detach() is not None:
+                await link.lock_unused(self.name)
 
     # -- internals ------------------------------------------------------------
     async def _open(self, fresh: bool = False) -> tuple[Transport, LockSlot]:
         links = self.client.links
         # on the server its name's hash picks, like a buffer's first stripe
         link = links[_core.name_hash(self.name) % len(links)]
-        return await link.lock_slot(self.name, self._lease, fresh=fresh)
+        got = await link.lock_slot(self.name, self._lease, fresh=fresh)
+        if self._link is None:
+            self._link = link
+            link.lock_used(self.name)
+            self._unuse = weakref.finalize(self, _unused, link, self.name)
+        return got
 
     async def _acquire(self) -> None:
         tr, slot = self._transport, self._slot
@@ -402,17 +450,44 @@ class Lock:
     async def _renew_now(self, ticket: int) -> None:
         tr, slot = self._transport, self._slot
         assert tr is not None and slot is not None
+        seg, off = slot.segment, slot.offset
         try:
-            await tr.fetch_add(slot.segment, slot.offset + _core.LOCK_HEARTBEAT, 1)
-        except Exception as exc:
+            # the heartbeat tagged with our ticket (a CAS: we learn the word
+            # if someone else wrote it, and try again over that)
+            old = self._heartbeat
+            for _ in range(4):
+                got = await tr.compare_swap(seg, off + _core.LOCK_HEARTBEAT, old,
+                                            _core.renewal_word(ticket, old))
+                if got == old:
+                    self._heartbeat = _core.renewal_word(ticket, old)
+                    break
+                old = got
+            # an atomic read of now_serving: do we still hold it?
+            serving = await tr.compare_swap(seg, off + _core.LOCK_SERVING, ticket, ticket)
+        except (TransportError, NoSuchBuffer) as exc:
             log.warning("lock %r: renewing the lease failed (%s); the lock may be lost", self.name, exc)
             return
         st = self._state
+        if serving != ticket and st is not None and st.state == _core.TICKET_HELD and st.ticket == ticket:
+            st.released()
+            self._lost = (f"lock {self.name!r} was lost: its lease of {st.lease} s ran out before "
+                          f"this holder renewed it (ticket {ticket}, the lock now serves {serving})")
+            log.warning("%s", self._lost)
+            return
         if st is not None and st.state == _core.TICKET_HELD and st.ticket == ticket:
             loop = asyncio.get_running_loop()
             st.renewed(loop.time())
             if self._renew is None:
                 self._renew = loop.call_at(st.renew_at, self._renew_due)
+
+
+def _unused(link: Link, name: str) -> None:
+    # a Lock was dropped without close(): tell its server, if a loop runs
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    _spawn(link.lock_unused(name))
 
 
 def fence_of(fence: Lock | Fence) -> tuple[int, int]:

@@ -19,7 +19,9 @@ import msgpack
 from . import _core
 from .errors import InvalidArgumentError
 
-VERSION: Final = 1
+# 2: lock renewals tagged with the holder's ticket (a version-1 client's
+# renewals would no longer count), lock_close, lookup's "restored"
+VERSION: Final = 2
 HEADER_SIZE: Final = _core.HEADER_SIZE
 MAGIC: Final = _core.MAGIC
 DEFAULT_PORT: Final = 7420
@@ -225,21 +227,28 @@ Destination = _Inline | _Discard | _Closed | Prefix | list[memoryview]
 class FrameReceiver(asyncio.BufferedProtocol, abc.ABC):
     """Frames off a stream, with payloads received straight into place.
 
-    Three modes.  *Inbox*: bytes land in a 256 KiB inbox and frames are parsed
-    out of it, many per ``recv``; a small payload is handed to ``on_frame`` as
-    a view of the inbox.  *Direct*: a payload whose destination the subclass
+    Three modes.  *Inbox*: bytes land in an inbox (``inbox_size``, 256 KiB by
+    default) and frames are parsed out of it, many per ``recv``; a small
+    payload is handed to ``on_frame`` as a view of the inbox.  *Direct*: a payload whose destination the subclass
     names (a slice of segment memory, pieces of a user's array) is received
     straight into it; only the part that arrived together with its header is
     copied.  *Discard*: a refused request's payload is read and dropped so the
     stream stays in sync.  Subclasses implement ``payload_size``,
     ``on_header`` and ``on_frame``, and call ``close_with`` to stop parsing.
+
+    Memory: the inbox is allocated when the first byte arrives (a connection
+    that sends nothing holds none), grows to ``inbox_size`` when a subclass
+    raises it (a server keeps it small until the peer authenticates), and
+    ``release_memory`` drops it and the scratch while nothing is pending.  A
+    subclass bounds scratch memory with ``reserve``/``unreserve``.
     """
 
     INBOX_SIZE = 256 << 10
     _DISCARD_CHUNK = 64 << 10
 
     def __init__(self) -> None:
-        self._inbox = bytearray(self.INBOX_SIZE)
+        self.inbox_size = self.INBOX_SIZE
+        self._inbox = bytearray(0)
         self._inview = memoryview(self._inbox)
         self._start = 0
         self._end = 0
@@ -250,9 +259,10 @@ class FrameReceiver(asyncio.BufferedProtocol, abc.ABC):
         self._tpos = 0
         self._deliver: memoryview | None = None
         self._discard = 0
-        # reused for inline payloads larger than the inbox (grows, never shrinks:
-        # the subclass bounds the sizes it accepts as INLINE)
+        # reused for inline payloads larger than the inbox (grows as ``reserve``
+        # allows; ``release_memory`` gives it back): busy while a frame fills it
         self._scratch = bytearray(0)
+        self._scratch_busy = False
         # the header at self._start was accepted as INLINE; waiting for its payload
         self._inline_wait = False
         # the header at self._start asked for a prefix that is not all here yet
@@ -287,6 +297,40 @@ class FrameReceiver(asyncio.BufferedProtocol, abc.ABC):
         """Stop parsing; subclasses also close the transport."""
         self._stopped = True
 
+    def reserve(self, nbytes: int) -> bool:
+        """May the scratch grow by ``nbytes`` now?  A subclass that says no
+        must hold parsing (``hold``) until it may; the frame is then retried."""
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        """``nbytes`` of scratch were given back (see ``reserve``)."""
+
+    def release_memory(self, *, closed: bool = False) -> int:
+        """Drop the inbox and the scratch if nothing is pending in them (an
+        idle connection), or whatever is pending once the connection is
+        ``closed``; returns the bytes given back.  They are allocated again
+        when the next bytes arrive."""
+        if not closed and (self.mid_frame or self._scratch_busy):
+            return 0
+        freed = len(self._inbox) + len(self._scratch)
+        self._inbox = bytearray(0)
+        self._inview = memoryview(self._inbox)
+        self._start = self._end = 0
+        if self._scratch:
+            self.unreserve(len(self._scratch))
+            self._scratch = bytearray(0)
+        return freed
+
+    @property
+    def mid_frame(self) -> bool:
+        """Part of a frame (header or payload) is in, the rest is not."""
+        return self._hdr is not None or self._start != self._end
+
+    @property
+    def memory(self) -> int:
+        """Bytes this receiver holds (inbox and scratch)."""
+        return len(self._inbox) + len(self._scratch)
+
     def hold(self, reason: str) -> None:
         """Parse no further frame until ``unhold(reason)``.  Pausing the
         transport's reading is not enough: one recv can bring thousands of
@@ -307,6 +351,8 @@ class FrameReceiver(asyncio.BufferedProtocol, abc.ABC):
 
     # -- asyncio.BufferedProtocol ------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
+        if len(self._inbox) < self.inbox_size and self._hdr is None:
+            self._grow_inbox()
         if self._hdr is not None:
             if self._discard:
                 return self._inview[:min(self._discard, self._DISCARD_CHUNK)]
@@ -330,9 +376,20 @@ class FrameReceiver(asyncio.BufferedProtocol, abc.ABC):
         self._parse()
 
     # -- internals ------------------------------------------------------
-    def _scratch_view(self, size: int) -> memoryview:
+    def _grow_inbox(self) -> None:
+        inbox = bytearray(self.inbox_size)
+        n = self._end - self._start
+        inbox[0:n] = self._inview[self._start:self._end]
+        self._inbox, self._inview = inbox, memoryview(inbox)
+        self._start, self._end = 0, n
+
+    def _scratch_view(self, size: int) -> memoryview | None:
+        """Scratch for one payload, or None when ``reserve`` refused it."""
         if len(self._scratch) < size:
+            if not self.reserve(size - len(self._scratch)):
+                return None
             self._scratch = bytearray(size)
+        self._scratch_busy = True
         return memoryview(self._scratch)[:size]
 
     def _compact(self) -> None:
@@ -362,7 +419,10 @@ class FrameReceiver(asyncio.BufferedProtocol, abc.ABC):
             hdr, deliver = self._hdr, self._deliver
             self._hdr, self._deliver, self._targets = None, None, []
             assert hdr is not None
-            self.on_frame(hdr, deliver)
+            try:
+                self.on_frame(hdr, deliver)
+            finally:
+                self._scratch_busy = False
         return done
 
     def _parse(self) -> None:
@@ -407,9 +467,13 @@ class FrameReceiver(asyncio.BufferedProtocol, abc.ABC):
                 avail -= plen
                 if dest is INLINE and avail - HEADER_SIZE < size:
                     # waiting for the rest would re-parse the header without
-                    # its prefix: take the scratch path below instead
-                    dest = [self._scratch_view(size)]
-                    self._deliver = dest[0]
+                    # its prefix: take the scratch path below instead (a
+                    # prefixed payload that comes inline is short: no reserve)
+                    if len(self._scratch) < size:
+                        self._scratch = bytearray(size)
+                    self._scratch_busy = True
+                    self._deliver = memoryview(self._scratch)[:size]
+                    dest = [self._deliver]
             have = min(avail - HEADER_SIZE, size)
             if have == size and dest is not DISCARD and not isinstance(dest, list):
                 self._start = body + size
@@ -421,6 +485,9 @@ class FrameReceiver(asyncio.BufferedProtocol, abc.ABC):
                     self._inline_wait = True
                     return
                 scratch = self._scratch_view(size)
+                if scratch is None:      # reserve() held parsing: retry this header later
+                    self._inline_wait = True
+                    return
                 self._deliver = scratch
                 self._targets = [scratch]
             elif dest is DISCARD:

@@ -55,10 +55,25 @@ async def _serve(args: argparse.Namespace, options: ServerOptions) -> None:
         loop.add_signal_handler(sig, stop.set)
     host, port = server.address
     print(f"smb2-server listening on {host}:{port}", flush=True)
+    if server.metrics is not None:
+        print("smb2-server metrics on http://{}:{}/metrics".format(*server.metrics.address), flush=True)
+    closed = False
     try:
-        await stop.wait()
+        while not closed:
+            await stop.wait()
+            try:
+                await server.close()
+                closed = True
+            except PersistenceError as exc:
+                # the segments are still in memory and served: say so, and
+                # let the operator free space and stop again
+                stop.clear()
+                log.error("%s; still serving: free space and send SIGTERM again "
+                          "(SIGKILL drops the segments)", exc)
+                print(f"smb2-server: {exc}; still serving", file=sys.stderr, flush=True)
     finally:
-        await server.close()
+        if not closed:      # cancelled or failed: close, saving if it can
+            await server.close()
         log.info("stopped")
 
 

@@ -108,10 +108,39 @@ class DataDir:
             raise PersistenceError(f"{p} is not an smb2 manifest of format {FORMAT}")
         return m
 
-    def save(self, buffers: Collection[Segment]) -> int:
-        """Write the buffers' segments and the manifest; returns the bytes of data saved."""
+    def save(self, buffers: Collection[Segment], next_id: int = 1) -> int:
+        """Write the buffers' segments and the manifest; returns the bytes of
+        data saved.  ``next_id``, the server's next segment id, is kept, so
+        that no id is used twice in this directory, not even a destroyed
+        buffer's (a client's stale handle must not reach another buffer).
+        On an error (OSError: disk full, a file size limit) the
+        files of this attempt are removed and the previous state stays."""
         old = self.manifest()
         gen = int(old.get("generation", 0)) + 1 if old else 1
+        try:
+            return self._save(buffers, gen, next_id)
+        except BaseException:
+            # keep what the manifest on disk names (the old one, or the new
+            # one if only the cleanup after it failed)
+            keep = {e["file"] for m in (old, self._manifest_or_none()) if m for e in m["segments"]}
+            self._remove(keep)
+            raise
+
+    def _manifest_or_none(self) -> dict[str, Any] | None:
+        try:
+            return self.manifest()
+        except PersistenceError:
+            return None
+
+    def _remove(self, keep: set[str]) -> None:
+        """Remove segment files not in ``keep`` and every temporary file."""
+        keep = keep | {MANIFEST, LOCKFILE}
+        for p in self.path.iterdir():
+            if p.name not in keep and (p.name.startswith("seg-") or p.name.endswith(".tmp")):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+    def _save(self, buffers: Collection[Segment], gen: int, next_id: int) -> int:
         entries = []
         total = 0
         t0 = time.monotonic()
@@ -127,7 +156,7 @@ class DataDir:
             entries.append({**seg.info(), "file": name, "sha256": h.hexdigest()})
             total += seg.size
         manifest = {"format": FORMAT, "generation": gen, "saved_at": time.time(),
-                    "next_id": max([s.id for s in buffers] + [0]) + 1,
+                    "next_id": max([s.id for s in buffers] + [0, next_id - 1]) + 1,
                     "segments": entries}
         tmp = self.path / (MANIFEST + ".tmp")
         with open(tmp, "w") as f:
@@ -137,11 +166,7 @@ class DataDir:
         os.replace(tmp, self.path / MANIFEST)
         fsync_dir(self.path)
         # the new state is durable: the old generation's files may go
-        keep = {e["file"] for e in entries} | {MANIFEST, LOCKFILE}
-        for p in self.path.iterdir():
-            if p.name not in keep and (p.name.startswith("seg-") or p.name.endswith(".tmp")):
-                with contextlib.suppress(OSError):
-                    p.unlink()
+        self._remove(keep={e["file"] for e in entries})
         log.info("saved %d segments (%d bytes) to %s in %.2f s", len(entries), total, self.path,
                  time.monotonic() - t0)
         return total

@@ -35,11 +35,23 @@ lock's words, so it applies the classic fencing-token rule: refuse a token
 lower than the highest it has seen for that key.  A stale holder's write is
 thus refused everywhere once the next holder has written there, and on the
 lock's server at once.
+
+What cleans itself (issue 14): a connection may park at most
+``max_parked`` acquires; cancelling any number of them, or dropping the
+connection, costs O(n log n), not a scan per waiter (``_core.LockTable``).
+A connection that ``lock_open``ed a name keeps its slot bound until it
+``lock_close``s it or goes away; a slot nobody has open, nobody holds and
+nobody waits for is freed, for any name to use, and its last ticket is
+remembered as that key's fence floor, so that no stale token of the freed
+lock passes a fence.  The fence table itself is bounded: a key it forgets
+raises the floor of its bucket to the key's token, so forgetting can refuse
+an old token that was good, but never accepts a stale one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Any, Protocol
@@ -72,8 +84,15 @@ DEFAULT_SPIN = 0.001
 MAX_SPIN = 0.1
 MAX_SLOTS = 1 << 20
 # tokens seen in fenced writes for locks held elsewhere; an untrusted client
-# must not grow this without bound (the oldest keys are forgotten first)
+# must not grow this without bound (the oldest keys are forgotten first,
+# into the floor of their bucket)
 MAX_FENCE_KEYS = 1 << 16
+FENCE_BUCKETS = 1 << 12
+# parked LOCK_ACQUIREs per connection (each costs about 800 bytes).  Below
+# the server's in-flight cap (--max-inflight, 1024), where it stops reading
+# a connection: a connection full of parked acquires could then no longer
+# send the release they wait for; refused, it can.
+DEFAULT_MAX_PARKED = 512
 
 
 class Requester(Protocol):
@@ -107,7 +126,7 @@ class LockService:
 
     def __init__(self, mem: Any, view: memoryview, *,
                  slots: int = DEFAULT_SLOTS, lease: float = DEFAULT_LEASE,
-                 spin: float = DEFAULT_SPIN) -> None:
+                 spin: float = DEFAULT_SPIN, max_parked: int = DEFAULT_MAX_PARKED) -> None:
         self.mem = mem
         self.view = view
         self.nslots = slots
@@ -115,12 +134,22 @@ class LockService:
         self.table = _core.LockTable(view, slots)
         self.by_name: dict[str, int] = {}      # lock name -> slot
         self.names: list[str | None] = [None] * slots
+        self._free = list(range(slots - 1, -1, -1))     # free slots, lowest last
+        # who has each slot open (lock_open .. lock_close or disconnect), and
+        # the slots nobody has open that still wait to become idle
+        self._openers: dict[int, set[Requester]] = {}
+        self._opened: dict[Requester, set[int]] = {}
+        self._orphans: set[int] = set()
+        self.reclaimed = 0
         self.by_key: dict[int, int] = {}       # fence key -> slot (locks held here)
-        self.fences: dict[int, int] = {}       # fence key -> highest token seen (others)
+        self.fences: dict[int, int] = {}       # fence key -> lowest good token (others, freed)
+        self._fence_floors = [0] * FENCE_BUCKETS  # the same, for keys forgotten
         # parked LOCK_ACQUIREs: waiter id -> (connection, header).  A waiter
         # id is (owner << 32 | request id): LOCK_CANCEL names the acquire by
         # its request id, and no table maps one to the other.
         self._parked: dict[int, tuple[Requester, Header]] = {}
+        self._parked_of: dict[int, set[int]] = {}  # owner -> its parked waiter ids
+        self.max_parked = max_parked
         # each connection that used a lock: its owner id in the table (the
         # table knows owners, not connections; connection_lost forgets it)
         self._owners: dict[Requester, int] = {}
@@ -169,6 +198,9 @@ class LockService:
             try:
                 expired = self.table.expired
                 self._deliver(self.table.sweep(loop.time()))
+                if self._orphans:
+                    for slot in list(self._orphans):
+                        self._reclaim(slot)
                 if self.table.expired != expired:
                     log.info("lock lease expired %d time(s); the queue moved on",
                              self.table.expired - expired)
@@ -194,30 +226,83 @@ class LockService:
         self._spin_since = None
 
     # -- control ------------------------------------------------------------
-    def open(self, name: str, lease: float | None) -> dict[str, Any]:
+    def open(self, name: str, lease: float | None, conn: Requester) -> dict[str, Any]:
+        """``lock_open``: bind ``name`` to a slot (if it has none) and count
+        ``conn`` among its users until ``close_name`` or disconnect.  The
+        lease is fixed when the slot is bound: another value is refused."""
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 255:
             raise Refused(ErrorCode.BAD_REQUEST, "lock names are 1..255 bytes of str")
         if lease is not None and not (isinstance(lease, (int, float)) and 0 < lease <= MAX_LEASE):
             raise Refused(ErrorCode.BAD_REQUEST, f"lease must be in (0, {MAX_LEASE}] seconds")
         slot = self.by_name.get(name)
-        now = asyncio.get_running_loop().time()
+        key = _core.name_hash(name)
         if slot is None:
-            try:
-                slot = self.names.index(None)
-            except ValueError:
+            if not self._free:
                 raise Refused(ErrorCode.OUT_OF_MEMORY,
-                              f"this server holds its maximum of {self.nslots} locks") from None
-            self.table.open(slot, _ticket_base(), float(lease or self.lease), now)
+                              f"this server holds its maximum of {self.nslots} locks, all open "
+                              "(a client frees the locks it no longer uses with lock.close())")
+            slot = self._free.pop()
+            # tickets go on from the freed lock's last one, if this key had one
+            base = max(_ticket_base(), self.fences.pop(key, 0))
+            self.table.open(slot, base, float(lease or self.lease), asyncio.get_running_loop().time())
             self.by_name[name] = slot
             self.names[slot] = name
-            self.by_key[_core.name_hash(name)] = slot
+            self.by_key[key] = slot
+            if lease is not None:
+                self._leases[slot] = float(lease)
             log.debug("lock %r in slot %d", name, slot)
-        if lease is not None:
-            # the last opener's lease wins; all users of a lock should agree
-            self.table.set_lease(slot, float(lease))
-            self._leases[slot] = float(lease)
+        elif lease is not None and float(lease) != self.table.lease_of(slot):
+            raise Refused(ErrorCode.CONFLICT,
+                          f"lock {name!r} has a lease of {self.table.lease_of(slot)} s, fixed when "
+                          f"it was opened; this client asked for {float(lease)} s (every user of a "
+                          "lock must give the same lease, or none)")
+        self._openers.setdefault(slot, set()).add(conn)
+        self._opened.setdefault(conn, set()).add(slot)
+        self._orphans.discard(slot)
         return {"segment": LOCK_SEGMENT, "offset": slot * SLOT, "slot": slot,
-                "key": _core.name_hash(name), "lease": self.table_lease(slot)}
+                "key": key, "lease": self.table_lease(slot)}
+
+    def close_name(self, name: str, conn: Requester) -> dict[str, Any]:
+        """``lock_close``: ``conn`` no longer uses ``name``; the slot is freed
+        once nobody has it open and it is idle."""
+        slot = self.by_name.get(name)
+        if slot is not None and conn in self._openers.get(slot, ()):
+            self._opened[conn].discard(slot)
+            self._unopen(slot, conn)
+        return {}
+
+    def _unopen(self, slot: int, conn: Requester) -> None:
+        users = self._openers.get(slot)
+        if users is None:
+            return
+        users.discard(conn)
+        if not users:
+            del self._openers[slot]
+            self._reclaim(slot)
+
+    def _reclaim(self, slot: int) -> None:
+        """Free ``slot`` if nobody has it open and it is idle; else look
+        again at each sweep."""
+        if slot in self._openers or not self.table.is_open(slot):
+            self._orphans.discard(slot)
+            return
+        if not self.table.idle(slot):
+            self._orphans.add(slot)
+            return
+        self._orphans.discard(slot)
+        name = self.names[slot]
+        assert name is not None
+        key = _core.name_hash(name)
+        # no token below the next ticket may pass a fence on this key again
+        self._remember_fence(key, self.table.words(slot)[0])
+        self.table.close(slot)
+        del self.by_name[name]
+        self.names[slot] = None
+        self.by_key.pop(key, None)
+        self._leases.pop(slot, None)
+        self._free.append(slot)
+        self.reclaimed += 1
+        log.debug("lock %r freed slot %d", name, slot)
 
     def abandon(self, offset: int, ticket: int) -> dict[str, Any]:
         """``lock_abandon``: a polling client gives up ``ticket`` (timeout or
@@ -232,8 +317,9 @@ class LockService:
             nxt, serving, hb = self.table.words(slot)
             locks[name] = {"slot": slot, "next_ticket": nxt, "now_serving": serving,
                            "queued": (nxt - serving) % (1 << 64),
-                           "parked": len(self.table.parked(slot)), "lease": self.table_lease(slot)}
+                           "parked": self.table.parked_count(slot), "lease": self.table_lease(slot)}
         return {"slots": self.nslots, "open": len(self.by_name), "grants": self.table.grants,
+                "reclaimed": self.reclaimed, "stale_renewals": self.table.stale_renewals,
                 "spin": self.spin, "spinning": self._spin_since is not None,
                 "spin_seconds": self.spin_seconds,
                 "expired": self.table.expired, "abandoned_skips": self.table.abandoned_skips,
@@ -274,6 +360,11 @@ class LockService:
         slot = self._slot_of(offset)
         if op == Op.LOCK_ACQUIRE:
             waiter = owner << 32 | rid
+            mine = self._parked_of.setdefault(owner, set())
+            if len(mine) >= self.max_parked:
+                raise Refused(ErrorCode.OUT_OF_MEMORY,
+                              f"this connection already has {len(mine)} lock acquires waiting, "
+                              "the most a server parks for one connection")
             try:
                 ticket, granted = self.table.acquire(slot, waiter, owner, now)
             except ValueError:
@@ -283,6 +374,7 @@ class LockService:
                 conn.reply(hdr, _core.pack_u64(ticket))
             else:
                 self._parked[waiter] = (conn, hdr)
+                mine.add(waiter)
                 self._hand_off_due()
             return
         if op == Op.LOCK_RELEASE:
@@ -306,7 +398,7 @@ class LockService:
         target = _core.unpack_u64(payload)
         if target <= 0xFFFFFFFF:
             waiter_id = owner << 32 | target
-            parked = self._parked.pop(waiter_id, None)
+            parked = self._unpark(waiter_id)
             grants = self.table.cancel(waiter_id, now)
             if parked is not None:
                 # the acquire is answered (the client ignores it) so that
@@ -325,10 +417,16 @@ class LockService:
     def connection_lost(self, conn: Requester) -> None:
         owner = self._owners.pop(conn, None)
         if owner is None:
-            return          # never used a lock
+            for slot in self._opened.pop(conn, ()):
+                self._unopen(slot, conn)
+            return          # never waited for a lock
+        for slot in self._opened.pop(conn, ()):
+            self._unopen(slot, conn)
         grants = self.table.drop_owner(owner, asyncio.get_running_loop().time())
-        for wid in [w for w in self._parked if w >> 32 == owner]:
+        for wid in self._parked_of.pop(owner, ()):
             del self._parked[wid]
+        for slot in list(self._orphans):
+            self._reclaim(slot)     # what the owner held or waited for is given up
         if grants:
             log.info("connection %s lost while holding or waiting for a lock; passed on", conn.peer)
         self._deliver(grants)
@@ -337,10 +435,10 @@ class LockService:
         # Answer the parked acquires that were just granted.  A grant to a
         # connection that is closing is passed on at once (its
         # connection_lost may not have run yet), which may grant the next.
-        queue = list(grants)
+        queue = collections.deque(grants)
         while queue:
-            wid = queue.pop(0)
-            entry = self._parked.pop(wid, None)
+            wid = queue.popleft()
+            entry = self._unpark(wid)
             if entry is None:
                 continue
             conn, hdr = entry
@@ -357,11 +455,19 @@ class LockService:
             lost = list(self.table.lost)
             self.table.lost.clear()
             for _slot, wid in lost:
-                entry = self._parked.pop(wid, None)
+                entry = self._unpark(wid)
                 if entry is not None:
                     conn, hdr = entry
                     conn.reply(hdr, error_payload("the queue passed this ticket"),
                                 status=ErrorCode.STALE_FENCE)
+
+    def _unpark(self, wid: int) -> tuple[Requester, Header] | None:
+        entry = self._parked.pop(wid, None)
+        if entry is not None:
+            mine = self._parked_of.get(wid >> 32)
+            if mine is not None:
+                mine.discard(wid)
+        return entry
 
     # -- fences -------------------------------------------------------------
     def check_fence(self, key: int, token: int) -> bool:
@@ -380,13 +486,23 @@ class LockService:
             ok = bool(self.table.check_fence(slot, token))
         else:
             seen = self.fences.get(key)
-            ok = seen is None or token >= seen
+            ok = token >= (self._fence_floors[key % FENCE_BUCKETS] if seen is None else seen)
             if ok and seen != token:
-                self.fences.pop(key, None)
-                self.fences[key] = token        # most recent last: evicted last
-                if len(self.fences) > MAX_FENCE_KEYS:
-                    self.fences.pop(next(iter(self.fences)))
+                self._remember_fence(key, token)
         if not ok:
             self.stale_fences += 1
         return ok
 
+
+    def _remember_fence(self, key: int, token: int) -> None:
+        """From now on ``key`` needs a token of at least ``token``.  The
+        table is bounded: the key used longest ago is forgotten, and its
+        token raises its bucket's floor, so a stale token of a forgotten key
+        is still refused (an older good one may be refused too)."""
+        self.fences.pop(key, None)
+        self.fences[key] = token        # most recent last: evicted last
+        if len(self.fences) > MAX_FENCE_KEYS:
+            old = next(iter(self.fences))
+            floor = self.fences.pop(old)
+            bucket = old % FENCE_BUCKETS
+            self._fence_floors[bucket] = max(self._fence_floors[bucket], floor)

@@ -60,8 +60,11 @@ from ..protocol import (
     unpack,
 )
 from .datadir import DataDir
+from .guard import Admission, MemoryPool, RateLimitedLog
 from .locks import LockService
 from .memfd import mark_gone
+from .metrics import MetricsExporter, package_version
+from .metrics import parse_address as parse_metrics_address
 from .options import ServerOptions
 from .rdma import RdmaServer
 from .segment import Refused, Segment, alloc
@@ -70,6 +73,12 @@ from .shm import ShmService
 log = logging.getLogger("smb2.server")
 
 MAX_NAME = 255
+# Before a connection has authenticated it holds a small inbox and may send
+# nothing larger than a hello or an auth message (both are ~100 bytes).
+PREAUTH_INBOX = 8 << 10
+PREAUTH_MAX_CONTROL = 4 << 10
+# a connection idle this long gives back its inbox and scratch
+RELEASE_IDLE = 2.0
 # accumulate deltas one connection may have waiting behind in-flight writes
 MAX_DEFERRED = 2 * MAX_ACCUMULATE
 
@@ -92,18 +101,32 @@ class MemoryServer:
         # after this long: its half-received range holds up every accumulate
         # that overlaps it (see Segment.inflight)
         self.write_timeout = options.write_timeout
+        # ... and so is one that trickles: it must bring this many bytes of
+        # its payload per write_timeout
+        self.write_progress = max(1, int(parse_size(options.write_min_rate) * options.write_timeout))
+        self.max_reply_bytes = parse_size(options.max_reply_bytes)
+        # connection counts and the auth back-off (guard.py)
+        self.admission = Admission(options.max_connections, options.max_connections_per_host)
+        # accumulate scratch and deferred deltas of all connections together
+        self.receive_pool = MemoryPool(parse_size(options.max_receive_memory))
+        self.warn = RateLimitedLog(log).warning
         self._sweeper: asyncio.Task[None] | None = None
         # segments are saved here on close and restored on start (datadir.py)
         self.data_dir = DataDir(options.data_dir) if options.data_dir is not None else None
         # the shared secret clients must prove they know (None: no authentication)
         self.token = auth.as_token(options.token)
         self.auth_failures = 0
+        # auth messages refused unchecked during a back-off (guard.Admission)
+        self.auth_throttled = 0
         self.max_frame = parse_size(options.max_frame)
         self.max_buffers = options.max_buffers
         self.used = 0
         self.segments: dict[int, Segment] = {}
         self.by_name: dict[str, Segment] = {}
         self._ids = itertools.count(1)
+        # segments restored from the data directory at start: a client's
+        # handle from before the restart may go on using them (lookup says so)
+        self.restored: set[int] = set()
         self.connections: set[Connection] = set()
         self.started = time.time()
         # data operations this server's CPU executed, per transport and op
@@ -126,6 +149,8 @@ class MemoryServer:
         # the hand-out of segments to clients on this host (shm.py)
         self.shm: ShmService | None = None
         self.shm_reason: str | None = "not started"
+        # the Prometheus endpoint (options.metrics; metrics.py)
+        self.metrics: MetricsExporter | None = None
 
     def __repr__(self) -> str:
         host, port = self.address
@@ -154,6 +179,7 @@ class MemoryServer:
                 raise
             for seg in restored:
                 self._add(seg)
+                self.restored.add(seg.id)
             self._ids = itertools.count(next_id)
         if self.rdma is not None:
             # segments made before RDMA was open (the lock segment, restored
@@ -176,9 +202,16 @@ class MemoryServer:
             log.warning("listening on %s without an authentication token: anyone who can reach "
                         "this port can read and write its memory (--auth-token-file or %s)",
                         host or "all addresses", auth.ENV)
-        if self.write_timeout > 0:
-            self._sweeper = asyncio.create_task(self._sweep())
+        self._sweeper = asyncio.create_task(self._sweep())
         self.locks.start()
+        if self.options.metrics is not None:
+            # read-only over the counters above (metrics.py): no per-request work
+            self.metrics = MetricsExporter(self)
+            try:
+                await self.metrics.start(*parse_metrics_address(self.options.metrics))
+            except BaseException:       # the port is taken: no half-started server
+                await self.close(save=False)
+                raise
         log.info("listening on %s:%d (capacity %d bytes)", *self.address, self.capacity)
 
     def _start_shm(self) -> None:
@@ -196,19 +229,38 @@ class MemoryServer:
         return ["tcp", *(["rdma"] if self.rdma else []), *(["shm"] if self.shm else [])]
 
     async def _sweep(self) -> None:
-        period = min(1.0, self.write_timeout / 4)
+        """Cut connections that stall, never authenticate or sit idle; give
+        back idle connections' memory."""
+        opts = self.options
+        period = min([1.0] + [t / 4 for t in (opts.write_timeout, opts.hello_timeout, opts.idle_timeout) if t > 0])
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(period)
             now = loop.time()
             for conn in list(self.connections):
-                if conn.stalled_write(now, self.write_timeout):
-                    conn.close_with(f"no data for {self.write_timeout:g} s in the middle of a write")
+                why = conn.overdue(now)
+                if why is not None:
+                    conn.cut(why)
+                elif conn.idle_for(now) > RELEASE_IDLE:
+                    conn.release_memory()
 
-    async def close(self) -> None:
-        """Stop listening, drop every connection, save the segments (with a
-        data directory), release all segments."""
+    def reclaim_memory(self) -> None:
+        """Idle connections give back their scratch (the pool ran short)."""
+        for conn in self.connections:
+            conn.release_memory()
+
+    async def close(self, *, save: bool = True) -> None:
+        """Save the segments (with a data directory, unless ``save`` is
+        false), then stop listening, drop every connection and release all
+        segments.
+
+        A save that fails (disk full) raises :class:`PersistenceError` and
+        leaves the server serving as before, with its segments in memory and
+        the previous saved state intact: free space and close again, or
+        ``close(save=False)`` to drop them."""
         if self._server is not None:
+            if self.data_dir is not None and save:
+                self.save()
             self._server.close()
             for conn in list(self.connections):
                 conn.abort("server shutting down")
@@ -218,17 +270,10 @@ class MemoryServer:
                 self._sweeper = None
             self._server = None
             if self.data_dir is not None:
-                # nothing can change the segments any more: save them
-                try:
-                    # buffers' segments only: the lock segment's leases
-                    # mean nothing to the next server process
-                    self.data_dir.save(self.by_name.values())
-                except OSError as exc:
-                    # the previous manifest is intact: the last good state survives
-                    raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: "
-                                           f"{exc}") from exc
-                finally:
-                    self.data_dir.release()
+                self.data_dir.release()
+        if self.metrics is not None:
+            await self.metrics.close()
+            self.metrics = None
         await self.locks.close()
         if self.shm is not None:
             await self.shm.close()
@@ -239,6 +284,19 @@ class MemoryServer:
         self.segments.clear()
         self.by_name.clear()
         self.used = 0
+
+    def save(self) -> None:
+        """Write the segments to the data directory (PersistenceError)."""
+        assert self.data_dir is not None
+        # Synchronous: no request runs while it writes, so what is saved is
+        # one moment's state (writes still arriving in place may be torn).
+        # The buffers' segments only: the lock segment's leases mean nothing
+        # to the next server process.
+        try:
+            self.data_dir.save(self.by_name.values(), self.next_segment_id())
+        except OSError as exc:
+            # the previous manifest is intact: the last good state survives
+            raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: {exc}") from exc
 
     async def __aenter__(self) -> MemoryServer:
         return self
@@ -289,7 +347,14 @@ class MemoryServer:
         seg = self.by_name.get(name)
         if seg is None:
             raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no buffer named {name!r}")
-        return seg.info()
+        return {**seg.info(), "restored": seg.id in self.restored}
+
+    def next_segment_id(self) -> int:
+        """The id the next segment would get (segment ids are never reused
+        by this server, nor, through its data directory, by its successors)."""
+        nxt = next(self._ids)
+        self._ids = itertools.count(nxt)
+        return nxt
 
     def destroy(self, name: str) -> dict[str, Any]:
         seg = self.by_name.pop(name, None)
@@ -312,6 +377,9 @@ class MemoryServer:
             "address": f"{self.address[0]}:{self.address[1]}",
             "version": VERSION,
             "uptime_s": round(time.time() - self.started, 3),
+            # the server's wall clock: smb2 doctor measures each server's offset
+            "time": time.time(),
+            "package_version": package_version(),
             "capacity": self.capacity,
             "used": self.used,
             "buffers": {s.name: {"segment": s.id, "size": s.size, "nbytes": s.nbytes,
@@ -328,6 +396,10 @@ class MemoryServer:
             "refused": self.refused,
             "auth": auth.MECH if self.token is not None else None,
             "auth_failures": self.auth_failures,
+            "auth_throttled": self.auth_throttled,
+            "connections_refused": self.admission.refused,
+            "receive_memory": {"used": self.receive_pool.used, "peak": self.receive_pool.peak,
+                               "limit": self.receive_pool.limit},
             "locks": self.locks.stat(),
         }
 
@@ -392,9 +464,13 @@ class Connection(FrameReceiver):
 
     def __init__(self, server: MemoryServer) -> None:
         super().__init__()
+        self.inbox_size = PREAUTH_INBOX      # the full inbox once authenticated
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
+        self.host = "?"
+        # counted in server.admission (refused connections are not)
+        self._admitted = False
         self.greeted = False
         # set by a valid ``auth`` (or by ``hello`` when the server has no token);
         # until then only auth.PUBLIC_COMMANDS are answered
@@ -407,9 +483,21 @@ class Connection(FrameReceiver):
         # bytes of accumulate deltas waiting for an overlapping write
         self._deferred_bytes = 0
         self._last_rx = 0.0
+        self._opened = 0.0
+        # bytes received, and (time, bytes) when payload progress was last seen
+        self._rx_bytes = 0
+        self._progress: tuple[float, int] = (0.0, 0)
+        # requests answered later than their frame (parked lock acquires,
+        # deferred accumulates) count here until their reply: bounded by
+        # max_inflight
+        self._inflight = 0
+        # when the replies queued for this connection last went over
+        # max_reply_bytes without draining since (None: they drain)
+        self._replies_stuck_since: float | None = None
         # small replies made while one receive is parsed, sent with one write
         # (a pipelined LOCK_RELEASE + LOCK_ACQUIRE costs one syscall, not two)
         self._cork: list[bytes] | None = None
+        self._cork_bytes = 0
         # this client's queue pair and staging area, after rdma_connect
         self.rdma_peer: Any = None
 
@@ -419,15 +507,29 @@ class Connection(FrameReceiver):
         self.transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.host = str(peer[0]) if peer else "?"
+        refused = self.server.admission.admit(self.host)
+        if refused is not None:
+            self.server.warn("admission", "refused a connection from %s: %s", self.peer, refused)
+            self.close_with(refused, code=ErrorCode.OUT_OF_MEMORY)
+            return
+        self._admitted = True
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # pause_writing (and so no more parsing) once this much is queued
+        self.transport.set_write_buffer_limits(high=self.server.max_reply_bytes)
         self._uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
-        self._last_rx = asyncio.get_running_loop().time()
+        self._last_rx = self._opened = asyncio.get_running_loop().time()
+        self._progress = (self._opened, 0)
         self.server.connections.add(self)
         log.debug("connection from %s", self.peer)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._admitted:
+            self._admitted = False
+            self.server.admission.leave(self.host)
+        self.release_memory(closed=True)
         self.server.connections.discard(self)
         self.server.locks.connection_lost(self)
         if self._write is not None:
@@ -440,18 +542,78 @@ class Connection(FrameReceiver):
         self.transport = None
         log.debug("connection from %s closed%s", self.peer, f": {exc}" if exc else "")
 
-    def stalled_write(self, now: float, timeout: float) -> bool:
-        """In the middle of a WRITE, not paused by us, and silent too long."""
-        return (self._write is not None and not self._paused and self.transport is not None
-                and now - self._last_rx > timeout)
+    def overdue(self, now: float) -> str | None:
+        """Why this connection is to be cut now, if it is: no hello and
+        authentication in time, a request's payload that stopped making
+        progress, or idle too long."""
+        opts = self.server.options
+        if self.transport is None:
+            return None
+        if not self.authed and opts.hello_timeout and now - self._opened > opts.hello_timeout:
+            return f"no hello and authentication within {opts.hello_timeout:g} s"
+        if self.stalled(now):
+            return (f"less than {self.server.write_progress} bytes of a request's payload "
+                    f"in {opts.write_timeout:g} s")
+        stuck = self._replies_stuck_since
+        if opts.write_timeout and stuck is not None and now - stuck > opts.write_timeout:
+            return f"its replies were not read for {opts.write_timeout:g} s"
+        if opts.idle_timeout and self.idle_for(now) > opts.idle_timeout:
+            return f"idle for {opts.idle_timeout:g} s"
+        return None
+
+    def stalled(self, now: float) -> bool:
+        """In the middle of a frame, not held by us, and fewer than
+        ``server.write_progress`` bytes of it in the last write_timeout: a
+        peer that stopped, or one that trickles a byte now and then."""
+        timeout = self.server.write_timeout
+        if not self.mid_frame or self._paused or not timeout:
+            self._progress = (now, self._rx_bytes)
+            return False
+        since, rx = self._progress
+        if now - since < timeout:
+            return False
+        if self._rx_bytes - rx >= self.server.write_progress:
+            self._progress = (now, self._rx_bytes)
+            return False
+        return True
+
+    def idle_for(self, now: float) -> float:
+        """Seconds since the last byte came in, with nothing left to answer
+        (0 while a request waits for its reply or a frame is half in)."""
+        if self._inflight or self.mid_frame or self._write is not None:
+            return 0.0
+        return now - self._last_rx
+
+    # Memory for payloads (accumulate scratch) comes from the server's pool:
+    # a connection that does not fit waits, not reading, until memory is given back.
+    def reserve(self, nbytes: int) -> bool:
+        pool = self.server.receive_pool
+        if not pool.fits(nbytes):
+            self.server.reclaim_memory()
+            if not pool.fits(nbytes):
+                self._wait_for_memory()
+                return False
+        pool.take(nbytes)
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        self.server.receive_pool.give(nbytes)
+
+    def _wait_for_memory(self) -> None:
+        self._hold_input("memory")
+        loop = asyncio.get_running_loop()
+        # not from give(): it runs inside another connection's frame handling
+        self.server.receive_pool.wait(lambda: loop.call_soon(self._unhold_input, "memory"))
 
     # Flow control: a client that does not read its replies stops being read
     # and parsed, so one connection's memory stays bounded by the transport's
     # high-water mark plus one reply (at most max_frame).
     def pause_writing(self) -> None:
+        self._replies_stuck_since = asyncio.get_running_loop().time()
         self._hold_input("writing")
 
     def resume_writing(self) -> None:
+        self._replies_stuck_since = None
         self._unhold_input("writing")
 
     def _hold_input(self, reason: str) -> None:
@@ -474,6 +636,14 @@ class Connection(FrameReceiver):
         t = self.transport
         return t is not None and not t.is_closing()
 
+    def cut(self, reason: str) -> None:
+        """Close with the reason; abort if replies are still queued (a close
+        would wait for them to drain, and a peer that reads none never lets it)."""
+        self.close_with(reason)
+        t = self.transport
+        if t is not None and t.get_write_buffer_size():
+            self.abort(reason)
+
     def abort(self, reason: str) -> None:
         if self.transport is not None:
             log.debug("closing %s: %s", self.peer, reason)
@@ -481,8 +651,10 @@ class Connection(FrameReceiver):
 
     # -- replies -----------------------------------------------------------
     def buffer_updated(self, nbytes: int) -> None:
-        self._last_rx = asyncio.get_running_loop().time()     # see stalled_write
+        self._last_rx = asyncio.get_running_loop().time()     # see overdue
+        self._rx_bytes += nbytes
         self._cork = []
+        self._cork_bytes = 0
         try:
             super().buffer_updated(nbytes)
         finally:
@@ -498,6 +670,10 @@ class Connection(FrameReceiver):
               status: int = 0, flags: int = 0) -> None:
         """Answer the request whose header is ``hdr`` (the lock service
         answers parked acquires through this too)."""
+        if not hdr[H_FLAGS] & FLAG_NOREPLY:
+            self._inflight -= 1
+            if self._inflight < self.server.options.max_inflight and "inflight" in self._holds:
+                asyncio.get_running_loop().call_soon(self._unhold_input, "inflight")
         t = self.transport
         if t is None or t.is_closing():
             return
@@ -508,6 +684,13 @@ class Connection(FrameReceiver):
                                              hdr[H_SEGMENT], hdr[H_OFFSET], n, payload)
             if self._cork is not None:
                 self._cork.append(frame)
+                self._cork_bytes += len(frame)
+                if self._cork_bytes >= COPY_REPLY_MAX:
+                    # hand the transport what is corked: its flow control
+                    # (pause_writing) then stops parsing, for small replies too
+                    self._uncork()
+                    self._cork = []
+                    self._cork_bytes = 0
             else:
                 t.write(frame)
             return
@@ -562,10 +745,13 @@ class Connection(FrameReceiver):
             self.close_with("a client sent a reply frame", hdr)
             return CLOSED
         if op == Op.CONTROL:
-            if size > MAX_CONTROL:
-                self.close_with(f"control message of {size} bytes (limit {MAX_CONTROL})",
+            limit = MAX_CONTROL if self.authed else PREAUTH_MAX_CONTROL
+            if size > limit:
+                before = "" if self.authed else " before authentication"
+                self.close_with(f"control message of {size} bytes{before} (limit {limit})",
                                 hdr, ErrorCode.TOO_LARGE)
                 return CLOSED
+            self._expect_reply(hdr)
             return INLINE
         check = self._HEADER_CHECKS.get(op)
         if check is None:
@@ -585,12 +771,20 @@ class Connection(FrameReceiver):
             else:
                 self.close_with("not authenticated", hdr, ErrorCode.ACCESS_DENIED)
             return CLOSED
+        self._expect_reply(hdr)
         # a request this server refuses gets an error reply; its payload is dropped
         try:
             return check(self, hdr, size)
         except Refused as exc:
             self._refuse(hdr, exc.code, str(exc))
             return DISCARD
+
+    def _expect_reply(self, hdr: Header) -> None:
+        # counted until reply() answers it; at the cap, stop reading
+        if not hdr[H_FLAGS] & FLAG_NOREPLY:
+            self._inflight += 1
+            if self._inflight >= self.server.options.max_inflight:
+                self._hold_input("inflight")
 
     # Each op's header check, before a byte of its payload is read: where the
     # payload goes, or Refused.
@@ -755,11 +949,17 @@ class Connection(FrameReceiver):
             self._deferred_bytes += length
             if self._deferred_bytes > MAX_DEFERRED:
                 self._hold_input("deferred")
+            # ... and over all connections, in the server's pool
+            pool = self.server.receive_pool
+            pool.take(length)
+            if not pool.fits(0):
+                self._wait_for_memory()
 
             def run() -> None:
                 if seg.id in self.server.segments:
                     _core.accumulate(seg.view[offset:end], delta, code)
                 self._deferred_bytes -= length
+                pool.give(length)
                 self.reply(hdr)
                 if self._deferred_bytes <= MAX_DEFERRED and "deferred" in self._holds:
                     # not from here: this runs inside another connection's
@@ -820,7 +1020,7 @@ class Connection(FrameReceiver):
         if srv.shm is None:
             result["shm_off"] = srv.shm_reason
         if srv.token is None:
-            self.authed = True
+            self._authenticated()
         elif not self.authed:
             self._nonce = auth.new_nonce()
             result.update(auth=auth.MECH, nonce=self._nonce)
@@ -886,7 +1086,10 @@ class Connection(FrameReceiver):
         return self.server.stat()
 
     def _cmd_lock_open(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
-        return self.server.locks.open(_str(msg, "name"), msg.get("lease"))
+        return self.server.locks.open(_str(msg, "name"), msg.get("lease"), self)
+
+    def _cmd_lock_close(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+        return self.server.locks.close_name(_str(msg, "name"), self)
 
     def _cmd_lock_abandon(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
@@ -897,19 +1100,34 @@ class Connection(FrameReceiver):
             raise Refused(ErrorCode.BAD_REQUEST, "this server does not use authentication")
         if self.authed:
             raise Refused(ErrorCode.BAD_REQUEST, "already authenticated")
+        wait = srv.admission.auth_wait(self.host)
+        if wait > 0:
+            # a wrong token from this address not long ago: no proof is
+            # checked until the back-off is over (guesses cost time)
+            srv.auth_throttled += 1
+            self.close_with(f"authentication refused: {self.host} sent a wrong token; "
+                            f"try again in {wait:.1f} s", hdr, ErrorCode.ACCESS_DENIED)
+            return None
         nonce = msg.get("nonce")
         ok = (isinstance(nonce, bytes) and len(nonce) == auth.NONCE_SIZE
               and auth.check(auth.client_proof(srv.token, self._nonce, nonce), msg.get("proof")))
         if not ok:
             # one try per challenge: a guesser must reconnect for each
             srv.auth_failures += 1
-            log.warning("authentication failed from %s", self.peer)
+            backoff = srv.admission.auth_failed(self.host)
+            srv.warn("auth", "authentication failed from %s (wrong token; next try from there in "
+                     "%.1f s)", self.peer, backoff)
             self.close_with("authentication failed: wrong token", hdr, ErrorCode.ACCESS_DENIED)
             return None
         assert isinstance(nonce, bytes)
-        self.authed = True
+        srv.admission.auth_ok(self.host)
+        self._authenticated()
         log.debug("%s authenticated", self.peer)
         return {"proof": auth.server_proof(srv.token, self._nonce, nonce)}
+
+    def _authenticated(self) -> None:
+        self.authed = True
+        self.inbox_size = self.INBOX_SIZE      # grows at the next receive
 
 
     _HEADER_CHECKS: ClassVar[dict[int, Callable[[Connection, Header, int], Destination]]] = {
@@ -924,7 +1142,8 @@ class Connection(FrameReceiver):
         "hello": _cmd_hello, "auth": _cmd_auth, "create": _cmd_create, "lookup": _cmd_lookup,
         "rdma_segment": _cmd_rdma_segment, "rdma_connect": _cmd_rdma_connect, "destroy": _cmd_destroy,
         "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon,
-        "shm_grant": _cmd_shm_grant}
+        "shm_grant": _cmd_shm_grant, "lock_close": _cmd_lock_close}
+
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                        options: ServerOptions | None = None, **overrides: Any) -> MemoryServer:

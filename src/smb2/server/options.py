@@ -14,10 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from ..protocol import DEFAULT_MAX_FRAME, parse_size
+from ..protocol import DEFAULT_MAX_FRAME, MAX_ACCUMULATE, parse_size
 from .locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_LEASE, MAX_SLOTS, MAX_SPIN
+from .metrics import parse_address as parse_metrics_address
+from .metrics import prometheus
 
 DEFAULT_WRITE_TIMEOUT = 30.0
+# the smallest pool of payload memory: one accumulate of the largest size
+# must fit, or it would wait for ever
+MIN_RECEIVE_MEMORY = MAX_ACCUMULATE
 RDMA_MODES = ("auto", "on", "off")
 SHM_MODES = ("auto", "off")
 
@@ -43,14 +48,39 @@ class ServerOptions:
     data_dir: str | os.PathLike[str] | None = _option(
         None, "save the segments to DIR on SIGTERM/SIGINT and restore them at start", metavar="DIR")
     write_timeout: float = _option(
-        DEFAULT_WRITE_TIMEOUT, "close a connection silent this many seconds in the middle of a write "
+        DEFAULT_WRITE_TIMEOUT, "close a connection that receives less than --write-min-rate worth of a "
+        "request's payload in this many seconds (default %(default)g; 0 = never)", type=float)
+    write_min_rate: int | str = _option(
+        "64KiB", "bytes per second a request's payload must arrive at, measured over --write-timeout "
+        "(default 64KiB)", type=str)
+    hello_timeout: float = _option(
+        10.0, "close a connection that has not said hello and authenticated within this many seconds "
         "(default %(default)g; 0 = never)", type=float)
+    idle_timeout: float = _option(
+        3600.0, "close a connection that sent nothing and waits for nothing this many seconds "
+        "(default %(default)g; 0 = never)", type=float)
+    max_connections: int = _option(1024, "connections this server holds at most (default %(default)s)",
+                                   type=int)
+    max_connections_per_host: int = _option(
+        128, "connections one source address may hold at most (default %(default)s)", type=int)
+    max_inflight: int = _option(
+        1024, "requests one connection may have waiting for their replies (parked lock acquires, "
+        "accumulates behind a write) before the server stops reading it (default %(default)s)", type=int)
+    max_reply_bytes: int | str = _option(
+        "1MiB", "replies queued for one connection before the server stops reading its requests "
+        "(default 1MiB)", type=str)
+    max_receive_memory: int | str = _option(
+        "256MiB", "payload memory all connections together may hold (accumulate scratch, deltas "
+        "waiting behind a write); a connection that would exceed it waits (default 256MiB)", type=str)
     lock_lease: float = _option(
         DEFAULT_LEASE, "seconds a lock holder may go without renewing (default %(default)g)", type=float)
     lock_slots: int = _option(DEFAULT_SLOTS, "locks this server can hold (default %(default)s)", type=int)
     lock_spin: float = _option(
         DEFAULT_SPIN, "while lock waiters are parked, poll instead of sleeping for up to this many "
         f"seconds after each grant (default %(default)g; 0 = never, at most {MAX_SPIN:g})", type=float)
+    metrics: str | None = _option(
+        None, "serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus-client: "
+        "pip install 'smb2[metrics]'; default off)", metavar="HOST:PORT")
     rdma: str = _option("auto", "serve RDMA: auto (where a device is usable; default), on, off",
                         choices=RDMA_MODES)
     rdma_device: str | None = _option(None, "RDMA device name (default: the first ACTIVE one)")
@@ -63,8 +93,22 @@ class ServerOptions:
         "else under /tmp, per user)", metavar="PATH")
 
     def __post_init__(self) -> None:
-        parse_size(self.capacity)
-        parse_size(self.max_frame)
+        for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes"):
+            parse_size(getattr(self, name))
+        if parse_size(self.max_receive_memory) < MIN_RECEIVE_MEMORY:
+            raise InvalidArgumentError(f"max receive memory must be at least {MIN_RECEIVE_MEMORY >> 20} MiB "
+                                       f"(one accumulate request), not {self.max_receive_memory}")
+        for name in ("write_timeout", "hello_timeout", "idle_timeout"):
+            if not getattr(self, name) >= 0:
+                raise InvalidArgumentError(f"{name.replace('_', ' ')} must be >= 0 s (0 = never), "
+                                           f"not {getattr(self, name)}")
+        for name in ("max_connections", "max_connections_per_host", "max_inflight", "max_buffers"):
+            if not getattr(self, name) >= 1:
+                raise InvalidArgumentError(f"{name.replace('_', ' ')} must be at least 1, "
+                                           f"not {getattr(self, name)}")
+        if self.metrics is not None:
+            parse_metrics_address(self.metrics)
+            prometheus()        # missing: said now, not after the server started
         if self.rdma not in RDMA_MODES:
             raise InvalidArgumentError(f"rdma must be auto, on or off, not {self.rdma!r}")
         if self.shm not in SHM_MODES:

@@ -26,6 +26,17 @@ def rdma_unavailable_reason(rdma_device: str | None = None,
     return unavailable_reason(rdma_device, rdma_gid_index)
 
 
+def why_tcp(local_reason: str | None, server_info: dict[str, Any]) -> str | None:
+    """Why ``auto`` takes TCP to a server that answered hello with
+    ``server_info`` (this process's own reason first), or None: RDMA.
+    open_transport and ``smb2 doctor`` both ask here."""
+    if local_reason is not None:
+        return local_reason
+    if "rdma" not in server_info.get("transports", ()):
+        return f"the server has no RDMA: {server_info.get('rdma_off', 'not offered')}"
+    return None
+
+
 def _report(label: str, kind: str, reason: str) -> None:
     key = (label, kind, reason)
     if key not in _reported:
@@ -68,9 +79,7 @@ async def open_transport(address: tuple[str, int], kind: str = "auto", *,
         if kind == "auto":
             _report(label, "shm", f"same host: segments mapped from {shm.socket_path}")
         return shm
-    reason = rdma_unavailable_reason(rdma_device, rdma_gid_index)
-    if reason is None and "rdma" not in transport.server_info.get("transports", ()):
-        reason = f"the server has no RDMA: {transport.server_info.get('rdma_off', 'not offered')}"
+    reason = why_tcp(rdma_unavailable_reason(rdma_device, rdma_gid_index), transport.server_info)
     if reason is not None:
         _report(label, "tcp", f"no shm: {shm_reason}; no RDMA: {reason}")
         return transport

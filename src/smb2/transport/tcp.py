@@ -238,6 +238,11 @@ class TcpTransport(Transport, LockCapable):
                 self.control({"cmd": "hello", "version": VERSION, "transports": ["tcp"]}), timeout)
             info.update(await asyncio.wait_for(
                 auth.client_handshake(self.control, info, token, label), timeout))
+        except TimeoutError:
+            # connected, but nobody answers (a stopped or overloaded server)
+            await self.close()
+            raise TransportError(f"{label} accepted the connection but did not answer hello within "
+                                 f"{timeout} s", errno=errno_mod.ETIMEDOUT, server=label) from None
         except BaseException:
             await self.close()
             raise

@@ -1,0 +1,264 @@
+"""``smb2 doctor [SERVERS]``: the preflight a user runs before a job.
+
+It looks at this machine (RDMA devices and their ports, the RoCE v2 GID a
+queue pair would use, the memlock limit against the memory RDMA must
+register, the token, versions) and at each server (reachable, the transport
+``auto`` would take and why, its clock against ours, its version), and names
+every problem it finds: the exit status is 1 when it found one.  It is the
+place that says why RDMA is not used, where a job would fall back quietly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import auth, rdma_device
+from .errors import Smb2Error
+from .protocol import VERSION, parse_address, parse_size
+from .transport.choose import rdma_unavailable_reason, why_tcp
+from .transport.tcp import TcpTransport
+
+SYSFS = "/sys/class/infiniband"
+# a server clock further off than this confuses the logs of a job, and
+# lock leases are measured on each server's own clock: say so
+CLOCK_TOLERANCE = 1.0
+
+
+@dataclass
+class ServerReport:
+    address: str
+    reachable: bool = False
+    error: str | None = None
+    transport: str | None = None
+    why: str | None = None
+    version: str | None = None
+    protocol_version: int | None = None
+    server_id: str | None = None
+    capacity: int | None = None
+    used: int | None = None
+    auth: str | None = None
+    clock_offset_s: float | None = None
+    round_trip_s: float | None = None
+
+
+@dataclass
+class Report:
+    versions: dict[str, str] = field(default_factory=dict)
+    rdma: dict[str, Any] = field(default_factory=dict)
+    memlock: dict[str, Any] = field(default_factory=dict)
+    token: str = "none"
+    servers: list[ServerReport] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def rdma_devices() -> list[dict[str, Any]]:
+    """Every RDMA device's ports as the kernel lists them (sysfs): state,
+    link layer and the RoCE v2 GIDs that carry an address."""
+    try:
+        names = sorted(os.listdir(SYSFS))
+    except OSError:
+        return []
+    devices = []
+    for name in names:
+        ports = []
+        for port in sorted(os.listdir(f"{SYSFS}/{name}/ports")):
+            base = f"{SYSFS}/{name}/ports/{port}"
+            v2 = []
+            for index in sorted(os.listdir(f"{base}/gids"), key=int) if os.path.isdir(f"{base}/gids") else []:
+                gid = _read(f"{base}/gids/{index}")
+                if gid and gid.strip("0:") and "v2" in _read(f"{base}/gid_attrs/types/{index}").lower():
+                    v2.append({"index": int(index), "gid": gid})
+            ports.append({"port": int(port), "state": _read(f"{base}/state"),
+                          "link_layer": _read(f"{base}/link_layer"), "roce_v2_gids": v2})
+        devices.append({"device": name, "ports": ports})
+    return devices
+
+
+def check_rdma(report: Report, want_rdma: bool) -> str | None:
+    """Fill report.rdma; returns why this process cannot use RDMA, or None."""
+    reason = rdma_unavailable_reason()
+    report.rdma = {"devices": rdma_devices(), "usable": reason is None}
+    if reason is not None:
+        report.rdma["reason"] = f"no RDMA device: {reason}"
+        if want_rdma:
+            report.problems.append(f"--transport rdma, but no RDMA device: {reason}")
+        return reason
+    dev = rdma_device.get_device()
+    chosen = dev.describe()
+    report.rdma["chosen"] = chosen
+    if dev.ethernet:
+        gid_type = _read(f"{SYSFS}/{dev.name}/ports/{dev.port}/gid_attrs/types/{dev.gid_index}")
+        chosen["gid_type"] = gid_type
+        if "v2" not in gid_type.lower():
+            report.problems.append(
+                f"{dev.name} port {dev.port} uses GID {dev.gid_index} ({gid_type or 'type unknown'}), not a "
+                "RoCE v2 GID: RoCE v1 does not cross IP routers (configure an IP address on the netdev, "
+                "or set SMB2_RDMA_GID_INDEX)")
+    return None
+
+
+def check_memlock(report: Report, capacity: int | None, rdma_reason: str | None) -> None:
+    """The memlock limit against the memory RDMA would register."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    unlimited = soft == resource.RLIM_INFINITY
+    report.memlock = {"limit": "unlimited" if unlimited else soft, "to_register": capacity}
+    if rdma_reason is not None:
+        report.memlock["note"] = "not needed: no RDMA here"
+    elif capacity is not None and not unlimited and soft < capacity:
+        report.problems.append(
+            f"memlock limit {soft} bytes is below the {capacity} bytes RDMA must register: "
+            "raise it (ulimit -l unlimited, or LimitMEMLOCK=infinity in a systemd unit)")
+
+
+async def check_server(address: str, token: bytes | None, rdma_reason: str | None,
+                       timeout: float) -> ServerReport:
+    """Connect over TCP, say which transport ``auto`` would take, read the
+    server's stat and its clock."""
+    rep = ServerReport(address)
+    try:
+        transport = await TcpTransport.connect(parse_address(address), timeout=timeout, token=token)
+    except Smb2Error as exc:
+        rep.error = str(exc)
+        return rep
+    try:
+        rep.reachable = True
+        info = transport.server_info
+        rep.why = why_tcp(rdma_reason, info)
+        rep.transport = "tcp" if rep.why is not None else "rdma"
+        t0 = time.time()
+        stat = await asyncio.wait_for(transport.control({"cmd": "stat"}), timeout)
+        t1 = time.time()
+    except (Smb2Error, TimeoutError) as exc:
+        rep.error = f"stat failed: {exc}"
+        return rep
+    finally:
+        await transport.close()
+    rep.round_trip_s = round(t1 - t0, 6)
+    if isinstance(stat.get("time"), float):
+        # the server read its clock somewhere in the round trip: the middle
+        rep.clock_offset_s = round(stat["time"] - (t0 + t1) / 2, 6)
+    rep.version = stat.get("package_version")
+    rep.protocol_version = info.get("version")
+    rep.server_id = stat.get("server_id")
+    rep.capacity = stat.get("capacity")
+    rep.used = stat.get("used")
+    rep.auth = stat.get("auth")
+    return rep
+
+
+async def diagnose(servers: list[str], *, transport: str = "auto", token: bytes | None = None,
+                   token_source: str = "none", capacity: int | None = None,
+                   timeout: float = 5.0) -> Report:
+    """Everything ``smb2 doctor`` checks, as a Report (``problems`` empty: all well)."""
+    report = Report(token=token_source)
+    report.versions = {"smb2": _version("smb2"), "protocol": str(VERSION), "python": platform.python_version(),
+                       **{p: _version(p) for p in ("numpy", "uvloop", "msgpack", "torch")}}
+    rdma_reason = check_rdma(report, want_rdma=transport == "rdma")
+    report.servers = list(await asyncio.gather(
+        *(check_server(s, token, rdma_reason, timeout) for s in servers)))
+    for rep in report.servers:
+        if not rep.reachable or rep.error:
+            report.problems.append(f"{rep.address}: {rep.error}")
+            continue
+        if transport == "rdma" and rep.transport != "rdma":
+            report.problems.append(f"{rep.address}: --transport rdma, but it would get TCP: {rep.why}")
+        if rep.clock_offset_s is not None and abs(rep.clock_offset_s) > CLOCK_TOLERANCE:
+            report.problems.append(f"{rep.address}: its clock is {rep.clock_offset_s:+.3f} s off this "
+                                   "machine's (run NTP/chrony on both)")
+        if rep.protocol_version != VERSION:
+            report.problems.append(f"{rep.address}: speaks protocol {rep.protocol_version}, this smb2 {VERSION}")
+    if capacity is None:
+        # a server on this machine registers its capacity; a client what it
+        # reads into: the largest server is the bound to check
+        capacity = max((r.capacity for r in report.servers if r.capacity), default=None)
+    check_memlock(report, capacity, rdma_reason)
+    return report
+
+
+def as_table(report: Report) -> str:
+    rows = [("smb2", ", ".join(f"{k} {v}" for k, v in report.versions.items()))]
+    rdma = report.rdma
+    for dev in rdma.get("devices", []):
+        for port in dev["ports"]:
+            gids = ", ".join(f"{g['index']}={g['gid']}" for g in port["roce_v2_gids"]) or "none"
+            rows.append((f"rdma {dev['device']}/{port['port']}",
+                         f"{port['state']} ({port['link_layer']}), RoCE v2 GIDs: {gids}"))
+    if "chosen" in rdma:
+        c = rdma["chosen"]
+        rows.append(("rdma", f"usable: {c['device']} port {c['port']}, GID {c['gid_index']} {c['gid']} "
+                             f"{c.get('gid_type', '')}".rstrip()))
+    else:
+        rows.append(("rdma", rdma.get("reason", "?")))
+    ml = report.memlock
+    rows.append(("memlock", f"{ml['limit']} (to register: {ml['to_register'] or 'unknown'})"
+                            + (f"; {ml['note']}" if "note" in ml else "")))
+    rows.append(("token", report.token))
+    for s in report.servers:
+        if not s.reachable or s.error:
+            rows.append((s.address, f"UNREACHABLE: {s.error}"))
+            continue
+        clock = f"{s.clock_offset_s:+.3f} s" if s.clock_offset_s is not None else "unknown"
+        rows.append((s.address, f"{s.transport}" + (f" ({s.why})" if s.why else "")
+                     + f"; clock {clock}; smb2 {s.version}, protocol {s.protocol_version}; "
+                       f"{s.used}/{s.capacity} bytes used; auth {s.auth or 'none'}"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines += [f"PROBLEM: {p}" for p in report.problems] or ["no problems found"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="smb2 doctor", description="check this machine and the servers "
+                                "before a job; exit 1 on a problem it can name")
+    p.add_argument("servers", nargs="*", help="HOST:PORT of each server")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto",
+                   help="what the job will ask for: with rdma, no RDMA is a problem (default auto)")
+    p.add_argument("--auth-token-file", metavar="FILE", help=f"the token (default: ${auth.ENV})")
+    p.add_argument("--capacity", help="memory RDMA will register here, e.g. 8GiB (default: the "
+                   "largest server's capacity)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per server (default 5)")
+    args = p.parse_args(argv)
+    try:
+        if args.auth_token_file:
+            token: bytes | None = auth.token_from_file(args.auth_token_file)
+            source = f"found in {args.auth_token_file}"
+        else:
+            token = auth.token_from_env()
+            source = f"found in ${auth.ENV}" if token else f"none (${auth.ENV} unset)"
+        capacity = parse_size(args.capacity) if args.capacity else None
+    except (Smb2Error, OSError) as exc:
+        print(f"smb2 doctor: {exc}", file=sys.stderr)
+        return 2
+    report = asyncio.run(diagnose(args.servers, transport=args.transport, token=token, token_source=source,
+                                  capacity=capacity, timeout=args.timeout))
+    if args.json:
+        print(json.dumps(asdict(report), indent=2, sort_keys=True))
+    else:
+        print(as_table(report))
+    return 1 if report.problems else 0

@@ -1,0 +1,129 @@
+"""``smb2 doctor`` against real smb2-server processes: a live one, a dead
+one, one that wants a token; the exit status and the JSON fields."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from smb2 import auth
+from smb2.protocol import VERSION
+from smb2.transport.choose import rdma_unavailable_reason
+from test_hardening_server import TOKEN, ServerProcess
+
+
+def doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k != auth.ENV}
+    return subprocess.run([sys.executable, "-m", "smb2.cli", "doctor", *args], capture_output=True, text=True,
+                          timeout=90, env={**base, **(env or {})})
+
+
+def dead_address() -> str:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def live() -> Iterator[ServerProcess]:
+    s = ServerProcess("--capacity", "16MiB")
+    yield s
+    s.stop()
+
+
+def test_a_live_server_passes_with_its_transport_clock_and_versions(live: ServerProcess) -> None:
+    address = f"127.0.0.1:{live.port}"
+    t0 = time.time()
+    run = doctor(address, "--json")
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(run.stdout)
+    assert report["problems"] == []
+    (server,) = report["servers"]
+    assert server["address"] == address and server["reachable"] and server["error"] is None
+    assert server["capacity"] == 16 << 20 and server["used"] == 0
+    assert server["protocol_version"] == VERSION and server["version"] == report["versions"]["smb2"]
+    # same machine, same clock: the offset is within the round trip
+    assert abs(server["clock_offset_s"]) <= server["round_trip_s"] + 0.05
+    assert 0 < server["round_trip_s"] < time.time() - t0
+    # what auto would take here, and why, as the client itself decides
+    local = rdma_unavailable_reason()
+    if local is not None:
+        assert server["transport"] == "tcp" and server["why"] == local
+        assert report["rdma"]["usable"] is False
+        assert report["rdma"]["reason"] == f"no RDMA device: {local}"
+        assert report["memlock"]["note"] == "not needed: no RDMA here"
+    assert report["memlock"]["to_register"] == 16 << 20
+    assert report["token"].startswith("none")
+
+    table = doctor(address)
+    assert table.returncode == 0
+    assert address in table.stdout and "no problems found" in table.stdout
+
+
+def test_a_dead_server_is_a_problem_named(live: ServerProcess) -> None:
+    dead = dead_address()
+    run = doctor(f"127.0.0.1:{live.port}", dead, "--json", "--timeout", "5")
+    assert run.returncode == 1, run.stdout + run.stderr
+    report = json.loads(run.stdout)
+    by_address = {s["address"]: s for s in report["servers"]}
+    assert by_address[f"127.0.0.1:{live.port}"]["reachable"] is True
+    assert by_address[dead]["reachable"] is False
+    assert "cannot connect" in by_address[dead]["error"]
+    assert len(report["problems"]) == 1 and report["problems"][0].startswith(f"{dead}: cannot connect")
+    table = doctor(dead)
+    assert table.returncode == 1
+    assert "UNREACHABLE" in table.stdout and f"PROBLEM: {dead}" in table.stdout
+
+
+def test_the_token_found_or_missing(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_bytes(TOKEN)
+    token_file.chmod(0o600)
+    server = ServerProcess("--auth-token-file", str(token_file))
+    try:
+        address = f"127.0.0.1:{server.port}"
+        missing = doctor(address, "--json")
+        assert missing.returncode == 1
+        report = json.loads(missing.stdout)
+        assert report["token"].startswith("none")
+        assert "requires authentication" in report["problems"][0]
+
+        wrong = doctor(address, "--json", env={auth.ENV: "not the token"})
+        assert wrong.returncode == 1
+        assert json.loads(wrong.stdout)["token"] == f"found in ${auth.ENV}"
+        assert "wrong token" in json.loads(wrong.stdout)["problems"][0]
+
+        time.sleep(0.3)     # the server's back-off after the wrong token
+        right = doctor(address, "--json", "--auth-token-file", str(token_file))
+        assert right.returncode == 0, right.stdout
+        report = json.loads(right.stdout)
+        assert report["token"] == f"found in {token_file}"
+        assert report["servers"][0]["auth"] == auth.MECH
+    finally:
+        server.stop()
+
+
+def test_asking_for_rdma_where_there_is_none_is_a_problem(live: ServerProcess) -> None:
+    local = rdma_unavailable_reason()
+    if local is None:
+        pytest.skip("this machine has RDMA: the server's side decides (tested in the RDMA VM tier)")
+    run = doctor(f"127.0.0.1:{live.port}", "--transport", "rdma", "--json")
+    assert run.returncode == 1
+    problems = json.loads(run.stdout)["problems"]
+    assert f"--transport rdma, but no RDMA device: {local}" in problems
+    assert any("would get TCP" in p for p in problems)
+
+
+def test_bad_arguments_exit_2(tmp_path: Path) -> None:
+    assert doctor("--capacity", "lots").returncode == 2
+    run = doctor("--auth-token-file", str(tmp_path / "absent"))
+    assert run.returncode == 2 and "smb2 doctor:" in run.stderr

@@ -1,0 +1,450 @@
+"""What one client can take from a memory server (issue 14, part A), tried on
+real ``smb2-server`` processes, each attack measured as the server process's
+RSS (/proc/PID/status) before and after: connections that never say hello
+or announce a huge message before authenticating, too many connections,
+idle ones, a write that trickles, small replies nobody reads, accumulates on
+many connections, requests parked behind a write, wrong-token guesses, the
+token file, and a save that fails.  After each, a well-behaved client is
+still served correctly.  docs/operations.md states the bounds and the memory
+budget these check."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+import smb2
+import wire
+from smb2 import auth
+from smb2.errors import ErrorCode
+from smb2.protocol import VERSION, Op
+from smb2.server import guard
+
+MiB = 1 << 20
+TOKEN = b"the right token"
+
+
+class ServerProcess:
+    """One ``smb2-server`` process on loopback."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "smb2.server", "--port", "0", *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={k: v for k, v in (env or os.environ).items() if k != auth.ENV})
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert "listening on" in line, line + self.stderr()
+        self.port = int(line.rsplit(":", 1)[1])
+        self.address = ("127.0.0.1", self.port)
+
+    @property
+    def rss(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+        raise AssertionError("no VmRSS")
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None:
+            return ""
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read()
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@contextlib.contextmanager
+def server_process(*flags: str) -> Iterator[ServerProcess]:
+    s = ServerProcess(*flags)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+async def rss_over(server: ServerProcess, seconds: float) -> int:
+    """The server's largest RSS seen over ``seconds``."""
+    peak = server.rss
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        await asyncio.sleep(0.05)
+        peak = max(peak, server.rss)
+    return peak
+
+
+async def well_behaved(address: tuple[str, int], token: bytes | None = None) -> None:
+    """A client still gets correct answers."""
+    async with await smb2.connect([address], token=token) as c:
+        buf = await c.create(f"ok{os.getpid()}-{time.monotonic_ns()}", MiB)
+        data = np.arange(MiB // 8, dtype=np.int64)
+        await buf.write(0, data)
+        await buf.accumulate(0, np.ones(MiB // 8, np.int64))
+        assert ((await buf.read(0, MiB)).view(np.int64) == data + 1).all()
+        await c.destroy(buf.name)
+
+
+def open_sockets(address: tuple[str, int], n: int, first: bytes = b"",
+                 source: str = "127.0.0.1") -> list[socket.socket]:
+    """``n`` connections that send ``first`` and nothing more."""
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection(address, source_address=(source, 0))
+        if first:
+            s.sendall(first)
+        socks.append(s)
+    return socks
+
+
+def closed_by_server(s: socket.socket, timeout: float = 10) -> bool:
+    s.settimeout(timeout)
+    try:
+        while s.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+async def test_connections_that_never_authenticate_hold_little_and_are_cut() -> None:
+    """Issue 14 #1: 2,000 silent connections held 262 KiB each, and ~1 MiB
+    more each after announcing a 1 MiB control message (41 MB -> 1.9 GB)."""
+    flags = ("--capacity", "64MiB", "--max-connections", "5000", "--max-connections-per-host", "5000",
+             "--hello-timeout", "4")
+    with server_process(*flags) as srv:
+        await well_behaved(srv.address)
+        base = srv.rss
+        silent = await asyncio.to_thread(open_sockets, srv.address, 2000)
+        held = await rss_over(srv, 1.0)
+        print(f"2000 silent connections: RSS {base >> 20} -> {held >> 20} MiB")
+        # no inbox until a byte arrives: the connection objects only
+        assert held - base < 2000 * 16 << 10, (base, held)
+        # announcing a 1 MiB control message before hello/auth: cut at the header
+        big = wire.frame(Op.CONTROL, length=MiB)
+        loud = await asyncio.to_thread(open_sockets, srv.address, 2000, big)
+        assert all(await asyncio.to_thread(lambda: [closed_by_server(s) for s in loud]))
+        peak = await rss_over(srv, 0.5)
+        print(f"+2000 announcing 1 MiB before auth: RSS peak {peak >> 20} MiB")
+        assert peak - base < 2000 * 32 << 10, (base, peak)
+        # the silent ones get no more than the hello deadline
+        t0 = time.monotonic()
+        assert all(await asyncio.to_thread(lambda: [closed_by_server(s) for s in silent]))
+        assert time.monotonic() - t0 < 8
+        for s in silent + loud:
+            s.close()
+        await well_behaved(srv.address)
+
+
+async def test_a_message_larger_than_hello_or_auth_before_auth_is_refused_unread() -> None:
+    with server_process("--capacity", "4MiB") as srv:
+        reader, writer = await asyncio.open_connection(*srv.address)
+        writer.write(wire.control({"cmd": "hello", "version": VERSION, "pad": b"x" * 5000}))
+        hdr, body = await wire.reply(reader)
+        assert hdr[4] == ErrorCode.TOO_LARGE and b"before authentication" in body
+        assert await wire.closed(reader)
+        writer.close()
+
+
+async def test_connection_caps_per_source_address_and_in_total() -> None:
+    with server_process("--capacity", "4MiB", "--max-connections", "8",
+                        "--max-connections-per-host", "5") as srv:
+        first = await asyncio.to_thread(open_sockets, srv.address, 5, wire.hello())
+        sixth = await asyncio.to_thread(open_sockets, srv.address, 1)
+        assert await asyncio.to_thread(closed_by_server, sixth[0])
+        # another source address has its own count, up to the total
+        other = await asyncio.to_thread(open_sockets, srv.address, 3, wire.hello(), "127.0.0.2")
+        reader, writer = await asyncio.open_connection(*srv.address, local_addr=("127.0.0.3", 0))
+        hdr, body = await wire.reply(reader)
+        assert hdr[4] == ErrorCode.OUT_OF_MEMORY and b"maximum of 8 connections" in body
+        assert await wire.closed(reader)
+        writer.close()
+        for s in first[:2]:
+            s.close()
+        await asyncio.sleep(0.3)
+        await well_behaved(srv.address)       # room again
+        for s in first + sixth + other:
+            s.close()
+
+
+async def test_idle_connections_are_closed_and_busy_ones_are_not() -> None:
+    with server_process("--capacity", "4MiB", "--idle-timeout", "1") as srv:
+        idle_r, idle_w = await asyncio.open_connection(*srv.address)
+        busy_r, busy_w = await asyncio.open_connection(*srv.address)
+        for w in (idle_w, busy_w):
+            w.write(wire.hello())
+        await wire.reply(idle_r)
+        await wire.reply(busy_r)
+        t0 = time.monotonic()
+        for rid in range(2, 12):
+            busy_w.write(wire.control({"cmd": "list"}, rid))
+            assert (await wire.reply(busy_r))[0][4] == 0
+            await asyncio.sleep(0.3)
+        hdr, body = await wire.reply(idle_r)
+        assert b"idle for 1 s" in body and await wire.closed(idle_r)
+        assert time.monotonic() - t0 < 3.5
+        for w in (idle_w, busy_w):
+            w.close()
+
+
+async def test_a_trickling_write_is_cut_and_the_accumulates_behind_it_go_on() -> None:
+    """Issue 14 #2: one byte per second reset the clock for ever."""
+    with server_process("--capacity", "16MiB", "--write-timeout", "1", "--write-min-rate", "4KiB") as srv:
+        async with await smb2.connect([srv.address]) as c:
+            buf = await c.create("w", MiB)
+            reader, writer = await asyncio.open_connection(*srv.address)
+            writer.write(wire.hello() + wire.frame(Op.WRITE, rid=2, segment=buf.segments[0], length=MiB))
+            await wire.reply(reader)
+            t0 = time.monotonic()
+
+            async def trickle() -> None:
+                with contextlib.suppress(ConnectionError):
+                    while True:
+                        writer.write(b"\1")
+                        await writer.drain()
+                        await asyncio.sleep(0.1)
+            trickler = asyncio.create_task(trickle())
+            await asyncio.wait_for(buf.accumulate(0, np.ones(8, np.int64)), 10)
+            waited = time.monotonic() - t0
+            hdr, body = await wire.reply(reader)
+            trickler.cancel()
+            print(f"a write trickling 1 byte per 0.1 s: cut after {waited:.2f} s (write timeout 1 s)")
+            assert b"payload" in body and hdr[4] != 0
+            assert 0.9 < waited < 4, waited
+            writer.close()
+        await well_behaved(srv.address)
+
+
+async def test_small_replies_nobody_reads_are_bounded() -> None:
+    """Issue 14 #4: pipelined 64 KiB READs whose replies are never read held
+    172 MB for one connection and 961 MB for eight (corked replies).  And a
+    connection whose replies go unread for --write-timeout is closed."""
+    with server_process("--capacity", "64MiB", "--write-timeout", "3") as srv:
+        async with await smb2.connect([srv.address]) as c:
+            buf = await c.create("src", 4 * MiB)
+            await buf.write(0, np.ones(buf.nbytes, np.uint8))
+            seg = buf.segments[0]
+        base = srv.rss
+        reads = b"".join(wire.frame(Op.READ, rid=k + 2, segment=seg, offset=(k % 64) << 16, length=64 << 10)
+                         for k in range(8000))
+
+        def flood() -> socket.socket:
+            s = socket.create_connection(srv.address)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.send(wire.hello() + reads)
+            return s
+        socks = [await asyncio.to_thread(flood) for _ in range(8)]
+        peak = await rss_over(srv, 2.0)
+        print(f"8 connections x 8000 unread 64 KiB READs: RSS {base >> 20} -> {peak >> 20} MiB")
+        # per connection: the reply queue (max_reply_bytes 1 MiB + one 64 KiB
+        # batch) and the inbox (256 KiB)
+        assert peak - base < 8 * 2 * MiB + 16 * MiB, (base, peak)
+        await asyncio.sleep(2.5)
+        async with await smb2.connect([srv.address]) as c:
+            assert (await c.stat())[0]["connections"] == 1      # only this one
+        for s in socks:
+            s.close()
+        await well_behaved(srv.address)
+
+
+async def test_accumulate_memory_of_all_connections_stays_in_the_pool() -> None:
+    """Issue 14 #5: each connection's accumulate scratch only grew: 300
+    connections x one 4 MiB accumulate held 1.35 GB (capacity 64 MiB)."""
+    n = 100
+    with server_process("--capacity", "64MiB", "--max-receive-memory", "16MiB") as srv:
+        async with await smb2.connect([srv.address]) as c:
+            seg = (await c.create("acc", 4 * MiB)).segments[0]
+        base = srv.rss
+        delta = np.ones(MiB // 2, np.int64).tobytes()       # 4 MiB
+        one = wire.hello() + wire.frame(Op.ACCUMULATE, delta, rid=2, segment=seg, flags=4 << 4)
+
+        async def send() -> None:
+            reader, writer = await asyncio.open_connection(*srv.address)
+            writer.write(one)
+            await wire.reply(reader)
+            assert (await wire.reply(reader))[0][4] == 0
+            writer.close()
+        senders = asyncio.gather(*(send() for _ in range(n)))
+        peak = base
+        while not senders.done():
+            await asyncio.sleep(0.05)
+            peak = max(peak, srv.rss)
+        await senders
+        print(f"{n} connections x one 4 MiB accumulate: RSS {base >> 20} -> {peak >> 20} MiB")
+        # the pool (16 MiB) plus an inbox (256 KiB) per connection and slack
+        assert peak - base < 16 * MiB + n * 256 * 1024 + 24 * MiB, (base, peak)
+        async with await smb2.connect([srv.address]) as c:
+            got = (await (await c.attach("acc")).read(0, 4 * MiB)).view(np.int64)
+            assert (got == n).all()
+            pool = (await c.stat())[0]["receive_memory"]
+            assert 4 * MiB <= pool["peak"] <= pool["limit"] == 16 * MiB, pool
+            await asyncio.sleep(3.5)           # idle connections give their scratch back
+            assert (await c.stat())[0]["receive_memory"]["used"] == 0
+        await well_behaved(srv.address)
+
+
+async def test_requests_waiting_for_replies_are_capped_per_connection() -> None:
+    """Accumulates parked behind a stalled write stop the connection being
+    read at --max-inflight: a READ sent after them is not answered until the
+    write goes away."""
+    with server_process("--capacity", "4MiB", "--max-inflight", "8") as srv:
+        async with await smb2.connect([srv.address]) as c:
+            seg = (await c.create("x", MiB)).segments[0]
+        ra, wa = await asyncio.open_connection(*srv.address)
+        wa.write(wire.hello() + wire.frame(Op.WRITE, b"\0" * 100, rid=2, segment=seg, length=4096))
+        await wire.reply(ra)
+        rb, wb = await asyncio.open_connection(*srv.address)
+        acc = wire.frame(Op.ACCUMULATE, (1).to_bytes(8, "little"), rid=3, segment=seg, flags=4 << 4)
+        wb.write(wire.hello() + acc * 20 + wire.frame(Op.READ, rid=99, segment=seg, offset=8192, length=8))
+        await wire.reply(rb)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(rb.readexactly(32), 1.0)    # nothing: 8 parked, the rest unread
+        wa.close()                                             # the write goes: all answered, in order
+        for _ in range(20):
+            assert (await wire.reply(rb))[0][2] == Op.ACCUMULATE
+        assert (await wire.reply(rb))[0][5] == 99
+        wb.close()
+        async with await smb2.connect([srv.address]) as c:
+            assert (await (await c.attach("x")).read(0, 8)).view(np.int64)[0] == 20
+
+
+async def _guess(address: tuple[str, int], source: str, token: bytes) -> bytes:
+    """One raw handshake; the auth reply's message ('' when accepted)."""
+    reader, writer = await asyncio.open_connection(*address, local_addr=(source, 0))
+    try:
+        writer.write(wire.hello())
+        _, body = await wire.reply(reader)
+        nonce = os.urandom(32)
+        proof = auth.client_proof(token, msgpack.unpackb(body)["nonce"], nonce)
+        writer.write(wire.control({"cmd": "auth", "nonce": nonce, "proof": proof}, 2))
+        hdr, body = await wire.reply(reader)
+        return b"" if hdr[4] == 0 else msgpack.unpackb(body)["message"].encode()
+    finally:
+        writer.close()
+
+
+async def test_wrong_token_guesses_back_off_per_address(tmp_path: Path) -> None:
+    """Issue 14 #7: guesses were answered at ~1,800/s, each with a WARNING."""
+    tok = tmp_path / "token"
+    tok.write_bytes(TOKEN)
+    tok.chmod(0o600)
+    srv = ServerProcess("--capacity", "4MiB", "--auth-token-file", str(tok))
+    try:
+        checked = throttled = 0
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            why = await _guess(srv.address, "127.0.0.1", b"guess")
+            checked += b"authentication failed" in why
+            throttled += b"try again" in why
+        print(f"2 s of guessing: {checked} proofs checked, {throttled} refused unchecked")
+        # back-off 0.1, 0.2, 0.4, 0.8 s ...: a handful checked in 2 s
+        assert 1 <= checked <= 6 and throttled > checked
+        # the right token from this address waits too; another address does not
+        assert b"try again" in await _guess(srv.address, "127.0.0.1", TOKEN)
+        assert await _guess(srv.address, "127.0.0.2", TOKEN) == b""
+    finally:
+        srv.stop()
+    warnings = [ln for ln in srv.stderr().splitlines() if "authentication failed" in ln]
+    assert 1 <= len(warnings) <= 2, warnings          # rate-limited: one per 10 s
+
+
+def test_token_file_too_large_is_an_error_and_readable_by_others_a_warning(tmp_path: Path) -> None:
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (auth.MAX_TOKEN_FILE + 1))
+    proc = subprocess.run([sys.executable, "-m", "smb2.server", "--auth-token-file", str(big)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "over 65536 bytes" in proc.stderr
+    open_tok = tmp_path / "open"
+    open_tok.write_bytes(TOKEN)
+    open_tok.chmod(0o644)
+    srv = ServerProcess("--capacity", "1MiB", "--auth-token-file", str(open_tok))
+    assert srv.stop() == 0
+    assert "can be read by everyone" in srv.stderr()
+
+
+async def test_a_failed_save_reports_keeps_serving_and_leaves_no_stray_files(tmp_path: Path) -> None:
+    """Issue 14 #11: a disk-full save made the server exit and drop what it held."""
+    data = tmp_path / "data"
+    srv = ServerProcess("--capacity", "16MiB", "--data-dir", str(data))
+    try:
+        async with await smb2.connect([srv.address]) as c:
+            buf = await c.create("keep", 4 * MiB)
+            want = np.random.default_rng(1).integers(0, 255, 4 * MiB, dtype=np.uint8)
+            await buf.write(0, want)
+        # a file size limit of 1 MiB: the 4 MiB segment file cannot be written
+        resource.prlimit(srv.proc.pid, resource.RLIMIT_FSIZE, (MiB, resource.RLIM_INFINITY))
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.stderr is not None
+        line = await asyncio.wait_for(asyncio.to_thread(srv.proc.stderr.readline), 30)
+        while "still serving" not in line:
+            line = await asyncio.wait_for(asyncio.to_thread(srv.proc.stderr.readline), 30)
+        assert "cannot save" in line and srv.proc.poll() is None
+        assert sorted(p.name for p in data.iterdir()) == [".lock"]
+        async with await smb2.connect([srv.address]) as c:
+            assert (await (await c.attach("keep")).read(0, 4 * MiB) == want).all()
+        # room again: the next SIGTERM saves and stops
+        resource.prlimit(srv.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        assert srv.stop() == 0
+    finally:
+        srv.stop()
+    srv = ServerProcess("--capacity", "16MiB", "--data-dir", str(data))
+    try:
+        async with await smb2.connect([srv.address]) as c:
+            assert (await (await c.attach("keep")).read(0, 4 * MiB) == want).all()
+    finally:
+        srv.stop()
+
+
+def test_rate_limited_warnings_say_how_many_were_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    warn = guard.RateLimitedLog(logging.getLogger("smb2.server"), every=10, clock=lambda: now[0]).warning
+    with caplog.at_level(logging.WARNING, "smb2.server"):
+        for t in range(25):          # one attempt per second for 25 s
+            now[0] = float(t)
+            warn("auth", "authentication failed from %s", f"10.0.0.{t}")
+            warn("admission", "refused %s", t)
+    lines = [r.getMessage() for r in caplog.records]
+    assert [ln for ln in lines if ln.startswith("auth")] == [
+        "authentication failed from 10.0.0.0",
+        "authentication failed from 10.0.0.10 (9 more like this in the last 10 s)",
+        "authentication failed from 10.0.0.20 (9 more like this in the last 10 s)"]
+    assert len(lines) == 6          # each kind has its own budget
+
+
+def test_auth_backoff_doubles_to_its_cap_and_a_success_forgets_it() -> None:
+    now = [100.0]
+    adm = guard.Admission(max_connections=4, max_per_host=2, clock=lambda: now[0])
+    waits = [adm.auth_failed("h") for _ in range(10)]
+    assert waits[:4] == [0.1, 0.2, 0.4, 0.8] and waits[-1] == guard.AUTH_BACKOFF_MAX
+    assert adm.auth_wait("h") == guard.AUTH_BACKOFF_MAX and adm.auth_wait("other") == 0
+    adm.auth_ok("h")
+    assert adm.auth_wait("h") == 0 and adm.auth_failed("h") == 0.1
+    # connection counts: per address, then in total; leave() gives the place back
+    assert [adm.admit(h) for h in ("a", "a", "a")][2] is not None
+    assert adm.admit("b") is None and adm.admit("b") is None
+    assert "maximum of 4 connections" in (adm.admit("c") or "")
+    adm.leave("a")
+    assert adm.admit("c") is None and adm.refused == 2

@@ -1,0 +1,168 @@
+"""smb2-server --metrics: a real server process, scraped over HTTP while a
+client works on it, and the numbers that should move do."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import smb2
+from smb2.server.options import ServerOptions
+from test_hardening_server import TOKEN, ServerProcess
+
+MiB = 1 << 20
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+class MetricsServer(ServerProcess):
+    def __init__(self, *flags: str) -> None:
+        super().__init__("--metrics", "127.0.0.1:0", *flags)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert "metrics on http://" in line, line
+        self.url = line.split()[-1]
+
+    async def scrape(self) -> Samples:
+        return await asyncio.to_thread(scrape, self.url)
+
+
+@pytest.fixture
+def server_process_with_token(tmp_path):  # type: ignore[no-untyped-def]
+    path = tmp_path / "token"
+    path.write_bytes(TOKEN)
+    path.chmod(0o600)
+    s = MetricsServer("--capacity", "64MiB", "--auth-token-file", str(path))
+    yield s
+    s.stop()
+
+
+async def test_the_numbers_move_with_the_work(server_process_with_token: MetricsServer) -> None:
+    srv = server_process_with_token
+    before = await srv.scrape()
+    assert value(before, "smb2_capacity_bytes") == 64 * MiB
+    assert value(before, "smb2_used_bytes") == 0
+    assert value(before, "smb2_connections") == 0
+    assert value(before, "process_resident_memory_bytes") > 0
+    info = [k for k in before if k[0] == "smb2_server_info"]
+    assert len(info) == 1 and dict(info[0][1])["rdma"] in ("on", "off")
+
+    async with await smb2.connect([srv.address], token=TOKEN, transport="tcp") as client:
+        buf = await client.create("watched", 1 * MiB, stripe=64 << 10)
+        data = np.arange(MiB // 8, dtype=np.int64)
+        await buf.write(0, data)
+        for _ in range(3):
+            assert np.array_equal(np.frombuffer(await buf.read(0, MiB), dtype=np.int64), data)
+        with pytest.raises(smb2.Smb2Error):
+            await buf.read(MiB - 8, 64)      # past the end: refused by the client or the server
+        lock = client.lock("watched-lock")
+        await lock.acquire()
+        during = await srv.scrape()
+        await lock.release()
+
+    assert value(during, "smb2_connections") >= 1
+    assert value(during, "smb2_used_bytes") == MiB
+    assert value(during, "smb2_buffers") == 1
+    # one server: each buffer operation is one request to it
+    assert value(during, "smb2_ops_total", transport="tcp", op="write") == 1
+    assert value(during, "smb2_ops_total", transport="tcp", op="read") == 3
+    assert value(during, "smb2_payload_bytes_total", direction="in") >= MiB
+    assert value(during, "smb2_payload_bytes_total", direction="out") >= 3 * MiB
+    assert value(during, "smb2_locks_open") >= 1
+    assert value(during, "smb2_locks_held") == 1
+    assert value(during, "smb2_lock_grants_total") >= 1
+
+    # a wrong token is counted, by why
+    with pytest.raises(smb2.AccessDenied):
+        await smb2.connect([srv.address], token=b"a wrong guess", transport="tcp")
+    after = await srv.scrape()
+    assert value(after, "smb2_refused_total", reason="auth_failed") == 1
+    assert value(after, "smb2_locks_held") == 0
+    assert value(after, "smb2_uptime_seconds") > value(before, "smb2_uptime_seconds")
+
+
+async def test_lock_waiters_and_connection_refusals() -> None:
+    srv = MetricsServer("--max-connections-per-host", "2")
+    try:
+        async with await smb2.connect([srv.address], transport="tcp") as a, \
+                await smb2.connect([srv.address], transport="tcp") as b:
+            holder, waiter = a.lock("queue"), b.lock("queue")
+            await holder.acquire()
+            waiting = asyncio.create_task(waiter.acquire())
+            for _ in range(100):
+                samples = await srv.scrape()
+                if value(samples, "smb2_lock_waiters") == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert value(samples, "smb2_locks_held") == 1
+            assert value(samples, "smb2_lock_waiters") == 1
+            with pytest.raises(smb2.Smb2Error):
+                await smb2.connect([srv.address], transport="tcp", timeout=5)   # the third from 127.0.0.1
+            await holder.release()
+            assert await waiting
+            await waiter.release()
+        samples = await srv.scrape()
+        assert value(samples, "smb2_refused_total", reason="connection_limit") >= 1
+        assert value(samples, "smb2_lock_waiters") == 0
+    finally:
+        srv.stop()
+
+
+def test_only_get_metrics_is_served() -> None:
+    srv = MetricsServer()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(srv.url.replace("/metrics", "/other"), timeout=10)
+        assert err.value.code == 404
+        assert value(scrape(srv.url), "smb2_connections") == 0
+    finally:
+        srv.stop()
+
+
+def test_metrics_is_off_by_default_and_a_bad_address_is_refused() -> None:
+    assert ServerOptions().metrics is None
+    with pytest.raises(smb2.InvalidArgumentError, match="HOST:PORT"):
+        ServerOptions(metrics="9100")
+    proc = subprocess.run([sys.executable, "-m", "smb2.server", "--port", "0", "--metrics", "localhost"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "metrics address must be HOST:PORT" in proc.stderr
+
+
+def test_a_taken_port_or_a_missing_prometheus_client_is_said_before_serving() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "smb2.server", "--port", "0", "--metrics",
+                               f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in proc.stderr
+    assert "metrics on" not in proc.stdout
+    # prometheus-client not installed: an import of it fails (sys.modules[...] = None)
+    without = ("import sys; sys.modules['prometheus_client'] = None; from smb2.server import main; "
+               "sys.exit(main(['--port', '0', '--metrics', '127.0.0.1:0']))")
+    proc = subprocess.run([sys.executable, "-c", without], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "pip install 'smb2[metrics]'" in proc.stderr
+    assert "listening" not in proc.stdout
