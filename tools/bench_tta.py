@@ -29,6 +29,10 @@ Systems: ``ddp`` (DistributedDataParallel, gloo ring all-reduce), and
 AsyncOptimizer with rule ``delta`` (staleness 1, float32 and bf16 pushes),
 ``accumulate`` (with and without layer dropping) and ``easgd`` (tau 4).
 
+"r0 cpu" and "r0 rdy": rank 0's thread-seconds on a CPU and runnable but waiting for one
+(/proc schedstat), over its wall time: where the CPU, not the network, is the bottleneck the
+second is large.  The servers' shares are in the JSON (``servers_time``).
+
 "not computing" is the share of rank 0's training time spent not computing:
 smb2: AsyncOptimizer's measured wait on communication; DDP (whose all-reduce
 hides inside backward): 1 - the time of as many steps under ``no_sync()``
@@ -159,6 +163,7 @@ def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[s
             dropping=LayerDropping(ratio) if ratio else None, **options)
         opt = aopt
     bytes0 = link_bytes()
+    cpu0 = schedstat(os.getpid())
     curve: list[tuple[float, int, float]] = [(0.0, 0, accuracy(net))]
     t0 = time.perf_counter()
     evaluating = 0.0
@@ -188,11 +193,14 @@ def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[s
         evaluating += time.perf_counter() - te
         if done:
             break
-    seconds = time.perf_counter() - t0 - evaluating
+    wall = time.perf_counter() - t0
+    seconds = wall - evaluating
     moved = link_bytes() - bytes0
+    cpu1 = schedstat(os.getpid())
     out: dict[str, Any] = {"rank": a.rank, "steps": steps, "seconds": seconds, "samples": steps * a.batch,
                            "link_bytes": moved, "params": nparams, "curve": curve, "reached_s": reached,
-                           "final_acc": curve[-1][2], "link_rate": link_rate()}
+                           "final_acc": curve[-1][2], "link_rate": link_rate(),
+                           "time": time_shares(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], wall)}
     if aopt is not None:
         aopt.flush()
         st = aopt.stats()
@@ -215,6 +223,36 @@ def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[s
 # The driver (runs in the root namespace; builds the hosts, starts servers and workers)
 
 
+def schedstat(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of all of ``pid``'s threads so far."""
+    on = wait = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except OSError:          # the thread ended meanwhile
+            continue
+        on += int(fields[0])
+        wait += int(fields[1])
+    return on / 1e9, wait / 1e9
+
+
+def time_shares(on: float, wait: float, seconds: float) -> dict[str, float]:
+    """Shares of ``seconds``: on a CPU, waiting for a CPU, blocked (on the network, peers, the straggler's sleep).
+    Summed over a process's threads: a share above 100 % means several threads at once (the
+    AsyncOptimizer's exchange thread beside the training thread)."""
+    return {"on_cpu": on / seconds, "waiting_for_cpu": wait / seconds, "blocked": max(0.0, 1 - (on + wait) / seconds)}
+
+
+def where_time_went(procs: dict[str, subprocess.Popen], before: dict[str, tuple[float, float]],
+                    seconds: float) -> dict[str, dict[str, float]]:
+    """:func:`time_shares` of each of ``procs`` since ``before``."""
+    out = {}
+    for name, p in procs.items():
+        on, wait = schedstat(p.pid)
+        out[name] = time_shares(on - before[name][0], wait - before[name][1], seconds)
+    return out
+
+
 def start_servers(cluster: netns_cluster.NetnsCluster, hosts: list[int], capacity: str) -> list[subprocess.Popen]:
     """smb2-server on each of ``hosts`` (indexes of the cluster's hosts); waits for the ready lines."""
     binary = netns_cluster.default_server_binary()
@@ -235,7 +273,8 @@ def start_servers(cluster: netns_cluster.NetnsCluster, hosts: list[int], capacit
 
 
 def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], systems: list[str], scenario: str,
-                 servers: list[str], workers: list[int], budget: float) -> list[dict[str, Any]]:
+                 servers: list[str], server_procs: dict[str, subprocess.Popen], workers: list[int], budget: float
+                 ) -> list[dict[str, Any]]:
     """One worker process on each worker host trains every system in turn; a row per system."""
     stop_file = Path(tempfile.gettempdir()) / f"bench-tta-{os.getpid()}-{scenario}.stop"
     common = ["--sizes", json.dumps(cfg["sizes"]), "--batch", str(cfg["batch"]), "--lr", str(cfg["lr"]),
@@ -250,6 +289,8 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
                               + [sys.executable, __file__, "_worker", "--rank", str(r), *common],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
              for r, h in enumerate(workers)]
+    before = {name: schedstat(p.pid) for name, p in server_procs.items()}
+    t0 = time.monotonic()
     outs = []
     try:
         for r, p in enumerate(procs):
@@ -263,7 +304,9 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
                 p.kill()
         for n in range(len(systems)):
             Path(f"{stop_file}.{scenario}-{n}").unlink(missing_ok=True)
-    return [summarize([o[n] for o in outs], system, scenario, cfg) for n, system in enumerate(systems)]
+    rows = [summarize([o[n] for o in outs], system, scenario, cfg) for n, system in enumerate(systems)]
+    rows[0]["servers_time"] = where_time_went(server_procs, before, time.monotonic() - t0)
+    return rows
 
 
 def expected_bytes_per_step(system: str, params: int, world: int) -> float | None:
@@ -291,7 +334,7 @@ def summarize(outs: list[dict[str, Any]], system: str, scenario: str, cfg: dict[
            "link_bytes_per_step": per_step, "expected_bytes_per_step": expected_bytes_per_step(
                system, r0["params"], len(outs)),
            "not_computing": r0["not_computing"], "curve": r0["curve"],
-           "worker_link_rates": [o["link_rate"] for o in outs]}
+           "worker_link_rates": [o["link_rate"] for o in outs], "workers_time": [o["time"] for o in outs]}
     if "bytes_pushed" in r0:
         row["payload_bytes_per_step"] = [(o["bytes_pushed"] + o["bytes_pulled"]) / o["steps"] for o in outs]
     return row
@@ -316,7 +359,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             try:
                 print(f"bench_tta: {scenario} ({rate} links): {', '.join(a.systems)} ...", file=sys.stderr,
                       flush=True)
-                for row in run_scenario(cluster, cfg, a.systems, scenario, servers, workers, a.budget):
+                for row in run_scenario(cluster, cfg, a.systems, scenario, servers,
+                                        {f"server {addr}": p for addr, p in zip(servers, procs)}, workers,
+                                        a.budget):
                     row["rate"] = rate
                     result["rows"].append(row)
                     print(f"bench_tta:   {fmt_row(row)}", file=sys.stderr, flush=True)
@@ -335,10 +380,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 def fmt_row(r: dict[str, Any]) -> str:
     ttt = f"{r['time_to_target_s']:7.1f}" if r["time_to_target_s"] is not None else "   miss"
     ddp = r.get("ddp_ratio")
+    r0 = r["workers_time"][0]
     return (f"{r['scenario']:>11} {r['rate']:>8} {r['system']:>15} {ttt} {_opt(ddp, '5.2f', 'x'):>7} "
             f"{r['samples_per_s']:9.1f} {r['final_acc']:6.3f} "
             f"{sum(r['link_bytes_per_step']) / len(r['link_bytes_per_step']) / 1e6:9.2f} "
-            f"{_opt(r['not_computing'], '6.1%', ''):>7}")
+            f"{_opt(r['not_computing'], '6.1%', ''):>7} "
+            f"{r0['on_cpu']:7.1%} {r0['waiting_for_cpu']:7.1%}")
 
 
 def _opt(v: float | None, spec: str, suffix: str) -> str:
@@ -355,7 +402,7 @@ def add_ratios(result: dict[str, Any]) -> None:
 
 def table(result: dict[str, Any]) -> str:
     head = (f"{'scenario':>11} {'link':>8} {'system':>15} {'to tgt s':>7} {'x DDP':>7} {'samples/s':>9} "
-            f"{'acc':>6} {'MB/step':>9} {'not comp':>7}")
+            f"{'acc':>6} {'MB/step':>9} {'not comp':>7} {'r0 cpu':>7} {'r0 rdy':>7}")
     return "\n".join([head] + [fmt_row(r) for r in result["rows"]])
 
 
