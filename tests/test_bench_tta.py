@@ -1,0 +1,81 @@
+"""The quick mode of the time-to-accuracy benchmark (tools/bench_tta.py, issue 13): its
+bookkeeping, not its speed.
+
+Two memory-server hosts and two worker hosts, each a network namespace behind a 1 Gbit/s
+link; torch DDP and every AsyncOptimizer rule train the small model on the same worker
+hosts in one run.  Checked: every system trained and learned something, the bytes that
+crossed each worker's link per step match the model's size and the rule, and DDP and smb2
+saw the same links.  Skipped, with the reason, where namespaces cannot be built or torch is
+missing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+import bench_tta  # noqa: E402
+import netns_cluster  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    pytest.importorskip("torch")
+    ok, why = netns_cluster.can_run()
+    if not ok:
+        pytest.skip(f"no network namespaces here: {why}")
+    out = tmp_path_factory.mktemp("tta") / "tta.json"
+    r = subprocess.run([sys.executable, str(TOOLS / "bench_tta.py"), "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, f"bench_tta --quick failed (exit {r.returncode}): {r.stderr[-3000:]}"
+    return json.loads(out.read_text())
+
+
+def test_every_system_trained(result: dict) -> None:
+    rows = {r["system"]: r for r in result["rows"]}
+    assert set(rows) == set(bench_tta.SYSTEMS)
+    for name, r in rows.items():
+        assert r["workers"] == bench_tta.QUICK["workers"] and r["steps"] > 0, name
+        assert r["samples_per_s"] > 0 and r["curve"][-1][0] > 0, name
+        # ten classes: chance is 0.1; the quick target is 0.5 within the time budget
+        assert r["time_to_target_s"] is not None, f"{name} never reached {r['target']}: {r['curve']}"
+        assert r["final_acc"] >= r["target"], name
+        assert 0.0 <= r["not_computing"] <= 1.0, name
+    assert all(r["ddp_ratio"] is not None for r in rows.values())
+
+
+def test_bytes_per_step_match_model_and_rule(result: dict) -> None:
+    rows = {r["system"]: r for r in result["rows"]}
+    sizes = bench_tta.QUICK["sizes"]
+    params = sum(m * n + n for m, n in zip(sizes, sizes[1:]))
+    for name, r in rows.items():
+        assert r["params"] == params, name
+        want = r["expected_bytes_per_step"]
+        measured = r["link_bytes_per_step"]
+        assert len(measured) == r["workers"]
+        if want is None:                 # layer dropping sends a share of accumulate's bytes
+            full = rows["accumulate"]["link_bytes_per_step"]
+            assert all(0 < m < 0.8 * f for m, f in zip(measured, full)), (measured, full)
+            continue
+        # on the wire: the rule's payload plus Ethernet/IP/TCP headers and acks (a few %)
+        for m in measured:
+            assert 0.97 * want <= m <= 1.15 * want, f"{name}: {m:.0f} B/step on the link, rule says {want:.0f}"
+        for p in r.get("payload_bytes_per_step", []):   # AsyncOptimizer's own count of its payload
+            assert 0.98 * want <= p <= 1.05 * want, f"{name}: payload {p:.0f} B/step, rule says {want:.0f}"
+    # the rules against each other: bf16 pushes half, EASGD exchanges every 4th step
+    assert rows["delta/bf16"]["expected_bytes_per_step"] == 0.75 * rows["delta"]["expected_bytes_per_step"]
+    assert rows["easgd"]["expected_bytes_per_step"] == 0.25 * rows["delta"]["expected_bytes_per_step"]
+
+
+def test_ddp_and_smb2_saw_the_same_links(result: dict) -> None:
+    rate = netns_cluster.parse_rate(result["rates"]["homogeneous"])
+    for r in result["rows"]:
+        assert r["worker_link_rates"] == [rate] * r["workers"], r["system"]

@@ -1,0 +1,489 @@
+"""Time to accuracy: torch DDP (gloo) against smb2's AsyncOptimizer on a simulated cluster.
+
+Every worker and every memory server is its own host: a network namespace of
+``tools/netns_cluster.py`` behind a veth link rate limited (tc tbf) in both
+directions.  torch DDP runs on the same worker hosts over the same links in
+the same run, so both sides pay the same network.  Each worker reads its own
+link's byte counters (``/sys/class/net/eth0/statistics`` inside its
+namespace), so "bytes per step" is what crossed the wire, headers included.
+
+The task can be learned and downloads nothing: a fixed random teacher (a
+linear map, seed 1234) labels Gaussian inputs by its argmax over 10 classes;
+the student is an MLP (full: 16-4500-4500-10, 20.4 M parameters; --quick:
+64-128-10).  Every worker draws its own batches from its own seed; all
+workers evaluate on the same held-out set every ``--eval-every`` steps (the
+same work on both sides), and the time axis excludes that evaluation.
+Rank 0's accuracy is the curve; a run stops at the target accuracy (DDP: all
+ranks agree by an all-reduce; smb2: rank 0 leaves a stop file the others
+read at their next evaluation) or at the time budget.
+
+Scenarios (state the rates with --rate/--slow-rate):
+
+* ``homogeneous``: W equal workers, every link at ``--rate``;
+* ``straggler``: as homogeneous, but the last rank sleeps after every step
+  as long as that step's computing took (measured each step): it is 2x slower;
+* ``comm-bound``: every link at ``--slow-rate``, where moving the model costs
+  more than computing a step.
+
+Systems: ``ddp`` (DistributedDataParallel, gloo ring all-reduce), and
+AsyncOptimizer with rule ``delta`` (staleness 1, float32 and bf16 pushes),
+``accumulate`` (with and without layer dropping) and ``easgd`` (tau 4).
+
+"r0 cpu" and "r0 rdy": rank 0's thread-seconds on a CPU and runnable but waiting for one
+(/proc schedstat), over its wall time: where the CPU, not the network, is the bottleneck the
+second is large.  The servers' shares are in the JSON (``servers_time``).
+
+"not computing" is the share of rank 0's training time spent not computing:
+smb2: AsyncOptimizer's measured wait on communication; DDP (whose all-reduce
+hides inside backward): 1 - the time of as many steps under ``no_sync()``
+(measured after the run) over the time of the synchronized ones.
+
+    python tools/bench_tta.py [--quick] [--scenarios homogeneous,straggler,comm-bound]
+        [--systems ddp,delta,...] [--budget 60] [--json out.json] [--png out.png]
+
+Needs root, ``ip netns`` and ``tc`` (see netns_cluster.py); otherwise it says
+why and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TOOLS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TOOLS))
+import netns_cluster  # noqa: E402  (a sibling module in tools/, not a package)
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+DDP_PORT = 29500
+SERVER_PORT = netns_cluster.DEFAULT_PORT
+#: system name -> AsyncOptimizer keywords (None: torch DDP)
+SYSTEMS: dict[str, dict[str, Any] | None] = {
+    "ddp": None,
+    "delta": {"rule": "delta", "staleness": 1},
+    "delta/bf16": {"rule": "delta", "staleness": 1, "push_dtype": "bfloat16"},
+    "accumulate": {"rule": "accumulate", "staleness": 1},
+    "accumulate/drop": {"rule": "accumulate", "staleness": 1, "dropping": 0.7},
+    "easgd": {"rule": "easgd", "tau": 4},
+}
+SCENARIOS = ("homogeneous", "straggler", "comm-bound")
+FULL: dict[str, Any] = {"sizes": [16, 4500, 4500, 10], "workers": 4, "servers": 4, "batch": 32, "lr": 0.05,
+        "target": 0.75, "eval_every": 5, "eval_n": 128}
+QUICK: dict[str, Any] = {"sizes": [64, 128, 10], "workers": 2, "servers": 2, "batch": 32, "lr": 0.05,
+         "target": 0.5, "eval_every": 10, "eval_n": 256}
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker (runs in a worker host's namespace)
+
+
+def link_bytes() -> int:
+    """Bytes this host's link carried so far, both directions (its namespace's eth0)."""
+    stats = Path("/sys/class/net/eth0/statistics")
+    return int((stats / "tx_bytes").read_text()) + int((stats / "rx_bytes").read_text())
+
+
+def link_rate() -> int | None:
+    """This host's egress rate limit in bits/s (its eth0 tbf qdisc), None if unlimited."""
+    qdiscs = json.loads(subprocess.run(["tc", "-j", "qdisc", "show", "dev", "eth0"], capture_output=True,
+                                       text=True, check=True).stdout)
+    return next((8 * q["options"]["rate"] for q in qdiscs if q.get("kind") == "tbf"), None)
+
+
+def worker(a: argparse.Namespace) -> None:
+    """Train every system of ``--systems`` in turn (one process per host: torch is imported once);
+    one JSON line per system on stdout."""
+    for n, system in enumerate(a.systems.split(",")):
+        print(json.dumps(train(a, system, f"{a.tag}-{n}", DDP_PORT + n)), flush=True)
+
+
+def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    sizes = json.loads(a.sizes)
+    teacher = torch.randn(sizes[0], sizes[-1], generator=torch.Generator().manual_seed(1234))
+    held = torch.randn(a.eval_n, sizes[0], generator=torch.Generator().manual_seed(99))
+    held_y = (held @ teacher).argmax(1)
+    gen = torch.Generator().manual_seed(1000 + a.rank)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(a.batch, sizes[0], generator=gen)
+        return x, (x @ teacher).argmax(1)
+
+    torch.manual_seed(0)                      # every rank builds the same initial model
+    layers: list[nn.Module] = []
+    for i, (m, n) in enumerate(zip(sizes, sizes[1:])):
+        layers += [nn.Linear(m, n)] + ([nn.ReLU()] if i < len(sizes) - 2 else [])
+    model = nn.Sequential(*layers)
+    nparams = sum(p.numel() for p in model.parameters())
+    slow = a.straggler and a.rank == a.world - 1
+
+    def one_step(opt: torch.optim.Optimizer, net: nn.Module) -> None:
+        x, y = batch()
+        t = time.perf_counter()
+        loss = nn.functional.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if slow:    # the straggler: its computing takes twice as long (forward+backward, slept again)
+            time.sleep(time.perf_counter() - t)
+        opt.step()
+
+    def accuracy(net: nn.Module) -> float:
+        with torch.no_grad():
+            return float((net(held).argmax(1) == held_y).float().mean())
+
+    spec = SYSTEMS[system]
+    stop_file = Path(f"{a.stop_file}.{tag}")
+    if spec is None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+        dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{ddp_port}", rank=a.rank,
+                                world_size=a.world)
+        net: nn.Module = nn.parallel.DistributedDataParallel(model)
+        opt: torch.optim.Optimizer = torch.optim.SGD(net.parameters(), lr=a.lr)
+        aopt = None
+    else:
+        import smb2.torch
+        from smb2.train.dropping import LayerDropping
+        options = dict(spec)
+        ratio = options.pop("dropping", None)
+        net = model
+        aopt = smb2.torch.AsyncOptimizer(
+            torch.optim.SGD(model.parameters(), lr=a.lr), model, name=f"tta-{tag}", rank=a.rank,
+            world_size=a.world, resume=False, servers=a.servers,
+            dropping=LayerDropping(ratio) if ratio else None, **options)
+        opt = aopt
+    bytes0 = link_bytes()
+    cpu0 = schedstat(os.getpid())
+    curve: list[tuple[float, int, float]] = [(0.0, 0, accuracy(net))]
+    t0 = time.perf_counter()
+    evaluating = 0.0
+    steps = 0
+    reached: float | None = None
+    while True:
+        one_step(opt, net)
+        steps += 1
+        if steps % a.eval_every:
+            continue
+        te = time.perf_counter()
+        acc = accuracy(net)
+        clock = te - t0 - evaluating
+        curve.append((clock, steps, acc))
+        hit = acc >= a.target
+        if reached is None and hit:
+            reached = clock
+        done = clock >= a.budget
+        if spec is None:     # DDP: stop together (every rank's model is the same one)
+            flag = torch.tensor([1.0 if (hit and a.rank == 0) or done else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            done = bool(flag.item())
+        else:
+            if hit and a.rank == 0:
+                stop_file.touch()
+            done = done or stop_file.exists()
+        evaluating += time.perf_counter() - te
+        if done:
+            break
+    wall = time.perf_counter() - t0
+    seconds = wall - evaluating
+    moved = link_bytes() - bytes0
+    cpu1 = schedstat(os.getpid())
+    out: dict[str, Any] = {"rank": a.rank, "steps": steps, "seconds": seconds, "samples": steps * a.batch,
+                           "link_bytes": moved, "params": nparams, "curve": curve, "reached_s": reached,
+                           "final_acc": curve[-1][2], "link_rate": link_rate(),
+                           "time": time_shares(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], wall)}
+    if aopt is not None:
+        aopt.flush()
+        st = aopt.stats()
+        out.update(wait_s=st["wait_s"], bytes_pushed=st["bytes_pushed"], bytes_pulled=st["bytes_pulled"],
+                   exchanges=st["exchanges"], not_computing=st["wait_s"] / seconds if seconds else None)
+        aopt.close()
+    else:
+        dist.barrier()
+        with net.no_sync():   # type: ignore[operator]
+            tc = time.perf_counter()
+            for _ in range(min(steps, 10)):
+                one_step(opt, net)
+            per_step = (time.perf_counter() - tc) / min(steps, 10)
+        out["not_computing"] = max(0.0, 1 - per_step * steps / seconds)
+        dist.destroy_process_group()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver (runs in the root namespace; builds the hosts, starts servers and workers)
+
+
+def schedstat(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of all of ``pid``'s threads so far."""
+    on = wait = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except OSError:          # the thread ended meanwhile
+            continue
+        on += int(fields[0])
+        wait += int(fields[1])
+    return on / 1e9, wait / 1e9
+
+
+def time_shares(on: float, wait: float, seconds: float) -> dict[str, float]:
+    """Shares of ``seconds``: on a CPU, waiting for a CPU, blocked (on the network, peers, the straggler's sleep).
+    Summed over a process's threads: a share above 100 % means several threads at once (the
+    AsyncOptimizer's exchange thread beside the training thread)."""
+    return {"on_cpu": on / seconds, "waiting_for_cpu": wait / seconds, "blocked": max(0.0, 1 - (on + wait) / seconds)}
+
+
+def where_time_went(procs: dict[str, subprocess.Popen], before: dict[str, tuple[float, float]],
+                    seconds: float) -> dict[str, dict[str, float]]:
+    """:func:`time_shares` of each of ``procs`` since ``before``."""
+    out = {}
+    for name, p in procs.items():
+        on, wait = schedstat(p.pid)
+        out[name] = time_shares(on - before[name][0], wait - before[name][1], seconds)
+    return out
+
+
+def start_servers(cluster: netns_cluster.NetnsCluster, hosts: list[int], capacity: str) -> list[subprocess.Popen]:
+    """smb2-server on each of ``hosts`` (indexes of the cluster's hosts); waits for the ready lines."""
+    binary = netns_cluster.default_server_binary()
+    if binary is None:
+        raise netns_cluster.NetnsError("smb2-server not found: build the project first (make .venv/.installed-test)")
+    procs = []
+    for i in hosts:
+        argv = [binary, "--host", cluster.server_addrs[i], "--port", str(SERVER_PORT), "--capacity", capacity]
+        procs.append(subprocess.Popen(cluster.exec_prefix(cluster.server_netns[i]) + argv, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
+    for i, p in zip(hosts, procs):
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not netns_cluster.READY_RE.search(line):
+            raise netns_cluster.ServerStartError(f"smb2-server on host {cluster.server_addrs[i]} did not start "
+                                                 f"(exit {p.poll()}): {line!r}")
+    return procs
+
+
+def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], systems: list[str], scenario: str,
+                 servers: list[str], server_procs: dict[str, subprocess.Popen], workers: list[int], budget: float
+                 ) -> list[dict[str, Any]]:
+    """One worker process on each worker host trains every system in turn; a row per system."""
+    stop_file = Path(tempfile.gettempdir()) / f"bench-tta-{os.getpid()}-{scenario}.stop"
+    common = ["--sizes", json.dumps(cfg["sizes"]), "--batch", str(cfg["batch"]), "--lr", str(cfg["lr"]),
+              "--target", str(cfg["target"]), "--eval-every", str(cfg["eval_every"]), "--eval-n",
+              str(cfg["eval_n"]), "--budget", str(budget), "--systems", ",".join(systems), "--tag", scenario,
+              "--servers", ",".join(servers), "--master", cluster.server_addrs[workers[0]],
+              "--world", str(len(workers)), "--stop-file", str(stop_file)]
+    if scenario == "straggler":
+        common.append("--straggler")
+    env = {**os.environ, **ONE_THREAD}
+    procs = [subprocess.Popen(cluster.exec_prefix(cluster.server_netns[h])
+                              + [sys.executable, __file__, "_worker", "--rank", str(r), *common],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+             for r, h in enumerate(workers)]
+    before = {name: schedstat(p.pid) for name, p in server_procs.items()}
+    t0 = time.monotonic()
+    outs = []
+    try:
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=len(systems) * (budget + 300))
+            if p.returncode:
+                raise RuntimeError(f"worker rank {r} failed (exit {p.returncode}):\n{err[-3000:]}")
+            outs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for n in range(len(systems)):
+            Path(f"{stop_file}.{scenario}-{n}").unlink(missing_ok=True)
+    rows = [summarize([o[n] for o in outs], system, scenario, cfg) for n, system in enumerate(systems)]
+    rows[0]["servers_time"] = where_time_went(server_procs, before, time.monotonic() - t0)
+    return rows
+
+
+def expected_bytes_per_step(system: str, params: int, world: int) -> float | None:
+    """Payload bytes one worker moves per step by the rule, before protocol overhead (None: varies)."""
+    model = 4 * params
+    if system == "ddp":    # ring all-reduce: 2 (W-1)/W of the gradient out, as much in
+        return 2 * 2 * (world - 1) / world * model
+    if system in ("delta", "accumulate"):       # push the change, pull the weights
+        return 2 * model
+    if system == "delta/bf16":                  # bf16 push, f32 pull
+        return 1.5 * model
+    if system == "easgd":                       # every tau=4 steps: push local, pull the correction
+        return 2 * model / 4
+    return None    # layer dropping: depends on the gradients
+
+
+def summarize(outs: list[dict[str, Any]], system: str, scenario: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    r0 = outs[0]
+    seconds = max(o["seconds"] for o in outs)
+    steps = sum(o["steps"] for o in outs)
+    per_step = [o["link_bytes"] / o["steps"] for o in outs]
+    row = {"system": system, "scenario": scenario, "workers": len(outs), "params": r0["params"],
+           "time_to_target_s": r0["reached_s"], "final_acc": r0["final_acc"], "target": cfg["target"],
+           "samples_per_s": sum(o["samples"] for o in outs) / seconds, "seconds": seconds, "steps": steps,
+           "link_bytes_per_step": per_step, "expected_bytes_per_step": expected_bytes_per_step(
+               system, r0["params"], len(outs)),
+           "not_computing": r0["not_computing"], "curve": r0["curve"],
+           "worker_link_rates": [o["link_rate"] for o in outs], "workers_time": [o["time"] for o in outs]}
+    if "bytes_pushed" in r0:
+        row["payload_bytes_per_step"] = [(o["bytes_pushed"] + o["bytes_pulled"]) / o["steps"] for o in outs]
+    return row
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    cfg: dict[str, Any] = dict(QUICK if a.quick else FULL)
+    for key in ("workers", "servers", "target"):
+        if getattr(a, key) is not None:
+            cfg[key] = getattr(a, key)
+    rates = {"homogeneous": a.rate, "straggler": a.rate, "comm-bound": a.slow_rate}
+    result: dict[str, Any] = {"config": cfg, "rates": rates, "budget_s": a.budget, "rows": []}
+    nserv, nwork = cfg["servers"], cfg["workers"]
+    for scenario in a.scenarios:
+        rate = rates[scenario]
+        # hosts 0..S-1 are memory servers, S..S+W-1 workers: every one behind its own limited link
+        with netns_cluster.NetnsCluster(servers=nserv + nwork, rate=rate, start_servers=False,
+                                        quiet=True) as cluster:
+            procs = start_servers(cluster, list(range(nserv)), a.capacity)
+            servers = [f"{cluster.server_addrs[i]}:{SERVER_PORT}" for i in range(nserv)]
+            workers = list(range(nserv, nserv + nwork))
+            try:
+                print(f"bench_tta: {scenario} ({rate} links): {', '.join(a.systems)} ...", file=sys.stderr,
+                      flush=True)
+                for row in run_scenario(cluster, cfg, a.systems, scenario, servers,
+                                        {f"server {addr}": p for addr, p in zip(servers, procs)}, workers,
+                                        a.budget):
+                    row["rate"] = rate
+                    result["rows"].append(row)
+                    print(f"bench_tta:   {fmt_row(row)}", file=sys.stderr, flush=True)
+            finally:
+                for p in procs:
+                    p.terminate()
+                for p in procs:
+                    p.wait(10)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def fmt_row(r: dict[str, Any]) -> str:
+    ttt = f"{r['time_to_target_s']:7.1f}" if r["time_to_target_s"] is not None else "   miss"
+    ddp = r.get("ddp_ratio")
+    r0 = r["workers_time"][0]
+    return (f"{r['scenario']:>11} {r['rate']:>8} {r['system']:>15} {ttt} {_opt(ddp, '5.2f', 'x'):>7} "
+            f"{r['samples_per_s']:9.1f} {r['final_acc']:6.3f} "
+            f"{sum(r['link_bytes_per_step']) / len(r['link_bytes_per_step']) / 1e6:9.2f} "
+            f"{_opt(r['not_computing'], '6.1%', ''):>7} "
+            f"{r0['on_cpu']:7.1%} {r0['waiting_for_cpu']:7.1%}")
+
+
+def _opt(v: float | None, spec: str, suffix: str) -> str:
+    return "-" if v is None else f"{v:{spec}}{suffix}"
+
+
+def add_ratios(result: dict[str, Any]) -> None:
+    """Each row's speed-up to the target against DDP in the same scenario (DDP's time / its time)."""
+    ddp = {r["scenario"]: r["time_to_target_s"] for r in result["rows"] if r["system"] == "ddp"}
+    for r in result["rows"]:
+        base, mine = ddp.get(r["scenario"]), r["time_to_target_s"]
+        r["ddp_ratio"] = base / mine if base and mine else None
+
+
+def table(result: dict[str, Any]) -> str:
+    head = (f"{'scenario':>11} {'link':>8} {'system':>15} {'to tgt s':>7} {'x DDP':>7} {'samples/s':>9} "
+            f"{'acc':>6} {'MB/step':>9} {'not comp':>7} {'r0 cpu':>7} {'r0 rdy':>7}")
+    return "\n".join([head] + [fmt_row(r) for r in result["rows"]])
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("bench_tta: matplotlib is not installed: no plot (pip install 'smb2[bench]')", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    scenarios = list(dict.fromkeys(r["scenario"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 4), squeeze=False)
+    for ax, sc in zip(axes[0], scenarios):
+        for r in result["rows"]:
+            if r["scenario"] == sc:
+                ax.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], label=r["system"],
+                        ls="--" if r["system"] == "ddp" else "-")
+        ax.axhline(result["config"]["target"], color="grey", lw=0.8)
+        rate = next(r["rate"] for r in result["rows"] if r["scenario"] == sc)
+        ax.set(title=f"{sc} ({rate} links)", xlabel="wall time s (eval excluded)", ylabel="held-out accuracy")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small model, 2 workers, 2 servers (bookkeeping check)")
+    ap.add_argument("--scenarios", type=lambda s: s.split(","), default=None,
+                    help=f"comma list of {', '.join(SCENARIOS)} (default: all; --quick: homogeneous)")
+    ap.add_argument("--systems", type=lambda s: s.split(","), default=list(SYSTEMS),
+                    help=f"comma list of {', '.join(SYSTEMS)}")
+    ap.add_argument("--rate", default="1gbit", help="link rate of every host in (a) and (b) (tc syntax)")
+    ap.add_argument("--slow-rate", default="200mbit", help="link rate of every host in (c) comm-bound")
+    ap.add_argument("--budget", type=float, default=None, help="seconds of training per run (default 60; quick 12)")
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--servers", type=int, default=None)
+    ap.add_argument("--target", type=float, default=None, help="target held-out accuracy")
+    ap.add_argument("--capacity", default="1GiB", help="each server's --capacity")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None)
+    return ap
+
+
+def _worker_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_tta.py _worker")
+    for name, kind in (("rank", int), ("world", int), ("batch", int), ("eval-every", int), ("eval-n", int),
+                       ("lr", float), ("target", float), ("budget", float), ("sizes", str), ("systems", str),
+                       ("tag", str), ("servers", str), ("master", str), ("stop-file", str)):
+        ap.add_argument(f"--{name}", type=kind, required=True)
+    ap.add_argument("--straggler", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_worker"]:
+        worker(_worker_parser().parse_args(argv[1:]))
+        return 0
+    a = _parser().parse_args(argv)
+    if a.scenarios is None:
+        a.scenarios = ["homogeneous"] if a.quick else list(SCENARIOS)
+    if a.budget is None:
+        a.budget = 12.0 if a.quick else 60.0
+    bad = [s for s in a.scenarios if s not in SCENARIOS] + [s for s in a.systems if s not in SYSTEMS]
+    if bad:
+        _parser().error(f"unknown scenario/system {', '.join(bad)}")
+    ok, why = netns_cluster.can_run()
+    if not ok:
+        print(f"bench_tta: cannot build a namespace cluster here: {why}", file=sys.stderr)
+        return 2
+    result = run(a)
+    add_ratios(result)
+    print(table(result))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    if a.png:
+        plot(result, a.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
