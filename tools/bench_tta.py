@@ -260,7 +260,10 @@ def start_servers(cluster: netns_cluster.NetnsCluster, hosts: list[int], capacit
         raise netns_cluster.NetnsError("smb2-server not found: build the project first (make .venv/.installed-test)")
     procs = []
     for i in hosts:
-        argv = [binary, "--host", cluster.server_addrs[i], "--port", str(SERVER_PORT), "--capacity", capacity]
+        # --shm off, as netns_cluster's own servers: the namespaces share this kernel and file
+        # system, so a worker would map a server's memory and its pulls would bypass the links
+        argv = [binary, "--host", cluster.server_addrs[i], "--port", str(SERVER_PORT), "--capacity", capacity,
+                "--shm", "off"]
         procs.append(subprocess.Popen(cluster.exec_prefix(cluster.server_netns[i]) + argv, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, start_new_session=True))
     for i, p in zip(hosts, procs):

@@ -105,12 +105,10 @@ class Requester(Protocol):
 
     def is_open(self) -> bool:
         """False once the connection is closing or closed."""
-        ...
 
     def reply(self, hdr: Header, payload: bytes | memoryview = b"",
               status: int = 0, flags: int = 0) -> None:
         """Answer the request whose header is ``hdr``."""
-        ...
 
 
 def _ticket_base() -> int:
