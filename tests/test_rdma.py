@@ -226,8 +226,10 @@ async def test_a_dead_queue_pair_surfaces_by_retry_timeout_and_is_recreated() ->
             if conn.rdma_peer is not None:
                 conn.rdma_peer.qp.close()
         t0 = time.monotonic()
+        # an atomic, not a read: reads are retried once on a fresh connection
+        # (test_deadlines), an atomic never is, so its failure is what surfaces
         with pytest.raises(smb2.TransportError) as info:
-            await asyncio.wait_for(buf.read(0, 6), 60)
+            await asyncio.wait_for(buf.fetch_add(8, 1), 60)
         elapsed = time.monotonic() - t0
         assert info.value.status == 12, info.value          # IBV_WC_RETRY_EXC_ERR
         # 8 tries of 67 ms: about half a second (TCG and host load stretch it)
