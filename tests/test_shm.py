@@ -83,10 +83,31 @@ async def test_shm_and_tcp_clients_on_one_lock_and_one_accumulate_range_stay_exa
 
 
 @pytest.mark.timeout(30)
-# Order-dependent: in two full-suite runs after the issue 14 merge (reads retry once on a
-# fresh connection) this failed and stalled the run; alone, and after test_server, it passes.
-# Not understood yet: the next session starts here (closing note of this stop).
-@pytest.mark.xfail(reason="order-dependent failure after the retry-on-fresh-connection merge", strict=False)
+@pytest.mark.timeout(30)
+async def test_a_coroutine_polling_over_shm_lets_the_rest_of_the_loop_run() -> None:
+    """A shm read finishes without suspending: a loop of them must still let
+    the writer it waits for, and the timers, run (else it spins forever)."""
+    async with smb2.LocalCluster(servers=1, capacity="16MiB") as cluster:
+        poller, writer = await cluster.connect(transport="shm"), await cluster.connect(transport="shm")
+        flag = await poller.create("flag", 64)
+        late = await writer.attach("flag")
+
+        async def set_flag_later() -> None:
+            await asyncio.sleep(0.05)
+            await late.write(0, np.array([1], np.uint64))
+        setter = asyncio.ensure_future(set_flag_later())
+        polls = 0
+        while (await flag.read(0, 8)).view(np.uint64)[0] != 1:
+            polls += 1
+        await setter
+        assert polls > 0
+        words = 0
+        while not setter.done() or words < 10:
+            words += 1
+            await flag.fetch_add(8, 1)
+        assert await flag.fetch_add(8, 0) == words
+
+
 async def test_a_sigkilled_server_is_a_transport_error_not_a_crash() -> None:
     async with smb2.LocalCluster(servers=1, processes=True, capacity="64MiB") as cluster:
         client = await cluster.connect(transport="shm")
@@ -108,8 +129,6 @@ async def test_a_sigkilled_server_is_a_transport_error_not_a_crash() -> None:
                 await op
 
 
-@pytest.mark.skip(reason="order-dependent: failed or spun (main thread running, past pytest-timeout) in full-suite "
-                  "runs after the issue 14 merge; passes alone. Open, see this stop's closing note (issue 15)")
 async def test_only_an_authenticated_client_gets_file_descriptors() -> None:
     server = await smb2.start_server("127.0.0.1", 0, token=TOKEN)
     try:
@@ -149,8 +168,6 @@ async def test_only_an_authenticated_client_gets_file_descriptors() -> None:
     assert not await asyncio.to_thread(os.path.exists, path)
 
 
-@pytest.mark.skip(reason="order-dependent: failed or spun (main thread running, past pytest-timeout) in full-suite "
-                  "runs after the issue 14 merge; passes alone. Open, see this stop's closing note (issue 15)")
 async def test_shm_never_falls_back_and_says_why(caplog: pytest.LogCaptureFixture,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.INFO, logger="smb2.transport")

@@ -38,6 +38,7 @@ import errno as errno_mod
 import mmap
 import os
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,13 @@ _MAX_REPLY = 64 << 10
 # large copies past the cache (non-temporal stores), and 16 copies of 4 MiB
 # run at about 0.65x of one of 64 MiB on the development machines.
 _MAX_COPY = 1 << 30
+# An operation on a mapping finishes without suspending, so a coroutine
+# that loops on them (polling a flag, a reader pinging) would never let the
+# loop run anything else: not the writer it waits for, not a timer, not the
+# connection that tells it the server died.  Each transport yields to the
+# loop once this long has passed since it last did (a clock read costs
+# ~50 ns; a yield, a few microseconds, is paid at most once per interval).
+_YIELD_EVERY = 0.0005
 
 
 @dataclass(slots=True)
@@ -92,6 +100,7 @@ class ShmTransport(Transport, LockCapable):
         self._mapping_lock = asyncio.Lock()
         #: the server's Unix socket, once known
         self.socket_path: str | None = None
+        self._yielded = time.monotonic()
 
     @classmethod
     async def upgrade(cls, control: TcpTransport, *, timeout: float = 10.0) -> ShmTransport:
@@ -178,6 +187,12 @@ class ShmTransport(Transport, LockCapable):
                                server=self.label)
         return m
 
+    async def _let_others_run(self) -> None:
+        now = time.monotonic()
+        if now - self._yielded >= _YIELD_EVERY:
+            self._yielded = now
+            await asyncio.sleep(0)
+
     def _lost(self) -> TransportError:
         return TransportError(f"connection to {self.label} lost (the server is gone)",
                               errno=errno_mod.ECONNRESET, server=self.label)
@@ -185,6 +200,7 @@ class ShmTransport(Transport, LockCapable):
     # -- one-sided: our own CPU ------------------------------------------------
     async def read_into(self, dst: Sequence[memoryview], segment: int, offset: int,
                         length: int) -> None:
+        await self._let_others_run()
         if segment not in self._maps:
             await self._map_first(segment)
         data = self._mapping(segment, offset, length).data
@@ -195,6 +211,7 @@ class ShmTransport(Transport, LockCapable):
 
     async def write(self, src: Sequence[memoryview], segment: int, offset: int,
                     length: int) -> None:
+        await self._let_others_run()
         if segment == LOCK_SEGMENT:
             # as the server refuses it: lock words change only by atomics
             raise server_error(ErrorCode.ACCESS_DENIED, f"{self.label}: the lock segment only takes "
@@ -208,12 +225,14 @@ class ShmTransport(Transport, LockCapable):
             offset += n
 
     async def fetch_add(self, segment: int, offset: int, value: int) -> int:
+        await self._let_others_run()
         if segment not in self._maps:
             await self._map_first(segment)
         m = self._mapping(segment, offset, 8)
         return int(_core.atomic_fetch_add(m.data, offset, value & MASK64))
 
     async def compare_swap(self, segment: int, offset: int, expected: int, new: int) -> int:
+        await self._let_others_run()
         if segment not in self._maps:
             await self._map_first(segment)
         m = self._mapping(segment, offset, 8)
