@@ -315,7 +315,7 @@ async def timed(fn: Callable[[], Awaitable[None]], k: int) -> float:
     return time.perf_counter() - t0
 
 
-async def latencies(fn: Callable[[], Awaitable[None]], n: int) -> list[float]:
+async def latencies(fn: Callable[[], Awaitable[object]], n: int) -> list[float]:
     """``n`` sequential calls; each one's time in microseconds."""
     out = []
     clock = time.perf_counter_ns
