@@ -193,9 +193,12 @@ def test_mapped_stripes_pause_once_per_interval_and_then_go_through() -> None:
     assert pauses and all(results[i + 1] is not _core.PAUSE for i in pauses if i + 1 < len(results))
     done = [r for r in results if r is not _core.PAUSE]
     assert done == list(range(len(done)))
+    # a copy is done first, then says to pause
+    codes = {stripes.read_into(bytearray(8), 0) for _ in range(40)}
+    assert codes == {_core.COPY_DONE, _core.COPY_DONE_PAUSE}
     # a lost connection or a segment no longer LIVE: nothing is done, for good
     live.live = False
-    assert stripes.read_into(bytearray(8), 0) in (False, _core.PAUSE)
+    assert stripes.read_into(bytearray(8), 0) == _core.COPY_NOT_DONE
     assert not stripes.attached(0, live)
     del whole
     mm.close()

@@ -585,9 +585,16 @@ cdef inline double _monotonic() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
-#: what an operation of MappedStripes returns, having done nothing, when
-#: the caller must let its event loop run before it (see MappedStripes._due)
+#: what an atomic of MappedStripes returns, having done nothing, when the
+#: caller must let its event loop run before it (see MappedStripes._due)
 PAUSE = type("Pause", (), {"__repr__": lambda self: "PAUSE", "__slots__": ()})()
+# what a copy of MappedStripes returns: not done (the general path must do
+# it), done, or done and the caller must now let its event loop run (a copy
+# done before a pause is as good as one done after; an atomic's result
+# would be lost if the caller were cancelled in the pause)
+COPY_NOT_DONE = 0
+COPY_DONE = 1
+COPY_DONE_PAUSE = 2
 
 
 cdef class LiveFlag:
@@ -669,8 +676,9 @@ cdef class MappedStripes:
     cdef bint _due(self) noexcept:
         # An operation here never suspends: a coroutine looping on them would
         # starve the rest of its event loop.  Once per ``pause_every`` an
-        # operation returns PAUSE instead, and the caller lets the loop run
-        # and calls again: that call goes through whatever the time.  The
+        # atomic returns PAUSE instead, and the caller lets the loop run and
+        # calls again: that call goes through whatever the time (a copy is
+        # done first and returns COPY_DONE_PAUSE).  The
         # clock is read only every _CLOCK_OPS operations or _CLOCK_BYTES
         # copied: a read costs ~0.25 us on some virtual machines, as much as
         # an atomic with all its checks.
@@ -770,18 +778,16 @@ cdef class MappedStripes:
             PyBuffer_Release(&view)
 
     def read_into(self, object out, object offset):
-        """Copy the buffer's bytes at ``offset`` into ``out``: True, or
-        False (nothing copied) where the general path must do it, or PAUSE."""
-        if self._due():
-            return PAUSE
-        return self._copy(out, offset, False)
+        """Copy the buffer's bytes at ``offset`` into ``out``; a COPY_* code."""
+        if not self._copy(out, offset, False):
+            return COPY_NOT_DONE
+        return COPY_DONE_PAUSE if self._due() else COPY_DONE
 
     def write(self, object src, object offset):
-        """Copy ``src`` into the buffer at ``offset``: True, or False
-        (nothing written) where the general path must do it, or PAUSE."""
-        if self._due():
-            return PAUSE
-        return self._copy(src, offset, True)
+        """Copy ``src`` into the buffer at ``offset``; a COPY_* code."""
+        if not self._copy(src, offset, True):
+            return COPY_NOT_DONE
+        return COPY_DONE_PAUSE if self._due() else COPY_DONE
 
     cdef uint64_t *_word(self, object offset) except? NULL:
         cdef uint64_t off, i, s, seg

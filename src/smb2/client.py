@@ -53,10 +53,11 @@ DEFAULT_STRIPE = 1 << 20
 # on a mapping never waits, so a deadline cannot pass during one (the
 # ``timeout`` is only checked); whatever the mapping cannot do (a server not
 # mapped, its connection lost, the buffer destroyed, a bad argument) falls
-# through to the general path, which says why.  PAUSE: nothing was done, let
-# the loop run first; the call after it goes through (else, rarely, PAUSE
-# again: the general path does the operation).
+# through to the general path, which says why.  An atomic's PAUSE: nothing
+# was done, let the loop run first; the call after it goes through (else,
+# rarely, PAUSE again: the general path does it).  A copy pauses after.
 _PAUSE = _core.PAUSE
+_COPY_DONE_PAUSE = _core.COPY_DONE_PAUSE
 # the smb2 package's directory: an unclosed client's warning names the first
 # frame outside it (the user's code that connected)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -560,11 +561,9 @@ class Buffer:
         Do not modify ``data`` until this returns (it is sent without a copy)."""
         if (mapped := self._mapped) is not None and fence is None and notify is None \
                 and (timeout is None or _check_timeout(timeout)) and not self.client._closed:
-            done = mapped.write(data, offset)
-            if done is _PAUSE:
-                await asyncio.sleep(0)
-                done = mapped.write(data, offset)
-            if done is True:
+            if done := mapped.write(data, offset):
+                if done == _COPY_DONE_PAUSE:
+                    await asyncio.sleep(0)
                 return
         view = _bytes_view(data, writable=False, what="data")
         offset = self._range(offset, len(view), "a write")
@@ -586,11 +585,9 @@ class Buffer:
         """Fill ``out`` (a writable C-contiguous array) from ``offset``, in place."""
         if (mapped := self._mapped) is not None and (timeout is None or _check_timeout(timeout)) \
                 and not self.client._closed:
-            done = mapped.read_into(out, offset)
-            if done is _PAUSE:
-                await asyncio.sleep(0)
-                done = mapped.read_into(out, offset)
-            if done is True:
+            if done := mapped.read_into(out, offset):
+                if done == _COPY_DONE_PAUSE:
+                    await asyncio.sleep(0)
                 return
         view = _bytes_view(out, writable=True, what="out")
         offset = self._range(offset, len(view), "a read")
