@@ -45,9 +45,19 @@ from .errors import (
 )
 from .lock import Fence, Lock, fence_of
 from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, WIRE_CODES, parse_address
-from .transport import KINDS, Link, MemoryDomain, Transport
+from .transport import KINDS, Link, MemoryDomain, ShmTransport, Transport
 
 DEFAULT_STRIPE = 1 << 20
+# The shm fast path: a Buffer's operations on mapped segments, each one
+# Cython call (_core.MappedStripes, made by Buffer._serve_mapped).  A copy
+# on a mapping never waits, so a deadline cannot pass during one (the
+# ``timeout`` is only checked); whatever the mapping cannot do (a server not
+# mapped, its connection lost, the buffer destroyed, a bad argument) falls
+# through to the general path, which says why.  An atomic's PAUSE: nothing
+# was done, let the loop run first; the call after it goes through (else,
+# rarely, PAUSE again: the general path does it).  A copy pauses after.
+_PAUSE = _core.PAUSE
+_COPY_DONE_PAUSE = _core.COPY_DONE_PAUSE
 # the smb2 package's directory: an unclosed client's warning names the first
 # frame outside it (the user's code that connected)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -343,7 +353,7 @@ class Buffer:
     several servers run on all of them concurrently."""
 
     __slots__ = ("client", "name", "nbytes", "stripe", "nservers", "first", "segments",
-                 "notify_area", "_incarnations", "_checked")
+                 "notify_area", "_incarnations", "_checked", "_mapped")
 
     def __init__(self, client: Client, name: str, infos: Sequence[dict[str, Any]]) -> None:
         geometry = {(i["nbytes"], i["stripe"], i["nservers"]) for i in infos}
@@ -373,6 +383,9 @@ class Buffer:
         #: (offset, slots) of the notification area, None until designated
         #: (see smb2.notify: every client of the buffer designates the same)
         self.notify_area: tuple[int, int] | None = None
+        # the shm fast path: the segments mapped by checked shm transports
+        # (made when the first one is; see _serve_mapped)
+        self._mapped: _core.MappedStripes | None = None
 
     def __repr__(self) -> str:
         return (f"<smb2.Buffer {self.name!r} {self.nbytes} bytes, stripe {self.stripe}, "
@@ -482,6 +495,25 @@ class Buffer:
                 await t.write_fenced(parts, seg, seg_off, length, *fence)
         else:
             await t.accumulate(parts, seg, seg_off, length, dtype_code)
+        self._serve_mapped(server, t)
+
+    # -- the shm fast path ------------------------------------------------------
+    def _serve_mapped(self, server: int, t: Transport) -> None:
+        """After an operation on ``t``, the connection checked for this
+        handle on ``server``: when ``t`` maps the segment, serve the next
+        reads, writes and atomics on it from the mapping, in one Cython call
+        each (``_core.MappedStripes``), for as long as ``t`` stays open."""
+        if not isinstance(t, ShmTransport) or t is not self._checked[server]:
+            return
+        if self._mapped is not None and self._mapped.attached(server, t.alive):
+            return
+        mapping = t.mapping_of(self.segments[server])
+        if mapping is None:
+            return
+        if self._mapped is None:
+            self._mapped = _core.MappedStripes(self.nbytes, self.stripe, self.nservers, self.first,
+                                               t.yield_every)
+        self._mapped.attach(server, *mapping)
 
     def _word(self, offset: Any) -> tuple[int, int]:
         offset = self._range(offset, 8, "an atomic")
@@ -495,16 +527,21 @@ class Buffer:
     async def _atomic(self, offset: Any, what: str, timeout: float | None,
                       op: Callable[[Transport, int, int], Awaitable[int]]) -> int:
         """``op(transport, segment, segment offset)`` on the word at ``offset``."""
+        self.client.ensure_open()       # else a closed client's link would reconnect
         server, seg_off = self._word(offset)
         link = self.client.links[server]
         deadline = self.client.deadline(timeout)
         t = link.open
         if deadline is None and t is not None and t is self._checked[server]:
-            return to_signed(await op(t, self.segments[server], seg_off))
+            old = await op(t, self.segments[server], seg_off)
+            self._serve_mapped(server, t)
+            return to_signed(old)
 
         async def request(t: Transport) -> int:
             await self.check_incarnation(server, t)
-            return await op(t, self.segments[server], seg_off)
+            old = await op(t, self.segments[server], seg_off)
+            self._serve_mapped(server, t)
+            return old
         return to_signed(await link.call(request, deadline, idempotent=False,
                                          what=f"{what} on buffer {self.name!r}"))
 
@@ -522,6 +559,12 @@ class Buffer:
         once the data is in place on every server (see :mod:`smb2.notify`).
 
         Do not modify ``data`` until this returns (it is sent without a copy)."""
+        if (mapped := self._mapped) is not None and fence is None and notify is None \
+                and (timeout is None or _check_timeout(timeout)) and not self.client._closed:
+            if done := mapped.write(data, offset):
+                if done == _COPY_DONE_PAUSE:
+                    await asyncio.sleep(0)
+                return
         view = _bytes_view(data, writable=False, what="data")
         offset = self._range(offset, len(view), "a write")
         slot = _notify.check_notify(self, notify) if notify is not None else None
@@ -540,6 +583,12 @@ class Buffer:
 
     async def read_into(self, out: Any, offset: int = 0, *, timeout: float | None = None) -> None:
         """Fill ``out`` (a writable C-contiguous array) from ``offset``, in place."""
+        if (mapped := self._mapped) is not None and (timeout is None or _check_timeout(timeout)) \
+                and not self.client._closed:
+            if done := mapped.read_into(out, offset):
+                if done == _COPY_DONE_PAUSE:
+                    await asyncio.sleep(0)
+                return
         view = _bytes_view(out, writable=True, what="out")
         offset = self._range(offset, len(view), "a read")
         await self._run("read", view, offset, timeout=timeout)
@@ -590,6 +639,14 @@ class Buffer:
     async def fetch_add(self, offset: int, value: int = 1, *, timeout: float | None = None) -> int:
         """Atomically add ``value`` to the int64 word at ``offset`` (8-byte
         aligned); return the word's old value."""
+        if (mapped := self._mapped) is not None and (timeout is None or _check_timeout(timeout)) \
+                and not self.client._closed:
+            old = mapped.fetch_add(offset, value)
+            if old is _PAUSE:
+                await asyncio.sleep(0)
+                old = mapped.fetch_add(offset, value)
+            if type(old) is int:
+                return old
         value = check_word("value", value)
         return await self._atomic(offset, "fetch_add", timeout,
                                   lambda t, seg, off: t.fetch_add(seg, off, value))
@@ -598,6 +655,14 @@ class Buffer:
                            timeout: float | None = None) -> int:
         """Atomically replace the int64 word at ``offset`` with ``new`` if it
         equals ``expected``; return the old value (== expected on success)."""
+        if (mapped := self._mapped) is not None and (timeout is None or _check_timeout(timeout)) \
+                and not self.client._closed:
+            old = mapped.compare_swap(offset, expected, new)
+            if old is _PAUSE:
+                await asyncio.sleep(0)
+                old = mapped.compare_swap(offset, expected, new)
+            if type(old) is int:
+                return old
         expected = check_word("expected", expected)
         new = check_word("new", new)
         return await self._atomic(offset, "compare_swap", timeout,

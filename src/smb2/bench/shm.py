@@ -7,7 +7,11 @@ transport; the baseline is one ``np.copyto`` between two arrays of the same
 size in this process, the most a copy can do here.  Pairs alternate which
 goes first (docs/design.md, "Measuring"); each ratio is the median over
 pairs of subject bandwidth / baseline bandwidth.  Latencies: a 4 KiB
-``read_into`` and a ``fetch_add``, each against a 4 KiB ``np.copyto``.
+``read_into`` and a ``fetch_add``, each against a 4 KiB ``np.copyto`` and,
+for scale, the raw 64-byte TCP round trip of ``smb2 bench`` (the raw peer,
+``common.start_raw_peer``).  Each latency is one ``await`` of the operation
+itself (the copy: of a coroutine doing just that), and includes reading the
+clock around it (~0.05-0.3 us, depending on the machine).
 """
 
 from __future__ import annotations
@@ -22,7 +26,19 @@ from typing import Any
 
 import numpy as np
 
-from .common import MiB, describe_machine, fmt_size, latencies, now, pct, run_and_report, size_list
+from .common import (
+    FRAME,
+    MiB,
+    describe_machine,
+    fmt_size,
+    latencies,
+    now,
+    pct,
+    run_and_report,
+    size_list,
+    start_raw_peer,
+    stop_raw_peer,
+)
 
 KiB = 1 << 10
 DEFAULT_SIZES = "4KiB,1MiB,64MiB"
@@ -83,14 +99,16 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         async def copy4k() -> None:
             np.copyto(out, copy_src)
 
-        async def read4k() -> None:
-            await small.read_into(out, 0)
-
-        async def fetch_add() -> None:
-            await small.fetch_add(0, 1)
-
-        for name, fn in (("np.copyto 4 KiB", copy4k), ("read 4 KiB", read4k), ("fetch_add", fetch_add)):
-            result["latency"][name] = await latencies(fn, args.latency_count)
+        await small.read_into(out, 0)        # maps the segment
+        peer, raw = await start_raw_peer(FRAME)
+        try:
+            for name, fn in (("np.copyto 4 KiB", copy4k),
+                             ("read 4 KiB", lambda: small.read_into(out, 0)),
+                             ("fetch_add", lambda: small.fetch_add(0, 1)),
+                             ("raw TCP 64 B rtt", raw.ping)):
+                result["latency"][name] = await latencies(fn, args.latency_count)
+        finally:
+            await stop_raw_peer(peer, raw)
         stats = await client.stat()
         result["server_ops"] = [s["ops"] for s in stats]
         await client.close()

@@ -101,6 +101,13 @@ class ShmTransport(Transport, LockCapable):
         #: the server's Unix socket, once known
         self.socket_path: str | None = None
         self._yielded = time.monotonic()
+        #: cleared when the connection closes or is lost: the buffers' fast
+        #: path reads it instead of ``closed`` (see mapping_of)
+        self.alive = _core.LiveFlag()
+        control.on_lost = self._connection_lost
+
+    def _connection_lost(self, exc: Exception) -> None:
+        self.alive.live = False
 
     @classmethod
     async def upgrade(cls, control: TcpTransport, *, timeout: float = 10.0) -> ShmTransport:
@@ -170,6 +177,18 @@ class ShmTransport(Transport, LockCapable):
         async with self._mapping_lock:
             if segment not in self._maps:
                 await self._map([segment])
+
+    # -- the buffers' fast path (_core.MappedStripes) ---------------------------
+    #: how often an operation on a mapping lets the event loop run
+    yield_every = _YIELD_EVERY
+
+    def mapping_of(self, segment: int) -> tuple[memoryview, int, int, _core.LiveFlag] | None:
+        """``segment`` as this transport maps it: (the mapping, the data's
+        size, the offset of the state word, ``alive``), or None while it is
+        not mapped.  A Buffer serves its operations straight from it (one
+        Cython call each, ``_core.MappedStripes``) while ``alive.live``."""
+        m = self._maps.get(segment)
+        return None if m is None or not self.alive.live else (m.whole, len(m.data), m.state, self.alive)
 
     def _mapping(self, segment: int, offset: int, length: int) -> _Mapping:
         """The live mapping of ``segment`` holding the range (a plain call: the
@@ -269,6 +288,7 @@ class ShmTransport(Transport, LockCapable):
     async def close(self) -> None:
         # the mappings are dropped, not unmapped: a copy still running in
         # another task keeps its view, and the pages go with the last one
+        self.alive.live = False
         self._maps.clear()
         await self._ctl.close()
 
