@@ -116,6 +116,19 @@ def open_sockets(address: tuple[str, int], n: int, first: bytes = b"",
     return socks
 
 
+def unread_reads(address: tuple[str, int], segment: int, n: int = 8000) -> socket.socket:
+    """A connection that sends hello and ``n`` pipelined 64 KiB READs of
+    ``segment`` (at least 4 MiB) and reads none of the replies."""
+    reads = b"".join(wire.frame(Op.READ, rid=k + 2, segment=segment, offset=(k % 64) << 16, length=64 << 10)
+                     for k in range(n))
+    s = socket.create_connection(address)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        s.send(wire.hello() + reads)
+    return s
+
+
 def closed_by_server(s: socket.socket, timeout: float = 10) -> bool:
     s.settimeout(timeout)
     try:
@@ -246,17 +259,7 @@ async def test_small_replies_nobody_reads_are_bounded() -> None:
             await buf.write(0, np.ones(buf.nbytes, np.uint8))
             seg = buf.segments[0]
         base = srv.rss
-        reads = b"".join(wire.frame(Op.READ, rid=k + 2, segment=seg, offset=(k % 64) << 16, length=64 << 10)
-                         for k in range(8000))
-
-        def flood() -> socket.socket:
-            s = socket.create_connection(srv.address)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                s.send(wire.hello() + reads)
-            return s
-        socks = [await asyncio.to_thread(flood) for _ in range(8)]
+        socks = [await asyncio.to_thread(unread_reads, srv.address, seg) for _ in range(8)]
         peak = await rss_over(srv, 2.0)
         print(f"8 connections x 8000 unread 64 KiB READs: RSS {base >> 20} -> {peak >> 20} MiB")
         # per connection: the reply queue (max_reply_bytes 1 MiB + one 64 KiB
@@ -331,7 +334,7 @@ async def test_requests_waiting_for_replies_are_capped_per_connection() -> None:
             assert (await (await c.attach("x")).read(0, 8)).view(np.int64)[0] == 20
 
 
-async def _guess(address: tuple[str, int], source: str, token: bytes) -> bytes:
+async def guess(address: tuple[str, int], source: str, token: bytes) -> bytes:
     """One raw handshake; the auth reply's message ('' when accepted)."""
     reader, writer = await asyncio.open_connection(*address, local_addr=(source, 0))
     try:
@@ -356,15 +359,15 @@ async def test_wrong_token_guesses_back_off_per_address(tmp_path: Path) -> None:
         checked = throttled = 0
         end = time.monotonic() + 2.0
         while time.monotonic() < end:
-            why = await _guess(srv.address, "127.0.0.1", b"guess")
+            why = await guess(srv.address, "127.0.0.1", b"guess")
             checked += b"authentication failed" in why
             throttled += b"try again" in why
         print(f"2 s of guessing: {checked} proofs checked, {throttled} refused unchecked")
         # back-off 0.1, 0.2, 0.4, 0.8 s ...: a handful checked in 2 s
         assert 1 <= checked <= 6 and throttled > checked
         # the right token from this address waits too; another address does not
-        assert b"try again" in await _guess(srv.address, "127.0.0.1", TOKEN)
-        assert await _guess(srv.address, "127.0.0.2", TOKEN) == b""
+        assert b"try again" in await guess(srv.address, "127.0.0.1", TOKEN)
+        assert await guess(srv.address, "127.0.0.2", TOKEN) == b""
     finally:
         srv.stop()
     warnings = [ln for ln in srv.stderr().splitlines() if "authentication failed" in ln]

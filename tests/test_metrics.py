@@ -1,9 +1,13 @@
 """smb2-server --metrics: a real server process, scraped over HTTP while a
-client works on it, and the numbers that should move do."""
+client works on it, and the numbers that should move do, by exactly what
+was done."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,8 +18,11 @@ import numpy as np
 import pytest
 
 import smb2
+from lock_worker import spawn
+from smb2.protocol import H_STATUS, Op
 from smb2.server.options import ServerOptions
 from test_hardening_server import TOKEN, ServerProcess
+from wire import closed, frame, hello, reply
 
 # the soft-RoCE guest has no prometheus-client (tools/rxe_vm_requirements.txt): the
 # metrics are not about a transport, the host runs them
@@ -38,6 +45,17 @@ def scrape(url: str) -> Samples:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def moved(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def bucket_counts(samples: Samples, name: str, **labels: str) -> dict[str, float]:
+    """A histogram's cumulative bucket counts by ``le``."""
+    want = set(labels.items())
+    return {dict(k[1])["le"]: v for k, v in samples.items()
+            if k[0] == f"{name}_bucket" and want <= set(k[1])}
 
 
 class MetricsServer(ServerProcess):
@@ -91,8 +109,9 @@ async def test_the_numbers_move_with_the_work(server_process_with_token: Metrics
     # one server: each buffer operation is one request to it
     assert value(during, "smb2_ops_total", transport="tcp", op="write") == 1
     assert value(during, "smb2_ops_total", transport="tcp", op="read") == 3
-    assert value(during, "smb2_payload_bytes_total", direction="in") >= MiB
-    assert value(during, "smb2_payload_bytes_total", direction="out") >= 3 * MiB
+    assert value(during, "smb2_op_bytes_total", transport="tcp", op="write", direction="in") == MiB
+    assert value(during, "smb2_op_bytes_total", transport="tcp", op="read", direction="out") == 3 * MiB
+    assert value(during, "smb2_op_seconds_count", transport="tcp", op="read") == 3
     assert value(during, "smb2_locks_open") >= 1
     assert value(during, "smb2_locks_held") == 1
     assert value(during, "smb2_lock_grants_total") >= 1
@@ -171,3 +190,125 @@ def test_a_taken_port_or_a_missing_prometheus_client_is_said_before_serving() ->
     assert proc.returncode == 2
     assert "pip install 'smb2[metrics]'" in proc.stderr
     assert "listening" not in proc.stdout
+
+
+async def test_ops_bytes_and_handling_times_move_by_exactly_what_was_done() -> None:
+    srv = MetricsServer("--capacity", "16MiB")
+    try:
+        async with await smb2.connect([srv.address], transport="tcp") as client:
+            buf = await client.create("counted", 64 << 10)
+            page = np.full(4096, 7, dtype=np.uint8)
+            await buf.write(0, page)        # the connection is warm before the first scrape
+            before = await srv.scrape()
+            for i in range(3):
+                await buf.write(i * 4096, page)
+            for i in range(2):
+                assert bytes(await buf.read(i * 4096, 4096)) == page.tobytes()
+            await buf.accumulate(0, np.ones(256, dtype=np.float32))
+            after = await srv.scrape()
+    finally:
+        srv.stop()
+    tcp = {"transport": "tcp"}
+    assert moved(before, after, "smb2_ops_total", **tcp, op="write") == 3
+    assert moved(before, after, "smb2_ops_total", **tcp, op="read") == 2
+    assert moved(before, after, "smb2_ops_total", **tcp, op="accumulate") == 1
+    assert moved(before, after, "smb2_op_bytes_total", **tcp, op="write", direction="in") == 3 * 4096
+    assert moved(before, after, "smb2_op_bytes_total", **tcp, op="read", direction="out") == 2 * 4096
+    assert moved(before, after, "smb2_op_bytes_total", **tcp, op="accumulate", direction="in") == 1024
+    assert moved(before, after, "smb2_op_bytes_total", **tcp, op="read", direction="in") == 0
+    for op, n in (("write", 3), ("read", 2), ("accumulate", 1)):
+        assert moved(before, after, "smb2_op_seconds_count", **tcp, op=op) == n
+        took = moved(before, after, "smb2_op_seconds_sum", **tcp, op=op)
+        assert 0 < took < n * 5.0, (op, took)    # the server's own time: microseconds, seconds on a stalled box
+        buckets = bucket_counts(after, "smb2_op_seconds", **tcp, op=op)
+        assert buckets["+Inf"] == value(after, "smb2_op_seconds_count", **tcp, op=op)
+        counts = [buckets[le] for le in sorted(buckets, key=float)]
+        assert counts == sorted(counts)          # cumulative
+    assert "smb2_ops_total" not in {k[0] for k in after if dict(k[1]).get("transport") == "rdma"}
+
+
+async def test_lock_hand_offs_after_a_release_and_after_a_lease_expiry() -> None:
+    lease = 0.5
+    srv = MetricsServer("--capacity", "16MiB")
+    proc = None
+    try:
+        async with await smb2.connect([srv.address], transport="tcp") as a, \
+                await smb2.connect([srv.address], transport="tcp") as b:
+            await a.create("handed", 128)
+            holder, waiter = a.lock("handed", mode="park", lease=lease), b.lock("handed", mode="park")
+            await holder.acquire()
+            before = await srv.scrape()
+            waiting = asyncio.ensure_future(waiter.acquire())
+            await wait_for_metric(srv, "smb2_lock_waiters", 1)
+            await holder.release()
+            assert await waiting
+            released = await srv.scrape()
+            assert moved(before, released, "smb2_lock_handoff_seconds_count") == 1
+            assert moved(before, released, "smb2_lock_grants_total") == 1
+            assert 0 < moved(before, released, "smb2_lock_handoff_seconds_sum") < 1.0
+            await waiter.release()
+
+            # a holder in another process stops (SIGSTOP) and renews no more:
+            # the lease runs out and the parked waiter gets the lock
+            proc = await spawn({"servers": [f"{srv.address[0]}:{srv.address[1]}"], "buffer": "handed", "lock": "handed",
+                                "mode": "park", "lease": lease, "action": "hold", "transport": "tcp"})
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 30)
+            assert line.startswith(b"HELD "), line
+            waiting = asyncio.ensure_future(waiter.acquire())
+            await wait_for_metric(srv, "smb2_lock_waiters", 1)
+            os.kill(proc.pid, signal.SIGSTOP)
+            assert await asyncio.wait_for(waiting, 30)
+            expired = await srv.scrape()
+            await waiter.release()
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            await proc.wait()
+        srv.stop()
+    assert moved(released, expired, "smb2_lock_lease_expiries_total") == 1
+    assert moved(released, expired, "smb2_lock_handoff_seconds_count") == 1
+    # timed from when the lease ran out: the sweep's lag (its period here is
+    # lease/20 = 25 ms), not the lease
+    lag = moved(released, expired, "smb2_lock_handoff_seconds_sum")
+    assert 0 < lag < lease, lag
+
+
+async def wait_for_metric(srv: MetricsServer, name: str, want: float) -> Samples:
+    for _ in range(200):
+        samples = await srv.scrape()
+        if value(samples, name) == want:
+            return samples
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{name} never reached {want}: {value(samples, name)}")
+
+
+async def test_refusals_by_reason_and_cuts_by_deadline() -> None:
+    srv = MetricsServer("--hello-timeout", "1")
+    try:
+        before = await srv.scrape()
+        reader, writer = await asyncio.open_connection(*srv.address)
+        writer.write(hello())
+        await reply(reader)
+        # a READ of a segment that does not exist: refused, the connection stays
+        writer.write(frame(Op.READ, segment=99, length=8, rid=2))
+        hdr, _ = await reply(reader)
+        assert hdr[H_STATUS] == smb2.ErrorCode.NO_SUCH_BUFFER
+        # an op that does not exist: the connection is closed with the reason
+        writer.write(frame(200, rid=3))
+        assert await closed(reader)
+        writer.close()
+        # one that never says hello is cut at --hello-timeout
+        silent_reader, silent = await asyncio.open_connection(*srv.address)
+        assert await closed(silent_reader)
+        silent.close()
+        after = await srv.scrape()
+    finally:
+        srv.stop()
+    assert moved(before, after, "smb2_refused_total", reason="no_such_buffer") == 1
+    assert moved(before, after, "smb2_refused_total", reason="bad_request") == 1
+    assert moved(before, after, "smb2_connections_cut_total", reason="hello_timeout") == 1
+    # a refused request is not an executed op
+    assert value(after, "smb2_ops_total", transport="tcp", op="read") == 0

@@ -1254,6 +1254,14 @@ cdef class LockTable:
                         best = d
         return None if best < 0 else best
 
+    def lease_deadline(self, Py_ssize_t slot):
+        """When the holder of ``slot`` loses it unless it shows a sign of
+        life first, or None when nobody holds it (the server's metrics time
+        a hand-off after an expiry from here)."""
+        cdef _Slot *s = self._slot(slot)
+        cdef uint64_t *w = self._words(slot)
+        return None if w[0] == w[1] else s.last_change + s.lease
+
     def check_fence(self, Py_ssize_t slot, uint64_t token):
         """True if ``token`` holds the lock right now."""
         if not (0 <= slot < self.nslots and self._s[slot].used):

@@ -72,6 +72,7 @@ from ..protocol import (
     Op,
     error_payload,
 )
+from .metrics import Durations
 from .segment import Refused
 
 log = logging.getLogger("smb2.lock")
@@ -161,6 +162,9 @@ class LockService:
         self._spin_until = 0.0
         self._spin_since: float | None = None
         self.spin_seconds = 0.0
+        # from a holder's release or lease expiry to the next parked
+        # waiter's grant (--metrics): the server's share of a hand-off
+        self.handoffs = Durations()
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -195,7 +199,10 @@ class LockService:
                 continue
             try:
                 expired = self.table.expired
-                self._deliver(self.table.sweep(loop.time()))
+                now = loop.time()
+                started = time.monotonic_ns()
+                lapsed = self._lapsed(now, started)
+                self._deliver(self.table.sweep(now), started, lapsed)
                 if self._orphans:
                     for slot in list(self._orphans):
                         self._reclaim(slot)
@@ -204,6 +211,20 @@ class LockService:
                              self.table.expired - expired)
             except Exception:  # a bug must not stop expiries for good
                 log.exception("lock sweep failed")
+
+    def _lapsed(self, now: float, now_ns: int) -> dict[int, int]:
+        """Slot -> when (monotonic ns) its holder's lease ran out, for the
+        slots whose lease has by ``now`` (loop time): the hand-off that
+        follows an expiry is timed from there, not from the sweep."""
+        due = self.table.next_deadline()
+        if due is None or due > now:
+            return {}
+        lapsed = {}
+        for slot in self.by_name.values():
+            deadline = self.table.lease_deadline(slot)
+            if deadline is not None and deadline <= now:
+                lapsed[slot] = now_ns - int((now - deadline) * 1e9)
+        return lapsed
 
     def _hand_off_due(self) -> None:
         """A waiter was parked or granted: poll for the release that comes
@@ -306,7 +327,8 @@ class LockService:
         """``lock_abandon``: a polling client gives up ``ticket`` (timeout or
         cancellation); the queue skips it."""
         slot = self._slot_of(offset)
-        self._deliver(self.table.abandon(slot, ticket, asyncio.get_running_loop().time()))
+        since = time.monotonic_ns()
+        self._deliver(self.table.abandon(slot, ticket, asyncio.get_running_loop().time()), since)
         return {}
 
     def stat(self) -> dict[str, Any]:
@@ -315,7 +337,8 @@ class LockService:
             nxt, serving, hb = self.table.words(slot)
             locks[name] = {"slot": slot, "next_ticket": nxt, "now_serving": serving,
                            "queued": (nxt - serving) % (1 << 64),
-                           "parked": self.table.parked_count(slot), "lease": self.table_lease(slot)}
+                           "parked": self.table.parked_count(slot), "lease": self.table_lease(slot),
+                           "abandoned": len(self.table.abandoned(slot))}
         return {"slots": self.nslots, "open": len(self.by_name), "grants": self.table.grants,
                 "reclaimed": self.reclaimed, "stale_renewals": self.table.stale_renewals,
                 "spin": self.spin, "spinning": self._spin_since is not None,
@@ -375,6 +398,7 @@ class LockService:
                 mine.add(waiter)
                 self._hand_off_due()
             return
+        since = time.monotonic_ns()
         if op == Op.LOCK_RELEASE:
             ticket = _core.unpack_u64(payload)
             ok, grants = self.table.release(slot, ticket, now)
@@ -383,14 +407,14 @@ class LockService:
                     self.stale_releases += 1
                     log.info("%s released lock %r with ticket %d, which did not hold it "
                              "(lease expired?)", conn.peer, self.names[slot], ticket)
-                self._deliver(grants)
+                self._deliver(grants, since)
                 return
             if not ok:
                 raise Refused(ErrorCode.STALE_FENCE,
                               f"ticket {ticket} does not hold lock {self.names[slot]!r} "
                               "(its lease expired, or it was released already)")
             conn.reply(hdr)
-            self._deliver(grants)
+            self._deliver(grants, since)
             return
         # LOCK_CANCEL: give up what the acquire with that request id got
         target = _core.unpack_u64(payload)
@@ -403,16 +427,18 @@ class LockService:
                 # its request id is not pending forever
                 pconn, phdr = parked
                 pconn.reply(phdr, error_payload("acquire cancelled"), status=ErrorCode.CONFLICT)
-            self._deliver(grants)
+            self._deliver(grants, since)
         conn.reply(hdr)
 
     def touched(self, offset: int) -> None:
         """A generic atomic changed a lock word (the polling path over TCP)."""
         slot = offset // SLOT
         if self.table.is_open(slot):
-            self._deliver(self.table.poke(slot, asyncio.get_running_loop().time()))
+            since = time.monotonic_ns()
+            self._deliver(self.table.poke(slot, asyncio.get_running_loop().time()), since)
 
     def connection_lost(self, conn: Requester) -> None:
+        since = time.monotonic_ns()
         owner = self._owners.pop(conn, None)
         if owner is None:
             for slot in self._opened.pop(conn, ()):
@@ -427,12 +453,18 @@ class LockService:
             self._reclaim(slot)     # what the owner held or waited for is given up
         if grants:
             log.info("connection %s lost while holding or waiting for a lock; passed on", conn.peer)
-        self._deliver(grants)
+        self._deliver(grants, since)
 
-    def _deliver(self, grants: list[int]) -> None:
+    def _deliver(self, grants: list[int], since_ns: int | None = None,
+                 lapsed: dict[int, int] | None = None) -> None:
         # Answer the parked acquires that were just granted.  A grant to a
         # connection that is closing is passed on at once (its
         # connection_lost may not have run yet), which may grant the next.
+        # Each grant is a hand-off, timed from ``since_ns`` (when the move
+        # that caused it began: a release, a cancel, a sweep) or, for a
+        # slot in ``lapsed``, from when its holder's lease ran out.
+        if since_ns is None:
+            since_ns = time.monotonic_ns()
         queue = collections.deque(grants)
         while queue:
             wid = queue.popleft()
@@ -448,6 +480,7 @@ class LockService:
             slot, ticket = got
             behind = (self.table.words(slot)[0] - ticket - 1) % (1 << 64)
             conn.reply(hdr, _core.pack_u64(ticket), flags=FLAG_QUEUED if behind else 0)
+            self.handoffs.observe(time.monotonic_ns() - (lapsed.get(slot, since_ns) if lapsed else since_ns))
             self._hand_off_due()
         if self.table.lost:
             lost = list(self.table.lost)

@@ -63,7 +63,7 @@ from .datadir import DataDir
 from .guard import Admission, MemoryPool, RateLimitedLog
 from .locks import LockService
 from .memfd import mark_gone
-from .metrics import MetricsExporter, package_version
+from .metrics import MetricsExporter, RequestCounts, package_version
 from .metrics import parse_address as parse_metrics_address
 from .options import ServerOptions
 from .rdma import RdmaServer
@@ -129,11 +129,16 @@ class MemoryServer:
         self.restored: set[int] = set()
         self.connections: set[Connection] = set()
         self.started = time.time()
-        # data operations this server's CPU executed, per transport and op
-        self.ops: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        # data operations this server's CPU executed, per transport: per op
+        # how many, how long each took, their bytes (metrics.RequestCounts)
+        self.requests: dict[str, RequestCounts] = collections.defaultdict(RequestCounts)
         self.bytes_in = 0
         self.bytes_out = 0
-        self.refused = 0
+        # what was refused, by why: an error code's name in lower case, or
+        # connection_limit / auth_failed / auth_backoff (--metrics)
+        self.refusals: collections.Counter[str] = collections.Counter()
+        # connections cut by the sweep, by which deadline
+        self.cuts: collections.Counter[str] = collections.Counter()
         self._server: asyncio.AbstractServer | None = None
         self.address: tuple[str, int] = ("", 0)
         self.server_id = os.urandom(8).hex()
@@ -240,7 +245,8 @@ class MemoryServer:
             for conn in list(self.connections):
                 why = conn.overdue(now)
                 if why is not None:
-                    conn.cut(why)
+                    self.cuts[why[0]] += 1
+                    conn.cut(why[1])
                 elif conn.idle_for(now) > RELEASE_IDLE:
                     conn.release_memory()
 
@@ -371,6 +377,16 @@ class MemoryServer:
         # still being sent may hold one).
         return {"destroyed": True}
 
+    @property
+    def ops(self) -> dict[str, dict[str, int]]:
+        """Data operations executed: {transport: {op: count}}, nonzero only."""
+        return {t: c for t, r in self.requests.items() if (c := r.counts())}
+
+    @property
+    def refused(self) -> int:
+        """Requests and connections refused, all reasons."""
+        return sum(self.refusals.values())
+
     def stat(self) -> dict[str, Any]:
         return {
             "server_id": self.server_id,
@@ -386,7 +402,7 @@ class MemoryServer:
                                  "stripe": s.stripe, "nservers": s.nservers, "index": s.index}
                         for s in self.segments.values() if s.id != LOCK_SEGMENT},
             "connections": len(self.connections),
-            "ops": {t: dict(c) for t, c in self.ops.items()},
+            "ops": self.ops,
             "transports": self.transports(),
             "rdma": self.rdma.describe() if self.rdma else {"off": self.rdma_reason},
             "shm": ({"socket": self.shm.path, "fds_handed_out": self.shm.handed_out} if self.shm
@@ -453,8 +469,6 @@ NO_REQUEST: Header = (0,) * 9
 # a staged accumulate's payload: u64 staging offset, u64 length
 STAGED_PAYLOAD = 16
 _FENCE = Prefix(FENCE_SIZE)
-# the statistics' name of each op, looked up once per frame
-_STAT_NAME = {int(op): op.name.lower() for op in Op}
 
 
 class Connection(FrameReceiver):
@@ -500,6 +514,10 @@ class Connection(FrameReceiver):
         self._cork_bytes = 0
         # this client's queue pair and staging area, after rdma_connect
         self.rdma_peer: Any = None
+        # what this connection's requests count into (--metrics), and when
+        # the frame being handled started (its header was read)
+        self.counts = server.requests[self.transport_name]
+        self._frame_started = 0
 
     # -- asyncio -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -511,7 +529,7 @@ class Connection(FrameReceiver):
         refused = self.server.admission.admit(self.host)
         if refused is not None:
             self.server.warn("admission", "refused a connection from %s: %s", self.peer, refused)
-            self.close_with(refused, code=ErrorCode.OUT_OF_MEMORY)
+            self.close_with(refused, code=ErrorCode.OUT_OF_MEMORY, why="connection_limit")
             return
         self._admitted = True
         sock = transport.get_extra_info("socket")
@@ -542,23 +560,23 @@ class Connection(FrameReceiver):
         self.transport = None
         log.debug("connection from %s closed%s", self.peer, f": {exc}" if exc else "")
 
-    def overdue(self, now: float) -> str | None:
-        """Why this connection is to be cut now, if it is: no hello and
-        authentication in time, a request's payload that stopped making
-        progress, or idle too long."""
+    def overdue(self, now: float) -> tuple[str, str] | None:
+        """Which deadline this connection missed and why it is to be cut
+        now, if it is: no hello and authentication in time, a request's
+        payload that stopped making progress, or idle too long."""
         opts = self.server.options
         if self.transport is None:
             return None
         if not self.authed and opts.hello_timeout and now - self._opened > opts.hello_timeout:
-            return f"no hello and authentication within {opts.hello_timeout:g} s"
+            return "hello_timeout", f"no hello and authentication within {opts.hello_timeout:g} s"
         if self.stalled(now):
-            return (f"less than {self.server.write_progress} bytes of a request's payload "
-                    f"in {opts.write_timeout:g} s")
+            return "no_progress", (f"less than {self.server.write_progress} bytes of a request's payload "
+                                   f"in {opts.write_timeout:g} s")
         stuck = self._replies_stuck_since
         if opts.write_timeout and stuck is not None and now - stuck > opts.write_timeout:
-            return f"its replies were not read for {opts.write_timeout:g} s"
+            return "replies_not_read", f"its replies were not read for {opts.write_timeout:g} s"
         if opts.idle_timeout and self.idle_for(now) > opts.idle_timeout:
-            return f"idle for {opts.idle_timeout:g} s"
+            return "idle_timeout", f"idle for {opts.idle_timeout:g} s"
         return None
 
     def stalled(self, now: float) -> bool:
@@ -639,7 +657,7 @@ class Connection(FrameReceiver):
     def cut(self, reason: str) -> None:
         """Close with the reason; abort if replies are still queued (a close
         would wait for them to drain, and a peer that reads none never lets it)."""
-        self.close_with(reason)
+        self.close_with(reason, why="")     # counted in server.cuts
         t = self.transport
         if t is not None and t.get_write_buffer_size():
             self.abort(reason)
@@ -707,7 +725,7 @@ class Connection(FrameReceiver):
             t.write(payload)
 
     def _refuse(self, hdr: Header, code: ErrorCode, message: str) -> None:
-        self.server.refused += 1
+        self._count_refusal(code)
         if hdr[H_FLAGS] & FLAG_NOREPLY:
             # the client asked for no answer (a lock release): none, not even this
             log.info("refused a request from %s that wants no reply: %s", self.peer, message)
@@ -715,13 +733,15 @@ class Connection(FrameReceiver):
         self.reply(hdr, error_payload(message), status=code)
 
     def close_with(self, reason: str, hdr: Header | None = None,
-                   code: ErrorCode = ErrorCode.BAD_REQUEST) -> None:
-        """Answer with the reason (so the client can tell why), then close."""
+                   code: ErrorCode = ErrorCode.BAD_REQUEST, why: str | None = None) -> None:
+        """Answer with the reason (so the client can tell why), then close.
+        ``why``: the refusal's metrics label, if not the code's ("": not a
+        refusal, counted by the caller)."""
         super().close_with(reason)
         if self._cork is not None:
             self._uncork()
             self._cork = []
-        self.server.refused += 1
+        self._count_refusal(code, why)
         log.info("closing connection from %s: %s", self.peer, reason)
         t = self.transport
         if t is not None and not t.is_closing():
@@ -730,11 +750,18 @@ class Connection(FrameReceiver):
                                              len(p := error_payload(reason)), p))
             t.close()
 
+    def _count_refusal(self, code: ErrorCode, why: str | None = None) -> None:
+        if why is None:
+            why = ErrorCode(code).name.lower()
+        if why:
+            self.server.refusals[why] += 1
+
     # -- frames --------------------------------------------------------
     def payload_size(self, hdr: Header) -> int:
         return 0 if hdr[H_OP] == Op.READ else hdr[H_LENGTH]
 
     def on_header(self, hdr: Header, size: int) -> Destination:
+        self._frame_started = time.monotonic_ns()
         version, op, flags, length = hdr[H_VERSION], hdr[H_OP], hdr[H_FLAGS], hdr[H_LENGTH]
         # what a well-behaved client never sends closes the connection
         if version != VERSION:
@@ -874,14 +901,16 @@ class Connection(FrameReceiver):
             if op == Op.CONTROL:
                 assert payload is not None
                 self._control(hdr, payload)
-                return
-            self.server.ops[self.transport_name][_STAT_NAME[op]] += 1
-            self._EXECUTE[op](self, hdr, payload)
+            else:
+                self._EXECUTE[op](self, hdr, payload)
         except Refused as exc:
             self._refuse(hdr, exc.code, str(exc))
         except Exception as exc:  # a bug must cost one request, not the server
             log.exception("internal error handling op %d from %s", op, self.peer)
             self._refuse(hdr, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        if op != Op.CONTROL:
+            # counted here, refused or not: the op count is the histogram's
+            self.counts.time[op].observe(time.monotonic_ns() - self._frame_started)
 
     # Each op, executed once its frame is all in (its header was checked).
     def _do_lock_op(self, hdr: Header, payload: memoryview | None) -> None:
@@ -892,6 +921,7 @@ class Connection(FrameReceiver):
         # no payload: this runs right after on_header found the segment
         seg = self.server.segments[hdr[H_SEGMENT]]
         offset = hdr[H_OFFSET]
+        self.counts.bytes_out[hdr[H_OP]] += hdr[H_LENGTH]
         self.reply(hdr, seg.view[offset:offset + hdr[H_LENGTH]])
 
     def _do_write(self, hdr: Header, payload: memoryview | None) -> None:
@@ -899,6 +929,7 @@ class Connection(FrameReceiver):
         if hdr[H_FLAGS] & FLAG_FENCED:
             length -= FENCE_SIZE
         self.server.bytes_in += length
+        self.counts.bytes_in[hdr[H_OP]] += length
         if self._write is not None:
             wseg, rng = self._write
             self._write = None
@@ -939,6 +970,7 @@ class Connection(FrameReceiver):
     def _accumulate(self, hdr: Header, seg: Segment, payload: memoryview) -> None:
         # ``length`` is the payload's; a widening dtype covers twice that (checked)
         offset, length = hdr[H_OFFSET], hdr[H_LENGTH]
+        self.counts.bytes_in[hdr[H_OP]] += length
         code = (hdr[H_FLAGS] & DTYPE_MASK) >> DTYPE_SHIFT
         end = offset + accumulate_span(hdr[H_FLAGS], offset, length)
         if seg.overlaps_inflight(offset, end):
@@ -1055,7 +1087,7 @@ class Connection(FrameReceiver):
             srv.rdma.drop(self.rdma_peer)
         self.rdma_peer = peer
         # from now on this connection's server-side work counts as rdma's
-        self.transport_name = "rdma"
+        self._count_as("rdma")
         return result
 
     def _cmd_shm_grant(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
@@ -1073,8 +1105,12 @@ class Connection(FrameReceiver):
                 raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {sid} (destroyed, or the server restarted)")
             segs.append((seg.id, seg.view))
         # from now on this connection's server-side work counts as shm's
-        self.transport_name = "shm"
+        self._count_as("shm")
         return srv.shm.grant(segs)
+
+    def _count_as(self, transport: str) -> None:
+        self.transport_name = transport
+        self.counts = self.server.requests[transport]
 
     def _cmd_destroy(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.destroy(_str(msg, "name"))
@@ -1106,7 +1142,7 @@ class Connection(FrameReceiver):
             # checked until the back-off is over (guesses cost time)
             srv.auth_throttled += 1
             self.close_with(f"authentication refused: {self.host} sent a wrong token; "
-                            f"try again in {wait:.1f} s", hdr, ErrorCode.ACCESS_DENIED)
+                            f"try again in {wait:.1f} s", hdr, ErrorCode.ACCESS_DENIED, why="auth_backoff")
             return None
         nonce = msg.get("nonce")
         ok = (isinstance(nonce, bytes) and len(nonce) == auth.NONCE_SIZE
@@ -1117,7 +1153,7 @@ class Connection(FrameReceiver):
             backoff = srv.admission.auth_failed(self.host)
             srv.warn("auth", "authentication failed from %s (wrong token; next try from there in "
                      "%.1f s)", self.peer, backoff)
-            self.close_with("authentication failed: wrong token", hdr, ErrorCode.ACCESS_DENIED)
+            self.close_with("authentication failed: wrong token", hdr, ErrorCode.ACCESS_DENIED, why="auth_failed")
             return None
         assert isinstance(nonce, bytes)
         srv.admission.auth_ok(self.host)
