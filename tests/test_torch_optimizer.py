@@ -589,11 +589,10 @@ def _json_objects(text: str) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)      # four torch processes start and train; a loaded 2-core machine needs minutes
-# AdamW's normalized steps suffer more from asynchrony: at 12 epochs 4 workers ended ~2 points
-# under single-process at staleness 1 (96.1 vs 98.0 %) and ~1 at staleness 0; at 16 epochs,
-# staleness 0, within 1 (97.4 %) on a quiet machine, but 96.85 % against 97.96 % once with a VM
-# busy beside it: AdamW is held to 2 points until it holds 1 reliably (issue 12 stays open on it)
-@pytest.mark.parametrize(("kind", "staleness", "epochs", "within"), [("sgd", 1, 12, 1.0), ("adamw", 0, 16, 2.0)])
+# AdamW with torch's beta1 0.9 ended 0.7-1.1 points under single-process on a busy machine
+# (96.85-97.22 % vs 97.96 %, 16-24 epochs, staleness 0): asynchrony adds momentum of its own.
+# The example's beta1 0.7 (both sides): 97.40-98.14 % vs 97.77 % in six runs at 12 and 16 epochs
+@pytest.mark.parametrize(("kind", "staleness", "epochs", "within"), [("sgd", 1, 12, 1.0), ("adamw", 0, 12, 1.0)])
 def test_torchrun_workers_match_single_process_accuracy(servers: str, kind: str, staleness: int,
                                                         epochs: int, within: float) -> None:
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
