@@ -11,8 +11,8 @@ way gradients and weights travel differs: gloo all-reduces the flat
 gradient each step; smb2 pulls the weights and pushes the update through
 the striped buffer (EASGD only every tau steps).
 
-Every worker uses one BLAS thread.  Before each configuration the 64-byte
-round trip to a memory server is measured and recorded beside the result
+Every worker uses one BLAS thread.  Before each configuration the median
+round trip of an 8-byte fetch_add to a memory server is measured and recorded beside the result
 (this machine has a slow mode: see docs/design.md, "Measuring").  Figures are
 ratios against baselines measured in the same run: samples/s against the
 same rule with 1 worker and 1 server, and against gloo with as many workers.
