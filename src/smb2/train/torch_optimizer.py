@@ -19,7 +19,9 @@ changes since then; ``t - k`` (its lag) never exceeds ``staleness``:
 ``staleness=0`` is pull -> compute -> push in sequence; ``staleness=1`` lets
 the push of step ``t`` and the pull after it travel while step ``t+1``
 computes (ShmCaffe's overlap).  A finished exchange is swapped in at the
-next ``step()`` whatever the lag.
+next ``step()`` whatever the lag.  A step's communication starts only after
+the previous step's exchange finished, so a pull never sees this worker's
+later pushes (which ``since`` adds back on top of it).
 
 What a step pushes depends on the rule:
 
@@ -27,7 +29,9 @@ What a step pushes depends on the rule:
   by the user's optimizer (any optimizer; its state stays local); the
   servers add it up.
 * ``accumulate`` / ``locked``: the gradients; the servers apply ``-lr * g``
-  with the optimizer's current learning rate (so schedulers apply).  Only a
+  with the optimizer's current learning rate (so schedulers apply).
+  ``accumulate`` pushes each parameter's gradient during backward, as soon
+  as autograd produced it (:mod:`smb2.train.backward_push`).  Only a
   plain ``torch.optim.SGD`` is allowed: momentum, weight decay or Adam would
   be lost between the servers and the next pull, so anything else is refused
   with a hint to use ``rule="delta"``.
