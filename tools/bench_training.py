@@ -11,8 +11,8 @@ way gradients and weights travel differs: gloo all-reduces the flat
 gradient each step; smb2 pulls the weights and pushes the update through
 the striped buffer (EASGD only every tau steps).
 
-Every worker uses one BLAS thread.  Before each configuration the 64-byte
-round trip to a memory server is measured and recorded beside the result
+Every worker uses one BLAS thread.  Before each configuration the median
+round trip of an 8-byte fetch_add to a memory server is measured and recorded beside the result
 (this machine has a slow mode: see docs/design.md, "Measuring").  Figures are
 ratios against baselines measured in the same run: samples/s against the
 same rule with 1 worker and 1 server, and against gloo with as many workers.
@@ -27,8 +27,9 @@ the machine's noise.
 With ``--frontend`` (the default where torch is installed) each worker
 count also runs the torch front ends on a torch twin of the model (the same
 layers, ``torch.nn.Linear``): torch DDP over gloo, and
-``smb2.torch.AsyncOptimizer`` (rule ``delta``, staleness 0 and 1) against the
-first server count; their "x gloo" column is against that DDP run, and
+``smb2.torch.AsyncOptimizer`` (rule ``delta``, staleness 0 and 1; rule
+``accumulate``, which pushes each layer's gradient during backward, staleness
+0 and 1) against the first server count; their "x gloo" column is against that DDP run, and
 "not comp" is the share of the training thread's time spent waiting on
 communication (AsyncOptimizer's own measure; for DDP, whose all-reduce hides
 inside backward, 1 - the time of the same steps under ``no_sync()`` over
@@ -134,17 +135,18 @@ async def gloo_run(workers: int, steps: int, path: Path) -> dict[str, Any]:
 
 
 async def frontend_run(kind: str, workers: int, steps: int, path: Path, servers: list[str] | None = None,
-                       staleness: int = 0) -> dict[str, Any]:
+                       staleness: int = 0, rule: str = "delta") -> dict[str, Any]:
     """The torch front ends on a torch copy of the model: ``kind`` "ddp"
-    (DistributedDataParallel over gloo) or "smb2" (AsyncOptimizer, rule
-    delta, ``staleness``)."""
+    (DistributedDataParallel over gloo) or "smb2" (AsyncOptimizer, ``rule``,
+    ``staleness``)."""
     args = ["--torch-worker", kind, "--port", str(_free_port()), "--steps", str(steps), "--data", str(path),
-            "--staleness", str(staleness)]
+            "--staleness", str(staleness), "--frontend-rule", rule]
     env = {"SMB2_SERVERS": ",".join(servers)} if servers else None
     return summarize(await spawn_workers(kind, workers, args, env))
 
 
-def torch_worker(kind: str, rank: int, world: int, port: int, steps: int, path: str, staleness: int) -> None:
+def torch_worker(kind: str, rank: int, world: int, port: int, steps: int, path: str, staleness: int,
+                 rule: str = "delta") -> None:
     """One worker of a torch front end: SGD on the MLP's torch twin.
 
     "compute" is the training thread's time not waiting on communication:
@@ -195,7 +197,7 @@ def torch_worker(kind: str, rank: int, world: int, port: int, steps: int, path: 
         moved = int(2 * (world - 1) / world * nbytes * steps * 2)
     else:
         aopt = smb2.torch.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, name="bench-torch",
-                                         rank=rank, world_size=world, staleness=staleness, resume=False)
+                                         rank=rank, world_size=world, staleness=staleness, resume=False, rule=rule)
         one_step(aopt, model)
         t0 = time.perf_counter()
         wait0 = aopt.stats()["wait_s"]
@@ -309,17 +311,18 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
 
 async def frontend_rows(workers: int, steps: int, path: Path, cluster: smb2.LocalCluster, nservers: int
                         ) -> list[dict[str, Any]]:
-    """torch DDP and AsyncOptimizer (staleness 0, 1), one after the other."""
+    """torch DDP and AsyncOptimizer (rules delta and accumulate, staleness 0, 1), one after the other."""
     rows = []
     rtt = await round_trip(cluster.addresses)
     r = await frontend_run("ddp", workers, steps, path)
     rows.append({"system": "torch DDP", "rule": "sync", "workers": workers, "servers": 0, "rtt_us": rtt, **r})
     _show(rows[-1])
-    for s in (0, 1):
-        r = await frontend_run("smb2", workers, steps, path, cluster.addresses, staleness=s)
-        rows.append({"system": "AsyncOptimizer", "rule": f"delta/s{s}", "workers": workers, "servers": nservers,
-                     "rtt_us": rtt, **r})
-        _show(rows[-1])
+    for rule in ("delta", "accumulate"):
+        for s in (0, 1):
+            r = await frontend_run("smb2", workers, steps, path, cluster.addresses, staleness=s, rule=rule)
+            rows.append({"system": "AsyncOptimizer", "rule": f"{rule}/s{s}", "workers": workers,
+                         "servers": nservers, "rtt_us": rtt, **r})
+            _show(rows[-1])
     return rows
 
 
@@ -444,6 +447,7 @@ def cli() -> int:
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--torch-worker", choices=["ddp", "smb2"], help=argparse.SUPPRESS)
     p.add_argument("--staleness", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--frontend-rule", default="delta", help=argparse.SUPPRESS)
     p.add_argument("--frontend", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the torch front ends (DDP over gloo; smb2.torch.AsyncOptimizer, rule delta, "
                         "staleness 0 and 1) on the model's torch twin, with the first server count")
@@ -452,7 +456,7 @@ def cli() -> int:
         gloo_worker(a.rank, a.world, a.port, a.steps, a.data)
         return 0
     if a.torch_worker:
-        torch_worker(a.torch_worker, a.rank, a.world, a.port, a.steps, a.data, a.staleness)
+        torch_worker(a.torch_worker, a.rank, a.world, a.port, a.steps, a.data, a.staleness, a.frontend_rule)
         return 0
     unknown = [r for r in a.rules.split(",") if r and r not in RULES]
     if unknown:

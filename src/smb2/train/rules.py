@@ -73,12 +73,13 @@ class UpdateRule(abc.ABC):
         # otherwise pay for a fresh model-sized temporary (and its page faults)
         self._stage = np.zeros_like(store.flat())
 
-    def _delta(self, name: str, g: np.ndarray) -> np.ndarray:
-        """``-lr * g`` in the stage (a view shaped like the tensor)."""
+    def _delta(self, name: str, g: np.ndarray, lr: float | None = None) -> np.ndarray:
+        """``-lr * g`` in the stage (a view shaped like the tensor); ``lr``
+        defaults to the rule's."""
         st = self.store
         o = st.flat_offset(name)
         out = self._stage[o:o + g.size]
-        np.multiply(g.reshape(-1), -self.lr, out=out, casting="unsafe")
+        np.multiply(g.reshape(-1), -(self.lr if lr is None else lr), out=out, casting="unsafe")
         return out.reshape(g.shape)
 
     def settings(self) -> dict[str, Any]:
@@ -103,20 +104,25 @@ class Accumulate(UpdateRule):
 
     name = "accumulate"
 
-    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
+    async def push(self, grads: Mapping[str, np.ndarray], *, lr: float | None = None, count: bool = True) -> None:
+        """``lr``: this push's (default: the rule's).  ``count=False``
+        leaves the version alone: a step pushed in parts (one tensor at a
+        time as backward produces it, see :class:`smb2.torch.AsyncOptimizer`)
+        counts once, when its last part went out."""
         st = self.store
         sent = self._selected(grads)
         if not sent:
             return
-        deltas = {name: self._delta(name, g) for name, g in sent.items()}
-        await accumulate_changes(st, deltas, self._stage, self.wire)
+        deltas = {name: self._delta(name, g, lr) for name, g in sent.items()}
+        await accumulate_changes(st, deltas, self._stage, self.wire, count=count)
 
 
 async def accumulate_changes(st: ParameterStore, changes: Mapping[str, np.ndarray], stage: np.ndarray,
-                             wire: str | None) -> None:
+                             wire: str | None, *, count: bool = True) -> None:
     """Add ``changes`` (tensor name -> array, views of ``stage`` laid out
     like the data region) to the shared tensors by server-side accumulate,
-    and to the local mirror; count the update in the version."""
+    and to the local mirror; count the update in the version (unless
+    ``count`` is False)."""
     if len(changes) == len(st.params):
         # the whole model: one accumulate, which the client splits over all servers
         await st.buf.accumulate(st.data_off, stage, wire=wire)
@@ -129,7 +135,8 @@ async def accumulate_changes(st: ParameterStore, changes: Mapping[str, np.ndarra
         for name, d in changes.items():
             st.params[name] += d
     st.stats["bytes_pushed"] += int(nbytes * _wire_fraction(stage.dtype, wire))
-    await st.bump_version()
+    if count:
+        await st.bump_version()
 
 
 def _wire_fraction(dtype: np.dtype[Any], wire: str | None) -> float:

@@ -19,7 +19,9 @@ changes since then; ``t - k`` (its lag) never exceeds ``staleness``:
 ``staleness=0`` is pull -> compute -> push in sequence; ``staleness=1`` lets
 the push of step ``t`` and the pull after it travel while step ``t+1``
 computes (ShmCaffe's overlap).  A finished exchange is swapped in at the
-next ``step()`` whatever the lag.
+next ``step()`` whatever the lag.  A step's communication starts only after
+the previous step's exchange finished, so a pull never sees this worker's
+later pushes (which ``since`` adds back on top of it).
 
 What a step pushes depends on the rule:
 
@@ -27,7 +29,9 @@ What a step pushes depends on the rule:
   by the user's optimizer (any optimizer; its state stays local); the
   servers add it up.
 * ``accumulate`` / ``locked``: the gradients; the servers apply ``-lr * g``
-  with the optimizer's current learning rate (so schedulers apply).  Only a
+  with the optimizer's current learning rate (so schedulers apply).
+  ``accumulate`` pushes each parameter's gradient during backward, as soon
+  as autograd produced it (:mod:`smb2.train.backward_push`).  Only a
   plain ``torch.optim.SGD`` is allowed: momentum, weight decay or Adam would
   be lost between the servers and the next pull, so anything else is refused
   with a hint to use ``rule="delta"``.
@@ -62,8 +66,9 @@ import torch
 from ..client import Client, connect
 from ..errors import InterfaceError, InvalidArgumentError
 from .background import LoopThread
+from .backward_push import BackwardPushes, StepPushes, wait_for
 from .dropping import LayerDropping
-from .rules import EASGD, Delta
+from .rules import EASGD, Accumulate, Delta
 from .store import ParameterStore, resolve_rank
 from .torch_staging import Entry, Staging
 
@@ -108,6 +113,10 @@ class Exchange:
     since: list[Any] = field(default_factory=list)   # own changes after this exchange's push
     changed_since: bool = False  # any change in ``since`` (else it is all zeros)
     future: Any = None
+    #: gradient rules: the parameters that had a gradient at step() and were not pushed during backward
+    rest: list[str] = field(default_factory=list)
+    #: what went out during backward, and the exchange before this one (which this one waits for)
+    early: StepPushes = field(default_factory=lambda: StepPushes(None))
 
 
 class AsyncOptimizer(torch.optim.Optimizer):
@@ -124,13 +133,20 @@ class AsyncOptimizer(torch.optim.Optimizer):
     either way.  ``resume``, ``stripe``, ``checkpoint_every``... go to
     :meth:`ParameterStore.open` (the store's options), other keywords to the
     rule (``tau``, ``alpha``, ``per_layer``...).  ``log_every``: steps between INFO lines
-    of :meth:`stats` on logger ``smb2.torch``."""
+    of :meth:`stats` on logger ``smb2.torch``.
+
+    ``push_in_backward``: push each parameter's gradient as soon as
+    backward produced it (see :mod:`smb2.train.backward_push`).  None (the
+    default): wherever that is possible: rule ``accumulate``, no layer
+    dropping, a CPU model.  True asks for it (refused where impossible),
+    False pushes the whole step after ``step()``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, name: str,
                  rule: str = "delta", staleness: int = 0, servers: str | list[str] | None = None,
                  resume: str | bool = "auto", push_dtype: str | None = None, timeout: float = 120.0,
                  rank: int | None = None, world_size: int | None = None, dropping: LayerDropping | None = None,
-                 sync_buffers: bool = True, log_every: int = 100, **options: Any) -> None:
+                 sync_buffers: bool = True, log_every: int = 100, push_in_backward: bool | None = None,
+                 **options: Any) -> None:
         # torch's Optimizer.__init__ is not called: param_groups, state and
         # defaults are the wrapped optimizer's (properties below)
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, AsyncOptimizer):
@@ -141,6 +157,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
             raise InvalidArgumentError(f"staleness must be an int >= 0, not {staleness!r}")
         if not isinstance(rule, str):
             raise InvalidArgumentError(f"rule must be a rule's name, not {type(rule).__name__}")
+        if dropping is not None and rule == "easgd":
+            raise InvalidArgumentError("layer dropping applies to rules that push every step, not 'easgd' (whose "
+                                       "elastic exchange every tau steps already sends less)",
+                                       hint="rule='accumulate' or 'delta' with dropping=, or 'easgd' without it")
         self.optimizer = optimizer
         self.model = model
         self.staleness = staleness
@@ -153,6 +173,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
             check_plain_sgd(optimizer, rule)
             options.setdefault("lr", float(optimizer.param_groups[0]["lr"]))
         self.push_dtype = self._push_dtype(push_dtype)
+        pushes_in_backward = self._pushes_in_backward(push_in_backward, dropping)
         self._loop = LoopThread(f"smb2-{name}")
         self._client: Client | None = None
         try:
@@ -171,6 +192,12 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self.staging.swap(flat, None)          # rank 0's values (or the resumed ones) for everyone
         self._free: list[Exchange] = []
         self._inflight: collections.deque[Exchange] = collections.deque()
+        #: the exchange of the coming step, once backward started pushing into it
+        self._next: Exchange | None = None
+        acc = self.store.rule
+        self._backward = None if not (pushes_in_backward and isinstance(acc, Accumulate)) else BackwardPushes(
+            torch, self.staging.entries, acc, self._loop, self._upcoming,
+            lambda: float(self.optimizer.param_groups[0]["lr"]))
         self.steps = self.store.start_step
         self._pulled_at = self.steps            # the step after which the weights in use were pulled
         self._stats = {"steps": 0, "wait_s": 0.0, "max_lag": 0, "exchanges": 0}
@@ -216,6 +243,25 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if wire is not None and self.rule_name != "delta":
             raise InvalidArgumentError(f"push_dtype={push_dtype!r} applies to rule 'delta', not {self.rule_name!r}")
         return wire
+
+    def _pushes_in_backward(self, wanted: bool | None, dropping: LayerDropping | None) -> bool:
+        """Will backward's hooks push the gradients (see :mod:`smb2.train.backward_push`)?"""
+        if wanted is not None and not isinstance(wanted, bool):
+            raise InvalidArgumentError(f"push_in_backward must be True, False or None, not {wanted!r}")
+        why_not = None
+        if self.rule_name != "accumulate":
+            why_not = f"rule {self.rule_name!r} does not push the gradient" + (
+                ": its change exists only after opt.step()" if self.rule_name == "delta" else "")
+        elif dropping is not None:
+            why_not = "layer dropping ranks all of a step's layers before it sends any"
+        elif any(t.device.type != "cpu" for _, t, _ in self._entries):
+            why_not = "the model is not on the CPU (its gradients are staged after step(), on the side stream)"
+        if wanted and why_not is not None:
+            raise InvalidArgumentError(f"push_in_backward=True is not possible here: {why_not}",
+                                       hint="rule='accumulate' (plain SGD) on a CPU model without layer dropping "
+                                            "pushes during backward; leave push_in_backward unset for 'where "
+                                            "possible'")
+        return why_not is None and wanted is not False
 
     async def _open(self, servers: str | list[str] | None, name: str, rule: str, dropping: LayerDropping | None,
                     timeout: float, options: dict[str, Any]) -> ParameterStore:
@@ -308,16 +354,26 @@ class AsyncOptimizer(torch.optim.Optimizer):
             ex.changed_since = False
         else:
             st = self.staging
-            ex = Exchange(0, st.host_array(), st.host_array(), st.host_array() if self._gradient_rule else None,
-                          since=st.new_since())
+            grads = st.host_array() if self._gradient_rule else None
+            ex = Exchange(0, st.host_array(), st.host_array(), grads, since=st.new_since(),
+                          early=StepPushes(grads))
             if self._register:
                 for arr in (ex.stage, ex.snapshot):
                     self._loop.run(self._register_array(arr))
-        ex.step = self.steps
+        # this step's communication starts after the previous step's exchange
+        # (whose pull must not see this step's pushes: see _land)
+        ex.early.reset(self._inflight[-1].future if self._inflight else None)
         return ex
 
+    def _upcoming(self) -> StepPushes:
+        """Where backward's hooks push the coming step (training thread)."""
+        if self._next is None:
+            self._next = self._take()
+        return self._next.early
+
     def _launch(self) -> None:
-        ex = self._take()
+        ex, self._next = (self._next or self._take()), None
+        ex.step = self.steps
         st = self.staging
         if self._easgd:
             st.load(ex.stage)
@@ -326,18 +382,24 @@ class AsyncOptimizer(torch.optim.Optimizer):
             for e in self._inflight:
                 e.changed_since = True
             if ex.grads is not None:
-                self._stage_grads(ex.grads)
                 ex.lr = float(self.optimizer.param_groups[0]["lr"])     # this step's (schedulers apply)
+                if self._backward is not None:
+                    self._backward.settle_step(ex.early, ex.lr)
+                self._stage_grads(ex)
         ex.future = self._loop.submit(self._exchange(ex))
         self._inflight.append(ex)
         self._stats["exchanges"] += 1
 
-    def _stage_grads(self, out: np.ndarray) -> None:
+    def _stage_grads(self, ex: Exchange) -> None:
+        """The gradients that backward did not push yet go into ``ex.grads``."""
+        assert ex.grads is not None
+        ex.rest.clear()
         with torch.no_grad():
             for e in self.staging.entries:
-                if e.param and e.tensor.grad is not None:
+                if e.param and e.tensor.grad is not None and e.name not in ex.early.lrs:
                     n = e.tensor.numel()
-                    torch.from_numpy(out[e.offset:e.offset + n]).copy_(e.tensor.grad.reshape(-1))
+                    torch.from_numpy(ex.grads[e.offset:e.offset + n]).copy_(e.tensor.grad.reshape(-1))
+                    ex.rest.append(e.name)
 
     def _settle(self, limit: int | None) -> float:
         """Swap in the exchanges that are done; wait for the oldest until
@@ -371,6 +433,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
     async def _exchange(self, ex: Exchange) -> None:
         """Push ``ex``'s step, then pull (in the background loop)."""
         st = self.store
+        await wait_for(ex.early.after)
         if self.staging.cuda:
             await asyncio.to_thread(self.staging.ready)       # the side stream's copies into ex.stage
         views = {e.name: ex.stage[e.offset:e.offset + e.tensor.numel()] for e in self.staging.entries}
@@ -381,11 +444,19 @@ class AsyncOptimizer(torch.optim.Optimizer):
             np.subtract(flat, ex.stage, out=ex.snapshot)     # -d: how the local weights move
         else:
             if ex.grads is not None:
-                grads = {e.name: ex.grads[e.offset:e.offset + e.tensor.numel()].reshape(e.tensor.shape)
-                         for e in self.staging.entries if e.param}
+                grads = {n: ex.grads[st.flat_offset(n):st.flat_offset(n) + st.params[n].size].reshape(
+                    st.params[n].shape) for n in ex.rest}
                 buffers = {e.name: views[e.name] for e in self.staging.entries if not e.param}
-                st.rule.lr = ex.lr
-                await st.push(grads)
+                st.rule.lr = ex.lr          # (the rule's lr: what this step applies)
+                if ex.early.lrs:
+                    # part of the step went out during backward: the rest, then one version
+                    assert self._backward is not None and isinstance(st.rule, Accumulate)
+                    await self._backward.finish(ex.early)
+                    await st.rule.push(grads, lr=ex.lr, count=False)
+                    await st.bump_version()
+                    st.stats["pushes"] += 1
+                else:
+                    await st.push(grads)
                 await _accumulate_each(st, buffers)
             elif isinstance(st.rule, Delta) and st.dropping is None:
                 await st.rule.push_region(ex.stage)      # the stage is laid out like the data region
@@ -406,6 +477,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         s["elapsed_s"] = elapsed
         s["comm_wait_share"] = s["wait_s"] / elapsed if elapsed > 0 else 0.0
         s["lags"] = dict(sorted(self._lags.items()))
+        s["push_in_backward"] = self._backward is not None and self._backward.enabled
+        s["pushes_in_backward"] = 0 if self._backward is None else self._backward.issued
         s.update({k: v for k, v in self.store.stats.items() if k.startswith("bytes")})
         return s
 
@@ -455,6 +528,12 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self.closed = True
         try:
             self._settle(limit=-1)
+            if self._backward is not None:
+                self._backward.close()
+                if self._next is not None and self._next.early.lrs:
+                    # a backward whose step never came: take its pushes back
+                    self._backward.settle_step(self._next.early, 0.0, final=False)
+                    self._loop.run(self._backward.finish(self._next.early))
             self._loop.run(self.store.finish())
             if wait_all is not None:
                 self._loop.run(self.store.wait_finished(wait_all))
