@@ -193,6 +193,26 @@ async def test_shm_never_falls_back_and_says_why(caplog: pytest.LogCaptureFixtur
         await on.close()
 
 
+async def test_the_choice_is_said_again_for_a_new_server_on_the_same_port(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Said once per server, not once per address: a server restarted on the
+    port of an earlier one (a supervisor's restart) is a new server."""
+    caplog.set_level(logging.INFO, logger="smb2.transport")
+    first = await smb2.start_server("127.0.0.1", 0)
+    port = first.address[1]
+    for server in (first, None):
+        if server is None:
+            server = await smb2.start_server("127.0.0.1", port)
+        try:
+            for _ in range(2):          # the second connection to one server says nothing
+                async with await smb2.connect([server.address]):
+                    pass
+        finally:
+            await server.close()
+    said = [r for r in caplog.records if f"127.0.0.1:{port}: using shm" in r.getMessage()]
+    assert len(said) == 2
+
+
 async def test_a_buffer_destroyed_under_a_mapping_frees_nothing_under_it() -> None:
     async with smb2.LocalCluster(servers=1, processes=True, capacity="16MiB") as cluster:
         mapper, other = await cluster.connect(transport="shm"), await cluster.connect(transport="tcp")

@@ -16,7 +16,9 @@ log = logging.getLogger("smb2.transport")
 
 KINDS = ("auto", "tcp", "rdma", "shm")
 
-_reported: set[tuple[str, str, str]] = set()
+# what was said, per server incarnation: a server restarted on a port that
+# an earlier one used (tests, a supervisor's restart) is said again
+_reported: set[tuple[str, Any, str, str]] = set()
 
 
 def rdma_unavailable_reason(rdma_device: str | None = None,
@@ -37,8 +39,9 @@ def why_tcp(local_reason: str | None, server_info: dict[str, Any]) -> str | None
     return None
 
 
-def _report(label: str, kind: str, reason: str) -> None:
-    key = (label, kind, reason)
+def _report(transport: Transport, kind: str, reason: str) -> None:
+    label = transport.label
+    key = (label, transport.server_info.get("server_id"), kind, reason)
     if key not in _reported:
         _reported.add(key)
         log.info("%s: using %s (%s)", label, kind, reason)
@@ -56,7 +59,6 @@ async def open_transport(address: tuple[str, int], kind: str = "auto", *,
     at INFO; an explicit ``shm`` or ``rdma`` never falls back."""
     if kind not in KINDS:
         raise InvalidArgumentError(f"transport must be one of {', '.join(KINDS)}, not {kind!r}")
-    label = f"{address[0]}:{address[1]}"
     opts: dict[str, Any] = {"rdma_device": rdma_device, "rdma_gid_index": rdma_gid_index,
                             "poll": poll}
     if kind == "rdma":
@@ -77,20 +79,20 @@ async def open_transport(address: tuple[str, int], kind: str = "auto", *,
         raise
     else:
         if kind == "auto":
-            _report(label, "shm", f"same host: segments mapped from {shm.socket_path}")
+            _report(shm, "shm", f"same host: segments mapped from {shm.socket_path}")
         return shm
     reason = why_tcp(rdma_unavailable_reason(rdma_device, rdma_gid_index), transport.server_info)
     if reason is not None:
-        _report(label, "tcp", f"no shm: {shm_reason}; no RDMA: {reason}")
+        _report(transport, "tcp", f"no shm: {shm_reason}; no RDMA: {reason}")
         return transport
     from .rdma import RdmaTransport
     try:
         rdma = await RdmaTransport.upgrade(transport, timeout=timeout, **opts)
     except TransportError as exc:
         # both ends said they could, and yet: TCP still works
-        _report(label, "tcp", f"no shm: {shm_reason}; RDMA set-up failed: {exc}")
+        _report(transport, "tcp", f"no shm: {shm_reason}; RDMA set-up failed: {exc}")
         return await TcpTransport.connect(address, timeout=timeout, token=token)
-    _report(label, "rdma", "no shm: {}; device {device}, GID {gid_index} ({gid})".format(
+    _report(rdma, "rdma", "no shm: {}; device {device}, GID {gid_index} ({gid})".format(
         shm_reason, **rdma.device.describe()))
     return rdma
 
