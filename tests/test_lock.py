@@ -5,7 +5,6 @@ turn comes) and "poll" (fetch_add + reads of now_serving, as over RDMA)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -19,10 +18,10 @@ from typing import Any
 import pytest
 
 import smb2
-from lock_worker import spawn
+from lock_worker import reap, spawn, start_holder
 from smb2 import _core
 from smb2.protocol import FLAG_FENCED, LOCK_SEGMENT, VERSION, Op, pack
-from smb2.transport import LockCapable
+from smb2.transport import LockCapable, ShmTransport
 
 MODES = ["park", "poll"]
 
@@ -358,13 +357,9 @@ async def test_dead_holder_is_passed_within_the_lease(mode: str, sig: int, holde
         client = await cluster.connect(transport=waiter)
         buf = await client.create("dead", 128, stripe=64)
         cfg = {"servers": cluster.addresses, "buffer": "dead", "lock": "dead", "mode": mode,
-               "action": "hold", "loop": _loop_name(), "transport": holder}
-        proc = await spawn(cfg)
+               "loop": _loop_name(), "transport": holder}
+        proc, dead_token = await start_holder(cfg)
         try:
-            assert proc.stdout is not None
-            line = await asyncio.wait_for(proc.stdout.readline(), 30)
-            assert line.startswith(b"HELD "), line
-            dead_token = int(line.split()[1])
             lock = client.lock("dead", mode=mode)
             task = asyncio.ensure_future(lock.acquire())
             await asyncio.sleep(0.3)
@@ -380,12 +375,7 @@ async def test_dead_holder_is_passed_within_the_lease(mode: str, sig: int, holde
             assert bytes(await buf.read(0, 10)) == b"new holder"
             await lock.release()
         finally:
-            if proc.returncode is None:
-                proc.kill()
-                # (SIGKILL ends a stopped process too; it may be reaped already)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-            await proc.wait()
+            await reap(proc)
 
 
 def test_lock_segment_is_page_aligned() -> None:
@@ -432,8 +422,16 @@ async def test_auto_parks_where_the_transport_can_and_park_says_where_it_cannot(
     async with lock:
         pass
     tr = client.links[_core.name_hash("capable") % len(client.links)].transport
-    # parking is a capability of the transport (LockCapable), not of its name
-    assert lock.path == ("park" if isinstance(tr, LockCapable) else "poll")
+    # parking is a capability of the transport (LockCapable), not of its
+    # name; a mapping of the lock segment (shm) waits on futexes instead
+    assert lock.path == ("futex" if isinstance(tr, ShmTransport) else
+                         "park" if isinstance(tr, LockCapable) else "poll")
+    if isinstance(tr, ShmTransport):
+        async with client.lock("capable", mode="park") as parked:
+            assert parked.path == "park"
+        return
+    with pytest.raises(smb2.InterfaceError, match="only shm") as info:
+        await client.lock("capable", mode="futex").acquire()
     if isinstance(tr, LockCapable):
         return
     with pytest.raises(smb2.InterfaceError, match="cannot park") as info:
