@@ -475,7 +475,8 @@ async def test_server_polls_only_while_a_hand_off_is_due(spin: float) -> None:
     server = await smb2.start_server("127.0.0.1", 0, capacity="1MiB", lock_spin=spin)
     try:
         async with await smb2.connect([f"127.0.0.1:{server.address[1]}"]) as client:
-            holder, waiter = client.lock("spin"), client.lock("spin")
+            # the server spins for parked waiters (a shm client's default futex path parks none)
+            holder, waiter = client.lock("spin", mode="park"), client.lock("spin", mode="park")
             await holder.acquire()
             assert not (await _lock_stat(client))["spinning"]      # nobody waits: the loop sleeps
             task = asyncio.ensure_future(waiter.acquire())
@@ -502,8 +503,9 @@ async def test_contended_grant_is_flagged_and_its_holder_polls_for_a_while() -> 
     server = await smb2.start_server("127.0.0.1", 0, capacity="1MiB", lock_spin=0.0)
     try:
         async with await smb2.connect([f"127.0.0.1:{server.address[1]}"]) as client:
-            holder = client.lock("flag")
-            first, second = client.lock("flag", spin=0.05), client.lock("flag", spin=0.05)
+            # `contended` and the holder's spin are the parked path's
+            holder = client.lock("flag", mode="park")
+            first, second = (client.lock("flag", mode="park", spin=0.05) for _ in range(2))
             await holder.acquire()
             assert not holder.contended             # nobody was waiting
             t1 = asyncio.ensure_future(first.acquire())
@@ -544,11 +546,22 @@ def test_bench_lock_runs_and_counts_the_server_s_work(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert set(result["uncontended"]["summary"]) == {"raw", "read64", "park", "poll", "spin"}
+    assert set(result["uncontended"]["summary"]) == {"raw", "read64", "park", "poll", "spin", "futex"}
     rows = {(r["kind"], r["cs"]): r for r in result["contended"]["runs"]}
-    assert set(rows) == {(k, cs) for k in ("park", "poll", "spin") for cs in ("empty", "rmw")}
+    kinds = ("park", "poll", "spin", "futex", "shmpoll", "mixed")
+    assert set(rows) == {(k, cs) for k in kinds for cs in ("empty", "rmw")}
     for (kind, cs), row in rows.items():
         assert len(row["counts"]) == 2 and min(row["counts"]) > 0, row
+        if kind in ("futex", "shmpoll"):
+            # over shm the lock costs the server nothing (the rmw section's
+            # read and write are copies in the client too)
+            assert row["server_ops_per_acq"] == 0, row
+            continue
+        if kind == "mixed":
+            # one shm and one TCP worker: the TCP one's acquire and release,
+            # and the shm one's releases through the server while it waits
+            assert 0 < row["server_ops_per_acq"], row
+            continue
         # the parked path costs the server exactly its acquire and release
         # (plus the read and write of the rmw section), never a poll; each
         # worker may finish one acquisition after the window, uncounted
@@ -558,3 +571,4 @@ def test_bench_lock_runs_and_counts_the_server_s_work(tmp_path: Path) -> None:
         if kind == "park":
             assert row["server_ops_per_acq"] <= least * (total + 2) / total, row
     assert "target: park p50" in result["table"]
+    assert "shm clients (same run" in result["table"]

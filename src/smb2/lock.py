@@ -77,8 +77,11 @@ MODES = ("auto", "park", "poll", "futex")
 # hand-off that long, so the poll loop does not sleep for less.
 _TIMER_RESOLUTION = 1e-3
 #: seconds a futex-path waiter polls now_serving (yielding to the loop)
-#: before it sleeps on the futex; tools/bench_lock.py measured the choice
-FUTEX_SPIN = 50e-6
+#: before it sleeps on the futex.  0: with 4 processes on shared CPUs
+#: (tools/bench_lock.py, 2 busy cores) a spin of 50 us cost a third of the
+#: acquisitions/s and 200 us half, since the spinner takes the CPU from the
+#: holder it waits for; a host with a core per waiter may gain from one.
+FUTEX_SPIN = 0.0
 
 
 class LockOwner(Protocol):
@@ -95,13 +98,15 @@ class LockOwner(Protocol):
 
 
 class _Records:
-    """The ticket record words one shm connection borrowed from its server
-    (byte offsets in the lock segment), free for a Lock to take."""
+    """The ticket record words one shm connection borrowed from its server,
+    free for a Lock to take: (byte offset in the lock segment, the value
+    last stored there).  A record is never cleared: one that names a ticket
+    passed already means nothing to the server."""
 
     __slots__ = ("free", "refused")
 
     def __init__(self) -> None:
-        self.free: list[int] = []
+        self.free: list[tuple[int, int]] = []
         self.refused = False
 
 
@@ -152,23 +157,26 @@ class Lock:
     ``min_delay``/``max_delay``: bounds of the
     polling backoff; ``spin``: seconds this client's loop polls instead of
     sleeping after a contended grant (parked path), so that the critical
-    section's round trips are not slowed by wakeups (0 = never)."""
+    section's round trips are not slowed by wakeups (0 = never);
+    ``futex_spin``: seconds a futex-path waiter polls before it sleeps."""
 
     __slots__ = ("client", "name", "mode", "_lease", "_min_delay", "_max_delay", "_spin", "_state",
                  "_slot", "_transport", "_parker", "_path", "_renew", "_busy", "_buf8", "_view8",
                  "_contended", "_heartbeat", "_lost", "_link", "_unuse", "_closed", "_record", "_recorded",
-                 "__weakref__")
+                 "_futex_spin", "__weakref__")
 
     def __init__(self, client: LockOwner, name: str, *, lease: float | None = None, mode: str = "auto",
-                 min_delay: float = 20e-6, max_delay: float = 0.05, spin: float = 1e-3) -> None:
+                 min_delay: float = 20e-6, max_delay: float = 0.05, spin: float = 1e-3,
+                 futex_spin: float = FUTEX_SPIN) -> None:
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 255:
             raise InvalidArgumentError(f"a lock name is a non-empty str of at most 255 bytes, not {name!r}")
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         if lease is not None and not 0 < lease <= 3600:
             raise InvalidArgumentError(f"lease must be in (0, 3600] seconds, not {lease!r}")
-        if not 0 <= spin <= 0.1:
-            raise InvalidArgumentError(f"spin must be in [0, 0.1] seconds, not {spin!r}")
+        for what, value in (("spin", spin), ("futex_spin", futex_spin)):
+            if not 0 <= value <= 0.1:
+                raise InvalidArgumentError(f"{what} must be in [0, 0.1] seconds, not {value!r}")
         self.client = client
         self.name = name
         self.mode = mode
@@ -176,6 +184,7 @@ class Lock:
         self._min_delay = min_delay
         self._max_delay = max_delay
         self._spin = spin
+        self._futex_spin = futex_spin
         self._contended = False
         self._state: _core.TicketState | None = None
         self._slot: LockSlot | None = None
@@ -489,7 +498,9 @@ class Lock:
         now = time.monotonic
         at = off + _core.LOCK_SERVING
         await self._take_record(tr)
-        st.start(await self._draw(tr, seg, off), now())
+        # Not shielded as _draw is: on a mapping the fetch-and-add completes
+        # where it starts (a cancellation can only come before it)
+        st.start(await tr.fetch_add(seg, off + _core.LOCK_NEXT, 1), now())
         try:
             await self._record_ticket(tr, seg, off, st.ticket)
             serving = await tr.fetch_add(seg, at, 0)
@@ -499,18 +510,17 @@ class Lock:
                     return
                 if code == _core.OBSERVE_LAPSED:
                     log.debug("lock %r: ticket passed while waiting; drawing a new one", self.name)
-                    st.start(await self._draw(tr, seg, off), now())
+                    st.start(await tr.fetch_add(seg, off + _core.LOCK_NEXT, 1), now())
                     await self._record_ticket(tr, seg, off, st.ticket)
                     serving = await tr.fetch_add(seg, at, 0)
                     continue
                 # MAX_SLEEP bounds each sleep: the waiter then looks at the
                 # words again, so a lapse or a dead server is seen in time
-                serving = await tr.wait_word(seg, at, serving, st.lease, FUTEX_SPIN)
+                serving = await tr.wait_word(seg, at, serving, st.lease, self._futex_spin)
         except BaseException:
             if st.state != _core.TICKET_IDLE:
                 self._give_up(tr, off, st.ticket)
                 st.released()
-            self._clear_record_later(tr, seg)
             raise
 
     async def _take_record(self, tr: ShmTransport) -> None:
@@ -526,15 +536,15 @@ class Lock:
         if not pool.free and not pool.refused:
             try:
                 got = await tr.control({"cmd": "lock_records"})
-                pool.free.extend(int(got["offset"]) + 8 * i for i in range(int(got["words"])))
+                pool.free.extend((int(got["offset"]) + 8 * i, 0) for i in range(int(got["words"])))
             except (ServerError, KeyError, TypeError, ValueError) as exc:
                 # an older server does not know the command: do not ask again
                 pool.refused = not isinstance(exc, OutOfMemory)
                 log.info("lock %r: the server lends no ticket records (%s): if this process dies "
                          "holding the lock, it passes on at the end of the lease", self.name, exc)
         if pool.free:
-            self._record = (tr, pool.free.pop())
-            self._recorded = 0
+            offset, self._recorded = pool.free.pop()
+            self._record = (tr, offset)
 
     async def _record_ticket(self, tr: ShmTransport, seg: int, off: int, ticket: int) -> None:
         if self._record is None:
@@ -545,33 +555,14 @@ class Lock:
         if await tr.compare_swap(seg, self._record[1], self._recorded, new) == self._recorded:
             self._recorded = new
 
-    async def _clear_record(self, tr: ShmTransport, seg: int) -> None:
-        if self._record is not None and self._recorded:
-            if await tr.compare_swap(seg, self._record[1], self._recorded, 0) == self._recorded:
-                self._recorded = 0
-
-    def _clear_record_later(self, tr: ShmTransport, seg: int) -> None:
-        # from a cancelled waiter: not awaited (a CAS, so a record of the next
-        # acquisition, stored meanwhile, is left alone)
-        if self._record is not None and self._recorded:
-            _spawn(tr.compare_swap(seg, self._record[1], self._recorded, 0))
-            self._recorded = 0
-
     def _return_record(self) -> None:
         record, self._record = self._record, None
-        if record is not None and not self._recorded:
+        if record is not None:
             pool = _records.get(record[0])
             if pool is not None:
-                pool.free.append(record[1])
+                pool.free.append((record[1], self._recorded))
 
     async def _release_futex(self, tr: ShmTransport, seg: int, off: int, ticket: int, wait: bool) -> None:
-        try:
-            await self._release_futex_ticket(tr, seg, off, ticket, wait)
-        finally:
-            await self._clear_record(tr, seg)
-
-    async def _release_futex_ticket(self, tr: ShmTransport, seg: int, off: int, ticket: int,
-                                    wait: bool) -> None:
         parked = off + _core.LOCK_PARKED
         if await tr.fetch_add(seg, parked, 0):
             # TCP waiters are parked at the server: it releases, grants the
