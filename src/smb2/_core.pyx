@@ -1209,9 +1209,42 @@ cdef extern from *:
         long r = syscall(SYS_futex, addr, FUTEX_WAKE, n, NULL, NULL, 0);
         return r < 0 ? -errno : r;
     }
+    /* Sleep until the u64 ticket word at `p` reaches `ticket` (a signed
+       distance >= 0), at most `timeout` s.  Each sleep is tagged with the
+       ticket's bit (ticket mod 32, FUTEX_WAIT_BITSET), so a release that
+       wakes only the next ticket's bit wakes the next waiter alone, not
+       every waiter (a plain FUTEX_WAKE still wakes all).  A wake that finds
+       the word short of the ticket sleeps again here, without waking the
+       caller.  0: reached, 2: timed out, 3: a signal; -errno on error. */
+    static int smb2_futex_wait_ticket(uint64_t *p, uint64_t ticket, double timeout) {
+        struct timespec until;
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        double t = (double)until.tv_nsec * 1e-9 + timeout;
+        until.tv_sec += (time_t)t;
+        until.tv_nsec = (long)((t - (double)(time_t)t) * 1e9);
+        uint32_t bit = 1u << (ticket & 31);
+        for (;;) {
+            uint64_t v = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+            if ((int64_t)(v - ticket) >= 0) return 0;
+            long r = syscall(SYS_futex, (uint32_t *)p, FUTEX_WAIT_BITSET, (uint32_t)v, &until, NULL, bit);
+            if (r < 0) {
+                if (errno == EAGAIN) continue;
+                if (errno == ETIMEDOUT) return 2;
+                if (errno == EINTR) return 3;
+                return -errno;
+            }
+        }
+    }
+    static long smb2_futex_wake_ticket(uint32_t *addr, uint64_t ticket) {
+        long r = syscall(SYS_futex, addr, FUTEX_WAKE_BITSET, 0x7FFFFFFF, NULL, NULL,
+                         1u << (ticket & 31));
+        return r < 0 ? -errno : r;
+    }
     """
     int smb2_futex_wait32(uint32_t *addr, uint32_t expected, double timeout) nogil
     long smb2_futex_wake32(uint32_t *addr, int n) nogil
+    int smb2_futex_wait_ticket(uint64_t *p, uint64_t ticket, double timeout) nogil
+    long smb2_futex_wake_ticket(uint32_t *addr, uint64_t ticket) nogil
 
 # A lock slot's fourth word (it was reserved): the number of acquires the
 # server has parked on it, kept by server/locks.py.  A shm holder releases
@@ -1239,6 +1272,31 @@ def futex_wait_u64(uint8_t[::1] mem, Py_ssize_t offset, uint64_t expected, doubl
         r = smb2_futex_wait32(<uint32_t *>p, <uint32_t>expected, timeout)
     if r < 0:
         raise OSError(-r, f"futex wait on the word at offset {offset} failed")
+    return r
+
+
+def futex_wait_ticket(uint8_t[::1] mem, Py_ssize_t offset, uint64_t ticket, double timeout):
+    """Sleep until the u64 ticket word at ``offset`` reaches ``ticket``
+    (or passes it), at most ``timeout`` seconds: FUTEX_WOKEN once it has,
+    else FUTEX_TIMED_OUT or FUTEX_INTERRUPTED.  Only ``futex_wake_ticket``
+    of this ticket, or a plain ``futex_wake``, ends the sleep.  The GIL is
+    released while it sleeps."""
+    cdef uint64_t *p = _word_at(mem, offset)
+    cdef int r
+    with nogil:
+        r = smb2_futex_wait_ticket(p, ticket, timeout)
+    if r < 0:
+        raise OSError(-r, f"futex wait on the word at offset {offset} failed")
+    return r
+
+
+def futex_wake_ticket(uint8_t[::1] mem, Py_ssize_t offset, uint64_t ticket):
+    """Wake the ``futex_wait_ticket`` sleepers for ``ticket`` on the word
+    (and any whose ticket is equal mod 32, who sleep again); the number woken."""
+    cdef uint64_t *p = _word_at(mem, offset)
+    cdef long r = smb2_futex_wake_ticket(<uint32_t *>p, ticket)
+    if r < 0:
+        raise OSError(-r, f"futex wake on the word at offset {offset} failed")
     return r
 
 

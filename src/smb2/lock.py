@@ -514,14 +514,26 @@ class Lock:
                     await self._record_ticket(tr, seg, off, st.ticket)
                     serving = await tr.fetch_add(seg, at, 0)
                     continue
+                if self._futex_spin:
+                    serving = await self._spin_on(tr, seg, at, st.ticket, serving)
+                    if serving == st.ticket:
+                        continue
                 # MAX_SLEEP bounds each sleep: the waiter then looks at the
                 # words again, so a lapse or a dead server is seen in time
-                serving = await tr.wait_word(seg, at, serving, st.lease, self._futex_spin)
+                serving = await tr.wait_ticket(seg, at, st.ticket, st.lease)
         except BaseException:
             if st.state != _core.TICKET_IDLE:
                 self._give_up(tr, off, st.ticket)
                 st.released()
             raise
+
+    async def _spin_on(self, tr: ShmTransport, seg: int, at: int, ticket: int, serving: int) -> int:
+        # poll now_serving for futex_spin seconds, letting the loop run
+        until = time.monotonic() + self._futex_spin
+        while serving != ticket and time.monotonic() < until:
+            await asyncio.sleep(0)
+            serving = await tr.fetch_add(seg, at, 0)
+        return serving
 
     async def _take_record(self, tr: ShmTransport) -> None:
         """A record word on ``tr`` for our tickets, borrowed from the server
@@ -574,7 +586,8 @@ class Lock:
             return
         at = off + _core.LOCK_SERVING
         old = await tr.compare_swap(seg, at, ticket, ticket + 1)
-        tr.wake_word(seg, at)
+        # only the next ticket's sleeper: the others would wake to sleep again
+        tr.wake_ticket(seg, at, ticket + 1)
         if old != ticket:
             err = StaleFence(f"lock {self.name!r} was lost before release (lease expired: "
                              f"now serving {old}, our ticket {ticket})")

@@ -275,6 +275,26 @@ class ShmTransport(Transport, LockCapable):
         self._mapping(segment, offset, 8)       # the server died, or the buffer went, meanwhile?
         return int(_core.atomic_load(data, offset))
 
+    async def wait_ticket(self, segment: int, offset: int, ticket: int, timeout: float) -> int:
+        """The u64 ticket word at ``offset`` once it has reached ``ticket``
+        (a lock's now_serving), or as it is after ``timeout`` seconds (at
+        most ``MAX_SLEEP``).  Only a wake for this ticket (``wake_ticket``)
+        or for everyone (``wake_word``) wakes this waiter."""
+        if segment not in self._maps:
+            await self._map_first(segment)
+        data = self._mapping(segment, offset, 8).data
+        await asyncio.get_running_loop().run_in_executor(
+            _SLEEPERS, _core.futex_wait_ticket, data, offset, ticket & MASK64, min(timeout, MAX_SLEEP))
+        self._yielded = time.monotonic()
+        self._mapping(segment, offset, 8)       # the server died meanwhile?
+        return int(_core.atomic_load(data, offset))
+
+    def wake_ticket(self, segment: int, offset: int, ticket: int) -> None:
+        """Wake the ``wait_ticket`` sleepers for ``ticket``, in any process."""
+        m = self._maps.get(segment)
+        if m is not None:
+            _core.futex_wake_ticket(m.data, offset, ticket & MASK64)
+
     def wake_word(self, segment: int, offset: int) -> None:
         """Wake every ``wait_word`` sleeper on the word, in any process."""
         m = self._maps.get(segment)
