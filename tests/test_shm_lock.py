@@ -58,6 +58,30 @@ def test_a_wake_from_another_process_ends_a_shared_futex_sleep() -> None:
     assert woke == [_core.FUTEX_WOKEN]
 
 
+def test_a_ticket_sleeper_wakes_for_its_own_ticket_only() -> None:
+    mem = memoryview(mmap.mmap(-1, 4096))
+    base = (1 << 33) - 2           # the low 32 bits wrap on the way
+    _core.atomic_store(mem, 8, base)
+    got: list[int] = []
+    sleeper = threading.Thread(target=lambda: got.append(_core.futex_wait_ticket(mem, 8, base + 2, 5.0)))
+    sleeper.start()
+    time.sleep(0.05)
+    _core.atomic_store(mem, 8, base + 1)
+    # ticket base+1's wake: not ours (its bit differs), the sleeper stays asleep
+    assert _core.futex_wake_ticket(mem, 8, base + 1) == 0
+    time.sleep(0.05)
+    assert sleeper.is_alive() and not got
+    _core.atomic_store(mem, 8, base + 2)
+    assert _core.futex_wake_ticket(mem, 8, base + 2) == 1
+    sleeper.join(5.0)
+    assert got == [_core.FUTEX_WOKEN]
+    # reached already: at once; short of it: the timeout
+    assert _core.futex_wait_ticket(mem, 8, base + 1, 5.0) == _core.FUTEX_WOKEN
+    t0 = time.monotonic()
+    assert _core.futex_wait_ticket(mem, 8, base + 3, 0.02) == _core.FUTEX_TIMED_OUT
+    assert 0.015 < time.monotonic() - t0 < 1.0
+
+
 def test_ticket_records_name_outstanding_tickets_only() -> None:
     base = (1 << 60) + 12345
     rec = _core.ticket_record(7, base + 3)
