@@ -334,6 +334,9 @@ class Lock:
 
     async def _release_cas(self, tr: Transport, seg: int, off: int, ticket: int) -> None:
         old = await tr.compare_swap(seg, off + _core.LOCK_SERVING, ticket, ticket + 1)
+        if isinstance(tr, ShmTransport):
+            # a polling shm holder: futex waiters may sleep behind it
+            tr.wake_ticket(seg, off + _core.LOCK_SERVING, ticket + 1)
         if old != ticket:
             raise StaleFence(f"lock {self.name!r} was lost before release (lease expired: "
                              f"now serving {old}, our ticket {ticket})")
