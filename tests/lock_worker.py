@@ -14,8 +14,10 @@ Actions:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import struct
 import sys
 
@@ -27,6 +29,29 @@ async def spawn(cfg: dict) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable, __file__, json.dumps(cfg), stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+async def start_holder(cfg: dict) -> tuple[asyncio.subprocess.Process, int]:
+    """A worker that holds the lock (action "hold"): the process and its token."""
+    proc = await spawn({**cfg, "action": "hold"})
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert line.startswith(b"HELD "), line
+        return proc, int(line.split()[1])
+    except BaseException:
+        await reap(proc)
+        raise
+
+
+async def reap(proc: asyncio.subprocess.Process) -> None:
+    """End a worker, stopped or not, and wait for it."""
+    if proc.returncode is None:
+        proc.kill()
+        # (SIGKILL ends a stopped process too; it may be reaped already)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+    await proc.wait()
 
 
 async def main(cfg: dict) -> None:

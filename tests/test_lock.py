@@ -5,7 +5,6 @@ turn comes) and "poll" (fetch_add + reads of now_serving, as over RDMA)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -19,10 +18,10 @@ from typing import Any
 import pytest
 
 import smb2
-from lock_worker import spawn
+from lock_worker import reap, spawn, start_holder
 from smb2 import _core
 from smb2.protocol import FLAG_FENCED, LOCK_SEGMENT, VERSION, Op, pack
-from smb2.transport import LockCapable
+from smb2.transport import LockCapable, ShmTransport
 
 MODES = ["park", "poll"]
 
@@ -358,13 +357,9 @@ async def test_dead_holder_is_passed_within_the_lease(mode: str, sig: int, holde
         client = await cluster.connect(transport=waiter)
         buf = await client.create("dead", 128, stripe=64)
         cfg = {"servers": cluster.addresses, "buffer": "dead", "lock": "dead", "mode": mode,
-               "action": "hold", "loop": _loop_name(), "transport": holder}
-        proc = await spawn(cfg)
+               "loop": _loop_name(), "transport": holder}
+        proc, dead_token = await start_holder(cfg)
         try:
-            assert proc.stdout is not None
-            line = await asyncio.wait_for(proc.stdout.readline(), 30)
-            assert line.startswith(b"HELD "), line
-            dead_token = int(line.split()[1])
             lock = client.lock("dead", mode=mode)
             task = asyncio.ensure_future(lock.acquire())
             await asyncio.sleep(0.3)
@@ -380,12 +375,7 @@ async def test_dead_holder_is_passed_within_the_lease(mode: str, sig: int, holde
             assert bytes(await buf.read(0, 10)) == b"new holder"
             await lock.release()
         finally:
-            if proc.returncode is None:
-                proc.kill()
-                # (SIGKILL ends a stopped process too; it may be reaped already)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-            await proc.wait()
+            await reap(proc)
 
 
 def test_lock_segment_is_page_aligned() -> None:
@@ -432,8 +422,16 @@ async def test_auto_parks_where_the_transport_can_and_park_says_where_it_cannot(
     async with lock:
         pass
     tr = client.links[_core.name_hash("capable") % len(client.links)].transport
-    # parking is a capability of the transport (LockCapable), not of its name
-    assert lock.path == ("park" if isinstance(tr, LockCapable) else "poll")
+    # parking is a capability of the transport (LockCapable), not of its
+    # name; a mapping of the lock segment (shm) waits on futexes instead
+    assert lock.path == ("futex" if isinstance(tr, ShmTransport) else
+                         "park" if isinstance(tr, LockCapable) else "poll")
+    if isinstance(tr, ShmTransport):
+        async with client.lock("capable", mode="park") as parked:
+            assert parked.path == "park"
+        return
+    with pytest.raises(smb2.InterfaceError, match="only shm") as info:
+        await client.lock("capable", mode="futex").acquire()
     if isinstance(tr, LockCapable):
         return
     with pytest.raises(smb2.InterfaceError, match="cannot park") as info:
@@ -477,7 +475,8 @@ async def test_server_polls_only_while_a_hand_off_is_due(spin: float) -> None:
     server = await smb2.start_server("127.0.0.1", 0, capacity="1MiB", lock_spin=spin)
     try:
         async with await smb2.connect([f"127.0.0.1:{server.address[1]}"]) as client:
-            holder, waiter = client.lock("spin"), client.lock("spin")
+            # the server spins for parked waiters (a shm client's default futex path parks none)
+            holder, waiter = client.lock("spin", mode="park"), client.lock("spin", mode="park")
             await holder.acquire()
             assert not (await _lock_stat(client))["spinning"]      # nobody waits: the loop sleeps
             task = asyncio.ensure_future(waiter.acquire())
@@ -504,8 +503,9 @@ async def test_contended_grant_is_flagged_and_its_holder_polls_for_a_while() -> 
     server = await smb2.start_server("127.0.0.1", 0, capacity="1MiB", lock_spin=0.0)
     try:
         async with await smb2.connect([f"127.0.0.1:{server.address[1]}"]) as client:
-            holder = client.lock("flag")
-            first, second = client.lock("flag", spin=0.05), client.lock("flag", spin=0.05)
+            # `contended` and the holder's spin are the parked path's
+            holder = client.lock("flag", mode="park")
+            first, second = (client.lock("flag", mode="park", spin=0.05) for _ in range(2))
             await holder.acquire()
             assert not holder.contended             # nobody was waiting
             t1 = asyncio.ensure_future(first.acquire())
@@ -546,11 +546,22 @@ def test_bench_lock_runs_and_counts_the_server_s_work(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert set(result["uncontended"]["summary"]) == {"raw", "read64", "park", "poll", "spin"}
+    assert set(result["uncontended"]["summary"]) == {"raw", "read64", "park", "poll", "spin", "futex"}
     rows = {(r["kind"], r["cs"]): r for r in result["contended"]["runs"]}
-    assert set(rows) == {(k, cs) for k in ("park", "poll", "spin") for cs in ("empty", "rmw")}
+    kinds = ("park", "poll", "spin", "futex", "shmpoll", "mixed")
+    assert set(rows) == {(k, cs) for k in kinds for cs in ("empty", "rmw")}
     for (kind, cs), row in rows.items():
         assert len(row["counts"]) == 2 and min(row["counts"]) > 0, row
+        if kind in ("futex", "shmpoll"):
+            # over shm the lock costs the server nothing (the rmw section's
+            # read and write are copies in the client too)
+            assert row["server_ops_per_acq"] == 0, row
+            continue
+        if kind == "mixed":
+            # one shm and one TCP worker: the TCP one's acquire and release,
+            # and the shm one's releases through the server while it waits
+            assert 0 < row["server_ops_per_acq"], row
+            continue
         # the parked path costs the server exactly its acquire and release
         # (plus the read and write of the rmw section), never a poll; each
         # worker may finish one acquisition after the window, uncounted
@@ -560,3 +571,4 @@ def test_bench_lock_runs_and_counts_the_server_s_work(tmp_path: Path) -> None:
         if kind == "park":
             assert row["server_ops_per_acq"] <= least * (total + 2) / total, row
     assert "target: park p50" in result["table"]
+    assert "shm clients (same run" in result["table"]

@@ -15,6 +15,13 @@
   time, for the spin lock and the ticket lock, with fairness (max/min
   acquisitions per client) and the server's data ops per acquisition (from
   its statistics: the parked path sends nothing while it waits).
+* **shm** (issue 15): the same lock from clients that map the server's
+  memory, in the same run: "futex" (the shm default: atomics on the mapped
+  words, waiters sleep on a futex), "shmpoll" (the same atomics, waiters
+  poll with the loop yielding: the alternative to the futex), and "mixed"
+  (half the processes futex over shm, half parked over TCP, one lock),
+  each against the TCP lock ("park") of the same round.  ``--futex-spin``
+  sets how long a futex waiter polls before it sleeps.
 
 The machine is shared and noisy: subject and baselines are measured in
 alternation (the order rotates every round), every figure is a median, every
@@ -52,6 +59,8 @@ from smb2.bench.common import describe_machine, latencies, now, pct, start_raw_p
 TARGET_UNCONTENDED = 3.0      # park p50 <= 3x raw round trip p50
 TARGET_THROUGHPUT = 2.0       # with 4 processes, >= 2x the spin lock
 TARGET_FAIRNESS = 1.1         # max/min acquisitions per client, 4 processes
+TARGET_SHM = 10.0             # shm futex lock, 4 processes: >= 10x the TCP lock
+SHM_KINDS = ("futex", "shmpoll", "mixed")
 LOCK = "bench-lock"
 SPIN_BUFFER = "bench-spin"
 _ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +74,8 @@ class _Ops:
     """Lock and baseline operations over one client (used by the main
     process for latencies and by every worker for throughput)."""
 
-    def __init__(self, client: smb2.Client, spin: smb2.Buffer, holder_spin: float | None = None) -> None:
+    def __init__(self, client: smb2.Client, spin: smb2.Buffer, holder_spin: float | None = None,
+                 futex_spin: float | None = None) -> None:
         self.client = client
         # holder_spin: the Lock's `spin` (None: the library's default)
         self.park = client.lock(LOCK, mode="park", **({} if holder_spin is None else {"spin": holder_spin}))
@@ -73,6 +83,8 @@ class _Ops:
         link = client.links[0]
         assert link.transport is not None
         self.tr = link.transport
+        # over shm: the futex path (a TCP client leaves it unused)
+        self.futex = client.lock(LOCK, mode="futex", **({} if futex_spin is None else {"futex_spin": futex_spin}))
         self.spin_seg = spin.segments[0]
         self.read_dst = [memoryview(bytearray(64))]
 
@@ -86,6 +98,10 @@ class _Ops:
     async def poll_once(self) -> None:
         await self.poll.acquire()
         await self.poll.release()
+
+    async def futex_once(self) -> None:
+        await self.futex.acquire()
+        await self.futex.release()
 
     async def spin_acquire(self) -> None:
         tr, seg = self.tr, self.spin_seg
@@ -116,6 +132,11 @@ class _Ops:
         await self.rmw()
         await self.poll.release()
 
+    async def futex_rmw(self) -> None:
+        await self.futex.acquire()
+        await self.rmw()
+        await self.futex.release()
+
     async def spin_rmw(self) -> None:
         await self.spin_acquire()
         await self.rmw()
@@ -126,23 +147,38 @@ class _Ops:
 
     def op(self, kind: str, cs: str = "empty") -> Callable[[], Awaitable[None]]:
         if cs == "rmw":
-            return {"park": self.park_rmw, "poll": self.poll_rmw, "spin": self.spin_rmw}[kind]
+            return {"park": self.park_rmw, "poll": self.poll_rmw, "spin": self.spin_rmw,
+                    "futex": self.futex_rmw}[kind]
         return {"park": self.park_once, "poll": self.poll_once, "spin": self.spin_once,
-                "read64": self.read64}[kind]
+                "futex": self.futex_once, "read64": self.read64}[kind]
+
+
+def _worker_op(tcp: _Ops, shm: _Ops, kind: str, cs: str, index: int) -> Callable[[], Awaitable[None]]:
+    """A worker's operation for a contended run of ``kind``: the shm kinds
+    run on its shm client ("mixed": every other worker parks over TCP)."""
+    if kind == "futex" or (kind == "mixed" and index % 2 == 0):
+        return shm.op("futex", cs)
+    if kind == "shmpoll":
+        return shm.op("poll", cs)
+    if kind == "mixed":
+        return tcp.op("park", cs)
+    return tcp.op(kind, cs)
 
 
 # -- worker processes --------------------------------------------------------------
 
-async def _worker(servers: list[str], holder_spin: float | None) -> None:
+async def _worker(servers: list[str], holder_spin: float | None, futex_spin: float | None) -> None:
     client = await smb2.connect(servers, transport="tcp")
     ops = _Ops(client, await client.attach(SPIN_BUFFER), holder_spin)
+    shm_client = await smb2.connect(servers, transport="shm")
+    shm_ops = _Ops(shm_client, await shm_client.attach(SPIN_BUFFER), holder_spin, futex_spin)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     print("ready", flush=True)
     while line := await reader.readline():
         cmd = json.loads(line)
-        fn = ops.op(cmd["kind"], cmd["cs"])
+        fn = _worker_op(ops, shm_ops, cmd["kind"], cmd["cs"], cmd["index"])
         start, end = cmd["start"], cmd["start"] + cmd["duration"]
         await asyncio.sleep(max(0.0, start - time.time()))
         n = 0
@@ -154,19 +190,22 @@ async def _worker(servers: list[str], holder_spin: float | None) -> None:
                 n += 1
         print(json.dumps({"n": n}), flush=True)
     await client.close()
+    await shm_client.close()
 
 
 class _Pool:
     def __init__(self) -> None:
         self.procs: list[asyncio.subprocess.Process] = []
 
-    async def start(self, n: int, servers: list[str], holder_spin: float | None) -> None:
+    async def start(self, n: int, servers: list[str], holder_spin: float | None,
+                    futex_spin: float | None) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(_ROOT / "src"),
                                                                           os.environ.get("PYTHONPATH"))))}
         for _ in range(n):
             p = await asyncio.create_subprocess_exec(
                 sys.executable, __file__, "--worker", ",".join(servers),
                 *([] if holder_spin is None else ["--holder-spin", str(holder_spin)]),
+                *([] if futex_spin is None else ["--futex-spin", str(futex_spin)]),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
             self.procs.append(p)
         for p in self.procs:
@@ -177,11 +216,11 @@ class _Pool:
 
     async def run(self, kind: str, cs: str, nprocs: int, duration: float) -> list[int]:
         start = time.time() + 0.2
-        cmd = (json.dumps({"kind": kind, "cs": cs, "start": start, "duration": duration}) + "\n").encode()
         procs = self.procs[:nprocs]
-        for p in procs:
+        for i, p in enumerate(procs):
             assert p.stdin is not None
-            p.stdin.write(cmd)
+            p.stdin.write((json.dumps({"kind": kind, "cs": cs, "start": start, "duration": duration,
+                                       "index": i}) + "\n").encode())
         counts = []
         for p in procs:
             assert p.stdout is not None
@@ -236,15 +275,18 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         client = await cluster.connect(transport="tcp")
         spin = await client.create(SPIN_BUFFER, 4096)
         ops = _Ops(client, spin, args.holder_spin)
+        shm_client = await cluster.connect(transport="shm")
+        shm_ops = _Ops(shm_client, await shm_client.attach(SPIN_BUFFER), args.holder_spin, args.futex_spin)
         pool = _Pool()
         try:
             await latencies(raw.ping, 2000)          # warm up every path
             for kind in ("read64", "park", "poll", "spin"):
                 await latencies(ops.op(kind), 500)
+            await latencies(shm_ops.op("futex"), 500)
 
             # -- uncontended ------------------------------------------------
-            kinds = ["raw", "read64", "park", "poll", "spin"]
-            fns = {"raw": raw.ping, **{k: ops.op(k) for k in kinds[1:]}}
+            kinds = ["raw", "read64", "park", "poll", "spin", "futex"]
+            fns = {"raw": raw.ping, **{k: ops.op(k) for k in kinds[1:-1]}, "futex": shm_ops.op("futex")}
             samples: dict[str, list[float]] = {k: [] for k in kinds}
             rounds: list[dict[str, float]] = []
             for r in range(args.rounds):
@@ -264,12 +306,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             result["uncontended"] = {"rounds": rounds, "summary": unc}
 
             # -- contended ----------------------------------------------------
-            await pool.start(max(args.procs), cluster.addresses, args.holder_spin)
+            await pool.start(max(args.procs), cluster.addresses, args.holder_spin, args.futex_spin)
             contended: list[dict[str, Any]] = []
-            ckinds = ["spin", "park", "poll"]
+            ckinds = ["spin", "park", "poll", *args.shm]
             for cs, nprocs in [(cs, n) for cs in args.cs for n in args.procs]:
                 for rep in range(args.reps):
-                    order = ckinds[rep % 3:] + ckinds[:rep % 3]
+                    order = ckinds[rep % len(ckinds):] + ckinds[:rep % len(ckinds)]
                     for kind in order:
                         rtt = statistics.median(await latencies(raw.ping, 300))
                         before = _server_data_ops(await client.stat())
@@ -295,6 +337,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "cs": cs, "procs": nprocs,
                     **{f"{k}_per_s": statistics.median(r["per_s"] for r in rows[k]) for k in ckinds},
                     **{f"{k}_vs_spin": ratio[k] for k in ("park", "poll")},
+                    # the shm kinds against the TCP lock of the same rep
+                    **{f"{k}_vs_park": statistics.median(a["per_s"] / b["per_s"]
+                                                         for a, b in zip(rows[k], rows["park"]))
+                       for k in args.shm},
                     **{f"{k}_fairness": statistics.median((r["fairness"] or float("inf")) for r in rows[k])
                        for k in ckinds},
                     **{f"{k}_server_ops_per_acq": statistics.median(r["server_ops_per_acq"] or 0
@@ -305,6 +351,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             await pool.close()
             await client.close()
+            await shm_client.close()
     finally:
         if peer is not None:
             await stop_raw_peer(peer, raw)
@@ -339,9 +386,24 @@ def table(result: dict[str, Any]) -> str:
                      f"{s['park_vs_spin']:9.2f} {s['poll_vs_spin']:9.2f} {s['park_fairness']:9.3f} "
                      f"{s['spin_fairness']:9.3f} {s['park_server_ops_per_acq']:12.1f} "
                      f"{s['spin_server_ops_per_acq']:12.1f} {s['rtt_us']:7.1f}")
+    shm = [k for k in SHM_KINDS if f"{k}_per_s" in (result["contended"]["summary"] or [{}])[0]]
+    if shm:
+        lines += ["", "shm clients (same run; x park = against the TCP lock of the same rep)",
+                  f"{'cs':5s} {'procs':>5s} {'park/s':>8s} " + " ".join(
+                      f"{k + '/s':>9s} {'x park':>7s} {'fair':>6s} {'ops/acq':>7s}" for k in shm)
+                  + f" {'rtt us':>7s}"]
+        for s in result["contended"]["summary"]:
+            lines.append(f"{s['cs']:5s} {s['procs']:5d} {s['park_per_s']:8.0f} " + " ".join(
+                f"{s[k + '_per_s']:9.0f} {s[k + '_vs_park']:7.2f} {s[k + '_fairness']:6.3f} "
+                f"{s[k + '_server_ops_per_acq']:7.2f}" for k in shm) + f" {s['rtt_us']:7.1f}")
     for s in result["contended"]["summary"]:
         if s["procs"] != 4:
             continue
+        if "futex_per_s" in s:
+            ok_t, ok_f = s["futex_vs_park"] >= TARGET_SHM, s["futex_fairness"] <= TARGET_FAIRNESS
+            lines.append(f"target (4 procs, cs {s['cs']}): shm futex >= {TARGET_SHM}x the TCP lock: "
+                         f"{s['futex_vs_park']:.2f}x {'MET' if ok_t else 'MISSED'}; max/min <= "
+                         f"{TARGET_FAIRNESS}: {s['futex_fairness']:.3f} {'MET' if ok_f else 'MISSED'}")
         ok_t = s["park_vs_spin"] >= TARGET_THROUGHPUT
         ok_f = s["park_fairness"] <= TARGET_FAIRNESS
         lines.append(f"target (4 procs, cs {s['cs']}): park >= {TARGET_THROUGHPUT}x spin: "
@@ -406,12 +468,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="the server's --lock-spin (default: its default; 0 shows the hand-offs without it)")
     p.add_argument("--holder-spin", type=float, default=None,
                    help="the workers' Lock(spin=...) (default: the library's; 0 shows hand-offs without it)")
+    p.add_argument("--shm", default=",".join(SHM_KINDS),
+                   help=f"shm kinds in the contended runs (default {','.join(SHM_KINDS)}; '' for none)")
+    p.add_argument("--futex-spin", type=float, default=None,
+                   help="the shm Lock(futex_spin=...) (default: the library's)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin the server and raw peer to one CPU and the clients to another")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        uvloop.run(_worker(args.worker.split(","), args.holder_spin))
+        uvloop.run(_worker(args.worker.split(","), args.holder_spin, args.futex_spin))
         return 0
     if args.replot:
         why_not = plot(Path(args.png), json.loads(Path(args.replot).read_text()))
@@ -419,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if why_not is None else 1
     args.procs = [int(x) for x in args.procs.split(",")]
     args.cs = [x for x in args.cs.split(",") if x]
+    args.shm = [x for x in args.shm.split(",") if x]
+    if not set(args.shm) <= set(SHM_KINDS):
+        p.error(f"--shm takes {', '.join(SHM_KINDS)}, not {args.shm}")
     result = uvloop.run(bench(args))
     text = table(result)
     print(text)

@@ -1512,3 +1512,185 @@ cdef class TicketState:
     def released(self):
         self.state = TICKET_IDLE
         return None
+
+
+# --------------------------------------------------------------------------
+# Futexes on shared words (issue 15: the shm lock and notifications).
+#
+# A shm client maps the server's memfds MAP_SHARED, so the SHARED futex
+# operations (not FUTEX_*_PRIVATE, whose key is this process's address
+# space) meet every other process that maps the same page: the key is the
+# page and the offset, whatever address each process maps it at.  A futex
+# is a 32-bit word: a u64 word's low half is at its own address (x86 and
+# aarch64 are little endian), and it changes whenever the u64 does for any
+# change smaller than 2**32 (a ticket moves by one, a notification slot
+# grows), so waiting on the low half is waiting on the word.
+#
+# futex_wait_u64 blocks with the GIL released: call it from a thread, never
+# from an event loop's own.
+
+cdef extern from *:
+    """
+    #include <errno.h>
+    #include <linux/futex.h>
+    #include <sys/syscall.h>
+    #include <time.h>
+    #include <unistd.h>
+    #include <stdint.h>
+    /* 0: woken (or spurious), 1: the word was not `expected` already,
+       2: timed out, 3: interrupted by a signal; -errno on an error. */
+    static int smb2_futex_wait32(uint32_t *addr, uint32_t expected, double timeout) {
+        struct timespec ts, *tp = NULL;
+        if (timeout >= 0) {
+            ts.tv_sec = (time_t)timeout;
+            ts.tv_nsec = (long)((timeout - (double)ts.tv_sec) * 1e9);
+            if (ts.tv_nsec >= 1000000000L) { ts.tv_sec += 1; ts.tv_nsec -= 1000000000L; }
+            tp = &ts;
+        }
+        long r = syscall(SYS_futex, addr, FUTEX_WAIT, expected, tp, NULL, 0);
+        if (r == 0) return 0;
+        if (errno == EAGAIN) return 1;
+        if (errno == ETIMEDOUT) return 2;
+        if (errno == EINTR) return 3;
+        return -errno;
+    }
+    static long smb2_futex_wake32(uint32_t *addr, int n) {
+        long r = syscall(SYS_futex, addr, FUTEX_WAKE, n, NULL, NULL, 0);
+        return r < 0 ? -errno : r;
+    }
+    /* Sleep until the u64 ticket word at `p` reaches `ticket` (a signed
+       distance >= 0), at most `timeout` s.  Each sleep is tagged with the
+       ticket's bit (ticket mod 32, FUTEX_WAIT_BITSET), so a release that
+       wakes only the next ticket's bit wakes the next waiter alone, not
+       every waiter (a plain FUTEX_WAKE still wakes all).  A wake that finds
+       the word short of the ticket sleeps again here, without waking the
+       caller.  0: reached, 2: timed out, 3: a signal; -errno on error. */
+    static int smb2_futex_wait_ticket(uint64_t *p, uint64_t ticket, double timeout) {
+        struct timespec until;
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        double t = (double)until.tv_nsec * 1e-9 + timeout;
+        until.tv_sec += (time_t)t;
+        until.tv_nsec = (long)((t - (double)(time_t)t) * 1e9);
+        uint32_t bit = 1u << (ticket & 31);
+        for (;;) {
+            uint64_t v = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+            if ((int64_t)(v - ticket) >= 0) return 0;
+            long r = syscall(SYS_futex, (uint32_t *)p, FUTEX_WAIT_BITSET, (uint32_t)v, &until, NULL, bit);
+            if (r < 0) {
+                if (errno == EAGAIN) continue;
+                if (errno == ETIMEDOUT) return 2;
+                if (errno == EINTR) return 3;
+                return -errno;
+            }
+        }
+    }
+    static long smb2_futex_wake_ticket(uint32_t *addr, uint64_t ticket) {
+        long r = syscall(SYS_futex, addr, FUTEX_WAKE_BITSET, 0x7FFFFFFF, NULL, NULL,
+                         1u << (ticket & 31));
+        return r < 0 ? -errno : r;
+    }
+    """
+    int smb2_futex_wait32(uint32_t *addr, uint32_t expected, double timeout) nogil
+    long smb2_futex_wake32(uint32_t *addr, int n) nogil
+    int smb2_futex_wait_ticket(uint64_t *p, uint64_t ticket, double timeout) nogil
+    long smb2_futex_wake_ticket(uint32_t *addr, uint64_t ticket) nogil
+
+# A lock slot's fourth word (it was reserved): the number of acquires the
+# server has parked on it, kept by server/locks.py.  A shm holder releases
+# with its own atomic while it is 0, and through the server otherwise, so
+# that a parked TCP waiter is granted at once (docs/design.md, "The lock").
+LOCK_PARKED = 24
+
+FUTEX_WOKEN = 0
+FUTEX_CHANGED = 1
+FUTEX_TIMED_OUT = 2
+FUTEX_INTERRUPTED = 3
+
+
+def futex_wait_u64(uint8_t[::1] mem, Py_ssize_t offset, uint64_t expected, double timeout):
+    """Sleep while the u64 word at ``offset`` of ``mem`` is ``expected``, at
+    most ``timeout`` seconds (negative: no limit).  Returns FUTEX_CHANGED
+    at once if it is not, else FUTEX_WOKEN (which may be spurious: look at
+    the word again), FUTEX_TIMED_OUT or FUTEX_INTERRUPTED.  The GIL is
+    released while it sleeps."""
+    cdef uint64_t *p = _word_at(mem, offset)
+    cdef int r
+    if smb2_load64(p) != expected:
+        return FUTEX_CHANGED
+    with nogil:
+        r = smb2_futex_wait32(<uint32_t *>p, <uint32_t>expected, timeout)
+    if r < 0:
+        raise OSError(-r, f"futex wait on the word at offset {offset} failed")
+    return r
+
+
+def futex_wait_ticket(uint8_t[::1] mem, Py_ssize_t offset, uint64_t ticket, double timeout):
+    """Sleep until the u64 ticket word at ``offset`` reaches ``ticket``
+    (or passes it), at most ``timeout`` seconds: FUTEX_WOKEN once it has,
+    else FUTEX_TIMED_OUT or FUTEX_INTERRUPTED.  Only ``futex_wake_ticket``
+    of this ticket, or a plain ``futex_wake``, ends the sleep.  The GIL is
+    released while it sleeps."""
+    cdef uint64_t *p = _word_at(mem, offset)
+    cdef int r
+    with nogil:
+        r = smb2_futex_wait_ticket(p, ticket, timeout)
+    if r < 0:
+        raise OSError(-r, f"futex wait on the word at offset {offset} failed")
+    return r
+
+
+def futex_wake_ticket(uint8_t[::1] mem, Py_ssize_t offset, uint64_t ticket):
+    """Wake the ``futex_wait_ticket`` sleepers for ``ticket`` on the word
+    (and any whose ticket is equal mod 32, who sleep again); the number woken."""
+    cdef uint64_t *p = _word_at(mem, offset)
+    cdef long r = smb2_futex_wake_ticket(<uint32_t *>p, ticket)
+    if r < 0:
+        raise OSError(-r, f"futex wake on the word at offset {offset} failed")
+    return r
+
+
+def futex_wake(uint8_t[::1] mem, Py_ssize_t offset, int n=0x7FFFFFFF):
+    """Wake up to ``n`` (default: all) sleepers on the u64 word at
+    ``offset``; the number woken.  Costs one system call (about a
+    microsecond when nobody sleeps there)."""
+    cdef uint64_t *p = _word_at(mem, offset)
+    cdef long r = smb2_futex_wake32(<uint32_t *>p, n)
+    if r < 0:
+        raise OSError(-r, f"futex wake on the word at offset {offset} failed")
+    return r
+
+
+# A shm client's ticket records (issue 15): a shm waiter draws its ticket
+# with its own atomic, so the server cannot tell whose it is.  Each shm
+# connection therefore gets record words in the lock segment (a slot taken
+# off the free list, server/locks.py) and stores there, with one plain
+# atomic store, the (slot, ticket) it waits for or holds, and 0 once it has
+# released.  When the connection dies the server reads them and passes the
+# tickets on at once, as it does for the tickets of a parked connection.
+# A record keeps the ticket's low 43 bits: the server has the rest from the
+# slot's words, since fewer than 2**43 tickets are ever outstanding.
+LOCK_RECORDS = 4            # record words per record slot
+cdef uint64_t _REC_LOW = (1ULL << 43) - 1
+
+
+def ticket_record(uint64_t slot, uint64_t ticket):
+    """The record word of ``ticket`` of lock slot ``slot`` (never 0)."""
+    if slot >= (1ULL << 20):
+        raise ValueError(f"lock slot {slot} does not fit a ticket record")
+    return (1ULL << 63) | (slot << 43) | (ticket & _REC_LOW)
+
+
+def recorded_ticket(uint64_t record, uint64_t next_ticket, uint64_t now_serving):
+    """The ticket a record word names, given the words of its slot
+    (``record_slot(record)``), or None if that ticket was passed already."""
+    cdef uint64_t d = ((record & _REC_LOW) - now_serving) & _REC_LOW
+    if d >= next_ticket - now_serving:
+        return None
+    return now_serving + d
+
+
+def record_slot(uint64_t record):
+    """The lock slot a record word names, or -1 for an empty word."""
+    if not record >> 63:
+        return -1
+    return <Py_ssize_t>((record >> 43) & ((1ULL << 20) - 1))

@@ -524,6 +524,13 @@ class Buffer:
         seg_off = (i // self.nservers) * self.stripe + offset % self.stripe
         return server, seg_off
 
+    def word_transport(self, offset: int) -> tuple[Transport | None, int, int]:
+        """``(transport, segment, segment offset)`` of the int64 word at
+        ``offset``; the transport is None while its server is not connected
+        (smb2.notify: a shm transport can sleep on the word)."""
+        server, seg_off = self._word(offset)
+        return self.client.links[server].open, self.segments[server], seg_off
+
     async def _atomic(self, offset: Any, what: str, timeout: float | None,
                       op: Callable[[Transport, int, int], Awaitable[int]]) -> int:
         """``op(transport, segment, segment offset)`` on the word at ``offset``."""
@@ -684,7 +691,7 @@ class Buffer:
 
     async def notify_add(self, slot: int, value: int = 1) -> int:
         """Add ``value`` to ``slot`` (a counter); return its old value."""
-        return await self.fetch_add(_notify.slot_offset(self, slot), value)
+        return await _notify.add(self, _notify.slot_offset(self, slot), check_word("value", value))
 
     async def read_notify(self, slot: int | None = None) -> Any:
         """The value of ``slot``, or with no slot all slots as an int64 array
@@ -694,8 +701,9 @@ class Buffer:
         return await self.fetch_add(_notify.slot_offset(self, slot), 0)
 
     async def wait_notify(self, slot: int, at_least: int = 1, *, timeout: float | None = None) -> int:
-        """Wait until ``slot >= at_least`` and return its value; polls with
-        exponential backoff (50 µs up to 5 ms).  Raises
+        """Wait until ``slot >= at_least`` and return its value; sleeps on a
+        futex over shm, else polls with exponential backoff (50 µs up to
+        5 ms).  Raises
         :class:`~smb2.NotifyTimeout` after ``timeout`` seconds."""
         off = _notify.slot_offset(self, slot)
         at_least = check_word("at_least", at_least)

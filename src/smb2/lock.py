@@ -21,6 +21,16 @@ stripe) as two words, ``next_ticket`` and ``now_serving``.  Two ways to wait:
   ``compare_swap(now_serving, t, t + 1)``: as cheap as the fetch-and-add of
   the textbook lock, but a holder whose lease ran out cannot move the queue
   past the ticket of the holder that replaced it.
+* **futex** (shm, a :class:`~smb2.transport.ShmTransport`): the poll
+  path's atomics on our own mapping of the lock segment, but a waiter
+  spins for ``futex_spin`` seconds and then sleeps on a shared futex on
+  ``now_serving`` (in a thread: the loop keeps running), and the releaser
+  wakes it.  While the server has acquires parked on the lock (its
+  ``LOCK_PARKED`` word), the release goes through the server instead, so
+  that a TCP waiter is granted at once; no server CPU otherwise.  The
+  ticket is stored in a record word the server lent this connection
+  (``lock_records``), so that the server passes it on at once if this
+  process dies, as it does for a parked ticket.
 
 Either way the holder renews its lease every lease/3: a compare-and-swap
 writes the heartbeat word tagged with its ticket (``_core.renewal_word``;
@@ -47,16 +57,31 @@ from typing import Any, Protocol
 
 from . import _core
 from .busypoll import poll_while
-from .errors import InterfaceError, InvalidArgumentError, LockTimeout, NoSuchBuffer, StaleFence, TransportError
-from .transport import Link, LockCapable, LockSlot, Transport
+from .errors import (
+    InterfaceError,
+    InvalidArgumentError,
+    LockTimeout,
+    NoSuchBuffer,
+    OutOfMemory,
+    ServerError,
+    StaleFence,
+    TransportError,
+)
+from .transport import Link, LockCapable, LockSlot, ShmTransport, Transport
 
 log = logging.getLogger("smb2.lock")
 
-MODES = ("auto", "park", "poll")
+MODES = ("auto", "park", "poll", "futex")
 # The loops' timers tick in milliseconds (libuv under uvloop rounds to them):
 # a shorter sleep would really last about a millisecond and idle every
 # hand-off that long, so the poll loop does not sleep for less.
 _TIMER_RESOLUTION = 1e-3
+#: seconds a futex-path waiter polls now_serving (yielding to the loop)
+#: before it sleeps on the futex.  0: with 4 processes on shared CPUs
+#: (tools/bench_lock.py, 2 busy cores) a spin of 50 us cost a third of the
+#: acquisitions/s and 200 us half, since the spinner takes the CPU from the
+#: holder it waits for; a host with a core per waiter may gain from one.
+FUTEX_SPIN = 0.0
 
 
 class LockOwner(Protocol):
@@ -70,6 +95,22 @@ class LockOwner(Protocol):
     def closed(self) -> bool: ...
 
     def ensure_open(self) -> None: ...
+
+
+class _Records:
+    """The ticket record words one shm connection borrowed from its server,
+    free for a Lock to take: (byte offset in the lock segment, the value
+    last stored there).  A record is never cleared: one that names a ticket
+    passed already means nothing to the server."""
+
+    __slots__ = ("free", "refused")
+
+    def __init__(self) -> None:
+        self.free: list[tuple[int, int]] = []
+        self.refused = False
+
+
+_records: weakref.WeakKeyDictionary[ShmTransport, _Records] = weakref.WeakKeyDictionary()
 
 
 # fire-and-forget work (renewals, giving tickets up): referenced until done
@@ -111,26 +152,31 @@ class Lock:
     time per object (make several objects to contend from one client).
 
     ``lease``: seconds the holder may go without renewing (default: the
-    server's ``--lock-lease``); ``mode``: "park", "poll" or "auto" (park
-    over TCP, poll over RDMA); ``min_delay``/``max_delay``: bounds of the
+    server's ``--lock-lease``); ``mode``: "park", "poll", "futex" or
+    "auto" (futex over shm, park over TCP, poll over RDMA);
+    ``min_delay``/``max_delay``: bounds of the
     polling backoff; ``spin``: seconds this client's loop polls instead of
     sleeping after a contended grant (parked path), so that the critical
-    section's round trips are not slowed by wakeups (0 = never)."""
+    section's round trips are not slowed by wakeups (0 = never);
+    ``futex_spin``: seconds a futex-path waiter polls before it sleeps."""
 
     __slots__ = ("client", "name", "mode", "_lease", "_min_delay", "_max_delay", "_spin", "_state",
                  "_slot", "_transport", "_parker", "_path", "_renew", "_busy", "_buf8", "_view8",
-                 "_contended", "_heartbeat", "_lost", "_link", "_unuse", "_closed", "__weakref__")
+                 "_contended", "_heartbeat", "_lost", "_link", "_unuse", "_closed", "_record", "_recorded",
+                 "_futex_spin", "__weakref__")
 
     def __init__(self, client: LockOwner, name: str, *, lease: float | None = None, mode: str = "auto",
-                 min_delay: float = 20e-6, max_delay: float = 0.05, spin: float = 1e-3) -> None:
+                 min_delay: float = 20e-6, max_delay: float = 0.05, spin: float = 1e-3,
+                 futex_spin: float = FUTEX_SPIN) -> None:
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 255:
             raise InvalidArgumentError(f"a lock name is a non-empty str of at most 255 bytes, not {name!r}")
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         if lease is not None and not 0 < lease <= 3600:
             raise InvalidArgumentError(f"lease must be in (0, 3600] seconds, not {lease!r}")
-        if not 0 <= spin <= 0.1:
-            raise InvalidArgumentError(f"spin must be in [0, 0.1] seconds, not {spin!r}")
+        for what, value in (("spin", spin), ("futex_spin", futex_spin)):
+            if not 0 <= value <= 0.1:
+                raise InvalidArgumentError(f"{what} must be in [0, 0.1] seconds, not {value!r}")
         self.client = client
         self.name = name
         self.mode = mode
@@ -138,6 +184,7 @@ class Lock:
         self._min_delay = min_delay
         self._max_delay = max_delay
         self._spin = spin
+        self._futex_spin = futex_spin
         self._contended = False
         self._state: _core.TicketState | None = None
         self._slot: LockSlot | None = None
@@ -154,6 +201,9 @@ class Lock:
         self._link: Link | None = None  # where the name is open (see close)
         self._unuse: weakref.finalize[Any, Any] | None = None
         self._closed = False
+        # futex path: our ticket record word (transport, offset), and its value
+        self._record: tuple[ShmTransport, int] | None = None
+        self._recorded = 0
 
     def __repr__(self) -> str:
         state = "locked" if self.locked() else "unlocked"
@@ -188,7 +238,7 @@ class Lock:
 
     @property
     def path(self) -> str:
-        """How the last acquisition waited: "park" or "poll" ("" before any)."""
+        """How the last acquisition waited: "park", "poll" or "futex" ("" before any)."""
         return self._path
 
     # -- acquire / release --------------------------------------------------
@@ -264,6 +314,9 @@ class Lock:
             else:
                 parker.lock_release_nowait(seg, off, ticket)
             return
+        if self._path == "futex" and isinstance(tr, ShmTransport):
+            await self._release_futex(tr, seg, off, ticket, wait)
+            return
         # The polling path's release is an atomic that may travel on another
         # channel than this client's next request (RDMA: the QP, while fenced
         # writes go through the server's CPU), so nothing orders the two:
@@ -281,6 +334,9 @@ class Lock:
 
     async def _release_cas(self, tr: Transport, seg: int, off: int, ticket: int) -> None:
         old = await tr.compare_swap(seg, off + _core.LOCK_SERVING, ticket, ticket + 1)
+        if isinstance(tr, ShmTransport):
+            # a polling shm holder: futex waiters may sleep behind it
+            tr.wake_ticket(seg, off + _core.LOCK_SERVING, ticket + 1)
         if old != ticket:
             raise StaleFence(f"lock {self.name!r} was lost before release (lease expired: "
                              f"now serving {old}, our ticket {ticket})")
@@ -321,6 +377,7 @@ class Lock:
                 await self.release()
         finally:
             self._closed = True
+            self._return_record()
             link, unuse, self._unuse = self._link, self._unuse, None
             if link is not None and unuse is not None and unuse.detach() is not None:
                 await link.lock_unused(self.name)
@@ -354,9 +411,19 @@ class Lock:
         if st is None or st.lease != slot.lease:
             st = self._state = _core.TicketState(slot.lease, self._min_delay, self._max_delay)
         seg, off = slot.segment, slot.offset
-        # auto: park where the server can (its CPU reads our requests: TCP),
-        # poll where it cannot (one-sided RDMA never wakes the server)
+        # auto: futexes on a mapping (shm), else park where the server can
+        # (its CPU reads our requests: TCP), poll where it cannot (one-sided
+        # RDMA never wakes the server)
         self._transport, self._slot = tr, slot
+        if self.mode == "futex" or (self.mode == "auto" and isinstance(tr, ShmTransport)):
+            if not isinstance(tr, ShmTransport):
+                raise InterfaceError(f"the {tr.name} transport cannot wait on a futex: only shm can",
+                                     hint="use mode='auto'")
+            self._path, self._parker = "futex", None
+            await self._wait_futex(tr, st, seg, off)
+            if self._renew is None:
+                self._renew = loop.call_at(st.renew_at, self._renew_due)
+            return
         if self.mode == "park" or (self.mode == "auto" and isinstance(tr, LockCapable)):
             if not isinstance(tr, LockCapable):
                 raise InterfaceError(f"the {tr.name} transport cannot park lock waiters",
@@ -429,6 +496,114 @@ class Lock:
                 self._give_up(tr, off, st.ticket)
                 st.released()
             raise
+
+    async def _wait_futex(self, tr: ShmTransport, st: _core.TicketState, seg: int, off: int) -> None:
+        now = time.monotonic
+        at = off + _core.LOCK_SERVING
+        await self._take_record(tr)
+        # Not shielded as _draw is: on a mapping the fetch-and-add completes
+        # where it starts (a cancellation can only come before it)
+        st.start(await tr.fetch_add(seg, off + _core.LOCK_NEXT, 1), now())
+        try:
+            await self._record_ticket(tr, seg, off, st.ticket)
+            serving = await tr.fetch_add(seg, at, 0)
+            while True:
+                code, _ = st.observe(serving, now())
+                if code == _core.OBSERVE_GRANTED:
+                    return
+                if code == _core.OBSERVE_LAPSED:
+                    log.debug("lock %r: ticket passed while waiting; drawing a new one", self.name)
+                    st.start(await tr.fetch_add(seg, off + _core.LOCK_NEXT, 1), now())
+                    await self._record_ticket(tr, seg, off, st.ticket)
+                    serving = await tr.fetch_add(seg, at, 0)
+                    continue
+                if self._futex_spin:
+                    serving = await self._spin_on(tr, seg, at, st.ticket, serving)
+                    if serving == st.ticket:
+                        continue
+                # MAX_SLEEP bounds each sleep: the waiter then looks at the
+                # words again, so a lapse or a dead server is seen in time
+                serving = await tr.wait_ticket(seg, at, st.ticket, st.lease)
+        except BaseException:
+            if st.state != _core.TICKET_IDLE:
+                self._give_up(tr, off, st.ticket)
+                st.released()
+            raise
+
+    async def _spin_on(self, tr: ShmTransport, seg: int, at: int, ticket: int, serving: int) -> int:
+        # poll now_serving for futex_spin seconds, letting the loop run
+        until = time.monotonic() + self._futex_spin
+        while serving != ticket and time.monotonic() < until:
+            await asyncio.sleep(0)
+            serving = await tr.fetch_add(seg, at, 0)
+        return serving
+
+    async def _take_record(self, tr: ShmTransport) -> None:
+        """A record word on ``tr`` for our tickets, borrowed from the server
+        once per few Locks; without one (the server refused) a dead holder's
+        ticket passes on at the end of its lease instead."""
+        if self._record is not None and self._record[0] is tr:
+            return
+        self._return_record()
+        pool = _records.get(tr)
+        if pool is None:
+            pool = _records[tr] = _Records()
+        if not pool.free and not pool.refused:
+            try:
+                got = await tr.control({"cmd": "lock_records"})
+                pool.free.extend((int(got["offset"]) + 8 * i, 0) for i in range(int(got["words"])))
+            except (ServerError, KeyError, TypeError, ValueError) as exc:
+                # an older server does not know the command: do not ask again
+                pool.refused = not isinstance(exc, OutOfMemory)
+                log.info("lock %r: the server lends no ticket records (%s): if this process dies "
+                         "holding the lock, it passes on at the end of the lease", self.name, exc)
+        if pool.free:
+            offset, self._recorded = pool.free.pop()
+            self._record = (tr, offset)
+
+    async def _record_ticket(self, tr: ShmTransport, seg: int, off: int, ticket: int) -> None:
+        if self._record is None:
+            return
+        new = _core.ticket_record(off // _core.LOCK_SLOT_SIZE, ticket)
+        # we are the word's only writer while we live: a CAS from what we
+        # stored is a store (the transport offers no plain one on locks)
+        if await tr.compare_swap(seg, self._record[1], self._recorded, new) == self._recorded:
+            self._recorded = new
+
+    def _return_record(self) -> None:
+        record, self._record = self._record, None
+        if record is not None:
+            pool = _records.get(record[0])
+            if pool is not None:
+                pool.free.append((record[1], self._recorded))
+
+    async def _release_futex(self, tr: ShmTransport, seg: int, off: int, ticket: int, wait: bool) -> None:
+        parked = off + _core.LOCK_PARKED
+        if await tr.fetch_add(seg, parked, 0):
+            # TCP waiters are parked at the server: it releases, grants the
+            # next of them at once, and wakes our sleepers
+            if wait:
+                await tr.lock_release(seg, off, ticket)
+            else:
+                tr.lock_release_nowait(seg, off, ticket)
+            return
+        at = off + _core.LOCK_SERVING
+        old = await tr.compare_swap(seg, at, ticket, ticket + 1)
+        # only the next ticket's sleeper: the others would wake to sleep again
+        tr.wake_ticket(seg, at, ticket + 1)
+        if old != ticket:
+            err = StaleFence(f"lock {self.name!r} was lost before release (lease expired: "
+                             f"now serving {old}, our ticket {ticket})")
+            if wait:
+                raise err
+            log.warning("%s", err)
+            return
+        # The server raises LOCK_PARKED before it looks at now_serving to
+        # park an acquire (server/locks.py), and both are seq-cst atomics:
+        # either it saw our release and granted, or we see its mark now and
+        # make it look again (giving up a passed ticket makes it look).
+        if await tr.fetch_add(seg, parked, 0):
+            _spawn(tr.control({"cmd": "lock_abandon", "offset": off, "ticket": ticket}))
 
     def _give_up(self, tr: Transport, off: int, ticket: int) -> None:
         # the server skips the ticket when its turn comes (or now, if it has

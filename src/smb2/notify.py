@@ -25,11 +25,22 @@ A slot only grows: ``notify`` raises it to ``max(slot, value)`` with a
 compare-and-swap loop, so several writers can use increasing values on one
 slot and ``wait_notify(slot, at_least=v)`` is never fooled by a late, smaller
 value overwriting a larger one.  Counters use :meth:`Buffer.notify_add`.
+
+How a waiter waits
+------------------
+Over shm (the slot's server maps into this process) ``wait_notify`` sleeps
+on a shared futex on the slot's word, in a thread (``ShmTransport.wait_word``),
+and every writer that changes a slot wakes it: a shm writer with
+``FUTEX_WAKE`` on its own mapping, the server after a TCP client's atomic.
+A sleep lasts at most ``MAX_SLEEP`` of that transport, so an RDMA writer's
+change (the NIC's atomic wakes nobody) is seen within it.  Over other
+transports the waiter polls with exponential backoff.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any, Protocol
 
@@ -37,6 +48,8 @@ import numpy as np
 
 from .checks import check_int
 from .errors import InterfaceError, InvalidArgumentError, NotifyTimeout
+from .protocol import MASK64
+from .transport import ShmTransport, Transport
 
 
 class NotifyBuffer(Protocol):
@@ -52,6 +65,8 @@ class NotifyBuffer(Protocol):
     async def compare_swap(self, offset: int, expected: int, new: int) -> int: ...
 
     async def read_into(self, out: Any, offset: int = 0) -> None: ...
+
+    def word_transport(self, offset: int) -> tuple[Transport | None, int, int]: ...
 
 #: polling of a slot starts this fast (seconds) ...
 FIRST_DELAY = 50e-6
@@ -103,15 +118,33 @@ async def raise_to(buf: NotifyBuffer, offset: int, value: int) -> int:
     while old < value:
         seen = await buf.compare_swap(offset, old, value)
         if seen == old:
+            wake(buf, offset)
             break
         old = seen      # somebody else changed it: retry against their value
     return old
 
 
+async def add(buf: NotifyBuffer, offset: int, value: int) -> int:
+    """Add ``value`` to the word at ``offset`` and wake its waiters; the old value."""
+    old = await buf.fetch_add(offset, value)
+    if value:
+        wake(buf, offset)
+    return old
+
+
+def wake(buf: NotifyBuffer, offset: int) -> None:
+    """Wake whoever sleeps on the word at ``offset`` over shm (nothing to
+    do elsewhere: the server wakes them after a TCP atomic)."""
+    tr, segment, seg_off = buf.word_transport(offset)
+    if isinstance(tr, ShmTransport):
+        tr.wake_word(segment, seg_off)
+
+
 async def wait_word(buf: NotifyBuffer, offset: int, at_least: int, timeout: float | None,
                     what: str = "notification") -> int:
-    """Poll the int64 word at ``offset`` with exponential backoff until it is
-    ``>= at_least``; return the value seen.  Raises :class:`NotifyTimeout`."""
+    """Wait until the int64 word at ``offset`` is ``>= at_least``: a futex
+    sleep over shm, polling with exponential backoff elsewhere; return the
+    value seen.  Raises :class:`NotifyTimeout`."""
     deadline = None if timeout is None else time.monotonic() + timeout
     delay = FIRST_DELAY
     while True:
@@ -123,8 +156,12 @@ async def wait_word(buf: NotifyBuffer, offset: int, at_least: int, timeout: floa
             raise NotifyTimeout(
                 f"{what} at byte {offset} of buffer {buf.name!r} is {value}, "
                 f"still below {at_least} after {timeout} s")
-        sleep = delay if deadline is None else min(delay, max(0.0, deadline - now))
-        await asyncio.sleep(sleep)
+        left = None if deadline is None else max(0.0, deadline - now)
+        tr, segment, seg_off = buf.word_transport(offset)
+        if isinstance(tr, ShmTransport):
+            await tr.wait_word(segment, seg_off, value & MASK64, math.inf if left is None else left)
+            continue
+        await asyncio.sleep(delay if left is None else min(delay, left))
         delay = min(delay * 2, MAX_DELAY)
 
 

@@ -20,6 +20,16 @@ Three ways in:
   releases and renewals), expires holders whose lease ran out, and skips
   tickets that were given up.
 
+shm clients wait on a futex on ``now_serving`` (lock.py, the futex path):
+whatever moves it here (a release over TCP, an expiry, a dead connection's
+tickets, a skipped ticket) wakes them (``_settle``).  The slot's
+``LOCK_PARKED`` word tells them how many acquires are parked here, so that
+a shm holder releases through this server while there are any.  Their
+tickets are drawn by their own atomics, so each shm connection stores the
+tickets it holds or waits for in record words this server lends it
+(``lock_records``, a free slot's four words): when the connection dies,
+they are passed on at once, as a parked connection's are.
+
 Hand-offs: between a grant and the release that ends it the server has
 nothing to do but wait, and sleeping in epoll there costs a wakeup on every
 hand-off (on a virtual machine most of a round trip).  So while waiters are
@@ -94,6 +104,9 @@ FENCE_BUCKETS = 1 << 12
 # a connection: a connection full of parked acquires could then no longer
 # send the release they wait for; refused, it can.
 DEFAULT_MAX_PARKED = 512
+# record slots (of _core.LOCK_RECORDS words) one connection may borrow: as
+# many futex-path acquisitions at once; more only pass on at the lease's end
+MAX_RECORD_SLOTS = 16
 
 
 class Requester(Protocol):
@@ -165,6 +178,10 @@ class LockService:
         # from a holder's release or lease expiry to the next parked
         # waiter's grant (--metrics): the server's share of a hand-off
         self.handoffs = Durations()
+        # now_serving per open slot when futex sleepers were last woken
+        self._woken_at: dict[int, int] = {}
+        # record slots lent to shm connections (lock_records)
+        self._records: dict[Requester, list[int]] = {}
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -203,6 +220,7 @@ class LockService:
                 started = time.monotonic_ns()
                 lapsed = self._lapsed(now, started)
                 self._deliver(self.table.sweep(now), started, lapsed)
+                self._settle_all()
                 if self._orphans:
                     for slot in list(self._orphans):
                         self._reclaim(slot)
@@ -264,6 +282,7 @@ class LockService:
             # tickets go on from the freed lock's last one, if this key had one
             base = max(_ticket_base(), self.fences.pop(key, 0))
             self.table.open(slot, base, float(lease or self.lease), asyncio.get_running_loop().time())
+            self._woken_at[slot] = base
             self.by_name[name] = slot
             self.names[slot] = name
             self.by_key[key] = slot
@@ -315,6 +334,7 @@ class LockService:
         # no token below the next ticket may pass a fence on this key again
         self._remember_fence(key, self.table.words(slot)[0])
         self.table.close(slot)
+        self._woken_at.pop(slot, None)
         del self.by_name[name]
         self.names[slot] = None
         self.by_key.pop(key, None)
@@ -328,8 +348,48 @@ class LockService:
         cancellation); the queue skips it."""
         slot = self._slot_of(offset)
         since = time.monotonic_ns()
-        self._deliver(self.table.abandon(slot, ticket, asyncio.get_running_loop().time()), since)
+        now = asyncio.get_running_loop().time()
+        self._deliver(self.table.abandon(slot, ticket, now), since)
+        # a ticket passed already comes from a shm holder that released
+        # with its own atomic and saw acquires parked here: grant them
+        self._deliver(self.table.poke(slot, now), since)
+        self._settle(slot)
         return {}
+
+    def lend_records(self, conn: Requester) -> dict[str, Any]:
+        """``lock_records``: a slot of record words for ``conn``'s tickets
+        (see the top); it comes back to the free list with the connection."""
+        mine = self._records.setdefault(conn, [])
+        if len(mine) >= MAX_RECORD_SLOTS or not self._free:
+            raise Refused(ErrorCode.OUT_OF_MEMORY,
+                          f"no more ticket records for this connection (it has {len(mine)} slots of them, "
+                          f"this server {len(self._free)} free slots)")
+        slot = self._free.pop()
+        for i in range(_core.LOCK_RECORDS):
+            _core.atomic_store(self.view, slot * SLOT + 8 * i, 0)
+        mine.append(slot)
+        return {"segment": LOCK_SEGMENT, "offset": slot * SLOT, "words": _core.LOCK_RECORDS}
+
+    def _pass_recorded(self, conn: Requester) -> int:
+        """``conn`` is gone: give up the tickets its records name, and free
+        the record slots.  Returns how many tickets were given up."""
+        now = asyncio.get_running_loop().time()
+        given_up = 0
+        for rslot in self._records.pop(conn, ()):
+            for i in range(_core.LOCK_RECORDS):
+                at = rslot * SLOT + 8 * i
+                record = _core.atomic_load(self.view, at)
+                _core.atomic_store(self.view, at, 0)
+                slot = _core.record_slot(record)
+                if slot < 0 or not self.table.is_open(slot):
+                    continue
+                nxt, serving, _ = self.table.words(slot)
+                ticket = _core.recorded_ticket(record, nxt, serving)
+                if ticket is not None:
+                    given_up += 1
+                    self._deliver(self.table.abandon(slot, ticket, now))
+            self._free.append(rslot)
+        return given_up
 
     def stat(self) -> dict[str, Any]:
         locks = {}
@@ -386,11 +446,16 @@ class LockService:
                 raise Refused(ErrorCode.OUT_OF_MEMORY,
                               f"this connection already has {len(mine)} lock acquires waiting, "
                               "the most a server parks for one connection")
+            # marked parked BEFORE the table looks at now_serving: a shm
+            # holder that releases meanwhile sees the mark (lock.py)
+            _core.atomic_store(self.view, slot * SLOT + _core.LOCK_PARKED, self.table.parked_count(slot) + 1)
             try:
                 ticket, granted = self.table.acquire(slot, waiter, owner, now)
             except ValueError:
                 raise Refused(ErrorCode.BAD_REQUEST,
                               f"request id {rid} already waits for or holds a lock") from None
+            finally:
+                self._settle(slot)
             if granted:
                 conn.reply(hdr, _core.pack_u64(ticket))
             else:
@@ -408,6 +473,7 @@ class LockService:
                     log.info("%s released lock %r with ticket %d, which did not hold it "
                              "(lease expired?)", conn.peer, self.names[slot], ticket)
                 self._deliver(grants, since)
+                self._settle(slot)
                 return
             if not ok:
                 raise Refused(ErrorCode.STALE_FENCE,
@@ -415,6 +481,7 @@ class LockService:
                               "(its lease expired, or it was released already)")
             conn.reply(hdr)
             self._deliver(grants, since)
+            self._settle(slot)
             return
         # LOCK_CANCEL: give up what the acquire with that request id got
         target = _core.unpack_u64(payload)
@@ -428,6 +495,7 @@ class LockService:
                 pconn, phdr = parked
                 pconn.reply(phdr, error_payload("acquire cancelled"), status=ErrorCode.CONFLICT)
             self._deliver(grants, since)
+            self._settle(slot)
         conn.reply(hdr)
 
     def touched(self, offset: int) -> None:
@@ -436,9 +504,13 @@ class LockService:
         if self.table.is_open(slot):
             since = time.monotonic_ns()
             self._deliver(self.table.poke(slot, asyncio.get_running_loop().time()), since)
+            self._settle(slot)
 
     def connection_lost(self, conn: Requester) -> None:
         since = time.monotonic_ns()
+        if self._pass_recorded(conn):
+            log.info("shm connection %s lost while holding or waiting for a lock; passed on", conn.peer)
+            self._settle_all()
         owner = self._owners.pop(conn, None)
         if owner is None:
             for slot in self._opened.pop(conn, ()):
@@ -454,6 +526,24 @@ class LockService:
         if grants:
             log.info("connection %s lost while holding or waiting for a lock; passed on", conn.peer)
         self._deliver(grants, since)
+        self._settle_all()
+
+    def _settle(self, slot: int) -> None:
+        """After anything that may have moved ``slot``: publish how many
+        acquires are parked on it, and wake the shm clients sleeping on its
+        now_serving if it moved."""
+        if not self.table.is_open(slot):
+            return
+        base = slot * SLOT
+        _core.atomic_store(self.view, base + _core.LOCK_PARKED, self.table.parked_count(slot))
+        serving = self.table.words(slot)[1]
+        if self._woken_at.get(slot) != serving:
+            self._woken_at[slot] = serving
+            _core.futex_wake(self.view, base + _core.LOCK_SERVING)
+
+    def _settle_all(self) -> None:
+        for slot in self.by_name.values():
+            self._settle(slot)
 
     def _deliver(self, grants: list[int], since_ns: int | None = None,
                  lapsed: dict[int, int] | None = None) -> None:

@@ -953,19 +953,24 @@ class Connection(FrameReceiver):
         assert payload is not None
         seg, offset = self._still_there(hdr[H_SEGMENT]), hdr[H_OFFSET]
         # a CPU atomic: shm clients change the same word from their processes
-        old = _core.atomic_fetch_add(seg.view, offset, _core.unpack_u64(payload))
+        add = _core.unpack_u64(payload)
+        old = _core.atomic_fetch_add(seg.view, offset, add)
         self.reply(hdr, _core.pack_u64(old))
         if seg.id == LOCK_SEGMENT:
             self.server.locks.touched(offset)
+        elif add:
+            _core.futex_wake(seg.view, offset)      # a shm client may sleep on it (smb2.notify)
 
     def _do_compare_swap(self, hdr: Header, payload: memoryview | None) -> None:
         assert payload is not None
         seg, offset = self._still_there(hdr[H_SEGMENT]), hdr[H_OFFSET]
-        old = _core.atomic_compare_swap(seg.view, offset, _core.unpack_u64(payload, 0),
-                                        _core.unpack_u64(payload, 8))
+        expected = _core.unpack_u64(payload, 0)
+        old = _core.atomic_compare_swap(seg.view, offset, expected, _core.unpack_u64(payload, 8))
         self.reply(hdr, _core.pack_u64(old))
         if seg.id == LOCK_SEGMENT:
             self.server.locks.touched(offset)
+        elif old == expected:
+            _core.futex_wake(seg.view, offset)      # a shm client may sleep on it (smb2.notify)
 
     def _accumulate(self, hdr: Header, seg: Segment, payload: memoryview) -> None:
         # ``length`` is the payload's; a widening dtype covers twice that (checked)
@@ -1130,6 +1135,9 @@ class Connection(FrameReceiver):
     def _cmd_lock_abandon(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
 
+    def _cmd_lock_records(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+        return self.server.locks.lend_records(self)
+
     def _cmd_auth(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
         srv = self.server
         if srv.token is None:
@@ -1178,7 +1186,8 @@ class Connection(FrameReceiver):
         "hello": _cmd_hello, "auth": _cmd_auth, "create": _cmd_create, "lookup": _cmd_lookup,
         "rdma_segment": _cmd_rdma_segment, "rdma_connect": _cmd_rdma_connect, "destroy": _cmd_destroy,
         "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon,
-        "shm_grant": _cmd_shm_grant, "lock_close": _cmd_lock_close}
+        "shm_grant": _cmd_shm_grant, "lock_close": _cmd_lock_close,
+        "lock_records": _cmd_lock_records}
 
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT,

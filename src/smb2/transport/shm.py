@@ -40,6 +40,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,13 @@ _MAX_COPY = 1 << 30
 # loop once this long has passed since it last did (a clock read costs
 # ~50 ns; a yield, a few microseconds, is paid at most once per interval).
 _YIELD_EVERY = 0.0005
+# Futex sleeps block a thread, never the loop: they run here (threads are
+# made on demand).  A sleep is cut at MAX_SLEEP so that a sleeper also sees
+# what moves the word without waking it (an RDMA client's atomic, a server
+# of an older version), a dead server's connection, and a cancelled waiter
+# gives its thread back soon.
+_SLEEPERS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="smb2-futex")
+MAX_SLEEP = 0.05
 
 
 @dataclass(slots=True)
@@ -256,6 +264,61 @@ class ShmTransport(Transport, LockCapable):
             await self._map_first(segment)
         m = self._mapping(segment, offset, 8)
         return int(_core.atomic_compare_swap(m.data, offset, expected & MASK64, new & MASK64))
+
+    # -- waiting on a word: futexes (the lock, notifications) -------------------
+    async def wait_word(self, segment: int, offset: int, old: int, timeout: float,
+                        spin: float = 0.0) -> int:
+        """The u64 word at ``offset`` once it is no longer ``old``, or as it
+        is after ``timeout`` seconds (at most ``MAX_SLEEP``; the caller
+        loops).  Polls for ``spin`` seconds, yielding to the loop, then
+        sleeps on a shared futex in a thread: whoever changes the word
+        wakes it (``wake_word``; the server for the lock words)."""
+        if segment not in self._maps:
+            await self._map_first(segment)
+        data = self._mapping(segment, offset, 8).data
+        old &= MASK64
+        value = int(_core.atomic_load(data, offset))
+        if value != old:
+            return value
+        if spin > 0:
+            until = time.monotonic() + min(spin, timeout)
+            while time.monotonic() < until:
+                await asyncio.sleep(0)
+                value = int(_core.atomic_load(data, offset))
+                if value != old:
+                    self._yielded = time.monotonic()
+                    return value
+        await asyncio.get_running_loop().run_in_executor(
+            _SLEEPERS, _core.futex_wait_u64, data, offset, old, min(timeout, MAX_SLEEP))
+        self._yielded = time.monotonic()
+        self._mapping(segment, offset, 8)       # the server died, or the buffer went, meanwhile?
+        return int(_core.atomic_load(data, offset))
+
+    async def wait_ticket(self, segment: int, offset: int, ticket: int, timeout: float) -> int:
+        """The u64 ticket word at ``offset`` once it has reached ``ticket``
+        (a lock's now_serving), or as it is after ``timeout`` seconds (at
+        most ``MAX_SLEEP``).  Only a wake for this ticket (``wake_ticket``)
+        or for everyone (``wake_word``) wakes this waiter."""
+        if segment not in self._maps:
+            await self._map_first(segment)
+        data = self._mapping(segment, offset, 8).data
+        await asyncio.get_running_loop().run_in_executor(
+            _SLEEPERS, _core.futex_wait_ticket, data, offset, ticket & MASK64, min(timeout, MAX_SLEEP))
+        self._yielded = time.monotonic()
+        self._mapping(segment, offset, 8)       # the server died meanwhile?
+        return int(_core.atomic_load(data, offset))
+
+    def wake_ticket(self, segment: int, offset: int, ticket: int) -> None:
+        """Wake the ``wait_ticket`` sleepers for ``ticket``, in any process."""
+        m = self._maps.get(segment)
+        if m is not None:
+            _core.futex_wake_ticket(m.data, offset, ticket & MASK64)
+
+    def wake_word(self, segment: int, offset: int) -> None:
+        """Wake every ``wait_word`` sleeper on the word, in any process."""
+        m = self._maps.get(segment)
+        if m is not None:
+            _core.futex_wake(m.data, offset)
 
     # -- through the server ------------------------------------------------------
     async def control(self, msg: dict[str, Any]) -> dict[str, Any]:
