@@ -83,7 +83,6 @@ async def test_shm_and_tcp_clients_on_one_lock_and_one_accumulate_range_stay_exa
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.timeout(30)
 async def test_a_coroutine_polling_over_shm_lets_the_rest_of_the_loop_run() -> None:
     """A shm read finishes without suspending: a loop of them must still let
     the writer it waits for, and the timers, run (else it spins forever)."""
@@ -99,7 +98,11 @@ async def test_a_coroutine_polling_over_shm_lets_the_rest_of_the_loop_run() -> N
         polls = 0
         while (await flag.read(0, 8)).view(np.uint64)[0] != 1:
             polls += 1
+            if setter.done():       # it failed: say how, rather than poll on
+                setter.result()
+                break
         await setter
+        assert (await flag.read(0, 8)).view(np.uint64)[0] == 1
         assert polls > 0
         words = 0
         while not setter.done() or words < 10:
@@ -108,6 +111,7 @@ async def test_a_coroutine_polling_over_shm_lets_the_rest_of_the_loop_run() -> N
         assert await flag.fetch_add(8, 0) == words
 
 
+@pytest.mark.timeout(30)
 async def test_a_sigkilled_server_is_a_transport_error_not_a_crash() -> None:
     async with smb2.LocalCluster(servers=1, processes=True, capacity="64MiB") as cluster:
         client = await cluster.connect(transport="shm")

@@ -161,9 +161,7 @@ class ShmTransport(Transport, LockCapable):
         if not isinstance(path, str) or not isinstance(ticket, bytes):
             raise TransportError(f"{self.label}: malformed shm_grant reply", server=self.label)
         self.socket_path = path
-        # a blocking claim of a few hundred bytes, once per segment: a thread
-        # keeps it off the loop without a file-descriptor dance per loop kind
-        items, fds = await asyncio.to_thread(_claim, path, ticket, self.label)
+        items, fds = await _claim(path, ticket, self.label)
         try:
             if len(items) != len(fds):
                 raise TransportError(f"{self.label} sent {len(fds)} fds for {len(items)} segments",
@@ -378,21 +376,30 @@ def _cut(src: Sequence[memoryview], limit: int) -> list[tuple[int, list[memoryvi
     return out
 
 
-def _claim(path: str, ticket: bytes, label: str) -> tuple[list[list[int]], list[int]]:
-    """Claim ``ticket`` on the server's Unix socket: (segments, fds)."""
+async def _claim(path: str, ticket: bytes, label: str) -> tuple[list[list[int]], list[int]]:
+    """Claim ``ticket`` on the server's Unix socket: (segments, fds).
+
+    On the loop, not in a thread: a loop kept busy (a coroutine polling a
+    mapped word yields to it every half millisecond, and each of its turns
+    releases the GIL for a moment in select) starves a thread that waits
+    for the GIL -- CPython's convoy effect -- for seconds, long enough for
+    the ticket to expire."""
+    loop = asyncio.get_running_loop()
     fds: list[int] = []
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(10.0)
-            sock.connect(path)
-            sock.sendall(ticket)
-            data, fds, flags, _ = socket.recv_fds(sock, _MAX_REPLY, _MAX_FDS)
-            if flags & socket.MSG_CTRUNC:
-                raise TransportError(f"{label} sent more fds than one hand-out carries", server=label)
-            while chunk := sock.recv(_MAX_REPLY):
-                data += chunk
-                if len(data) > _MAX_REPLY:
-                    raise TransportError(f"{label}: shm hand-out too long", server=label)
+            sock.setblocking(False)
+            async with asyncio.timeout(10.0):
+                await loop.sock_connect(sock, path)
+                await loop.sock_sendall(sock, ticket)
+                await _readable(loop, sock)
+                data, fds, flags, _ = socket.recv_fds(sock, _MAX_REPLY, _MAX_FDS)
+                if flags & socket.MSG_CTRUNC:
+                    raise TransportError(f"{label} sent more fds than one hand-out carries", server=label)
+                while chunk := await loop.sock_recv(sock, _MAX_REPLY):
+                    data += chunk
+                    if len(data) > _MAX_REPLY:
+                        raise TransportError(f"{label}: shm hand-out too long", server=label)
         reply = unpack(data)
         if not isinstance(reply, dict) or "segments" not in reply:
             message = reply.get("error") if isinstance(reply, dict) else None
@@ -402,6 +409,11 @@ def _claim(path: str, ticket: bytes, label: str) -> tuple[list[list[int]], list[
         if not (isinstance(items, list) and all(isinstance(i, list) and len(i) == 3 for i in items)):
             raise TransportError(f"{label}: malformed shm hand-out", server=label)
         return items, fds
+    except TimeoutError:
+        for fd in fds:
+            os.close(fd)
+        raise TransportError(f"{label}'s Unix socket {path} did not hand out the segments within 10 s",
+                             server=label) from None
     except OSError as exc:
         for fd in fds:
             os.close(fd)
@@ -413,3 +425,17 @@ def _claim(path: str, ticket: bytes, label: str) -> tuple[list[list[int]], list[
         for fd in fds:
             os.close(fd)
         raise
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Until ``sock`` has something to read (recv_fds has no loop method)."""
+    ready = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+    loop.add_reader(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
