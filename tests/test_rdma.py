@@ -144,6 +144,39 @@ async def test_auto_picks_rdma_and_says_so(caplog: pytest.LogCaptureFixture) -> 
                for r in caplog.records)
 
 
+@needs_rdma
+async def test_rdma_connections_are_capped_and_the_next_is_told_to_use_tcp(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Each RDMA connection pins a staging area on the server: past
+    --max-rdma-connections a client is refused RDMA (auto takes TCP and says
+    why), and a slot frees when its connection closes."""
+    caplog.set_level(logging.INFO, logger="smb2.transport")
+    server = await smb2.start_server("127.0.0.1", 0, shm="off", max_rdma_connections=1)
+    try:
+        first = await smb2.connect([server.address], transport="rdma")
+        with pytest.raises(smb2.TransportError, match="max-rdma-connections") as info:
+            await smb2.connect([server.address], transport="rdma")
+        assert info.value.hint is not None and "tcp" in info.value.hint
+        second = await smb2.connect([server.address])
+        assert second.transports == ["tcp"]
+        assert any("using tcp" in r.getMessage() and "max-rdma-connections" in r.getMessage()
+                   for r in caplog.records)
+        buf = await second.create("b", 4096)
+        await buf.write(0, b"served")
+        assert bytes(await buf.read(0, 6)) == b"served"
+        await first.close()
+        for _ in range(100):            # the server sees the close
+            if not server.rdma.peers:
+                break
+            await asyncio.sleep(0.02)
+        third = await smb2.connect([server.address], transport="rdma")
+        assert third.transports == ["rdma"]
+        await third.close()
+        await second.close()
+    finally:
+        await server.close()
+
+
 @pytest.mark.skipif(REASON is None, reason="this machine has RDMA")
 async def test_auto_falls_back_to_tcp_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="smb2.transport")

@@ -1087,6 +1087,11 @@ class Connection(FrameReceiver):
         srv = self.server
         if srv.rdma is None:
             raise Refused(ErrorCode.UNSUPPORTED, f"this server has no RDMA: {srv.rdma_reason}")
+        if self.rdma_peer is None and len(srv.rdma.peers) >= srv.options.max_rdma_connections:
+            # each peer pins a staging area: the memory budget counts them
+            raise Refused(ErrorCode.OUT_OF_MEMORY,
+                          f"this server serves {len(srv.rdma.peers)} RDMA connections, its limit "
+                          "(--max-rdma-connections); use transport='tcp' for this client, or raise the limit")
         peer, result = srv.rdma.connect(msg)
         if self.rdma_peer is not None:
             srv.rdma.drop(self.rdma_peer)

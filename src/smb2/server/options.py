@@ -63,6 +63,10 @@ class ServerOptions:
                                    type=int)
     max_connections_per_host: int = _option(
         128, "connections one source address may hold at most (default %(default)s)", type=int)
+    max_rdma_connections: int = _option(
+        64, "connections that may set up RDMA at once; each pins a 4 MiB staging area, so this bounds "
+        "the pinned memory besides the segments (default %(default)s; others are told to use TCP)",
+        type=int)
     max_inflight: int = _option(
         1024, "requests one connection may have waiting for their replies (parked lock acquires, "
         "accumulates behind a write) before the server stops reading it (default %(default)s)", type=int)
@@ -102,7 +106,8 @@ class ServerOptions:
             if not getattr(self, name) >= 0:
                 raise InvalidArgumentError(f"{name.replace('_', ' ')} must be >= 0 s (0 = never), "
                                            f"not {getattr(self, name)}")
-        for name in ("max_connections", "max_connections_per_host", "max_inflight", "max_buffers"):
+        for name in ("max_connections", "max_connections_per_host", "max_inflight", "max_buffers",
+                     "max_rdma_connections"):
             if not getattr(self, name) >= 1:
                 raise InvalidArgumentError(f"{name.replace('_', ' ')} must be at least 1, "
                                            f"not {getattr(self, name)}")

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _core
-from ..errors import NoSuchBuffer, OutOfBounds, TransportError
+from ..errors import NoSuchBuffer, OutOfBounds, ServerError, TransportError
 from ..protocol import DTYPE_SHIFT, MASK64, accumulate_span
 from ..rdma_device import Device, _verbs, alloc_pinned, get_device, unavailable_reason
 from .base import Transport
@@ -210,6 +210,11 @@ class RdmaTransport(Transport):
             if isinstance(exc, OSError):
                 raise TransportError(f"RDMA set-up with {label} failed: {exc}",
                                      errno=exc.errno, server=label) from None
+            if isinstance(exc, ServerError):
+                # the server said no (its RDMA connection limit, say): a reason
+                # not to use RDMA with it, which auto answers with TCP
+                raise TransportError(f"RDMA set-up with {label} refused: {exc}", server=label,
+                                     hint="use transport='tcp' for this server") from None
             raise
         return self
 
