@@ -20,7 +20,7 @@ import smb2
 from lock_worker import reap, spawn, start_holder
 from smb2 import _core
 from smb2.protocol import LOCK_SEGMENT
-from smb2.transport import ShmTransport
+from smb2.transport import ShmTransport, TcpTransport
 
 
 def _loop_name() -> str:
@@ -259,3 +259,47 @@ async def test_a_dead_shm_holder_is_passed_on(waiter: str, sig: int) -> None:
             await lock.release()
         finally:
             await reap(proc)
+
+
+async def test_ticket_records_are_for_shm_clients_and_bounded_server_wide() -> None:
+    """Record slots come from the lock table: a TCP connection gets none, one
+    connection at most MAX_RECORD_SLOTS, all together a quarter of the
+    slots, so borrowing records never leaves a lock without a slot."""
+    server = await smb2.start_server("127.0.0.1", 0, lock_slots=16)
+    opened: list[TcpTransport] = []
+    try:
+        tcp = await TcpTransport.connect(server.address)
+        opened.append(tcp)
+        with pytest.raises(smb2.BadRequest, match="shm clients"):
+            await tcp.control({"cmd": "lock_records"})
+        shms = []
+        for _ in range(2):
+            control = await TcpTransport.connect(server.address)
+            opened.append(control)
+            shms.append(await ShmTransport.upgrade(control))
+        for _ in range(16 // 4):
+            got = await shms[0].control({"cmd": "lock_records"})
+            assert got["segment"] == LOCK_SEGMENT
+        for shm in shms:
+            with pytest.raises(smb2.OutOfMemory, match="at most 4"):
+                await shm.control({"cmd": "lock_records"})
+        # the other 12 slots still serve locks, and a closed borrower gives its 4 back
+        client = await smb2.connect([server.address], transport="tcp")
+        locks = [client.lock(f"l{i}") for i in range(12)]
+        for lock in locks:
+            await lock.acquire()
+            await lock.release()
+        await shms[0].close()
+        for _ in range(100):
+            try:
+                await shms[1].control({"cmd": "lock_records"})
+                break
+            except smb2.OutOfMemory:
+                await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the closed connection's record slots never came back")
+        await client.close()
+    finally:
+        for t in opened:
+            await t.close()
+        await server.close()

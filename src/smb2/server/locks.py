@@ -107,6 +107,9 @@ DEFAULT_MAX_PARKED = 512
 # record slots (of _core.LOCK_RECORDS words) one connection may borrow: as
 # many futex-path acquisitions at once; more only pass on at the lease's end
 MAX_RECORD_SLOTS = 16
+# ...and all connections together at most this share of the lock slots, so
+# that clients borrowing records can never leave no slot for a lock
+RECORD_SHARE = 4
 
 
 class Requester(Protocol):
@@ -360,10 +363,13 @@ class LockService:
         """``lock_records``: a slot of record words for ``conn``'s tickets
         (see the top); it comes back to the free list with the connection."""
         mine = self._records.setdefault(conn, [])
-        if len(mine) >= MAX_RECORD_SLOTS or not self._free:
+        lent = sum(len(slots) for slots in self._records.values())
+        if len(mine) >= MAX_RECORD_SLOTS or lent >= self.nslots // RECORD_SHARE or not self._free:
             raise Refused(ErrorCode.OUT_OF_MEMORY,
                           f"no more ticket records for this connection (it has {len(mine)} slots of them, "
-                          f"this server {len(self._free)} free slots)")
+                          f"all connections {lent} of at most {self.nslots // RECORD_SHARE}, this server "
+                          f"{len(self._free)} free slots); a lock still works, and a dead holder's "
+                          "ticket passes at the end of its lease")
         slot = self._free.pop()
         for i in range(_core.LOCK_RECORDS):
             _core.atomic_store(self.view, slot * SLOT + 8 * i, 0)

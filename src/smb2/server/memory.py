@@ -1141,6 +1141,10 @@ class Connection(FrameReceiver):
         return self.server.locks.abandon(_uint(msg, "offset"), _uint(msg, "ticket"))
 
     def _cmd_lock_records(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+        if self.transport_name != "shm":
+            # records are written by the client's own atomics on the mapped
+            # lock segment: nobody else can use them
+            raise Refused(ErrorCode.BAD_REQUEST, "lock_records is for shm clients (after shm_grant)")
         return self.server.locks.lend_records(self)
 
     def _cmd_auth(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
