@@ -19,6 +19,8 @@ import pytest
 import smb2
 import wire
 from smb2.errors import ErrorCode
+from smb2.server.shm import MAX_PENDING_PER_OWNER
+from smb2.transport import ShmTransport, TcpTransport
 
 MiB = 1 << 20
 ONE_SIDED = {"read", "write", "fetch_add", "compare_swap"}
@@ -273,4 +275,28 @@ async def test_accumulates_and_fenced_writes_larger_than_a_frame_are_cut_for_the
             assert st["ops"]["shm"]["accumulate"] == 2 * 12
             assert st["ops"]["shm"]["write"] == -(-buf.nbytes // (MiB - 16))
     finally:
+        await server.close()
+
+
+async def test_unclaimed_tickets_are_bounded_per_connection_and_cost_other_clients_nothing() -> None:
+    """A client that asks for segment hand-outs and never claims them holds
+    a few tickets (their fds), not the server's fd table, and other clients
+    still get theirs."""
+    server = await smb2.start_server("127.0.0.1", 0)
+    hoarder = await TcpTransport.connect(server.address)
+    try:
+        with pytest.raises(smb2.BadRequest, match="twice"):
+            await hoarder.control({"cmd": "shm_grant", "segments": [0, 0]})
+        for _ in range(MAX_PENDING_PER_OWNER):
+            await hoarder.control({"cmd": "shm_grant", "segments": [0]})
+        with pytest.raises(smb2.OutOfMemory, match="claim them first"):
+            await hoarder.control({"cmd": "shm_grant", "segments": [0]})
+        assert server.shm is not None and server.shm.max_pending_fds >= 64
+        honest = await ShmTransport.upgrade(await TcpTransport.connect(server.address))
+        assert honest.mapped == [0]
+        await honest.close()
+        async with await smb2.connect([server.address]) as c:
+            assert c.transports == ["shm"]
+    finally:
+        await hoarder.close()
         await server.close()

@@ -1116,7 +1116,7 @@ class Connection(FrameReceiver):
             segs.append((seg.id, seg.view))
         # from now on this connection's server-side work counts as shm's
         self._count_as("shm")
-        return srv.shm.grant(segs)
+        return srv.shm.grant(segs, owner=self)
 
     def _count_as(self, transport: str) -> None:
         self.transport_name = transport

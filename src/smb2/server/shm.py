@@ -22,6 +22,7 @@ import array
 import asyncio
 import logging
 import os
+import resource
 import socket
 import stat
 import tempfile
@@ -41,9 +42,15 @@ TICKET_TTL = 10.0
 CLAIM_TIMEOUT = 5.0
 # fds one ticket carries (the kernel passes at most 253 in one message)
 MAX_SEGMENTS_PER_GRANT = 64
-# tickets waiting to be claimed, per server: an authenticated client that
-# never claims must not make the server hold unbounded fds
+# tickets waiting to be claimed, per server, and per connection that asked:
+# an authenticated client that never claims must not make the server hold
+# unbounded fds, nor keep other clients from theirs
 MAX_PENDING = 256
+MAX_PENDING_PER_OWNER = 4
+# fds all unclaimed tickets together may hold: a share of what the process
+# may open, so that asking for tickets can never leave it unable to accept
+# a connection or open a file
+FD_SHARE = 4
 
 
 def default_socket_path(port: int) -> str:
@@ -69,6 +76,7 @@ class _Grant:
     segments: list[list[int]]       # [segment id, size, state word offset] per fd
     fds: list[int]
     expiry: asyncio.TimerHandle
+    owner: object                   # who asked (the connection)
 
 
 class ShmService:
@@ -79,6 +87,10 @@ class ShmService:
         self.boot_id = host_boot_id
         self._sock = sock
         self._tickets: dict[bytes, _Grant] = {}
+        self._pending_of: dict[object, int] = {}
+        self._pending_fds = 0
+        self.max_pending_fds = max(MAX_SEGMENTS_PER_GRANT,
+                                   resource.getrlimit(resource.RLIMIT_NOFILE)[0] // FD_SHARE)
         self._task: asyncio.Task[None] | None = None
         self._claims: set[asyncio.Task[None]] = set()
         self.handed_out = 0
@@ -128,15 +140,22 @@ class ShmService:
             _close_all(grant.fds)
         self._tickets.clear()
 
-    def grant(self, segments: list[tuple[int, memoryview]]) -> dict[str, object]:
+    def grant(self, segments: list[tuple[int, memoryview]], owner: object = None) -> dict[str, object]:
         """A ticket for the memfds of ``segments`` ((id, view) each), with
         where to claim it; Refused if there are too many, or one is not
-        shareable."""
+        shareable.  ``owner`` (the asking connection) holds at most
+        MAX_PENDING_PER_OWNER unclaimed tickets."""
         if not 0 < len(segments) <= MAX_SEGMENTS_PER_GRANT:
             raise Refused(ErrorCode.BAD_REQUEST, f"shm_grant takes 1..{MAX_SEGMENTS_PER_GRANT} segments")
-        if len(self._tickets) >= MAX_PENDING:
-            raise Refused(ErrorCode.OUT_OF_MEMORY, f"{MAX_PENDING} shm tickets wait to be claimed; "
-                          "claim them first")
+        if len({sid for sid, _ in segments}) != len(segments):
+            raise Refused(ErrorCode.BAD_REQUEST, "shm_grant names a segment twice")
+        if self._pending_of.get(owner, 0) >= MAX_PENDING_PER_OWNER:
+            raise Refused(ErrorCode.OUT_OF_MEMORY, f"this connection has {MAX_PENDING_PER_OWNER} shm tickets "
+                          "waiting to be claimed; claim them first")
+        if len(self._tickets) >= MAX_PENDING or self._pending_fds + len(segments) > self.max_pending_fds:
+            raise Refused(ErrorCode.OUT_OF_MEMORY, f"{len(self._tickets)} shm tickets holding "
+                          f"{self._pending_fds} fds wait to be claimed (at most {MAX_PENDING} and "
+                          f"{self.max_pending_fds}); try again in {TICKET_TTL:g} s, or use transport='tcp'")
         fds: list[int] = []
         items = []
         try:
@@ -151,11 +170,23 @@ class ShmService:
             raise
         ticket = os.urandom(TICKET_SIZE)
         expiry = asyncio.get_running_loop().call_later(TICKET_TTL, self._expire, ticket)
-        self._tickets[ticket] = _Grant(items, fds, expiry)
+        self._tickets[ticket] = _Grant(items, fds, expiry, owner)
+        self._pending_of[owner] = self._pending_of.get(owner, 0) + 1
+        self._pending_fds += len(fds)
         return {"ticket": ticket, "path": self.path, "boot_id": self.boot_id}
 
-    def _expire(self, ticket: bytes) -> None:
+    def _take(self, ticket: bytes) -> _Grant | None:
+        """The grant of ``ticket``, no longer pending (its fds still open)."""
         grant = self._tickets.pop(ticket, None)
+        if grant is not None:
+            self._pending_fds -= len(grant.fds)
+            left = self._pending_of.pop(grant.owner) - 1
+            if left:
+                self._pending_of[grant.owner] = left
+        return grant
+
+    def _expire(self, ticket: bytes) -> None:
+        grant = self._take(ticket)
         if grant is not None:
             _close_all(grant.fds)
 
@@ -183,7 +214,7 @@ class ShmService:
                     if not part:
                         return
                     ticket += part
-            grant = self._tickets.pop(ticket, None)
+            grant = self._take(ticket)
             if grant is None:
                 await loop.sock_sendall(conn, pack({"error": "unknown or expired ticket"}))
                 return
