@@ -40,6 +40,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
                                   ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    # a test of what a server *process* does under an attack gains nothing
+    # from a second client loop, and such tests are the suite's slowest
+    if item.get_closest_marker("server_process_only") is not None:
+        return {"uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 

@@ -141,6 +141,7 @@ def closed_by_server(s: socket.socket, timeout: float = 10) -> bool:
     return True
 
 
+@pytest.mark.server_process_only
 async def test_connections_that_never_authenticate_hold_little_and_are_cut() -> None:
     """Issue 14 #1: 2,000 silent connections held 262 KiB each, and ~1 MiB
     more each after announcing a 1 MiB control message (41 MB -> 1.9 GB)."""

@@ -128,6 +128,7 @@ async def test_server_loop_stays_responsive_when_a_connection_with_20k_parked_wa
         await server.close()
 
 
+@pytest.mark.server_process_only
 async def test_smb2_server_process_answers_while_40_connections_drop_20k_parked_waiters() -> None:
     """The same with the default caps, on a real smb2-server process: 40
     connections x 500 parked acquires, all closed at once, while another
@@ -205,6 +206,7 @@ async def test_parked_waiters_per_connection_are_capped() -> None:
 
 # -- item 6: unbounded distinct names over time --------------------------------
 
+@pytest.mark.server_process_only
 async def test_ten_thousand_distinct_lock_names_on_the_default_slot_count() -> None:
     server = await smb2.start_server("127.0.0.1", 0)
     assert server.locks.nslots == server_locks.DEFAULT_SLOTS == 4096
