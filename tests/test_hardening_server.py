@@ -116,6 +116,15 @@ def open_sockets(address: tuple[str, int], n: int, first: bytes = b"",
     return socks
 
 
+async def trickle(writer: asyncio.StreamWriter) -> None:
+    """One byte every 0.1 s into ``writer`` until the server cuts it."""
+    with contextlib.suppress(ConnectionError):
+        while True:
+            writer.write(b"\1")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+
 def unread_reads(address: tuple[str, int], segment: int, n: int = 8000) -> socket.socket:
     """A connection that sends hello and ``n`` pipelined 64 KiB READs of
     ``segment`` (at least 4 MiB) and reads none of the replies."""
@@ -231,14 +240,7 @@ async def test_a_trickling_write_is_cut_and_the_accumulates_behind_it_go_on() ->
             writer.write(wire.hello() + wire.frame(Op.WRITE, rid=2, segment=buf.segments[0], length=MiB))
             await wire.reply(reader)
             t0 = time.monotonic()
-
-            async def trickle() -> None:
-                with contextlib.suppress(ConnectionError):
-                    while True:
-                        writer.write(b"\1")
-                        await writer.drain()
-                        await asyncio.sleep(0.1)
-            trickler = asyncio.create_task(trickle())
+            trickler = asyncio.create_task(trickle(writer))
             await asyncio.wait_for(buf.accumulate(0, np.ones(8, np.int64)), 10)
             waited = time.monotonic() - t0
             hdr, body = await wire.reply(reader)

@@ -65,6 +65,28 @@ class LoopWatch:
         return self.worst
 
 
+class SlowestRead:
+    """Reads 8 bytes of ``buf`` over and over until ``stop()``: ``worst`` is
+    the longest one took (a read's error surfaces at ``stop()``)."""
+
+    def __init__(self, buf: smb2.Buffer) -> None:
+        self.buf = buf
+        self.worst = 0.0
+        self._done = False
+        self._task = asyncio.ensure_future(self._ping())
+
+    async def _ping(self) -> None:
+        while not self._done:
+            t0 = time.monotonic()
+            await self.buf.read(0, 8)
+            self.worst = max(self.worst, time.monotonic() - t0)
+
+    async def stop(self) -> float:
+        self._done = True
+        await self._task
+        return self.worst
+
+
 # -- item 3: many parked waiters ---------------------------------------------------
 
 def test_table_cancels_20k_parked_waiters_and_skips_20k_abandoned_tickets_fast() -> None:
@@ -149,16 +171,7 @@ async def test_smb2_server_process_answers_while_40_connections_drop_20k_parked_
             await asyncio.sleep(0.05)
         assert await parked() == 20000
         rss_parked = server.rss
-        worst = 0.0
-        done = False
-
-        async def ping() -> None:
-            nonlocal worst
-            while not done:
-                t0 = time.monotonic()
-                await buf.read(0, 8)
-                worst = max(worst, time.monotonic() - t0)
-        pinger = asyncio.ensure_future(ping())
+        pinger = SlowestRead(buf)
         await asyncio.sleep(0.1)
         for _, writer in conns:
             writer.close()
@@ -166,8 +179,7 @@ async def test_smb2_server_process_answers_while_40_connections_drop_20k_parked_
             if await parked() == 0:
                 break
             await asyncio.sleep(0.01)
-        done = True
-        await pinger
+        worst = await pinger.stop()
         print(f"\nsmb2-server: slowest 8-byte read while 20k parked waiters were dropped: "
               f"{worst * 1e3:.1f} ms; RSS {rss_before >> 20} MiB before, {rss_parked >> 20} MiB "
               f"with 20k parked, {server.rss >> 20} MiB after")

@@ -48,9 +48,11 @@ from test_hardening_server import (  # noqa: E402
     closed_by_server,
     guess,
     open_sockets,
+    trickle,
     unread_reads,
     well_behaved,
 )
+from test_lock_bounds import SlowestRead  # noqa: E402
 
 MiB = 1 << 20
 
@@ -181,14 +183,7 @@ async def trickling_write(quick: bool) -> Row:
             buf = await c.create("w", MiB)
             reader, writer = await raw_session(srv.address)
             writer.write(wire.frame(Op.WRITE, rid=2, segment=buf.segments[0], length=MiB))
-
-            async def trickle() -> None:
-                with contextlib.suppress(ConnectionError):
-                    while True:
-                        writer.write(b"\1")
-                        await writer.drain()
-                        await asyncio.sleep(0.1)
-            trickler = asyncio.ensure_future(trickle())
+            trickler = asyncio.ensure_future(trickle(writer))
             async with Watch(srv, row):
                 await asyncio.wait_for(buf.accumulate(0, np.ones(8, np.int64)), 30)
             trickler.cancel()
@@ -226,24 +221,14 @@ async def parked_acquires(quick: bool) -> Row:
             async with Watch(srv, row):
                 writers = [await park_acquires(srv.address, "busy", 500) for _ in range(conns)]
                 await until(lambda: is_(parked(), conns * 500))
-                worst = 0.0
-                done = False
-
-                async def ping() -> None:
-                    nonlocal worst
-                    while not done:
-                        t0 = time.monotonic()
-                        await buf.read(0, 8)
-                        worst = max(worst, time.monotonic() - t0)
-                pinger = asyncio.ensure_future(ping())
+                pinger = SlowestRead(buf)
                 await asyncio.sleep(0.1)
                 t0 = time.monotonic()
                 for w in writers:
                     w.close()
                 await until(lambda: is_(parked(), 0), 0.01)
                 dropped = time.monotonic() - t0
-                done = True
-                await pinger
+                worst = await pinger.stop()
             await holder.release(wait=True)
             assert await client.lock("busy").acquire(timeout=10)
         row.result = (f"{conns * 500} parked waiters dropped in {dropped:.2f} s; slowest 8-byte read "

@@ -1,7 +1,7 @@
 """The distributed FIFO ticket lock, client side (docs/design.md, "The lock").
 
     async with buf.lock():                 # the buffer's own lock
-        ...
+        await buf.write(0, data)           # others wait their turn
     lock = client.lock("epoch")            # any named lock
     await lock.acquire(timeout=5.0)        # LockTimeout; the ticket is given up
     await buf.write(0, data, fence=lock)   # StaleFence if the lock was lost
