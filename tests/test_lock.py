@@ -548,11 +548,11 @@ def test_bench_lock_runs_and_counts_the_server_s_work(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert set(result["uncontended"]["summary"]) == {"raw", "read64", "park", "poll", "spin", "futex"}
     rows = {(r["kind"], r["cs"]): r for r in result["contended"]["runs"]}
-    kinds = ("park", "poll", "spin", "futex", "shmpoll", "mixed")
+    kinds = ("park", "poll", "spin", "futex", "futex_anycpu", "shmpoll", "mixed")
     assert set(rows) == {(k, cs) for k in kinds for cs in ("empty", "rmw")}
     for (kind, cs), row in rows.items():
         assert len(row["counts"]) == 2 and min(row["counts"]) > 0, row
-        if kind in ("futex", "shmpoll"):
+        if kind in ("futex", "futex_anycpu", "shmpoll"):
             # over shm the lock costs the server nothing (the rmw section's
             # read and write are copies in the client too)
             assert row["server_ops_per_acq"] == 0, row

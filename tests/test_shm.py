@@ -255,6 +255,27 @@ async def test_mappings_of_destroyed_buffers_are_let_go() -> None:
         await server.close()
 
 
+async def test_smb2_transport_in_the_environment_picks_the_fabric_of_a_program_that_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a training script connects without choosing; its operator chooses
+    server = await smb2.start_server("127.0.0.1", 0, capacity="16MiB")
+    try:
+        for env, expected in (("tcp", smb2.transport.TcpTransport), ("shm", smb2.transport.ShmTransport),
+                              ("", smb2.transport.ShmTransport)):
+            monkeypatch.setenv("SMB2_TRANSPORT", env)
+            async with await smb2.connect([server.address]) as c:
+                assert type(c.links[0].transport) is expected, env
+        # an explicit choice wins over the environment
+        monkeypatch.setenv("SMB2_TRANSPORT", "shm")
+        async with await smb2.connect([server.address], transport="tcp") as c:
+            assert type(c.links[0].transport) is smb2.transport.TcpTransport
+        monkeypatch.setenv("SMB2_TRANSPORT", "carrier-pigeon")
+        with pytest.raises(smb2.InvalidArgumentError, match="SMB2_TRANSPORT must be one of"):
+            await smb2.connect([server.address])
+    finally:
+        await server.close()
+
+
 async def test_accumulates_and_fenced_writes_larger_than_a_frame_are_cut_for_the_connection() -> None:
     # shm copies are not cut (one server: one 12 MiB request), but what goes
     # over TCP must fit the connection's frames

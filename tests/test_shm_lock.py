@@ -13,6 +13,7 @@ import signal
 import struct
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -94,6 +95,87 @@ def test_ticket_records_name_outstanding_tickets_only() -> None:
         _core.ticket_record(1 << 20, 0)
 
 
+def _slot_words() -> tuple[memoryview, _core.LiveFlag, _core.MappedLock]:
+    mem = memoryview(mmap.mmap(-1, 4096))
+    alive = _core.LiveFlag()
+    return mem, alive, _core.MappedLock(mem, 2 * _core.LOCK_SLOT_SIZE, alive)
+
+
+def test_a_mapped_lock_draws_records_and_releases_on_the_words() -> None:
+    mem, alive, ml = _slot_words()
+    off = 2 * _core.LOCK_SLOT_SIZE
+    ml.use_record(1024, 0)
+    st = _core.TicketState(10.0)
+    assert ml.take(st, 0.0) == _core.OBSERVE_GRANTED and st.ticket == 0
+    # the record word names (slot 2, ticket 0) for the server to pass on
+    assert _core.record_slot(_core.atomic_load(mem, 1024)) == 2
+    assert _core.recorded_ticket(_core.atomic_load(mem, 1024), 1, 0) == 0
+    second = _core.TicketState(10.0)
+    assert ml.take(second, 0.0) == _core.OBSERVE_WAIT and second.ticket == 1
+    assert ml.release(0) == _core.RELEASE_DONE
+    assert _core.atomic_load(mem, off + _core.LOCK_SERVING) == 1
+    # not ours any more: nothing changes
+    assert ml.release(0) == _core.RELEASE_LOST
+    assert _core.atomic_load(mem, off + _core.LOCK_SERVING) == 1
+    # TCP acquires parked at the server: it must release, so that it grants them
+    _core.atomic_store(mem, off + _core.LOCK_PARKED, 1)
+    assert ml.release(1) == _core.RELEASE_BY_SERVER
+    assert _core.atomic_load(mem, off + _core.LOCK_SERVING) == 1
+    # the server's connection gone: every call says so, nothing is touched
+    alive.live = False
+    for call in (lambda: ml.release(1), ml.serving, lambda: ml.take(_core.TicketState(1.0), 0.0)):
+        with pytest.raises(ConnectionError):
+            call()
+    assert _core.atomic_load(mem, off + _core.LOCK_NEXT) == 2
+
+
+def _sleeps(mem: memoryview, offset: int, ticket: int) -> bool:
+    """True if a ticket sleeper for ``ticket`` waits on the word (a wake of
+    that ticket finds it; it then sleeps again, short of its turn)."""
+    return _core.futex_wake_ticket(mem, offset, ticket) > 0
+
+
+def test_the_next_in_line_spins_and_asks_to_be_woken_one_ticket_early() -> None:
+    mem, _, ml = _slot_words()
+    at = 2 * _core.LOCK_SLOT_SIZE + _core.LOCK_SERVING
+    for _ in range(3):
+        ml.draw()                       # tickets 0 (the holder), 1 and 2
+    got: list[int] = []
+
+    def wait(ticket: int) -> None:
+        got.append(ml.wait(ticket, 5.0))
+
+    # spin 0: ticket 2 sleeps on its own bit; ticket 1's wake does not reach it
+    ml.spin = 0.0
+    sleeper = threading.Thread(target=wait, args=(2,))
+    sleeper.start()
+    time.sleep(0.05)
+    assert not _sleeps(mem, at, 1) and _sleeps(mem, at, 2)
+    _core.atomic_store(mem, at, 2)
+    _core.futex_wake_ticket(mem, at, 2)
+    sleeper.join(5.0)
+    assert got == [2]
+    # spinning: ticket 4 (two away) sleeps on its bit and ticket 3's, so the
+    # release that serves 3 wakes it; next in line, it spins, not sleeping
+    ml.draw(), ml.draw()                # tickets 3 and 4
+    ml.spin = 0.3
+    sleeper = threading.Thread(target=wait, args=(4,))
+    sleeper.start()
+    time.sleep(0.05)
+    assert _sleeps(mem, at, 3)          # woken one early... but 3 is not served: asleep again
+    time.sleep(0.05)
+    _core.atomic_store(mem, at, 3)
+    assert _sleeps(mem, at, 3)          # served: it wakes, and spins
+    time.sleep(0.05)
+    assert not _sleeps(mem, at, 4) and sleeper.is_alive()
+    time.sleep(0.4)                     # past its spin: asleep on its own bit only
+    assert _sleeps(mem, at, 4) and not _sleeps(mem, at, 3)
+    _core.atomic_store(mem, at, 4)
+    _core.futex_wake_ticket(mem, at, 4)
+    sleeper.join(5.0)
+    assert got == [2, 4]
+
+
 # -- in one process: who sleeps, who wakes ---------------------------------------
 
 async def _has_sleeper(view: memoryview, offset: int) -> bool:
@@ -151,6 +233,80 @@ async def test_a_shm_waiter_sleeps_on_the_futex_and_every_release_path_wakes_it(
         async with waiter:
             pass
         assert server.stat()["ops"]["shm"]["lock_release"] == released + 1
+
+
+async def _longest_stall(until: asyncio.Future[Any]) -> float:
+    """The longest the loop went without running this coroutine (it asks
+    every millisecond) until ``until`` is done."""
+    longest, last = 0.0, time.monotonic()
+    while not until.done():
+        await asyncio.sleep(0.001)
+        now = time.monotonic()
+        longest, last = max(longest, now - last), now
+    return longest
+
+
+def _hold_on_another_loop(address: str, name: str, held: threading.Event, hold: float) -> threading.Thread:
+    """A holder of lock ``name`` in a thread with a loop of its own (a
+    process of its own, as far as the lock knows): holds for ``hold`` s."""
+    async def run() -> None:
+        client = await smb2.connect([address], transport="shm")
+        lock = client.lock(name)
+        await lock.acquire()
+        held.set()
+        await asyncio.sleep(hold)
+        await lock.release()
+        await client.close()
+    thread = threading.Thread(target=asyncio.run, args=(run(),))
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("block", [0.1, 0.0])
+async def test_a_lone_futex_waiter_sleeps_on_its_loops_thread_within_its_budget(block: float) -> None:
+    # the hand-off's fastest path: the releaser's wake lands in the loop's
+    # own thread.  The loop runs nothing else meanwhile, at most `block` s.
+    async with smb2.LocalCluster(servers=1, capacity="16MiB") as cluster:
+        client = await cluster.connect(transport="shm")
+        waiter = client.lock("b", futex_block=block)
+        await waiter.acquire()          # maps the words: the next acquire is the fast path
+        await waiter.release()
+        held = threading.Event()
+        holder = _hold_on_another_loop(cluster.addresses[0], "b", held, 0.07)
+        assert await asyncio.to_thread(held.wait, 10)
+        acquired = asyncio.ensure_future(waiter.acquire())
+        stall = await _longest_stall(acquired)
+        await acquired
+        await waiter.release()
+        holder.join(5)
+        assert waiter.path == "futex"
+        if block:
+            assert stall >= 0.04        # asleep on the loop's thread until the release
+        else:
+            assert stall < 0.04         # asleep in a helper thread, the loop free
+
+
+async def test_a_futex_waiter_leaves_the_loop_free_while_a_lock_on_it_is_held() -> None:
+    # a holder on the same loop must run to release: a waiter blocking the
+    # loop would stall it for its whole budget (0.1 s here)
+    async with smb2.LocalCluster(servers=1, capacity="16MiB") as cluster:
+        client = await cluster.connect(transport="shm")
+        holder, waiter = client.lock("same"), client.lock("same", futex_block=0.1)
+        await waiter.acquire()
+        await waiter.release()
+        await holder.acquire()
+
+        async def release_soon() -> None:
+            await asyncio.sleep(0.03)
+            await holder.release()
+        releasing = asyncio.ensure_future(release_soon())
+        t0 = time.monotonic()
+        acquired = asyncio.ensure_future(waiter.acquire())
+        stall = await _longest_stall(acquired)
+        await acquired
+        await releasing
+        assert time.monotonic() - t0 < 0.09 and stall < 0.02
+        await waiter.release()
 
 
 async def test_a_cancelled_shm_waiter_gives_its_ticket_up() -> None:
@@ -223,6 +379,34 @@ async def test_shm_futex_tcp_parked_and_polling_processes_count_exactly_in_ticke
         assert [v for v, _ in seen] == list(range(n))
         tokens = [t for _, t in seen]
         assert tokens == sorted(tokens) and len(set(tokens)) == n
+
+
+async def test_a_shm_release_through_the_server_leaves_before_the_loop_runs_again() -> None:
+    # a shm holder with TCP acquires parked behind it releases through the
+    # server; its next acquire may sleep on the loop's own thread, so the
+    # release must not wait in the connection's cork for the loop to run
+    # (it did: 1 ms per hand-off, 0.17x the TCP lock with mixed clients)
+    async with smb2.LocalCluster(servers=1, processes=True, capacity="16MiB") as cluster:
+        shm = await cluster.connect(transport="shm")
+        await shm.create("m", 64)
+        holder = shm.lock("m")
+        await holder.acquire()
+        tr, slot = await shm.links[0].lock_slot("m")
+        mapping = tr.mapping_of(slot.segment) if isinstance(tr, ShmTransport) else None
+        assert mapping is not None
+        parked_at = slot.offset + _core.LOCK_PARKED
+        proc = await spawn({"servers": cluster.addresses, "buffer": "m", "lock": "m", "action": "hold",
+                            "transport": "tcp", "mode": "park", "loop": _loop_name()})
+        try:
+            await _wait_until(lambda: _core.atomic_load(mapping[0], parked_at) == 1, 30)
+            await holder.release()
+            time.sleep(0.3)  # noqa: ASYNC251 (the loop held, as a futex sleep on its thread holds it)
+            # the server had the release: it granted the parked acquire
+            assert _core.atomic_load(mapping[0], parked_at) == 0
+            assert proc.stdout is not None
+            assert (await asyncio.wait_for(proc.stdout.readline(), 10)).startswith(b"HELD ")
+        finally:
+            await reap(proc)
 
 
 @pytest.mark.slow

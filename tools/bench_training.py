@@ -35,6 +35,12 @@ communication (AsyncOptimizer's own measure; for DDP, whose all-reduce hides
 inside backward, 1 - the time of the same steps under ``no_sync()`` over
 the time of the synchronized ones).
 
+``--transports shm,tcp`` runs every smb2 configuration (and the
+AsyncOptimizer rows) once per transport, chosen for the workers through
+``SMB2_TRANSPORT``: the one-host rows over shared memory beside the same
+rows over loopback TCP, in the same run ("via" column; default: "auto",
+which is shm here).
+
 ``--against HOST:PORT,...`` runs one configuration (the first rule, the
 first worker count) against servers that run elsewhere and prints its
 result as one JSON line: tools/bench_scaleout.py uses it for the
@@ -75,9 +81,14 @@ RULES: dict[str, dict[str, Any]] = {
 }
 
 
-async def round_trip(servers: list[str], n: int = 200) -> float:
+def _via(transport: str) -> dict[str, str]:
+    """The workers' environment for ``transport`` ("auto": none)."""
+    return {} if transport == "auto" else {"SMB2_TRANSPORT": transport}
+
+
+async def round_trip(servers: list[str], n: int = 200, transport: str = "auto") -> float:
     """The median round trip of an 8-byte fetch_add to the first server, in µs."""
-    async with await smb2.connect(servers[:1]) as c:
+    async with await smb2.connect(servers[:1], transport=transport) as c:
         buf = await c.create("bench-rtt", 4096)
         times = []
         for _ in range(n):
@@ -88,11 +99,12 @@ async def round_trip(servers: list[str], n: int = 200) -> float:
     return statistics.median(times) * 1e6
 
 
-async def smb2_run(label: str, workers: int, servers: list[str], steps: int, path: Path) -> dict[str, Any]:
+async def smb2_run(label: str, workers: int, servers: list[str], steps: int, path: Path,
+                   transport: str = "auto") -> dict[str, Any]:
     spec = dict(RULES[label])
     cfg = JobConfig(rule=spec.pop("rule"), lr=0.01, batch=BATCH, sizes=SIZES, workers=workers, steps=steps,
                     report_every=1, policy="average", **spec)
-    res = await run_job(cfg, servers, path, name="bench", env=ONE_THREAD, timeout=900)
+    res = await run_job(cfg, servers, path, name="bench", env={**ONE_THREAD, **_via(transport)}, timeout=900)
     return {"samples_per_s": res["samples_per_s"], "seconds": res["seconds"], "samples": res["samples"],
             "bytes_moved": res["bytes_moved"], "comm_fraction": res["comm_fraction"]}
 
@@ -135,13 +147,13 @@ async def gloo_run(workers: int, steps: int, path: Path) -> dict[str, Any]:
 
 
 async def frontend_run(kind: str, workers: int, steps: int, path: Path, servers: list[str] | None = None,
-                       staleness: int = 0, rule: str = "delta") -> dict[str, Any]:
+                       staleness: int = 0, rule: str = "delta", transport: str = "auto") -> dict[str, Any]:
     """The torch front ends on a torch copy of the model: ``kind`` "ddp"
     (DistributedDataParallel over gloo) or "smb2" (AsyncOptimizer, ``rule``,
     ``staleness``)."""
     args = ["--torch-worker", kind, "--port", str(_free_port()), "--steps", str(steps), "--data", str(path),
             "--staleness", str(staleness), "--frontend-rule", rule]
-    env = {"SMB2_SERVERS": ",".join(servers)} if servers else None
+    env = {"SMB2_SERVERS": ",".join(servers), **_via(transport)} if servers else None
     return summarize(await spawn_workers(kind, workers, args, env))
 
 
@@ -264,6 +276,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     workers = [int(w) for w in a.workers.split(",")]
     nservers = [int(s) for s in a.servers.split(",")]
     rules = [r for r in a.rules.split(",") if r]
+    transports = [t for t in a.transports.split(",") if t]
     print(f"model: MLP {SIZES}, {MLP(SIZES).nparams / 1e6:.1f} M parameters "
           f"({MLP(SIZES).nparams * 4 / 1e6:.0f} MB float32), batch {BATCH}, {a.steps} steps per worker; "
           f"{os.cpu_count()} cores")
@@ -285,14 +298,15 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                         print(f"  gloo all-reduce  {w} workers: {gloo_runs[-1]['samples_per_s']:8.1f} samples/s")
                     for ns, cluster in clusters.items():
                         for label in rules:
-                            rtt = await round_trip(cluster.addresses)
-                            r = await smb2_run(label, w, cluster.addresses, a.steps, path)
-                            row = {"system": "smb2", "rule": label, "workers": w, "servers": ns, "rtt_us": rtt,
-                                   "repeat": rep, **r}
-                            _show(row)
-                            rows.append(row)
+                            for via in transports:
+                                rtt = await round_trip(cluster.addresses, transport=via)
+                                r = await smb2_run(label, w, cluster.addresses, a.steps, path, via)
+                                row = {"system": "smb2", "rule": label, "workers": w, "servers": ns,
+                                       "transport": via, "rtt_us": rtt, "repeat": rep, **r}
+                                _show(row)
+                                rows.append(row)
                 if have_torch and a.frontend:
-                    rows += await frontend_rows(w, a.steps, path, clusters[nservers[0]], nservers[0])
+                    rows += await frontend_rows(w, a.steps, path, clusters[nservers[0]], nservers[0], transports)
                 if have_torch:
                     gloo_runs.append(await gloo_run(w, a.steps, path))
                     print(f"  gloo all-reduce  {w} workers: {gloo_runs[-1]['samples_per_s']:8.1f} samples/s")
@@ -309,9 +323,10 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     return {"model": SIZES, "params": MLP(SIZES).nparams, "batch": BATCH, "steps": a.steps, "rows": rows}
 
 
-async def frontend_rows(workers: int, steps: int, path: Path, cluster: smb2.LocalCluster, nservers: int
-                        ) -> list[dict[str, Any]]:
-    """torch DDP and AsyncOptimizer (rules delta and accumulate, staleness 0, 1), one after the other."""
+async def frontend_rows(workers: int, steps: int, path: Path, cluster: smb2.LocalCluster, nservers: int,
+                        transports: list[str]) -> list[dict[str, Any]]:
+    """torch DDP and AsyncOptimizer (rules delta and accumulate, staleness 0, 1, over each
+    transport), one after the other."""
     rows = []
     rtt = await round_trip(cluster.addresses)
     r = await frontend_run("ddp", workers, steps, path)
@@ -319,10 +334,13 @@ async def frontend_rows(workers: int, steps: int, path: Path, cluster: smb2.Loca
     _show(rows[-1])
     for rule in ("delta", "accumulate"):
         for s in (0, 1):
-            r = await frontend_run("smb2", workers, steps, path, cluster.addresses, staleness=s, rule=rule)
-            rows.append({"system": "AsyncOptimizer", "rule": f"{rule}/s{s}", "workers": workers,
-                         "servers": nservers, "rtt_us": rtt, **r})
-            _show(rows[-1])
+            for via in transports:
+                rtt = await round_trip(cluster.addresses, transport=via)
+                r = await frontend_run("smb2", workers, steps, path, cluster.addresses, staleness=s, rule=rule,
+                                       transport=via)
+                rows.append({"system": "AsyncOptimizer", "rule": f"{rule}/s{s}", "workers": workers,
+                             "servers": nservers, "transport": via, "rtt_us": rtt, **r})
+                _show(rows[-1])
     return rows
 
 
@@ -343,25 +361,26 @@ def _best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per configuration, the best of its repeats (interference only slows)."""
     best: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in rows:
-        key = (r["system"], r["rule"], r["workers"], r["servers"])
+        key = (r["system"], r["rule"], r["workers"], r["servers"], r.get("transport"))
         if key not in best or r["samples_per_s"] > best[key]["samples_per_s"]:
             best[key] = r
     order = {k: i for i, k in enumerate(["gloo all-reduce", "smb2", "torch DDP", "AsyncOptimizer"])}
     return sorted(best.values(), key=lambda r: (r["system"] in FRONTENDS, r["servers"] > 0, r["servers"],
                                                 r["workers"], order[r["system"]],
                                                 list(RULES).index(r["rule"]) if r["rule"] in RULES else 0,
-                                                r["rule"]))
+                                                r["rule"], r.get("transport") or ""))
 
 
 def _show(r: dict[str, Any]) -> None:
-    print(f"  {r['system']:<16} {r['rule']:<13} {r['workers']} workers {r['servers']} servers: "
+    print(f"  {r['system']:<16} {r['rule']:<13} {r.get('transport') or '-':<4} {r['workers']} workers "
+          f"{r['servers']} servers: "
           f"{r['samples_per_s']:8.1f} samples/s   (rtt {r['rtt_us']:.0f} µs)", flush=True)
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
     gloo = {r["workers"]: r["samples_per_s"] for r in rows if r["system"] == "gloo all-reduce"}
     ddp = {r["workers"]: r["samples_per_s"] for r in rows if r["system"] == "torch DDP"}
-    base = {(r["rule"]): r["samples_per_s"] for r in rows
+    base = {(r["rule"], r.get("transport")): r["samples_per_s"] for r in rows
             if r["system"] == "smb2" and r["workers"] == 1 and r["servers"] == min(x["servers"] for x in rows
                                                                                   if x["system"] == "smb2")}
     for r in rows:
@@ -370,7 +389,8 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
             r["vs_1_worker_1_server"] = None
             r["vs_gloo"] = r["samples_per_s"] / ddp[r["workers"]] if r["workers"] in ddp else None
         elif r["system"] == "smb2":
-            r["vs_1_worker_1_server"] = r["samples_per_s"] / base[r["rule"]] if r["rule"] in base else None
+            key = (r["rule"], r.get("transport"))
+            r["vs_1_worker_1_server"] = r["samples_per_s"] / base[key] if key in base else None
             r["vs_gloo"] = r["samples_per_s"] / gloo[r["workers"]] if r["workers"] in gloo else None
         else:
             r["vs_1_worker_1_server"] = r["samples_per_s"] / gloo[min(gloo)]
@@ -378,13 +398,14 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = (f"{'system':<16} {'rule':<13} {'workers':>7} {'servers':>7} {'samples/s':>10} "
+    head = (f"{'system':<16} {'rule':<13} {'via':<4} {'workers':>7} {'servers':>7} {'samples/s':>10} "
             f"{'x 1w1s':>7} {'x gloo':>7} {'not comp':>8} {'MB moved':>9} {'rtt µs':>7}")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         def f(v: float | None) -> str:
             return f"{v:7.2f}" if v is not None else f"{'-':>7}"
-        lines.append(f"{r['system']:<16} {r['rule']:<13} {r['workers']:>7} {r['servers'] or '-':>7} "
+        lines.append(f"{r['system']:<16} {r['rule']:<13} {r.get('transport') or '-':<4} {r['workers']:>7} "
+                     f"{r['servers'] or '-':>7} "
                      f"{r['samples_per_s']:>10.1f} {f(r['vs_1_worker_1_server'])} {f(r['vs_gloo'])} "
                      f"{_pct(r.get('comm_fraction')):>8} "
                      f"{r['bytes_moved'] / 1e6:>9.0f} {r['rtt_us']:>7.0f}")
@@ -407,10 +428,11 @@ def plot(result: dict[str, Any], path: str) -> None:
     servers = sorted({r["servers"] for r in rows if r["system"] == "smb2"})
     fig, axes = plt.subplots(1, len(servers), figsize=(6 * len(servers), 4.5), sharey=True, squeeze=False)
     for ax, ns in zip(axes[0], servers):
-        for rule in dict.fromkeys(r["rule"] for r in rows if r["system"] == "smb2"):
-            pts = sorted((r["workers"], r["samples_per_s"]) for r in rows
-                         if r["system"] == "smb2" and r["rule"] == rule and r["servers"] == ns)
-            ax.plot(*zip(*pts), marker="o", label=f"smb2 {rule}")
+        for rule, via in dict.fromkeys((r["rule"], r.get("transport")) for r in rows if r["system"] == "smb2"):
+            pts = sorted((r["workers"], r["samples_per_s"]) for r in rows if r["system"] == "smb2"
+                         and r["rule"] == rule and r.get("transport") == via and r["servers"] == ns)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"smb2 {rule}" + (f" over {via}" if via else ""))
         g = sorted((r["workers"], r["samples_per_s"]) for r in rows if r["system"] == "gloo all-reduce")
         if g:
             ax.plot(*zip(*g), marker="s", linestyle="--", color="black", label="torch gloo all-reduce (no servers)")
@@ -433,6 +455,8 @@ def cli() -> int:
     p.add_argument("--workers", default="1,2,4")
     p.add_argument("--servers", default="1,4")
     p.add_argument("--rules", default=",".join(RULES))
+    p.add_argument("--transports", default="auto",
+                   help="the smb2 workers' transports, each a row of its own (e.g. shm,tcp; default auto)")
     p.add_argument("--repeat", type=int, default=1, help="runs per smb2 configuration (the best counts)")
     p.add_argument("--json", default="bench_training.json")
     p.add_argument("--png", default="bench_training.png")

@@ -1564,18 +1564,54 @@ cdef extern from *:
        wakes only the next ticket's bit wakes the next waiter alone, not
        every waiter (a plain FUTEX_WAKE still wakes all).  A wake that finds
        the word short of the ticket sleeps again here, without waking the
-       caller.  0: reached, 2: timed out, 3: a signal; -errno on error. */
-    static int smb2_futex_wait_ticket(uint64_t *p, uint64_t ticket, double timeout) {
+       caller.
+
+       With `spin` > 0 the waiter spins instead of sleeping while it is next
+       in line, for at most `spin` s, and asks to be woken one ticket early
+       (its bit and the previous ticket's): the release that makes it next
+       in line wakes it, and it is on a CPU, spinning, when its own turn
+       comes, so the hand-off after it costs no wake-up.  Only for waiters
+       with a CPU to spin on: where every waiter shares one, the spinner
+       only delays the holder it waits for.
+
+       0: reached, 2: timed out, 3: a signal; -errno on error. */
+    #if defined(__x86_64__) || defined(__i386__)
+    #define SMB2_PAUSE() __builtin_ia32_pause()
+    #elif defined(__aarch64__)
+    #define SMB2_PAUSE() __asm__ __volatile__("yield")
+    #else
+    #define SMB2_PAUSE() ((void)0)
+    #endif
+    static inline double smb2_now(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    }
+    static int smb2_futex_wait_ticket_spin(uint64_t *p, uint64_t ticket, double timeout,
+                                           double spin) {
         struct timespec until;
         clock_gettime(CLOCK_MONOTONIC, &until);
         double t = (double)until.tv_nsec * 1e-9 + timeout;
         until.tv_sec += (time_t)t;
         until.tv_nsec = (long)((t - (double)(time_t)t) * 1e9);
-        uint32_t bit = 1u << (ticket & 31);
+        uint32_t own = 1u << (ticket & 31);
+        uint32_t bits = spin > 0 ? own | (1u << ((ticket - 1) & 31)) : own;
         for (;;) {
             uint64_t v = __atomic_load_n(p, __ATOMIC_SEQ_CST);
-            if ((int64_t)(v - ticket) >= 0) return 0;
-            long r = syscall(SYS_futex, (uint32_t *)p, FUTEX_WAIT_BITSET, (uint32_t)v, &until, NULL, bit);
+            int64_t d = (int64_t)(ticket - v);
+            if (d <= 0) return 0;
+            if (d == 1 && spin > 0) {
+                double end = smb2_now() + spin;
+                unsigned n = 0;
+                while ((int64_t)(ticket - __atomic_load_n(p, __ATOMIC_SEQ_CST)) > 0) {
+                    SMB2_PAUSE();
+                    if (!(++n & 63) && smb2_now() >= end) break;
+                }
+                spin = 0;
+                bits = own;
+                continue;
+            }
+            long r = syscall(SYS_futex, (uint32_t *)p, FUTEX_WAIT_BITSET, (uint32_t)v, &until, NULL, bits);
             if (r < 0) {
                 if (errno == EAGAIN) continue;
                 if (errno == ETIMEDOUT) return 2;
@@ -1583,6 +1619,9 @@ cdef extern from *:
                 return -errno;
             }
         }
+    }
+    static int smb2_futex_wait_ticket(uint64_t *p, uint64_t ticket, double timeout) {
+        return smb2_futex_wait_ticket_spin(p, ticket, timeout, 0.0);
     }
     static long smb2_futex_wake_ticket(uint32_t *addr, uint64_t ticket) {
         long r = syscall(SYS_futex, addr, FUTEX_WAKE_BITSET, 0x7FFFFFFF, NULL, NULL,
@@ -1593,6 +1632,7 @@ cdef extern from *:
     int smb2_futex_wait32(uint32_t *addr, uint32_t expected, double timeout) nogil
     long smb2_futex_wake32(uint32_t *addr, int n) nogil
     int smb2_futex_wait_ticket(uint64_t *p, uint64_t ticket, double timeout) nogil
+    int smb2_futex_wait_ticket_spin(uint64_t *p, uint64_t ticket, double timeout, double spin) nogil
     long smb2_futex_wake_ticket(uint32_t *addr, uint64_t ticket) nogil
 
 # A lock slot's fourth word (it was reserved): the number of acquires the
@@ -1694,3 +1734,147 @@ def record_slot(uint64_t record):
     if not record >> 63:
         return -1
     return <Py_ssize_t>((record >> 43) & ((1ULL << 20) - 1))
+
+
+# --------------------------------------------------------------------------
+# The futex path's atomics on one lock slot, one call each (issue 15).
+#
+# Over shm an uncontended acquire + release is six word operations (draw,
+# record, look, look at LOCK_PARKED, release, look again) and a wake; as
+# awaited transport calls they cost ~28 us, fourteen times a TCP-free
+# hand-off's worth.  Here they are plain C on the mapped words, and the
+# waiter can sleep on the futex in the caller's thread (lock.py decides
+# when the event loop may be blocked so).
+
+RELEASE_DONE = 0            # released; nothing parked at the server
+RELEASE_BY_SERVER = 1       # TCP waiters are parked: release through the server
+RELEASE_LOST = 2            # now_serving had left our ticket: the lock was lost
+RELEASE_PARKED_AFTER = 3    # released, but the server parked one meanwhile
+
+
+cdef class MappedLock:
+    """The words of one lock slot on a shm client's mapping of its server's
+    lock segment: ``mapping`` (the whole mapped segment), the slot at byte
+    ``offset``.  ``owner`` is the transport's LiveFlag: every method first
+    checks it and raises ConnectionError once the server's connection is
+    gone (the caller then takes the general path, which says so in the
+    user's words).  The mapping is kept referenced, so its pages stay
+    mapped while this object lives."""
+
+    cdef uint64_t *words
+    cdef uint64_t *record
+    cdef readonly uint64_t recorded     # the value last stored in the record word
+    cdef readonly uint64_t slot         # the slot's index (offset / 32)
+    cdef object view
+    cdef LiveFlag owner
+    cdef public double spin             # seconds to spin while next in line (see above)
+
+    def __cinit__(self, object mapping, Py_ssize_t offset, LiveFlag owner):
+        cdef uint8_t[::1] whole = mapping
+        if offset < 0 or offset % LOCK_SLOT_SIZE or offset + LOCK_SLOT_SIZE > whole.shape[0]:
+            raise ValueError(f"no lock slot at offset {offset} of {whole.shape[0]} bytes")
+        self.words = <uint64_t *>&whole[offset]
+        if <size_t>self.words % 8:
+            raise ValueError("the lock segment is not 8-byte aligned")
+        self.record = NULL
+        self.recorded = 0
+        self.slot = offset // LOCK_SLOT_SIZE
+        self.view = mapping
+        self.owner = owner
+
+    cdef int _check(self) except -1:
+        if not self.owner.live:
+            raise ConnectionError("the connection to the lock's server is gone")
+        return 0
+
+    def use_record(self, Py_ssize_t offset, uint64_t recorded):
+        """Store each drawn ticket in the record word at ``offset`` of the
+        same segment (whose value is ``recorded`` now); -1: none."""
+        cdef uint8_t[::1] whole = self.view
+        if offset < 0:
+            self.record = NULL
+            return
+        if offset % 8 or offset + 8 > whole.shape[0]:
+            raise ValueError(f"no record word at offset {offset}")
+        if self.slot >= (1ULL << 20):
+            raise ValueError(f"lock slot {self.slot} does not fit a ticket record")
+        self.record = <uint64_t *>&whole[offset]
+        self.recorded = recorded
+
+    def draw(self):
+        """Draw a ticket (and record it); returns ``(ticket, now_serving)``."""
+        self._check()
+        cdef uint64_t t = self._draw()
+        return t, smb2_load64(&self.words[1])
+
+    @property
+    def live(self):
+        """False once the server's connection is gone."""
+        return self.owner.live
+
+    def take(self, TicketState st, double block):
+        """Draw a ticket into ``st`` (idle) and see whether it is served,
+        sleeping on the futex in this thread, without the GIL, for at most
+        ``block`` seconds if it is not yet.  ``st.observe``'s code:
+        OBSERVE_GRANTED (``st`` holds the lock), OBSERVE_WAIT (it waits on
+        for its ticket) or OBSERVE_LAPSED (the ticket was passed: draw
+        again)."""
+        self._check()
+        cdef uint64_t t = self._draw()
+        cdef uint64_t serving = smb2_load64(&self.words[1])
+        cdef int r
+        st.start(t, _monotonic())
+        if serving != t and block > 0:
+            with nogil:
+                r = smb2_futex_wait_ticket_spin(&self.words[1], t, block, self.spin)
+            if r < 0:
+                raise OSError(-r, "futex wait on a lock's now_serving failed")
+            serving = smb2_load64(&self.words[1])
+        return st.observe(serving, _monotonic())[0]
+
+    cdef uint64_t _draw(self) noexcept:
+        cdef uint64_t t = smb2_fetch_add64(&self.words[0], 1)
+        cdef uint64_t new
+        if self.record != NULL:
+            # the word is ours alone while we live (the server only reads it)
+            self.recorded = (1ULL << 63) | (self.slot << 43) | (t & _REC_LOW)
+            smb2_store64(self.record, self.recorded)
+        return t
+
+    def serving(self):
+        """now_serving."""
+        self._check()
+        return smb2_load64(&self.words[1])
+
+    def wait(self, uint64_t ticket, double timeout):
+        """Sleep on the futex until now_serving reaches ``ticket``, at most
+        ``timeout`` s, without the GIL; returns now_serving.  Blocks the
+        calling thread: lock.py calls it on the loop's thread only within
+        a budget, and from a helper thread otherwise."""
+        self._check()
+        cdef int r
+        with nogil:
+            r = smb2_futex_wait_ticket_spin(&self.words[1], ticket, timeout, self.spin)
+        if r < 0:
+            raise OSError(-r, "futex wait on a lock's now_serving failed")
+        return smb2_load64(&self.words[1])
+
+    def release(self, uint64_t ticket):
+        """Pass the lock from ``ticket`` to the next ticket and wake that
+        ticket's sleeper: RELEASE_DONE, RELEASE_PARKED_AFTER (the server
+        parked a TCP acquire meanwhile: tell it to look again),
+        RELEASE_LOST (now_serving was not ours: nothing changed), or
+        RELEASE_BY_SERVER (TCP waiters are parked: nothing changed, the
+        server must release so that it grants the next at once)."""
+        self._check()
+        if smb2_load64(&self.words[3]):
+            return RELEASE_BY_SERVER
+        if not smb2_cas64(&self.words[1], ticket, ticket + 1):
+            return RELEASE_LOST
+        smb2_futex_wake_ticket(<uint32_t *>&self.words[1], ticket + 1)
+        # the server raises LOCK_PARKED before it looks at now_serving to
+        # park an acquire, both seq-cst: either it saw the release, or we
+        # see its mark now
+        if smb2_load64(&self.words[3]):
+            return RELEASE_PARKED_AFTER
+        return RELEASE_DONE

@@ -727,7 +727,7 @@ def _servers_from_env() -> list[str]:
 
 
 async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, *,
-                  transport: str = "auto", timeout: float = 10.0,
+                  transport: str | None = None, timeout: float = 10.0,
                   token: str | bytes | None = None, rdma_device: str | None = None,
                   rdma_gid_index: int | None = None, poll: str = "event",
                   op_timeout: float | None = None) -> Client:
@@ -742,7 +742,10 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     ``transport``: "auto" (shm where the server runs on this host, else
     RDMA where this machine has a usable device and the server offers it,
     else TCP; chosen per server and logged once at INFO), "shm" or "rdma"
-    (never fall back: raise TransportError saying what is missing) or "tcp".
+    (never fall back: raise TransportError saying what is missing) or "tcp";
+    default: the environment variable ``SMB2_TRANSPORT``, else "auto" (so
+    that a program that does not choose, such as a training script, can
+    be run over another fabric without a change).
     ``rdma_device`` / ``rdma_gid_index`` pick the device and GID (default:
     the first ACTIVE device, its IPv4 RoCE v2 GID);
     ``poll="busy"`` spins on the completion queue while an RDMA operation
@@ -765,7 +768,12 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
         raise InvalidArgumentError("servers must not be empty")
     if poll not in ("event", "busy"):
         raise InvalidArgumentError(f"poll must be 'event' or 'busy', not {poll!r}")
-    if transport not in KINDS:
+    if transport is None:
+        transport = os.environ.get("SMB2_TRANSPORT", "").strip() or "auto"
+        if transport not in KINDS:
+            raise InvalidArgumentError(f"SMB2_TRANSPORT must be one of {', '.join(KINDS)}, not {transport!r}",
+                                       hint="fix or unset the environment variable")
+    elif transport not in KINDS:
         raise InvalidArgumentError(f"transport must be one of {', '.join(KINDS)}, not {transport!r}")
     addresses = [parse_address(s) for s in servers]
     if len(set(addresses)) != len(addresses):

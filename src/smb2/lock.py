@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import weakref
 from collections.abc import Sequence
@@ -76,12 +77,33 @@ MODES = ("auto", "park", "poll", "futex")
 # a shorter sleep would really last about a millisecond and idle every
 # hand-off that long, so the poll loop does not sleep for less.
 _TIMER_RESOLUTION = 1e-3
-#: seconds a futex-path waiter polls now_serving (yielding to the loop)
-#: before it sleeps on the futex.  0: with 4 processes on shared CPUs
-#: (tools/bench_lock.py, 2 busy cores) a spin of 50 us cost a third of the
-#: acquisitions/s and 200 us half, since the spinner takes the CPU from the
-#: holder it waits for; a host with a core per waiter may gain from one.
-FUTEX_SPIN = 0.0
+#: seconds a futex-path waiter spins on now_serving while it is next in
+#: line, before it sleeps on the futex: it is then on a CPU when its turn
+#: comes, and the hand-off costs no wake-up (with 4 processes on 2 CPUs,
+#: tools/bench_lock.py: about twice the acquisitions/s).  Only where this
+#: process may run on more than one CPU: where every waiter shares one, a
+#: spinner only delays the holder it waits for (there, a quarter of the
+#: acquisitions/s at 50 us).
+FUTEX_SPIN = 50e-6
+#: seconds a futex-path waiter may sleep on the futex in the event loop's
+#: own thread, per acquisition, before it sleeps in a helper thread instead.
+#: The loop runs nothing else meanwhile, so this is taken only while no
+#: other futex-path Lock on the same loop holds its lock or sleeps in a
+#: helper thread (a holder on the loop could not run to release).  Woken in the loop's thread, a hand-off costs one
+#: context switch; from a helper thread it costs three and a trip through
+#: the GIL (tools/bench_lock.py: 4 processes, ~5x the acquisitions/s).
+FUTEX_BLOCK = 1e-3
+#: an acquisition that never has to wait does not suspend: a coroutine
+#: looping on one still lets the loop run this often
+_YIELD_EVERY = 0.0005
+
+
+def _default_futex_spin() -> float:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return FUTEX_SPIN if cpus > 1 else 0.0
 
 
 class LockOwner(Protocol):
@@ -128,6 +150,25 @@ def _spawn(coro: Any) -> None:
     task.add_done_callback(done)
 
 
+# Per event loop: how many futex-path Locks hold their lock, or wait for it
+# asleep in a helper thread, on that loop.  A waiter blocks its loop's
+# thread only while none does (see FUTEX_BLOCK), since any of them may need
+# the loop to go on; a Lock on another loop (another thread) does not.  A
+# Lock dropped while held leaves its loop counted, and waiters there then
+# sleep in helper threads: slower, never stuck.  A loop leaves the table
+# when its count returns to 0 (a plain dict: a weak one costs microseconds
+# per acquisition).
+_in_use: dict[asyncio.AbstractEventLoop, int] = {}
+
+
+def _count_in_use(loop: asyncio.AbstractEventLoop, n: int) -> None:
+    n += _in_use.get(loop, 0)
+    if n:
+        _in_use[loop] = n
+    else:
+        del _in_use[loop]
+
+
 class Fence:
     """A fencing token by value: ``Fence(lock_name, token)``.  A process can
     hand its token to another one, or keep one to prove later that its lock
@@ -158,24 +199,29 @@ class Lock:
     polling backoff; ``spin``: seconds this client's loop polls instead of
     sleeping after a contended grant (parked path), so that the critical
     section's round trips are not slowed by wakeups (0 = never);
-    ``futex_spin``: seconds a futex-path waiter polls before it sleeps."""
+    ``futex_spin``: seconds a futex-path waiter next in line spins before
+    it sleeps (default :data:`FUTEX_SPIN` where this process may run on
+    more than one CPU, else 0);
+    ``futex_block``: seconds per acquisition it may sleep in the event
+    loop's own thread, while no other futex-path Lock on the loop holds or
+    waits (:data:`FUTEX_BLOCK`; 0: always sleep in a helper thread)."""
 
     __slots__ = ("client", "name", "mode", "_lease", "_min_delay", "_max_delay", "_spin", "_state",
                  "_slot", "_transport", "_parker", "_path", "_renew", "_busy", "_buf8", "_view8",
                  "_contended", "_heartbeat", "_lost", "_link", "_unuse", "_closed", "_record", "_recorded",
-                 "_futex_spin", "__weakref__")
+                 "_futex_spin", "_futex_block", "_mapped", "_yielded", "_holding", "__weakref__")
 
     def __init__(self, client: LockOwner, name: str, *, lease: float | None = None, mode: str = "auto",
                  min_delay: float = 20e-6, max_delay: float = 0.05, spin: float = 1e-3,
-                 futex_spin: float = FUTEX_SPIN) -> None:
+                 futex_spin: float | None = None, futex_block: float = FUTEX_BLOCK) -> None:
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 255:
             raise InvalidArgumentError(f"a lock name is a non-empty str of at most 255 bytes, not {name!r}")
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         if lease is not None and not 0 < lease <= 3600:
             raise InvalidArgumentError(f"lease must be in (0, 3600] seconds, not {lease!r}")
-        for what, value in (("spin", spin), ("futex_spin", futex_spin)):
-            if not 0 <= value <= 0.1:
+        for what, value in (("spin", spin), ("futex_spin", futex_spin), ("futex_block", futex_block)):
+            if value is not None and not 0 <= value <= 0.1:
                 raise InvalidArgumentError(f"{what} must be in [0, 0.1] seconds, not {value!r}")
         self.client = client
         self.name = name
@@ -185,6 +231,7 @@ class Lock:
         self._max_delay = max_delay
         self._spin = spin
         self._futex_spin = futex_spin
+        self._futex_block = futex_block
         self._contended = False
         self._state: _core.TicketState | None = None
         self._slot: LockSlot | None = None
@@ -204,6 +251,11 @@ class Lock:
         # futex path: our ticket record word (transport, offset), and its value
         self._record: tuple[ShmTransport, int] | None = None
         self._recorded = 0
+        # futex path: the slot's words on our mapping (one C call per step)
+        self._mapped: _core.MappedLock | None = None
+        self._yielded = time.monotonic()
+        # the loop this Lock is counted on in _in_use while it holds
+        self._holding: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
         state = "locked" if self.locked() else "unlocked"
@@ -246,6 +298,33 @@ class Lock:
         """Wait for the lock (FIFO).  With ``timeout`` (seconds), raise
         :class:`LockTimeout` when it runs out; the ticket is then given up
         and the queue does not wait for it.  Cancellation does the same."""
+        ml, st = self._mapped, self._state
+        if ml is not None and timeout is None and st is not None and st.state == _core.TICKET_IDLE \
+                and not self._busy and not self._closed and ml.live:
+            # the futex path on a lock used before: its words are in our
+            # mapping, and an uncontended acquisition is one C call
+            self._lost = None
+            self._busy = True
+            try:
+                t = time.monotonic()
+                if t - self._yielded >= _YIELD_EVERY:
+                    # an acquisition that need not wait does not suspend: a
+                    # loop of them would never let the loop run.  Before the
+                    # draw, so as not to hold the lock meanwhile.
+                    self._yielded = t
+                    await asyncio.sleep(0)
+                try:
+                    code = ml.take(st, 0.0 if _in_use.get(asyncio.get_running_loop()) else
+                                   self._futex_block)
+                except ConnectionError:
+                    code = -1
+                if code != _core.OBSERVE_GRANTED:
+                    await self._wait_futex(self._transport, st, self._slot, ml, code)  # type: ignore[arg-type]
+                else:
+                    self._futex_granted(st)
+            finally:
+                self._busy = False
+            return True
         self.client.ensure_open()
         if self._closed:
             raise InterfaceError(f"lock {self.name!r} was closed", hint="make a new one: client.lock(name)")
@@ -292,12 +371,24 @@ class Lock:
         :class:`StaleFence` (what it did under the lock was not protected);
         otherwise the server only counts it (``stale_releases`` in its
         statistics), and over RDMA it is logged at WARNING on ``smb2.lock``."""
-        st = self._state
+        st, ml = self._state, self._mapped
+        if ml is not None and st is not None and st.state == _core.TICKET_HELD and self._path == "futex":
+            ticket = st.ticket
+            st.released()
+            self._unhold()
+            try:
+                outcome = ml.release(ticket)
+            except ConnectionError:
+                outcome = -1
+            if outcome != _core.RELEASE_DONE:
+                await self._released_futex(outcome, ticket, wait)
+            return
         if st is None or st.state != _core.TICKET_HELD:
             self._raise_if_lost()
             raise InterfaceError(f"release() of lock {self.name!r}, which this Lock object does not hold")
         ticket = st.ticket
         st.released()
+        self._unhold()
         tr, slot = self._transport, self._slot
         assert tr is not None and slot is not None
         if tr.closed:
@@ -313,9 +404,6 @@ class Lock:
                 await parker.lock_release(seg, off, ticket)
             else:
                 parker.lock_release_nowait(seg, off, ticket)
-            return
-        if self._path == "futex" and isinstance(tr, ShmTransport):
-            await self._release_futex(tr, seg, off, ticket, wait)
             return
         # The polling path's release is an atomic that may travel on another
         # channel than this client's next request (RDMA: the QP, while fenced
@@ -406,7 +494,6 @@ class Lock:
             await self._acquire_on(tr, slot)
 
     async def _acquire_on(self, tr: Transport, slot: LockSlot) -> None:
-        loop = asyncio.get_running_loop()
         st = self._state
         if st is None or st.lease != slot.lease:
             st = self._state = _core.TicketState(slot.lease, self._min_delay, self._max_delay)
@@ -420,9 +507,7 @@ class Lock:
                 raise InterfaceError(f"the {tr.name} transport cannot wait on a futex: only shm can",
                                      hint="use mode='auto'")
             self._path, self._parker = "futex", None
-            await self._wait_futex(tr, st, seg, off)
-            if self._renew is None:
-                self._renew = loop.call_at(st.renew_at, self._renew_due)
+            await self._wait_futex(tr, st, slot, await self._mapped_lock(tr, seg, off))
             return
         if self.mode == "park" or (self.mode == "auto" and isinstance(tr, LockCapable)):
             if not isinstance(tr, LockCapable):
@@ -433,8 +518,7 @@ class Lock:
             return
         self._path, self._parker = "poll", None
         await self._poll(tr, st, seg, off)
-        if self._renew is None:
-            self._renew = loop.call_at(st.renew_at, self._renew_due)
+        self._arm_renewal(st)
 
     def _granted(self, st: _core.TicketState, ticket: int, queued: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -450,10 +534,13 @@ class Lock:
             until = time.monotonic() + self._spin
             poll_while(loop, lambda: st.state == _core.TICKET_HELD and st.ticket == ticket
                        and time.monotonic() < until)
+        self._arm_renewal(st)
+
+    def _arm_renewal(self, st: _core.TicketState) -> None:
         # One renewal timer per Lock, armed lazily: a lock taken and given
         # back many times per lease costs no timer per acquisition.
         if self._renew is None:
-            self._renew = loop.call_at(st.renew_at, self._renew_due)
+            self._renew = asyncio.get_running_loop().call_at(st.renew_at, self._renew_due)
 
     async def _draw(self, tr: Transport, seg: int, off: int) -> int:
         # The fetch-and-add must not be lost to a cancellation: a ticket
@@ -497,46 +584,95 @@ class Lock:
                 st.released()
             raise
 
-    async def _wait_futex(self, tr: ShmTransport, st: _core.TicketState, seg: int, off: int) -> None:
+    async def _wait_futex(self, tr: ShmTransport, st: _core.TicketState, slot: LockSlot,
+                          ml: _core.MappedLock, code: int | None = None) -> None:
+        """Wait on the futex path: draw a ticket, or go on with the one
+        ``ml.take`` drew (its ``code``; -1: the connection was gone)."""
+        seg, off = slot.segment, slot.offset
         now = time.monotonic
-        at = off + _core.LOCK_SERVING
-        await self._take_record(tr)
-        # Not shielded as _draw is: on a mapping the fetch-and-add completes
-        # where it starts (a cancellation can only come before it)
-        st.start(await tr.fetch_add(seg, off + _core.LOCK_NEXT, 1), now())
+        # sleep in the loop's own thread (the releaser's wake lands here,
+        # with no thread or loop hop between) unless a holder on this loop
+        # would then have to wait for us: at most futex_block in all
+        loop = asyncio.get_running_loop()
+        block = 0.0 if _in_use.get(loop) else self._futex_block
         try:
-            await self._record_ticket(tr, seg, off, st.ticket)
-            serving = await tr.fetch_add(seg, at, 0)
-            while True:
-                code, _ = st.observe(serving, now())
-                if code == _core.OBSERVE_GRANTED:
-                    return
+            if code is None:
+                t = now()
+                code = ml.take(st, block)
+                block -= now() - t
+            elif code == -1:
+                raise ConnectionError
+            else:
+                block = 0.0     # the caller's take() spent the budget
+            while code != _core.OBSERVE_GRANTED:
                 if code == _core.OBSERVE_LAPSED:
                     log.debug("lock %r: ticket passed while waiting; drawing a new one", self.name)
-                    st.start(await tr.fetch_add(seg, off + _core.LOCK_NEXT, 1), now())
-                    await self._record_ticket(tr, seg, off, st.ticket)
-                    serving = await tr.fetch_add(seg, at, 0)
+                    code = ml.take(st, 0.0)
                     continue
-                if self._futex_spin:
-                    serving = await self._spin_on(tr, seg, at, st.ticket, serving)
-                    if serving == st.ticket:
-                        continue
-                # MAX_SLEEP bounds each sleep: the waiter then looks at the
-                # words again, so a lapse or a dead server is seen in time
-                serving = await tr.wait_ticket(seg, at, st.ticket, st.lease)
+                if block > 0:
+                    t = now()
+                    serving = ml.wait(st.ticket, block)
+                    block -= now() - t
+                else:
+                    # MAX_SLEEP bounds each sleep: the waiter then looks at
+                    # the words again, so a lapse or a dead server is seen
+                    _count_in_use(loop, 1)
+                    try:
+                        serving = await tr.wait_ticket(seg, off + _core.LOCK_SERVING, st.ticket, st.lease)
+                    finally:
+                        _count_in_use(loop, -1)
+                    self._yielded = now()
+                code = st.observe(serving, now())[0]
+        except ConnectionError:
+            st.released()
+            raise await self._connection_gone(tr, seg, off) from None
         except BaseException:
             if st.state != _core.TICKET_IDLE:
                 self._give_up(tr, off, st.ticket)
                 st.released()
             raise
+        self._futex_granted(st)
 
-    async def _spin_on(self, tr: ShmTransport, seg: int, at: int, ticket: int, serving: int) -> int:
-        # poll now_serving for futex_spin seconds, letting the loop run
-        until = time.monotonic() + self._futex_spin
-        while serving != ticket and time.monotonic() < until:
-            await asyncio.sleep(0)
-            serving = await tr.fetch_add(seg, at, 0)
-        return serving
+    def _futex_granted(self, st: _core.TicketState) -> None:
+        if self._holding is None:
+            self._holding = asyncio.get_running_loop()
+            _count_in_use(self._holding, 1)
+        if self._renew is None:
+            self._arm_renewal(st)
+
+    async def _mapped_lock(self, tr: ShmTransport, seg: int, off: int) -> _core.MappedLock:
+        """The slot's words on our mapping of the lock segment, with our
+        ticket record (borrowed from the server once per few Locks)."""
+        ml = self._mapped
+        if ml is not None:
+            if ml.live and ml.slot * _core.LOCK_SLOT_SIZE == off and \
+                    (self._record is None or self._record[0] is tr):
+                return ml
+            self._recorded, self._mapped = ml.recorded, None
+        await self._take_record(tr)
+        mapping = tr.mapping_of(seg)
+        if mapping is None:
+            await tr.fetch_add(seg, off + _core.LOCK_SERVING, 0)     # maps the segment
+            mapping = tr.mapping_of(seg)
+        if mapping is None:
+            raise await self._connection_gone(tr, seg, off)
+        ml = _core.MappedLock(mapping[0], off, mapping[3])
+        ml.spin = _default_futex_spin() if self._futex_spin is None else self._futex_spin
+        if self._record is not None:
+            ml.use_record(self._record[1], self._recorded)
+        self._mapped = ml
+        return ml
+
+    async def _connection_gone(self, tr: ShmTransport, seg: int, off: int) -> Exception:
+        # the server's connection went while we used its words: the
+        # transport's own operation says so in the user's words
+        self._mapped = None
+        try:
+            await tr.fetch_add(seg, off + _core.LOCK_SERVING, 0)
+        except Exception as exc:
+            return exc
+        return TransportError(f"lock {self.name!r}: the connection to {tr.label} was lost",
+                              server=tr.label)
 
     async def _take_record(self, tr: ShmTransport) -> None:
         """A record word on ``tr`` for our tickets, borrowed from the server
@@ -561,49 +697,43 @@ class Lock:
             offset, self._recorded = pool.free.pop()
             self._record = (tr, offset)
 
-    async def _record_ticket(self, tr: ShmTransport, seg: int, off: int, ticket: int) -> None:
-        if self._record is None:
-            return
-        new = _core.ticket_record(off // _core.LOCK_SLOT_SIZE, ticket)
-        # we are the word's only writer while we live: a CAS from what we
-        # stored is a store (the transport offers no plain one on locks)
-        if await tr.compare_swap(seg, self._record[1], self._recorded, new) == self._recorded:
-            self._recorded = new
-
     def _return_record(self) -> None:
         record, self._record = self._record, None
+        if self._mapped is not None:
+            self._recorded, self._mapped = self._mapped.recorded, None
         if record is not None:
             pool = _records.get(record[0])
             if pool is not None:
                 pool.free.append((record[1], self._recorded))
 
-    async def _release_futex(self, tr: ShmTransport, seg: int, off: int, ticket: int, wait: bool) -> None:
-        parked = off + _core.LOCK_PARKED
-        if await tr.fetch_add(seg, parked, 0):
+    async def _released_futex(self, done: int, ticket: int, wait: bool) -> None:
+        # what MappedLock.release found, where it is not RELEASE_DONE
+        tr, slot = self._transport, self._slot
+        assert isinstance(tr, ShmTransport) and slot is not None
+        if done == _core.RELEASE_BY_SERVER:
             # TCP waiters are parked at the server: it releases, grants the
             # next of them at once, and wakes our sleepers
             if wait:
-                await tr.lock_release(seg, off, ticket)
+                await tr.lock_release(slot.segment, slot.offset, ticket)
             else:
-                tr.lock_release_nowait(seg, off, ticket)
-            return
-        at = off + _core.LOCK_SERVING
-        old = await tr.compare_swap(seg, at, ticket, ticket + 1)
-        # only the next ticket's sleeper: the others would wake to sleep again
-        tr.wake_ticket(seg, at, ticket + 1)
-        if old != ticket:
-            err = StaleFence(f"lock {self.name!r} was lost before release (lease expired: "
-                             f"now serving {old}, our ticket {ticket})")
-            if wait:
-                raise err
-            log.warning("%s", err)
-            return
-        # The server raises LOCK_PARKED before it looks at now_serving to
-        # park an acquire (server/locks.py), and both are seq-cst atomics:
-        # either it saw our release and granted, or we see its mark now and
-        # make it look again (giving up a passed ticket makes it look).
-        if await tr.fetch_add(seg, parked, 0):
-            _spawn(tr.control({"cmd": "lock_abandon", "offset": off, "ticket": ticket}))
+                tr.lock_release_nowait(slot.segment, slot.offset, ticket)
+        elif done == _core.RELEASE_PARKED_AFTER:
+            # the server parked an acquire as we released (both seq-cst,
+            # server/locks.py): make it look again
+            _spawn(tr.control({"cmd": "lock_abandon", "offset": slot.offset, "ticket": ticket}))
+        elif wait:
+            # lost: to a lease's end, or with the connection to the server
+            raise StaleFence(f"lock {self.name!r} was lost before release: " + (
+                "its lease ran out and the server passed it on" if done == _core.RELEASE_LOST else
+                "the connection to its server was lost, and the lock with it") + f" (ticket {ticket})")
+        elif done == _core.RELEASE_LOST:
+            log.warning("lock %r was lost before release: its lease ran out and the server passed "
+                        "it on (ticket %d)", self.name, ticket)
+
+    def _unhold(self) -> None:
+        loop, self._holding = self._holding, None
+        if loop is not None:
+            _count_in_use(loop, -1)
 
     def _give_up(self, tr: Transport, off: int, ticket: int) -> None:
         # the server skips the ticket when its turn comes (or now, if it has
@@ -645,6 +775,7 @@ class Lock:
         st = self._state
         if serving != ticket and st is not None and st.state == _core.TICKET_HELD and st.ticket == ticket:
             st.released()
+            self._unhold()
             self._lost = (f"lock {self.name!r} was lost: its lease of {st.lease} s ran out before "
                           f"this holder renewed it (ticket {ticket}, the lock now serves {serving})")
             log.warning("%s", self._lost)

@@ -344,7 +344,11 @@ class ShmTransport(Transport, LockCapable):
         await self._ctl.lock_release(segment, offset, ticket)
 
     def lock_release_nowait(self, segment: int, offset: int, ticket: int) -> None:
+        # sent now, not at the end of the loop iteration: a shm holder's next
+        # acquire may sleep on the loop's own thread (lock.py, FUTEX_BLOCK),
+        # and the queue behind this release would wait that long
         self._ctl.lock_release_nowait(segment, offset, ticket)
+        self._ctl.flush()
 
     async def close(self) -> None:
         # the mappings are dropped, not unmapped: a copy still running in

@@ -394,13 +394,14 @@ class TcpTransport(Transport, LockCapable):
             raise proto.lost or TransportError(f"connection to {self.label} is closed",
                                                errno=errno_mod.ENOTCONN, server=self.label)
         if not self._cork:
-            asyncio.get_running_loop().call_soon(self._uncork)
+            asyncio.get_running_loop().call_soon(self.flush)
         # request id 0: no reply will name it
         self._cork.append(_core.encode_header_with(
             VERSION, Op.LOCK_RELEASE, FLAG_NOREPLY, 0, 0, segment, offset, 8,
             _core.pack_u64(ticket & MASK64)))
 
-    def _uncork(self) -> None:
+    def flush(self) -> None:
+        """Send the releases held back for this loop iteration now."""
         t = self._proto.transport
         if self._cork and t is not None:
             t.write(b"".join(self._cork))
