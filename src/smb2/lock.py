@@ -314,12 +314,13 @@ class Lock:
                     self._yielded = t
                     await asyncio.sleep(0)
                 try:
-                    code = ml.take(st, 0.0 if _in_use.get(asyncio.get_running_loop()) else
-                                   self._futex_block)
+                    code = ml.take(st, self._block_budget())
                 except ConnectionError:
                     code = -1
                 if code != _core.OBSERVE_GRANTED:
-                    await self._wait_futex(self._transport, st, self._slot, ml, code)  # type: ignore[arg-type]
+                    tr, slot = self._transport, self._slot
+                    assert isinstance(tr, ShmTransport) and slot is not None
+                    await self._wait_futex(tr, st, slot, ml, code)
                 else:
                     self._futex_granted(st)
             finally:
@@ -590,11 +591,8 @@ class Lock:
         ``ml.take`` drew (its ``code``; -1: the connection was gone)."""
         seg, off = slot.segment, slot.offset
         now = time.monotonic
-        # sleep in the loop's own thread (the releaser's wake lands here,
-        # with no thread or loop hop between) unless a holder on this loop
-        # would then have to wait for us: at most futex_block in all
         loop = asyncio.get_running_loop()
-        block = 0.0 if _in_use.get(loop) else self._futex_block
+        block = self._block_budget()
         try:
             if code is None:
                 t = now()
@@ -632,6 +630,12 @@ class Lock:
                 st.released()
             raise
         self._futex_granted(st)
+
+    def _block_budget(self) -> float:
+        # sleep in the loop's own thread (the releaser's wake lands there,
+        # with no thread or loop hop between) unless a Lock on this loop
+        # that holds or sleeps in a helper thread could need the loop
+        return 0.0 if _in_use.get(asyncio.get_running_loop()) else self._futex_block
 
     def _futex_granted(self, st: _core.TicketState) -> None:
         if self._holding is None:
