@@ -182,6 +182,36 @@ def _mapped_segment(nbytes: int) -> tuple[mmap.mmap, memoryview]:
     return mm, whole
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, _core.MAX_COPY_THREADS])
+def test_large_copies_cut_among_threads_land_byte_for_byte(threads: int) -> None:
+    # the parts are cut at page boundaries of the request, not of a stripe
+    # or a segment: odd offsets and lengths put every cut inside a stripe
+    seg = 12 * MiB
+    segments = [_mapped_segment(seg) for _ in range(3)]
+    stripes = _core.MappedStripes(3 * seg, 1 * MiB + 4096, 3, 1, 1.0)
+    live = _core.LiveFlag()
+    for i, (_, whole) in enumerate(segments):
+        stripes.attach(i, whole, seg, seg, live)
+    stripes.copy_threads = threads
+    rng = np.random.default_rng(threads)
+    for offset, n in ((4097, 17 * MiB + 13), (0, 4 * MiB * threads), (3, 8 * MiB - 5)):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        assert stripes.write(data, offset) in (_core.COPY_DONE, _core.COPY_DONE_PAUSE)
+        out = np.zeros(n + 2, np.uint8)
+        assert stripes.read_into(out[1:-1], offset) in (_core.COPY_DONE, _core.COPY_DONE_PAUSE)
+        assert np.array_equal(out[1:-1], data) and out[0] == 0 and out[-1] == 0
+        # and the bytes are where the stripe plan puts them, nowhere else
+        stripe, k = 1 * MiB + 4096, offset
+        for i in range(offset // stripe, (offset + n - 1) // stripe + 1):
+            lo, hi = max(offset, i * stripe), min(offset + n, (i + 1) * stripe)
+            server = (1 + i) % 3
+            at = (i // 3) * stripe + lo - i * stripe
+            assert bytes(segments[server][1][at:at + hi - lo]) == data[lo - k:hi - k].tobytes()
+    for mm, whole in segments:
+        whole.release()
+        mm.close()
+
+
 def test_mapped_stripes_pause_once_per_interval_and_then_go_through() -> None:
     mm, whole = _mapped_segment(4096)
     stripes = _core.MappedStripes(4096, 4096, 1, 0, 1e-9)

@@ -129,7 +129,10 @@ COPY_DONE_PAUSE: int
 class LiveFlag:
     live: bool
 
+MAX_COPY_THREADS: int
+
 class MappedStripes:
+    copy_threads: int
     nbytes: int
     stripe: int
     nservers: int

@@ -583,6 +583,67 @@ cdef enum:
     _CLOCK_BYTES = 262144
 
 
+# A large copy from or to a mapping is cut among up to this many threads
+# (the caller's and helpers started for it), each at least _PARALLEL_COPY
+# bytes.  One thread reading a server's segment (a memfd in 4 KiB pages)
+# reaches 0.7-0.8x of an in-process copy between huge-page arrays: it
+# waits on a TLB miss every 4 KiB.  Two threads hide each other's misses
+# (1.3x on the development machine's 2 cores).  The helpers are started
+# per copy (~30 us, against ~1 ms for 8 MiB) and joined before it returns.
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long pthread_t
+    int pthread_create(pthread_t *thread, void *attr, void *(*start)(void *) noexcept nogil, void *arg)
+    int pthread_join(pthread_t thread, void **retval)
+
+cdef enum:
+    _MAX_COPY_THREADS = 4
+    _PARALLEL_COPY = 4194304
+MAX_COPY_THREADS = _MAX_COPY_THREADS
+
+
+cdef struct _CopyJob:
+    uint8_t **data          # per server: its mapped segment
+    uint64_t stripe, nservers, first
+    uint8_t *user           # the caller's memory, for the bytes [off, off + n)
+    uint64_t off
+    uint64_t lo, hi         # this job's part: the request's bytes [lo, hi)
+    bint into_buffer, stream
+
+
+cdef void _copy_job(_CopyJob *j) noexcept nogil:
+    cdef uint64_t start = j.off + j.lo, end = j.off + j.hi
+    cdef uint64_t i0 = start // j.stripe, i1 = (end - 1) // j.stripe
+    cdef uint64_t i, lo, hi, s
+    cdef uint8_t *mapped
+    cdef uint8_t *user
+    if end <= start:
+        return
+    for i in range(i0, i1 + 1):
+        lo = start if i == i0 else i * j.stripe
+        hi = end if i == i1 else (i + 1) * j.stripe
+        s = (j.first + i) % j.nservers
+        mapped = j.data[s] + (i // j.nservers) * j.stripe + (lo - i * j.stripe)
+        user = j.user + (lo - j.off)
+        if j.stream:
+            if j.into_buffer:
+                smb2_stream_copy(mapped, user, hi - lo)
+            else:
+                smb2_stream_copy(user, mapped, hi - lo)
+        elif j.into_buffer:
+            memcpy(mapped, user, hi - lo)
+        else:
+            memcpy(user, mapped, hi - lo)
+    if j.stream:
+        # streamed stores are weakly ordered: visible before this thread's
+        # next store (and so before its join, or the caller's return)
+        smb2_stream_fence()
+
+
+cdef void *_copy_thread(void *job) noexcept nogil:
+    _copy_job(<_CopyJob *>job)
+    return NULL
+
+
 cdef inline double _monotonic() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
@@ -626,6 +687,8 @@ cdef class MappedStripes:
     cdef double pause_every, paused_at
     cdef bint resuming
     cdef uint64_t unclocked_ops, unclocked_bytes
+    #: threads a large copy may use, this one included (1 to MAX_COPY_THREADS)
+    cdef public int copy_threads
 
     def __cinit__(self, uint64_t nbytes, uint64_t stripe, uint64_t nservers, uint64_t first,
                   double pause_every):
@@ -641,6 +704,7 @@ cdef class MappedStripes:
         self.views = [None] * nservers
         self.pause_every = pause_every
         self.paused_at = _monotonic()
+        self.copy_threads = 1
 
     def __dealloc__(self):
         free(self.data)
@@ -726,27 +790,34 @@ cdef class MappedStripes:
 
     cdef void _copy_stripes(self, uint8_t *user, uint64_t off, uint64_t n,
                             bint into_buffer) noexcept nogil:
-        # every stripe of [off, off + n), already checked by the caller
-        cdef uint64_t end = off + n, i0 = off // self.stripe, i1 = (off + n - 1) // self.stripe
-        cdef uint64_t i, lo, hi, s
-        cdef uint8_t *mapped
-        cdef bint stream = n >= _STREAM_COPY
-        for i in range(i0, i1 + 1):
-            lo = off if i == i0 else i * self.stripe
-            hi = end if i == i1 else (i + 1) * self.stripe
-            s = (self.first + i) % self.nservers
-            mapped = self.data[s] + (i // self.nservers) * self.stripe + (lo - i * self.stripe)
-            if stream:
-                if into_buffer:
-                    smb2_stream_copy(mapped, user + (lo - off), hi - lo)
-                else:
-                    smb2_stream_copy(user + (lo - off), mapped, hi - lo)
-            elif into_buffer:
-                memcpy(mapped, user + (lo - off), hi - lo)
+        # every stripe of [off, off + n), already checked by the caller; a
+        # large copy in parts, one per thread, cut at page boundaries
+        cdef _CopyJob jobs[_MAX_COPY_THREADS]
+        cdef pthread_t helpers[_MAX_COPY_THREADS]
+        cdef bint started[_MAX_COPY_THREADS]
+        cdef int t, k = self.copy_threads
+        if k > <int>(n // _PARALLEL_COPY):
+            k = <int>(n // _PARALLEL_COPY)
+        if k > _MAX_COPY_THREADS:
+            k = _MAX_COPY_THREADS
+        if k < 1:
+            k = 1
+        for t in range(k):
+            jobs[t].data = self.data
+            jobs[t].stripe, jobs[t].nservers, jobs[t].first = self.stripe, self.nservers, self.first
+            jobs[t].user, jobs[t].off = user, off
+            jobs[t].lo = (n * t // k) & ~(<uint64_t>4095) if t else 0
+            jobs[t].hi = (n * (t + 1) // k) & ~(<uint64_t>4095) if t + 1 < k else n
+            jobs[t].into_buffer = into_buffer
+            jobs[t].stream = n >= _STREAM_COPY
+        for t in range(1, k):
+            started[t] = pthread_create(&helpers[t], NULL, _copy_thread, &jobs[t]) == 0
+        _copy_job(&jobs[0])
+        for t in range(1, k):
+            if started[t]:
+                pthread_join(helpers[t], NULL)
             else:
-                memcpy(user + (lo - off), mapped, hi - lo)
-        if stream:
-            smb2_stream_fence()
+                _copy_job(&jobs[t])     # no thread to be had: this one does it
 
     cdef bint _copy(self, object mem, object offset, bint into_buffer) except -1:
         cdef Py_buffer view

@@ -513,6 +513,7 @@ class Buffer:
         if self._mapped is None:
             self._mapped = _core.MappedStripes(self.nbytes, self.stripe, self.nservers, self.first,
                                                t.yield_every)
+            self._mapped.copy_threads = t.copy_threads()
         self._mapped.attach(server, *mapping)
 
     def _word(self, offset: Any) -> tuple[int, int]:

@@ -188,6 +188,16 @@ class ShmTransport(Transport, LockCapable):
     #: how often an operation on a mapping lets the event loop run
     yield_every = _YIELD_EVERY
 
+    @staticmethod
+    def copy_threads() -> int:
+        """Threads a large copy on a mapping may use: one per CPU this
+        process may run on, at most ``_core.MAX_COPY_THREADS`` (see there)."""
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        return max(1, min(cpus, _core.MAX_COPY_THREADS))
+
     def mapping_of(self, segment: int) -> tuple[memoryview, int, int, _core.LiveFlag] | None:
         """``segment`` as this transport maps it: (the mapping, the data's
         size, the offset of the state word, ``alive``), or None while it is
