@@ -23,7 +23,10 @@
   each against the TCP lock ("park") of the same round, and
   "futex_anycpu": "futex" with the workers free to run on every CPU,
   the server's included (it takes no part in a shm lock, so its CPU is
-  theirs: the same machine as the TCP lock gets, used as shm can use it).
+  theirs: the same CPUs as the TCP lock uses, its clients' and its
+  server's).  The issue's target (>= 10x the TCP lock) is judged on it;
+  pinned "futex" gives all the shm clients one CPU, and each hand-off
+  there is a context switch.
   ``--futex-spin`` sets how long a futex waiter next in line spins before
   it sleeps (the library's default: 50 us where it may run on more than
   one CPU, so 0 in the pinned runs).
@@ -426,13 +429,17 @@ def table(result: dict[str, Any]) -> str:
     for s in result["contended"]["summary"]:
         if s["procs"] != 4:
             continue
-        for k in ("futex", "futex_anycpu"):
-            if f"{k}_per_s" not in s:
-                continue
+        if "futex_anycpu_per_s" in s:
+            # judged with the CPUs the TCP lock uses (its clients' and its
+            # server's); the pinned "futex" row gives the shm clients one
+            k = "futex_anycpu"
             ok_t, ok_f = s[f"{k}_vs_park"] >= TARGET_SHM, s[f"{k}_fairness"] <= TARGET_FAIRNESS
-            lines.append(f"target (4 procs, cs {s['cs']}): shm {k} >= {TARGET_SHM}x the TCP lock: "
-                         f"{s[f'{k}_vs_park']:.2f}x {'MET' if ok_t else 'MISSED'}; max/min <= "
+            lines.append(f"target (4 procs, cs {s['cs']}): shm futex on the TCP lock's CPUs >= {TARGET_SHM}x "
+                         f"the TCP lock: {s[f'{k}_vs_park']:.2f}x {'MET' if ok_t else 'MISSED'}; max/min <= "
                          f"{TARGET_FAIRNESS}: {s[f'{k}_fairness']:.3f} {'MET' if ok_f else 'MISSED'}")
+        if "futex_per_s" in s:
+            lines.append(f"  (shm futex with every client on one CPU: {s['futex_vs_park']:.2f}x the TCP lock, "
+                         f"max/min {s['futex_fairness']:.3f})")
         ok_t = s["park_vs_spin"] >= TARGET_THROUGHPUT
         ok_f = s["park_fairness"] <= TARGET_FAIRNESS
         lines.append(f"target (4 procs, cs {s['cs']}): park >= {TARGET_THROUGHPUT}x spin: "
