@@ -772,7 +772,8 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     if transport is None:
         transport = os.environ.get("SMB2_TRANSPORT", "").strip() or "auto"
         if transport not in KINDS:
-            raise InvalidArgumentError(f"SMB2_TRANSPORT must be one of {', '.join(KINDS)}, not {transport!r}",
+            raise InvalidArgumentError(f"SMB2_TRANSPORT must be one of {', '.join(KINDS)}, not {transport!r}: "
+                                       "fix or unset the environment variable, or pass transport=",
                                        hint="fix or unset the environment variable")
     elif transport not in KINDS:
         raise InvalidArgumentError(f"transport must be one of {', '.join(KINDS)}, not {transport!r}")
