@@ -79,8 +79,8 @@ MODES = ("auto", "park", "poll", "futex")
 _TIMER_RESOLUTION = 1e-3
 #: seconds a futex-path waiter spins on now_serving while it is next in
 #: line, before it sleeps on the futex: it is then on a CPU when its turn
-#: comes, and the hand-off costs no wake-up (with 4 processes on 2 CPUs,
-#: tools/bench_lock.py: about twice the acquisitions/s).  Only where this
+#: comes, and the hand-off costs no wake-up (measured as the path was
+#: built, 4 processes on 2 CPUs: about twice the acquisitions/s).  Only where this
 #: process may run on more than one CPU: where every waiter shares one, a
 #: spinner only delays the holder it waits for (there, a quarter of the
 #: acquisitions/s at 50 us).
@@ -89,9 +89,10 @@ FUTEX_SPIN = 50e-6
 #: own thread, per acquisition, before it sleeps in a helper thread instead.
 #: The loop runs nothing else meanwhile, so this is taken only while no
 #: other futex-path Lock on the same loop holds its lock or sleeps in a
-#: helper thread (a holder on the loop could not run to release).  Woken in the loop's thread, a hand-off costs one
-#: context switch; from a helper thread it costs three and a trip through
-#: the GIL (tools/bench_lock.py: 4 processes, ~5x the acquisitions/s).
+#: helper thread (a holder on the loop could not run to release).  Woken
+#: in the loop's thread, a hand-off costs one context switch; from a
+#: helper thread it costs three and a trip through the GIL (measured as
+#: the path was built, 4 processes on one CPU: about 3x the acquisitions/s).
 FUTEX_BLOCK = 1e-3
 #: an acquisition that never has to wait does not suspend: a coroutine
 #: looping on one still lets the loop run this often
