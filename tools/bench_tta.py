@@ -13,9 +13,14 @@ the student is an MLP (full: 16-4500-4500-10, 20.4 M parameters; --quick:
 64-128-10).  Every worker draws its own batches from its own seed; all
 workers evaluate on the same held-out set every ``--eval-every`` steps (the
 same work on both sides), and the time axis excludes that evaluation.
-Rank 0's accuracy is the curve; a run stops at the target accuracy (DDP: all
-ranks agree by an all-reduce; smb2: rank 0 leaves a stop file the others
-read at their next evaluation) or at the time budget.
+Rank 0's accuracy is the curve and its first evaluation at or past the
+target the time to target.  A run trains the whole time budget (``--stop
+budget``, the default) or ends at the target (``--stop target``, --quick's:
+DDP's ranks agree by an all-reduce; smb2's rank 0 leaves a stop file the
+others read at their next evaluation).  "final" is then the accuracy of the
+model the system delivers, on a test set of ``--final-n`` samples drawn
+apart, off the clock: DDP's model; smb2's shared weights once every worker
+finished (EASGD: the center, not rank 0's own copy, which the curve shows).
 
 Scenarios (state the rates with --rate/--slow-rate):
 
@@ -75,9 +80,9 @@ SYSTEMS: dict[str, dict[str, Any] | None] = {
 }
 SCENARIOS = ("homogeneous", "straggler", "comm-bound")
 FULL: dict[str, Any] = {"sizes": [16, 4500, 4500, 10], "workers": 4, "servers": 4, "batch": 32, "lr": 0.05,
-        "target": 0.75, "eval_every": 5, "eval_n": 128}
+        "target": 0.75, "eval_every": 5, "eval_n": 512, "final_n": 4096, "stop": "budget"}
 QUICK: dict[str, Any] = {"sizes": [64, 128, 10], "workers": 2, "servers": 2, "batch": 32, "lr": 0.05,
-         "target": 0.5, "eval_every": 10, "eval_n": 256}
+         "target": 0.5, "eval_every": 10, "eval_n": 256, "final_n": 1024, "stop": "target"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,6 +119,9 @@ def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[s
     teacher = torch.randn(sizes[0], sizes[-1], generator=torch.Generator().manual_seed(1234))
     held = torch.randn(a.eval_n, sizes[0], generator=torch.Generator().manual_seed(99))
     held_y = (held @ teacher).argmax(1)
+    # the final test set: drawn apart from the curve's, which decides when a run stops
+    final_x = torch.randn(a.final_n, sizes[0], generator=torch.Generator().manual_seed(7))
+    final_y = (final_x @ teacher).argmax(1)
     gen = torch.Generator().manual_seed(1000 + a.rank)
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,9 +146,10 @@ def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[s
             time.sleep(time.perf_counter() - t)
         opt.step()
 
-    def accuracy(net: nn.Module) -> float:
+    def accuracy(net: nn.Module, x: torch.Tensor = held, y: torch.Tensor = held_y) -> float:
         with torch.no_grad():
-            return float((net(held).argmax(1) == held_y).float().mean())
+            right = sum(int((net(xs).argmax(1) == ys).sum()) for xs, ys in zip(x.split(512), y.split(512)))
+        return right / len(y)
 
     spec = SYSTEMS[system]
     stop_file = Path(f"{a.stop_file}.{tag}")
@@ -183,11 +192,11 @@ def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[s
             reached = clock
         done = clock >= a.budget
         if spec is None:     # DDP: stop together (every rank's model is the same one)
-            flag = torch.tensor([1.0 if (hit and a.rank == 0) or done else 0.0])
+            flag = torch.tensor([1.0 if (hit and a.rank == 0 and a.stop == "target") or done else 0.0])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             done = bool(flag.item())
         else:
-            if hit and a.rank == 0:
+            if hit and a.rank == 0 and a.stop == "target":
                 stop_file.touch()
             done = done or stop_file.exists()
         evaluating += time.perf_counter() - te
@@ -199,15 +208,22 @@ def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[s
     cpu1 = schedstat(os.getpid())
     out: dict[str, Any] = {"rank": a.rank, "steps": steps, "seconds": seconds, "samples": steps * a.batch,
                            "link_bytes": moved, "params": nparams, "curve": curve, "reached_s": reached,
-                           "final_acc": curve[-1][2], "link_rate": link_rate(),
+                           "last_eval_acc": curve[-1][2], "link_rate": link_rate(),
                            "time": time_shares(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], wall)}
+    # The final accuracy is the delivered model's, the one a user keeps, on the final test set
+    # (off the clock): DDP's model; smb2's shared weights once every worker finished (EASGD: the
+    # center, not rank 0's own copy, which swings from one evaluation to the next).
     if aopt is not None:
         aopt.flush()
         st = aopt.stats()
         out.update(wait_s=st["wait_s"], bytes_pushed=st["bytes_pushed"], bytes_pulled=st["bytes_pulled"],
                    exchanges=st["exchanges"], not_computing=st["wait_s"] / seconds if seconds else None)
-        aopt.close()
+        aopt.close(wait_all=a.budget + 120)
+        out["final_model"] = "the center" if spec["rule"] == "easgd" else "the shared weights"
     else:
+        out["final_model"] = "DDP's model"
+    out["final_acc"] = accuracy(net, final_x, final_y)
+    if aopt is None:
         dist.barrier()
         with net.no_sync():   # type: ignore[operator]
             tc = time.perf_counter()
@@ -282,7 +298,7 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
     stop_file = Path(tempfile.gettempdir()) / f"bench-tta-{os.getpid()}-{scenario}.stop"
     common = ["--sizes", json.dumps(cfg["sizes"]), "--batch", str(cfg["batch"]), "--lr", str(cfg["lr"]),
               "--target", str(cfg["target"]), "--eval-every", str(cfg["eval_every"]), "--eval-n",
-              str(cfg["eval_n"]), "--budget", str(budget), "--systems", ",".join(systems), "--tag", scenario,
+              str(cfg["eval_n"]), "--final-n", str(cfg["final_n"]), "--stop", cfg["stop"], "--budget", str(budget), "--systems", ",".join(systems), "--tag", scenario,
               "--servers", ",".join(servers), "--master", cluster.server_addrs[workers[0]],
               "--world", str(len(workers)), "--stop-file", str(stop_file)]
     if scenario == "straggler":
@@ -332,7 +348,8 @@ def summarize(outs: list[dict[str, Any]], system: str, scenario: str, cfg: dict[
     steps = sum(o["steps"] for o in outs)
     per_step = [o["link_bytes"] / o["steps"] for o in outs]
     row = {"system": system, "scenario": scenario, "workers": len(outs), "params": r0["params"],
-           "time_to_target_s": r0["reached_s"], "final_acc": r0["final_acc"], "target": cfg["target"],
+           "time_to_target_s": r0["reached_s"], "final_acc": r0["final_acc"], "final_model": r0["final_model"],
+           "last_eval_acc": r0["last_eval_acc"], "target": cfg["target"],
            "samples_per_s": sum(o["samples"] for o in outs) / seconds, "seconds": seconds, "steps": steps,
            "link_bytes_per_step": per_step, "expected_bytes_per_step": expected_bytes_per_step(
                system, r0["params"], len(outs)),
@@ -345,7 +362,7 @@ def summarize(outs: list[dict[str, Any]], system: str, scenario: str, cfg: dict[
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     cfg: dict[str, Any] = dict(QUICK if a.quick else FULL)
-    for key in ("workers", "servers", "target", "eval_n"):
+    for key in ("workers", "servers", "target", "eval_n", "final_n", "stop"):
         if getattr(a, key) is not None:
             cfg[key] = getattr(a, key)
     rates = {"homogeneous": a.rate, "straggler": a.rate, "comm-bound": a.slow_rate}
@@ -385,7 +402,7 @@ def fmt_row(r: dict[str, Any]) -> str:
     ddp = r.get("ddp_ratio")
     r0 = r["workers_time"][0]
     return (f"{r['scenario']:>11} {r['rate']:>8} {r['system']:>15} {ttt} {_opt(ddp, '5.2f', 'x'):>7} "
-            f"{r['samples_per_s']:9.1f} {r['final_acc']:6.3f} "
+            f"{r['samples_per_s']:9.1f} {r['last_eval_acc']:6.3f} {r['final_acc']:6.3f} "
             f"{sum(r['link_bytes_per_step']) / len(r['link_bytes_per_step']) / 1e6:9.2f} "
             f"{_opt(r['not_computing'], '6.1%', ''):>7} "
             f"{r0['on_cpu']:7.1%} {r0['waiting_for_cpu']:7.1%}")
@@ -396,16 +413,19 @@ def _opt(v: float | None, spec: str, suffix: str) -> str:
 
 
 def add_ratios(result: dict[str, Any]) -> None:
-    """Each row's speed-up to the target against DDP in the same scenario (DDP's time / its time)."""
-    ddp = {r["scenario"]: r["time_to_target_s"] for r in result["rows"] if r["system"] == "ddp"}
+    """Each row against DDP in the same scenario: its speed-up to the target (DDP's time / its time)
+    and its final accuracy minus DDP's, in points."""
+    ddp = {r["scenario"]: r for r in result["rows"] if r["system"] == "ddp"}
     for r in result["rows"]:
-        base, mine = ddp.get(r["scenario"]), r["time_to_target_s"]
-        r["ddp_ratio"] = base / mine if base and mine else None
+        base = ddp.get(r["scenario"])
+        mine = r["time_to_target_s"]
+        r["ddp_ratio"] = base["time_to_target_s"] / mine if base and base["time_to_target_s"] and mine else None
+        r["final_points_vs_ddp"] = 100 * (r["final_acc"] - base["final_acc"]) if base else None
 
 
 def table(result: dict[str, Any]) -> str:
     head = (f"{'scenario':>11} {'link':>8} {'system':>15} {'to tgt s':>7} {'x DDP':>7} {'samples/s':>9} "
-            f"{'acc':>6} {'MB/step':>9} {'not comp':>7} {'r0 cpu':>7} {'r0 rdy':>7}")
+            f"{'r0 acc':>6} {'final':>6} {'MB/step':>9} {'not comp':>7} {'r0 cpu':>7} {'r0 rdy':>7}")
     return "\n".join([head] + [fmt_row(r) for r in result["rows"]])
 
 
@@ -446,8 +466,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--servers", type=int, default=None)
     ap.add_argument("--target", type=float, default=None, help="target held-out accuracy")
     ap.add_argument("--eval-n", type=int, default=None,
-                    help="held-out samples per evaluation (default 128: one sample is 0.8 points; "
-                         "more resolves final accuracies finer, the clock excludes evaluation)")
+                    help="held-out samples per evaluation of the curve (default 512; the clock excludes "
+                         "evaluation, but on few cores one worker's evaluation slows the others)")
+    ap.add_argument("--final-n", type=int, default=None,
+                    help="samples of the final test set, drawn apart (default 4096: 0.7 points' standard error)")
+    ap.add_argument("--stop", choices=("target", "budget"), default=None,
+                    help="end a run at the target or train the whole budget (default: budget, so final "
+                         "accuracies compare at equal time; --quick: target)")
     ap.add_argument("--capacity", default="1GiB", help="each server's --capacity")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
@@ -460,6 +485,8 @@ def _worker_parser() -> argparse.ArgumentParser:
                        ("lr", float), ("target", float), ("budget", float), ("sizes", str), ("systems", str),
                        ("tag", str), ("servers", str), ("master", str), ("stop-file", str)):
         ap.add_argument(f"--{name}", type=kind, required=True)
+    ap.add_argument("--final-n", type=int, required=True)
+    ap.add_argument("--stop", choices=("target", "budget"), required=True)
     ap.add_argument("--straggler", action="store_true")
     return ap
 
