@@ -219,7 +219,7 @@ def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[s
         out.update(wait_s=st["wait_s"], bytes_pushed=st["bytes_pushed"], bytes_pulled=st["bytes_pulled"],
                    exchanges=st["exchanges"], not_computing=st["wait_s"] / seconds if seconds else None)
         aopt.close(wait_all=a.budget + 120)
-        out["final_model"] = "the center" if spec["rule"] == "easgd" else "the shared weights"
+        out["final_model"] = "the center" if options["rule"] == "easgd" else "the shared weights"
     else:
         out["final_model"] = "DDP's model"
     out["final_acc"] = accuracy(net, final_x, final_y)
@@ -298,7 +298,8 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
     stop_file = Path(tempfile.gettempdir()) / f"bench-tta-{os.getpid()}-{scenario}.stop"
     common = ["--sizes", json.dumps(cfg["sizes"]), "--batch", str(cfg["batch"]), "--lr", str(cfg["lr"]),
               "--target", str(cfg["target"]), "--eval-every", str(cfg["eval_every"]), "--eval-n",
-              str(cfg["eval_n"]), "--final-n", str(cfg["final_n"]), "--stop", cfg["stop"], "--budget", str(budget), "--systems", ",".join(systems), "--tag", scenario,
+              str(cfg["eval_n"]), "--final-n", str(cfg["final_n"]), "--stop", cfg["stop"],
+              "--budget", str(budget), "--systems", ",".join(systems), "--tag", scenario,
               "--servers", ",".join(servers), "--master", cluster.server_addrs[workers[0]],
               "--world", str(len(workers)), "--stop-file", str(stop_file)]
     if scenario == "straggler":
