@@ -31,8 +31,11 @@ Scenarios (state the rates with --rate/--slow-rate):
   more than computing a step.
 
 Systems: ``ddp`` (DistributedDataParallel, gloo ring all-reduce), and
-AsyncOptimizer with rule ``delta`` (staleness 1, float32 and bf16 pushes),
-``accumulate`` (with and without layer dropping) and ``easgd`` (tau 4).
+AsyncOptimizer with rule ``delta`` (staleness 1: float32 pushes, bf16 pushes,
+layer dropping), ``accumulate`` (with and without layer dropping) and ``easgd``
+(tau 4).  AsyncOptimizer refuses the other pairs: it offers bf16 pushes with
+``delta`` only, and layer dropping with the rules that push every step, not
+``easgd``.
 
 "r0 cpu" and "r0 rdy": rank 0's thread-seconds on a CPU and runnable but waiting for one
 (/proc schedstat), over its wall time: where the CPU, not the network, is the bottleneck the
@@ -74,6 +77,7 @@ SYSTEMS: dict[str, dict[str, Any] | None] = {
     "ddp": None,
     "delta": {"rule": "delta", "staleness": 1},
     "delta/bf16": {"rule": "delta", "staleness": 1, "push_dtype": "bfloat16"},
+    "delta/drop": {"rule": "delta", "staleness": 1, "dropping": 0.7},
     "accumulate": {"rule": "accumulate", "staleness": 1},
     "accumulate/drop": {"rule": "accumulate", "staleness": 1, "dropping": 0.7},
     "easgd": {"rule": "easgd", "tau": 4},
@@ -443,11 +447,14 @@ def plot(result: dict[str, Any], path: str) -> None:
     for ax, sc in zip(axes[0], scenarios):
         for r in result["rows"]:
             if r["scenario"] == sc:
-                ax.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], label=r["system"],
-                        ls="--" if r["system"] == "ddp" else "-")
+                line, = ax.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], label=r["system"],
+                                ls="--" if r["system"] == "ddp" else "-")
+                # the delivered model at the end (EASGD: the center), on the final test set
+                ax.plot([r["curve"][-1][0]], [r["final_acc"]], "o", color=line.get_color())
         ax.axhline(result["config"]["target"], color="grey", lw=0.8)
         rate = next(r["rate"] for r in result["rows"] if r["scenario"] == sc)
-        ax.set(title=f"{sc} ({rate} links)", xlabel="wall time s (eval excluded)", ylabel="held-out accuracy")
+        ax.set(title=f"{sc} ({rate} links)", xlabel="wall time s (eval excluded)",
+               ylabel="held-out accuracy (rank 0; dot: delivered model)")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
