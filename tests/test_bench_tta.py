@@ -80,6 +80,11 @@ def test_bytes_per_step_match_model_and_rule(result: dict) -> None:
     assert rows["easgd"]["expected_bytes_per_step"] == 0.25 * rows["delta"]["expected_bytes_per_step"]
 
 
+def test_the_machine_round_trip_is_recorded(result: dict) -> None:
+    us = result["rtt_us"]["homogeneous"]
+    assert 1 < us < 5000, us        # a loopback round trip, in µs: microseconds, not seconds or ns
+
+
 def test_ddp_and_smb2_saw_the_same_links(result: dict) -> None:
     rate = netns_cluster.parse_rate(result["rates"]["homogeneous"])
     for r in result["rows"]:

@@ -56,14 +56,18 @@ why and exits 2.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from smb2.bench.common import latencies, start_raw_peer, stop_raw_peer
 
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
@@ -273,6 +277,19 @@ def where_time_went(procs: dict[str, subprocess.Popen], before: dict[str, tuple[
     return out
 
 
+def loopback_rtt_us() -> float:
+    """The median raw 64-byte round trip between two processes on loopback (smb2.bench's raw
+    peer, no smb2 code on either side), in µs: recorded beside each scenario because this
+    machine has a slow mode that moves every figure."""
+    async def measure() -> float:
+        peer, raw = await start_raw_peer(64)
+        try:
+            return statistics.median(await latencies(raw.ping, 300))
+        finally:
+            await stop_raw_peer(peer, raw)
+    return asyncio.run(measure())
+
+
 def start_servers(cluster: netns_cluster.NetnsCluster, hosts: list[int], capacity: str) -> list[subprocess.Popen]:
     """smb2-server on each of ``hosts`` (indexes of the cluster's hosts); waits for the ready lines."""
     binary = netns_cluster.default_server_binary()
@@ -371,10 +388,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if getattr(a, key) is not None:
             cfg[key] = getattr(a, key)
     rates = {"homogeneous": a.rate, "straggler": a.rate, "comm-bound": a.slow_rate}
-    result: dict[str, Any] = {"config": cfg, "rates": rates, "budget_s": a.budget, "rows": []}
+    result: dict[str, Any] = {"config": cfg, "rates": rates, "budget_s": a.budget, "rows": [], "rtt_us": {}}
     nserv, nwork = cfg["servers"], cfg["workers"]
     for scenario in a.scenarios:
         rate = rates[scenario]
+        result["rtt_us"][scenario] = rtt = loopback_rtt_us()
         # hosts 0..S-1 are memory servers, S..S+W-1 workers: every one behind its own limited link
         with netns_cluster.NetnsCluster(servers=nserv + nwork, rate=rate, start_servers=False,
                                         quiet=True) as cluster:
@@ -382,8 +400,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             servers = [f"{cluster.server_addrs[i]}:{SERVER_PORT}" for i in range(nserv)]
             workers = list(range(nserv, nserv + nwork))
             try:
-                print(f"bench_tta: {scenario} ({rate} links): {', '.join(a.systems)} ...", file=sys.stderr,
-                      flush=True)
+                print(f"bench_tta: {scenario} ({rate} links, loopback 64 B round trip {rtt:.0f} µs): "
+                      f"{', '.join(a.systems)} ...", file=sys.stderr, flush=True)
                 for row in run_scenario(cluster, cfg, a.systems, scenario, servers,
                                         {f"server {addr}": p for addr, p in zip(servers, procs)}, workers,
                                         a.budget):
@@ -519,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(a)
     add_ratios(result)
     print(table(result))
+    print("loopback 64 B round trip: " + ", ".join(f"{sc} {us:.0f} µs" for sc, us in result["rtt_us"].items()))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     if a.png:
