@@ -230,7 +230,8 @@ def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[s
         out["final_model"] = "the center" if options["rule"] == "easgd" else "the shared weights"
     else:
         out["final_model"] = "DDP's model"
-    out["final_acc"] = accuracy(net, final_x, final_y)
+    # rank 0's alone: the row reports rank 0, and the others' would only hold their hosts longer
+    out["final_acc"] = accuracy(net, final_x, final_y) if a.rank == 0 else None
     if aopt is None:
         dist.barrier()
         with net.no_sync():   # type: ignore[operator]
