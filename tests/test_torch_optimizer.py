@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -557,20 +558,21 @@ def _example() -> Any:
     return mod
 
 
-def _single_process_accuracy(kind: str, epochs: int) -> float:
-    """The example's loop in this process, plain torch, no smb2."""
+def _single_process_accuracy(kind: str, epochs: int, seed: int = 0, shard: slice = slice(None)) -> float:
+    """The example's loop in this process, plain torch, no smb2 (on the
+    whole training set, or on one worker's ``shard`` of it alone)."""
     from smb2.train import data
     ex = _example()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)            # as the example's workers do (and faster on a busy machine)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
     xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
     model = ex.make_model()
     opt = ex.make_optimizer(model, kind)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     try:
-        ex.train(model, opt, sched, xtr, ytr, torch.arange(len(xtr)), epochs, 32)
+        ex.train(model, opt, sched, xtr, ytr, torch.arange(len(xtr))[shard], epochs, 32)
     finally:
         torch.set_num_threads(threads)
     return float(ex.accuracy(model, xte, yte))
@@ -589,10 +591,13 @@ def _json_objects(text: str) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)      # four torch processes start and train; a loaded 2-core machine needs minutes
-# AdamW with torch's beta1 0.9 ended 0.7-1.1 points under single-process on a busy machine
-# (96.85-97.22 % vs 97.96 %, 16-24 epochs, staleness 0): asynchrony adds momentum of its own.
-# The example's beta1 0.7 (both sides): 97.40-98.14 % vs 97.77 % in six runs at 12 and 16 epochs
-@pytest.mark.parametrize(("kind", "staleness", "epochs", "within"), [("sgd", 1, 12, 1.0), ("adamw", 0, 12, 1.0)])
+# Measured (digits, 539 test images: one point is 5.4 images; 4 workers, 12 epochs, shm and TCP,
+# quiet and loaded): AdamW (example's beta1 0.7) staleness 0: 96.66-97.96 %, median 97.22, in 19 runs;
+# SGD+momentum staleness 1: 96.66-98.33 %, median 97.03, in 13 runs. Single process, seeds 0-7:
+# AdamW 97.59-98.33 % (median 97.77), SGD 97.22-98.70 % (median 98.24). Asynchrony costs 0.5-1.2 points
+# here, and one run's draw spreads it by as much again: hence the median of three seeds on the
+# single-process side and 2 points of room. A worker trained on its own shard alone gets 93.1-95.0 %.
+@pytest.mark.parametrize(("kind", "staleness", "epochs", "within"), [("sgd", 1, 12, 2.0), ("adamw", 0, 12, 2.0)])
 def test_torchrun_workers_match_single_process_accuracy(servers: str, kind: str, staleness: int,
                                                         epochs: int, within: float) -> None:
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
@@ -606,5 +611,8 @@ def test_torchrun_workers_match_single_process_accuracy(servers: str, kind: str,
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     # every rank evaluated the same final shared model
     assert len({r["accuracy"] for r in ranks}) == 1
-    single = _single_process_accuracy(kind, epochs)
-    assert ranks[0]["accuracy"] >= single - within, (ranks[0], single)
+    single = statistics.median(_single_process_accuracy(kind, epochs, seed) for seed in range(3))
+    alone = _single_process_accuracy(kind, epochs, shard=slice(0, None, 4))
+    # the bar must be one that workers which did not share could not clear
+    assert alone < single - within, (alone, single)
+    assert ranks[0]["accuracy"] >= single - within, (ranks[0], single, alone)
