@@ -32,7 +32,8 @@ Scenarios (state the rates with --rate/--slow-rate):
 
 Systems: ``ddp`` (DistributedDataParallel, gloo ring all-reduce), and
 AsyncOptimizer with rule ``delta`` (staleness 1: float32 pushes, bf16 pushes,
-layer dropping), ``accumulate`` (with and without layer dropping) and ``easgd``
+layer dropping, and float32 with the learning rate divided by the number of
+workers), ``accumulate`` (with and without layer dropping) and ``easgd``
 (tau 4).  AsyncOptimizer refuses the other pairs: it offers bf16 pushes with
 ``delta`` only, and layer dropping with the rules that push every step, not
 ``easgd``.
@@ -82,6 +83,9 @@ SYSTEMS: dict[str, dict[str, Any] | None] = {
     "delta": {"rule": "delta", "staleness": 1},
     "delta/bf16": {"rule": "delta", "staleness": 1, "push_dtype": "bfloat16"},
     "delta/drop": {"rule": "delta", "staleness": 1, "dropping": 0.7},
+    # every worker's step lands in the shared weights, W steps to DDP's one:
+    # the usual cure for asynchronous SGD is a learning rate divided by W
+    "delta/lr-over-W": {"rule": "delta", "staleness": 1, "lr_over_workers": True},
     "accumulate": {"rule": "accumulate", "staleness": 1},
     "accumulate/drop": {"rule": "accumulate", "staleness": 1, "dropping": 0.7},
     "easgd": {"rule": "easgd", "tau": 4},
@@ -173,9 +177,10 @@ def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[s
         from smb2.train.dropping import LayerDropping
         options = dict(spec)
         ratio = options.pop("dropping", None)
+        lr = a.lr / a.world if options.pop("lr_over_workers", False) else a.lr
         net = model
         aopt = smb2.torch.AsyncOptimizer(
-            torch.optim.SGD(model.parameters(), lr=a.lr), model, name=f"tta-{tag}", rank=a.rank,
+            torch.optim.SGD(model.parameters(), lr=lr), model, name=f"tta-{tag}", rank=a.rank,
             world_size=a.world, resume=False, servers=a.servers,
             dropping=LayerDropping(ratio) if ratio else None, **options)
         opt = aopt
@@ -356,7 +361,7 @@ def expected_bytes_per_step(system: str, params: int, world: int) -> float | Non
     model = 4 * params
     if system == "ddp":    # ring all-reduce: 2 (W-1)/W of the gradient out, as much in
         return 2 * 2 * (world - 1) / world * model
-    if system in ("delta", "accumulate"):       # push the change, pull the weights
+    if system in ("delta", "delta/lr-over-W", "accumulate"):   # push the change, pull the weights
         return 2 * model
     if system == "delta/bf16":                  # bf16 push, f32 pull
         return 1.5 * model
