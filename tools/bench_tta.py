@@ -359,15 +359,15 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
 def expected_bytes_per_step(system: str, params: int, world: int) -> float | None:
     """Payload bytes one worker moves per step by the rule, before protocol overhead (None: varies)."""
     model = 4 * params
-    if system == "ddp":    # ring all-reduce: 2 (W-1)/W of the gradient out, as much in
+    spec = SYSTEMS[system]
+    if spec is None:       # DDP's ring all-reduce: 2 (W-1)/W of the gradient out, as much in
         return 2 * 2 * (world - 1) / world * model
-    if system in ("delta", "delta/lr-over-W", "accumulate"):   # push the change, pull the weights
-        return 2 * model
-    if system == "delta/bf16":                  # bf16 push, f32 pull
-        return 1.5 * model
-    if system == "easgd":                       # every tau=4 steps: push local, pull the correction
-        return 2 * model / 4
-    return None    # layer dropping: depends on the gradients
+    if spec.get("dropping"):                    # layer dropping: depends on the gradients
+        return None
+    if spec["rule"] == "easgd":                 # every tau steps: push local, pull the correction
+        return 2 * model / spec["tau"]
+    push = 0.5 if spec.get("push_dtype") == "bfloat16" else 1.0
+    return (push + 1) * model                   # push the change, pull the f32 weights
 
 
 def summarize(outs: list[dict[str, Any]], system: str, scenario: str, cfg: dict[str, Any]) -> dict[str, Any]:
