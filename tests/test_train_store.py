@@ -13,6 +13,7 @@ import pytest
 import smb2
 from smb2.train import MLP, LayerDropping, ParameterStore
 from smb2.train.rules import EASGD
+from smb2.train.stability import LagScaling
 
 
 def _params(seed: int = 0) -> dict[str, np.ndarray]:
@@ -187,6 +188,43 @@ async def test_easgd_exchanges_with_the_center(client: smb2.Client) -> None:
     center = await store.rule.center()                           # type: ignore[attr-defined]
     assert center[:4].tolist() == [2.0] * 4                      # c + d
     assert await store.read_version() == 1
+
+
+async def test_a_late_push_moves_the_model_by_its_lag_share(cluster: smb2.LocalCluster, transport: str) -> None:
+    """Three workers, staleness 0: the expected lag is L0 = 2 other updates.
+    A push k versions late moves the model by min(1, 2 / k) of its step."""
+    init = {"w": np.zeros(4, np.float32)}
+    clients = [await cluster.connect(transport=transport) for _ in range(3)]
+    stores = [await ParameterStore.open(c, "st-lag", init, rule="accumulate", lr=1.0, workers=3, rank=r)
+              for r, c in enumerate(clients)]
+    for s in stores:
+        s.lag = LagScaling(3, staleness=0)
+    one = {"w": np.ones(4, np.float32)}
+
+    async def fresh_push(r: int) -> None:       # pull, then push: lag 0
+        await stores[r].pull()
+        await stores[r].push(one)
+
+    async def shared() -> float:
+        await stores[1].pull()
+        return float(stores[1].params["w"][0])
+
+    await stores[0].pull()                      # rank 0 computes on version 0 ...
+    for r in (1, 2, 1, 2):
+        await fresh_push(r)
+    assert await shared() == -4.0
+    await stores[0].push(one)                   # ... and lands 4 versions late: half its step
+    assert await shared() == -4.5
+    await stores[0].push(one)                   # its own push is in its weights: still 4 others, half
+    assert await shared() == -5.0
+    for _ in range(2):
+        await fresh_push(1)
+    await stores[0].push(one)                   # 6 others since its pull: a third
+    assert await shared() == pytest.approx(-7.0 - 1 / 3, abs=1e-6)
+    await fresh_push(0)                         # fresh: whole
+    assert await shared() == pytest.approx(-8.0 - 1 / 3, abs=1e-6)
+    assert stores[0].lag.scaled == 3 and stores[0].lag.max_lag == 6
+    assert stores[1].lag.scaled == 0
 
 
 async def test_version_and_progress_notifications(cluster: smb2.LocalCluster, transport: str) -> None:

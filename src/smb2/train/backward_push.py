@@ -110,7 +110,7 @@ class BackwardPushes:
     async def _push(self, name: str, g: np.ndarray, lr: float, after: concurrent.futures.Future[None] | None
                     ) -> None:
         await wait_for(after)
-        await self.rule.push({name: g}, lr=lr, count=False)
+        await self.rule.store.count_push(await self.rule.push({name: g}, lr=lr), update=False)
 
     def settle_step(self, sp: StepPushes, lr: float, final: bool = True) -> None:
         """At ``step()`` (``final=False``: at ``close()`` with no step to
@@ -142,7 +142,7 @@ class BackwardPushes:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in sp.futures))
         if sp.corrections:
             shaped = {n: c.reshape(self.rule.store.params[n].shape) for n, c in sp.corrections.items()}
-            await self.rule.push(shaped, lr=1.0, count=False)
+            await self.rule.store.count_push(await self.rule.push(shaped, lr=1.0), update=False)
 
     def close(self) -> None:
         self.enabled = False

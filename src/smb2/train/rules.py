@@ -51,6 +51,8 @@ class UpdateRule(abc.ABC):
     name = "?"
     #: gradients go to the shared buffer each push (layer dropping applies)
     gradient_rule = True
+    #: each push is one step on stale weights: scaled by its lag (smb2.train.stability)
+    lag_scaled = True
 
     def __init__(self, lr: float = 0.01) -> None:
         self.lr = _positive("lr", lr)
@@ -91,8 +93,16 @@ class UpdateRule(abc.ABC):
         return True
 
     @abc.abstractmethod
-    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
-        """Apply one step of gradients to the shared parameters."""
+    async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
+        """Apply one step of gradients (``delta``: changes), times ``scale``,
+        to the shared parameters with learning rate ``lr`` (default the
+        rule's); the bytes sent.  The store counts the push
+        (:meth:`ParameterStore.push`), not the rule."""
+
+    async def push_region(self, region: np.ndarray, *, scale: float = 1.0) -> int:
+        """:meth:`push` of every tensor at once, ``region`` laid out like the
+        store's data (a rule may send it without splitting it)."""
+        return await self.push(self.store.tensors_of(region), scale=scale)
 
     def _selected(self, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         st = self.store
@@ -104,25 +114,21 @@ class Accumulate(UpdateRule):
 
     name = "accumulate"
 
-    async def push(self, grads: Mapping[str, np.ndarray], *, lr: float | None = None, count: bool = True) -> None:
-        """``lr``: this push's (default: the rule's).  ``count=False``
-        leaves the version alone: a step pushed in parts (one tensor at a
-        time as backward produces it, see :class:`smb2.torch.AsyncOptimizer`)
-        counts once, when its last part went out."""
+    async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
         st = self.store
         sent = self._selected(grads)
         if not sent:
-            return
-        deltas = {name: self._delta(name, g, lr) for name, g in sent.items()}
-        await accumulate_changes(st, deltas, self._stage, self.wire, count=count)
+            return 0
+        rate = (self.lr if lr is None else lr) * scale
+        deltas = {name: self._delta(name, g, rate) for name, g in sent.items()}
+        return await accumulate_changes(st, deltas, self._stage, self.wire)
 
 
 async def accumulate_changes(st: ParameterStore, changes: Mapping[str, np.ndarray], stage: np.ndarray,
-                             wire: str | None, *, count: bool = True) -> None:
+                             wire: str | None) -> int:
     """Add ``changes`` (tensor name -> array, views of ``stage`` laid out
     like the data region) to the shared tensors by server-side accumulate,
-    and to the local mirror; count the update in the version (unless
-    ``count`` is False)."""
+    and to the local mirror; the bytes sent."""
     if len(changes) == len(st.params):
         # the whole model: one accumulate, which the client splits over all servers
         await st.buf.accumulate(st.data_off, stage, wire=wire)
@@ -134,9 +140,7 @@ async def accumulate_changes(st: ParameterStore, changes: Mapping[str, np.ndarra
         nbytes = sum(d.nbytes for d in changes.values())
         for name, d in changes.items():
             st.params[name] += d
-    st.stats["bytes_pushed"] += int(nbytes * _wire_fraction(stage.dtype, wire))
-    if count:
-        await st.bump_version()
+    return int(nbytes * _wire_fraction(stage.dtype, wire))
 
 
 def _wire_fraction(dtype: np.dtype[Any], wire: str | None) -> float:
@@ -186,28 +190,29 @@ class Locked(UpdateRule):
         else:
             self._lock = store.buf.lock(**opts)
 
-    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
+    async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
         st = self.store
         sent = self._selected(grads)
         if not sent:
-            return
+            return 0
+        rate = (self.lr if lr is None else lr) * scale
         if self.per_layer:
-            await asyncio.gather(*(self._update({name: g}, self._locks[name]) for name, g in sent.items()))
+            await asyncio.gather(*(self._update({name: g}, self._locks[name], rate) for name, g in sent.items()))
         else:
             assert self._lock is not None
-            await self._update(sent, self._lock)
-        st.stats["bytes_pushed"] += sum(st.ranges[name][1] for name in sent)
-        st.stats["bytes_pulled"] += sum(st.ranges[name][1] for name in sent)
-        await st.bump_version()
+            await self._update(sent, self._lock, rate)
+        nbytes = sum(st.ranges[name][1] for name in sent)
+        st.stats["bytes_pulled"] += nbytes      # (read under the lock)
+        return nbytes
 
-    async def _update(self, grads: Mapping[str, np.ndarray], lock: Lock) -> None:
+    async def _update(self, grads: Mapping[str, np.ndarray], lock: Lock, lr: float) -> None:
         st = self.store
         await lock.acquire(timeout=self.timeout)
         try:
             # read the latest values of exactly these tensors into the mirror ...
             await asyncio.gather(*(st.buf.read_into(st.params[name], st.ranges[name][0]) for name in grads))
             for name, g in grads.items():
-                st.params[name] += self._delta(name, g)
+                st.params[name] += self._delta(name, g, lr)
             # ... and write them back before anyone else may read them
             await asyncio.gather(*(st.buf.write(st.ranges[name][0], st.params[name], fence=lock)
                                    for name in grads))
@@ -220,6 +225,7 @@ class EASGD(UpdateRule):
 
     name = "easgd"
     gradient_rule = False
+    lag_scaled = False      # the elastic term bounds how far a worker pulls the center
 
     @property
     def pull_each_step(self) -> bool:
@@ -244,13 +250,16 @@ class EASGD(UpdateRule):
     def settings(self) -> dict[str, Any]:
         return {"name": self.name, "lr": self.lr, "alpha": self.alpha, "tau": self.tau}
 
-    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
+    async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
+        """Local SGD; every ``tau`` pushes an :meth:`exchange` (which counts
+        itself: a local step sends nothing)."""
         st = self.store
         for name, g in grads.items():
-            st.params[name] += self._delta(name, g)        # local SGD on our own copy
+            st.params[name] += self._delta(name, g, lr)        # local SGD on our own copy
         self.steps += 1
         if self.steps % self.tau == 0:
             await self.exchange()
+        return 0
 
     async def exchange(self) -> None:
         """One elastic exchange with the center."""
@@ -289,28 +298,32 @@ class Delta(UpdateRule):
     def settings(self) -> dict[str, Any]:
         return {"name": self.name}
 
-    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
-        """``grads`` are the changes of the weights (not gradients)."""
+    async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
+        """``grads`` are the changes of the weights (not gradients; ``lr``
+        does not apply)."""
         st = self.store
         changes = {}
         for name, d in self._selected(grads).items():
             o = st.flat_offset(name)
             out = self._stage[o:o + d.size]
-            out[...] = d.reshape(-1)
+            np.multiply(d.reshape(-1), scale, out=out, casting="unsafe")
             changes[name] = out.reshape(d.shape)
-        if changes:
-            await accumulate_changes(st, changes, self._stage, self.wire)
+        if not changes:
+            return 0
+        return await accumulate_changes(st, changes, self._stage, self.wire)
 
-    async def push_region(self, changes: np.ndarray) -> None:
+    async def push_region(self, changes: np.ndarray, *, scale: float = 1.0) -> int:
         """The changes of every tensor at once, laid out like the data region
-        (padding zero; no layer dropping): accumulated as they are, without a
-        copy, and the local mirror is left alone (its owner keeps its own
-        weights, as :class:`smb2.torch.AsyncOptimizer` does)."""
+        (padding zero; no layer dropping), times ``scale`` (in place): accumulated
+        without a copy; the local mirror is left alone (its owner keeps its own
+        weights, as :class:`smb2.torch.AsyncOptimizer` does).  The bytes sent."""
         st = self.store
+        if st.dropping is not None:
+            return await super().push_region(changes, scale=scale)
+        if scale != 1.0:
+            changes *= scale
         await st.buf.accumulate(st.data_off, changes, wire=self.wire)
-        st.stats["bytes_pushed"] += int(changes.nbytes * _wire_fraction(changes.dtype, self.wire))
-        st.stats["pushes"] += 1
-        await st.bump_version()
+        return int(changes.nbytes * _wire_fraction(changes.dtype, self.wire))
 
 
 RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "locked": Locked, "easgd": EASGD, "delta": Delta}

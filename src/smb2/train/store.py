@@ -105,6 +105,7 @@ from . import lifecycle as lc
 from .dropping import LayerDropping
 from .lifecycle import Control, check_rank, resolve_rank
 from .rules import UpdateRule, make_rule
+from .stability import DivergenceGuard, LagScaling
 
 log = logging.getLogger("smb2.train")
 
@@ -244,7 +245,17 @@ class ParameterStore:
         #: the last parameter version this worker saw
         self.version = 0
         self.iteration = 0
-        self.stats = {"pulls": 0, "pushes": 0, "bytes_pulled": 0, "bytes_pushed": 0}
+        self.stats = {"pulls": 0, "pushes": 0, "bytes_pulled": 0, "bytes_pushed": 0, "skipped": 0}
+        #: the store's version when the weights in the mirror were pulled,
+        #: and this worker's updates since (already in its weights)
+        self.pulled_version = 0
+        self.pushed_since_pull = 0
+        #: how a push is scaled by its lag (see smb2.train.stability): off for
+        #: this numpy API's own loops, on in smb2.torch.AsyncOptimizer (which
+        #: sets one that knows its staleness)
+        self.lag = LagScaling(layout.workers, enabled=False)
+        #: refuses non-finite pushes, skips pushes far out of line
+        self.guard = DivergenceGuard(rank)
         #: the run (generation) this rank is in; 0 for an observer
         self.generation = 0
         #: did this rank's run continue an earlier one's weights and steps?
@@ -464,7 +475,7 @@ class ParameterStore:
         # a rank that rejoins a run continues where it was, like a resumed one
         self.resumed = control.resumed or rejoined
         self.start_step = self._step = self.iteration = int(control.steps[self.rank])
-        self.version = control.version
+        self.version = self.pulled_version = control.version
         self._joined = joined
 
     @classmethod
@@ -504,16 +515,74 @@ class ParameterStore:
     # -- data -------------------------------------------------------------------
     async def pull(self) -> None:
         """Read every parameter into the mirror (one read over all servers)."""
-        await self.buf.read_into(self.mirror, self.data_off)
-        self.stats["pulls"] += 1
-        self.stats["bytes_pulled"] += self.mirror.nbytes
+        await self.pull_into(self.mirror)
 
-    async def push(self, grads: Mapping[str, np.ndarray]) -> None:
-        """Apply one step's gradients with the update rule (layer dropping
-        first, if the store has it), then count the update in the version."""
+    async def pull_into(self, out: np.ndarray) -> int:
+        """Read the data region into ``out`` (the mirror, or a host array
+        laid out like it) and the version it holds at least; returns it."""
+        version = await self.read_version()     # first: the data read after holds at least these updates
+        await self.buf.read_into(out, self.data_off)
+        self.guard.check_pulled(self.iteration, self.tensors_of(out.view(self.layout.dtype)))
+        self.pulled_version, self.pushed_since_pull = version, 0
+        self.stats["pulls"] += 1
+        self.stats["bytes_pulled"] += out.nbytes
+        return version
+
+    async def push(self, grads: Mapping[str, np.ndarray], *, step: int | None = None, lr: float | None = None,
+                   based_on: tuple[int, int] | None = None) -> bool:
+        """Apply one step's gradients (rule ``delta``: changes) with the
+        update rule, then count the update in the version.
+
+        The divergence guard sees the step first (a non-finite value raises
+        :class:`~smb2.train.stability.TrainingDiverged`; a step far out of
+        line with the recent ones is skipped: False is returned).  Then the
+        push is scaled by its lag (rules that push every step):
+        ``based_on=(version, own)`` is the version of the pull the step was
+        computed on and this worker's pushes since (default: the last
+        :meth:`pull`'s, and the pushes since).  ``lr``: this push's learning rate (gradient
+        rules; default the rule's).  ``step`` names the step in messages."""
         self._check_grads(grads)
-        await self.rule.push(grads)
-        self.stats["pushes"] += 1
+        scale = await self._admit(grads, step, based_on)
+        if scale is None:
+            return False
+        sent = await self.rule.push(grads, scale=scale, lr=lr)
+        await self.count_push(sent, update=sent > 0)     # (nothing sent: all kept home, or a local step)
+        return True
+
+    async def push_region(self, region: np.ndarray, *, step: int | None = None,
+                          based_on: tuple[int, int] | None = None) -> bool:
+        """:meth:`push` of every tensor's change at once, ``region`` laid
+        out like :meth:`flat` (padding zero): rule ``delta`` sends it as it
+        is (scaled in place), without a copy."""
+        scale = await self._admit(self.tensors_of(region), step, based_on)
+        if scale is None:
+            return False
+        sent = await self.rule.push_region(region, scale=scale)
+        await self.count_push(sent, update=sent > 0)
+        return True
+
+    async def _admit(self, changes: Mapping[str, np.ndarray], step: int | None,
+                     based_on: tuple[int, int] | None) -> float | None:
+        """The guard's verdict on a push (None: skipped), else its lag's scale."""
+        step = self.iteration if step is None else step
+        if not self.guard.check(step, changes):
+            self.stats["skipped"] += 1
+            return None
+        if not (self.rule.lag_scaled and self.lag.enabled):
+            return 1.0
+        version, own = (self.pulled_version, self.pushed_since_pull) if based_on is None else based_on
+        return self.lag.factor(max(0, await self.read_version() - version - own))
+
+    async def count_push(self, nbytes: int, *, update: bool = True) -> None:
+        """Count what a push sent (``nbytes`` on the wire) once its data
+        landed, and (``update``) one update in the version.  A layer pushed
+        during backward is a part of a step: ``update=False``; the step
+        counts once, when its last part went out."""
+        self.stats["bytes_pushed"] += nbytes
+        if update:
+            self.stats["pushes"] += 1
+            self.pushed_since_pull += 1
+            await self.bump_version()
 
     def _check_grads(self, grads: Mapping[str, np.ndarray]) -> None:
         if not isinstance(grads, Mapping):
@@ -534,6 +603,15 @@ class ParameterStore:
     def flat_offset(self, name: str) -> int:
         """Where tensor ``name`` starts in :meth:`flat` (elements)."""
         return (self.ranges[name][0] - self.data_off) // self.layout.dtype.itemsize
+
+    def tensors_of(self, region: np.ndarray) -> dict[str, np.ndarray]:
+        """Tensor name -> its view (shaped) in ``region``, a flat array laid
+        out like :meth:`flat`."""
+        out = {}
+        for name, p in self.params.items():
+            o = self.flat_offset(name)
+            out[name] = region[o:o + p.size].reshape(p.shape)
+        return out
 
     # -- version ----------------------------------------------------------------
     async def bump_version(self) -> int:

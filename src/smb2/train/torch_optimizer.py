@@ -68,7 +68,8 @@ from ..errors import InterfaceError, InvalidArgumentError
 from .background import LoopThread
 from .backward_push import BackwardPushes, StepPushes, wait_for
 from .dropping import LayerDropping
-from .rules import EASGD, Accumulate, Delta
+from .rules import EASGD, Accumulate
+from .stability import LagScaling
 from .store import ParameterStore, resolve_rank
 from .torch_staging import Entry, Staging
 
@@ -111,6 +112,9 @@ class Exchange:
     grads: np.ndarray | None     # gradient rules: the gradients that go out
     lr: float = 0.0              # gradient rules: the learning rate of this step
     since: list[Any] = field(default_factory=list)   # own changes after this exchange's push
+    #: (the version of the pull this step was computed on, own pushes since it): the push's lag
+    based_on: tuple[int, int] = (0, 0)
+    version: int = 0             # the version this exchange's pull holds at least
     changed_since: bool = False  # any change in ``since`` (else it is all zeros)
     future: Any = None
     #: gradient rules: the parameters that had a gradient at step() and were not pushed during backward
@@ -146,7 +150,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
                  resume: str | bool = "auto", push_dtype: str | None = None, timeout: float = 120.0,
                  rank: int | None = None, world_size: int | None = None, dropping: LayerDropping | None = None,
                  sync_buffers: bool = True, log_every: int = 100, push_in_backward: bool | None = None,
-                 **options: Any) -> None:
+                 lag_scaling: bool = True, guard: bool = True, **options: Any) -> None:
         # torch's Optimizer.__init__ is not called: param_groups, state and
         # defaults are the wrapped optimizer's (properties below)
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, AsyncOptimizer):
@@ -185,9 +189,16 @@ class AsyncOptimizer(torch.optim.Optimizer):
             raise
         #: the EASGD rule, when that is the rule (its exchanges are every tau steps)
         self._easgd = self.store.rule if isinstance(self.store.rule, EASGD) else None
+        self.store.lag = LagScaling(self.world, staleness, enabled=lag_scaling)
+        self.store.guard.enabled = guard
         flat = self.store.flat()
-        self.staging = Staging(torch, [Entry(n, t, self.store.flat_offset(n), 1.0 if param else 1.0 / self.world,
-                                              param) for n, t, param in self._entries], flat.size, flat.dtype)
+        # a change counts 1/W in the shared copy where every worker's change
+        # is its own estimate of one step: buffers, and delta's steps (each
+        # worker's momentum or Adam moments act once, not W times)
+        averaged = rule == "delta"
+        self.staging = Staging(torch, [Entry(n, t, self.store.flat_offset(n),
+                                             1.0 / self.world if averaged or not param else 1.0, param)
+                                       for n, t, param in self._entries], flat.size, flat.dtype)
         self._register = self.staging.cuda
         self.staging.swap(flat, None)          # rank 0's values (or the resumed ones) for everyone
         self._free: list[Exchange] = []
@@ -200,6 +211,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
             lambda: float(self.optimizer.param_groups[0]["lr"]))
         self.steps = self.store.start_step
         self._pulled_at = self.steps            # the step after which the weights in use were pulled
+        self._pulled_version = self.store.pulled_version    # and the store's version they hold
         self._stats = {"steps": 0, "wait_s": 0.0, "max_lag": 0, "exchanges": 0}
         self._lags: collections.Counter[int] = collections.Counter()
         self._t_first: float | None = None
@@ -374,6 +386,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
     def _launch(self) -> None:
         ex, self._next = (self._next or self._take()), None
         ex.step = self.steps
+        ex.based_on = (self._pulled_version, self.steps - 1 - self._pulled_at)
         st = self.staging
         if self._easgd:
             st.load(ex.stage)
@@ -428,6 +441,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
             # ones (ex.since) are added back on top
             self.staging.swap(ex.snapshot, ex.since if ex.changed_since else None)
         self._pulled_at = ex.step
+        self._pulled_version = ex.version
         self._free.append(ex)
 
     async def _exchange(self, ex: Exchange) -> None:
@@ -447,24 +461,18 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 grads = {n: ex.grads[st.flat_offset(n):st.flat_offset(n) + st.params[n].size].reshape(
                     st.params[n].shape) for n in ex.rest}
                 buffers = {e.name: views[e.name] for e in self.staging.entries if not e.param}
-                st.rule.lr = ex.lr          # (the rule's lr: what this step applies)
                 if ex.early.lrs:
                     # part of the step went out during backward: the rest, then one version
-                    assert self._backward is not None and isinstance(st.rule, Accumulate)
+                    assert self._backward is not None
                     await self._backward.finish(ex.early)
-                    await st.rule.push(grads, lr=ex.lr, count=False)
-                    await st.bump_version()
-                    st.stats["pushes"] += 1
+                    await st.count_push(await st.rule.push(grads, lr=ex.lr))
                 else:
-                    await st.push(grads)
+                    await st.push(grads, lr=ex.lr, step=ex.step, based_on=ex.based_on)
                 await _accumulate_each(st, buffers)
-            elif isinstance(st.rule, Delta) and st.dropping is None:
-                await st.rule.push_region(ex.stage)      # the stage is laid out like the data region
             else:
-                await st.push({n: v.reshape(st.params[n].shape) for n, v in views.items()})
-            await st.buf.read_into(ex.snapshot, st.data_off)
-            st.stats["pulls"] += 1
-            st.stats["bytes_pulled"] += ex.snapshot.nbytes
+                # the stage is laid out like the data region
+                await st.push_region(ex.stage, step=ex.step, based_on=ex.based_on)
+            ex.version = await st.pull_into(ex.snapshot)
         await st.heartbeat(ex.step)
 
     # -- state and the end -----------------------------------------------------------
@@ -479,7 +487,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
         s["lags"] = dict(sorted(self._lags.items()))
         s["push_in_backward"] = self._backward is not None and self._backward.enabled
         s["pushes_in_backward"] = 0 if self._backward is None else self._backward.issued
-        s.update({k: v for k, v in self.store.stats.items() if k.startswith("bytes")})
+        s.update({k: v for k, v in self.store.stats.items() if k.startswith("bytes") or k == "skipped"})
+        s["lag_scaled"] = self.store.lag.scaled
+        s["max_version_lag"] = self.store.lag.max_lag
         return s
 
     @property

@@ -1,0 +1,210 @@
+"""Does asynchronous training with the porting recipe survive an overloaded host?
+
+The scenario of issue 21, as a user meets it: the torch CNN of
+``examples/torch_train.py`` on digits (SGD, lr 0.05, momentum 0.9; no
+gradient clipping unless ``--clip``), wrapped by the porting recipe's one line
+``AsyncOptimizer(opt, model, name=..., staleness=1)``, 3 torchrun workers,
+the last one ``--slow-ms`` (30) slower per step, and ``--hogs`` (3) busy
+processes beside them.  Rank 0 evaluates its model on the test set every
+``--eval-every`` seconds (off the clock) and ends the run when it reaches
+``--target`` (95 %) or the ``--budget`` (60 s) runs out; then every rank
+closes with ``close(wait_all=...)`` and rank 0 evaluates the model the job
+delivers (the shared weights).
+
+    python tools/async_collapse.py --runs 10 [--hogs 3] [--json out.json]
+
+prints one line per run (time to target, the delivered model's accuracy,
+steps, and the optimizer's guard counts) and the count of runs that reached
+the target.  It starts its own two ``smb2-server`` processes.  A run counts
+as collapsed when the delivered model is at chance (below 20 %).
+
+``python tools/async_collapse.py --worker ...`` is what torchrun runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "torch_train.py"
+CHANCE = 20.0       # digits has 10 classes: a collapsed model scores about 9-10 %
+
+
+def _worker(a: argparse.Namespace) -> None:
+    """One torchrun worker: the porting recipe, unchanged, plus a clock."""
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    import smb2.torch
+    from smb2.train import data
+
+    spec = importlib.util.spec_from_file_location("torch_train_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torch.manual_seed(a.seed)
+    torch.set_num_threads(1)
+    xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
+    xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
+    model = ex.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = smb2.torch.AsyncOptimizer(opt, model, name=a.name, staleness=1)   # the recipe's line
+    shard = torch.arange(rank, len(xtr), world)
+    stop = Path(a.stop_file)
+    slow = a.slow_ms / 1000 if rank == world - 1 else 0.0
+    t0 = time.perf_counter()
+    off_clock = 0.0                         # seconds spent evaluating
+    next_eval = t0 + a.eval_every
+    reached = None
+    best = 0.0
+    curve: list[tuple[float, float]] = []
+    step = 0
+    epoch = 0
+    error = None
+    try:
+        while reached is None and not stop.exists() and time.perf_counter() - t0 - off_clock < a.budget:
+            order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(epoch))]
+            epoch += 1
+            for i in range(0, len(order), 32):
+                idx = order[i:i + 32]
+                model.train()
+                loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+                opt.zero_grad()
+                loss.backward()
+                if a.clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                step += 1
+                if slow:
+                    time.sleep(slow)
+                now = time.perf_counter()
+                if rank == 0 and now >= next_eval:
+                    acc = ex.accuracy(model, xte, yte)
+                    best = max(best, acc)
+                    curve.append((round(now - t0 - off_clock, 1), round(acc, 1)))
+                    off_clock += time.perf_counter() - now
+                    next_eval = time.perf_counter() + a.eval_every
+                    if acc >= a.target:
+                        reached = now - t0 - off_clock
+                        stop.touch()
+                        break
+                if now - t0 - off_clock >= a.budget or (step % 10 == 0 and stop.exists()):
+                    break
+            else:
+                continue
+            break
+        stats = opt.stats()
+        opt.close(wait_all=120)
+    except Exception as exc:    # reported, the run counts as failed
+        error = f"{type(exc).__name__}: {exc}"
+        stats = {}
+        stop.touch()
+    final = ex.accuracy(model, xte, yte) if error is None else None
+    report = {"rank": rank, "steps": step, "reached_s": None if reached is None else round(reached, 2),
+              "best": round(best, 2), "curve": curve[-8:], "final": None if final is None else round(final, 2), "error": error,
+              "guard": {k: stats.get(k) for k in ("skipped", "clipped", "max_lag", "lag_scaled")}}
+    print(json.dumps(report) + "\n", end="", flush=True)
+
+
+def _hog() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def run_once(servers: str, *, hogs: int, slow_ms: float, budget: float, target: float, name: str,
+             workers: int = 3, seed: int = 0, eval_every: float = 0.5, clip: bool = False,
+             timeout: float = 300) -> dict[str, Any]:
+    """One torchrun job of ``workers`` beside ``hogs`` busy processes; rank
+    0's report (time to target, the delivered model's accuracy...)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        stop = Path(tmp) / "stop"
+        env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
+               __file__, "--worker", "--name", name, "--stop-file", str(stop), "--slow-ms", str(slow_ms),
+               "--budget", str(budget), "--target", str(target), "--seed", str(seed),
+               "--eval-every", str(eval_every)] + (["--clip"] if clip else [])
+        busy = [_hog() for _ in range(hogs)]
+        try:
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+    ranks = _json_objects(out.stdout)
+    r0 = next((r for r in ranks if r["rank"] == 0), None)
+    if out.returncode != 0 or r0 is None:
+        errors = [line for line in out.stderr.splitlines() if "Error" in line and "ChildFailed" not in line]
+        return {"error": f"torchrun exited {out.returncode}: {' | '.join(errors[-5:])}", "ranks": ranks}
+    r0 = dict(r0)
+    r0["collapsed"] = r0["final"] is None or r0["final"] < CHANCE
+    r0["ranks"] = ranks
+    return r0
+
+
+def _json_objects(text: str) -> list[dict[str, Any]]:
+    decoder = json.JSONDecoder()
+    out, i = [], text.find("{")
+    while i >= 0:
+        obj, end = decoder.raw_decode(text, i)
+        out.append(obj)
+        i = text.find("{", end)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--stop-file", help=argparse.SUPPRESS)
+    p.add_argument("--name", default="collapse")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--hogs", type=int, default=3)
+    p.add_argument("--slow-ms", type=float, default=30.0)
+    p.add_argument("--budget", type=float, default=60.0)
+    p.add_argument("--target", type=float, default=95.0)
+    p.add_argument("--eval-every", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clip", action="store_true",
+                   help="clip_grad_norm_(1.0) in the loop (the issue's loop had none: without it, main collapsed)")
+    p.add_argument("--json")
+    a = p.parse_args()
+    if a.worker:
+        _worker(a)
+        return
+
+    import smb2
+
+    async def runs() -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        async with smb2.LocalCluster(servers=2, processes=True) as cluster:
+            for i in range(a.runs):
+                row = await asyncio.to_thread(
+                    run_once, ",".join(cluster.addresses), hogs=a.hogs, slow_ms=a.slow_ms, budget=a.budget,
+                    target=a.target, name=f"{a.name}-{os.getpid()}-{i}", seed=a.seed + i, eval_every=a.eval_every,
+                    clip=a.clip)
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
+        return rows
+
+    rows = asyncio.run(runs())
+    ok = sum(1 for r in rows if r.get("reached_s") is not None and not r.get("collapsed"))
+    collapsed = sum(1 for r in rows if r.get("collapsed"))
+    print(f"{ok} of {len(rows)} runs reached {a.target} % within {a.budget} s; {collapsed} delivered a "
+          f"collapsed model (< {CHANCE} %)")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "runs": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
