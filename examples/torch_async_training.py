@@ -36,10 +36,10 @@ import smb2.torch
 
 def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     try:
-        from smb2.train import data
+        from smb2.train.example import data
         xtr, ytr, xte, yte = data.digits()
     except smb2.InterfaceError:
-        from smb2.train import data
+        from smb2.train.example import data
         xtr, ytr, xte, yte = data.synthetic(1500, 64, 10, test=500)
     return (torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte), torch.from_numpy(yte))
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import smb2.torch  # smb2
-from smb2.train import data
+from smb2.train.example import data
 
 
 def make_model() -> nn.Module:

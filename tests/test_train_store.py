@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import smb2
-from smb2.train import MLP, LayerDropping, ParameterStore
+from smb2.train import LayerDropping, ParameterStore
+from smb2.train.example import MLP
 from smb2.train.rules import EASGD
 
 

@@ -31,7 +31,7 @@ What a step pushes depends on the rule:
 * ``accumulate`` / ``locked``: the gradients; the servers apply ``-lr * g``
   with the optimizer's current learning rate (so schedulers apply).
   ``accumulate`` pushes each parameter's gradient during backward, as soon
-  as autograd produced it (:mod:`smb2.train.backward_push`).  Only a
+  as autograd produced it (:mod:`smb2.torch.backward`).  Only a
   plain ``torch.optim.SGD`` is allowed: momentum, weight decay or Adam would
   be lost between the servers and the next pull, so anything else is refused
   with a hint to use ``rule="delta"``.
@@ -65,12 +65,12 @@ import torch
 
 from ..client import Client, connect
 from ..errors import InterfaceError, InvalidArgumentError
-from .background import LoopThread
-from .backward_push import BackwardPushes, StepPushes, wait_for
-from .dropping import LayerDropping
-from .rules import EASGD, Accumulate, Delta
-from .store import ParameterStore, resolve_rank
-from .torch_staging import Entry, Staging
+from ..train.dropping import LayerDropping
+from ..train.rules import EASGD, Accumulate, Delta
+from ..train.store import ParameterStore, resolve_rank
+from .backward import BackwardPushes, StepPushes, wait_for
+from .loop_thread import LoopThread
+from .staging import Entry, Staging
 
 log = logging.getLogger("smb2.torch")
 
@@ -136,7 +136,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
     of :meth:`stats` on logger ``smb2.torch``.
 
     ``push_in_backward``: push each parameter's gradient as soon as
-    backward produced it (see :mod:`smb2.train.backward_push`).  None (the
+    backward produced it (see :mod:`smb2.torch.backward`).  None (the
     default): wherever that is possible: rule ``accumulate``, no layer
     dropping, a CPU model.  True asks for it (refused where impossible),
     False pushes the whole step after ``step()``."""
@@ -245,7 +245,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         return wire
 
     def _pushes_in_backward(self, wanted: bool | None, dropping: LayerDropping | None) -> bool:
-        """Will backward's hooks push the gradients (see :mod:`smb2.train.backward_push`)?"""
+        """Will backward's hooks push the gradients (see :mod:`smb2.torch.backward`)?"""
         if wanted is not None and not isinstance(wanted, bool):
             raise InvalidArgumentError(f"push_in_backward must be True, False or None, not {wanted!r}")
         why_not = None

@@ -1,7 +1,7 @@
 """PyTorch adapter: a ``torch.nn.Module`` trained through a smb2 parameter store.
 
 An ordinary training loop uses :class:`AsyncOptimizer` (no asyncio: see
-:mod:`smb2.train.torch_optimizer`)::
+:mod:`smb2.torch.optimizer`)::
 
     opt = smb2.torch.AsyncOptimizer(torch.optim.AdamW(model.parameters()), model, name="run-17")
     for x, y in loader:
@@ -38,16 +38,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .client import Client
-from .errors import InterfaceError, InvalidArgumentError
-from .train.dropping import LayerDropping
-from .train.rules import UpdateRule
-from .train.store import ParameterStore
+from ..client import Client
+from ..errors import InterfaceError, InvalidArgumentError
+from ..train.dropping import LayerDropping
+from ..train.rules import UpdateRule
+from ..train.store import ParameterStore
 
 if TYPE_CHECKING:
     import torch
 
-    from .train.torch_optimizer import AsyncOptimizer
+    from .optimizer import AsyncOptimizer
 
 
 def __getattr__(name: str) -> Any:
@@ -55,7 +55,7 @@ def __getattr__(name: str) -> Any:
     # for one), so it is defined where torch is imported: on first use
     if name == "AsyncOptimizer":
         _torch()
-        from .train.torch_optimizer import AsyncOptimizer
+        from .optimizer import AsyncOptimizer
         return AsyncOptimizer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
