@@ -45,7 +45,7 @@ def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 async def worker(servers: str, epochs: int) -> None:
-    rank, world = smb2.torch.env_rank()
+    rank, world = smb2.torch.resolve_rank()
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))

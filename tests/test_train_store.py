@@ -297,7 +297,7 @@ def test_smb2_torch_imports_without_torch(monkeypatch: pytest.MonkeyPatch) -> No
         mod._torch()
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert mod.env_rank() == (3, 4)
+    assert mod.resolve_rank() == (3, 4)
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(smb2.InvalidArgumentError):
-        mod.env_rank()
+        mod.resolve_rank()
