@@ -82,6 +82,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -277,6 +278,7 @@ class ParameterStore:
         self._mirror_current = False
         #: False for an observer (attach): it takes no part in a run
         self.member = False
+        self.rejoined = False
         rule.bind(self)
 
     # -- opening ----------------------------------------------------------------
@@ -315,6 +317,8 @@ class ParameterStore:
                 raise InvalidArgumentError(f"checkpoint_every must be a positive int, not {checkpoint_every!r}")
             if checkpoint_path is None:
                 raise InvalidArgumentError("checkpoint_every needs checkpoint_path= (a file; '{step}' is replaced)")
+            if rank == 0:
+                checkpoint_dir(checkpoint_path)
         rule_obj = make_rule(rule, **rule_options)
         layout = Layout.plan(params, workers, rule_obj.settings())
         restarted = lc.restart_count() > 0 if restarted is None else bool(restarted)
@@ -477,6 +481,8 @@ class ParameterStore:
         self.start_step = self._step = self.iteration = int(control.steps[self.rank])
         self.version = self.pulled_version = control.version
         self._joined = joined
+        #: this rank came back into a run that went on without it (it opened nothing)
+        self.rejoined = rejoined
 
     @classmethod
     async def attach(cls, client: Client, name: str, *, rank: int = 0, rule: str | UpdateRule | None = None,
@@ -717,11 +723,12 @@ class ParameterStore:
         self._check_member()
         self._step = self.iteration = int(step)
         self._raise_checkpoint_error()
+        # a checkpoint is due by steps, not by time: checked at every step
+        await self._maybe_checkpoint()
         if not force and time.monotonic() - self._last_beat < BEAT_INTERVAL:
             return
         _, control = await asyncio.gather(self._write_own(), self.refresh())
         self._check_current(control)
-        self._maybe_checkpoint()
 
     def stalled(self, threshold: float) -> list[tuple[int, int, float]]:
         """(rank, last step, seconds since its heartbeat) of every rank that
@@ -735,30 +742,34 @@ class ParameterStore:
         evaluation and for the next run."""
         self._check_member()
         await self._write_own(finished=self.generation)
-        # a checkpoint in flight, and one that came due while it ran
-        for _ in range(2):
-            if self._checkpointing is not None:
-                await asyncio.gather(self._checkpointing, return_exceptions=True)
-                self._raise_checkpoint_error()
-            self._maybe_checkpoint()
+        # the last step's checkpoint (unless it was just saved), and the one in flight
+        await self._maybe_checkpoint(final=True)
+        if self._checkpointing is not None:
+            await asyncio.gather(self._checkpointing, return_exceptions=True)
+            self._raise_checkpoint_error()
 
     async def wait_finished(self, timeout: float | None = None) -> None:
         """The end barrier (optional): wait until every rank of this run has
         finished.  Its timeout names the ranks still out and when each was
         last heard from."""
+        end = await self.await_finished(timeout)
+        if not end.complete:
+            raise NotifyTimeout(str(end),
+                                hint="a missing rank died or hangs: its work so far is in the shared weights; "
+                                     "restart it (it rejoins the run) or accept the model as it is")
+
+    async def await_finished(self, timeout: float | None = None) -> lc.RunEnd:
+        """Wait up to ``timeout`` s until every rank of this run finished,
+        then say who did and who is missing (never raises for a missing
+        rank: the survivors go on to evaluate and save)."""
         self._check_member()
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.005
         while True:
             control = await self.refresh()
             self._check_current(control)
-            out = control.unfinished()
-            if not out:
-                return
-            if deadline is not None and time.monotonic() >= deadline:
-                raise NotifyTimeout(
-                    f"{self.workers - len(out)} of {self.workers} workers finished store {self.name!r} "
-                    f"within {timeout} s; " + "; ".join(control.describe_rank(r) for r in out))
+            if not control.unfinished() or (deadline is not None and time.monotonic() >= deadline):
+                return lc.RunEnd.of(self.name, control, timeout)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
@@ -806,12 +817,20 @@ class ParameterStore:
         await self.client.destroy(self.buf.name)
 
     # -- checkpoints --------------------------------------------------------------------
-    def _maybe_checkpoint(self) -> None:
+    async def _maybe_checkpoint(self, *, final: bool = False) -> None:
+        """Rank 0: save the store when its step crossed a multiple of
+        ``checkpoint_every`` (and, ``final``, at the end of its run).  One save
+        at a time: a save that comes due while the last one runs waits for it,
+        so none is skipped."""
         every = self.checkpoint_every
-        if (self.rank != 0 or every is None or self.checkpoint_path is None
-                or self._step < self._checkpoint_step + every
-                or (self._checkpointing is not None and not self._checkpointing.done())):
+        if self.rank != 0 or every is None or self.checkpoint_path is None:
             return
+        last = self._checkpoint_step
+        if not (self._step // every > last // every or (final and self._step != last)):
+            return
+        if self._checkpointing is not None:
+            await asyncio.gather(self._checkpointing, return_exceptions=True)
+            self._raise_checkpoint_error()
         self._checkpoint_step = self._step
         path = self.checkpoint_path.replace("{step}", str(self._step))
         self._checkpointing = asyncio.ensure_future(self.client.checkpoint(self.name, path))
@@ -824,6 +843,23 @@ class ParameterStore:
             exc = None if task.cancelled() else task.exception()
             if exc is not None:
                 raise exc
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """The directory of rank 0's checkpoints, made now (at the store's
+    opening, not at the first save many steps later) or refused."""
+    parent = Path(str(path)).parent
+    if "{step}" in str(parent):
+        raise InvalidArgumentError(f"checkpoint_path {path}: '{{step}}' belongs in the file name, not the directory")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PersistenceError(f"the checkpoint directory {parent} cannot be made: {e.strerror}",
+                               hint="pass a checkpoint_path= in a directory this process can make and write") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PersistenceError(f"the checkpoint directory {parent} is not writable by this process",
+                               hint="pass a checkpoint_path= in a directory this process may write")
+    return parent
 
 
 class StoreImage:
