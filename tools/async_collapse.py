@@ -47,7 +47,7 @@ def _worker(a: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import smb2.torch
-    from smb2.train import data
+    from smb2.train.example import data
 
     spec = importlib.util.spec_from_file_location("torch_train_example", EXAMPLE)
     assert spec is not None and spec.loader is not None
