@@ -60,8 +60,8 @@ def _worker(a: argparse.Namespace) -> None:
     xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
     xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
     model = ex.make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    opt = smb2.torch.AsyncOptimizer(opt, model, name=a.name, staleness=1)   # the recipe's line
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = smb2.torch.AsyncOptimizer(sgd, model, name=a.name, staleness=1)   # the recipe's line
     shard = torch.arange(rank, len(xtr), world)
     stop = Path(a.stop_file)
     slow = a.slow_ms / 1000 if rank == world - 1 else 0.0
@@ -114,8 +114,8 @@ def _worker(a: argparse.Namespace) -> None:
         stop.touch()
     final = ex.accuracy(model, xte, yte) if error is None else None
     report = {"rank": rank, "steps": step, "reached_s": None if reached is None else round(reached, 2),
-              "best": round(best, 2), "curve": curve[-8:], "final": None if final is None else round(final, 2), "error": error,
-              "guard": {k: stats.get(k) for k in ("skipped", "clipped", "max_lag", "lag_scaled")}}
+              "best": round(best, 2), "curve": curve[-8:], "final": None if final is None else round(final, 2),
+              "error": error, "guard": {k: stats.get(k) for k in ("skipped", "max_version_lag", "lag_scaled")}}
     print(json.dumps(report) + "\n", end="", flush=True)
 
 
