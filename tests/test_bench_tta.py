@@ -54,6 +54,8 @@ def test_every_system_trained(result: dict) -> None:
         assert abs(right - round(right)) < 1e-6 and r["final_acc"] > 0.3, (name, r["final_acc"])
         assert r["final_points_vs_ddp"] == pytest.approx(100 * (r["final_acc"] - rows["ddp"]["final_acc"])), name
         assert 0.0 <= r["not_computing"] <= 1.0, name
+        # no system's curve ended at chance, and the row says so
+        assert r["curve"][-1][2] > bench_tta.COLLAPSED_BELOW and not r["collapsed"], (name, r["curve"][-3:])
     assert all(r["ddp_ratio"] is not None for r in rows.values())
 
 
