@@ -13,6 +13,7 @@ from .errors import (
     AccessDenied,
     BadRequest,
     BufferConflict,
+    BufferDamaged,
     ErrorCode,
     FrameTooLarge,
     InterfaceError,
@@ -40,7 +41,7 @@ from .server import start_server
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "Client", "ErrorCode",
+    "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "BufferDamaged", "Client", "ErrorCode",
     "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockTimeout",
     "NoSuchBuffer", "NotifyTimeout", "OperationTimeout", "OutOfBounds", "OutOfMemory", "PersistenceError",
     "ProtocolError", "Server", "ServerError",
