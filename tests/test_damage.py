@@ -60,6 +60,11 @@ async def test_a_restarted_server_makes_the_buffer_damaged_not_zeros() -> None:
             assert f"bytes {lost[0][0]}-{lost[0][1]}" in e.message
             assert "--data-dir" in (e.hint or "") and "recreate_lost=True" in (e.hint or "")
             assert isinstance(e, smb2.Smb2Error) and not isinstance(e, smb2.NoSuchBuffer)
+        # what remains can be read; a lost range is refused, never zeros
+        keep = _lost_ranges("dmg", nbytes, stripe, 0)[0]
+        assert np.array_equal(await e.remains.read(keep[0], keep[1] - keep[0]), data[keep[0]:keep[1]])
+        with pytest.raises(smb2.NoSuchBuffer):
+            await e.remains.read(lost[0][0], 8)
         # the refused create left nothing behind on the empty server
         assert "dmg" not in (await b.stat())[1]["buffers"]
         # asked explicitly: the lost part comes back as zeros, the rest is kept
@@ -125,7 +130,8 @@ async def test_a_damaged_store_is_not_resumed(caplog: pytest.LogCaptureFixture) 
             await ParameterStore.open(c2, name[0], _model(), workers=1, rank=0, timeout=5)
         msg = err.value.message
         assert msg.startswith(f"store {name[0]!r} is damaged: server {cluster.addresses[1]} lost its part")
-        assert "tensors lost: conv.weight (50 %), fc.bias (100 %)" in msg and "header" not in msg
+        assert "tensors lost: conv.weight (50 %), fc.bias (100 %); its run 1 was at step 1 (version 1); " \
+               "resuming would train from zeros there" in msg and "header" not in msg
         assert "init_from=" in (err.value.hint or "") and "resume=False" in (err.value.hint or "")
         assert name[0] in await c2.buffers()       # nothing was removed or made
         with pytest.raises(smb2.BufferDamaged, match=f"store {name[0]!r} is damaged"):
@@ -234,3 +240,20 @@ async def test_smb2_ls_lists_the_rest_when_a_store_table_is_corrupt(cluster: smb
     rows = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
     assert "DAMAGED: store 'ls-corrupt' is damaged: its layout table is unreadable" in rows["ls-corrupt"]
     assert "parameter store: 2 tensors" in rows["ls-healthy"]
+
+
+async def test_clients_creating_one_buffer_at_once_agree(cluster: smb2.LocalCluster) -> None:
+    """Part 0 is made first and its identity taken by every creator, so a
+    race of creators is never mistaken for damage."""
+    clients = [await cluster.connect() for _ in range(6)]
+    for round_ in range(5):
+        name = f"race-{round_}"
+        # creators, and readers attaching while it is being made
+        got = await asyncio.gather(*(c.create(name, 5000, stripe=64) for c in clients[:4]),
+                                   *(c.attach(name) for c in clients[4:] for _ in range(3)),
+                                   return_exceptions=True)
+        bufs = [b for b in got if isinstance(b, smb2.Buffer)]
+        assert len(bufs) >= 4 and len({b.buffer_id for b in bufs}) == 1
+        # a reader too early finds no buffer, never a damaged one
+        assert all(isinstance(e, smb2.NoSuchBuffer) for e in got if not isinstance(e, smb2.Buffer))
+        assert (await clients[0].stat())[0]["buffers"][name]["sealed"]

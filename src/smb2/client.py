@@ -223,11 +223,11 @@ class Client:
         infos: list[dict[str, Any] | None] = [None] * n
         made: list[int] = []        # parts this call made: undone if it fails
         try:
-            infos[0] = await make(0, os.urandom(8).hex(), seal=n == 1)
-            if infos[0]["created"]:
+            anchor = infos[0] = await make(0, os.urandom(8).hex(), seal=n == 1)
+            if anchor["created"]:
                 made.append(0)
-            buffer_id = infos[0].get("buffer_id")
-            results = await asyncio.gather(*(make(k, buffer_id) for k in range(1, n)), return_exceptions=True)
+            results = await asyncio.gather(*(make(k, anchor.get("buffer_id")) for k in range(1, n)),
+                                           return_exceptions=True)
             for k, r in enumerate(results, 1):
                 if isinstance(r, dict):
                     infos[k] = r
@@ -241,15 +241,15 @@ class Client:
                 if not recreate_lost:
                     raise parts.damaged(name, lost, self.servers, nbytes, stripe)
                 for k in lost:
-                    if infos[k]["buffer_id"] != identity:   # type: ignore[index]
+                    if (infos[k] or {}).get("buffer_id") != identity:
                         await _control(self._links[k], {"cmd": "destroy", "name": name}, deadline,
                                        idempotent=False)
                         infos[k] = await make(k, identity, seal=k == 0)
                 log.warning("buffer %r: parts %s were lost and are made again as zeros (recreate_lost=True)",
                             name, sorted(lost))
                 made.clear()        # what was made now is the buffer's part: kept
-            if n > 1 and not infos[0].get("sealed") and "sealed" in infos[0]:  # type: ignore[union-attr]
-                infos[0] = await make(0, identity, seal=True)
+            if n > 1 and (infos[0] or {}).get("sealed") is False:
+                infos[0] = await make(0, identity, seal=True)      # every part is there
         except BaseException:
             # undo what this call made, so a failed create leaves nothing behind
             await asyncio.gather(*(_control(self._links[k], {"cmd": "destroy", "name": name}, deadline,
@@ -277,9 +277,13 @@ class Client:
         infos = [r if isinstance(r, dict) else None for r in results]
         found = [i for i in infos if i is not None]
         if found:
-            _identity, lost = parts.judge(infos)
+            identity, lost = parts.judge(infos)
             if lost:
-                raise parts.damaged(name, lost, self.servers, found[0]["nbytes"], found[0]["stripe"])
+                whole = next(i for i in found if i.get("buffer_id") == identity)
+                err = parts.damaged(name, lost, self.servers, whole["nbytes"], whole["stripe"])
+                if len(lost) < len(infos):
+                    err.remains = Buffer(self, name, parts.remains(infos, identity, lost))
+                raise err
         if len(found) < len(infos):
             raise next(r for r in results if isinstance(r, NoSuchBuffer))
         return Buffer(self, name, found)

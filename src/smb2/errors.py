@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 
 class Smb2Error(Exception):
@@ -161,7 +162,10 @@ class BufferDamaged(Smb2Error):
     refuse to hand out a buffer that would read zeros (or another buffer's
     bytes) where its data was.  ``name``: the buffer; ``servers``: the
     servers whose part is lost; ``lost_bytes``: how many of its bytes;
-    ``ranges()``: the lost byte ranges, in the buffer's offsets."""
+    ``ranges()``: the lost byte ranges, in the buffer's offsets;
+    ``remains`` (from ``attach``): a :class:`~smb2.Buffer` of the parts
+    that are left, to read what is not lost (an operation that touches a
+    lost range raises :class:`NoSuchBuffer`), else None."""
 
     def __init__(self, message: str = "", *, name: str = "", servers: Sequence[str] = (),
                  parts: Sequence[int] = (), geometry: tuple[int, int, int, int] = (0, 1, 1, 0),
@@ -173,6 +177,7 @@ class BufferDamaged(Smb2Error):
         self.parts = list(parts)
         #: (nbytes, stripe, nservers, first): where each stripe of the buffer lives
         self.geometry = geometry
+        self.remains: Any = None
 
     def ranges(self, start: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
         """The lost byte ranges ``(begin, end)`` within ``[start, end)``,

@@ -23,9 +23,13 @@ from .errors import BufferDamaged
 
 #: how many lost ranges a message lists before it says "and N more"
 SHOWN_RANGES = 4
+#: the segment id a lost part's place gets in ``BufferDamaged.remains``: no
+#: server hands it out (ids count up from 1), so a request there is refused
+NO_SEGMENT = (1 << 32) - 1
 
 
-def judge(infos: Sequence[dict[str, Any] | None], *, created_now: Sequence[bool] = ()) -> tuple[str | None, dict[int, str]]:
+def judge(infos: Sequence[dict[str, Any] | None], *,
+          created_now: Sequence[bool] = ()) -> tuple[str | None, dict[int, str]]:
     """The buffer's identity and its lost parts, from what each server
     answered for its part (None: it has none).  ``created_now``: which
     parts the caller's own ``create`` just made (zeros).
@@ -61,6 +65,16 @@ def judge(infos: Sequence[dict[str, Any] | None], *, created_now: Sequence[bool]
     return truth, lost
 
 
+def remains(infos: Sequence[dict[str, Any] | None], identity: str | None,
+            lost: dict[int, str]) -> list[dict[str, Any]]:
+    """Part infos for a Buffer of the parts that are left: each lost part's
+    place points at :data:`NO_SEGMENT`."""
+    whole = next(i for k, i in enumerate(infos) if i is not None and k not in lost
+                 and i.get("buffer_id") == identity)
+    return [{**whole, "segment": NO_SEGMENT, "index": k, "server_id": None} if k in lost or info is None
+            else info for k, info in enumerate(infos)]
+
+
 def damaged(name: str, lost: dict[int, str], servers: Sequence[str], nbytes: int, stripe: int) -> BufferDamaged:
     """The :class:`BufferDamaged` for buffer ``name`` whose ``lost`` parts
     (from :func:`judge`) are on ``servers`` (the client's list)."""
@@ -71,7 +85,7 @@ def damaged(name: str, lost: dict[int, str], servers: Sequence[str], nbytes: int
         hint=("restart the server(s) with their --data-dir to get the part back; if its data is gone, "
               f"remove the buffer (`smb2 rm {name}` or client.destroy) and create it again, or pass "
               "create(..., recreate_lost=True) to accept zeros in the lost ranges"))
-    ranges = []
+    ranges: list[str] = []
     for lo, hi in err.ranges():
         if len(ranges) == SHOWN_RANGES:
             ranges.append("...")

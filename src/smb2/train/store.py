@@ -100,6 +100,7 @@ from ..errors import (
     NoSuchBuffer,
     NotifyTimeout,
     PersistenceError,
+    Smb2Error,
 )
 from ..lock import Lock
 from . import lifecycle as lc
@@ -318,7 +319,7 @@ class ParameterStore:
                 store = await cls._open_other(client, name, layout, rank, rule_obj, dropping, restarted,
                                               stale_after, deadline)
         except BufferDamaged as err:
-            raise store_damage(err, layout) from None
+            raise store_damage(err, layout, await _last_progress(err, layout)) from None
         store.checkpoint_every = checkpoint_every
         store.checkpoint_path = None if checkpoint_path is None else str(checkpoint_path)
         store._checkpoint_step = store.start_step
@@ -796,10 +797,11 @@ class StoreImage:
         return cls(layout, data, control)
 
 
-def store_damage(err: BufferDamaged, layout: Layout | None) -> BufferDamaged:
+def store_damage(err: BufferDamaged, layout: Layout | None, progress: str = "") -> BufferDamaged:
     """A damaged store's :class:`BufferDamaged` in training terms: which
     tensors (of ``layout``, the job's model, when known) lost bytes, whether
-    the store's header and run state went with them, and what to do."""
+    the store's header and run state went with them, where its run was
+    (``progress``, from :func:`_last_progress`), and what to do."""
     note_off, slots, data_off, _total = layout.geometry() if layout is not None else (0, 0, 0, 0)
     lost = []
     if layout is not None:
@@ -815,13 +817,32 @@ def store_damage(err: BufferDamaged, layout: Layout | None) -> BufferDamaged:
     name = err.name
     return BufferDamaged(
         f"store {name!r} is damaged: server{'s' if len(err.servers) > 1 else ''} {', '.join(err.servers)} "
-        f"lost {'their' if len(err.servers) > 1 else 'its'} part of it (restarted without its data); {what}; "
-        "resuming would train from zeros there, so this job stops",
+        f"lost {'their' if len(err.servers) > 1 else 'its'} part of it (restarted without its data); {what}"
+        f"{progress}; resuming would train from zeros there, so this job stops",
         name=name, servers=err.servers, parts=err.parts, geometry=err.geometry, detail=err.message,
         hint=("restart the server with its --data-dir to get the part back and run again; or start over: "
               "resume=False (from the job's own initial weights) or init_from=CHECKPOINT (from a saved "
               f"checkpoint) removes the damaged store and makes it anew; `smb2 rm {name}` removes it by hand"))
-    return out
+
+
+async def _last_progress(err: BufferDamaged, layout: Layout) -> str:
+    """"; run G was at step S (version V)" read from what remains of a
+    damaged store, when its header and control words survived; else ""."""
+    note_off, slots, _data_off, _total = layout.geometry()
+    if err.remains is None or any(err.ranges(0, note_off + 8 * slots)):
+        return ""
+    buf = err.remains
+    try:
+        pre = np.empty(PREAMBLE // 8, dtype=np.int64)
+        await buf.read_into(pre, 0)
+        if (int(pre[_MAGIC // 8]), int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8])) != (MAGIC, note_off, slots):
+            return ""       # another layout: its words are elsewhere
+        words = np.empty(slots, dtype=np.int64)
+        await buf.read_into(words, note_off)
+    except Smb2Error:
+        return ""
+    c = Control.parse(words, layout.workers)
+    return f"; its run {c.generation} was at step {int(c.steps.max())} (version {c.version})"
 
 
 async def describe(client: Client, name: str) -> dict[str, Any]:
