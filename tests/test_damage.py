@@ -129,8 +129,8 @@ async def test_a_damaged_store_is_not_resumed(caplog: pytest.LogCaptureFixture) 
         with pytest.raises(smb2.BufferDamaged) as err:
             await ParameterStore.open(c2, name[0], _model(), workers=1, rank=0, timeout=5)
         msg = err.value.message
-        assert msg.startswith(f"store {name[0]!r} is damaged: server {cluster.addresses[1]} lost its part")
-        assert "tensors lost: conv.weight (50 %), fc.bias (100 %); its run 1 was at step 1 (version 1); " \
+        assert msg.startswith(f"store {name[0]!r} is damaged: its part on server {cluster.addresses[1]} is gone")
+        assert "so conv.weight (50 %), fc.bias (100 %) are lost; its run 1 was at step 1 (version 1); " \
                "resuming would train from zeros there" in msg and "header" not in msg
         assert "init_from=" in (err.value.hint or "") and "resume=False" in (err.value.hint or "")
         assert name[0] in await c2.buffers()       # nothing was removed or made
@@ -139,8 +139,8 @@ async def test_a_damaged_store_is_not_resumed(caplog: pytest.LogCaptureFixture) 
         # the store whose header was lost: an error too, not a fresh start
         with pytest.raises(smb2.BufferDamaged) as err:
             await ParameterStore.open(c2, name[1], _model(), workers=1, rank=0, timeout=5)
-        assert "tensors lost: the store's header and run state (its layout, steps and version), " \
-               "conv.weight (50 %)" in err.value.message
+        assert "so the store's header and run state (its layout, steps and version), " \
+               "conv.weight (50 %) are lost; resuming" in err.value.message
         # resume=False is an explicit start over: the store is made anew
         with caplog.at_level(logging.WARNING, logger="smb2.train"):
             fresh = await ParameterStore.open(c2, name[1], _model(), workers=1, rank=0, timeout=5,
@@ -257,3 +257,27 @@ async def test_clients_creating_one_buffer_at_once_agree(cluster: smb2.LocalClus
         # a reader too early finds no buffer, never a damaged one
         assert all(isinstance(e, smb2.NoSuchBuffer) for e in got if not isinstance(e, smb2.Buffer))
         assert (await clients[0].stat())[0]["buffers"][name]["sealed"]
+
+
+async def test_async_optimizer_refuses_a_damaged_store() -> None:
+    torch = pytest.importorskip("torch")
+    import smb2.torch as st
+    name = next(f"opt-dmg{i}" for i in range(100) if _core.name_hash(f"opt-dmg{i}") % 2 == 0)
+
+    def run(servers: str) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 4))
+        with st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name=name,
+                               servers=servers, rank=0, world_size=1, timeout=10) as opt:
+            model(torch.ones(2, 64)).sum().backward()
+            opt.step()
+
+    async with smb2.LocalCluster(servers=2, processes=True, capacity="16MiB") as cluster:
+        servers = ",".join(cluster.addresses)
+        await asyncio.to_thread(run, servers)
+        await _restart_empty(cluster, 1)         # the header (byte 0) was on server 0
+        with pytest.raises(smb2.BufferDamaged) as err:
+            await asyncio.to_thread(run, servers)
+        msg = err.value.message
+        assert msg.startswith(f"store {name!r} is damaged: its part on server {cluster.addresses[1]} is gone")
+        assert "1.weight (100 %), 1.bias (100 %) are lost; its run 1 was at step 1" in msg, msg

@@ -812,12 +812,13 @@ def store_damage(err: BufferDamaged, layout: Layout | None, progress: str = "") 
             gone = sum(hi - lo for lo, hi in err.ranges(start, start + layout.nbytes_of(shape)))
             if gone:
                 lost.append(f"{tname} ({100 * gone / layout.nbytes_of(shape):.0f} %)")
-    what = (f"tensors lost: {', '.join(lost[:8])}{f' and {len(lost) - 8} more' if len(lost) > 8 else ''}"
-            if lost else f"{err.lost_bytes} bytes lost")
+    what = (f"{', '.join(lost[:8])}{f' and {len(lost) - 8} more' if len(lost) > 8 else ''} "
+            f"{'are' if len(lost) > 1 else 'is'} lost" if lost
+            else f"{err.lost_bytes} of its {err.geometry[0]} bytes are lost")
     name = err.name
     return BufferDamaged(
-        f"store {name!r} is damaged: server{'s' if len(err.servers) > 1 else ''} {', '.join(err.servers)} "
-        f"lost {'their' if len(err.servers) > 1 else 'its'} part of it (restarted without its data); {what}"
+        f"store {name!r} is damaged: its part on server{'s' if len(err.servers) > 1 else ''} "
+        f"{', '.join(err.servers)} is gone (a restart without its data), so {what}"
         f"{progress}; resuming would train from zeros there, so this job stops",
         name=name, servers=err.servers, parts=err.parts, geometry=err.geometry, detail=err.message,
         hint=("restart the server with its --data-dir to get the part back and run again; or start over: "
