@@ -134,6 +134,9 @@ async def test_a_damaged_store_is_not_resumed(caplog: pytest.LogCaptureFixture) 
                "resuming would train from zeros there" in msg and "header" not in msg
         assert "init_from=" in (err.value.hint or "") and "resume=False" in (err.value.hint or "")
         assert name[0] in await c2.buffers()       # nothing was removed or made
+        # another rank waits for rank 0 (which may be making it anew), then says the same
+        with pytest.raises(smb2.BufferDamaged, match=f"store {name[0]!r} is damaged: its part on server"):
+            await ParameterStore.open(c2, name[0], _model(), workers=2, rank=1, timeout=0.3)
         with pytest.raises(smb2.BufferDamaged, match=f"store {name[0]!r} is damaged"):
             await ParameterStore.attach(c2, name[0], timeout=5)
         # the store whose header was lost: an error too, not a fresh start

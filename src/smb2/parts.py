@@ -82,9 +82,10 @@ def damaged(name: str, lost: dict[int, str], servers: Sequence[str], nbytes: int
     err = BufferDamaged(
         "", name=name, servers=[servers[k] for k in sorted(lost)], parts=sorted(lost),
         geometry=(nbytes, stripe, n, _core.name_hash(name) % n),
-        hint=("restart the server(s) with their --data-dir to get the part back; if its data is gone, "
-              f"remove the buffer (`smb2 rm {name}` or client.destroy) and create it again, or pass "
+        hint=("if the server keeps a --data-dir, restart it from there to get the part back; if the data is "
+              f"gone, remove the buffer (`smb2 rm {name}` or client.destroy) and create it again, or pass "
               "create(..., recreate_lost=True) to accept zeros in the lost ranges"))
+    # the message quotes the ranges the error computes from its geometry
     ranges: list[str] = []
     for lo, hi in err.ranges():
         if len(ranges) == SHOWN_RANGES:

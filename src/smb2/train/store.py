@@ -821,9 +821,10 @@ def store_damage(err: BufferDamaged, layout: Layout | None, progress: str = "") 
         f"{', '.join(err.servers)} is gone (a restart without its data), so {what}"
         f"{progress}; resuming would train from zeros there, so this job stops",
         name=name, servers=err.servers, parts=err.parts, geometry=err.geometry, detail=err.message,
-        hint=("restart the server with its --data-dir to get the part back and run again; or start over: "
-              "resume=False (from the job's own initial weights) or init_from=CHECKPOINT (from a saved "
-              f"checkpoint) removes the damaged store and makes it anew; `smb2 rm {name}` removes it by hand"))
+        hint=("if the server keeps a --data-dir, restart it from there to get the part back and run again; "
+              "else start over: resume=False (from the job's own initial weights) or init_from=CHECKPOINT "
+              f"(from a saved checkpoint) removes the damaged store and makes it anew; `smb2 rm {name}` "
+              "removes it by hand"))
 
 
 async def _last_progress(err: BufferDamaged, layout: Layout) -> str:
@@ -923,8 +924,8 @@ async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int
                 raise NotifyTimeout(
                     f"rank 0 did not create store {name!r} in time; rank {rank} gives up: start rank 0 "
                     "with the same store name and SMB2_SERVERS, or raise timeout=") from None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.25)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.25)
 
 
 async def _initialize(buf: Buffer, layout: Layout, lock: Lock) -> None:
