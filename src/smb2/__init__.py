@@ -18,6 +18,7 @@ from .errors import (
     AccessDenied,
     BadRequest,
     BufferConflict,
+    BufferDamaged,
     ErrorCode,
     FrameTooLarge,
     InterfaceError,
@@ -62,7 +63,7 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "Client", "ErrorCode",
+    "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "BufferDamaged", "Client", "ErrorCode",
     "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockTimeout",
     "NoSuchBuffer", "NotifyTimeout", "OperationTimeout", "OutOfBounds", "OutOfMemory", "PersistenceError",
     "ProtocolError", "Server", "ServerError",

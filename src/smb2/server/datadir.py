@@ -184,6 +184,8 @@ class DataDir:
                 sid, name, nbytes, stripe = int(e["segment"]), str(e["name"]), int(e["nbytes"]), int(e["stripe"])
                 nservers, index, size = int(e["nservers"]), int(e["index"]), int(e["size"])
                 fname, digest = str(e["file"]), str(e["sha256"])
+                # a manifest from before buffer identities: parts of identity "", sealed
+                buffer_id, sealed = str(e.get("buffer_id", "")), bool(e.get("sealed", True))
             except (KeyError, TypeError, ValueError):
                 raise PersistenceError(f"{self.path / MANIFEST}: malformed segment entry {e!r}") from None
             if (size != _core.segment_size(nbytes, stripe, nservers) or "/" in fname
@@ -206,6 +208,7 @@ class DataDir:
             if h.hexdigest() != digest:
                 raise PersistenceError(f"{path}: checksum mismatch (the file is corrupt); "
                                        f"move {self.path} aside to start empty")
-            segs.append(Segment(sid, name, nbytes, stripe, nservers, index, size, mem, view))
+            segs.append(Segment(sid, name, nbytes, stripe, nservers, index, size, mem, view,
+                                buffer_id=buffer_id, sealed=sealed))
         log.info("restored %d segments (%d bytes) from %s", len(segs), used, self.path)
         return segs, max(int(m.get("next_id", 1)), max((s.id for s in segs), default=0) + 1)

@@ -73,6 +73,7 @@ from .shm import ShmService
 log = logging.getLogger("smb2.server")
 
 MAX_NAME = 255
+MAX_BUFFER_ID = 64        # clients send 16 hex digits
 # Before a connection has authenticated it holds a small inbox and may send
 # nothing larger than a hello or an auth message (both are ~100 bytes).
 PREAUTH_INBOX = 8 << 10
@@ -311,7 +312,13 @@ class MemoryServer:
         await self.close()
 
     # -- control commands ----------------------------------------------
-    def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int) -> dict[str, Any]:
+    def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int,
+               buffer_id: str | None = None, seal: bool = False) -> dict[str, Any]:
+        """The part ``index`` of buffer ``name``: made (zero-filled, with
+        the identity ``buffer_id``, sealed if ``seal``) when this server
+        has none, else the one it has, sealed now if ``seal`` and the
+        identity is the same.  A client without identities (no
+        ``buffer_id``) makes sealed parts of identity ""."""
         if not 0 < len(name.encode()) <= MAX_NAME:
             raise Refused(ErrorCode.BAD_REQUEST, f"buffer names are 1..{MAX_NAME} bytes")
         if nbytes <= 0 or stripe <= 0 or stripe % 8 or nservers <= 0 or not 0 <= index < nservers:
@@ -326,6 +333,8 @@ class MemoryServer:
                     f"buffer {name!r} exists with nbytes={seg.nbytes} stripe={seg.stripe} "
                     f"over {seg.nservers} servers (this server #{seg.index}); asked for "
                     f"nbytes={nbytes} stripe={stripe} over {nservers} servers (#{index})")
+            if seal and seg.buffer_id == buffer_id:
+                seg.sealed = True
             return {**seg.info(), "created": False}
         if len(self.by_name) >= self.max_buffers:      # the lock segment is not a buffer
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"server holds its maximum of {self.max_buffers} buffers")
@@ -337,7 +346,8 @@ class MemoryServer:
             mem, view = alloc(size)
         except (OSError, MemoryError, OverflowError) as exc:
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"cannot map {size} bytes: {exc}") from None
-        seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view)
+        seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view,
+                      buffer_id="" if buffer_id is None else buffer_id, sealed=buffer_id is None or seal)
         if self.rdma is not None:
             self.rdma.register(seg.id, view)     # once, for the segment's lifetime
         self._add(seg)
@@ -398,8 +408,7 @@ class MemoryServer:
             "package_version": package_version(),
             "capacity": self.capacity,
             "used": self.used,
-            "buffers": {s.name: {"segment": s.id, "size": s.size, "nbytes": s.nbytes,
-                                 "stripe": s.stripe, "nservers": s.nservers, "index": s.index}
+            "buffers": {s.name: {k: v for k, v in s.info().items() if k != "name"}
                         for s in self.segments.values() if s.id != LOCK_SEGMENT},
             "connections": len(self.connections),
             "ops": self.ops,
@@ -1069,9 +1078,12 @@ class Connection(FrameReceiver):
         return {**info, **rdma.segment_info(info["segment"])} if rdma is not None else info
 
     def _cmd_create(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+        buffer_id = _str(msg, "buffer_id") if "buffer_id" in msg else None
+        if buffer_id is not None and len(buffer_id) > MAX_BUFFER_ID:
+            raise Refused(ErrorCode.BAD_REQUEST, f"a buffer_id is at most {MAX_BUFFER_ID} characters")
         return self._with_rdma_keys(self.server.create(
             _str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
-            _uint(msg, "nservers"), _uint(msg, "index")))
+            _uint(msg, "nservers"), _uint(msg, "index"), buffer_id, msg.get("seal") is True))
 
     def _cmd_lookup(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self._with_rdma_keys(self.server.lookup(_str(msg, "name")))
