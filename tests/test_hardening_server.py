@@ -353,6 +353,16 @@ async def guess(address: tuple[str, int], source: str, token: bytes) -> bytes:
         writer.close()
 
 
+async def keep_guessing(address: tuple[str, int], stop: asyncio.Event, pause: float) -> int:
+    """Wrong proofs from 127.0.0.1, ``pause`` seconds apart, until ``stop``:
+    how many were refused as wrong."""
+    failed = 0
+    while not stop.is_set():
+        failed += b"authentication failed" in await guess(address, "127.0.0.1", b"guess")
+        await asyncio.sleep(pause)
+    return failed
+
+
 @pytest.mark.server_process_only
 async def test_wrong_token_guesses_never_lock_out_the_token_holder(tmp_path: Path) -> None:
     """Issue 22 #4: everyone on one host is 127.0.0.1, and a guess every 50 ms
@@ -363,22 +373,15 @@ async def test_wrong_token_guesses_never_lock_out_the_token_holder(tmp_path: Pat
     tok.chmod(0o600)
     srv = ServerProcess("--capacity", "4MiB", "--auth-token-file", str(tok))
     stop = asyncio.Event()
-    failed = 0
-
-    async def guesser() -> None:
-        nonlocal failed
-        while not stop.is_set():
-            failed += b"authentication failed" in await guess(srv.address, "127.0.0.1", b"guess")
-            await asyncio.sleep(0.01)
     try:
-        task = asyncio.create_task(guesser())
+        task = asyncio.create_task(keep_guessing(srv.address, stop, 0.01))
         served = 0
         for _ in range(10):      # the token holder, from the guesser's address, between guesses
             served += await guess(srv.address, "127.0.0.1", TOKEN) == b""
             await asyncio.sleep(0.05)
         await well_behaved(srv.address, TOKEN)
         stop.set()
-        await task
+        failed = await task
         print(f"token holder served {served}/10 while {failed} wrong proofs were refused")
         assert served == 10 and failed >= 5
     finally:
