@@ -502,6 +502,7 @@ async def unauthenticated_crowd(quick: bool) -> Row:
             async with Watch(srv, row):
                 churner = asyncio.create_task(asyncio.to_thread(churn))
                 for _ in range(tries):
+                    await asyncio.sleep(0.1)        # the churn goes on between tries
                     with contextlib.suppress(smb2.Smb2Error):
                         async with await smb2.connect([srv.address], token=TOKEN, transport="tcp") as c:
                             st = (await c.stat())[0]
@@ -556,8 +557,10 @@ async def client_chosen_lease(quick: bool) -> Row:
         address = f"{srv.address[0]}:{srv.address[1]}"
         async with await smb2.connect([address]) as c:
             await c.create("b", 64, stripe=64)
+            first = c.lock("L", lease=3600)
             try:
-                await c.lock("L", lease=3600).acquire(timeout=5)
+                await first.acquire(timeout=5)
+                await first.release()
                 said = "ACCEPTED"
             except smb2.BadRequest as exc:
                 said = str(exc).split(": ", 1)[-1]
