@@ -39,8 +39,10 @@ log = logging.getLogger("smb2.server.metrics")
 
 # an HTTP request line and headers larger than this is not a scraper
 MAX_REQUEST = 16 << 10
-# a scraper sends its request at once: one that waits holds a place
+# a scraper sends its request at once, and reads the answer: one that
+# waits holds a place
 REQUEST_TIMEOUT = 2.0
+SEND_TIMEOUT = 10.0
 # scrape connections served at once; more wait in the listening socket's
 # backlog (costing the server nothing) until one is done
 MAX_SCRAPERS = 16
@@ -340,7 +342,6 @@ class MetricsExporter:
         self._text = b""
         self._taken = -math.inf
         self._rendering: asyncio.Future[bytes] | None = None
-        self.readings = 0
 
     async def start(self, host: str, port: int) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -402,7 +403,6 @@ class MetricsExporter:
                 await asyncio.sleep(wait)
             else:
                 self._taken = loop.time()
-                self.readings += 1
                 reading = Reading(list(self.collector.collect()), self.process)
                 self._rendering = loop.run_in_executor(self._renderer, self._generate, reading)
 
@@ -430,11 +430,14 @@ class MetricsExporter:
                 self._respond(writer, "404 Not Found", b"smb2 metrics: GET /metrics\n", "text/plain")
             else:
                 self._respond(writer, "200 OK", await self.text(), self.content_type)
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), SEND_TIMEOUT)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-            pass    # a scraper that went away or sent no request: nothing to answer
+            pass    # a scraper that went away, sent no request or reads no answer
         finally:
-            writer.close()
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()    # unread: its text is not kept
+            else:
+                writer.close()
             self._room.release()
 
     @staticmethod
