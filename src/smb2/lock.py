@@ -194,7 +194,9 @@ class Lock:
     time per object (make several objects to contend from one client).
 
     ``lease``: seconds the holder may go without renewing (default: the
-    server's ``--lock-lease``); ``mode``: "park", "poll", "futex" or
+    server's ``--lock-lease``; longer only up to the server's
+    ``--lock-max-lease``, and the lock's first opener fixes it for every
+    user); ``mode``: "park", "poll", "futex" or
     "auto" (futex over shm, park over TCP, poll over RDMA);
     ``min_delay``/``max_delay``: bounds of the
     polling backoff; ``spin``: seconds this client's loop polls instead of

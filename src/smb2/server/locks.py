@@ -140,12 +140,18 @@ class LockService:
     """One server's locks: the lock segment, the table, parked requests."""
 
     def __init__(self, mem: Any, view: memoryview, *,
-                 slots: int = DEFAULT_SLOTS, lease: float = DEFAULT_LEASE,
+                 slots: int = DEFAULT_SLOTS, lease: float = DEFAULT_LEASE, max_lease: float | None = None,
                  spin: float = DEFAULT_SPIN, max_parked: int = DEFAULT_MAX_PARKED) -> None:
         self.mem = mem
         self.view = view
         self.nslots = slots
         self.lease = lease
+        # the longest lease a client may ask for at lock_open: the server's
+        # own unless the operator allows longer (--lock-max-lease).  The
+        # first opener's lease holds for every later user, so a client that
+        # could pick an hour would make everyone wait an hour behind a
+        # holder that froze.
+        self.max_lease = max(lease, max_lease or lease)
         self.table = _core.LockTable(view, slots)
         self.by_name: dict[str, int] = {}      # lock name -> slot
         self.names: list[str | None] = [None] * slots
@@ -269,11 +275,15 @@ class LockService:
     def open(self, name: str, lease: float | None, conn: Requester) -> dict[str, Any]:
         """``lock_open``: bind ``name`` to a slot (if it has none) and count
         ``conn`` among its users until ``close_name`` or disconnect.  The
-        lease is fixed when the slot is bound: another value is refused."""
+        lease is fixed when the slot is bound: another value is refused, and
+        so is one over ``max_lease``."""
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 255:
             raise Refused(ErrorCode.BAD_REQUEST, "lock names are 1..255 bytes of str")
-        if lease is not None and not (isinstance(lease, (int, float)) and 0 < lease <= MAX_LEASE):
-            raise Refused(ErrorCode.BAD_REQUEST, f"lease must be in (0, {MAX_LEASE}] seconds")
+        if lease is not None and not (isinstance(lease, (int, float)) and 0 < lease <= self.max_lease):
+            raise Refused(ErrorCode.BAD_REQUEST,
+                          f"lease must be in (0, {self.max_lease:g}] seconds on this server (its "
+                          f"--lock-lease is {self.lease:g} s; --lock-max-lease lets clients ask for longer): "
+                          "leave lease unset to get the server's")
         slot = self.by_name.get(name)
         key = _core.name_hash(name)
         if slot is None:

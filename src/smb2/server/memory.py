@@ -78,6 +78,8 @@ MAX_BUFFER_ID = 64        # clients send 16 hex digits
 # nothing larger than a hello or an auth message (both are ~100 bytes).
 PREAUTH_INBOX = 8 << 10
 PREAUTH_MAX_CONTROL = 4 << 10
+# a token shorter than this gets a warning at start: it could be guessed
+MIN_TOKEN = 16
 # a connection idle this long gives back its inbox and scratch
 RELEASE_IDLE = 2.0
 # accumulate deltas one connection may have waiting behind in-flight writes
@@ -106,7 +108,7 @@ class MemoryServer:
         # its payload per write_timeout
         self.write_progress = max(1, int(parse_size(options.write_min_rate) * options.write_timeout))
         self.max_reply_bytes = parse_size(options.max_reply_bytes)
-        # connection counts and the auth back-off (guard.py)
+        # connection counts; unauthenticated connections make room (guard.py)
         self.admission = Admission(options.max_connections, options.max_connections_per_host)
         # accumulate scratch and deferred deltas of all connections together
         self.receive_pool = MemoryPool(parse_size(options.max_receive_memory))
@@ -117,8 +119,6 @@ class MemoryServer:
         # the shared secret clients must prove they know (None: no authentication)
         self.token = auth.as_token(options.token)
         self.auth_failures = 0
-        # auth messages refused unchecked during a back-off (guard.Admission)
-        self.auth_throttled = 0
         self.max_frame = parse_size(options.max_frame)
         self.max_buffers = options.max_buffers
         self.used = 0
@@ -136,9 +136,10 @@ class MemoryServer:
         self.bytes_in = 0
         self.bytes_out = 0
         # what was refused, by why: an error code's name in lower case, or
-        # connection_limit / auth_failed / auth_backoff (--metrics)
+        # connection_limit / auth_failed (--metrics)
         self.refusals: collections.Counter[str] = collections.Counter()
-        # connections cut by the sweep, by which deadline
+        # connections cut by the sweep, by which deadline (and those closed to
+        # make room for a new one: admission.evicted)
         self.cuts: collections.Counter[str] = collections.Counter()
         self._server: asyncio.AbstractServer | None = None
         self.address: tuple[str, int] = ("", 0)
@@ -148,6 +149,7 @@ class MemoryServer:
         mem, view = alloc(options.lock_slots * _core.LOCK_SLOT_SIZE)
         self.segments[LOCK_SEGMENT] = Segment(LOCK_SEGMENT, "", 0, 8, 1, 0, len(view), mem, view)
         self.locks = LockService(mem, view, slots=options.lock_slots, lease=options.lock_lease,
+                                 max_lease=options.lock_max_lease,
                                  spin=options.lock_spin)
         # RDMA (rdma.py): opened at start() unless rdma="off"
         self.rdma: RdmaServer | None = None
@@ -208,6 +210,11 @@ class MemoryServer:
             log.warning("listening on %s without an authentication token: anyone who can reach "
                         "this port can read and write its memory (--auth-token-file or %s)",
                         host or "all addresses", auth.ENV)
+        if self.token is not None and len(self.token) < MIN_TOKEN:
+            # every proof is checked (no back-off to lock out a guesser's
+            # neighbours): the token's length is what keeps guessing hopeless
+            log.warning("the authentication token is %d bytes: a short token can be guessed; "
+                        "use at least %d random bytes (openssl rand -hex 32)", len(self.token), MIN_TOKEN)
         self._sweeper = asyncio.create_task(self._sweep())
         self.locks.start()
         if self.options.metrics is not None:
@@ -414,14 +421,15 @@ class MemoryServer:
             "ops": self.ops,
             "transports": self.transports(),
             "rdma": self.rdma.describe() if self.rdma else {"off": self.rdma_reason},
-            "shm": ({"socket": self.shm.path, "fds_handed_out": self.shm.handed_out} if self.shm
+            "shm": ({"socket": self.shm.path, "fds_handed_out": self.shm.handed_out,
+                     "tickets_withdrawn": self.shm.withdrawn} if self.shm
                     else {"off": self.shm_reason}),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "refused": self.refused,
             "auth": auth.MECH if self.token is not None else None,
             "auth_failures": self.auth_failures,
-            "auth_throttled": self.auth_throttled,
+            "unauthenticated_evicted": self.admission.evicted,
             "connections_refused": self.admission.refused,
             "receive_memory": {"used": self.receive_pool.used, "peak": self.receive_pool.peak,
                                "limit": self.receive_pool.limit},
@@ -492,8 +500,6 @@ class Connection(FrameReceiver):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.host = "?"
-        # counted in server.admission (refused connections are not)
-        self._admitted = False
         self.greeted = False
         # set by a valid ``auth`` (or by ``hello`` when the server has no token);
         # until then only auth.PUBLIC_COMMANDS are answered
@@ -535,12 +541,11 @@ class Connection(FrameReceiver):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.host = str(peer[0]) if peer else "?"
-        refused = self.server.admission.admit(self.host)
+        refused = self.server.admission.admit(self, self.host)
         if refused is not None:
             self.server.warn("admission", "refused a connection from %s: %s", self.peer, refused)
             self.close_with(refused, code=ErrorCode.OUT_OF_MEMORY, why="connection_limit")
             return
-        self._admitted = True
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -553,12 +558,12 @@ class Connection(FrameReceiver):
         log.debug("connection from %s", self.peer)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._admitted:
-            self._admitted = False
-            self.server.admission.leave(self.host)
+        self.server.admission.leave(self)
         self.release_memory(closed=True)
         self.server.connections.discard(self)
         self.server.locks.connection_lost(self)
+        if self.server.shm is not None:
+            self.server.shm.drop_owner(self)
         if self._write is not None:
             seg, rng = self._write
             self._write = None
@@ -1165,33 +1170,28 @@ class Connection(FrameReceiver):
             raise Refused(ErrorCode.BAD_REQUEST, "this server does not use authentication")
         if self.authed:
             raise Refused(ErrorCode.BAD_REQUEST, "already authenticated")
-        wait = srv.admission.auth_wait(self.host)
-        if wait > 0:
-            # a wrong token from this address not long ago: no proof is
-            # checked until the back-off is over (guesses cost time)
-            srv.auth_throttled += 1
-            self.close_with(f"authentication refused: {self.host} sent a wrong token; "
-                            f"try again in {wait:.1f} s", hdr, ErrorCode.ACCESS_DENIED, why="auth_backoff")
-            return None
+        # Every proof is checked (one HMAC, about a microsecond): a back-off
+        # per source address would lock out the token holders who share the
+        # guesser's address.  What a guess costs instead: a connection and a
+        # hello for each (one try per challenge), and the token's 2**256
+        # possible proofs (docs/operations.md, "What one client can take").
         nonce = msg.get("nonce")
         ok = (isinstance(nonce, bytes) and len(nonce) == auth.NONCE_SIZE
               and auth.check(auth.client_proof(srv.token, self._nonce, nonce), msg.get("proof")))
         if not ok:
             # one try per challenge: a guesser must reconnect for each
             srv.auth_failures += 1
-            backoff = srv.admission.auth_failed(self.host)
-            srv.warn("auth", "authentication failed from %s (wrong token; next try from there in "
-                     "%.1f s)", self.peer, backoff)
+            srv.warn("auth", "authentication failed from %s (wrong token)", self.peer)
             self.close_with("authentication failed: wrong token", hdr, ErrorCode.ACCESS_DENIED, why="auth_failed")
             return None
         assert isinstance(nonce, bytes)
-        srv.admission.auth_ok(self.host)
         self._authenticated()
         log.debug("%s authenticated", self.peer)
         return {"proof": auth.server_proof(srv.token, self._nonce, nonce)}
 
     def _authenticated(self) -> None:
         self.authed = True
+        self.server.admission.authenticated(self)
         self.inbox_size = self.INBOX_SIZE      # grows at the next receive
 
 

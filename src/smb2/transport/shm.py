@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _core
-from ..errors import ErrorCode, TransportError, server_error
+from ..errors import ErrorCode, OutOfMemory, TransportError, Unsupported, server_error
 from ..host import boot_id
 from ..protocol import FENCE_SIZE, LOCK_SEGMENT, MASK64, unpack
 from .base import LockCapable, Transport
@@ -127,7 +127,13 @@ class ShmTransport(Transport, LockCapable):
                                  f"{control.server_info.get('shm_off', 'not offered')}",
                                  server=control.label)
         self = cls(control)
-        await asyncio.wait_for(self._map([LOCK_SEGMENT]), timeout)
+        try:
+            await asyncio.wait_for(self._map([LOCK_SEGMENT]), timeout)
+        except (OutOfMemory, Unsupported) as exc:
+            # the server offers shm and refused us this time (its tickets
+            # are all waiting to be claimed, say): TCP still reaches it
+            raise TransportError(f"{control.label} refused the shm hand-out: {exc}", server=control.label,
+                                 hint="transport='auto' takes TCP; transport='tcp' does so always") from exc
         return self
 
     @property
