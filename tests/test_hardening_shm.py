@@ -19,13 +19,13 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-from test_hardening_server import server_process, well_behaved
 
 import smb2
 from smb2 import _core
 from smb2.errors import LockTimeout, TransportError
 from smb2.protocol import LOCK_SEGMENT
 from smb2.transport import ShmTransport
+from test_hardening_server import server_process, well_behaved
 
 MiB = 1 << 20
 
@@ -41,10 +41,14 @@ def shm_of(client: smb2.Client) -> ShmTransport:
 REGION = 4 * MiB
 
 
-def _writer(address: tuple[str, int], name: str, region: int, acked: list[int],
-            stop: threading.Event) -> None:
+WARM_UP = 5
+
+
+def fill_region(address: tuple[str, int], name: str, region: int, acked: list[int],
+                stop: threading.Event, going: threading.Semaphore) -> None:
     """Fill our region with the sequence number, again and again, over shm;
-    ``acked[region]`` is the last one a write returned for."""
+    ``acked[region]`` is the last one a write returned for.  ``going`` is
+    released after WARM_UP writes."""
     async def run() -> None:
         async with await smb2.connect([address], transport="shm") as c:
             buf = await c.attach(name)
@@ -56,7 +60,25 @@ def _writer(address: tuple[str, int], name: str, region: int, acked: list[int],
                 except (TransportError, smb2.NoSuchBuffer):
                     return          # the server stopped: this write was not acknowledged
                 acked[region] = seq
-    asyncio.run(run())
+                if seq == WARM_UP:
+                    going.release()
+    try:
+        asyncio.run(run())
+    finally:
+        going.release()     # a writer that failed early must not hold the test up
+
+
+def start_writers(address: tuple[str, int], name: str, n: int, acked: list[int],
+                  stop: threading.Event) -> list[threading.Thread]:
+    """``n`` writer threads (fill_region), once each has written WARM_UP times."""
+    going = threading.Semaphore(0)
+    threads = [threading.Thread(target=fill_region, args=(address, name, r, acked, stop, going))
+               for r in range(n)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert going.acquire(timeout=30)
+    return threads
 
 
 @pytest.mark.server_process_only
@@ -69,14 +91,8 @@ async def test_a_sigterm_under_shm_writers_saves_every_acknowledged_write(tmp_pa
                     await c.create("shared", writers * REGION)
             acked = [0] * writers
             stop = threading.Event()
-            threads = [threading.Thread(target=_writer, args=(s.address, "shared", r, acked, stop))
-                       for r in range(writers)]
-            for t in threads:
-                t.start()
-            deadline = time.monotonic() + 10
-            while min(acked) < 20 and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            assert min(acked) >= 20, acked
+            threads = await asyncio.to_thread(start_writers, s.address, "shared", writers, acked, stop)
+            assert min(acked) >= WARM_UP, acked
             assert s.stop() == 0, s.stderr()     # SIGTERM: save, then exit
             stop.set()
             for t in threads:
@@ -95,7 +111,7 @@ async def test_a_sigterm_under_shm_writers_saves_every_acknowledged_write(tmp_pa
 
 # -- 2. sealed memory -------------------------------------------------------------
 
-def _claim_fds(path: str, ticket: bytes) -> list[int]:
+def claim_fds(path: str, ticket: bytes) -> list[int]:
     """What the shm transport does to get a grant's fds: the ticket in, the
     fds out (SCM_RIGHTS)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -116,7 +132,7 @@ async def test_a_client_cannot_resize_handed_out_memory() -> None:
             await lock.acquire()
             await lock.release()
             grant = await shm_of(c).control({"cmd": "shm_grant", "segments": [LOCK_SEGMENT, buf.segments[0]]})
-            fds = _claim_fds(grant["path"], grant["ticket"])
+            fds = claim_fds(grant["path"], grant["ticket"])
             try:
                 for fd in fds:
                     size = os.fstat(fd).st_size
@@ -141,17 +157,17 @@ async def test_a_client_cannot_resize_handed_out_memory() -> None:
 
 # -- 3. lock words a client cannot wedge --------------------------------------------
 
-async def _slot(c: smb2.Client, name: str) -> int:
+async def lock_offset(c: smb2.Client, name: str) -> int:
     info = await c.links[0].open.control({"cmd": "lock_open", "name": name})  # type: ignore[union-attr]
     return int(info["offset"])
 
 
-async def _words(c: smb2.Client, name: str) -> tuple[int, int]:
+async def lock_words(c: smb2.Client, name: str) -> tuple[int, int]:
     lock = (await c.stat())[0]["locks"]["locks"][name]
     return int(lock["next_ticket"]), int(lock["now_serving"])
 
 
-async def _acquire_within(lock: smb2.Lock, timeout: float) -> float:
+async def acquire_within(lock: smb2.Lock, timeout: float) -> float:
     """How long ``acquire(timeout)`` took; LockTimeout is an answer too."""
     t0 = time.monotonic()
     with contextlib.suppress(LockTimeout):
@@ -166,19 +182,19 @@ async def test_now_serving_moved_past_next_ticket_over_shm_wedges_nobody() -> No
         async with await smb2.connect([s.address], transport="shm") as attacker, \
                 await smb2.connect([s.address], transport="shm") as shm_user, \
                 await smb2.connect([s.address], transport="tcp") as tcp_user:
-            off = await _slot(attacker, "L")
+            off = await lock_offset(attacker, "L")
             tr = shm_of(attacker)
             nxt = await tr.fetch_add(LOCK_SEGMENT, off, 0)
             # one compare-and-swap on our own mapping: now_serving far past next_ticket
             await tr.compare_swap(LOCK_SEGMENT, off + _core.LOCK_SERVING, nxt, nxt + (1 << 30))
-            took = await asyncio.gather(_acquire_within(shm_user.lock("L"), 2.0),
-                                        _acquire_within(tcp_user.lock("L"), 2.0))
+            took = await asyncio.gather(acquire_within(shm_user.lock("L"), 2.0),
+                                        acquire_within(tcp_user.lock("L"), 2.0))
             assert max(took) < 3.0, took
             # the server put the lock right: both acquire again at once
             for c in (shm_user, tcp_user):
                 async with c.lock("L"):
                     pass
-            nxt, serving = await _words(tcp_user, "L")
+            nxt, serving = await lock_words(tcp_user, "L")
             assert 0 <= nxt - serving <= 1
             assert (await tcp_user.stat())[0]["locks"]["resets"] >= 1
     assert "impossible words" in s.stderr()
@@ -192,7 +208,7 @@ async def test_a_huge_next_ticket_over_tcp_is_reset_and_the_sender_named() -> No
             held = user.lock("L")
             await held.acquire()
             token = held.token
-            off = await _slot(attacker, "L")
+            off = await lock_offset(attacker, "L")
             await attacker.links[0].open.fetch_add(LOCK_SEGMENT, off, 1 << 40)  # type: ignore[union-attr]
             # the holder lost the lock to the reset, and the next acquire is served
             with pytest.raises(smb2.StaleFence):
@@ -201,7 +217,7 @@ async def test_a_huge_next_ticket_over_tcp_is_reset_and_the_sender_named() -> No
             await other.acquire(timeout=2.0)
             assert other.token is not None and token is not None and other.token > token
             await other.release()
-            nxt, serving = await _words(user, "L")
+            nxt, serving = await lock_words(user, "L")
             assert 0 <= nxt - serving <= 1
     err = s.stderr()
     assert "impossible words" in err and "(tcp) changed them" in err, err
@@ -216,7 +232,7 @@ async def test_a_parked_waiter_passed_by_hand_queues_again_instead_of_failing() 
             await lock.acquire()
             pending = asyncio.ensure_future(waiter.lock("L").acquire(timeout=3.0))
             await asyncio.sleep(0.1)
-            off = await _slot(holder, "L")
+            off = await lock_offset(holder, "L")
             tr = holder.links[0].open
             assert tr is not None
             serving = lock.token

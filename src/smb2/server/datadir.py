@@ -59,12 +59,12 @@ def _write_sparse(f: IO[bytes], data: memoryview, h: Any) -> None:
     file and its hash are the same bytes even if something still changes
     ``data`` (a shm client's store that was in flight when the server froze
     the segment), so a save is never torn against its own checksum."""
-    scratch = np.empty(min(len(data), 1 << 20), dtype=np.uint8)
+    scratch = memoryview(bytearray(min(len(data), 1 << 20)))
     for off, n in chunks(len(data), 1 << 20):
         piece = scratch[:n]
-        _core.copy_into(memoryview(piece), data[off:off + n])
+        _core.copy_into(piece, data[off:off + n])
         h.update(piece)
-        if piece.any():
+        if np.frombuffer(piece, dtype=np.uint8).any():
             f.write(piece)
         else:
             f.seek(n, os.SEEK_CUR)
