@@ -56,6 +56,20 @@ remembered as that key's fence floor, so that no stale token of the freed
 lock passes a fence.  The fence table itself is bounded: a key it forgets
 raises the floor of its bucket to the key's token, so forgetting can refuse
 an old token that was good, but never accepts a stale one.
+
+Words a client wrote (issue 22): the words are in memory clients change
+with plain atomics (shm mappings, RDMA, TCP FETCH_ADD/COMPARE_SWAP), so a
+buggy or hostile client can write anything there.  Two states no client
+following the rules can make are checked at every sweep (one pass in C)
+and after each TCP atomic on the segment: now_serving past next_ticket, and
+more tickets queued than the connected clients could hold
+(MAX_TICKETS_PER_CONNECTION each).  Such a lock is reset
+(``LockTable.reset``): its tickets start again above every plausible word
+and the time-based base, so fencing tokens only grow; parked waiters keep
+their order, the holder loses the lock, and one-sided waiters draw again.
+It is logged with the client that did it where the server can tell (a TCP
+atomic), else with the shm connections that could have.  Parked acquires
+whose tickets a client skipped by hand are queued again, not failed.
 """
 
 from __future__ import annotations
@@ -563,9 +577,12 @@ class LockService:
         sent by ``who``."""
         slot = offset // SLOT
         if self.table.is_open(slot):
-            if who is not None and slot in self.table.impossible(self.max_queue()):
-                self._reset(slot, who)
-                return
+            if who is not None:
+                nxt, serving, _ = self.table.words(slot)
+                # the same test as LockTable.impossible, for this slot only
+                if (nxt - serving) % (1 << 64) > self.max_queue():
+                    self._reset(slot, who)
+                    return
             since = time.monotonic_ns()
             self._deliver(self.table.poke(slot, asyncio.get_running_loop().time()), since)
             self._settle(slot)
