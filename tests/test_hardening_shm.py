@@ -109,6 +109,36 @@ async def test_a_sigterm_under_shm_writers_saves_every_acknowledged_write(tmp_pa
             await well_behaved(s.address)
 
 
+async def test_a_frozen_segment_refuses_shm_writes_and_atomics_and_a_failed_save_thaws_it(
+        tmp_path: Path) -> None:
+    server = await smb2.start_server("127.0.0.1", 0, data_dir=tmp_path / "data")
+    try:
+        async with await smb2.connect([server.address], transport="shm") as c:
+            buf = await c.create("f", MiB)
+            await buf.write(0, np.ones(4, np.int64))       # mapped: the fast path serves it now
+            assert await buf.fetch_add(0, 1) == 1
+            # a save that fails (a file where the directory should be written)
+            (tmp_path / "data" / "seg-1.1.bin.tmp").mkdir()
+            with pytest.raises(smb2.PersistenceError):
+                server.save()
+            assert await buf.fetch_add(0, 1) == 2          # thawed: served again
+            (tmp_path / "data" / "seg-1.1.bin.tmp").rmdir()
+            server.save()                                 # frozen for good, as at a stop
+            for op in (buf.write(0, np.zeros(4, np.int64)), buf.fetch_add(0, 1),
+                       buf.compare_swap(0, 3, 4)):
+                with pytest.raises(TransportError, match="stopping"):
+                    await op
+    finally:
+        await server.close(save=False)
+    # what was saved is what was acknowledged before the freeze
+    again = await smb2.start_server("127.0.0.1", 0, data_dir=tmp_path / "data")
+    try:
+        async with await smb2.connect([again.address], transport="tcp") as c:
+            assert (await (await c.attach("f")).read(0, 8)).view(np.int64)[0] == 3
+    finally:
+        await again.close(save=False)
+
+
 # -- 2. sealed memory -------------------------------------------------------------
 
 def claim_fds(path: str, ticket: bytes) -> list[int]:

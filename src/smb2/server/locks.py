@@ -97,6 +97,7 @@ from ..protocol import (
     Op,
     error_payload,
 )
+from .guard import RateLimitedLog
 from .metrics import Durations
 from .segment import Refused
 
@@ -219,6 +220,9 @@ class LockService:
         # past them (stat)
         self.resets = 0
         self.requeued = 0
+        # a client that keeps writing impossible words gets one WARNING per
+        # 10 s, not one per reset
+        self.warn = RateLimitedLog(log).warning
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -291,7 +295,7 @@ class LockService:
                        + (", ".join(mapped[:8]) + (f" and {len(mapped) - 8} more" if len(mapped) > 8 else "")
                           if mapped else "none is connected now"))
         self.resets += 1
-        log.warning("lock %r had impossible words (next_ticket %d, now_serving %d: %s); %s. "
+        self.warn("lock_reset", "lock %r had impossible words (next_ticket %d, now_serving %d: %s); %s. "
                     "It starts again at ticket %d: its holder, if any, lost it, and its waiters "
                     "keep their places", self.names[slot],
                     nxt, serving, "now_serving is past next_ticket" if (nxt - serving) % (1 << 64) >= 1 << 63
@@ -671,8 +675,8 @@ class LockService:
                     conn, hdr = entry
                     conn.reply(hdr, _core.pack_u64(ticket))
             if lost:
-                log.warning("a client moved now_serving of a lock past %d parked acquire(s); "
-                            "they queue again", len(lost))
+                self.warn("lock_requeue", "a client moved now_serving of a lock past %d parked "
+                          "acquire(s); they queue again", len(lost))
 
     def _unpark(self, wid: int) -> tuple[Requester, Header] | None:
         entry = self._parked.pop(wid, None)
