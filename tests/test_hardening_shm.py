@@ -83,30 +83,29 @@ def start_writers(address: tuple[str, int], name: str, n: int, acked: list[int],
 
 @pytest.mark.server_process_only
 async def test_a_sigterm_under_shm_writers_saves_every_acknowledged_write(tmp_path: Path) -> None:
+    # before: the restart refused to start (checksum mismatch) 3 times of 3
     writers = 3
-    for attempt in range(2):
-        with server_process("--data-dir", str(tmp_path), "--capacity", "256MiB") as s:
-            async with await smb2.connect([s.address], transport="tcp") as c:
-                if attempt == 0:
-                    await c.create("shared", writers * REGION)
-            acked = [0] * writers
-            stop = threading.Event()
-            threads = await asyncio.to_thread(start_writers, s.address, "shared", writers, acked, stop)
-            assert min(acked) >= WARM_UP, acked
-            assert s.stop() == 0, s.stderr()     # SIGTERM: save, then exit
-            stop.set()
-            for t in threads:
-                t.join(10)
-            final = list(acked)
-        # it starts (no checksum mismatch), and every acknowledged write is there
-        with server_process("--data-dir", str(tmp_path), "--capacity", "256MiB") as s:
-            async with await smb2.connect([s.address], transport="tcp") as c:
-                buf = await c.attach("shared")
-                for r in range(writers):
-                    got = (await buf.read(r * REGION, REGION)).view(np.int64)
-                    # the write in flight at the stop may have landed in part
-                    assert got.min() >= final[r] and got.max() <= final[r] + 1, (attempt, r, final)
-            await well_behaved(s.address)
+    flags = ("--data-dir", str(tmp_path), "--capacity", "256MiB")
+    with server_process(*flags) as s:
+        async with await smb2.connect([s.address], transport="tcp") as c:
+            await c.create("shared", writers * REGION)
+        acked = [0] * writers
+        stop = threading.Event()
+        threads = await asyncio.to_thread(start_writers, s.address, "shared", writers, acked, stop)
+        assert min(acked) >= WARM_UP, acked
+        assert s.stop() == 0, s.stderr()     # SIGTERM: save, then exit
+        stop.set()
+        for t in threads:
+            t.join(10)
+    # it starts, and every acknowledged write is there
+    with server_process(*flags) as s:
+        async with await smb2.connect([s.address], transport="tcp") as c:
+            buf = await c.attach("shared")
+            for r in range(writers):
+                got = (await buf.read(r * REGION, REGION)).view(np.int64)
+                # the write in flight at the stop may have landed in part
+                assert got.min() >= acked[r] and got.max() <= acked[r] + 1, (r, acked)
+        await well_behaved(s.address)
 
 
 async def test_a_frozen_segment_refuses_shm_writes_and_atomics_and_a_failed_save_thaws_it(
@@ -286,8 +285,8 @@ async def test_a_shm_client_uses_more_lock_names_than_the_server_has_slots() -> 
 
     with server_process("--lock-slots", "256") as s:
         async with await smb2.connect([s.address], transport="shm") as c:
-            for i in range(600):
+            for i in range(400):
                 await asyncio.create_task(task(c, i))
             stat = (await c.stat())[0]["locks"]
             assert stat["open"] <= 2, stat["open"]
-            assert stat["reclaimed"] >= 598
+            assert stat["reclaimed"] >= 398
