@@ -1,4 +1,5 @@
-"""Issue 14's attacks 1-11 against real ``smb2-server`` processes: the bound
+"""Issue 14's attacks 1-11 and issue 22's 12-16 (what a same-host client can
+do through shared memory) against real ``smb2-server`` processes: the bound
 each one meets now, and the server's memory and time while it runs.
 
     python tools/bench_attacks.py [--only 1,4,7] [--quick] [--json PATH]
@@ -10,8 +11,8 @@ and checks that a well-behaved client is still served correctly afterwards.
 It prints the table of the issue's closing note (attack -> bound -> measured
 memory and time) and writes every row to JSON (``--json``, default
 ``bench-results/attacks.json``).  Not a test: the tests that assert these
-bounds are tests/test_hardening_server.py, test_lock_bounds.py,
-test_stale.py; this reuses their server-process and raw-frame helpers.
+bounds are tests/test_hardening_server.py, test_hardening_shm.py,
+test_lock_bounds.py, test_stale.py; this reuses their server-process and raw-frame helpers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -37,6 +39,7 @@ import numpy as np
 
 import smb2
 from smb2.protocol import LOCK_SEGMENT, VERSION, Op
+from smb2.server.locks import MAX_TICKETS_PER_CONNECTION
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
@@ -52,6 +55,15 @@ from test_hardening_server import (  # noqa: E402
     trickle,
     unread_reads,
     well_behaved,
+)
+from test_hardening_shm import (  # noqa: E402
+    REGION,
+    acquire_within,
+    claim_fds,
+    lock_offset,
+    lock_words,
+    shm_of,
+    start_writers,
 )
 from test_lock_bounds import SlowestRead  # noqa: E402
 
@@ -630,6 +642,156 @@ ISSUE_22_GUARDS: dict[int, Callable[[bool], Awaitable[Row]]] = {
     20: guesser_beside_token_holder, 21: unauthenticated_crowd, 22: hoarded_shm_tickets,
     23: client_chosen_lease, 24: scrape_flood}
 ATTACKS.update(ISSUE_22_GUARDS)
+
+# -- issue 22, findings 1, 2, 3 and 6: what a same-host client does through shm --
+
+async def sigterm_under_shm_writers(quick: bool) -> Row:
+    writers, tries = 4, 2 if quick else 3
+    row = Row(12, f"SIGTERM with {writers} shm clients writing 4 MiB regions, then a restart ({tries} tries)",
+              "segments frozen before the save, each chunk hashed and written from a copy: the restart "
+              "starts, every acknowledged write present")
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ("--data-dir", tmp, "--capacity", "256MiB")
+        outcomes: list[str] = []
+        stops: list[float] = []
+        for attempt in range(tries):
+            srv = ServerProcess(*flags)
+            try:
+                if attempt == 0:
+                    async with await smb2.connect([srv.address], transport="tcp") as c:
+                        await c.create("shared", writers * REGION)
+                acked = [0] * writers
+                stop = threading.Event()
+                threads = await asyncio.to_thread(start_writers, srv.address, "shared", writers, acked, stop)
+                t0 = time.monotonic()
+                async with Watch(srv, row):
+                    code = srv.stop()
+                stops.append(time.monotonic() - t0)
+                stop.set()
+                for t in threads:
+                    t.join(10)
+            finally:
+                srv.stop()
+            srv = ServerProcess(*flags)       # fails the attack if the save was torn
+            try:
+                async with await smb2.connect([srv.address], transport="tcp") as c:
+                    buf = await c.attach("shared")
+                    present = 0
+                    for r in range(writers):
+                        got = (await buf.read(r * REGION, REGION)).view(np.int64)
+                        present += int(got.min() >= acked[r])
+                outcomes.append(f"exit {code}, restarted, {present}/{writers} acknowledged")
+                if attempt == tries - 1:
+                    await asyncio.wait_for(well_behaved(srv.address), 60)
+                    row.served_after = True
+            finally:
+                srv.stop()
+    row.result = "; ".join(outcomes) + \
+        f" (SIGTERM to exit, the save of {writers * REGION >> 20} MiB included: " + \
+        ", ".join(f"{t:.2f}" for t in stops) + " s)"
+    return row
+
+
+async def resize_memfds(quick: bool) -> Row:
+    row = Row(13, "ftruncate (to 0, to half, +256 MiB) on every handed-out memory file, lock table included",
+              "memfds sealed F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL: EPERM; no SIGBUS, no memory outside --capacity")
+    async with serving(row, "--capacity", "16MiB") as srv:
+        async with await smb2.connect([srv.address], transport="shm") as c:
+            buf = await c.create("sealed", 4 * MiB)
+            await buf.write(0, np.ones(MiB, np.uint8))
+            grant = await shm_of(c).control({"cmd": "shm_grant", "segments": [LOCK_SEGMENT, buf.segments[0]]})
+            fds = claim_fds(grant["path"], grant["ticket"])
+            refused = tried = 0
+            async with Watch(srv, row):
+                for fd in fds:
+                    for new in (0, os.fstat(fd).st_size // 2, os.fstat(fd).st_size + (256 << 20)):
+                        tried += 1
+                        try:
+                            os.ftruncate(fd, new)
+                        except PermissionError:
+                            refused += 1
+                for fd in fds:
+                    os.close(fd)
+                async with c.lock("after"):     # the lock sweep and the table: still there
+                    await asyncio.sleep(0.2)
+            alive = srv.proc.poll() is None
+        row.result = f"{refused} of {tried} ftruncates refused (EPERM); server alive: {alive}"
+    return row
+
+
+async def now_serving_past_next(quick: bool) -> Row:
+    row = Row(14, "one compare-and-swap over shm: a lock's now_serving 2^30 past next_ticket; "
+                  "then a shm and a TCP waiter with acquire(timeout=3)",
+              "waiters yield and back off, the sweep (<= 50 ms) sees the impossible words, logs and resets "
+              "the lock with higher tickets")
+    async with serving(row, "--capacity", "16MiB") as srv:
+        async with await smb2.connect([srv.address], transport="shm") as attacker, \
+                await smb2.connect([srv.address], transport="shm") as shm_user, \
+                await smb2.connect([srv.address], transport="tcp") as tcp_user:
+            off = await lock_offset(attacker, "L")
+            tr = shm_of(attacker)
+            nxt = await tr.fetch_add(LOCK_SEGMENT, off, 0)
+            async with Watch(srv, row):
+                await tr.compare_swap(LOCK_SEGMENT, off + 8, nxt, nxt + (1 << 30))
+                took = await asyncio.gather(acquire_within(shm_user.lock("L"), 3.0),
+                                            acquire_within(tcp_user.lock("L"), 3.0))
+            nxt, serving_now = await lock_words(tcp_user, "L")
+            resets = (await tcp_user.stat())[0]["locks"]["resets"]
+    logged = any("impossible words" in ln for ln in srv.stderr().splitlines())    # once it stopped
+    row.result = (f"shm waiter returned in {took[0]:.3f} s, TCP waiter in {took[1]:.3f} s; "
+                  f"{resets} reset(s), logged: {logged}; queued after: {nxt - serving_now}")
+    return row
+
+
+async def next_ticket_plus_2_40(quick: bool) -> Row:
+    row = Row(15, "2^40 added to a held lock's next_ticket over TCP, then a new acquire(timeout=3)",
+              f"more queued than (connections + 1) x {MAX_TICKETS_PER_CONNECTION:,}: reset at once, "
+              "the sender named, the holder's token fenced off")
+    async with serving(row, "--capacity", "16MiB") as srv:
+        async with await smb2.connect([srv.address], transport="tcp") as attacker, \
+                await smb2.connect([srv.address], transport="shm") as user:
+            held = user.lock("L")
+            await held.acquire()
+            off = await lock_offset(attacker, "L")
+            t = attacker.links[0].open
+            assert t is not None
+            async with Watch(srv, row):
+                await t.fetch_add(LOCK_SEGMENT, off, 1 << 40)
+                other = user.lock("L")
+                await other.acquire(timeout=3.0)
+            try:
+                await held.release(wait=True)
+                holder = "the old holder released as if nothing happened"
+            except smb2.StaleFence:
+                holder = "the old holder's release: StaleFence"
+            await other.release()
+    named = [ln for ln in srv.stderr().splitlines() if "impossible words" in ln]     # once it stopped
+    row.result = (f"next acquire in {row.seconds:.3f} s; {holder}; "
+                  f"logged: {named[0].split('); ')[-1][:40] if named else 'nothing'!r}")
+    return row
+
+
+async def dropped_shm_lock_names(quick: bool) -> Row:
+    n = 5000
+    row = Row(16, f"{n:,} distinct lock names over one shm connection, each Lock acquired, released and "
+                  "dropped (no close)", "renewal timers hold a Lock weakly: a dropped Lock frees its "
+                  "slot and its ticket record at once; 4096 slots")
+    async with serving(row, "--capacity", "16MiB") as srv:
+        async with await smb2.connect([srv.address], transport="shm") as c:
+            async def task(i: int) -> None:
+                lock = c.lock(f"task-{i}")
+                await lock.acquire()
+                await lock.release()
+            async with Watch(srv, row):
+                for i in range(n):
+                    await asyncio.create_task(task(i))
+            locks = (await c.stat())[0]["locks"]
+        row.result = f"all {n:,} served; {locks['open']} open, {locks['reclaimed']:,} slots reclaimed"
+    return row
+
+
+ATTACKS.update({12: sigterm_under_shm_writers, 13: resize_memfds, 14: now_serving_past_next,
+                15: next_ticket_plus_2_40, 16: dropped_shm_lock_names})
 
 
 def table(rows: list[Row]) -> str:

@@ -61,6 +61,10 @@ DEFAULT_STRIPE = 1 << 20
 # rarely, PAUSE again: the general path does it).  A copy pauses after.
 _PAUSE = _core.PAUSE
 _COPY_DONE_PAUSE = _core.COPY_DONE_PAUSE
+# An atomic's TORN: it was done, but its segment stopped being LIVE
+# meanwhile (the server froze it for a save, or destroyed it): whether it
+# counts is unknown, so it raises and is never done again.
+_TORN = _core.TORN
 # the smb2 package's directory: an unclosed client's warning names the first
 # frame outside it (the user's code that connected)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -594,6 +598,14 @@ class Buffer:
         server, seg_off = self._word(offset)
         return self.client.links[server].open, self.segments[server], seg_off
 
+    def _torn(self, offset: int) -> TransportError:
+        label = self.client.links[self._word(offset)[0]].label
+        return TransportError(
+            f"an atomic on buffer {self.name!r} at offset {offset} raced with server {label} "
+            "stopping to save its memory (or with the buffer's destruction): it may not have been kept",
+            server=label, hint="the server starts again with every acknowledged operation; "
+            "read the word after reconnecting before you retry")
+
     async def _atomic(self, offset: Any, what: str, timeout: float | None,
                       op: Callable[[Transport, int, int], Awaitable[int]]) -> int:
         """``op(transport, segment, segment offset)`` on the word at ``offset``."""
@@ -717,6 +729,8 @@ class Buffer:
                 old = mapped.fetch_add(offset, value)
             if type(old) is int:
                 return old
+            if old is _TORN:
+                raise self._torn(offset)
         value = check_word("value", value)
         return await self._atomic(offset, "fetch_add", timeout,
                                   lambda t, seg, off: t.fetch_add(seg, off, value))
@@ -733,6 +747,8 @@ class Buffer:
                 old = mapped.compare_swap(offset, expected, new)
             if type(old) is int:
                 return old
+            if old is _TORN:
+                raise self._torn(offset)
         expected = check_word("expected", expected)
         new = check_word("new", new)
         return await self._atomic(offset, "compare_swap", timeout,

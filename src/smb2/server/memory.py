@@ -62,7 +62,7 @@ from ..protocol import (
 from .datadir import DataDir
 from .guard import Admission, MemoryPool, RateLimitedLog
 from .locks import LockService
-from .memfd import mark_gone
+from .memfd import FROZEN, LIVE, mark, mark_gone
 from .metrics import MetricsExporter, RequestCounts, package_version
 from .metrics import parse_address as parse_metrics_address
 from .options import ServerOptions
@@ -150,7 +150,7 @@ class MemoryServer:
         self.segments[LOCK_SEGMENT] = Segment(LOCK_SEGMENT, "", 0, 8, 1, 0, len(view), mem, view)
         self.locks = LockService(mem, view, slots=options.lock_slots, lease=options.lock_lease,
                                  max_lease=options.lock_max_lease,
-                                 spin=options.lock_spin)
+                                 spin=options.lock_spin, clients=lambda: self.connections)
         # RDMA (rdma.py): opened at start() unless rdma="off"
         self.rdma: RdmaServer | None = None
         self.rdma_reason: str | None = "not started"
@@ -300,17 +300,40 @@ class MemoryServer:
         self.used = 0
 
     def save(self) -> None:
-        """Write the segments to the data directory (PersistenceError)."""
+        """Freeze the segments and write them to the data directory, to stop
+        (PersistenceError; the segments are then LIVE again).
+
+        Synchronous: no request through this server runs while it writes.
+        Writers that do not pass through it are stopped first: every
+        segment's state word becomes FROZEN, so shm clients refuse new
+        operations, and one whose store overlapped the change reads the
+        word after its store and raises instead of reporting success; the
+        RDMA registrations are withdrawn, so a one-sided write fails rather
+        than lands unseen.  What is saved is thus every acknowledged
+        write; one still in flight may be torn, but never against its own
+        file's checksum (datadir.py copies each chunk before hashing).  The
+        buffers' segments only: the lock segment's leases mean nothing to
+        the next server process."""
         assert self.data_dir is not None
-        # Synchronous: no request runs while it writes, so what is saved is
-        # one moment's state (writes still arriving in place may be torn).
-        # The buffers' segments only: the lock segment's leases mean nothing
-        # to the next server process.
+        segs = list(self.by_name.values())
+        for seg in segs:
+            mark(seg.view, FROZEN)
+        if self.rdma is not None:
+            for seg in segs:
+                self.rdma.deregister(seg.id)
         try:
-            self.data_dir.save(self.by_name.values(), self.next_segment_id())
-        except OSError as exc:
-            # the previous manifest is intact: the last good state survives
-            raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: {exc}") from exc
+            self.data_dir.save(segs, self.next_segment_id())
+        except BaseException as exc:
+            # the previous manifest is intact: the last good state survives,
+            # and the server goes on serving what it holds
+            for seg in segs:
+                mark(seg.view, LIVE)
+            if self.rdma is not None:
+                for seg in segs:
+                    self.rdma.register(seg.id, seg.view)
+            if isinstance(exc, OSError):
+                raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: {exc}") from exc
+            raise
 
     async def __aenter__(self) -> MemoryServer:
         return self
@@ -971,7 +994,7 @@ class Connection(FrameReceiver):
         old = _core.atomic_fetch_add(seg.view, offset, add)
         self.reply(hdr, _core.pack_u64(old))
         if seg.id == LOCK_SEGMENT:
-            self.server.locks.touched(offset)
+            self.server.locks.touched(offset, self)
         elif add:
             _core.futex_wake(seg.view, offset)      # a shm client may sleep on it (smb2.notify)
 
@@ -982,7 +1005,7 @@ class Connection(FrameReceiver):
         old = _core.atomic_compare_swap(seg.view, offset, expected, _core.unpack_u64(payload, 8))
         self.reply(hdr, _core.pack_u64(old))
         if seg.id == LOCK_SEGMENT:
-            self.server.locks.touched(offset)
+            self.server.locks.touched(offset, self)
         elif old == expected:
             _core.futex_wake(seg.view, offset)      # a shm client may sleep on it (smb2.notify)
 
