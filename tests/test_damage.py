@@ -9,6 +9,8 @@ killed and restarted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import logging
 import os
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 
 import smb2
-from smb2 import _core
+from smb2 import _core, cli
 from smb2.train.store import PREAMBLE, ParameterStore
 
 MiB = 1 << 20
@@ -172,12 +174,25 @@ async def test_a_closed_client_says_what_to_do(cluster: smb2.LocalCluster) -> No
 
 
 async def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """``smb2 ARGS`` as a process (what a user runs: the entry point, the
+    environment, no traceback)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "smb2.cli", *args, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env={**os.environ, "SMB2_SERVERS": "", **(env or {})})
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+async def _cli_here(*args: str) -> tuple[int, str, str]:
+    """``smb2 ARGS`` in a thread of this process (the same ``main``, without
+    a Python start each time); servers given with ``--servers``."""
+    def run() -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(list(args))
+        return rc, out.getvalue(), err.getvalue()
+    return await asyncio.to_thread(run)
 
 
 async def test_smb2_rm_refuses_a_live_store_and_takes_several_names(cluster: smb2.LocalCluster) -> None:
@@ -197,11 +212,11 @@ async def test_smb2_rm_refuses_a_live_store_and_takes_several_names(cluster: smb
     # several names at once; a server address among them is a name, and the hint says so
     await client.create("rm-a", 64)
     await client.create("rm-b", 64)
-    rc, out, err = await _cli("rm", "rm-a", "rm-b", "-s", servers)
+    rc, out, err = await _cli_here("rm", "rm-a", "rm-b", "-s", servers)
     assert rc == 0 and out.splitlines() == ["removed rm-a", "removed rm-b"]
     assert not {"rm-a", "rm-b"} & set(await client.buffers())
     await client.create("rm-c", 64)
-    rc, out, err = await _cli("rm", "rm-c", cluster.addresses[0], env={"SMB2_SERVERS": servers})
+    rc, out, err = await _cli_here("rm", "rm-c", cluster.addresses[0], "-s", servers)
     assert rc == 1 and out == "removed rm-c\n"
     assert err.startswith(f"smb2 rm: no buffer '{cluster.addresses[0]}'")
     assert "servers are given with --servers or SMB2_SERVERS, not after the names" in err
@@ -223,12 +238,12 @@ async def test_smb2_ls_with_a_server_down_and_with_damage() -> None:
         assert rows["ls-raw"].split()[1:3] == [str(3 * MiB), str(MiB)]
         # back, but empty: both are shown damaged
         await cluster.restart(1)
-        rc, out, err = await _cli("ls", "--json", "-s", ",".join(cluster.addresses))
+        rc, out, err = await _cli_here("ls", "--json", "-s", ",".join(cluster.addresses))
         assert rc == 0, err
         rows = {r["name"]: r for r in json.loads(out)}
         assert f"part 1 on server {cluster.addresses[1]} is missing" in rows["ls-raw"]["damaged"]
         assert rows["ls-store"]["lost_on"] == [cluster.addresses[1]]
-        rc, out, err = await _cli("ls", *cluster.addresses)
+        rc, out, err = await _cli_here("ls", *cluster.addresses)
         assert all("DAMAGED: buffer" in ln for ln in out.splitlines()[1:]), out
 
 
@@ -238,7 +253,7 @@ async def test_smb2_ls_lists_the_rest_when_a_store_table_is_corrupt(cluster: smb
     await store.finish()
     await ParameterStore.open(client, "ls-healthy", _model(), workers=1, rank=0, timeout=10)
     await store.buf.write(PREAMBLE, b"\xc1" * 32)        # 0xc1: never valid msgpack
-    rc, out, err = await _cli("ls", *cluster.addresses)
+    rc, out, err = await _cli_here("ls", *cluster.addresses)
     assert rc == 0 and "Traceback" not in err, err
     rows = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
     assert "DAMAGED: store 'ls-corrupt' is damaged: its layout table is unreadable" in rows["ls-corrupt"]
