@@ -36,8 +36,7 @@ from .errors import (
 from .lock import Fence, Lock
 from .server import MemoryServer as Server
 from .server import start_server
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 __all__ = [
     "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "Client", "ErrorCode",

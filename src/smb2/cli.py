@@ -15,6 +15,7 @@ from typing import Any
 
 from .client import connect
 from .errors import NoSuchBuffer, Smb2Error
+from .version import __version__
 
 
 async def _stat(client: Any, args: argparse.Namespace) -> int:
@@ -68,6 +69,7 @@ async def _rm(client: Any, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="smb2", description="smb2 tools")
+    p.add_argument("--version", action="version", version=f"smb2 {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     servers_help = "HOST:PORT of each server (default: SMB2_SERVERS)"
     st = sub.add_parser("stat", help="print servers' statistics as JSON")

@@ -17,8 +17,6 @@ it is imported only when metrics are asked for: the counting here needs none.
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib.metadata
 import logging
 import time
 from collections.abc import Collection, Iterator, Mapping, Sized
@@ -26,6 +24,7 @@ from typing import Any, Final, Protocol
 
 from ..errors import InvalidArgumentError, TransportError
 from ..protocol import VERSION, Op
+from ..version import __version__
 
 log = logging.getLogger("smb2.server.metrics")
 
@@ -106,15 +105,6 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-@functools.cache
-def package_version() -> str:
-    """smb2's installed version ("unknown" when run from a bare source tree)."""
-    try:
-        return importlib.metadata.version("smb2")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def prometheus() -> Any:
     """The prometheus_client module, or InvalidArgumentError saying how to get it."""
     try:
@@ -179,7 +169,7 @@ class ServerCollector:
 
         srv = self.server
         info = InfoMetricFamily("smb2_server", "this server process")
-        info.add_metric([], {"server_id": srv.server_id, "version": package_version(),
+        info.add_metric([], {"server_id": srv.server_id, "version": __version__,
                              "protocol_version": str(VERSION), "rdma": "on" if srv.rdma else "off"})
         yield info
         yield GaugeMetricFamily("smb2_uptime_seconds", "seconds since the server started",
