@@ -60,7 +60,7 @@ typecheck: $(VENV)/.installed-test
 
 # the documentation site into build/site, warnings as errors (mkdocs.yml)
 docs: $(VENV)/.installed-test
-	$(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # the sdist and a manylinux wheel (libibverbs left to the host) in dist/
 wheel: $(VENV)/.installed-test
