@@ -1,7 +1,9 @@
-"""tools/docs_roles.py, the documentation site's check of the docstrings'
-reST roles (mkdocs.yml): a name smb2 has becomes a link, one it does not
-have fails the strict build (a warning under ``mkdocs.``), a name of another
-package is left as code."""
+"""The documentation site's two helpers (mkdocs.yml; ``make docs`` builds the
+site itself, strictly).  tools/docs_roles.py checks the docstrings' reST
+roles: a name smb2 has becomes a link, one it does not have fails the strict
+build (a warning under ``mkdocs.``), a name of another package is left as
+code.  tools/docs_hooks.py puts a page still being written on another branch
+into the nav once its file is there."""
 
 from __future__ import annotations
 
@@ -17,13 +19,17 @@ griffe = pytest.importorskip("griffe", reason="the docs extra is not installed: 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def roles() -> Any:
-    spec = importlib.util.spec_from_file_location("docs_roles", ROOT / "tools" / "docs_roles.py")
+def tool(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def roles() -> Any:
+    return tool("docs_roles")
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +66,17 @@ def test_other_packages_and_literal_blocks(roles: Any, package: Any, caplog: pyt
         out = convert(roles, package, "smb2.torch", ":class:`torch.optim.Optimizer` or :exc:`ValueError`")
     assert out == "<code>torch.optim.Optimizer</code> or <code>ValueError</code>" and not caplog.records
     assert convert(roles, package, "smb2", "An example::\n\n    x = 1\n") == "An example:\n\n    x = 1\n"
+
+
+def test_an_optional_page_joins_the_nav_once_it_is_there(tmp_path: Path) -> None:
+    hooks = tool("docs_hooks")
+
+    def nav() -> list[Any]:
+        return [{"Home": "index.md"}, {"Guides": [{"Running memory servers": "operations.md"},
+                                                   {"Training": "training.md"}]}]
+
+    config = {"docs_dir": str(tmp_path), "nav": nav()}
+    assert hooks.on_config(config)["nav"] == nav()
+    (tmp_path / "deployment.md").write_text("# Deployment\n")
+    guides = hooks.on_config(config)["nav"][1]["Guides"]
+    assert [next(iter(item.values())) for item in guides] == ["operations.md", "deployment.md", "training.md"]
