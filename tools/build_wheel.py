@@ -4,12 +4,10 @@
 
 ``python -m build`` makes the sdist and the wheel from this checkout, with
 the running interpreter's setuptools and Cython (``--no-isolation``: the
-``dist`` extra installs them).  build/lib.* is emptied first of all but the
-compiled extensions (a file removed from src/ would stay in the wheel), and
-setuptools compiles an extension again only where its sources are newer.
-``--reuse-inplace`` takes the extensions the editable install compiled into
-src/smb2 (where they are newer than their .pyx and setup.py: the same
-sources, the same flags) instead of compiling them again:
+``dist`` extra installs them), in a clean build/lib.*: the extensions are
+compiled afresh (``make wheel``).  ``--reuse-inplace`` takes the extensions
+the editable install compiled into src/smb2 instead (where they are newer
+than their .pyx and setup.py: the same sources, the same flags):
 tests/test_wheel.py does, to stay quick.  Then
 ``auditwheel repair`` tags the wheel manylinux after checking the symbols it
 uses, and copies into it every shared library it needs except
@@ -42,18 +40,12 @@ HOST_LIBRARIES = ("libibverbs.so.1",)
 
 
 def prepare_build_dir(reuse_inplace: bool) -> None:
-    """build/lib.* holds the compiled extensions only (and the in-place ones
-    where asked and fresh); setuptools' own build/bdist.* goes."""
+    """A clean build/lib.* (a file removed from src/ would otherwise stay in
+    the wheel), holding the in-place extensions where asked and fresh."""
     build = ROOT / "build"
     lib = build / f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
-    for path in sorted(lib.rglob("*"), reverse=True) if lib.exists() else ():
-        if path.is_dir():
-            if not any(path.iterdir()):
-                path.rmdir()
-        elif not path.name.endswith(".so"):
-            path.unlink()
-    for bdist in build.glob("bdist.*"):
-        shutil.rmtree(bdist)
+    for old in (lib, *build.glob("bdist.*")):
+        shutil.rmtree(old, ignore_errors=True)
     if not reuse_inplace:
         return
     # Cython's C first (setup.py cythonizes when it runs: where the C is older
