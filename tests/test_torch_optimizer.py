@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import smb2
-from smb2.train.background import LoopThread
+from smb2.torch.loop_thread import LoopThread
 
 torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
@@ -561,7 +561,7 @@ def _example() -> Any:
 def _single_process_accuracy(kind: str, epochs: int, seed: int = 0, shard: slice = slice(None)) -> float:
     """The example's loop in this process, plain torch, no smb2 (on the
     whole training set, or on one worker's ``shard`` of it alone)."""
-    from smb2.train import data
+    from smb2.train.example import data
     ex = _example()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)            # as the example's workers do (and faster on a busy machine)

@@ -143,7 +143,7 @@ async def check_server(address: str, token: bytes | None, rdma_reason: str | Non
     try:
         transport = await TcpTransport.connect(parse_address(address), timeout=timeout, token=token)
     except Smb2Error as exc:
-        rep.error = str(exc)
+        rep.error = exc.message
         return rep
     try:
         rep.reachable = True
@@ -154,7 +154,7 @@ async def check_server(address: str, token: bytes | None, rdma_reason: str | Non
         stat = await asyncio.wait_for(transport.control({"cmd": "stat"}), timeout)
         t1 = time.time()
     except (Smb2Error, TimeoutError) as exc:
-        rep.error = f"stat failed: {exc}"
+        rep.error = f"stat failed: {exc.message if isinstance(exc, Smb2Error) else exc}"
         return rep
     finally:
         await transport.close()

@@ -196,6 +196,41 @@ class Control:
         return f"rank {rank} last reported step {int(self.steps[rank])}, {when}"
 
 
+@dataclasses.dataclass
+class RunEnd:
+    """How a run stood when a worker stopped waiting for the others
+    (``AsyncOptimizer.close(wait_all=...)``, ``ParameterStore.wait_finished``):
+    who finished, and who is missing with their last step and silence."""
+
+    store: str
+    workers: int
+    #: seconds this worker waited for the others
+    waited: float | None
+    finished: list[int]
+    #: (rank, last step it reported, seconds since it was last heard from)
+    missing: list[tuple[int, int, float]]
+    #: one phrase per missing rank (has not joined / last reported step S, T s ago)
+    notes: list[str]
+    #: this worker's frozen parameters that differ from rank 0's at start
+    frozen_changed: list[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, store: str, control: Control, waited: float | None) -> RunEnd:
+        out = control.unfinished()
+        return cls(store, control.workers, waited, [r for r in range(control.workers) if control.has_finished(r)],
+                   [(r, int(control.steps[r]), control.age(r)) for r in out],
+                   [control.describe_rank(r) for r in out])
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def __str__(self) -> str:
+        within = "" if self.waited is None else f" within {self.waited:g} s"
+        head = f"{len(self.finished)} of {self.workers} workers finished store {self.store!r}{within}"
+        return "; ".join([head, *self.notes])
+
+
 # -- decisions -------------------------------------------------------------------
 
 @dataclasses.dataclass
