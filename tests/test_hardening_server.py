@@ -42,8 +42,8 @@ TOKEN = b"the right token"
 class ServerProcess:
     """One ``smb2-server`` process on loopback."""
 
-    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "smb2.server", "--port", "0", *flags],
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, python: str = sys.executable) -> None:
+        self.proc = subprocess.Popen([python, "-m", "smb2.server", "--port", "0", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={k: v for k, v in (env or os.environ).items() if k != auth.ENV})
         assert self.proc.stdout is not None

@@ -40,6 +40,7 @@ from .errors import (
     VersionMismatch,
 )
 from .lock import Fence, Lock
+from .version import __version__ as __version__
 
 if TYPE_CHECKING:
     from .cluster import LocalCluster
@@ -59,8 +60,6 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "BufferDamaged", "Client", "ErrorCode",

@@ -19,6 +19,7 @@ from typing import Any
 
 from .client import connect
 from .errors import InterfaceError, NoSuchBuffer, Smb2Error, TransportError
+from .version import __version__
 
 
 async def _stat(client: Any, args: argparse.Namespace) -> int:
@@ -148,6 +149,7 @@ def _looks_like_address(name: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="smb2", description="smb2 tools")
+    p.add_argument("--version", action="version", version=f"smb2 {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     servers_help = "HOST:PORT of each server (or --servers; default: SMB2_SERVERS)"
     st = sub.add_parser("stat", help="print servers' statistics as JSON")

@@ -116,26 +116,39 @@ class ServerError(Smb2Error):
 
 
 class BadRequest(ServerError, ProtocolError):
+    """A request the server could not parse: an unknown op, a malformed frame or control message."""
+
     code = ErrorCode.BAD_REQUEST
 
 
 class NoSuchBuffer(ServerError, LookupError):
+    """No buffer of that name on the server (never created, or destroyed)."""
+
     code = ErrorCode.NO_SUCH_BUFFER
 
 
 class OutOfMemory(ServerError, MemoryError):
+    """The server has no room for the buffer (``--capacity``) or the request (its memory budget)."""
+
     code = ErrorCode.OUT_OF_MEMORY
 
 
 class AccessDenied(ServerError, PermissionError):
+    """The server wants a token this client did not prove (``--auth-token-file``)."""
+
     code = ErrorCode.ACCESS_DENIED
 
 
 class OutOfBounds(ServerError, IndexError):
+    """A range past the end of the buffer, or an atomic's word not 8-byte aligned."""
+
     code = ErrorCode.OUT_OF_BOUNDS
 
 
 class StaleFence(ServerError):
+    """A write fenced by a lock that was lost (its lease ran out, or a newer holder wrote):
+    the data was not written."""
+
     code = ErrorCode.STALE_FENCE
 
 
@@ -204,14 +217,20 @@ class BufferDamaged(Smb2Error):
 
 
 class VersionMismatch(ServerError, ProtocolError):
+    """Client and server speak different protocol versions: install one smb2 version on both."""
+
     code = ErrorCode.VERSION_MISMATCH
 
 
 class FrameTooLarge(ServerError, ProtocolError):
+    """A frame over the server's limit (``--max-frame``): the client cuts requests below it."""
+
     code = ErrorCode.TOO_LARGE
 
 
 class Unsupported(ServerError):
+    """The server does not offer what was asked (a transport, an op, a dtype)."""
+
     code = ErrorCode.UNSUPPORTED
 
 

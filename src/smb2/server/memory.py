@@ -59,11 +59,12 @@ from ..protocol import (
     parse_size,
     unpack,
 )
+from ..version import __version__
 from .datadir import DataDir
 from .guard import Admission, MemoryPool, RateLimitedLog
 from .locks import LockService
 from .memfd import FROZEN, LIVE, mark, mark_gone
-from .metrics import MetricsExporter, RequestCounts, package_version
+from .metrics import MetricsExporter, RequestCounts
 from .metrics import parse_address as parse_metrics_address
 from .options import ServerOptions
 from .rdma import RdmaServer
@@ -435,7 +436,7 @@ class MemoryServer:
             "uptime_s": round(time.time() - self.started, 3),
             # the server's wall clock: smb2 doctor measures each server's offset
             "time": time.time(),
-            "package_version": package_version(),
+            "package_version": __version__,
             "capacity": self.capacity,
             "used": self.used,
             "buffers": {s.name: {k: v for k, v in s.info().items() if k != "name"}

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
-import importlib.metadata
 import logging
 import math
 import socket
@@ -34,6 +32,7 @@ from typing import Any, Final, Protocol
 
 from ..errors import InvalidArgumentError, TransportError
 from ..protocol import VERSION, Op
+from ..version import __version__
 
 log = logging.getLogger("smb2.server.metrics")
 
@@ -126,15 +125,6 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-@functools.cache
-def package_version() -> str:
-    """smb2's installed version ("unknown" when run from a bare source tree)."""
-    try:
-        return importlib.metadata.version("smb2")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def prometheus() -> Any:
     """The prometheus_client module, or InvalidArgumentError saying how to get it."""
     try:
@@ -200,7 +190,7 @@ class ServerCollector:
 
         srv = self.server
         info = InfoMetricFamily("smb2_server", "this server process")
-        info.add_metric([], {"server_id": srv.server_id, "version": package_version(),
+        info.add_metric([], {"server_id": srv.server_id, "version": __version__,
                              "protocol_version": str(VERSION), "rdma": "on" if srv.rdma else "off"})
         yield info
         yield GaugeMetricFamily("smb2_uptime_seconds", "seconds since the server started",
