@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# slurm_cluster.sh - a real single-host Slurm cluster (Debian's slurmctld,
+# slurmd and munge) for tests/test_slurm.py and for trying
+# examples/slurm/smb2_train.sbatch by hand.
+#
+#   tools/slurm_cluster.sh install   apt-get install the daemons (root + apt; skipped when present)
+#   tools/slurm_cluster.sh start     install, write the config, start munged, slurmctld and slurmd,
+#                                    wait until the node is idle; prints SLURM_CONF=... on its last line
+#   tools/slurm_cluster.sh stop      stop the daemons this script started
+#
+# Nothing under /etc/slurm is touched: the config, state and logs live in
+# $SMB2_SLURM_DIR (default /tmp/smb2-slurm), and Slurm's commands find them
+# through SLURM_CONF, which the caller exports.  One node, named after this
+# host: Debian builds Slurm without --enable-multiple-slurmd, and slurmctld
+# refuses two node names on one host in such a build.
+#
+# Exit status: 0 ready (or stopped), 3 cannot run here (not root, no apt, no
+# daemons; the reason on stderr), 1 something failed (the logs are named).
+set -u
+DIR=${SMB2_SLURM_DIR:-/tmp/smb2-slurm}
+PACKAGES="slurmctld slurmd slurm-client munge"
+NODE=$(hostname -s)
+CONF=$DIR/slurm.conf
+export SLURM_CONF=$CONF
+
+cannot() { echo "slurm_cluster: cannot run here: $*" >&2; exit 3; }
+fail() { echo "slurm_cluster: $*" >&2; exit 1; }
+
+have_daemons() {
+  command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
+    && command -v sbatch >/dev/null
+}
+
+install() {
+  have_daemons && return 0
+  [ "$(id -u)" = 0 ] || cannot "slurmctld/slurmd/munged are not installed and installing them needs root"
+  command -v apt-get >/dev/null || cannot "slurmctld/slurmd/munged are not installed and there is no apt-get"
+  echo "slurm_cluster: installing $PACKAGES" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  # --no-install-recommends: no mail server, no docs; the first try uses the
+  # package lists already there (no update: faster, and offline caches work)
+  apt-get install -y -qq --no-install-recommends $PACKAGES >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends $PACKAGES >/dev/null 2>&1; } \
+    || cannot "apt-get install $PACKAGES failed"
+  have_daemons || cannot "installed $PACKAGES but the daemons are not on PATH"
+}
+
+node_idle() {
+  local state
+  state=$(sinfo -h -n "$NODE" -o %t 2>/dev/null) || return 1
+  case $state in idle|mix|alloc) return 0 ;; *) return 1 ;; esac
+}
+
+write_conf() {
+  mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log"
+  local cpus mem
+  cpus=$(nproc)
+  # slurmd's own view of the memory (MB), less 5 %: a node that reports less
+  # than its configured RealMemory is drained
+  mem=$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.95}' /proc/meminfo)
+  cat >"$CONF" <<EOF
+# written by tools/slurm_cluster.sh: a single-host cluster for smb2's tests
+ClusterName=smb2test
+SlurmctldHost=$NODE(127.0.0.1)
+SlurmUser=root
+SlurmctldPort=${SMB2_SLURMCTLD_PORT:-6817}
+SlurmdPort=${SMB2_SLURMD_PORT:-6818}
+AuthType=auth/munge
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool
+SlurmctldPidFile=$DIR/slurmctld.pid
+SlurmdPidFile=$DIR/slurmd.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd.log
+# no cgroups: this runs in containers and VMs whose cgroup tree is not ours
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MpiDefault=none
+SlurmctldTimeout=30
+SlurmdTimeout=60
+InactiveLimit=0
+KillWait=10
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
+PartitionName=smb2 Nodes=ALL Default=YES MaxTime=60 State=UP
+EOF
+}
+
+start() {
+  install
+  if [ -f "$CONF" ] && node_idle; then
+    echo "SLURM_CONF=$CONF"
+    return 0
+  fi
+  [ "$(id -u)" = 0 ] || cannot "starting slurmd needs root"
+  write_conf
+  # munged runs as the munge user, with its key from the package
+  mkdir -p /run/munge && chown munge:munge /run/munge && chmod 755 /run/munge
+  if ! munge -n </dev/null >/dev/null 2>&1; then
+    runuser -u munge -- /usr/sbin/munged || fail "munged did not start (see /var/log/munge/munged.log)"
+  fi
+  pgrep -F "$DIR/slurmctld.pid" slurmctld >/dev/null 2>&1 \
+    || slurmctld -f "$CONF" -i || fail "slurmctld did not start (see $DIR/log/slurmctld.log)"
+  pgrep -F "$DIR/slurmd.pid" slurmd >/dev/null 2>&1 \
+    || slurmd -f "$CONF" || fail "slurmd did not start (see $DIR/log/slurmd.log)"
+  for _ in $(seq 1 60); do
+    if node_idle; then
+      echo "SLURM_CONF=$CONF"
+      return 0
+    fi
+    sleep 0.5
+  done
+  fail "node $NODE is not idle after 30 s: $(sinfo -h -N -o '%N %t %E' 2>&1) (see $DIR/log/)"
+}
+
+stop_pidfile() {
+  local pidfile=$1 name=$2 pid
+  [ -f "$pidfile" ] || return 0
+  pid=$(cat "$pidfile")
+  if pgrep -F "$pidfile" "$name" >/dev/null 2>&1; then
+    kill -TERM "$pid"
+    for _ in $(seq 1 50); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.1
+    done
+  fi
+  rm -f "$pidfile"
+}
+
+stop() {
+  stop_pidfile "$DIR/slurmd.pid" slurmd
+  stop_pidfile "$DIR/slurmctld.pid" slurmctld
+  # munged is left running: other users of munge on this host may need it
+}
+
+case ${1:-} in
+  install) install ;;
+  start) start ;;
+  stop) stop ;;
+  *) echo "usage: $0 install|start|stop" >&2; exit 2 ;;
+esac
