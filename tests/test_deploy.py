@@ -7,6 +7,8 @@ Slurm and Kubernetes helpers share."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import shlex
 import subprocess
@@ -18,18 +20,30 @@ import kubernetes_validate as kv
 import pytest
 import yaml
 
+from smb2 import cli
 from smb2.errors import InvalidArgumentError
 from smb2.protocol import parse_size
-from smb2.serverlist import expand_hostlist, server_list, slurm_hosts, statefulset_hosts
+from smb2.serverlist import SLURM_VARIABLES, expand_hostlist, server_list, slurm_hosts, statefulset_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"
 
 
 def smb2_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``smb2 ARGS``, as a user runs it (outside any Slurm job unless ``env`` says)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     return subprocess.run([sys.executable, "-m", "smb2.cli", *args], capture_output=True, text=True, timeout=60,
                           env={**base, **(env or {})})
+
+
+def smb2_servers(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``smb2 servers ARGS`` in this process (the command's start is tested once, by smb2_cli)."""
+    try:
+        code = cli.main(["servers", *args])
+    except SystemExit as exc:       # argparse's usage errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 # ---------------------------------------------------------------------------
@@ -72,27 +86,36 @@ def test_slurm_host_lists_expand() -> None:
         slurm_hosts({})
 
 
-def test_smb2_servers_prints_the_list_for_slurm_and_a_statefulset() -> None:
+def test_smb2_servers_prints_the_list_for_slurm_and_a_statefulset(capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     run = smb2_cli("servers", "--from-slurm", "--port", "7000", env={"SLURM_JOB_NODELIST": "n[10,9],m1"})
     assert run.returncode == 0, run.stderr
     assert run.stdout == "m1:7000,n9:7000,n10:7000\n"
-    run = smb2_cli("servers", "--from-statefulset", "srv", "--replicas", "3", "--service", "svc",
-                   "--namespace", "ml")
-    assert run.returncode == 0, run.stderr
-    assert run.stdout == "srv-0.svc.ml.svc:7420,srv-1.svc.ml.svc:7420,srv-2.svc.ml.svc:7420\n"
+    code, out, _ = smb2_servers(capsys, "--from-statefulset", "srv", "--replicas", "3", "--service", "svc",
+                                "--namespace", "ml")
+    assert code == 0 and out == "srv-0.svc.ml.svc:7420,srv-1.svc.ml.svc:7420,srv-2.svc.ml.svc:7420\n"
     # outside an allocation: says why and what to do
-    run = smb2_cli("servers", "--from-slurm")
-    assert run.returncode == 1 and "no Slurm allocation" in run.stderr and "sbatch" in run.stderr
-    assert smb2_cli("servers", "--from-statefulset", "srv").returncode == 2     # --replicas missing
+    for name in SLURM_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    code, out, err = smb2_servers(capsys, "--from-slurm")
+    assert code == 1 and out == "" and "no Slurm allocation" in err and "sbatch" in err
+    code, _, err = smb2_servers(capsys, "--from-statefulset", "srv")
+    assert code == 2 and "--replicas" in err
 
 
 # ---------------------------------------------------------------------------
 # deploy/kubernetes/
 
 
-def manifests() -> dict[str, list[dict[str, Any]]]:
+@functools.cache
+def parsed() -> dict[str, list[dict[str, Any]]]:
     return {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d]
             for p in sorted(KUBE.glob("*.yaml")) if p.name != "kustomization.yaml"}
+
+
+def manifests() -> dict[str, list[dict[str, Any]]]:
+    """Each manifest file's documents (a fresh copy: tests may change it)."""
+    return copy.deepcopy(parsed())
 
 
 def one(kind: str) -> dict[str, Any]:
@@ -103,7 +126,7 @@ def one(kind: str) -> dict[str, Any]:
 def test_the_manifests_validate_against_the_kubernetes_schemas() -> None:
     version = kv.latest_version()
     kinds = set()
-    for name, docs in manifests().items():
+    for docs in manifests().values():
         for doc in docs:
             # strict: a misspelt or misplaced field is an error, not ignored
             kv.validate(doc, version, strict=True)
@@ -130,16 +153,17 @@ def job_servers_command() -> list[str]:
     return argv
 
 
-def test_the_job_derives_its_server_list_from_the_statefulset_and_service() -> None:
+def test_the_job_derives_its_server_list_from_the_statefulset_and_service(
+        capsys: pytest.CaptureFixture[str]) -> None:
     sts, svc, job = one("StatefulSet"), one("Service"), one("Job")
     argv = job_servers_command()
     # the Job's line, run: the pods of this StatefulSet behind this Service
-    run = smb2_cli(*argv[1:])
-    assert run.returncode == 0, run.stderr
+    code, out, err = smb2_servers(capsys, *argv[2:])
+    assert code == 0, err
     (container,) = sts["spec"]["template"]["spec"]["containers"]
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == "smb2")
     want = [f"{sts['metadata']['name']}-{i}.{svc['metadata']['name']}:{port}" for i in range(sts["spec"]["replicas"])]
-    assert run.stdout.strip().split(",") == want
+    assert out.strip().split(",") == want
     # the headless Service is the StatefulSet's, selects its pods and carries its port
     assert svc["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == svc["metadata"]["name"]
     labels = sts["spec"]["template"]["metadata"]["labels"]

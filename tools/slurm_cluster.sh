@@ -6,6 +6,7 @@
 #   tools/slurm_cluster.sh install   apt-get install the daemons (root + apt; skipped when present)
 #   tools/slurm_cluster.sh start     install, write the config, start munged, slurmctld and slurmd,
 #                                    wait until the node is idle; prints SLURM_CONF=... on its last line
+#                                    (after "slurm_cluster: already running" where it was)
 #   tools/slurm_cluster.sh stop      stop the daemons this script started
 #
 # Nothing under /etc/slurm is touched: the config, state and logs live in
@@ -21,6 +22,7 @@ DIR=${SMB2_SLURM_DIR:-/tmp/smb2-slurm}
 PACKAGES="slurmctld slurmd slurm-client munge"
 NODE=$(hostname -s)
 CONF=$DIR/slurm.conf
+MUNGED_PID=/run/munge/munged.pid
 export SLURM_CONF=$CONF
 
 cannot() { echo "slurm_cluster: cannot run here: $*" >&2; exit 3; }
@@ -93,6 +95,7 @@ EOF
 start() {
   install
   if [ -f "$CONF" ] && node_idle; then
+    echo "slurm_cluster: already running"
     echo "SLURM_CONF=$CONF"
     return 0
   fi
@@ -102,6 +105,7 @@ start() {
   mkdir -p /run/munge && chown munge:munge /run/munge && chmod 755 /run/munge
   if ! munge -n </dev/null >/dev/null 2>&1; then
     runuser -u munge -- /usr/sbin/munged || fail "munged did not start (see /var/log/munge/munged.log)"
+    touch "$DIR/munged.ours"
   fi
   pgrep -F "$DIR/slurmctld.pid" slurmctld >/dev/null 2>&1 \
     || slurmctld -f "$CONF" -i || fail "slurmctld did not start (see $DIR/log/slurmctld.log)"
@@ -117,24 +121,35 @@ start() {
   fail "node $NODE is not idle after 30 s: $(sinfo -h -N -o '%N %t %E' 2>&1) (see $DIR/log/)"
 }
 
-stop_pidfile() {
-  local pidfile=$1 name=$2 pid
-  [ -f "$pidfile" ] || return 0
-  pid=$(cat "$pidfile")
-  if pgrep -F "$pidfile" "$name" >/dev/null 2>&1; then
-    kill -TERM "$pid"
-    for _ in $(seq 1 50); do
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.1
-    done
-  fi
-  rm -f "$pidfile"
+# SIGTERM to each daemon named by a pid file that still runs it, then wait
+# for all of them together
+stop_pidfiles() {
+  local pidfile pids=""
+  for pidfile in "$@"; do
+    [ -f "$pidfile" ] || continue
+    if pgrep -F "$pidfile" >/dev/null 2>&1; then
+      pids="$pids $(cat "$pidfile")"
+      kill -TERM "$(cat "$pidfile")"
+    fi
+    rm -f "$pidfile"
+  done
+  for _ in $(seq 1 100); do
+    [ -n "$pids" ] || return 0
+    # shellcheck disable=SC2086
+    kill -0 $pids 2>/dev/null || return 0
+    sleep 0.1
+  done
+  echo "slurm_cluster: still running after 10 s: $pids" >&2
 }
 
 stop() {
-  stop_pidfile "$DIR/slurmd.pid" slurmd
-  stop_pidfile "$DIR/slurmctld.pid" slurmctld
-  # munged is left running: other users of munge on this host may need it
+  local files=("$DIR/slurmd.pid" "$DIR/slurmctld.pid")
+  # munged only where this script started it (others on this host may use it)
+  if [ -f "$DIR/munged.ours" ]; then
+    files+=("$MUNGED_PID")
+    rm -f "$DIR/munged.ours"
+  fi
+  stop_pidfiles "${files[@]}"
 }
 
 case ${1:-} in
