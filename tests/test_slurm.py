@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,26 +77,49 @@ def test_host_lists_expand_as_scontrol_expands_them(slurm_env: dict[str, str]) -
         assert expand_hostlist(text) == run.stdout.split(), text
 
 
-def test_sbatch_starts_servers_trains_to_target_and_stops_them(slurm_env: dict[str, str], tmp_path: Path) -> None:
+def submit(slurm_env: dict[str, str], tmp_path: Path, *args: str, **settings: str) -> tuple[int, str, int]:
+    """``sbatch --wait`` the script on one node with a fresh token file and
+    free ports; its exit status, its output and the servers' port."""
     token = tmp_path / "token"
     token.write_text(os.urandom(16).hex() + "\n")
     token.chmod(0o600)
-    port, rdzv = free_port(), free_port()
+    port = free_port()
     out = tmp_path / "job.out"
     env = {**slurm_env,
            # the job finds smb2, smb2-server and torchrun of this venv (sbatch passes the environment on)
            "PATH": f"{Path(sys.executable).parent}:{slurm_env['PATH']}",
-           "SMB2_TOKEN_FILE": str(token), "SMB2_PORT": str(port), "SMB2_RDZV_PORT": str(rdzv),
-           "SMB2_CAPACITY": "64MiB", "SMB2_WORKERS_PER_NODE": "2", "SMB2_WAIT": "60"}
+           "SMB2_TOKEN_FILE": str(token), "SMB2_PORT": str(port), "SMB2_RDZV_PORT": str(free_port()),
+           "SMB2_CAPACITY": "64MiB", **settings}
     env.pop("SMB2_SERVERS", None)
     env.pop("SMB2_AUTH_TOKEN", None)
-    if shutil.which("torchrun", path=env["PATH"]) is None:
-        pytest.skip("torchrun is not installed (make installs torch into .venv where it can)")
-    run = subprocess.run(["sbatch", "--wait", "--nodes=1", f"--output={out}", f"--chdir={ROOT}", "--time=10",
-                          str(SBATCH), "examples/torch_train.py", "--epochs", "3", "--name", "slurm-test"],
-                         capture_output=True, text=True, env=env, timeout=280)
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", f"--output={out}", f"--chdir={ROOT}", "--time=10",
+                          str(SBATCH), *args], capture_output=True, text=True, env=env, timeout=60, check=True)
+    state, code = wait_for_job(job.stdout.strip().split(";")[0], env)
     log = out.read_text() if out.exists() else "(no job output)"
-    assert run.returncode == 0, run.stdout + run.stderr + log
+    return code, f"job {state}, exit {code}\n{log}", port
+
+
+def wait_for_job(job_id: str, env: dict[str, str], timeout: float = 280) -> tuple[str, int]:
+    """The job's final state and exit status.  (Polled every 0.25 s: `sbatch
+    --wait` polls at growing intervals and found jobs ended 12 s late.)"""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        show = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=env,
+                              timeout=30, check=True).stdout
+        fields = dict(f.split("=", 1) for f in show.split() if "=" in f)
+        if fields["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            return fields["JobState"], int(fields["ExitCode"].split(":")[0])
+        time.sleep(0.25)
+    subprocess.run(["scancel", job_id], env=env, timeout=30)
+    raise AssertionError(f"Slurm job {job_id} still running after {timeout} s: cancelled")
+
+
+def test_sbatch_starts_servers_trains_to_target_and_stops_them(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    if shutil.which("torchrun", path=f"{Path(sys.executable).parent}") is None:
+        pytest.skip("torchrun is not installed (make installs torch into .venv where it can)")
+    code, log, port = submit(slurm_env, tmp_path, "examples/torch_train.py", "--epochs", "3", "--name", "slurm-test",
+                             SMB2_WORKERS_PER_NODE="2", SMB2_WAIT="60")
+    assert code == 0, log
     host = socket.gethostname().split(".")[0]
     # the list came from the allocation, and the doctor saw the server with our token
     assert f"smb2: servers {host}:{port}" in log, log
@@ -107,4 +131,15 @@ def test_sbatch_starts_servers_trains_to_target_and_stops_them(slurm_env: dict[s
         assert r["accuracy"] >= TARGET_ACCURACY, log
     # the script stopped the servers (SIGTERM, exit 0) before the job ended
     assert "smb2: training exit 0" in log and "smb2: servers stopped (exit 0)" in log, log
+    assert servers_on(port) == []
+
+
+def test_a_server_that_does_not_start_fails_the_job_named(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """No training on a partial server list: the doctor names the server and
+    the job fails (the training is never started)."""
+    code, log, port = submit(slurm_env, tmp_path, SMB2_SERVER_ARGS="--capacity lots", SMB2_WAIT="3")
+    assert code != 0
+    assert "smb2-server: not a size: 'lots'" in log, log
+    assert f"PROBLEM: {socket.gethostname().split('.')[0]}:{port}: cannot connect" in log, log
+    assert "smb2: training exit" not in log, log
     assert servers_on(port) == []
