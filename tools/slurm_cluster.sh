@@ -117,7 +117,8 @@ write_hosts() {
     echo "127.0.0.$((10 + i)) $name $HOSTS_MARK" >>"$DIR/hosts.new"
   done
   # in place (cat, not mv): /etc/hosts may be a bind mount
-  cat "$DIR/hosts.new" >/etc/hosts && rm -f "$DIR/hosts.new"
+  cat "$DIR/hosts.new" >/etc/hosts || cannot "cannot write /etc/hosts, where the nodes' addresses are named"
+  rm -f "$DIR/hosts.new"
 }
 
 start() {
