@@ -1,5 +1,5 @@
 """The ``smb2`` command: ``smb2 stat``, ``smb2 ls``, ``smb2 rm``, ``smb2 doctor``,
-``smb2 bench``, ``smb2 demo``.
+``smb2 servers``, ``smb2 bench``, ``smb2 demo``.
 
 Servers are given with ``--servers HOST:PORT,...`` (``stat`` and ``ls`` also
 take them as arguments; ``rm``'s arguments are names) or, where none are,
@@ -19,6 +19,7 @@ from typing import Any
 
 from .client import connect
 from .errors import InterfaceError, NoSuchBuffer, Smb2Error, TransportError
+from .protocol import DEFAULT_PORT
 from .version import __version__
 
 
@@ -146,6 +147,36 @@ def _looks_like_address(name: str) -> bool:
     return bool(sep and host and port.isdigit())
 
 
+def _servers(args: argparse.Namespace) -> int:
+    from . import serverlist
+
+    if args.from_slurm:
+        hosts = serverlist.slurm_hosts()
+    else:
+        name, service = args.from_statefulset, args.service or args.from_statefulset
+        hosts = serverlist.statefulset_hosts(name, args.replicas, service, args.namespace)
+    print(",".join(serverlist.server_list(hosts, args.port)))
+    return 0
+
+
+def _add_servers_parser(sub: Any) -> None:
+    sv = sub.add_parser("servers", help="print the server list (HOST:PORT,...) of a Slurm job or a "
+                        "Kubernetes StatefulSet, in the one order every worker must use",
+                        description="Print HOST:PORT,... for SMB2_SERVERS, in the one order every worker uses "
+                        "(hosts sorted naturally: node2 before node10; a StatefulSet's pods by ordinal).")
+    where = sv.add_mutually_exclusive_group(required=True)
+    where.add_argument("--from-slurm", action="store_true",
+                       help="the hosts of this Slurm job (SLURM_JOB_NODELIST): one server per node")
+    where.add_argument("--from-statefulset", metavar="NAME",
+                       help="the pods NAME-0, NAME-1, ... of a StatefulSet behind a headless Service")
+    sv.add_argument("--replicas", type=int, help="--from-statefulset: the StatefulSet's replicas")
+    sv.add_argument("--service", help="--from-statefulset: its headless Service (default: NAME)")
+    sv.add_argument("--namespace", help="--from-statefulset: its namespace, where the client runs in "
+                    "another one (default: the client's own)")
+    sv.add_argument("--port", type=int, default=DEFAULT_PORT,
+                    help=f"the servers' port (default {DEFAULT_PORT})")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="smb2", description="smb2 tools")
@@ -166,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                          metavar="HOST:PORT,...", help="the servers, comma-separated (default: SMB2_SERVERS)")
         cmd.add_argument("--transport", default="tcp", help="transport for the query (default tcp)")
         cmd.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to reach a server")
+    _add_servers_parser(sub)
     sub.add_parser("doctor", help="preflight: RDMA, memlock, token, each server's transport and clock "
                    "(smb2 doctor --help)", add_help=False)
     sub.add_parser("bench", help="bandwidth benchmark (smb2 bench --help)", add_help=False)
@@ -181,6 +213,15 @@ def main(argv: list[str] | None = None) -> int:
         from . import demo
         return demo.main(argv[1:])
     args = p.parse_args(argv)
+    if args.cmd == "servers":
+        if args.from_statefulset and args.replicas is None:
+            p.error("smb2 servers --from-statefulset needs --replicas N")
+        try:
+            return _servers(args)
+        except Smb2Error as exc:
+            hint = f" ({exc.hint})" if exc.hint else ""
+            print(f"smb2 servers: {exc}{hint}", file=sys.stderr)
+            return 1
     run = {"stat": _stat, "ls": _ls, "rm": _rm}[args.cmd]
     servers = [s for group in args.server_list for s in group.split(",") if s.strip()]
     servers += getattr(args, "servers", [])
