@@ -18,6 +18,7 @@ from .errors import (
     AccessDenied,
     BadRequest,
     BufferConflict,
+    BufferDamaged,
     ErrorCode,
     FrameTooLarge,
     InterfaceError,
@@ -39,6 +40,7 @@ from .errors import (
     VersionMismatch,
 )
 from .lock import Fence, Lock
+from .version import __version__ as __version__
 
 if TYPE_CHECKING:
     from .cluster import LocalCluster
@@ -59,10 +61,8 @@ def __getattr__(name: str) -> Any:
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__version__ = "0.1.0"
-
 __all__ = [
-    "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "Client", "ErrorCode",
+    "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "BufferDamaged", "Client", "ErrorCode",
     "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockTimeout",
     "NoSuchBuffer", "NotifyTimeout", "OperationTimeout", "OutOfBounds", "OutOfMemory", "PersistenceError",
     "ProtocolError", "Server", "ServerError",

@@ -25,7 +25,7 @@ def in_training_terms(err: BaseException, *, store: str, rank: int, step: int) -
     if isinstance(err, TransportError):
         out = type(err)(
             f"rank {rank} lost memory server {server} at step {step} of store {store!r}",
-            errno=err.errno, status=err.status, server=err.server, detail=str(err),
+            errno=err.errno, status=err.status, server=err.server, detail=err.message,
             hint=f"restart that smb2-server (with its --data-dir, so it keeps the store) and run the job again: "
                  f"it resumes store {store!r} from its last step; if the server's data is gone, start from a "
                  "checkpoint (init_from=PATH) or over (resume=False)")
@@ -33,7 +33,7 @@ def in_training_terms(err: BaseException, *, store: str, rank: int, step: int) -
         out = type(err)(
             f"store {store!r} is gone from memory server {server} while rank {rank} was at step {step} "
             "(removed with `smb2 rm`, or the server restarted without its data)",
-            server=err.server, detail=str(err),
+            server=err.server, detail=err.message,
             hint="nothing was written to another buffer; start the job again (a fresh run) or from a "
                  "checkpoint (init_from=PATH), and remove a store only when `smb2 ls` shows its run finished")
     else:

@@ -95,11 +95,13 @@ from ..checkpoint import read_checkpoint_header
 from ..client import DEFAULT_STRIPE, Buffer, Client
 from ..errors import (
     BufferConflict,
+    BufferDamaged,
     InterfaceError,
     InvalidArgumentError,
     NoSuchBuffer,
     NotifyTimeout,
     PersistenceError,
+    Smb2Error,
 )
 from ..lock import Lock
 from . import lifecycle as lc
@@ -110,7 +112,8 @@ from .stability import DivergenceGuard, LagScaling
 
 log = logging.getLogger("smb2.train")
 
-__all__ = ["FORMAT", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe", "resolve_rank"]
+__all__ = ["FORMAT", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe", "resolve_rank",
+           "store_damage"]
 
 MAGIC = int.from_bytes(b"SMB2PSTR", "little")
 FORMAT = 2
@@ -323,12 +326,15 @@ class ParameterStore:
         layout = Layout.plan(params, workers, rule_obj.settings())
         restarted = lc.restart_count() > 0 if restarted is None else bool(restarted)
         deadline = time.monotonic() + timeout
-        if rank == 0:
-            store = await cls._open_rank0(client, name, params, layout, rule_obj, dropping, stripe, resume,
-                                          restarted, stale_after, deadline, init_from)
-        else:
-            store = await cls._open_other(client, name, layout, rank, rule_obj, dropping, restarted,
-                                          stale_after, deadline)
+        try:
+            if rank == 0:
+                store = await cls._open_rank0(client, name, params, layout, rule_obj, dropping, stripe, resume,
+                                              restarted, stale_after, deadline, init_from)
+            else:
+                store = await cls._open_other(client, name, layout, rank, rule_obj, dropping, restarted,
+                                              stale_after, deadline)
+        except BufferDamaged as err:
+            raise store_damage(err, layout, await _last_progress(err, layout)) from None
         store.checkpoint_every = checkpoint_every
         store.checkpoint_path = None if checkpoint_path is None else str(checkpoint_path)
         store._checkpoint_step = store.start_step
@@ -347,7 +353,9 @@ class ParameterStore:
             raise InvalidArgumentError(f"checkpoint {init_from} holds another model "
                                        f"(its tensors: {image.layout.summary()})",
                                        detail=f"this job's tensors: {layout.summary()}")
-        buf = await _attach_or_create(client, name, total, stripe)
+        # a damaged store is resumed never; started over only when asked to
+        start_over = resume is False or image is not None
+        buf = await _attach_or_create(client, name, total, stripe, layout if start_over else None)
         lock = buf.lock()
         await lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         try:
@@ -499,6 +507,8 @@ class ParameterStore:
             try:
                 buf = await client.attach(name)
                 break
+            except BufferDamaged as err:
+                raise store_damage(err, None) from None
             except NoSuchBuffer:
                 if time.monotonic() >= deadline:
                     raise
@@ -901,11 +911,67 @@ class StoreImage:
         return cls(layout, data, control)
 
 
+def store_damage(err: BufferDamaged, layout: Layout | None, progress: str = "") -> BufferDamaged:
+    """A damaged store's :class:`BufferDamaged` in training terms: which
+    tensors (of ``layout``, the job's model, when known) lost bytes, whether
+    the store's header and run state went with them, where its run was
+    (``progress``, from :func:`_last_progress`), and what to do."""
+    note_off, slots, data_off, _total = layout.geometry() if layout is not None else (0, 0, 0, 0)
+    lost = []
+    if layout is not None:
+        if any(err.ranges(0, note_off + 8 * slots)):
+            lost.append("the store's header and run state (its layout, steps and version)")
+        for tname, _dt, shape, off in layout.tensors:
+            start = data_off + off
+            gone = sum(hi - lo for lo, hi in err.ranges(start, start + layout.nbytes_of(shape)))
+            if gone:
+                lost.append(f"{tname} ({100 * gone / layout.nbytes_of(shape):.0f} %)")
+    what = (f"{', '.join(lost[:8])}{f' and {len(lost) - 8} more' if len(lost) > 8 else ''} "
+            f"{'are' if len(lost) > 1 else 'is'} lost" if lost
+            else f"{err.lost_bytes} of its {err.geometry[0]} bytes are lost")
+    name = err.name
+    return BufferDamaged(
+        f"store {name!r} is damaged: its part on server{'s' if len(err.servers) > 1 else ''} "
+        f"{', '.join(err.servers)} is gone (a restart without its data), so {what}"
+        f"{progress}; resuming would train from zeros there, so this job stops",
+        name=name, servers=err.servers, parts=err.parts, geometry=err.geometry, detail=err.message,
+        hint=("if the server keeps a --data-dir, restart it from there to get the part back and run again; "
+              "else start over: resume=False (from the job's own initial weights) or init_from=CHECKPOINT "
+              f"(from a saved checkpoint) removes the damaged store and makes it anew; `smb2 rm {name}` "
+              "removes it by hand"))
+
+
+async def _last_progress(err: BufferDamaged, layout: Layout) -> str:
+    """"; run G was at step S (version V)" read from what remains of a
+    damaged store, when its header and control words survived; else ""."""
+    note_off, slots, _data_off, _total = layout.geometry()
+    if err.remains is None or any(err.ranges(0, note_off + 8 * slots)):
+        return ""
+    buf = err.remains
+    try:
+        pre = np.empty(PREAMBLE // 8, dtype=np.int64)
+        await buf.read_into(pre, 0)
+        if (int(pre[_MAGIC // 8]), int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8])) != (MAGIC, note_off, slots):
+            return ""       # another layout: its words are elsewhere
+        words = np.empty(slots, dtype=np.int64)
+        await buf.read_into(words, note_off)
+    except Smb2Error:
+        return ""
+    c = Control.parse(words, layout.workers)
+    return f"; its run {c.generation} was at step {int(c.steps.max())} (version {c.version})"
+
+
 async def describe(client: Client, name: str) -> dict[str, Any]:
     """What ``smb2 ls`` shows of one buffer: its size and stripe, and for a
     parameter store its tensors, workers, rule, run, version, steps, and
-    whether the run finished."""
-    buf = await client.attach(name)
+    whether the run finished.  A damaged buffer (a part lost) or store (its
+    table unreadable) has ``damaged``, saying how; ``store`` is None where
+    that cannot be told."""
+    try:
+        buf = await client.attach(name)
+    except BufferDamaged as err:
+        return {"name": name, "bytes": err.geometry[0], "stripe": err.geometry[1], "store": None,
+                "damaged": err.message, "lost_on": err.servers}
     out: dict[str, Any] = {"name": name, "bytes": buf.nbytes, "stripe": buf.stripe, "store": False}
     if buf.nbytes < PREAMBLE:
         return out
@@ -917,7 +983,10 @@ async def describe(client: Client, name: str) -> dict[str, Any]:
     out["format"] = int(pre[_FORMAT // 8])
     if out["format"] != FORMAT:
         return out
-    layout, _ = await _read_layout(buf)
+    try:
+        layout, _ = await _read_layout(buf)
+    except InterfaceError as err:
+        return {**out, "damaged": err.message}
     control = Control.parse(await buf.read_notify(), layout.workers)
     out.update(tensors=len(layout.tensors), data_bytes=layout.data_len, dtype=layout.dtype.name,
                workers=layout.workers, rule=layout.rule.get("name"), run=control.generation,
@@ -933,12 +1002,21 @@ def _finite(x: float) -> float | None:
 
 # -- the buffer ---------------------------------------------------------------------
 
-async def _attach_or_create(client: Client, name: str, total: int, stripe: int | None) -> Buffer:
-    """Rank 0: the existing buffer (whatever its stripe), or a new one."""
+async def _attach_or_create(client: Client, name: str, total: int, stripe: int | None,
+                            start_over: Layout | None) -> Buffer:
+    """Rank 0: the existing buffer (whatever its stripe), or a new one.  A
+    damaged one (:class:`BufferDamaged`) is removed and made anew when the
+    run starts over (``start_over``: the job's layout), else refused."""
     try:
         return await client.attach(name)
     except NoSuchBuffer:
         pass
+    except BufferDamaged as err:
+        if start_over is None:
+            raise
+        log.warning("%s; this run starts over (resume=False or init_from=), so the store is made anew",
+                    store_damage(err, start_over).message)
+        await client.destroy(name)
     chosen = choose_stripe(total, len(client.servers)) if stripe is None else stripe
     try:
         return await client.create(name, total, stripe=chosen)
@@ -951,13 +1029,17 @@ async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int
     while True:
         try:
             return await client.attach(name)
+        except BufferDamaged:
+            # rank 0 may be making it anew (resume=False, init_from=): wait for it
+            if time.monotonic() >= deadline:
+                raise
         except NoSuchBuffer:
             if time.monotonic() >= deadline:
                 raise NotifyTimeout(
                     f"rank 0 did not create store {name!r} in time; rank {rank} gives up: start rank 0 "
                     "with the same store name and SMB2_SERVERS, or raise timeout=") from None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.25)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.25)
 
 
 async def _initialize(buf: Buffer, layout: Layout, lock: Lock) -> None:
@@ -1010,7 +1092,12 @@ async def _read_layout(buf: Buffer) -> tuple[Layout, int]:
         raise InterfaceError(f"store {buf.name!r} has format {int(pre[_FORMAT // 8])}, this smb2 reads {FORMAT}; "
                              f"remove it with `smb2 rm {buf.name}` or pick another name")
     table = await buf.read(PREAMBLE, int(pre[_TABLE // 8]))
-    layout = Layout.from_table(table.tobytes())
+    try:
+        layout = Layout.from_table(table.tobytes())
+    except (ValueError, KeyError, TypeError, IndexError, msgpack.UnpackException) as exc:
+        raise InterfaceError(f"store {buf.name!r} is damaged: its layout table is unreadable ({exc})",
+                             hint=f"remove it with `smb2 rm {buf.name}` and start again (from a checkpoint "
+                             "with init_from=, if there is one)") from None
     buf.set_notify_area(int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8]))
     return layout, int(pre[_DATA_OFF // 8])
 
