@@ -355,11 +355,12 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
                 raise RuntimeError(f"worker rank {r} failed (exit {p.returncode}):\n{err[-3000:]}")
             outs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
     finally:
-        for p in procs + hogs:
+        for p in procs:
             if p.poll() is None:
                 p.kill()
-        for p in hogs:
-            p.wait()
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
         for n in range(len(systems)):
             Path(f"{stop_file}.{scenario}-{n}").unlink(missing_ok=True)
     rows = [summarize([o[n] for o in outs], system, scenario, cfg) for n, system in enumerate(systems)]
