@@ -59,7 +59,9 @@ def _what(r: dict[str, Any]) -> str:
 
 
 async def _rm(client: Any, args: argparse.Namespace) -> int:
-    if not await client.destroy(args.name):
+    from .train.store import remove
+
+    if not await remove(client, args.name):     # a store goes with its ranks' optimizer states
         raise NoSuchBuffer(f"no buffer {args.name!r} on {', '.join(client.servers)}")
     print(f"removed {args.name}")
     return 0
