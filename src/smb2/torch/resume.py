@@ -153,17 +153,20 @@ class StateSlots:
                         self.name, k, int(h[_STEP]))
         return None
 
-    async def write(self, data: bytes, *, step: int, origin: int, run: int) -> None:
-        """Write ``data`` into the older slot, data first, header last."""
-        if len(data) > self.capacity:
-            await self._grow(len(data))
+    async def write(self, *pieces: bytes | memoryview, step: int, origin: int, run: int) -> None:
+        """Write the data (``pieces``, one after the other: no copy joins
+        them) into the older slot, data first, header last."""
+        nbytes = sum(len(p) for p in pieces)
+        if nbytes > self.capacity:
+            await self._grow(nbytes)
         assert self.buf is not None
         seqs = [int(h[_SEQ]) if int(h[_MAGIC]) == MAGIC else -1 for h in self.headers]
         k = int(np.argmin(seqs))
         slot = k * (self.buf.nbytes // 2)
-        header = np.array([MAGIC, FORMAT, max(seqs) + 1, step, origin, len(data),
-                           await asyncio.to_thread(zlib.crc32, data), run], np.int64)
-        await self.buf.write(slot + HEADER, data)
+        header = np.array([MAGIC, FORMAT, max(seqs) + 1, step, origin, nbytes,
+                           await asyncio.to_thread(_crc32, pieces), run], np.int64)
+        starts = np.cumsum([0] + [len(p) for p in pieces[:-1]])
+        await asyncio.gather(*(self.buf.write(slot + HEADER + int(at), p) for at, p in zip(starts, pieces) if len(p)))
         await self.buf.write(slot, header)
         self.headers[k] = header
 
@@ -181,18 +184,27 @@ class StateSlots:
 
 # -- what a save holds ------------------------------------------------------------
 
-def _save(obj: Any) -> bytes:
+def _save(obj: Any) -> memoryview:
     out = io.BytesIO()
     torch.save(obj, out)
-    return out.getvalue()
+    return out.getbuffer()
+
+
+def _crc32(pieces: tuple[bytes | memoryview, ...]) -> int:
+    crc = 0
+    for p in pieces:
+        crc = zlib.crc32(p, crc)
+    return crc
 
 
 def _load(raw: bytes) -> Any:
     return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
 
 
-def _frame(light: bytes, heavy: bytes) -> bytes:
-    return _LIGHT_LEN.pack(len(light)) + light + heavy
+def _frame(light: memoryview, heavy: memoryview) -> tuple[bytes | memoryview, ...]:
+    """A save's data: the light part's length, the light part (step, param
+    groups, schedulers), the optimizer's tensors."""
+    return _LIGHT_LEN.pack(len(light)), light, heavy
 
 
 def _unframe(data: bytes) -> tuple[dict[str, Any], dict[Any, Any]]:
@@ -252,7 +264,7 @@ class SavedState:
         self._last = time.monotonic()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         #: (step, future of the optimizer tensors' bytes) of the save being made
-        self._serializing: tuple[int, concurrent.futures.Future[bytes]] | None = None
+        self._serializing: tuple[int, concurrent.futures.Future[memoryview]] | None = None
         self._writing: concurrent.futures.Future[None] | None = None
         #: saves written (stats)
         self.saves = 0
@@ -349,14 +361,13 @@ class SavedState:
         if writing is not None:
             writing.result()
 
-    def _write(self, step: int, heavy: bytes) -> None:
+    def _write(self, step: int, heavy: memoryview) -> None:
         assert self.slots is not None
         live = self._live_schedulers()
         light = _save({"optimizer": type(self.optimizer).__name__, "step": step,
                        "param_groups": self.optimizer.state_dict()["param_groups"],
                        "schedulers": {k: s.state_dict() for k, s in live.items()}})
-        data = _frame(light, heavy)
-        self._writing = self.loop.submit(self.slots.write(data, step=step, origin=self.origin,
+        self._writing = self.loop.submit(self.slots.write(*_frame(light, heavy), step=step, origin=self.origin,
                                                           run=self.store.generation))
         self.saves += 1
 
