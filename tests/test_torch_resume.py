@@ -269,3 +269,27 @@ def test_schedulers_are_found_on_either_optimizer() -> None:
     found = resume.schedulers_on(inner, outer)
     assert {id(s) for s in found} == {id(a), id(seq)}       # the parts go with SequentialLR
     assert other not in found
+
+
+def test_servers_without_room_for_the_state_train_on_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
+    """The store fits, two saves of AdamW's state (4x the weights) do not:
+    the worker trains on without saves and says what to do."""
+    loop = LoopThread("test-small-cluster")
+    cluster = smb2.LocalCluster(servers=2, processes=True, capacity="2MiB")
+    loop.run(cluster.start())
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(500, 400))          # 200,400 floats: 0.8 MB
+        opt = st.AsyncOptimizer(torch.optim.AdamW(model.parameters()), model, name="t-room",
+                                servers=",".join(cluster.addresses), rank=0, world_size=1, state_every=1e-9)
+        x = torch.randn(8, 500)
+        with caplog.at_level(logging.WARNING, logger="smb2.torch"):
+            for _ in range(4):
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+            opt.close()
+        assert opt.steps == 4
+        assert "no room for rank 0's optimizer state" in caplog.text and "state_every=None" in caplog.text
+    finally:
+        loop.run(cluster.close())
+        loop.stop()

@@ -78,7 +78,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from ..client import Buffer, Client
-from ..errors import InvalidArgumentError, NoSuchBuffer
+from ..errors import InvalidArgumentError, NoSuchBuffer, OutOfMemory
 from ..train.store import ParameterStore, choose_stripe, optimizer_state_name
 from .loop_thread import LoopThread
 
@@ -322,7 +322,8 @@ class SavedState:
         if self._serializing is not None:
             step, heavy = self._serializing
             self._serializing = None
-            self._write(step, heavy.result())
+            if self.slots is not None:
+                self._write(step, heavy.result())
 
     def after_step(self, step: int) -> None:
         """After the wrapped optimizer's step ``step``: when a save is due,
@@ -348,18 +349,28 @@ class SavedState:
             self._collect()
             if self._schedulers is None:
                 self._find_schedulers()
-            self._write(step, _save(self.optimizer.state_dict()["state"]))
-            self._collect()
+            if self.slots is not None:
+                self._write(step, _save(self.optimizer.state_dict()["state"]))
+                self._collect()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
 
     # -- inside ---------------------------------------------------------------------------
     def _collect(self) -> None:
-        """Wait for the save being written; raise what it met."""
+        """Wait for the save being written; raise what it met, but for
+        servers without room for it: then say so once and save no more."""
         writing, self._writing = self._writing, None
-        if writing is not None:
+        if writing is None:
+            return
+        try:
             writing.result()
+        except OutOfMemory as exc:
+            log.warning("store %r: the servers have no room for rank %d's optimizer state (%s): it trains on "
+                        "without saving it, and a resume would start its optimizer afresh; give the servers more "
+                        "memory (each rank keeps two saves: for Adam about 4x the model's float32 bytes) or pass "
+                        "state_every=None", self.store.name, self.store.rank, exc)
+            self.slots = None
 
     def _write(self, step: int, heavy: memoryview) -> None:
         assert self.slots is not None
