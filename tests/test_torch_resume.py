@@ -293,3 +293,22 @@ def test_servers_without_room_for_the_state_train_on_and_say_so(caplog: pytest.L
     finally:
         loop.run(cluster.close())
         loop.stop()
+
+
+def test_a_save_of_another_optimizer_is_not_loaded(servers: str, caplog: pytest.LogCaptureFixture) -> None:
+    model = _model()
+    opt, sched = _port(model, servers, "t-other-opt", resume=False, state_every=1e-9)
+    _loop(model, opt, sched, 0, 5)
+    opt.flush()
+    opt._saved.close(opt.steps)
+    _crash(opt)
+    model2 = _model()
+    with caplog.at_level(logging.WARNING, logger="smb2.torch"):
+        opt2 = st.AsyncOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9), model2,
+                                 name="t-other-opt", servers=servers, rank=0, world_size=1, resume=True)
+    try:
+        assert "is not loaded (it is AdamW's, this job's optimizer is SGD)" in caplog.text
+        assert not opt2.state and opt2.resumed
+        _loop(model2, opt2, torch.optim.lr_scheduler.StepLR(opt2, 1), opt2.start_step, opt2.start_step + 2)
+    finally:
+        opt2.close()

@@ -197,7 +197,7 @@ def _crc32(pieces: tuple[bytes | memoryview, ...]) -> int:
     return crc
 
 
-def _load(raw: bytes) -> Any:
+def _load(raw: bytes | memoryview) -> Any:
     return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
 
 
@@ -295,13 +295,17 @@ class SavedState:
                         "start)", st.name, rank, st.start_step, type(self.optimizer).__name__)
             return
         header, data = found
-        light, tensors = _unframe(data)
-        if light["optimizer"] != type(self.optimizer).__name__:
-            log.warning("store %r: rank %d's saved optimizer state is %s's, this job's optimizer is %s: not "
-                        "loaded (it starts fresh at step %d)", st.name, rank, light["optimizer"],
-                        type(self.optimizer).__name__, st.start_step)
+        try:
+            light, tensors = _unframe(data)
+            if light["optimizer"] != type(self.optimizer).__name__:
+                raise InvalidArgumentError(f"it is {light['optimizer']}'s, this job's optimizer is "
+                                           f"{type(self.optimizer).__name__}")
+            self.optimizer.load_state_dict({"state": tensors, "param_groups": light["param_groups"]})
+        except Exception as exc:        # a save this job cannot use: say so, train on
+            log.warning("store %r: rank %d's saved optimizer state (step %d) is not loaded (%s): it continues at "
+                        "step %d with a fresh %s state", st.name, rank, int(header[_STEP]), exc, st.start_step,
+                        type(self.optimizer).__name__)
             return
-        self.optimizer.load_state_dict({"state": tensors, "param_groups": light["param_groups"]})
         self._to_restore = light
         self.start_step = int(header[_STEP])
         log.info("store %r: rank %d resumes its %s state and %d LR schedule(s) at step %d (the store's step "
@@ -393,7 +397,16 @@ class SavedState:
         if twice:
             log.warning("several LR schedulers of the same class (%s) are built on the optimizer: their positions "
                         "are neither saved nor restored (a run cannot tell them apart)", ", ".join(twice))
-        self._schedulers = [weakref.ref(s) for s, k in zip(found, keys) if k not in twice]
+        kept = []
+        for s, k in zip(found, keys):
+            try:
+                _load(_save(s.state_dict()))
+            except Exception as exc:     # its state does not survive torch.save / load(weights_only=True)
+                log.warning("LR scheduler %s cannot be saved (%s): its position is not kept for a resume", k, exc)
+                continue
+            if k not in twice:
+                kept.append(weakref.ref(s))
+        self._schedulers = kept
         if self._to_restore is not None:
             self._restore(self._to_restore)
             self._to_restore = None
