@@ -88,10 +88,8 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     shard = torch.arange(opt.rank, len(xtr), opt.world)  # smb2: this rank's share of the data
     # smb2: a resumed store (a crash, a torchrun restart) continues at this rank's
-    # last step: skip the epochs done and advance the schedule to match
+    # last saved step, with its optimizer state and schedule: skip the epochs done
     first_epoch = opt.start_step // -(-len(shard) // a.batch)
-    for _ in range(first_epoch):
-        sched.step()
 
     t0 = time.perf_counter()
     loss = train(model, opt, sched, xtr, ytr, shard, a.epochs, a.batch, first_epoch)

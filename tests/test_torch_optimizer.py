@@ -10,7 +10,7 @@ import statistics
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +29,6 @@ from smb2.train.dropping import LayerDropping  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torch_train.py"
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[str]:
-    """Two smb2-server processes for the module's tests ("h:p,h:p")."""
-    loop = LoopThread("test-cluster")
-    cluster = smb2.LocalCluster(servers=2, processes=True)
-    loop.run(cluster.start())
-    try:
-        yield ",".join(cluster.addresses)
-    finally:
-        loop.run(cluster.close())
-        loop.stop()
 
 
 def _model(seed: int = 0, bn: bool = False) -> torch.nn.Module:

@@ -103,13 +103,14 @@ async def _ls_partial(servers: list[str], args: argparse.Namespace) -> int:
 
 async def _rm(client: Any, args: argparse.Namespace) -> int:
     from .train.lifecycle import STALE_AFTER
+    from .train.store import remove
 
     failed = 0
     for name in args.names:
         try:
             if not args.force:
                 await _refuse_live(client, name, STALE_AFTER)
-            if not await client.destroy(name):
+            if not await remove(client, name):     # a store goes with the buffers beside it
                 raise NoSuchBuffer(f"no buffer {name!r} on {', '.join(client.servers)}",
                                    hint="see the names with `smb2 ls`" + (
                                        "; servers are given with --servers or SMB2_SERVERS, not after the names"

@@ -20,10 +20,7 @@ import numpy as np
 
 from ..client import Client
 from ..errors import BufferConflict
-
-
-def side_buffer(store: str) -> str:
-    return f"{store}/frozen"
+from ..train.store import frozen_state_name
 
 
 class FrozenTensors:
@@ -70,7 +67,7 @@ class FrozenTensors:
         if not self.tensors:
             return
         raw = self._pack()
-        name = side_buffer(store)
+        name = frozen_state_name(store)
         try:
             buf = await client.create(name, raw.size)
         except BufferConflict:          # an earlier run's, of another model: replace it
@@ -81,7 +78,7 @@ class FrozenTensors:
     async def adopt(self, client: Client, store: str) -> None:
         """Every other rank, after the start barrier: take rank 0's values."""
         if self.tensors:
-            buf = await client.attach(side_buffer(store))
+            buf = await client.attach(frozen_state_name(store))
             raw = np.empty(max(8, self.nbytes), dtype=np.uint8)
             if buf.nbytes != raw.size:
                 raise BufferConflict(

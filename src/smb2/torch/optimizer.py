@@ -26,8 +26,13 @@ later pushes (which ``since`` adds back on top of it).
 What a step pushes depends on the rule:
 
 * ``delta`` (default): the change of the weights ``w_after - w_before`` made
-  by the user's optimizer (any optimizer; its state stays local); the
-  servers add it up.
+  by the user's optimizer (any optimizer; its state stays local), times
+  ``1/W`` (the workers' changes average: their momentum acts once, not W
+  times); the servers add it up.
+
+Every push (but the layer pushes during backward) is scaled by its lag and
+checked by the divergence guard first (:mod:`smb2.train.stability`;
+``lag_scaling=False``, ``guard=False`` turn them off).
 * ``accumulate`` / ``locked``: the gradients; the servers apply ``-lr * g``
   with the optimizer's current learning rate (so schedulers apply).
   ``accumulate`` pushes each parameter's gradient during backward, as soon
@@ -74,6 +79,7 @@ from ..train.store import ParameterStore, resolve_rank
 from .backward import BackwardPushes, StepPushes, wait_for
 from .frozen import FrozenTensors
 from .loop_thread import LoopThread
+from .resume import SAVE_EVERY, SavedState
 from .staging import Entry, Staging
 
 log = logging.getLogger("smb2.torch")
@@ -140,7 +146,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
     either way.  ``resume``, ``stripe``, ``checkpoint_every``... go to
     :meth:`ParameterStore.open` (the store's options), other keywords to the
     rule (``tau``, ``alpha``, ``per_layer``...).  ``log_every``: steps between INFO lines
-    of :meth:`stats` on logger ``smb2.torch``.
+    of :meth:`stats` on logger ``smb2.torch``.  ``state_every``: seconds
+    between saves of this rank's optimizer state, step and LR schedules to
+    the servers, which a resumed run loads (:mod:`smb2.torch.resume`; None:
+    neither saved nor loaded).
 
     ``push_in_backward``: push each parameter's gradient as soon as
     backward produced it (see :mod:`smb2.torch.backward`).  None (the
@@ -153,7 +162,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
                  resume: str | bool = "auto", push_dtype: str | None = None, timeout: float = 120.0,
                  rank: int | None = None, world_size: int | None = None, dropping: LayerDropping | None = None,
                  sync_buffers: bool = True, log_every: int = 100, push_in_backward: bool | None = None,
-                 lag_scaling: bool = True, guard: bool = True, **options: Any) -> None:
+                 state_every: float | None = SAVE_EVERY, lag_scaling: bool = True, guard: bool = True,
+                 **options: Any) -> None:
         # torch's Optimizer.__init__ is not called: param_groups, state and
         # defaults are the wrapped optimizer's (properties below)
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, AsyncOptimizer):
@@ -190,6 +200,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         try:
             self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
                                                    dict(options, resume=resume)))
+            #: this rank's optimizer state, step and LR schedules, saved beside the store (whole resume)
+            self._saved = SavedState.open(optimizer, (self, optimizer), self.store, self._loop, state_every)
         except BaseException as e:
             self._loop.run(self._close_client())
             self._loop.stop()
@@ -218,7 +230,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._backward = None if not (pushes_in_backward and isinstance(acc, Accumulate)) else BackwardPushes(
             torch, self.staging.entries, acc, self._loop, self._upcoming,
             lambda: float(self.optimizer.param_groups[0]["lr"]))
-        self.steps = self.store.start_step
+        self.steps = self._saved.start_step
         self._pulled_at = self.steps            # the step after which the weights in use were pulled
         self._pulled_version = self.store.pulled_version    # and the store's version they hold
         self._stats = {"steps": 0, "wait_s": 0.0, "max_lag": 0, "exchanges": 0}
@@ -354,8 +366,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
             self._t_first = t_start
         if self._gradient_rule:
             check_plain_sgd(self.optimizer, self.rule_name)
+        self._saved.before_step()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.steps += 1
+        self._saved.after_step(self.steps)
         wait = 0.0
         if self._easgd:
             if self.steps % self._easgd.tau == 0:
@@ -526,8 +540,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
 
     @property
     def start_step(self) -> int:
-        """The step this worker started from (0 unless the store resumed)."""
-        return self.store.start_step
+        """The step this worker started from (0 unless the store resumed):
+        that of its saved optimizer state (see :mod:`smb2.torch.resume`)."""
+        return self._saved.start_step
 
     @property
     def resumed(self) -> bool:
@@ -576,6 +591,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
                     # a backward whose step never came: take its pushes back
                     self._backward.settle_step(self._next.early, 0.0, final=False)
                     self._loop.run(self._backward.finish(self._next.early))
+            self._saved.close(self.steps)
             self._loop.run(self.store.finish())
             if wait_all is not None:
                 end = self._loop.run(self.store.await_finished(wait_all))

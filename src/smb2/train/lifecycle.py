@@ -10,7 +10,10 @@ The control area (int64 words, the store's notification area)::
     word 2        STOP        the run whose end policy fired (stop iff == G)
     word 3        OPENED_MS   wall clock (ms) when run G was opened
     word 4        RESUMED     1 if run G resumed the previous one's weights
-    words 5-7     reserved
+    word 5        ORIGIN_MS   OPENED_MS of the last fresh run, kept by resumed
+                              runs: names the weights' lineage (saved
+                              optimizer states carry it, smb2.torch.resume)
+    words 6-7     reserved
     8 + 4r + 0    JOINED[r]   the last run rank r joined
     8 + 4r + 1    STEP[r]     rank r's step (kept on resume, 0 when fresh)
     8 + 4r + 2    BEAT[r]     wall clock (ms) of rank r's last heartbeat
@@ -37,7 +40,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-VERSION, GENERATION, STOP, OPENED_MS, RESUMED = range(5)
+VERSION, GENERATION, STOP, OPENED_MS, RESUMED, ORIGIN_MS = range(6)
 RANK_BASE = 8
 RANK_WORDS = 4
 JOINED, STEP, BEAT, FINISHED = range(RANK_WORDS)
@@ -140,6 +143,12 @@ class Control:
     @property
     def resumed(self) -> bool:
         return bool(self.words[RESUMED])
+
+    @property
+    def origin(self) -> int:
+        """When the fresh run that this run's weights descend from was opened
+        (wall clock ms; 0 for a store written before the word existed)."""
+        return int(self.words[ORIGIN_MS])
 
     @property
     def joined(self) -> np.ndarray:

@@ -112,8 +112,8 @@ from .stability import DivergenceGuard, LagScaling
 
 log = logging.getLogger("smb2.train")
 
-__all__ = ["FORMAT", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe", "resolve_rank",
-           "store_damage"]
+__all__ = ["FORMAT", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe", "frozen_state_name",
+           "optimizer_state_name", "remove", "resolve_rank", "store_damage"]
 
 MAGIC = int.from_bytes(b"SMB2PSTR", "little")
 FORMAT = 2
@@ -412,6 +412,8 @@ class ParameterStore:
             self._mirror_current = True
         words[lc.RESUMED] = int(not fresh or image is not None)
         words[lc.OPENED_MS] = lc.now_ms()
+        if fresh:
+            words[lc.ORIGIN_MS] = words[lc.OPENED_MS]     # a new lineage of weights
         words[own + lc.JOINED] = gen
         words[own + lc.BEAT] = lc.now_ms()
         area = self.buf.notify_area[0]  # type: ignore[index]
@@ -822,9 +824,10 @@ class ParameterStore:
                                 f"(the ranks' steps: {steps})") from None
 
     async def destroy(self) -> None:
-        """Remove the store from the servers (``smb2 rm NAME`` does the same).
-        Only when no rank of any run still uses it."""
-        await self.client.destroy(self.buf.name)
+        """Remove the store and its ranks' saved optimizer states from the
+        servers (``smb2 rm NAME`` does the same).  Only when no rank of any
+        run still uses it."""
+        await remove(self.client, self.buf.name)
 
     # -- checkpoints --------------------------------------------------------------------
     async def _maybe_checkpoint(self, *, final: bool = False) -> None:
@@ -998,6 +1001,27 @@ async def describe(client: Client, name: str) -> dict[str, Any]:
 
 def _finite(x: float) -> float | None:
     return None if math.isinf(x) else round(x, 3)
+
+
+def optimizer_state_name(store: str, rank: int) -> str:
+    """The buffer where ``rank`` keeps its optimizer's state, step and LR
+    schedules for ``store`` (written and read by :mod:`smb2.torch.resume`)."""
+    return f"{store}/optim/{rank}"
+
+
+def frozen_state_name(store: str) -> str:
+    """The buffer where rank 0 hands its frozen parameters and unaveraged
+    buffers to the other ranks (:mod:`smb2.torch.frozen`)."""
+    return f"{store}/frozen"
+
+
+async def remove(client: Client, name: str) -> bool:
+    """Destroy buffer ``name`` and the buffers kept beside it (``name/...``:
+    a store's optimizer states and frozen tensors); True if ``name`` existed."""
+    companions = [b for b in await client.buffers() if b.startswith(f"{name}/")]
+    existed = await client.destroy(name)
+    await asyncio.gather(*(client.destroy(b) for b in companions))
+    return existed
 
 
 # -- the buffer ---------------------------------------------------------------------
