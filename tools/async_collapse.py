@@ -61,7 +61,8 @@ def _worker(a: argparse.Namespace) -> None:
     xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
     model = ex.make_model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    opt = smb2.torch.AsyncOptimizer(sgd, model, name=a.name, staleness=1)   # the recipe's line
+    opt = smb2.torch.AsyncOptimizer(sgd, model, name=a.name, staleness=1,   # the recipe's line
+                                    average=a.stable, lag_scaling=a.stable)
     shard = torch.arange(rank, len(xtr), world)
     stop = Path(a.stop_file)
     slow = a.slow_ms / 1000 if rank == world - 1 else 0.0
@@ -125,7 +126,7 @@ def _hog() -> subprocess.Popen[bytes]:
 
 def run_once(servers: str, *, hogs: int, slow_ms: float, budget: float, target: float, name: str,
              workers: int = 3, seed: int = 0, eval_every: float = 0.5, clip: bool = False,
-             timeout: float = 300) -> dict[str, Any]:
+             stable: bool = False, timeout: float = 300) -> dict[str, Any]:
     """One torchrun job of ``workers`` beside ``hogs`` busy processes; rank
     0's report (time to target, the delivered model's accuracy...)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,7 +135,7 @@ def run_once(servers: str, *, hogs: int, slow_ms: float, budget: float, target: 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
                __file__, "--worker", "--name", name, "--stop-file", str(stop), "--slow-ms", str(slow_ms),
                "--budget", str(budget), "--target", str(target), "--seed", str(seed),
-               "--eval-every", str(eval_every)] + (["--clip"] if clip else [])
+               "--eval-every", str(eval_every)] + (["--clip"] if clip else []) + (["--stable"] if stable else [])
         busy = [_hog() for _ in range(hogs)]
         try:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -177,6 +178,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clip", action="store_true",
                    help="clip_grad_norm_(1.0) in the loop (the issue's loop had none: without it, main collapsed)")
+    p.add_argument("--stable", action="store_true",
+                   help="AsyncOptimizer(..., average=True, lag_scaling=True): momentum once and lag-scaled pushes")
     p.add_argument("--json")
     a = p.parse_args()
     if a.worker:
@@ -192,7 +195,7 @@ def main() -> None:
                 row = await asyncio.to_thread(
                     run_once, ",".join(cluster.addresses), hogs=a.hogs, slow_ms=a.slow_ms, budget=a.budget,
                     target=a.target, name=f"{a.name}-{os.getpid()}-{i}", seed=a.seed + i, eval_every=a.eval_every,
-                    clip=a.clip)
+                    clip=a.clip, stable=a.stable)
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
         return rows

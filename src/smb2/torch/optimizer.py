@@ -26,13 +26,17 @@ later pushes (which ``since`` adds back on top of it).
 What a step pushes depends on the rule:
 
 * ``delta`` (default): the change of the weights ``w_after - w_before`` made
-  by the user's optimizer (any optimizer; its state stays local), times
-  ``1/W`` (the workers' changes average: their momentum acts once, not W
-  times); the servers add it up.
+  by the user's optimizer (any optimizer; its state stays local); the
+  servers add it up.  ``average=True`` counts each worker's change ``1/W``
+  (the workers' changes average: their momentum acts once, not W times).
 
-Every push (but the layer pushes during backward) is scaled by its lag and
-checked by the divergence guard first (:mod:`smb2.train.stability`;
-``lag_scaling=False``, ``guard=False`` turn them off).
+Every push (but the layer pushes during backward) is checked by the
+divergence guard first (:mod:`smb2.train.stability`; ``guard=False`` turns
+it off), and with ``lag_scaling=True`` scaled by its lag.  ``average`` and
+``lag_scaling`` are off by default for now: together they kept an overloaded
+job with a straggler from collapsing (``tools/async_collapse.py --stable``),
+but at equal epochs they learn per sample as DDP does, measured 2-3 points
+below the default on digits at 12 epochs (docs/training.md, "Stability").
 * ``accumulate`` / ``locked``: the gradients; the servers apply ``-lr * g``
   with the optimizer's current learning rate (so schedulers apply).
   ``accumulate`` pushes each parameter's gradient during backward, as soon
@@ -162,7 +166,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
                  resume: str | bool = "auto", push_dtype: str | None = None, timeout: float = 120.0,
                  rank: int | None = None, world_size: int | None = None, dropping: LayerDropping | None = None,
                  sync_buffers: bool = True, log_every: int = 100, push_in_backward: bool | None = None,
-                 state_every: float | None = SAVE_EVERY, lag_scaling: bool = True, guard: bool = True,
+                 state_every: float | None = SAVE_EVERY, lag_scaling: bool = False, guard: bool = True,
+                 average: bool = False,
                  **options: Any) -> None:
         # torch's Optimizer.__init__ is not called: param_groups, state and
         # defaults are the wrapped optimizer's (properties below)
@@ -216,7 +221,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         # a change counts 1/W in the shared copy where every worker's change
         # is its own estimate of one step: buffers, and delta's steps (each
         # worker's momentum or Adam moments act once, not W times)
-        averaged = rule == "delta"
+        averaged = average and rule == "delta"
         self.staging = Staging(torch, [Entry(n, t, self.store.flat_offset(n),
                                              1.0 / self.world if averaged or not param else 1.0, param)
                                        for n, t, param in self._entries], flat.size, flat.dtype)
