@@ -39,9 +39,9 @@ delivered model's accuracy below twice chance (0.2 for 10 classes).
 
 Systems: ``ddp`` (DistributedDataParallel, gloo ring all-reduce), and
 AsyncOptimizer with rule ``delta`` (staleness 1: float32 pushes, bf16 pushes,
-layer dropping; ``delta`` is the default port: each worker's change counts 1/W
-and is lag-scaled, so the former ``delta/lr-over-W`` system, which divided the
-learning rate by W on top, is gone), ``accumulate`` (with and without layer dropping) and ``easgd``
+layer dropping; ``delta`` is the default port; ``delta/stable`` adds
+``average=True, lag_scaling=True``: each worker's change counts 1/W and late
+pushes are lag-scaled), ``accumulate`` (with and without layer dropping) and ``easgd``
 (tau 4).  AsyncOptimizer refuses the other pairs: it offers bf16 pushes with
 ``delta`` only, and layer dropping with the rules that push every step, not
 ``easgd``.
@@ -89,6 +89,7 @@ SERVER_PORT = netns_cluster.DEFAULT_PORT
 SYSTEMS: dict[str, dict[str, Any] | None] = {
     "ddp": None,
     "delta": {"rule": "delta", "staleness": 1},
+    "delta/stable": {"rule": "delta", "staleness": 1, "average": True, "lag_scaling": True},
     "delta/bf16": {"rule": "delta", "staleness": 1, "push_dtype": "bfloat16"},
     "delta/drop": {"rule": "delta", "staleness": 1, "dropping": 0.7},
     "accumulate": {"rule": "accumulate", "staleness": 1},
