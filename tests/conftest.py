@@ -35,10 +35,13 @@ slower.
 **In parallel.**  ``make pytest`` runs the host suite on pytest-xdist
 workers (``-n auto --dist loadgroup``).  Every test makes its own servers on
 free ports, network namespaces named after its process, memfds and sockets
-named after its process, so tests do not collide.  The tests of a module
-that share a module-scoped fixture (server processes, a trained benchmark)
-carry ``@pytest.mark.xdist_group(<module>)`` so that one worker builds it
-once.
+named after its process, so tests do not collide.  The modules of
+``ONE_WORKER_MODULES`` run on one worker each (an ``xdist_group`` named
+after the module): their tests share a module-scoped fixture that is costly
+or is shared state (one built wheel, warmed-up servers whose growth is
+measured, the machine's one Slurm cluster).  A new module with such a
+fixture joins the set; one whose tests are independent does not.  The
+multi-process trainings of ``TRAININGS`` run one at a time, first.
 
 A test fails if its loop logged an unhandled exception (asyncpg's
 ``_testbase`` habit).
@@ -69,6 +72,18 @@ BOTH_LOOPS_MODULES = {
     "test_deadlines.py", "test_notify.py", "test_accumulate.py", "test_cluster.py",
     "test_shm.py", "test_shm_lock.py", "test_shm_fast.py", "test_rdma.py", "test_verbs.py",
 }
+# module -> why one worker runs all its tests (see above)
+ONE_WORKER_MODULES = {
+    "test_fuzz.py": "growth is measured from the module's warmed-up servers; its tests add up one STATS",
+    "test_slurm.py": "one Slurm cluster per machine (tools/slurm_cluster.sh)",
+    "test_wheel.py": "its tests share one built and installed wheel",
+}
+# Trainings of several processes, each wanting every core and each within a
+# time budget: one worker runs them one after another (bench_tta's tests
+# also share one run of the benchmark), and they come first, so that the
+# other workers' short tests fill the time beside them rather than leaving
+# them to run alone at the end.
+TRAININGS = {"test_bench_tta.py", "test_train_accuracy.py"}
 # the shm transport's own modules: on both loops over every transport
 SHM_MODULES = {"test_shm.py", "test_shm_lock.py", "test_shm_fast.py"}
 
@@ -97,6 +112,12 @@ def _repeats_the_tcp_case(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+        elif item.path.name in TRAININGS:
+            item.add_marker(pytest.mark.xdist_group("trainings"))
+    items.sort(key=lambda item: item.path.name not in TRAININGS)     # stable: otherwise in order
     repeats = [item for item in items if _repeats_the_tcp_case(item)]
     if repeats:
         config.hook.pytest_deselected(items=repeats)

@@ -23,8 +23,7 @@ sys.path.insert(0, str(TOOLS))
 import bench_tta  # noqa: E402
 import netns_cluster  # noqa: E402
 
-# one xdist worker runs the module: its tests share one run of the benchmark
-pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("bench_tta")]
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")

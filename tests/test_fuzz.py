@@ -52,10 +52,6 @@ SCALE = float(os.environ.get("SMB2_FUZZ_SCALE", "1"))
 TOKEN = b"fuzz-token-0123456789"
 SEG_SIZE = 64 << 10
 
-# one xdist worker runs the module: its tests share the warmed-up servers
-# (growth is measured from their baseline) and add up one STATS
-pytestmark = pytest.mark.xdist_group("fuzz")
-
 # what the fuzzers did, for the closing report (written to $SMB2_FUZZ_STATS if set)
 STATS = {"frames": 0, "connections": 0, "control_messages": 0, "random_bytes": 0,
          "gate_frames": 0}
