@@ -41,7 +41,10 @@ after the module): their tests share a module-scoped fixture that is costly
 or is shared state (one built wheel, warmed-up servers whose growth is
 measured, the machine's one Slurm cluster).  A new module with such a
 fixture joins the set; one whose tests are independent does not.  The
-multi-process trainings of ``TRAININGS`` run one at a time, first.
+multi-process trainings of ``TRAININGS`` run one at a time, first.  Tests
+marked ``alone`` (timing-sensitive: a state expected within milliseconds, a
+loop's stall, a hypothesis deadline, bench_tta's time budget) run after the
+parallel pass with nothing beside them (``make pytest``'s second command).
 
 A test fails if its loop logged an unhandled exception (asyncpg's
 ``_testbase`` habit).
@@ -79,11 +82,10 @@ ONE_WORKER_MODULES = {
     "test_wheel.py": "its tests share one built and installed wheel",
 }
 # Trainings of several processes, each wanting every core and each within a
-# time budget: one worker runs them one after another (bench_tta's tests
-# also share one run of the benchmark), and they come first, so that the
+# time budget: one worker runs them one after another, and they come first, so that the
 # other workers' short tests fill the time beside them rather than leaving
 # them to run alone at the end.
-TRAININGS = {"test_bench_tta.py", "test_train_accuracy.py"}
+TRAININGS = {"test_train_accuracy.py"}
 # the shm transport's own modules: on both loops over every transport
 SHM_MODULES = {"test_shm.py", "test_shm_lock.py", "test_shm_fast.py"}
 
