@@ -5,9 +5,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # pip only reinstalls (and rebuilds the Cython extension) when these change
-BUILD_INPUTS := pyproject.toml setup.py $(wildcard src/smb2/*.pyx)
+BUILD_INPUTS := pyproject.toml setup.py src/smb2/version.py $(wildcard src/smb2/*.pyx)
 
-.PHONY: demo test test-host test-rdma lint typecheck pytest clean
+.PHONY: demo test test-host test-rdma lint typecheck docs wheel pytest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,7 @@ demo: $(VENV)/.installed-demo
 test: test-host
 	tools/rdma_tier.sh $(RDMA_PYTEST_ARGS)
 
-test-host: $(VENV)/.installed-test lint typecheck pytest
+test-host: $(VENV)/.installed-test lint typecheck docs pytest
 
 # only the soft-RoCE tier (one VM boot; see tools/rdma_tier.sh)
 test-rdma: $(VENV)/.installed-test
@@ -58,6 +58,14 @@ lint: $(VENV)/.installed-test
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy src/smb2 tools
 
+# the documentation site into build/site, warnings as errors (mkdocs.yml)
+docs: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# the sdist and a manylinux wheel (libibverbs left to the host) in dist/
+wheel: $(VENV)/.installed-test
+	$(BIN)/python tools/build_wheel.py dist
+
 # the host suite on pytest-xdist workers, one per core (PYTEST_WORKERS=0: in
 # this process), then the timing-sensitive tests (mark "alone") by themselves;
 # tests/conftest.py says how tests stay apart and which loops and transports
@@ -69,4 +77,4 @@ pytest: $(VENV)/.installed-test
 	$(BIN)/pytest -p no:xdist -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info src/smb2/_core.c src/smb2/_verbs.c src/smb2/*.so .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist src/*.egg-info src/smb2/_core.c src/smb2/_verbs.c src/smb2/*.so .pytest_cache .mypy_cache .ruff_cache

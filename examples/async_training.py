@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 import smb2
-from smb2.train import data
-from smb2.train.job import JobConfig, run_job, single_process
+from smb2.train.example import data
+from smb2.train.example.job import JobConfig, run_job, single_process
 
 RULES = {
     "accumulate": {},

@@ -36,16 +36,16 @@ import smb2.torch
 
 def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     try:
-        from smb2.train import data
+        from smb2.train.example import data
         xtr, ytr, xte, yte = data.digits()
     except smb2.InterfaceError:
-        from smb2.train import data
+        from smb2.train.example import data
         xtr, ytr, xte, yte = data.synthetic(1500, 64, 10, test=500)
     return (torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte), torch.from_numpy(yte))
 
 
 async def worker(servers: str, epochs: int) -> None:
-    rank, world = smb2.torch.env_rank()
+    rank, world = smb2.torch.resolve_rank()
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import smb2.torch  # smb2
-from smb2.train import data
+from smb2.train.example import data
 
 
 def make_model() -> nn.Module:
@@ -79,7 +78,6 @@ def main() -> None:
     p.add_argument("--staleness", type=int, default=1)
     a = p.parse_args()
 
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # smb2
     torch.manual_seed(0)
     torch.set_num_threads(1)
     xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
@@ -88,19 +86,17 @@ def main() -> None:
     opt = make_optimizer(model, a.optimizer)
     opt = smb2.torch.AsyncOptimizer(opt, model, name=a.name, staleness=a.staleness)  # smb2
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    shard = torch.arange(rank, len(xtr), world)  # smb2: this rank's share of the data
+    shard = torch.arange(opt.rank, len(xtr), opt.world)  # smb2: this rank's share of the data
     # smb2: a resumed store (a crash, a torchrun restart) continues at this rank's
-    # last step: skip the epochs done and advance the schedule to match
+    # last saved step, with its optimizer state and schedule: skip the epochs done
     first_epoch = opt.start_step // -(-len(shard) // a.batch)
-    for _ in range(first_epoch):
-        sched.step()
 
     t0 = time.perf_counter()
     loss = train(model, opt, sched, xtr, ytr, shard, a.epochs, a.batch, first_epoch)
     stats = opt.stats()
     opt.close(wait_all=300)  # smb2: wait for every rank, take the weights they trained
 
-    report = {"rank": rank, "world": world, "optimizer": a.optimizer, "steps": stats["steps"],
+    report = {"rank": opt.rank, "world": opt.world, "optimizer": a.optimizer, "steps": stats["steps"],
               "loss": round(loss, 4), "accuracy": round(accuracy(model, xte, yte), 2),
               "seconds": round(time.perf_counter() - t0, 2), "comm_wait_share": round(stats["comm_wait_share"], 3)}
     print(json.dumps(report) + "\n", end="", flush=True)  # one write: ranks share torchrun's stdout

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -62,6 +62,7 @@ import pytest_asyncio
 import uvloop
 
 import smb2
+from smb2.torch.loop_thread import LoopThread
 
 TRANSPORTS = [t for t in os.environ.get("SMB2_TEST_TRANSPORTS", "tcp,shm").split(",") if t]
 
@@ -158,6 +159,20 @@ async def _fail_on_loop_errors() -> AsyncIterator[None]:
 async def cluster() -> AsyncIterator[smb2.LocalCluster]:
     async with smb2.LocalCluster(servers=4) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[str]:
+    """Two smb2-server processes for a module of ordinary (not async) tests,
+    such as the torch ones ("h:p,h:p")."""
+    loop = LoopThread("test-cluster")
+    cluster = smb2.LocalCluster(servers=2, processes=True)
+    loop.run(cluster.start())
+    try:
+        yield ",".join(cluster.addresses)
+    finally:
+        loop.run(cluster.close())
+        loop.stop()
 
 
 @pytest_asyncio.fixture

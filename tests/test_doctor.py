@@ -102,7 +102,6 @@ def test_the_token_found_or_missing(tmp_path: Path) -> None:
         assert json.loads(wrong.stdout)["token"] == f"found in ${auth.ENV}"
         assert "wrong token" in json.loads(wrong.stdout)["problems"][0]
 
-        time.sleep(0.3)     # the server's back-off after the wrong token
         right = doctor(address, "--json", "--auth-token-file", str(token_file))
         assert right.returncode == 0, right.stdout
         report = json.loads(right.stdout)
@@ -127,3 +126,32 @@ def test_bad_arguments_exit_2(tmp_path: Path) -> None:
     assert doctor("--capacity", "lots").returncode == 2
     run = doctor("--auth-token-file", str(tmp_path / "absent"))
     assert run.returncode == 2 and "smb2 doctor:" in run.stderr
+
+
+def test_wait_keeps_trying_a_server_still_starting_but_not_a_wrong_token(tmp_path: Path) -> None:
+    """A job's servers start beside it (Slurm, Kubernetes): ``--wait`` retries
+    one that refuses connections until it is up; a wrong token is an answer,
+    not a server still starting, and is reported at once."""
+    address = dead_address()
+    port = address.rsplit(":", 1)[1]
+    base = {k: v for k, v in os.environ.items() if k != auth.ENV}
+    waiting = subprocess.Popen([sys.executable, "-m", "smb2.cli", "doctor", "--wait", "60", "--json", address],
+                               stdout=subprocess.PIPE, text=True, env=base)
+    token_file = tmp_path / "token"
+    token_file.write_bytes(TOKEN)
+    token_file.chmod(0o600)
+    time.sleep(1.5)             # refused meanwhile: doctor is still trying
+    assert waiting.poll() is None
+    server = ServerProcess("--port", port, "--auth-token-file", str(token_file))
+    try:
+        out, _ = waiting.communicate(timeout=60)
+        report = json.loads(out)
+        # the server came up and answered (the missing token is its answer)
+        assert report["servers"][0]["error"] is not None and "authentication" in report["servers"][0]["error"]
+        t0 = time.monotonic()
+        wrong = doctor(address, "--wait", "60", "--json", env={auth.ENV: "not the token"})
+        assert wrong.returncode == 1 and "wrong token" in json.loads(wrong.stdout)["problems"][0]
+        assert time.monotonic() - t0 < 30       # not the 60 s of --wait
+    finally:
+        server.stop()
+    assert doctor(address, "--wait", "1").returncode == 1      # gone again: reported after the wait

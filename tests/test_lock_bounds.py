@@ -355,9 +355,9 @@ async def test_the_lease_is_fixed_when_the_lock_is_created(cluster: smb2.LocalCl
     first = a.lock("leased", lease=2.0)
     await first.acquire()
     with pytest.raises(smb2.BufferConflict, match="lease of 2.0 s"):
-        await b.lock("leased", lease=9.0).acquire(timeout=1)
+        await b.lock("leased", lease=4.0).acquire(timeout=1)
     with pytest.raises(smb2.BufferConflict, match="lease of 2.0 s"):
-        await a.lock("leased", lease=9.0).acquire(timeout=1)
+        await a.lock("leased", lease=4.0).acquire(timeout=1)
     same = b.lock("leased", lease=2.0)         # the same lease, or none, is fine
     await first.release()
     await same.acquire(timeout=5)

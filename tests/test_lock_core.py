@@ -262,6 +262,34 @@ def test_lock_table_fifo_grants_and_fences() -> None:
     assert table.next_deadline() is None
 
 
+def test_impossible_words_are_found_and_a_reset_keeps_the_parked_order() -> None:
+    mem = mmap.mmap(-1, 4096)
+    table = _core.LockTable(memoryview(mem), 2)
+    table.open(0, 10, 5.0, 0.0)
+    table.open(1, 10, 5.0, 0.0)
+    assert table.acquire(0, 1, 100, 0.0) == (10, True)
+    assert [table.acquire(0, w, 100 + w, 0.0) for w in (2, 3, 4)] == [(11, False), (12, False), (13, False)]
+    assert table.cancel(3, 0.0) == []                   # 12 abandoned: not kept
+    assert table.impossible(100) == []
+    # a client wrote the words: now_serving past next_ticket (slot 0), and
+    # far more queued than allowed (slot 1)
+    struct.pack_into("<Q", mem, 8, 1 << 40)
+    struct.pack_into("<Q", mem, 32, 10 + 1000)
+    assert table.impossible(100) == [0, 1]
+    # slot 0 numbered again from 500: waiters 2 and 4 keep their order,
+    # the holder (1) lost it, the first waiter is granted
+    assert table.reset(0, 500, 1.0) == [2]
+    assert table.words(0)[:2] == (502, 500)
+    assert table.waiter_ticket(2) == (0, 500) and table.waiter_ticket(4) == (0, 501)
+    assert table.waiter_ticket(1) is None and not table.check_fence(0, 10)
+    assert table.check_fence(0, 500)
+    assert table.release(0, 500, 1.1) == (True, [4])
+    assert table.release(0, 501, 1.2) == (True, [])
+    assert table.idle(0) and table.resets == 1
+    assert table.reset(1, 2000, 1.0) == []
+    assert table.words(1)[:2] == (2000, 2000) and table.impossible(100) == []
+
+
 def test_lock_table_rejects_misuse() -> None:
     mem = mmap.mmap(-1, 4096)
     with pytest.raises(ValueError):

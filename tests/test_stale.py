@@ -49,8 +49,11 @@ async def test_restart_without_data_dir_refuses_the_old_handle() -> None:
         with pytest.raises(smb2.StaleHandle):
             await counter.fetch_add(0, 1)
         assert np.all(await other.read(0, other.nbytes) == 0xBB)      # untouched
-        # the same name made again is a new buffer: the old handle stays refused
-        await b.create("job-a", 2 * MiB, stripe=MiB)
+        # job-a lost its part on server 1: made again only when asked, and
+        # then the old handle stays refused
+        with pytest.raises(smb2.BufferDamaged):
+            await b.create("job-a", 2 * MiB, stripe=MiB)
+        await b.create("job-a", 2 * MiB, stripe=MiB, recreate_lost=True)
         with pytest.raises(smb2.StaleHandle):
             await _write_everywhere(job, 0xEE)
         assert np.all(await other.read(0, other.nbytes) == 0xBB)

@@ -10,7 +10,7 @@ import statistics
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import smb2
-from smb2.train.background import LoopThread
+from smb2.torch.loop_thread import LoopThread
 
 torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
@@ -29,19 +29,6 @@ from smb2.train.dropping import LayerDropping  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torch_train.py"
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[str]:
-    """Two smb2-server processes for the module's tests ("h:p,h:p")."""
-    loop = LoopThread("test-cluster")
-    cluster = smb2.LocalCluster(servers=2, processes=True)
-    loop.run(cluster.start())
-    try:
-        yield ",".join(cluster.addresses)
-    finally:
-        loop.run(cluster.close())
-        loop.stop()
 
 
 def _model(seed: int = 0, bn: bool = False) -> torch.nn.Module:
@@ -561,7 +548,7 @@ def _example() -> Any:
 def _single_process_accuracy(kind: str, epochs: int, seed: int = 0, shard: slice = slice(None)) -> float:
     """The example's loop in this process, plain torch, no smb2 (on the
     whole training set, or on one worker's ``shard`` of it alone)."""
-    from smb2.train import data
+    from smb2.train.example import data
     ex = _example()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)            # as the example's workers do (and faster on a busy machine)

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 import smb2
-from smb2.train import data
-from smb2.train.job import JobConfig, run_job, single_process
+from smb2.train.example import data
+from smb2.train.example.job import JobConfig, run_job, single_process
 
 pytest.importorskip("sklearn", reason="the digits data set comes with scikit-learn (pip install 'smb2[test]')")
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 import smb2
-from smb2.train import MLP, LayerDropping, ParameterStore
+from smb2.train import LayerDropping, ParameterStore
+from smb2.train.example import MLP
 from smb2.train.rules import EASGD
 
 
@@ -296,7 +298,17 @@ def test_smb2_torch_imports_without_torch(monkeypatch: pytest.MonkeyPatch) -> No
         mod._torch()
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert mod.env_rank() == (3, 4)
+    assert mod.resolve_rank() == (3, 4)
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(smb2.InvalidArgumentError):
-        mod.env_rank()
+        mod.resolve_rank()
+
+
+def test_a_training_worker_imports_no_server_code() -> None:
+    """``import smb2`` and the training front ends load the client side only;
+    the server and the test cluster load when first named."""
+    code = ("import sys, smb2, smb2.train, smb2.torch\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('smb2.server') or m == 'smb2.cluster')\n"
+            "assert not loaded, loaded\n"
+            "assert smb2.LocalCluster.__module__ == 'smb2.cluster' and smb2.Server.__name__ == 'MemoryServer'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

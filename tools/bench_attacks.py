@@ -1,4 +1,5 @@
-"""Issue 14's attacks 1-11 against real ``smb2-server`` processes: the bound
+"""Issue 14's attacks 1-11 and issue 22's 12-16 (what a same-host client can
+do through shared memory) against real ``smb2-server`` processes: the bound
 each one meets now, and the server's memory and time while it runs.
 
     python tools/bench_attacks.py [--only 1,4,7] [--quick] [--json PATH]
@@ -10,8 +11,8 @@ and checks that a well-behaved client is still served correctly afterwards.
 It prints the table of the issue's closing note (attack -> bound -> measured
 memory and time) and writes every row to JSON (``--json``, default
 ``bench-results/attacks.json``).  Not a test: the tests that assert these
-bounds are tests/test_hardening_server.py, test_lock_bounds.py,
-test_stale.py; this reuses their server-process and raw-frame helpers.
+bounds are tests/test_hardening_server.py, test_hardening_shm.py,
+test_lock_bounds.py, test_stale.py; this reuses their server-process and raw-frame helpers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -37,20 +39,31 @@ import numpy as np
 
 import smb2
 from smb2.protocol import LOCK_SEGMENT, VERSION, Op
+from smb2.server.locks import MAX_TICKETS_PER_CONNECTION
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
 import wire  # noqa: E402
-from lock_worker import spawn  # noqa: E402
+from lock_worker import reap, spawn  # noqa: E402
 from test_hardening_server import (  # noqa: E402
     TOKEN,
     ServerProcess,
     closed_by_server,
     guess,
+    keep_guessing,
     open_sockets,
     trickle,
     unread_reads,
     well_behaved,
+)
+from test_hardening_shm import (  # noqa: E402
+    REGION,
+    acquire_within,
+    claim_fds,
+    lock_offset,
+    lock_words,
+    shm_of,
+    start_writers,
 )
 from test_lock_bounds import SlowestRead  # noqa: E402
 
@@ -301,24 +314,23 @@ async def distinct_lock_names(quick: bool) -> Row:
 
 async def wrong_tokens(quick: bool) -> Row:
     row = Row(7, "wrong-token guesses for 2 s from one address",
-              "a back-off per source address (0.1 s doubling to 10 s) before a proof is checked; "
+              "one proof per connection, every proof checked (issue 22 #4: no back-off per address); "
               "one WARNING per 10 s")
     with tempfile.TemporaryDirectory() as tmp:
         tok = Path(tmp) / "token"
         tok.write_bytes(TOKEN)
         tok.chmod(0o600)
         async with serving(row, "--capacity", "4MiB", "--auth-token-file", str(tok), token=TOKEN) as srv:
-            checked = throttled = 0
+            checked = 0
             async with Watch(srv, row):
                 end = time.monotonic() + 2.0
                 while time.monotonic() < end:
-                    why = await guess(srv.address, "127.0.0.1", b"guess")
-                    checked += b"authentication failed" in why
-                    throttled += b"try again" in why
-            # the back-off covers the right token from there too: wait it out
-            await until(lambda: is_(guess(srv.address, "127.0.0.1", TOKEN), b""), 0.5)
+                    checked += b"authentication failed" in await guess(srv.address, "127.0.0.1", b"guess")
+            right = await guess(srv.address, "127.0.0.1", TOKEN) == b""
         warnings = sum("authentication failed" in ln for ln in srv.stderr().splitlines())
-    row.result = f"{checked} proofs checked, {throttled} refused unchecked; {warnings} warning line(s)"
+    row.result = (f"{checked} proofs checked and refused ({checked / row.seconds:.0f}/s, one connection "
+                  f"each); the right token from there next: {'accepted' if right else 'REFUSED'}; "
+                  f"{warnings} warning line(s)")
     return row
 
 
@@ -437,6 +449,351 @@ ATTACKS: dict[int, Callable[[bool], Awaitable[Row]]] = {
     11: failed_save}
 
 
+# -- issue 22 #4, #5, #7: guards aimed at others, hoarded shm tickets, a client's
+# lease, a flood of scrapes (attacks 20-24)
+
+def token_file(tmp: str) -> str:
+    tok = Path(tmp) / "token"
+    tok.write_bytes(TOKEN)
+    tok.chmod(0o600)
+    return str(tok)
+
+
+async def guesser_beside_token_holder(quick: bool) -> Row:
+    seconds = 4.0 if quick else 20.0
+    row = Row(20, f"a client with no token sends a wrong proof every 50 ms for {seconds:g} s from 127.0.0.1; "
+              "the token holder on the same address connects every 0.5 s",
+              "every proof of a connection is checked: a wrong one closes that connection only")
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ("--capacity", "8MiB", "--auth-token-file", token_file(tmp))
+        async with serving(row, *flags, token=TOKEN) as srv:
+            stop = asyncio.Event()
+            served = tries = 0
+            async with Watch(srv, row):
+                task = asyncio.create_task(keep_guessing(srv.address, stop, 0.05))
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    tries += 1
+                    with contextlib.suppress(smb2.Smb2Error):
+                        async with await smb2.connect([srv.address], token=TOKEN, transport="tcp") as c:
+                            served += bool(await c.stat())
+                    await asyncio.sleep(0.5)
+                stop.set()
+                wrong = await task
+    row.result = f"token holder served {served}/{tries} (was 0/40) beside {wrong} wrong proofs refused"
+    return row
+
+
+async def unauthenticated_crowd(quick: bool) -> Row:
+    held_n, tries = 128, (10 if quick else 30)
+    row = Row(21, f"{held_n} unauthenticated sockets held from 127.0.0.1, and more opened all along; "
+              f"the token holder connects {tries} times from the same address",
+              "--max-connections(-per-host): the oldest unauthenticated connection makes room; "
+              "only authenticated ones fill a cap")
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ("--capacity", "8MiB", "--auth-token-file", token_file(tmp))
+        async with serving(row, *flags, token=TOKEN) as srv:
+            held = await asyncio.to_thread(open_sockets, srv.address, held_n, wire.hello())
+            stop = False
+            opened = 0
+
+            def churn() -> None:
+                # as fast as one thread can: each new one makes the server
+                # close an older one, which is then closed here too
+                nonlocal opened
+                mine: list[socket.socket] = []
+                while not stop:
+                    with contextlib.suppress(OSError):
+                        mine.append(socket.create_connection(srv.address))
+                        opened += 1
+                    if len(mine) > 256:
+                        mine.pop(0).close()
+                for s in mine:
+                    s.close()
+            served, st = 0, {"unauthenticated_evicted": "?"}
+            async with Watch(srv, row):
+                churner = asyncio.create_task(asyncio.to_thread(churn))
+                for _ in range(tries):
+                    await asyncio.sleep(0.1)        # the churn goes on between tries
+                    with contextlib.suppress(smb2.Smb2Error):
+                        async with await smb2.connect([srv.address], token=TOKEN, transport="tcp") as c:
+                            st = (await c.stat())[0]
+                            served += 1
+                stop = True
+                await churner
+            for s in held:
+                s.close()
+    row.result = (f"token holder served {served}/{tries} (was 3/30) while {opened} more were opened; "
+                  f"{st['unauthenticated_evicted']} unauthenticated connections closed to make room")
+    return row
+
+
+async def hoarded_shm_tickets(quick: bool) -> Row:
+    from smb2.server.shm import MAX_PENDING, MAX_PENDING_PER_OWNER
+    from smb2.transport.tcp import TcpTransport
+    conns, tries = MAX_PENDING // MAX_PENDING_PER_OWNER, (4 if quick else 10)
+    row = Row(22, f"{conns} connections x {MAX_PENDING_PER_OWNER} shm tickets never claimed; then other "
+              f"clients connect {tries} times each with shm and auto",
+              f"at {MAX_PENDING} unclaimed tickets the connection holding the most loses its oldest; "
+              "auto takes TCP when shm is refused")
+    async with serving(row, "--capacity", "32MiB") as srv:
+        hoard = [await TcpTransport.connect(srv.address) for _ in range(conns)]
+        try:
+            async with Watch(srv, row):
+                for t in hoard:
+                    for _ in range(MAX_PENDING_PER_OWNER):
+                        await t.control({"cmd": "shm_grant", "segments": [LOCK_SEGMENT]})
+                got: dict[str, int] = {"shm": 0, "auto": 0}
+                for kind in ("shm", "auto") * tries:
+                    with contextlib.suppress(smb2.Smb2Error):
+                        async with await smb2.connect([srv.address], transport=kind) as c:
+                            buf = await c.create(f"b{kind}{time.monotonic_ns()}", 4096)
+                            await buf.write(0, b"ok")
+                            got[kind] += c.transports == ["shm"] and bytes(await buf.read(0, 2)) == b"ok"
+            async with await smb2.connect([srv.address], transport="tcp") as c:
+                shm = (await c.stat())[0]["shm"]
+        finally:
+            for t in hoard:
+                await t.close()
+    row.result = (f"shm {got['shm']}/{tries} and auto {got['auto']}/{tries} mapped over shm (were 0); "
+                  f"{shm['tickets_withdrawn']} hoarded ticket(s) withdrawn")
+    return row
+
+
+async def client_chosen_lease(quick: bool) -> Row:
+    lease = 1.0
+    row = Row(23, "the first opener of a lock asks for lease=3600; a holder with the lock's lease is "
+              "frozen (SIGSTOP)",
+              f"a client's lease at most --lock-max-lease (default the server's --lock-lease, {lease:g} s here)")
+    async with serving(row, "--capacity", "16MiB", "--lock-lease", str(lease)) as srv:
+        address = f"{srv.address[0]}:{srv.address[1]}"
+        async with await smb2.connect([address]) as c:
+            await c.create("b", 64, stripe=64)
+            first = c.lock("L", lease=3600)
+            try:
+                await first.acquire(timeout=5)
+                await first.release()
+                said = "ACCEPTED"
+            except smb2.BadRequest as exc:
+                said = str(exc).split(": ", 1)[-1]
+            a = await spawn({"servers": [address], "buffer": "b", "lock": "L", "action": "hold",
+                             "mode": "park", "transport": "tcp"})
+            assert a.stdout is not None
+            try:
+                assert (await asyncio.wait_for(a.stdout.readline(), 30)).startswith(b"HELD")
+                waiter = c.lock("L")
+                async with Watch(srv, row):
+                    os.kill(a.pid, signal.SIGSTOP)
+                    await waiter.acquire(timeout=30)
+                await waiter.release()
+            finally:
+                await reap(a)       # stopped or not
+    row.result = (f"lease=3600 refused ({said[:60]!r}); the waiter got the lock {row.seconds:.2f} s after "
+                  "the freeze (was >= 15 s)")
+    return row
+
+
+async def scrape_flood(quick: bool) -> Row:
+    # the flood the test runs: raw HTTP connections, scraping without pause
+    from test_metrics import FLOOD
+    seconds, locks = (3.0 if quick else 10.0), 2000
+    row = Row(24, f"32 connections scraping /metrics without pause for {seconds:g} s, {locks:,} locks open",
+              "the numbers read on the loop at most every 0.25 s (waiting scrapes share a reading), rendered "
+              "in a thread; 16 scrape connections at once; ':PORT' binds loopback")
+    async with serving(row, "--capacity", "16MiB", "--metrics", ":0") as srv:
+        assert srv.proc.stdout is not None
+        url = srv.proc.stdout.readline().split()[-1]
+        async with await smb2.connect([srv.address], transport="tcp") as c:
+            for first in range(0, locks, 250):
+                held = [c.lock(f"L{k}", mode="park") for k in range(first, first + 250)]
+                await asyncio.gather(*(lock.acquire() for lock in held))
+                await asyncio.gather(*(lock.release() for lock in held))
+            buf = await c.create("data", 4096)
+
+            async def p50(n: int = 500) -> float:
+                times = []
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    await buf.read(0, 64)
+                    times.append(time.perf_counter() - t0)
+                return sorted(times)[n // 2]
+            quiet = await p50()
+            cpu0 = cpu_seconds(srv.proc.pid)
+            async with Watch(srv, row):
+                flood = await asyncio.create_subprocess_exec(sys.executable, "-c", FLOOD, url, "32", str(seconds),
+                                                             stdout=asyncio.subprocess.PIPE)
+                await asyncio.sleep(1.0)
+                busy = await p50()
+                out, _ = await flood.communicate()
+            cpu = cpu_seconds(srv.proc.pid) - cpu0
+    served, readings = map(int, out.split())
+    row.result = (f"bound to {url.split('/')[2]}; {served} scrapes from {readings} readings, {cpu:.2f} s of "
+                  f"server CPU in {row.seconds:.1f} s; 64-byte read p50 {quiet * 1e6:.0f} us quiet, "
+                  f"{busy * 1e6:.0f} us during the flood (was 29 us -> 4.5 ms)")
+    return row
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+ISSUE_22_GUARDS: dict[int, Callable[[bool], Awaitable[Row]]] = {
+    20: guesser_beside_token_holder, 21: unauthenticated_crowd, 22: hoarded_shm_tickets,
+    23: client_chosen_lease, 24: scrape_flood}
+ATTACKS.update(ISSUE_22_GUARDS)
+
+# -- issue 22, findings 1, 2, 3 and 6: what a same-host client does through shm --
+
+async def sigterm_under_shm_writers(quick: bool) -> Row:
+    writers, tries = 4, 2 if quick else 3
+    row = Row(12, f"SIGTERM with {writers} shm clients writing 4 MiB regions, then a restart ({tries} tries)",
+              "segments frozen before the save, each chunk hashed and written from a copy: the restart "
+              "starts, every acknowledged write present")
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ("--data-dir", tmp, "--capacity", "256MiB")
+        outcomes: list[str] = []
+        stops: list[float] = []
+        for attempt in range(tries):
+            srv = ServerProcess(*flags)
+            try:
+                if attempt == 0:
+                    async with await smb2.connect([srv.address], transport="tcp") as c:
+                        await c.create("shared", writers * REGION)
+                acked = [0] * writers
+                stop = threading.Event()
+                threads = await asyncio.to_thread(start_writers, srv.address, "shared", writers, acked, stop)
+                t0 = time.monotonic()
+                async with Watch(srv, row):
+                    code = srv.stop()
+                stops.append(time.monotonic() - t0)
+                stop.set()
+                for t in threads:
+                    t.join(10)
+            finally:
+                srv.stop()
+            srv = ServerProcess(*flags)       # fails the attack if the save was torn
+            try:
+                async with await smb2.connect([srv.address], transport="tcp") as c:
+                    buf = await c.attach("shared")
+                    present = 0
+                    for r in range(writers):
+                        got = (await buf.read(r * REGION, REGION)).view(np.int64)
+                        present += int(got.min() >= acked[r])
+                outcomes.append(f"exit {code}, restarted, {present}/{writers} acknowledged")
+                if attempt == tries - 1:
+                    await asyncio.wait_for(well_behaved(srv.address), 60)
+                    row.served_after = True
+            finally:
+                srv.stop()
+    row.result = "; ".join(outcomes) + \
+        f" (SIGTERM to exit, the save of {writers * REGION >> 20} MiB included: " + \
+        ", ".join(f"{t:.2f}" for t in stops) + " s)"
+    return row
+
+
+async def resize_memfds(quick: bool) -> Row:
+    row = Row(13, "ftruncate (to 0, to half, +256 MiB) on every handed-out memory file, lock table included",
+              "memfds sealed F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL: EPERM; no SIGBUS, no memory outside --capacity")
+    async with serving(row, "--capacity", "16MiB") as srv:
+        async with await smb2.connect([srv.address], transport="shm") as c:
+            buf = await c.create("sealed", 4 * MiB)
+            await buf.write(0, np.ones(MiB, np.uint8))
+            grant = await shm_of(c).control({"cmd": "shm_grant", "segments": [LOCK_SEGMENT, buf.segments[0]]})
+            fds = claim_fds(grant["path"], grant["ticket"])
+            refused = tried = 0
+            async with Watch(srv, row):
+                for fd in fds:
+                    for new in (0, os.fstat(fd).st_size // 2, os.fstat(fd).st_size + (256 << 20)):
+                        tried += 1
+                        try:
+                            os.ftruncate(fd, new)
+                        except PermissionError:
+                            refused += 1
+                for fd in fds:
+                    os.close(fd)
+                async with c.lock("after"):     # the lock sweep and the table: still there
+                    await asyncio.sleep(0.2)
+            alive = srv.proc.poll() is None
+        row.result = f"{refused} of {tried} ftruncates refused (EPERM); server alive: {alive}"
+    return row
+
+
+async def now_serving_past_next(quick: bool) -> Row:
+    row = Row(14, "one compare-and-swap over shm: a lock's now_serving 2^30 past next_ticket; "
+                  "then a shm and a TCP waiter with acquire(timeout=3)",
+              "waiters yield and back off, the sweep (<= 50 ms) sees the impossible words, logs and resets "
+              "the lock with higher tickets")
+    async with serving(row, "--capacity", "16MiB") as srv:
+        async with await smb2.connect([srv.address], transport="shm") as attacker, \
+                await smb2.connect([srv.address], transport="shm") as shm_user, \
+                await smb2.connect([srv.address], transport="tcp") as tcp_user:
+            off = await lock_offset(attacker, "L")
+            tr = shm_of(attacker)
+            nxt = await tr.fetch_add(LOCK_SEGMENT, off, 0)
+            async with Watch(srv, row):
+                await tr.compare_swap(LOCK_SEGMENT, off + 8, nxt, nxt + (1 << 30))
+                took = await asyncio.gather(acquire_within(shm_user.lock("L"), 3.0),
+                                            acquire_within(tcp_user.lock("L"), 3.0))
+            nxt, serving_now = await lock_words(tcp_user, "L")
+            resets = (await tcp_user.stat())[0]["locks"]["resets"]
+    logged = any("impossible words" in ln for ln in srv.stderr().splitlines())    # once it stopped
+    row.result = (f"shm waiter returned in {took[0]:.3f} s, TCP waiter in {took[1]:.3f} s; "
+                  f"{resets} reset(s), logged: {logged}; queued after: {nxt - serving_now}")
+    return row
+
+
+async def next_ticket_plus_2_40(quick: bool) -> Row:
+    row = Row(15, "2^40 added to a held lock's next_ticket over TCP, then a new acquire(timeout=3)",
+              f"more queued than (connections + 1) x {MAX_TICKETS_PER_CONNECTION:,}: reset at once, "
+              "the sender named, the holder's token fenced off")
+    async with serving(row, "--capacity", "16MiB") as srv:
+        async with await smb2.connect([srv.address], transport="tcp") as attacker, \
+                await smb2.connect([srv.address], transport="shm") as user:
+            held = user.lock("L")
+            await held.acquire()
+            off = await lock_offset(attacker, "L")
+            t = attacker.links[0].open
+            assert t is not None
+            async with Watch(srv, row):
+                await t.fetch_add(LOCK_SEGMENT, off, 1 << 40)
+                other = user.lock("L")
+                await other.acquire(timeout=3.0)
+            try:
+                await held.release(wait=True)
+                holder = "the old holder released as if nothing happened"
+            except smb2.StaleFence:
+                holder = "the old holder's release: StaleFence"
+            await other.release()
+    named = [ln for ln in srv.stderr().splitlines() if "impossible words" in ln]     # once it stopped
+    row.result = (f"next acquire in {row.seconds:.3f} s; {holder}; "
+                  f"logged: {named[0].split('); ')[-1][:40] if named else 'nothing'!r}")
+    return row
+
+
+async def dropped_shm_lock_names(quick: bool) -> Row:
+    n = 5000
+    row = Row(16, f"{n:,} distinct lock names over one shm connection, each Lock acquired, released and "
+                  "dropped (no close)", "renewal timers hold a Lock weakly: a dropped Lock frees its "
+                  "slot and its ticket record at once; 4096 slots")
+    async with serving(row, "--capacity", "16MiB") as srv:
+        async with await smb2.connect([srv.address], transport="shm") as c:
+            async def task(i: int) -> None:
+                lock = c.lock(f"task-{i}")
+                await lock.acquire()
+                await lock.release()
+            async with Watch(srv, row):
+                for i in range(n):
+                    await asyncio.create_task(task(i))
+            locks = (await c.stat())[0]["locks"]
+        row.result = f"all {n:,} served; {locks['open']} open, {locks['reclaimed']:,} slots reclaimed"
+    return row
+
+
+ATTACKS.update({12: sigterm_under_shm_writers, 13: resize_memfds, 14: now_serving_past_next,
+                15: next_ticket_plus_2_40, 16: dropped_shm_lock_names})
+
+
 def table(rows: list[Row]) -> str:
     out = ["| # | attack | bound | server RSS MiB (before / peak / after) | time | measured | served after |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -467,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
     which = sorted(ATTACKS) if not args.only else [int(x) for x in args.only.split(",")]
     unknown = [n for n in which if n not in ATTACKS]
     if unknown:
-        ap.error(f"no attack {unknown}: they are 1..{len(ATTACKS)}")
+        ap.error(f"no attack {unknown}: they are {', '.join(map(str, sorted(ATTACKS)))}")
     rows = asyncio.run(run(which, args.quick))
     print(table(rows))
     if args.json:

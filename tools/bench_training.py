@@ -64,9 +64,9 @@ from typing import Any
 import numpy as np
 
 import smb2
-from smb2.train import data
-from smb2.train.job import JobConfig, run_job
-from smb2.train.mlp import MLP
+from smb2.train.example import data
+from smb2.train.example.job import JobConfig, run_job
+from smb2.train.example.mlp import MLP
 
 SIZES = [1024, 4096, 2048, 10]
 BATCH = 32

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# host_deps.sh - system packages the host build wants: the libibverbs headers,
-# so that smb2._verbs (the RDMA data path) is compiled.  Installed with apt
-# only when running as root with apt available; otherwise say what is
-# missing and carry on (smb2 then builds TCP-only).
+# host_deps.sh - system packages the host build and tests want, installed
+# with apt only when running as root with apt available; otherwise say what
+# is missing and carry on:
+#  * the libibverbs headers, so that smb2._verbs (the RDMA data path) is
+#    compiled (without them smb2 builds TCP-only);
+#  * Slurm (slurmctld, slurmd, munge) for tests/test_slurm.py, which runs
+#    examples/slurm/ on a single-host cluster (tools/slurm_cluster.sh;
+#    without it that test skips and says why).
 set -u
-if [ -e /usr/include/infiniband/verbs.h ]; then
-  exit 0
+if [ ! -e /usr/include/infiniband/verbs.h ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing libibverbs-dev (for smb2._verbs, the RDMA transport)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq libibverbs-dev >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libibverbs-dev >/dev/null 2>&1; } \
+      || echo "could not install libibverbs-dev: building smb2 without RDMA"
+  else
+    echo "no infiniband/verbs.h and no root+apt to install libibverbs-dev: building smb2 without RDMA"
+  fi
 fi
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "installing libibverbs-dev (for smb2._verbs, the RDMA transport)"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -qq libibverbs-dev >/dev/null 2>&1 \
-    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libibverbs-dev >/dev/null 2>&1; } \
-    || echo "could not install libibverbs-dev: building smb2 without RDMA"
-else
-  echo "no infiniband/verbs.h and no root+apt to install libibverbs-dev: building smb2 without RDMA"
-fi
+"$(dirname "$0")/slurm_cluster.sh" install || echo "no Slurm: tests/test_slurm.py will skip"
 exit 0

@@ -5,14 +5,20 @@ servers, for distributed deep-learning training.
     async with await smb2.connect(["127.0.0.1:7420"]) as client:
         buf = await client.create("params", 1 << 20)
         await buf.write(0, b"hello")
+
+Importing smb2 loads the client side only.  The server side (``smb2.Server``,
+``smb2.start_server``) and the in-process test cluster (``smb2.LocalCluster``)
+are loaded on first use, so a training worker never imports server code.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .client import Buffer, Client, connect
-from .cluster import LocalCluster
 from .errors import (
     AccessDenied,
     BadRequest,
     BufferConflict,
+    BufferDamaged,
     ErrorCode,
     FrameTooLarge,
     InterfaceError,
@@ -34,13 +40,29 @@ from .errors import (
     VersionMismatch,
 )
 from .lock import Fence, Lock
-from .server import MemoryServer as Server
-from .server import start_server
+from .version import __version__ as __version__
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from .cluster import LocalCluster
+    from .server import MemoryServer as Server
+    from .server import start_server
+
+#: names loaded on first use: (module, attribute)
+_LAZY = {"LocalCluster": ("cluster", "LocalCluster"), "Server": ("server", "MemoryServer"),
+         "start_server": ("server", "start_server")}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "Client", "ErrorCode",
+    "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "BufferDamaged", "Client", "ErrorCode",
     "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockTimeout",
     "NoSuchBuffer", "NotifyTimeout", "OperationTimeout", "OutOfBounds", "OutOfMemory", "PersistenceError",
     "ProtocolError", "Server", "ServerError",

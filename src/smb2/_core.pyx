@@ -660,6 +660,11 @@ PAUSE = type("Pause", (), {"__repr__": lambda self: "PAUSE", "__slots__": ()})()
 COPY_NOT_DONE = 0
 COPY_DONE = 1
 COPY_DONE_PAUSE = 2
+#: what an atomic of MappedStripes returns when its segment stopped being
+#: LIVE while it ran (the server froze it to save, or destroyed it): the
+#: atomic may or may not be in what the server keeps, so the caller must
+#: raise, never do it again
+TORN = type("Torn", (), {"__repr__": lambda self: "TORN", "__slots__": ()})()
 
 
 cdef class LiveFlag:
@@ -819,9 +824,21 @@ cdef class MappedStripes:
             else:
                 _copy_job(&jobs[t])     # no thread to be had: this one does it
 
-    cdef bint _copy(self, object mem, object offset, bint into_buffer) except -1:
+    cdef bint _still_live(self, uint64_t server) noexcept:
+        # after a store: was the segment LIVE once the store was visible?
+        # (the server changes the state word before it snapshots; see
+        # load_after_stores)
+        if smb2_load64_after_stores(self.state[server]) == _SEGMENT_LIVE:
+            return True
+        self.detach(server)
+        return False
+
+    cdef int _copy(self, object mem, object offset, bint into_buffer) except -1:
+        # 0: not done, 1: done, 2: written, but a segment stopped being LIVE
+        # meanwhile (the general path must say why; the write may be lost)
         cdef Py_buffer view
         cdef uint64_t off, n, end, i, i0, i1, k, s
+        cdef bint torn = False
         try:
             PyObject_GetBuffer(mem, &view, PyBUF_C_CONTIGUOUS if into_buffer
                                else PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
@@ -848,7 +865,11 @@ cdef class MappedStripes:
                     self._copy_stripes(<uint8_t *>view.buf, off, n, into_buffer)
             else:
                 self._copy_stripes(<uint8_t *>view.buf, off, n, into_buffer)
-            return True
+            if into_buffer:
+                for i in range(i1 + 1 - (k if k < self.nservers else self.nservers), i1 + 1):
+                    if not self._still_live((self.first + i) % self.nservers):
+                        torn = True
+            return 2 if torn else 1
         finally:
             PyBuffer_Release(&view)
 
@@ -859,12 +880,16 @@ cdef class MappedStripes:
         return COPY_DONE_PAUSE if self._due() else COPY_DONE
 
     def write(self, object src, object offset):
-        """Copy ``src`` into the buffer at ``offset``; a COPY_* code."""
-        if not self._copy(src, offset, True):
+        """Copy ``src`` into the buffer at ``offset``; a COPY_* code.  A
+        write during which a segment stopped being LIVE is COPY_NOT_DONE:
+        the general path then finds the segment frozen or gone and raises
+        (the copy may not be in what the server keeps)."""
+        cdef int done = self._copy(src, offset, True)
+        if done != 1:
             return COPY_NOT_DONE
         return COPY_DONE_PAUSE if self._due() else COPY_DONE
 
-    cdef uint64_t *_word(self, object offset) except? NULL:
+    cdef uint64_t *_word(self, object offset, uint64_t *server) except? NULL:
         cdef uint64_t off, i, s, seg
         if not self._offset(offset, 8, &off) or off % 8:
             return NULL
@@ -873,6 +898,7 @@ cdef class MappedStripes:
         seg = (i // self.nservers) * self.stripe + off % self.stripe
         if not self._serves(s, seg + 8):
             return NULL
+        server[0] = s
         return <uint64_t *>(self.data[s] + seg)
 
     cdef bint _operand(self, object value, uint64_t *out) except -1:
@@ -895,27 +921,31 @@ cdef class MappedStripes:
 
     def fetch_add(self, object offset, object value):
         """The int64 word at ``offset`` += ``value``: its old value (signed),
-        or None where the general path must do it, or PAUSE."""
-        cdef uint64_t v
+        or None where the general path must do it, or PAUSE, or TORN."""
+        cdef uint64_t v, s
         cdef uint64_t *p
+        cdef int64_t old
         if self._due():
             return PAUSE
-        p = self._word(offset)
+        p = self._word(offset, &s)
         if p == NULL or not self._operand(value, &v):
             return None
-        return <int64_t>smb2_fetch_add64(p, v)
+        old = <int64_t>smb2_fetch_add64(p, v)
+        return old if self._still_live(s) else TORN
 
     def compare_swap(self, object offset, object expected, object new):
         """Replace the int64 word at ``offset`` by ``new`` if it equals
         ``expected``: its old value (signed), or None or PAUSE as for fetch_add."""
-        cdef uint64_t e, w
+        cdef uint64_t e, w, s
         cdef uint64_t *p
+        cdef int64_t old
         if self._due():
             return PAUSE
-        p = self._word(offset)
+        p = self._word(offset, &s)
         if p == NULL or not self._operand(expected, &e) or not self._operand(new, &w):
             return None
-        return <int64_t>smb2_cas64_old(p, e, w)
+        old = <int64_t>smb2_cas64_old(p, e, w)
+        return old if self._still_live(s) else TORN
 
 
 # --------------------------------------------------------------------------
@@ -976,6 +1006,17 @@ cdef extern from *:
     uint64_t smb2_cas64_old(uint64_t *p, uint64_t expected, uint64_t desired) nogil
 
 
+cdef extern from *:
+    """
+    /* A load ordered after every store before it, streamed ones included
+       (a full fence: on x86 a seq-cst load alone may pass earlier stores). */
+    static inline uint64_t smb2_load64_after_stores(uint64_t *p) {
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
+    """
+    uint64_t smb2_load64_after_stores(uint64_t *p) nogil
+
+
 # Word atomics on shared memory (seq-cst CPU atomics).  Every party that
 # changes a word another process may change at the same time uses these:
 # the server executing a TCP FETCH_ADD/COMPARE_SWAP, and a shm client on its
@@ -992,6 +1033,15 @@ cdef uint64_t *_word_at(uint8_t[::1] mem, Py_ssize_t offset) except NULL:
 def atomic_load(uint8_t[::1] mem, Py_ssize_t offset):
     """The u64 word at ``offset`` of ``mem``."""
     return smb2_load64(_word_at(mem, offset))
+
+
+def load_after_stores(uint8_t[::1] mem, Py_ssize_t offset):
+    """The u64 word at ``offset``, read after every store this thread made
+    before is visible to all (a full fence, then a seq-cst load).  A shm
+    writer reads its segment's state word so after its copy: if the word
+    is still LIVE, the server, which changes the word before it snapshots
+    the segment (a save), sees the whole copy (docs/reliability.md)."""
+    return smb2_load64_after_stores(_word_at(mem, offset))
 
 
 def atomic_store(uint8_t[::1] mem, Py_ssize_t offset, uint64_t value):
@@ -1086,7 +1136,7 @@ cdef class LockTable:
     cdef dict _owners           # owner -> set of waiters
     cdef readonly list lost     # (slot, waiter) parked waiters whose ticket was passed
     # counters for stat()
-    cdef readonly uint64_t grants, expired, abandoned_skips, stale_renewals
+    cdef readonly uint64_t grants, expired, abandoned_skips, stale_renewals, resets
 
     def __cinit__(self, mem, Py_ssize_t nslots):
         cdef uint8_t[::1] view = mem
@@ -1310,6 +1360,59 @@ cdef class LockTable:
                 s.last_change = now
                 grants.extend(self._advance(i, now))
         return grants
+
+    def impossible(self, uint64_t max_queue):
+        """The open slots whose words no client following the rules could
+        have made: now_serving past next_ticket, or more than ``max_queue``
+        tickets outstanding (a client wrote them with plain atomics).  One
+        pass over the slots, in C."""
+        cdef Py_ssize_t i
+        cdef uint64_t *w
+        cdef int64_t d
+        out = []
+        for i in range(self.nslots):
+            if self._s[i].used:
+                w = self._words(i)
+                d = _tdiff(w[0], w[1])
+                if d < 0 or <uint64_t>d > max_queue:
+                    out.append(i)
+        return out
+
+    def reset(self, Py_ssize_t slot, uint64_t base, double now):
+        """Number ``slot``'s tickets again from ``base`` (its words were
+        made impossible, see ``impossible``): the live parked waiters keep
+        their order with new tickets, the first of them granted; a holder
+        loses the lock (its token no longer fences), and tickets drawn
+        one-sidedly are passed (their waiters draw again).  Returns the
+        grants, as every method that moves a lock does."""
+        cdef _Slot *s = self._slot(slot)
+        cdef uint64_t *w = self._words(slot)
+        cdef uint64_t old, k = 0
+        live = [p for p in <object>self._parked[slot] if self._is_live(p)]
+        self._forget_holder(slot, s)
+        # next_ticket first (a shm client may draw meanwhile: it then gets a
+        # ticket of the new numbering), now_serving last
+        while True:
+            old = smb2_load64(&w[0])
+            if smb2_cas64(&w[0], old, base + <uint64_t>len(live)):
+                break
+        smb2_store64(&w[2], 0)
+        fifo = deque()
+        for t, wid in live:
+            (<list>self._waiters[wid])[1] = base + k
+            fifo.append((base + k, wid))
+            k += 1
+        self._parked[slot] = fifo
+        self._live[slot] = len(live)
+        self._abandoned[slot] = set()
+        self._abandoned_heap[slot] = []
+        s.base = base
+        smb2_store64(&w[1], base)
+        s.seen_serving = base
+        s.seen_heartbeat = 0
+        s.last_change = now
+        self.resets += 1
+        return self._advance(slot, now)
 
     def next_deadline(self):
         """The earliest time a lease can expire, or None when no lock is held."""

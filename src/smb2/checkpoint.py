@@ -23,7 +23,7 @@ from typing import IO, Any, Final, Protocol
 import numpy as np
 
 from .durable import CHUNK, chunks, fsync_dir
-from .errors import InvalidArgumentError, NoSuchBuffer, PersistenceError
+from .errors import BufferDamaged, InvalidArgumentError, NoSuchBuffer, PersistenceError
 
 
 class StoredBuffer(Protocol):
@@ -45,7 +45,8 @@ class Client(Protocol):
 
     async def attach(self, name: str) -> StoredBuffer: ...
 
-    async def create(self, name: str, nbytes: int, *, stripe: int = ...) -> StoredBuffer: ...
+    async def create(self, name: str, nbytes: int, *, stripe: int = ...,
+                     recreate_lost: bool = ...) -> StoredBuffer: ...
 
 __all__ = ["CHUNK", "checkpoint", "read_checkpoint_header", "restore"]
 
@@ -124,7 +125,8 @@ def read_checkpoint_header(f: io.BufferedReader, path: str) -> tuple[dict[str, A
 async def restore(client: Client, name: str, path: str | os.PathLike[str], *,
                   chunk: int = CHUNK) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into buffer ``name`` (created with the
-    checkpoint's size and stripe if it does not exist).  The file's checksum
+    checkpoint's size and stripe if it does not exist; a damaged buffer's
+    lost parts are made again, since every byte is rewritten).  The file's checksum
     is verified before any byte is written; a buffer of another size, or a
     checkpoint of another buffer, is refused with InvalidArgumentError."""
     path = Path(path)
@@ -161,6 +163,8 @@ async def restore(client: Client, name: str, path: str | os.PathLike[str], *,
             buf = await client.attach(name)
         except NoSuchBuffer:
             buf = await client.create(name, nbytes, stripe=header["stripe"])
+        except BufferDamaged:
+            buf = await client.create(name, nbytes, stripe=header["stripe"], recreate_lost=True)
         if buf.nbytes != nbytes:
             raise InvalidArgumentError(
                 f"buffer {name!r} has {buf.nbytes} bytes; the checkpoint {path} holds {nbytes}")

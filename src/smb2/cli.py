@@ -1,7 +1,10 @@
 """The ``smb2`` command: ``smb2 stat``, ``smb2 ls``, ``smb2 rm``, ``smb2 doctor``,
-``smb2 bench``, ``smb2 demo``.
+``smb2 servers``, ``smb2 bench``, ``smb2 demo``.
 
-Servers are given as arguments or, where none are, by ``SMB2_SERVERS``.
+Servers are given with ``--servers HOST:PORT,...`` (``stat`` and ``ls`` also
+take them as arguments; ``rm``'s arguments are names) or, where none are,
+by ``SMB2_SERVERS``.  An error is printed as its message and hint, one
+``HINT:`` line, with no traceback; the exit status is then 1.
 (``smb2-server`` lives in :mod:`smb2.server`.)
 """
 
@@ -10,11 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from typing import Any
 
 from .client import connect
-from .errors import NoSuchBuffer, Smb2Error
+from .errors import InterfaceError, NoSuchBuffer, Smb2Error, TransportError
+from .protocol import DEFAULT_PORT
+from .version import __version__
 
 
 async def _stat(client: Any, args: argparse.Namespace) -> int:
@@ -31,8 +37,13 @@ async def _ls(client: Any, args: argparse.Namespace) -> int:
         try:
             rows.append(await describe(client, name))
         except Smb2Error as exc:        # removed meanwhile, or not on every server
-            rows.append({"name": name, "error": str(exc)})
-    if args.json:
+            rows.append({"name": name, "error": exc.message})
+    _print_rows(rows, args.json)
+    return 0
+
+
+def _print_rows(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
         print(json.dumps(rows, indent=2))
     elif not rows:
         print("no buffers")
@@ -40,12 +51,16 @@ async def _ls(client: Any, args: argparse.Namespace) -> int:
         print(f"{'NAME':24} {'BYTES':>12} {'STRIPE':>8}  WHAT")
         for r in rows:
             print(f"{r['name']:24} {r.get('bytes', '-'):>12} {r.get('stripe', '-'):>8}  {_what(r)}")
-    return 0
 
 
 def _what(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"unreadable: {r['error']}"
+    if "unreachable" in r:
+        return (f"unknown: server{'s' if len(r['unreachable']) > 1 else ''} {', '.join(r['unreachable'])} "
+                f"unreachable (parts seen: {r['parts_seen']} of {r['parts']})")
+    if "damaged" in r:
+        return f"DAMAGED: {r['damaged']} (`smb2 rm {r['name']}` removes it)"
     if not r["store"]:
         return "buffer"
     if "tensors" not in r:
@@ -58,28 +73,132 @@ def _what(r: dict[str, Any]) -> str:
             f"steps {r['steps']}{heard}")
 
 
+async def _ls_partial(servers: list[str], args: argparse.Namespace) -> int:
+    """``smb2 ls`` while some server cannot be reached: what each reachable
+    server holds (from its ``stat``), each buffer marked as not readable."""
+    async def one(server: str) -> Any:
+        async with await connect([server], transport=args.transport, timeout=args.connect_timeout) as c:
+            return (await c.stat())[0]
+    answers = await asyncio.gather(*(one(s) for s in servers), return_exceptions=True)
+    down = [s for s, a in zip(servers, answers) if isinstance(a, BaseException)]
+    for s, a in zip(servers, answers):
+        if isinstance(a, BaseException):
+            print(f"smb2 ls: server {s} is unreachable: "
+                  f"{a.message if isinstance(a, Smb2Error) else a}", file=sys.stderr)
+    if len(down) == len(servers):
+        print("HINT: check the addresses (--servers or SMB2_SERVERS) and that the servers run", file=sys.stderr)
+        return 1
+    seen: dict[str, dict[str, Any]] = {}
+    for a in answers:
+        if isinstance(a, BaseException):
+            continue
+        for name, info in a.get("buffers", {}).items():
+            row = seen.setdefault(name, {"name": name, "bytes": info["nbytes"], "stripe": info["stripe"],
+                                         "parts": info["nservers"], "parts_seen": 0, "unreachable": down})
+            row["parts_seen"] += 1
+    _print_rows([seen[n] for n in sorted(seen)], args.json)
+    print(f"HINT: buffers with a part on {', '.join(down)} cannot be read until it is back", file=sys.stderr)
+    return 1
+
+
 async def _rm(client: Any, args: argparse.Namespace) -> int:
-    if not await client.destroy(args.name):
-        raise NoSuchBuffer(f"no buffer {args.name!r} on {', '.join(client.servers)}")
-    print(f"removed {args.name}")
+    from .train.lifecycle import STALE_AFTER
+    from .train.store import remove
+
+    failed = 0
+    for name in args.names:
+        try:
+            if not args.force:
+                await _refuse_live(client, name, STALE_AFTER)
+            if not await remove(client, name):     # a store goes with the buffers beside it
+                raise NoSuchBuffer(f"no buffer {name!r} on {', '.join(client.servers)}",
+                                   hint="see the names with `smb2 ls`" + (
+                                       "; servers are given with --servers or SMB2_SERVERS, not after the names"
+                                       if _looks_like_address(name) else ""))
+        except Smb2Error as exc:
+            print(f"smb2 rm: {exc}", file=sys.stderr)
+            failed += 1
+        else:
+            print(f"removed {name}")
+    return 1 if failed else 0
+
+
+async def _refuse_live(client: Any, name: str, stale_after: float) -> None:
+    """Raise if ``name`` is a store whose run is live: not finished, and a
+    worker's heartbeat younger than ``stale_after`` s."""
+    from .train.store import describe
+    try:
+        info = await describe(client, name)
+    except Smb2Error:
+        return          # gone, or unreadable: no live run to protect
+    beat = info.get("last_heartbeat_s")
+    if info.get("tensors") and not info["finished"] and beat is not None and beat < stale_after:
+        raise InterfaceError(
+            f"store {name!r} is in use: run {info['run']} has not finished and a worker's heartbeat "
+            f"is {beat:.0f} s old (a run is live while one is younger than {stale_after:.0f} s)",
+            hint=f"stop the job first, or remove the store anyway with `smb2 rm --force {name}`")
+
+
+def _servers_from_env() -> list[str]:
+    return [s.strip() for s in os.environ.get("SMB2_SERVERS", "").split(",") if s.strip()]
+
+
+def _looks_like_address(name: str) -> bool:
+    host, sep, port = name.rpartition(":")
+    return bool(sep and host and port.isdigit())
+
+
+def _servers(args: argparse.Namespace) -> int:
+    from . import serverlist
+
+    if args.from_slurm:
+        hosts = serverlist.slurm_hosts()
+    else:
+        name, service = args.from_statefulset, args.service or args.from_statefulset
+        hosts = serverlist.statefulset_hosts(name, args.replicas, service, args.namespace)
+    print(",".join(serverlist.server_list(hosts, args.port)))
     return 0
+
+
+def _add_servers_parser(sub: Any) -> None:
+    sv = sub.add_parser("servers", help="print the server list (HOST:PORT,...) of a Slurm job or a "
+                        "Kubernetes StatefulSet, in the one order every worker must use",
+                        description="Print HOST:PORT,... for SMB2_SERVERS, in the one order every worker uses "
+                        "(hosts sorted naturally: node2 before node10; a StatefulSet's pods by ordinal).")
+    where = sv.add_mutually_exclusive_group(required=True)
+    where.add_argument("--from-slurm", action="store_true",
+                       help="the hosts of this Slurm job (SLURM_JOB_NODELIST): one server per node")
+    where.add_argument("--from-statefulset", metavar="NAME",
+                       help="the pods NAME-0, NAME-1, ... of a StatefulSet behind a headless Service")
+    sv.add_argument("--replicas", type=int, help="--from-statefulset: the StatefulSet's replicas")
+    sv.add_argument("--service", help="--from-statefulset: its headless Service (default: NAME)")
+    sv.add_argument("--namespace", help="--from-statefulset: its namespace, where the client runs in "
+                    "another one (default: the client's own)")
+    sv.add_argument("--port", type=int, default=DEFAULT_PORT,
+                    help=f"the servers' port (default {DEFAULT_PORT})")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="smb2", description="smb2 tools")
+    p.add_argument("--version", action="version", version=f"smb2 {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    servers_help = "HOST:PORT of each server (default: SMB2_SERVERS)"
+    servers_help = "HOST:PORT of each server (or --servers; default: SMB2_SERVERS)"
     st = sub.add_parser("stat", help="print servers' statistics as JSON")
     st.add_argument("servers", nargs="*", help=servers_help)
-    ls = sub.add_parser("ls", help="list buffers and parameter stores (runs, steps, finished or not)")
+    ls = sub.add_parser("ls", help="list buffers and parameter stores (runs, steps, finished or not, damaged)")
     ls.add_argument("servers", nargs="*", help=servers_help)
     ls.add_argument("--json", action="store_true", help="print JSON")
-    rm = sub.add_parser("rm", help="remove a buffer or parameter store")
-    rm.add_argument("name", help="the buffer's name")
-    rm.add_argument("servers", nargs="*", help=servers_help)
+    rm = sub.add_parser("rm", help="remove buffers or parameter stores (not a store in use, unless --force)")
+    rm.add_argument("names", nargs="+", metavar="NAME", help="the buffers' names")
+    rm.add_argument("--force", action="store_true",
+                    help="remove a store even while its run is live (a worker's heartbeat is recent)")
     for cmd in (st, ls, rm):
+        cmd.add_argument("--servers", "-s", dest="server_list", action="append", default=[],
+                         metavar="HOST:PORT,...", help="the servers, comma-separated (default: SMB2_SERVERS)")
         cmd.add_argument("--transport", default="tcp", help="transport for the query (default tcp)")
+        cmd.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to reach a server")
+    _add_servers_parser(sub)
     sub.add_parser("doctor", help="preflight: RDMA, memlock, token, each server's transport and clock "
                    "(smb2 doctor --help)", add_help=False)
     sub.add_parser("bench", help="bandwidth benchmark (smb2 bench --help)", add_help=False)
@@ -95,14 +214,32 @@ def main(argv: list[str] | None = None) -> int:
         from . import demo
         return demo.main(argv[1:])
     args = p.parse_args(argv)
+    if args.cmd == "servers":
+        if args.from_statefulset and args.replicas is None:
+            p.error("smb2 servers --from-statefulset needs --replicas N")
+        try:
+            return _servers(args)
+        except Smb2Error as exc:
+            hint = f" ({exc.hint})" if exc.hint else ""
+            print(f"smb2 servers: {exc}{hint}", file=sys.stderr)
+            return 1
     run = {"stat": _stat, "ls": _ls, "rm": _rm}[args.cmd]
+    servers = [s for group in args.server_list for s in group.split(",") if s.strip()]
+    servers += getattr(args, "servers", [])
 
     async def go() -> int:
-        async with await connect(args.servers or None, transport=args.transport) as client:
+        try:
+            client = await connect(servers or None, transport=args.transport, timeout=args.connect_timeout)
+        except TransportError:
+            if args.cmd != "ls":
+                raise
+            return await _ls_partial(servers or _servers_from_env(), args)
+        async with client:
             return await run(client, args)
     try:
         return asyncio.run(go())
     except Smb2Error as exc:
+        # the message and its hint, as the library words them; no traceback
         print(f"smb2 {args.cmd}: {exc}", file=sys.stderr)
         return 1
 

@@ -23,6 +23,7 @@ buffer from its data directory under the same segment, nothing is sent and
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 import warnings
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _core, auth, checkpoint
+from . import _core, auth, checkpoint, parts
 from . import notify as _notify
 from .checks import check_int, check_word, to_signed
 from .errors import (
@@ -47,6 +48,8 @@ from .lock import Fence, Lock, fence_of
 from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, WIRE_CODES, parse_address
 from .transport import KINDS, Link, MemoryDomain, ShmTransport, Transport
 
+log = logging.getLogger("smb2.client")
+
 DEFAULT_STRIPE = 1 << 20
 # The shm fast path: a Buffer's operations on mapped segments, each one
 # Cython call (_core.MappedStripes, made by Buffer._serve_mapped).  A copy
@@ -58,6 +61,10 @@ DEFAULT_STRIPE = 1 << 20
 # rarely, PAUSE again: the general path does it).  A copy pauses after.
 _PAUSE = _core.PAUSE
 _COPY_DONE_PAUSE = _core.COPY_DONE_PAUSE
+# An atomic's TORN: it was done, but its segment stopped being LIVE
+# meanwhile (the server froze it for a save, or destroyed it): whether it
+# counts is unknown, so it raises and is never done again.
+_TORN = _core.TORN
 # the smb2 package's directory: an unclosed client's warning names the first
 # frame outside it (the user's code that connected)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -186,11 +193,21 @@ class Client:
 
     # -- buffers ------------------------------------------------------------
     async def create(self, name: str, nbytes: int, *, stripe: int = DEFAULT_STRIPE,
-                     timeout: float | None = None) -> Buffer:
+                     recreate_lost: bool = False, timeout: float | None = None) -> Buffer:
         """Create the buffer ``name`` of ``nbytes`` striped over all servers.
 
         Idempotent: creating an existing buffer with the same size and stripe
-        returns it; other parameters raise :class:`BufferConflict`."""
+        returns it; other parameters raise :class:`BufferConflict`.  An
+        existing buffer is returned only whole: when a part of it is gone
+        (its server restarted without its data) or belongs to another
+        buffer, :class:`BufferDamaged` names the servers and byte ranges
+        lost, and nothing is changed.  ``recreate_lost=True`` makes the
+        lost parts again instead, as zeros (the caller rewrites them).
+
+        Part 0 is made first (its identity, random, is the buffer's), then
+        the others with that identity, then part 0 is sealed
+        (docs/protocol.md, "Buffer identity"): clients creating the same
+        buffer at once all take part 0's identity."""
         self.ensure_open()
         _check_name(name)
         nbytes = check_int("nbytes", nbytes, low=1)
@@ -198,26 +215,59 @@ class Client:
         if stripe % 8:
             raise InvalidArgumentError(f"stripe must be a multiple of 8 bytes, not {stripe}")
         n = len(self._links)
-        msgs = [{"cmd": "create", "name": name, "nbytes": nbytes, "stripe": stripe,
-                 "nservers": n, "index": i} for i in range(n)]
         deadline = self.deadline(timeout)
-        results = await asyncio.gather(
-            *(_control(link, msg, deadline, idempotent=False, stamp=True)
-              for link, msg in zip(self._links, msgs)),
-            return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            # undo what this call created, so a failed create leaves nothing behind
-            made = [link for link, r in zip(self._links, results)
-                    if isinstance(r, dict) and r.get("created")]
-            await asyncio.gather(*(_control(link, {"cmd": "destroy", "name": name}, deadline,
-                                            idempotent=False) for link in made),
+
+        async def make(index: int, buffer_id: str | None, seal: bool = False) -> dict[str, Any]:
+            msg = {"cmd": "create", "name": name, "nbytes": nbytes, "stripe": stripe,
+                   "nservers": n, "index": index, "buffer_id": buffer_id, "seal": seal}
+            if buffer_id is None:       # a server without identities gave part 0 none
+                del msg["buffer_id"]
+            return await _control(self._links[index], msg, deadline, idempotent=False, stamp=True)
+
+        infos: list[dict[str, Any] | None] = [None] * n
+        made: list[int] = []        # parts this call made: undone if it fails
+        try:
+            anchor = infos[0] = await make(0, os.urandom(8).hex(), seal=n == 1)
+            if anchor["created"]:
+                made.append(0)
+            results = await asyncio.gather(*(make(k, anchor.get("buffer_id")) for k in range(1, n)),
+                                           return_exceptions=True)
+            for k, r in enumerate(results, 1):
+                if isinstance(r, dict):
+                    infos[k] = r
+                    if r["created"]:
+                        made.append(k)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise _first_error(errors)
+            identity, lost = parts.judge(infos, created_now=[k in made for k in range(n)])
+            if lost:
+                if not recreate_lost:
+                    raise parts.damaged(name, lost, self.servers, nbytes, stripe)
+                for k in lost:
+                    if (infos[k] or {}).get("buffer_id") != identity:
+                        await _control(self._links[k], {"cmd": "destroy", "name": name}, deadline,
+                                       idempotent=False)
+                        infos[k] = await make(k, identity, seal=k == 0)
+                log.warning("buffer %r: parts %s were lost and are made again as zeros (recreate_lost=True)",
+                            name, sorted(lost))
+                made.clear()        # what was made now is the buffer's part: kept
+            if n > 1 and (infos[0] or {}).get("sealed") is False:
+                infos[0] = await make(0, identity, seal=True)      # every part is there
+        except BaseException:
+            # undo what this call made, so a failed create leaves nothing behind
+            await asyncio.gather(*(_control(self._links[k], {"cmd": "destroy", "name": name}, deadline,
+                                            idempotent=False) for k in made),
                                  return_exceptions=True)
-            raise _first_error(errors)
-        return Buffer(self, name, [r for r in results if isinstance(r, dict)])
+            raise
+        return Buffer(self, name, [i for i in infos if i is not None])
 
     async def attach(self, name: str, *, timeout: float | None = None) -> Buffer:
-        """Open an existing buffer by name (from any client of the cluster)."""
+        """Open an existing buffer by name (from any client of the cluster).
+
+        :class:`NoSuchBuffer` if it does not exist (or is still being
+        created); :class:`BufferDamaged` if a part of it is gone or belongs
+        to another buffer (see :meth:`create`)."""
         self.ensure_open()
         _check_name(name)
         deadline = self.deadline(timeout)
@@ -225,10 +275,22 @@ class Client:
             *(_control(link, {"cmd": "lookup", "name": name}, deadline, idempotent=True, stamp=True)
               for link in self._links),
             return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, NoSuchBuffer)]
         if errors:
             raise _first_error(errors)
-        return Buffer(self, name, [r for r in results if isinstance(r, dict)])
+        infos = [r if isinstance(r, dict) else None for r in results]
+        found = [i for i in infos if i is not None]
+        if found:
+            identity, lost = parts.judge(infos)
+            if lost:
+                whole = next(i for i in found if i.get("buffer_id") == identity)
+                err = parts.damaged(name, lost, self.servers, whole["nbytes"], whole["stripe"])
+                if len(lost) < len(infos):
+                    err.remains = Buffer(self, name, parts.remains(infos, identity, lost))
+                raise err
+        if len(found) < len(infos):
+            raise next(r for r in results if isinstance(r, NoSuchBuffer))
+        return Buffer(self, name, found)
 
     async def destroy(self, name: str, *, timeout: float | None = None) -> bool:
         """Destroy the buffer on every server; True if any server had it."""
@@ -352,7 +414,7 @@ class Buffer:
     All offsets are byte offsets into the buffer.  Operations spanning
     several servers run on all of them concurrently."""
 
-    __slots__ = ("client", "name", "nbytes", "stripe", "nservers", "first", "segments",
+    __slots__ = ("client", "name", "nbytes", "stripe", "nservers", "first", "segments", "buffer_id",
                  "notify_area", "_incarnations", "_checked", "_mapped")
 
     def __init__(self, client: Client, name: str, infos: Sequence[dict[str, Any]]) -> None:
@@ -376,6 +438,9 @@ class Buffer:
         self.nservers: int = nservers
         self.first: int = _core.name_hash(name) % nservers
         self.segments: list[int] = [int(i["segment"]) for i in infos]
+        #: the identity every part carries (random, made at creation; None
+        #: from servers that have none)
+        self.buffer_id: str | None = infos[0].get("buffer_id")
         # per server: the process the segment was planned against, and the
         # connection last found to reach it (checked once per connection)
         self._incarnations: list[Any] = [i.get("server_id") for i in infos]
@@ -476,8 +541,9 @@ class Buffer:
             except NoSuchBuffer:
                 raise stale from None
             if (int(info["segment"]), info["nbytes"], info["stripe"], info["nservers"], info["index"],
-                    info.get("restored")) != (self.segments[server], self.nbytes, self.stripe,
-                                              self.nservers, server, True):
+                    info.get("buffer_id"), info.get("restored")) != (
+                        self.segments[server], self.nbytes, self.stripe, self.nservers, server,
+                        self.buffer_id, True):
                 raise stale
             self._incarnations[server] = sid
         self._checked[server] = t
@@ -531,6 +597,14 @@ class Buffer:
         (smb2.notify: a shm transport can sleep on the word)."""
         server, seg_off = self._word(offset)
         return self.client.links[server].open, self.segments[server], seg_off
+
+    def _torn(self, offset: int) -> TransportError:
+        label = self.client.links[self._word(offset)[0]].label
+        return TransportError(
+            f"an atomic on buffer {self.name!r} at offset {offset} raced with server {label} "
+            "stopping to save its memory (or with the buffer's destruction): it may not have been kept",
+            server=label, hint="the server starts again with every acknowledged operation; "
+            "read the word after reconnecting before you retry")
 
     async def _atomic(self, offset: Any, what: str, timeout: float | None,
                       op: Callable[[Transport, int, int], Awaitable[int]]) -> int:
@@ -655,6 +729,8 @@ class Buffer:
                 old = mapped.fetch_add(offset, value)
             if type(old) is int:
                 return old
+            if old is _TORN:
+                raise self._torn(offset)
         value = check_word("value", value)
         return await self._atomic(offset, "fetch_add", timeout,
                                   lambda t, seg, off: t.fetch_add(seg, off, value))
@@ -671,6 +747,8 @@ class Buffer:
                 old = mapped.compare_swap(offset, expected, new)
             if type(old) is int:
                 return old
+            if old is _TORN:
+                raise self._torn(offset)
         expected = check_word("expected", expected)
         new = check_word("new", new)
         return await self._atomic(offset, "compare_swap", timeout,

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import auth, rdma_device
-from .errors import Smb2Error
+from .errors import Smb2Error, TransportError
 from .protocol import VERSION, parse_address, parse_size
 from .transport.choose import rdma_unavailable_reason, why_tcp
 from .transport.tcp import TcpTransport
@@ -32,6 +32,8 @@ SYSFS = "/sys/class/infiniband"
 # a server clock further off than this confuses the logs of a job, and
 # lock leases are measured on each server's own clock: say so
 CLOCK_TOLERANCE = 1.0
+# --wait: seconds between tries at a server not reachable yet
+WAIT_RETRY = 0.5
 
 
 @dataclass
@@ -136,15 +138,25 @@ def check_memlock(report: Report, capacity: int | None, rdma_reason: str | None)
 
 
 async def check_server(address: str, token: bytes | None, rdma_reason: str | None,
-                       timeout: float) -> ServerReport:
+                       timeout: float, wait: float = 0.0) -> ServerReport:
     """Connect over TCP, say which transport ``auto`` would take, read the
-    server's stat and its clock."""
+    server's stat and its clock.  A server that cannot be reached yet is
+    tried again for up to ``wait`` seconds (a job's servers still starting);
+    one that refuses the token is not."""
     rep = ServerReport(address)
-    try:
-        transport = await TcpTransport.connect(parse_address(address), timeout=timeout, token=token)
-    except Smb2Error as exc:
-        rep.error = str(exc)
-        return rep
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            transport = await TcpTransport.connect(parse_address(address), timeout=timeout, token=token)
+            break
+        except TransportError as exc:
+            if time.monotonic() >= deadline:
+                rep.error = exc.message
+                return rep
+            await asyncio.sleep(min(WAIT_RETRY, max(0.0, deadline - time.monotonic())))
+        except Smb2Error as exc:
+            rep.error = exc.message
+            return rep
     try:
         rep.reachable = True
         info = transport.server_info
@@ -154,7 +166,7 @@ async def check_server(address: str, token: bytes | None, rdma_reason: str | Non
         stat = await asyncio.wait_for(transport.control({"cmd": "stat"}), timeout)
         t1 = time.time()
     except (Smb2Error, TimeoutError) as exc:
-        rep.error = f"stat failed: {exc}"
+        rep.error = f"stat failed: {exc.message if isinstance(exc, Smb2Error) else exc}"
         return rep
     finally:
         await transport.close()
@@ -173,14 +185,15 @@ async def check_server(address: str, token: bytes | None, rdma_reason: str | Non
 
 async def diagnose(servers: list[str], *, transport: str = "auto", token: bytes | None = None,
                    token_source: str = "none", capacity: int | None = None,
-                   timeout: float = 5.0) -> Report:
-    """Everything ``smb2 doctor`` checks, as a Report (``problems`` empty: all well)."""
+                   timeout: float = 5.0, wait: float = 0.0) -> Report:
+    """Everything ``smb2 doctor`` checks, as a Report (``problems`` empty: all well).
+    ``wait``: seconds to keep trying servers not reachable yet."""
     report = Report(token=token_source)
     report.versions = {"smb2": _version("smb2"), "protocol": str(VERSION), "python": platform.python_version(),
                        **{p: _version(p) for p in ("numpy", "uvloop", "msgpack", "torch")}}
     rdma_reason = check_rdma(report, want_rdma=transport == "rdma")
     report.servers = list(await asyncio.gather(
-        *(check_server(s, token, rdma_reason, timeout) for s in servers)))
+        *(check_server(s, token, rdma_reason, timeout, wait) for s in servers)))
     for rep in report.servers:
         if not rep.reachable or rep.error:
             report.problems.append(f"{rep.address}: {rep.error}")
@@ -243,6 +256,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--capacity", help="memory RDMA will register here, e.g. 8GiB (default: the "
                    "largest server's capacity)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per server (default 5)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="keep trying servers not reachable yet for up to SECONDS: a job's servers still "
+                   "starting (default 0: try once)")
     args = p.parse_args(argv)
     try:
         if args.auth_token_file:
@@ -256,7 +272,7 @@ def main(argv: list[str]) -> int:
         print(f"smb2 doctor: {exc}", file=sys.stderr)
         return 2
     report = asyncio.run(diagnose(args.servers, transport=args.transport, token=token, token_source=source,
-                                  capacity=capacity, timeout=args.timeout))
+                                  capacity=capacity, timeout=args.timeout, wait=args.wait))
     if args.json:
         print(json.dumps(asdict(report), indent=2, sort_keys=True))
     else:

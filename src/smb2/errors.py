@@ -10,16 +10,35 @@ frames (:class:`ProtocolError`) sit beside them.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 
 class Smb2Error(Exception):
-    """Root of every error smb2 raises."""
+    """Root of every error smb2 raises.
+
+    ``str(err)`` is the message, then, as asyncpg shows a server's notice,
+    a ``DETAIL: ...`` line for ``detail`` and a ``HINT: ...`` line for
+    ``hint`` (what to do) where the error has them; ``err.message`` is the
+    message alone."""
 
     def __init__(self, message: str = "", *, detail: str | None = None,
                  hint: str | None = None) -> None:
         super().__init__(message)
         self.detail = detail
         self.hint = hint
+
+    @property
+    def message(self) -> str:
+        return super().__str__()
+
+    def __str__(self) -> str:
+        lines = [self.message]
+        if self.detail:
+            lines.append(f"DETAIL: {self.detail}")
+        if self.hint:
+            lines.append(f"HINT: {self.hint}")
+        return "\n".join(lines)
 
 
 class InterfaceError(Smb2Error):
@@ -97,26 +116,39 @@ class ServerError(Smb2Error):
 
 
 class BadRequest(ServerError, ProtocolError):
+    """A request the server could not parse: an unknown op, a malformed frame or control message."""
+
     code = ErrorCode.BAD_REQUEST
 
 
 class NoSuchBuffer(ServerError, LookupError):
+    """No buffer of that name on the server (never created, or destroyed)."""
+
     code = ErrorCode.NO_SUCH_BUFFER
 
 
 class OutOfMemory(ServerError, MemoryError):
+    """The server has no room for the buffer (``--capacity``) or the request (its memory budget)."""
+
     code = ErrorCode.OUT_OF_MEMORY
 
 
 class AccessDenied(ServerError, PermissionError):
+    """The server wants a token this client did not prove (``--auth-token-file``)."""
+
     code = ErrorCode.ACCESS_DENIED
 
 
 class OutOfBounds(ServerError, IndexError):
+    """A range past the end of the buffer, or an atomic's word not 8-byte aligned."""
+
     code = ErrorCode.OUT_OF_BOUNDS
 
 
 class StaleFence(ServerError):
+    """A write fenced by a lock that was lost (its lease ran out, or a newer holder wrote):
+    the data was not written."""
+
     code = ErrorCode.STALE_FENCE
 
 
@@ -137,15 +169,68 @@ class StaleHandle(NoSuchBuffer):
     this too."""
 
 
+class BufferDamaged(Smb2Error):
+    """Part of a buffer is gone (its server restarted without its data) or
+    belongs to another buffer of the same name: ``create`` and ``attach``
+    refuse to hand out a buffer that would read zeros (or another buffer's
+    bytes) where its data was.  ``name``: the buffer; ``servers``: the
+    servers whose part is lost; ``lost_bytes``: how many of its bytes;
+    ``ranges()``: the lost byte ranges, in the buffer's offsets;
+    ``remains`` (from ``attach``): a :class:`~smb2.Buffer` of the parts
+    that are left, to read what is not lost (an operation that touches a
+    lost range raises :class:`NoSuchBuffer`), else None."""
+
+    def __init__(self, message: str = "", *, name: str = "", servers: Sequence[str] = (),
+                 parts: Sequence[int] = (), geometry: tuple[int, int, int, int] = (0, 1, 1, 0),
+                 detail: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, detail=detail, hint=hint)
+        self.name = name
+        self.servers = list(servers)
+        #: the lost parts' indices (a part's index is its server's place in the client's list)
+        self.parts = list(parts)
+        #: (nbytes, stripe, nservers, first): where each stripe of the buffer lives
+        self.geometry = geometry
+        self.remains: Any = None
+
+    def ranges(self, start: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
+        """The lost byte ranges ``(begin, end)`` within ``[start, end)``,
+        adjacent stripes merged, in order."""
+        nbytes, stripe, nservers, first = self.geometry
+        end = nbytes if end is None else min(end, nbytes)
+        lost = set(self.parts)
+        run: list[int] | None = None
+        for k in range(start // stripe, -(-end // stripe)):
+            if (first + k) % nservers in lost:
+                lo, hi = max(start, k * stripe), min(end, (k + 1) * stripe)
+                if run is not None and run[1] == lo:
+                    run[1] = hi
+                else:
+                    if run is not None:
+                        yield run[0], run[1]
+                    run = [lo, hi]
+        if run is not None:
+            yield run[0], run[1]
+
+    @property
+    def lost_bytes(self) -> int:
+        return sum(hi - lo for lo, hi in self.ranges())
+
+
 class VersionMismatch(ServerError, ProtocolError):
+    """Client and server speak different protocol versions: install one smb2 version on both."""
+
     code = ErrorCode.VERSION_MISMATCH
 
 
 class FrameTooLarge(ServerError, ProtocolError):
+    """A frame over the server's limit (``--max-frame``): the client cuts requests below it."""
+
     code = ErrorCode.TOO_LARGE
 
 
 class Unsupported(ServerError):
+    """The server does not offer what was asked (a transport, an op, a dtype)."""
+
     code = ErrorCode.UNSUPPORTED
 
 

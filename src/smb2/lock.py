@@ -97,6 +97,18 @@ FUTEX_BLOCK = 1e-3
 #: an acquisition that never has to wait does not suspend: a coroutine
 #: looping on one still lets the loop run this often
 _YIELD_EVERY = 0.0005
+#: A ticket passed before its waiter saw its turn is drawn again.  Again
+#: and again only where a client wrote the lock's words by hand (now_serving
+#: past next_ticket): the waiter then lets its loop run and backs off, up to
+#: this long, until the server resets the lock (server/locks.py), so that
+#: its own timeout fires and it draws no flood of tickets meanwhile.
+_LAPSE_BACKOFF = 0.05
+
+
+async def _after_lapse(lapses: int) -> None:
+    """Let the loop run after the ``lapses``-th ticket in a row was passed
+    (see _LAPSE_BACKOFF): at once the first time, then ever longer."""
+    await asyncio.sleep(0 if lapses <= 1 else min(_LAPSE_BACKOFF, 1e-4 * (1 << min(lapses, 16))))
 
 
 def _default_futex_spin() -> float:
@@ -194,7 +206,9 @@ class Lock:
     time per object (make several objects to contend from one client).
 
     ``lease``: seconds the holder may go without renewing (default: the
-    server's ``--lock-lease``); ``mode``: "park", "poll", "futex" or
+    server's ``--lock-lease``; longer only up to the server's
+    ``--lock-max-lease``, and the lock's first opener fixes it for every
+    user); ``mode``: "park", "poll", "futex" or
     "auto" (futex over shm, park over TCP, poll over RDMA);
     ``min_delay``/``max_delay``: bounds of the
     polling backoff; ``spin``: seconds this client's loop polls instead of
@@ -209,7 +223,7 @@ class Lock:
 
     __slots__ = ("client", "name", "mode", "_lease", "_min_delay", "_max_delay", "_spin", "_state",
                  "_slot", "_transport", "_parker", "_path", "_renew", "_busy", "_buf8", "_view8",
-                 "_contended", "_heartbeat", "_lost", "_link", "_unuse", "_closed", "_record", "_recorded",
+                 "_contended", "_heartbeat", "_lost", "_link", "_unuse", "_closed", "_record", "_recorded", "_recbox",
                  "_futex_spin", "_futex_block", "_mapped", "_yielded", "_holding", "__weakref__")
 
     def __init__(self, client: LockOwner, name: str, *, lease: float | None = None, mode: str = "auto",
@@ -251,6 +265,9 @@ class Lock:
         self._closed = False
         # futex path: our ticket record word (transport, offset), and its value
         self._record: tuple[ShmTransport, int] | None = None
+        # the same, for the finalizer of a Lock dropped without close (it
+        # gives the record back to the connection's pool)
+        self._recbox: list[tuple[ShmTransport, int] | None] = [None]
         self._recorded = 0
         # futex path: the slot's words on our mapping (one C call per step)
         self._mapped: _core.MappedLock | None = None
@@ -481,7 +498,7 @@ class Lock:
         if self._link is None:
             self._link = link
             link.lock_used(self.name)
-            self._unuse = weakref.finalize(self, _unused, link, self.name)
+            self._unuse = weakref.finalize(self, _unused, link, self.name, self._recbox)
         return got
 
     async def _acquire(self) -> None:
@@ -542,7 +559,7 @@ class Lock:
         # One renewal timer per Lock, armed lazily: a lock taken and given
         # back many times per lease costs no timer per acquisition.
         if self._renew is None:
-            self._renew = asyncio.get_running_loop().call_at(st.renew_at, self._renew_due)
+            self._renew = self._renew_at(asyncio.get_running_loop(), st.renew_at)
 
     async def _draw(self, tr: Transport, seg: int, off: int) -> int:
         # The fetch-and-add must not be lost to a cancellation: a ticket
@@ -565,6 +582,7 @@ class Lock:
         now = time.monotonic
         st.start(await self._draw(tr, seg, off), now())
         view = [self._view8]
+        lapses = 0
         try:
             while True:
                 await tr.read_into(view, seg, off + _core.LOCK_SERVING, 8)
@@ -572,10 +590,14 @@ class Lock:
                 if code == _core.OBSERVE_GRANTED:
                     return
                 if code == _core.OBSERVE_LAPSED:
-                    # we slept past our turn and the server expired our ticket
+                    # we slept past our turn and the server expired our
+                    # ticket (or a client moved now_serving by hand)
                     log.debug("lock %r: ticket passed while waiting; drawing a new one", self.name)
+                    lapses += 1
+                    await _after_lapse(lapses)
                     st.start(await self._draw(tr, seg, off), now())
                     continue
+                lapses = 0
                 # else read again at once: the read's round trip is the pause,
                 # and where there is none (a mapped segment: shm) one pass of
                 # the loop, so that the holder's release can run
@@ -603,11 +625,16 @@ class Lock:
                 raise ConnectionError
             else:
                 block = 0.0     # the caller's take() spent the budget
+            lapses = 0
             while code != _core.OBSERVE_GRANTED:
                 if code == _core.OBSERVE_LAPSED:
                     log.debug("lock %r: ticket passed while waiting; drawing a new one", self.name)
+                    lapses += 1
+                    await _after_lapse(lapses)
+                    self._yielded = now()
                     code = ml.take(st, 0.0)
                     continue
+                lapses = 0
                 if block > 0:
                     t = now()
                     serving = ml.wait(st.ticket, block)
@@ -700,10 +727,11 @@ class Lock:
                          "holding the lock, it passes on at the end of the lease", self.name, exc)
         if pool.free:
             offset, self._recorded = pool.free.pop()
-            self._record = (tr, offset)
+            self._record = self._recbox[0] = (tr, offset)
 
     def _return_record(self) -> None:
         record, self._record = self._record, None
+        self._recbox[0] = None
         if self._mapped is not None:
             self._recorded, self._mapped = self._mapped.recorded, None
         if record is not None:
@@ -745,6 +773,14 @@ class Lock:
         # come already: then we were the holder, and this releases)
         _spawn(tr.control({"cmd": "lock_abandon", "offset": off, "ticket": ticket}))
 
+    def _renew_at(self, loop: asyncio.AbstractEventLoop, when: float) -> asyncio.TimerHandle:
+        # The timer holds the Lock weakly: a Lock released and dropped must
+        # go now (its finalizer frees its slot and its ticket record), not
+        # when the timer fires a third of a lease later.  A job that takes a
+        # fresh lock name per task would otherwise run out of slots: over
+        # shm, 4,080 names in less than that time (issue 22).
+        return loop.call_at(when, _renew_due, weakref.ref(self))
+
     def _renew_due(self) -> None:
         self._renew = None
         st = self._state
@@ -753,7 +789,7 @@ class Lock:
         loop = asyncio.get_running_loop()
         if loop.time() < st.renew_at - 1e-3:
             # re-acquired since the timer was armed: not due yet
-            self._renew = loop.call_at(st.renew_at, self._renew_due)
+            self._renew = self._renew_at(loop, st.renew_at)
             return
         _spawn(self._renew_now(st.ticket))
 
@@ -789,11 +825,24 @@ class Lock:
             loop = asyncio.get_running_loop()
             st.renewed(loop.time())
             if self._renew is None:
-                self._renew = loop.call_at(st.renew_at, self._renew_due)
+                self._renew = self._renew_at(loop, st.renew_at)
 
 
-def _unused(link: Link, name: str) -> None:
-    # a Lock was dropped without close(): tell its server, if a loop runs
+def _renew_due(ref: weakref.ref[Lock]) -> None:
+    lock = ref()
+    if lock is not None:
+        lock._renew_due()
+
+
+def _unused(link: Link, name: str, recbox: list[tuple[ShmTransport, int] | None]) -> None:
+    # a Lock was dropped without close(): its ticket record goes back to
+    # its connection's pool (a record that names a passed ticket means
+    # nothing), and its server is told, if a loop runs
+    record = recbox[0]
+    if record is not None:
+        pool = _records.get(record[0])
+        if pool is not None:
+            pool.free.append((record[1], 0))
     try:
         asyncio.get_running_loop()
     except RuntimeError:

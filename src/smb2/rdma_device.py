@@ -35,7 +35,8 @@ except ImportError as exc:
         _IMPORT_ERROR = ("smb2._verbs was not built: the libibverbs headers were missing "
                          "(apt-get install libibverbs-dev, then reinstall smb2)")
     else:  # built, but e.g. libibverbs.so.1 is not installed here
-        _IMPORT_ERROR = f"smb2._verbs does not load: {exc}"
+        _IMPORT_ERROR = (f"smb2._verbs does not load: {exc} (RDMA uses this host's libibverbs.so.1: "
+                         "apt-get install libibverbs1, or rdma-core; TCP and shm work without it)")
 
 _SYSFS = "/sys/class/infiniband"
 _lock = threading.Lock()

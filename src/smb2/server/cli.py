@@ -11,7 +11,8 @@ import sys
 
 from .. import auth
 from ..errors import InvalidArgumentError, PersistenceError, TransportError
-from ..protocol import DEFAULT_PORT
+from ..protocol import DEFAULT_PORT, VERSION
+from ..version import __version__
 from .memory import start_server
 from .options import ServerOptions
 
@@ -22,6 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="smb2-server",
         description="Serve this machine's memory as smb2 segments.")
+    p.add_argument("--version", action="version", version=f"smb2-server {__version__} (protocol {VERSION})")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 = any free)")
     p.add_argument("--auth-token-file", metavar="FILE",

@@ -16,7 +16,10 @@ error (the server does not start), not a silent loss.  Segments are streamed
 in chunks (no second copy in memory) and all-zero chunks become holes in a
 sparse file, so a large, mostly untouched segment costs neither RAM nor disk.
 Writes that had not been acknowledged when the server stopped may be torn;
-acknowledged ones are in the files.
+acknowledged ones are in the files: the server freezes every segment before
+it saves (``MemoryServer.close``; shm clients stop writing, and one whose
+store overlapped the freeze is told it failed), and each chunk is hashed and
+written from a private copy, so a file always matches its checksum.
 
 (A client's checkpoint of a whole buffer is :mod:`smb2.checkpoint`.)
 """
@@ -50,12 +53,18 @@ FORMAT: Final = 1
 
 
 def _write_sparse(f: IO[bytes], data: memoryview, h: Any) -> None:
-    """Write ``data`` (hashing it), leaving all-zero chunks as holes."""
-    arr = np.frombuffer(data, dtype=np.uint8)
+    """Write ``data`` (hashing it), leaving all-zero chunks as holes.
+
+    Each chunk is copied first, and hashed and written from the copy: the
+    file and its hash are the same bytes even if something still changes
+    ``data`` (a shm client's store that was in flight when the server froze
+    the segment), so a save is never torn against its own checksum."""
+    scratch = memoryview(bytearray(min(len(data), 1 << 20)))
     for off, n in chunks(len(data), 1 << 20):
-        piece = data[off:off + n]
+        piece = scratch[:n]
+        _core.copy_into(piece, data[off:off + n])
         h.update(piece)
-        if arr[off:off + n].any():
+        if np.frombuffer(piece, dtype=np.uint8).any():
             f.write(piece)
         else:
             f.seek(n, os.SEEK_CUR)
@@ -184,6 +193,8 @@ class DataDir:
                 sid, name, nbytes, stripe = int(e["segment"]), str(e["name"]), int(e["nbytes"]), int(e["stripe"])
                 nservers, index, size = int(e["nservers"]), int(e["index"]), int(e["size"])
                 fname, digest = str(e["file"]), str(e["sha256"])
+                # a manifest from before buffer identities: parts of identity "", sealed
+                buffer_id, sealed = str(e.get("buffer_id", "")), bool(e.get("sealed", True))
             except (KeyError, TypeError, ValueError):
                 raise PersistenceError(f"{self.path / MANIFEST}: malformed segment entry {e!r}") from None
             if (size != _core.segment_size(nbytes, stripe, nservers) or "/" in fname
@@ -206,6 +217,7 @@ class DataDir:
             if h.hexdigest() != digest:
                 raise PersistenceError(f"{path}: checksum mismatch (the file is corrupt); "
                                        f"move {self.path} aside to start empty")
-            segs.append(Segment(sid, name, nbytes, stripe, nservers, index, size, mem, view))
+            segs.append(Segment(sid, name, nbytes, stripe, nservers, index, size, mem, view,
+                                buffer_id=buffer_id, sealed=sealed))
         log.info("restored %d segments (%d bytes) from %s", len(segs), used, self.path)
         return segs, max(int(m.get("next_id", 1)), max((s.id for s in segs), default=0) + 1)

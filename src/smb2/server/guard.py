@@ -1,12 +1,12 @@
 """What clients may take from a memory server: connections per source address
-and in total, authentication attempts (a back-off per address after a wrong
-token), and the memory that requests' payloads wait in (one pool shared by
+and in total (where a client without the token can never crowd out one that
+has it), and the memory that requests' payloads wait in (one pool shared by
 every connection).  Warnings about refused clients are rate-limited, so a
 flood of them cannot flood the log as well.
 
-The memory server (memory.py) asks here before it admits a connection, checks
-a proof, or lets a connection take payload memory; docs/operations.md lists
-the bounds and the memory budget they add up to.
+The memory server (memory.py) asks here before it admits a connection or
+lets a connection take payload memory; docs/operations.md lists the bounds
+and the memory budget they add up to.
 """
 
 from __future__ import annotations
@@ -15,14 +15,8 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-# a wrong token makes its source address wait this long before the next try,
-# doubling with each further failure up to AUTH_BACKOFF_MAX
-AUTH_BACKOFF_MIN = 0.1
-AUTH_BACKOFF_MAX = 10.0
-# a source address's failures are forgotten after this long without one
-AUTH_FORGET = 600.0
 # at most one warning line per kind per this many seconds (the rest counted)
 WARN_EVERY = 10.0
 
@@ -53,60 +47,86 @@ class RateLimitedLog:
         self.log.warning(fmt, *args)
 
 
-class Admission:
-    """Connection counts per source address and the authentication back-off."""
+class Guest(Protocol):
+    """What admission needs of a connection: a way to close it."""
 
-    def __init__(self, max_connections: int, max_per_host: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def cut(self, reason: str) -> None: ...
+
+
+class Admission:
+    """Connection counts, per source address and in total, and which
+    connections have not authenticated yet.
+
+    Everyone on one host (or behind one NAT) shares a source address, so a
+    limit that refuses new connections could be filled by a client without
+    the token and aimed at one that has it.  Instead, a connection that
+    would go over a limit makes room by closing the oldest connection that
+    has not authenticated (from the same address when the per-address limit
+    is what binds): a client that authenticates within its first round
+    trips is never the oldest.  Only connections that authenticated fill a
+    limit for good; then the new one is refused."""
+
+    def __init__(self, max_connections: int, max_per_host: int) -> None:
         self.max_connections = max_connections
         self.max_per_host = max_per_host
-        self.clock = clock
         self.per_host: collections.Counter[str] = collections.Counter()
         self.total = 0
         self.refused = 0
-        # source address -> (failures in a row, monotonic time it may try again)
-        self._failures: dict[str, tuple[int, float]] = {}
+        self.evicted = 0
+        # admitted connection -> its source address
+        self._hosts: dict[Guest, str] = {}
+        # those not authenticated yet, oldest first
+        self._guests: dict[Guest, str] = {}
 
-    def admit(self, host: str) -> str | None:
-        """Count a new connection from ``host``; or why it is refused (not counted)."""
-        if self.total >= self.max_connections:
-            self.refused += 1
-            return f"the server holds its maximum of {self.max_connections} connections"
+    def admit(self, conn: Guest, host: str) -> str | None:
+        """Count ``conn``, a new connection from ``host`` (closing the oldest
+        unauthenticated one to make room if a limit is reached); or why it
+        is refused (not counted): every connection in the way authenticated."""
         if self.per_host[host] >= self.max_per_host:
-            self.refused += 1
-            return (f"{host} holds this server's maximum of {self.max_per_host} connections "
-                    "per source address")
+            victim = next((c for c, h in self._guests.items() if h == host), None)
+            if victim is None:
+                self.refused += 1
+                return (f"{host} holds this server's maximum of {self.max_per_host} connections "
+                        "per source address, all authenticated")
+            self._evict(victim, f"the connections from {host} are at their maximum "
+                                f"({self.max_per_host}): the oldest unauthenticated one makes room")
+        if self.total >= self.max_connections:
+            victim = next(iter(self._guests), None)
+            if victim is None:
+                self.refused += 1
+                return f"the server holds its maximum of {self.max_connections} connections, all authenticated"
+            self._evict(victim, f"the server is at its maximum of {self.max_connections} connections: "
+                                "the oldest unauthenticated one makes room")
         self.per_host[host] += 1
         self.total += 1
+        self._hosts[conn] = host
+        self._guests[conn] = host
         return None
 
-    def leave(self, host: str) -> None:
-        """An admitted connection from ``host`` closed."""
+    def authenticated(self, conn: Guest) -> None:
+        """``conn`` proved it holds the token: it is never closed to make room."""
+        self._guests.pop(conn, None)
+
+    def leave(self, conn: Guest) -> None:
+        """An admitted connection closed (again, or never admitted: nothing)."""
+        host = self._hosts.pop(conn, None)
+        if host is None:
+            return
+        self._guests.pop(conn, None)
         self.total -= 1
         self.per_host[host] -= 1
         if self.per_host[host] <= 0:
             del self.per_host[host]
 
-    def auth_wait(self, host: str) -> float:
-        """Seconds ``host`` must still wait before its next authentication try."""
-        entry = self._failures.get(host)
-        return max(0.0, entry[1] - self.clock()) if entry else 0.0
+    @property
+    def unauthenticated(self) -> int:
+        return len(self._guests)
 
-    def auth_failed(self, host: str) -> float:
-        """Count a wrong proof from ``host``; returns the back-off it now waits."""
-        now = self.clock()
-        if len(self._failures) > 4096:
-            # addresses that stopped guessing long ago: forget them
-            self._failures = {h: e for h, e in self._failures.items() if now - e[1] < AUTH_FORGET}
-        count, until = self._failures.get(host, (0, now))
-        if now - until > AUTH_FORGET:
-            count = 0
-        delay = min(AUTH_BACKOFF_MIN * 2 ** count, AUTH_BACKOFF_MAX)
-        self._failures[host] = (count + 1, now + delay)
-        return delay
-
-    def auth_ok(self, host: str) -> None:
-        self._failures.pop(host, None)
+    def _evict(self, conn: Guest, reason: str) -> None:
+        # uncounted now: its close completes later, in connection_lost
+        self.leave(conn)
+        self.evicted += 1
+        conn.cut(reason)
 
 
 class MemoryPool:

@@ -56,6 +56,20 @@ remembered as that key's fence floor, so that no stale token of the freed
 lock passes a fence.  The fence table itself is bounded: a key it forgets
 raises the floor of its bucket to the key's token, so forgetting can refuse
 an old token that was good, but never accepts a stale one.
+
+Words a client wrote (issue 22): the words are in memory clients change
+with plain atomics (shm mappings, RDMA, TCP FETCH_ADD/COMPARE_SWAP), so a
+buggy or hostile client can write anything there.  Two states no client
+following the rules can make are checked at every sweep (one pass in C)
+and after each TCP atomic on the segment: now_serving past next_ticket, and
+more tickets queued than the connected clients could hold
+(MAX_TICKETS_PER_CONNECTION each).  Such a lock is reset
+(``LockTable.reset``): its tickets start again above every plausible word
+and the time-based base, so fencing tokens only grow; parked waiters keep
+their order, the holder loses the lock, and one-sided waiters draw again.
+It is logged with the client that did it where the server can tell (a TCP
+atomic), else with the shm connections that could have.  Parked acquires
+whose tickets a client skipped by hand are queued again, not failed.
 """
 
 from __future__ import annotations
@@ -64,6 +78,7 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 from .. import _core
@@ -82,6 +97,7 @@ from ..protocol import (
     Op,
     error_payload,
 )
+from .guard import RateLimitedLog
 from .metrics import Durations
 from .segment import Refused
 
@@ -110,6 +126,15 @@ MAX_RECORD_SLOTS = 16
 # ...and all connections together at most this share of the lock slots, so
 # that clients borrowing records can never leave no slot for a lock
 RECORD_SHARE = 4
+# Tickets one connection can have outstanding on a lock, at the most: one
+# per Lock object that waits or holds (parked acquires are capped at 512).
+# More queued than this per connection (plus one) is a lock whose words a
+# client wrote by hand: the server resets it (see "Words a client wrote").
+MAX_TICKETS_PER_CONNECTION = 1 << 16
+# a reset numbers the lock's tickets on from the largest of its words that
+# a server could have issued (tickets start near 2**60.6, see _ticket_base)
+# and the time-based base, so that fencing tokens only grow
+PLAUSIBLE_TICKET = 1 << 62
 
 
 class Requester(Protocol):
@@ -119,6 +144,7 @@ class Requester(Protocol):
     parked acquire)."""
 
     peer: str
+    transport_name: str
 
     def is_open(self) -> bool:
         """False once the connection is closing or closed."""
@@ -140,12 +166,22 @@ class LockService:
     """One server's locks: the lock segment, the table, parked requests."""
 
     def __init__(self, mem: Any, view: memoryview, *,
-                 slots: int = DEFAULT_SLOTS, lease: float = DEFAULT_LEASE,
-                 spin: float = DEFAULT_SPIN, max_parked: int = DEFAULT_MAX_PARKED) -> None:
+                 slots: int = DEFAULT_SLOTS, lease: float = DEFAULT_LEASE, max_lease: float | None = None,
+                 spin: float = DEFAULT_SPIN, max_parked: int = DEFAULT_MAX_PARKED,
+                 clients: Callable[[], Collection[Requester]] = tuple) -> None:
         self.mem = mem
+        # the server's connections now: how many tickets can be outstanding,
+        # and whom to name when a lock's words were made impossible
+        self.clients = clients
         self.view = view
         self.nslots = slots
         self.lease = lease
+        # the longest lease a client may ask for at lock_open: the server's
+        # own unless the operator allows longer (--lock-max-lease).  The
+        # first opener's lease holds for every later user, so a client that
+        # could pick an hour would make everyone wait an hour behind a
+        # holder that froze.
+        self.max_lease = max(lease, max_lease or lease)
         self.table = _core.LockTable(view, slots)
         self.by_name: dict[str, int] = {}      # lock name -> slot
         self.names: list[str | None] = [None] * slots
@@ -185,6 +221,14 @@ class LockService:
         self._woken_at: dict[int, int] = {}
         # record slots lent to shm connections (lock_records)
         self._records: dict[Requester, list[int]] = {}
+        # locks reset because a client made their words impossible, and
+        # parked acquires queued again because a client moved now_serving
+        # past them (stat)
+        self.resets = 0
+        self.requeued = 0
+        # a client that keeps writing impossible words gets one WARNING per
+        # 10 s, not one per reset
+        self.warn = RateLimitedLog(log).warning
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -222,6 +266,7 @@ class LockService:
                 now = loop.time()
                 started = time.monotonic_ns()
                 lapsed = self._lapsed(now, started)
+                self._reset_impossible(None)
                 self._deliver(self.table.sweep(now), started, lapsed)
                 self._settle_all()
                 if self._orphans:
@@ -232,6 +277,39 @@ class LockService:
                              self.table.expired - expired)
             except Exception:  # a bug must not stop expiries for good
                 log.exception("lock sweep failed")
+
+    def max_queue(self) -> int:
+        """The most tickets a lock can have outstanding with the clients
+        connected now (see MAX_TICKETS_PER_CONNECTION)."""
+        return (len(self.clients()) + 1) * MAX_TICKETS_PER_CONNECTION
+
+    def _reset_impossible(self, who: Requester | None) -> None:
+        """Reset every lock whose words a client made impossible (see the
+        top: "Words a client wrote"); ``who`` is the connection whose atomic
+        changed them just now, if one did (None: the sweep found them)."""
+        for slot in self.table.impossible(self.max_queue()):
+            self._reset(slot, who)
+
+    def _reset(self, slot: int, who: Requester | None) -> None:
+        nxt, serving, _ = self.table.words(slot)
+        base = max([_ticket_base()] + [w + 1 for w in (nxt, serving) if w < PLAUSIBLE_TICKET])
+        if who is not None:
+            culprit = f"{who.peer} ({who.transport_name}) changed them"
+        else:
+            mapped = sorted(c.peer for c in self.clients() if c.transport_name == "shm")
+            culprit = ("one of the clients that map the lock segment over shm changed them: "
+                       + (", ".join(mapped[:8]) + (f" and {len(mapped) - 8} more" if len(mapped) > 8 else "")
+                          if mapped else "none is connected now"))
+        self.resets += 1
+        self.warn("lock_reset", "lock %r had impossible words (next_ticket %d, now_serving %d: %s); %s. "
+                    "It starts again at ticket %d: its holder, if any, lost it, and its waiters "
+                    "keep their places", self.names[slot],
+                    nxt, serving, "now_serving is past next_ticket" if (nxt - serving) % (1 << 64) >= 1 << 63
+                    else f"{(nxt - serving) % (1 << 64)} tickets queued, more than {self.max_queue()} "
+                    "the connected clients could hold", culprit, base)
+        now = asyncio.get_running_loop().time()
+        self._deliver(self.table.reset(slot, base, now))
+        self._settle(slot)
 
     def _lapsed(self, now: float, now_ns: int) -> dict[int, int]:
         """Slot -> when (monotonic ns) its holder's lease ran out, for the
@@ -269,11 +347,15 @@ class LockService:
     def open(self, name: str, lease: float | None, conn: Requester) -> dict[str, Any]:
         """``lock_open``: bind ``name`` to a slot (if it has none) and count
         ``conn`` among its users until ``close_name`` or disconnect.  The
-        lease is fixed when the slot is bound: another value is refused."""
+        lease is fixed when the slot is bound: another value is refused, and
+        so is one over ``max_lease``."""
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 255:
             raise Refused(ErrorCode.BAD_REQUEST, "lock names are 1..255 bytes of str")
-        if lease is not None and not (isinstance(lease, (int, float)) and 0 < lease <= MAX_LEASE):
-            raise Refused(ErrorCode.BAD_REQUEST, f"lease must be in (0, {MAX_LEASE}] seconds")
+        if lease is not None and not (isinstance(lease, (int, float)) and 0 < lease <= self.max_lease):
+            raise Refused(ErrorCode.BAD_REQUEST,
+                          f"lease must be in (0, {self.max_lease:g}] seconds on this server (its "
+                          f"--lock-lease is {self.lease:g} s; --lock-max-lease lets clients ask for longer): "
+                          "leave lease unset to get the server's")
         slot = self.by_name.get(name)
         key = _core.name_hash(name)
         if slot is None:
@@ -411,7 +493,7 @@ class LockService:
                 "spin_seconds": self.spin_seconds,
                 "expired": self.table.expired, "abandoned_skips": self.table.abandoned_skips,
                 "stale_fences": self.stale_fences, "stale_releases": self.stale_releases,
-                "locks": locks}
+                "resets": self.resets, "requeued": self.requeued, "locks": locks}
 
     def _slot_of(self, offset: int) -> int:
         if offset % SLOT or not 0 <= offset < self.nslots * SLOT:
@@ -504,10 +586,17 @@ class LockService:
             self._settle(slot)
         conn.reply(hdr)
 
-    def touched(self, offset: int) -> None:
-        """A generic atomic changed a lock word (the polling path over TCP)."""
+    def touched(self, offset: int, who: Requester | None = None) -> None:
+        """A generic atomic changed a lock word (the polling path over TCP),
+        sent by ``who``."""
         slot = offset // SLOT
         if self.table.is_open(slot):
+            if who is not None:
+                nxt, serving, _ = self.table.words(slot)
+                # the same test as LockTable.impossible, for this slot only
+                if (nxt - serving) % (1 << 64) > self.max_queue():
+                    self._reset(slot, who)
+                    return
             since = time.monotonic_ns()
             self._deliver(self.table.poke(slot, asyncio.get_running_loop().time()), since)
             self._settle(slot)
@@ -579,14 +668,25 @@ class LockService:
             self.handoffs.observe(time.monotonic_ns() - (lapsed.get(slot, since_ns) if lapsed else since_ns))
             self._hand_off_due()
         if self.table.lost:
+            # A client moved now_serving past parked tickets by hand: their
+            # waiters never held the lock, so they queue again (a new
+            # ticket) rather than fail; their own timeouts still apply.
             lost = list(self.table.lost)
             self.table.lost.clear()
-            for _slot, wid in lost:
-                entry = self._unpark(wid)
-                if entry is not None:
+            now = asyncio.get_running_loop().time()
+            for slot, wid in lost:
+                entry = self._parked.get(wid)
+                if entry is None or not self.table.is_open(slot):
+                    continue
+                self.requeued += 1
+                ticket, granted = self.table.acquire(slot, wid, wid >> 32, now)
+                if granted:
+                    self._unpark(wid)
                     conn, hdr = entry
-                    conn.reply(hdr, error_payload("the queue passed this ticket"),
-                                status=ErrorCode.STALE_FENCE)
+                    conn.reply(hdr, _core.pack_u64(ticket))
+            if lost:
+                self.warn("lock_requeue", "a client moved now_serving of a lock past %d parked "
+                          "acquire(s); they queue again", len(lost))
 
     def _unpark(self, wid: int) -> tuple[Requester, Header] | None:
         entry = self._parked.pop(wid, None)

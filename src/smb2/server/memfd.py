@@ -8,15 +8,23 @@ maps the same pages.
 
 Behind the segment's bytes, at ``state_offset(size)``, lies one u64 **state
 word**: ``LIVE`` while the segment belongs to a buffer, ``GONE`` once it was
-destroyed.  A shm client checks it before each operation, so an operation
+destroyed, ``FROZEN`` while the server saves it to stop.  A shm client checks it before each operation, so an operation
 on a destroyed buffer fails with ``NoSuchBuffer`` as over TCP.  The pages
 themselves are freed only when the last mapping of them and the last fd are
 gone: a client that still maps a destroyed segment keeps its pages alive and
 never touches freed memory.
+
+Each memfd is **sealed** at its size (``F_SEAL_SHRINK | F_SEAL_GROW``)
+before anyone else sees it: a client that got the fd cannot ``ftruncate``
+it.  Shrunk, the server's own accesses past the new end (the lock sweep, a
+TCP client's read) would die of SIGBUS; grown, the file would hold memory
+outside ``--capacity``.  Writing through a mapping stays allowed: that is
+what the hand-out is for.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import resource
@@ -28,8 +36,13 @@ from .. import _core
 
 LIVE = 1
 GONE = 0
+# the server is saving the segment to stop (server/memory.py, close): shm
+# clients stop writing, and one whose store overlapped the change raises
+FROZEN = 2
 # the state word sits on its own cache line behind the data
 _STATE_ALIGN = 64
+# a handed-out memfd keeps its size whatever the client does (see the top)
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 # mmap object (the exporter behind a segment's view) -> its memfd
 _fds: weakref.WeakKeyDictionary[mmap.mmap, int] = weakref.WeakKeyDictionary()
@@ -64,9 +77,10 @@ def alloc_shared(size: int, name: str = "smb2-segment") -> tuple[np.ndarray, mem
     if not _fd_limit_raised:
         _raise_fd_limit()
     total = state_offset(size) + _STATE_ALIGN
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, total)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED)
     except BaseException:
         os.close(fd)
@@ -87,8 +101,15 @@ def fd_of(view: memoryview) -> int | None:
     return _fds.get(owner) if isinstance(owner, mmap.mmap) else None
 
 
-def mark_gone(view: memoryview) -> None:
-    """Tell every client that maps this segment that its buffer is gone."""
+def mark(view: memoryview, state: int) -> None:
+    """Set the state word of the segment ``view`` (LIVE, GONE, FROZEN) for
+    every client that maps it (a seq-cst store: see
+    ``_core.load_after_stores`` for what a writer learns from it)."""
     owner = view.obj
     if isinstance(owner, mmap.mmap) and owner in _fds:
-        _core.atomic_store(memoryview(owner), state_offset(len(view)), GONE)
+        _core.atomic_store(memoryview(owner), state_offset(len(view)), state)
+
+
+def mark_gone(view: memoryview) -> None:
+    """Tell every client that maps this segment that its buffer is gone."""
+    mark(view, GONE)

@@ -59,11 +59,12 @@ from ..protocol import (
     parse_size,
     unpack,
 )
+from ..version import __version__
 from .datadir import DataDir
 from .guard import Admission, MemoryPool, RateLimitedLog
 from .locks import LockService
-from .memfd import mark_gone
-from .metrics import MetricsExporter, RequestCounts, package_version
+from .memfd import FROZEN, LIVE, mark, mark_gone
+from .metrics import MetricsExporter, RequestCounts
 from .metrics import parse_address as parse_metrics_address
 from .options import ServerOptions
 from .rdma import RdmaServer
@@ -73,10 +74,13 @@ from .shm import ShmService
 log = logging.getLogger("smb2.server")
 
 MAX_NAME = 255
+MAX_BUFFER_ID = 64        # clients send 16 hex digits
 # Before a connection has authenticated it holds a small inbox and may send
 # nothing larger than a hello or an auth message (both are ~100 bytes).
 PREAUTH_INBOX = 8 << 10
 PREAUTH_MAX_CONTROL = 4 << 10
+# a token shorter than this gets a warning at start: it could be guessed
+MIN_TOKEN = 16
 # a connection idle this long gives back its inbox and scratch
 RELEASE_IDLE = 2.0
 # accumulate deltas one connection may have waiting behind in-flight writes
@@ -105,7 +109,7 @@ class MemoryServer:
         # its payload per write_timeout
         self.write_progress = max(1, int(parse_size(options.write_min_rate) * options.write_timeout))
         self.max_reply_bytes = parse_size(options.max_reply_bytes)
-        # connection counts and the auth back-off (guard.py)
+        # connection counts; unauthenticated connections make room (guard.py)
         self.admission = Admission(options.max_connections, options.max_connections_per_host)
         # accumulate scratch and deferred deltas of all connections together
         self.receive_pool = MemoryPool(parse_size(options.max_receive_memory))
@@ -116,8 +120,6 @@ class MemoryServer:
         # the shared secret clients must prove they know (None: no authentication)
         self.token = auth.as_token(options.token)
         self.auth_failures = 0
-        # auth messages refused unchecked during a back-off (guard.Admission)
-        self.auth_throttled = 0
         self.max_frame = parse_size(options.max_frame)
         self.max_buffers = options.max_buffers
         self.used = 0
@@ -135,9 +137,10 @@ class MemoryServer:
         self.bytes_in = 0
         self.bytes_out = 0
         # what was refused, by why: an error code's name in lower case, or
-        # connection_limit / auth_failed / auth_backoff (--metrics)
+        # connection_limit / auth_failed (--metrics)
         self.refusals: collections.Counter[str] = collections.Counter()
-        # connections cut by the sweep, by which deadline
+        # connections cut by the sweep, by which deadline (and those closed to
+        # make room for a new one: admission.evicted)
         self.cuts: collections.Counter[str] = collections.Counter()
         self._server: asyncio.AbstractServer | None = None
         self.address: tuple[str, int] = ("", 0)
@@ -147,7 +150,8 @@ class MemoryServer:
         mem, view = alloc(options.lock_slots * _core.LOCK_SLOT_SIZE)
         self.segments[LOCK_SEGMENT] = Segment(LOCK_SEGMENT, "", 0, 8, 1, 0, len(view), mem, view)
         self.locks = LockService(mem, view, slots=options.lock_slots, lease=options.lock_lease,
-                                 spin=options.lock_spin)
+                                 max_lease=options.lock_max_lease,
+                                 spin=options.lock_spin, clients=lambda: self.connections)
         # RDMA (rdma.py): opened at start() unless rdma="off"
         self.rdma: RdmaServer | None = None
         self.rdma_reason: str | None = "not started"
@@ -207,6 +211,11 @@ class MemoryServer:
             log.warning("listening on %s without an authentication token: anyone who can reach "
                         "this port can read and write its memory (--auth-token-file or %s)",
                         host or "all addresses", auth.ENV)
+        if self.token is not None and len(self.token) < MIN_TOKEN:
+            # every proof is checked (no back-off to lock out a guesser's
+            # neighbours): the token's length is what keeps guessing hopeless
+            log.warning("the authentication token is %d bytes: a short token can be guessed; "
+                        "use at least %d random bytes (openssl rand -hex 32)", len(self.token), MIN_TOKEN)
         self._sweeper = asyncio.create_task(self._sweep())
         self.locks.start()
         if self.options.metrics is not None:
@@ -292,17 +301,40 @@ class MemoryServer:
         self.used = 0
 
     def save(self) -> None:
-        """Write the segments to the data directory (PersistenceError)."""
+        """Freeze the segments and write them to the data directory, to stop
+        (PersistenceError; the segments are then LIVE again).
+
+        Synchronous: no request through this server runs while it writes.
+        Writers that do not pass through it are stopped first: every
+        segment's state word becomes FROZEN, so shm clients refuse new
+        operations, and one whose store overlapped the change reads the
+        word after its store and raises instead of reporting success; the
+        RDMA registrations are withdrawn, so a one-sided write fails rather
+        than lands unseen.  What is saved is thus every acknowledged
+        write; one still in flight may be torn, but never against its own
+        file's checksum (datadir.py copies each chunk before hashing).  The
+        buffers' segments only: the lock segment's leases mean nothing to
+        the next server process."""
         assert self.data_dir is not None
-        # Synchronous: no request runs while it writes, so what is saved is
-        # one moment's state (writes still arriving in place may be torn).
-        # The buffers' segments only: the lock segment's leases mean nothing
-        # to the next server process.
+        segs = list(self.by_name.values())
+        for seg in segs:
+            mark(seg.view, FROZEN)
+        if self.rdma is not None:
+            for seg in segs:
+                self.rdma.deregister(seg.id)
         try:
-            self.data_dir.save(self.by_name.values(), self.next_segment_id())
-        except OSError as exc:
-            # the previous manifest is intact: the last good state survives
-            raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: {exc}") from exc
+            self.data_dir.save(segs, self.next_segment_id())
+        except BaseException as exc:
+            # the previous manifest is intact: the last good state survives,
+            # and the server goes on serving what it holds
+            for seg in segs:
+                mark(seg.view, LIVE)
+            if self.rdma is not None:
+                for seg in segs:
+                    self.rdma.register(seg.id, seg.view)
+            if isinstance(exc, OSError):
+                raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: {exc}") from exc
+            raise
 
     async def __aenter__(self) -> MemoryServer:
         return self
@@ -311,7 +343,13 @@ class MemoryServer:
         await self.close()
 
     # -- control commands ----------------------------------------------
-    def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int) -> dict[str, Any]:
+    def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int,
+               buffer_id: str | None = None, seal: bool = False) -> dict[str, Any]:
+        """The part ``index`` of buffer ``name``: made (zero-filled, with
+        the identity ``buffer_id``, sealed if ``seal``) when this server
+        has none, else the one it has, sealed now if ``seal`` and the
+        identity is the same.  A client without identities (no
+        ``buffer_id``) makes sealed parts of identity ""."""
         if not 0 < len(name.encode()) <= MAX_NAME:
             raise Refused(ErrorCode.BAD_REQUEST, f"buffer names are 1..{MAX_NAME} bytes")
         if nbytes <= 0 or stripe <= 0 or stripe % 8 or nservers <= 0 or not 0 <= index < nservers:
@@ -326,6 +364,8 @@ class MemoryServer:
                     f"buffer {name!r} exists with nbytes={seg.nbytes} stripe={seg.stripe} "
                     f"over {seg.nservers} servers (this server #{seg.index}); asked for "
                     f"nbytes={nbytes} stripe={stripe} over {nservers} servers (#{index})")
+            if seal and seg.buffer_id == buffer_id:
+                seg.sealed = True
             return {**seg.info(), "created": False}
         if len(self.by_name) >= self.max_buffers:      # the lock segment is not a buffer
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"server holds its maximum of {self.max_buffers} buffers")
@@ -337,7 +377,8 @@ class MemoryServer:
             mem, view = alloc(size)
         except (OSError, MemoryError, OverflowError) as exc:
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"cannot map {size} bytes: {exc}") from None
-        seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view)
+        seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view,
+                      buffer_id="" if buffer_id is None else buffer_id, sealed=buffer_id is None or seal)
         if self.rdma is not None:
             self.rdma.register(seg.id, view)     # once, for the segment's lifetime
         self._add(seg)
@@ -395,24 +436,24 @@ class MemoryServer:
             "uptime_s": round(time.time() - self.started, 3),
             # the server's wall clock: smb2 doctor measures each server's offset
             "time": time.time(),
-            "package_version": package_version(),
+            "package_version": __version__,
             "capacity": self.capacity,
             "used": self.used,
-            "buffers": {s.name: {"segment": s.id, "size": s.size, "nbytes": s.nbytes,
-                                 "stripe": s.stripe, "nservers": s.nservers, "index": s.index}
+            "buffers": {s.name: {k: v for k, v in s.info().items() if k != "name"}
                         for s in self.segments.values() if s.id != LOCK_SEGMENT},
             "connections": len(self.connections),
             "ops": self.ops,
             "transports": self.transports(),
             "rdma": self.rdma.describe() if self.rdma else {"off": self.rdma_reason},
-            "shm": ({"socket": self.shm.path, "fds_handed_out": self.shm.handed_out} if self.shm
+            "shm": ({"socket": self.shm.path, "fds_handed_out": self.shm.handed_out,
+                     "tickets_withdrawn": self.shm.withdrawn} if self.shm
                     else {"off": self.shm_reason}),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "refused": self.refused,
             "auth": auth.MECH if self.token is not None else None,
             "auth_failures": self.auth_failures,
-            "auth_throttled": self.auth_throttled,
+            "unauthenticated_evicted": self.admission.evicted,
             "connections_refused": self.admission.refused,
             "receive_memory": {"used": self.receive_pool.used, "peak": self.receive_pool.peak,
                                "limit": self.receive_pool.limit},
@@ -483,8 +524,6 @@ class Connection(FrameReceiver):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.host = "?"
-        # counted in server.admission (refused connections are not)
-        self._admitted = False
         self.greeted = False
         # set by a valid ``auth`` (or by ``hello`` when the server has no token);
         # until then only auth.PUBLIC_COMMANDS are answered
@@ -526,12 +565,11 @@ class Connection(FrameReceiver):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.host = str(peer[0]) if peer else "?"
-        refused = self.server.admission.admit(self.host)
+        refused = self.server.admission.admit(self, self.host)
         if refused is not None:
             self.server.warn("admission", "refused a connection from %s: %s", self.peer, refused)
             self.close_with(refused, code=ErrorCode.OUT_OF_MEMORY, why="connection_limit")
             return
-        self._admitted = True
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -544,12 +582,12 @@ class Connection(FrameReceiver):
         log.debug("connection from %s", self.peer)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._admitted:
-            self._admitted = False
-            self.server.admission.leave(self.host)
+        self.server.admission.leave(self)
         self.release_memory(closed=True)
         self.server.connections.discard(self)
         self.server.locks.connection_lost(self)
+        if self.server.shm is not None:
+            self.server.shm.drop_owner(self)
         if self._write is not None:
             seg, rng = self._write
             self._write = None
@@ -957,7 +995,7 @@ class Connection(FrameReceiver):
         old = _core.atomic_fetch_add(seg.view, offset, add)
         self.reply(hdr, _core.pack_u64(old))
         if seg.id == LOCK_SEGMENT:
-            self.server.locks.touched(offset)
+            self.server.locks.touched(offset, self)
         elif add:
             _core.futex_wake(seg.view, offset)      # a shm client may sleep on it (smb2.notify)
 
@@ -968,7 +1006,7 @@ class Connection(FrameReceiver):
         old = _core.atomic_compare_swap(seg.view, offset, expected, _core.unpack_u64(payload, 8))
         self.reply(hdr, _core.pack_u64(old))
         if seg.id == LOCK_SEGMENT:
-            self.server.locks.touched(offset)
+            self.server.locks.touched(offset, self)
         elif old == expected:
             _core.futex_wake(seg.view, offset)      # a shm client may sleep on it (smb2.notify)
 
@@ -1069,9 +1107,12 @@ class Connection(FrameReceiver):
         return {**info, **rdma.segment_info(info["segment"])} if rdma is not None else info
 
     def _cmd_create(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+        buffer_id = _str(msg, "buffer_id") if "buffer_id" in msg else None
+        if buffer_id is not None and len(buffer_id) > MAX_BUFFER_ID:
+            raise Refused(ErrorCode.BAD_REQUEST, f"a buffer_id is at most {MAX_BUFFER_ID} characters")
         return self._with_rdma_keys(self.server.create(
             _str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
-            _uint(msg, "nservers"), _uint(msg, "index")))
+            _uint(msg, "nservers"), _uint(msg, "index"), buffer_id, msg.get("seal") is True))
 
     def _cmd_lookup(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self._with_rdma_keys(self.server.lookup(_str(msg, "name")))
@@ -1153,33 +1194,28 @@ class Connection(FrameReceiver):
             raise Refused(ErrorCode.BAD_REQUEST, "this server does not use authentication")
         if self.authed:
             raise Refused(ErrorCode.BAD_REQUEST, "already authenticated")
-        wait = srv.admission.auth_wait(self.host)
-        if wait > 0:
-            # a wrong token from this address not long ago: no proof is
-            # checked until the back-off is over (guesses cost time)
-            srv.auth_throttled += 1
-            self.close_with(f"authentication refused: {self.host} sent a wrong token; "
-                            f"try again in {wait:.1f} s", hdr, ErrorCode.ACCESS_DENIED, why="auth_backoff")
-            return None
+        # Every proof is checked (one HMAC, about a microsecond): a back-off
+        # per source address would lock out the token holders who share the
+        # guesser's address.  What a guess costs instead: a connection and a
+        # hello for each (one try per challenge), and the token's 2**256
+        # possible proofs (docs/operations.md, "What one client can take").
         nonce = msg.get("nonce")
         ok = (isinstance(nonce, bytes) and len(nonce) == auth.NONCE_SIZE
               and auth.check(auth.client_proof(srv.token, self._nonce, nonce), msg.get("proof")))
         if not ok:
             # one try per challenge: a guesser must reconnect for each
             srv.auth_failures += 1
-            backoff = srv.admission.auth_failed(self.host)
-            srv.warn("auth", "authentication failed from %s (wrong token; next try from there in "
-                     "%.1f s)", self.peer, backoff)
+            srv.warn("auth", "authentication failed from %s (wrong token)", self.peer)
             self.close_with("authentication failed: wrong token", hdr, ErrorCode.ACCESS_DENIED, why="auth_failed")
             return None
         assert isinstance(nonce, bytes)
-        srv.admission.auth_ok(self.host)
         self._authenticated()
         log.debug("%s authenticated", self.peer)
         return {"proof": auth.server_proof(srv.token, self._nonce, nonce)}
 
     def _authenticated(self) -> None:
         self.authed = True
+        self.server.admission.authenticated(self)
         self.inbox_size = self.INBOX_SIZE      # grows at the next receive
 
 

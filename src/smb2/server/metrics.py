@@ -7,8 +7,13 @@ per-op histograms and data bytes, indexed by op code.  And what reads them:
 at each scrape :class:`ServerCollector` turns those and the counters the
 server keeps for ``stat`` (refusals, the receive pool, the lock table) into
 metric families.  The exporter is a small HTTP endpoint on the server's own
-event loop, not prometheus-client's thread, so a scrape never reads the
-server's dictionaries while the loop changes them.
+event loop: the collector reads the server's dictionaries there (a thread
+could see them mid-change), and a thread turns what it read into text.  A
+scrape costs the loop at most one such reading per SNAPSHOT_EVERY seconds
+however often it is asked (scrapes that come sooner wait for the next
+reading and share it), and at most
+MAX_SCRAPERS connections are accepted at once (the others wait in the
+kernel's backlog), so a flood of scrapes cannot take the data path's time.
 
 ``prometheus-client`` is an optional dependency (``pip install smb2[metrics]``);
 it is imported only when metrics are asked for: the counting here needs none.
@@ -17,21 +22,33 @@ it is imported only when metrics are asked for: the counting here needs none.
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib.metadata
+import concurrent.futures
 import logging
+import math
+import socket
 import time
-from collections.abc import Collection, Iterator, Mapping, Sized
+from collections.abc import Collection, Coroutine, Iterator, Mapping, Sized
 from typing import Any, Final, Protocol
 
 from ..errors import InvalidArgumentError, TransportError
 from ..protocol import VERSION, Op
+from ..version import __version__
 
 log = logging.getLogger("smb2.server.metrics")
 
 # an HTTP request line and headers larger than this is not a scraper
 MAX_REQUEST = 16 << 10
-REQUEST_TIMEOUT = 10.0
+# a scraper sends its request at once, and reads the answer: one that
+# waits holds a place
+REQUEST_TIMEOUT = 2.0
+SEND_TIMEOUT = 10.0
+# scrape connections served at once; more wait in the listening socket's
+# backlog (costing the server nothing) until one is done
+MAX_SCRAPERS = 16
+# the server's numbers are read at most this often: a scrape that comes
+# sooner waits for the next reading, and shares it with every scrape waiting
+# (Prometheus scrapes every 10-60 s)
+SNAPSHOT_EVERY = 0.25
 
 
 # The time histograms' buckets are powers of two nanoseconds: a duration of
@@ -103,16 +120,9 @@ def parse_address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise InvalidArgumentError(f"metrics address must be HOST:PORT (e.g. 127.0.0.1:9100), not {text!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
-@functools.cache
-def package_version() -> str:
-    """smb2's installed version ("unknown" when run from a bare source tree)."""
-    try:
-        return importlib.metadata.version("smb2")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    # no host: loopback (the endpoint has no authentication; 0.0.0.0:PORT
+    # serves every interface, when asked for by name)
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def prometheus() -> Any:
@@ -145,6 +155,7 @@ class WatchedServer(Protocol):
     capacity: int
     used: int
     receive_pool: Any       # guard.MemoryPool: .used, .peak, .limit
+    admission: Any          # guard.Admission: .evicted
     locks: Any              # locks.LockService: .stat(), .handoffs
 
     @property
@@ -179,7 +190,7 @@ class ServerCollector:
 
         srv = self.server
         info = InfoMetricFamily("smb2_server", "this server process")
-        info.add_metric([], {"server_id": srv.server_id, "version": package_version(),
+        info.add_metric([], {"server_id": srv.server_id, "version": __version__,
                              "protocol_version": str(VERSION), "rdma": "on" if srv.rdma else "off"})
         yield info
         yield GaugeMetricFamily("smb2_uptime_seconds", "seconds since the server started",
@@ -242,14 +253,15 @@ class ServerCollector:
         from prometheus_client.core import CounterMetricFamily
 
         refused = CounterMetricFamily("smb2_refused", "requests and connections the server said no to, by "
-                                      "why: the error code it answered, or connection_limit, auth_failed, "
-                                      "auth_backoff", labels=["reason"])
+                                      "why: the error code it answered, or connection_limit, auth_failed",
+                                      labels=["reason"])
         for reason, n in sorted(self.server.refusals.items()):
             refused.add_metric([reason], n)
         yield refused
         cut = CounterMetricFamily("smb2_connections_cut", "connections the server closed for a deadline, "
-                                  "by which", labels=["reason"])
-        for reason, n in sorted(self.server.cuts.items()):
+                                  "by which, or unauthenticated ones closed to make room (evicted)",
+                                  labels=["reason"])
+        for reason, n in sorted({**self.server.cuts, "evicted": self.server.admission.evicted}.items()):
             cut.add_metric([reason], n)
         yield cut
 
@@ -282,42 +294,124 @@ class ServerCollector:
         yield handoff
 
 
-class MetricsExporter:
-    """``GET /metrics`` on HOST:PORT, served on the running loop."""
+class Reading:
+    """Metric families already collected, for ``generate_latest`` to render."""
 
-    def __init__(self, server: WatchedServer) -> None:
+    def __init__(self, families: list[Any], *live: Any) -> None:
+        self.families = families
+        # collectors safe to run in the rendering thread (the process's /proc)
+        self.live = live
+
+    def collect(self) -> Iterator[Any]:
+        yield from self.families
+        for collector in self.live:
+            yield from collector.collect()
+
+
+class MetricsExporter:
+    """``GET /metrics`` on HOST:PORT: read on the running loop, at most once
+    per ``every`` seconds; rendered in a thread; ``max_scrapers`` connections
+    accepted at once."""
+
+    def __init__(self, server: WatchedServer, *, every: float = SNAPSHOT_EVERY,
+                 max_scrapers: int = MAX_SCRAPERS) -> None:
         prom = prometheus()
-        self.registry = prom.CollectorRegistry()
-        self.registry.register(ServerCollector(server))
+        self.collector = ServerCollector(server)
         # the process's RSS and CPU: what the memory budget (operations.md) bounds
-        prom.ProcessCollector(registry=self.registry)
+        self.process = prom.ProcessCollector(registry=None)
         self._generate = prom.generate_latest
         self.content_type: str = prom.CONTENT_TYPE_LATEST
-        self._server: asyncio.AbstractServer | None = None
+        self.every = every
+        self._room = asyncio.Semaphore(max_scrapers)
+        self._sock: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self.address: tuple[str, int] = ("", 0)
+        self._renderer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smb2-metrics")
+        # the last text, when its reading was taken (loop time), and the
+        # render under way, which the scrapes waiting for it share
+        self._text = b""
+        self._taken = -math.inf
+        self._rendering: asyncio.Future[bytes] | None = None
 
     async def start(self, host: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            self._server = await asyncio.start_server(self._handle, host, port, reuse_address=True,
-                                                      limit=MAX_REQUEST)
+            sock = socket.create_server((host, port), family=family, backlog=MAX_SCRAPERS)
         except OSError as exc:
             raise TransportError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}",
                                  errno=exc.errno, hint="pick another --metrics port") from None
-        self.address = self._server.sockets[0].getsockname()[:2]
+        sock.setblocking(False)
+        self._sock = sock
+        self.address = sock.getsockname()[:2]
+        self._spawn(self._accept())
         log.info("metrics on http://%s:%d/metrics", *self.address)
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._renderer.shutdown(wait=False, cancel_futures=True)
 
-    def render(self) -> bytes:
-        """The metrics in Prometheus' text format."""
-        data: bytes = self._generate(self.registry)
-        return data
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self) -> None:
+        # a place first, then the connection: past max_scrapers the next
+        # ones wait in the backlog, and a flood of them costs no loop time
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            await self._room.acquire()
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:
+                self._room.release()
+                log.warning("metrics: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            self._spawn(self._scrape(conn))
+
+    async def text(self) -> bytes:
+        """The metrics' text, from a reading taken after this call began: a
+        new one (taken here, on the loop, then rendered in the exporter's
+        thread) once ``every`` has passed since the last, shared by every
+        scrape that waits for it."""
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        while True:
+            self._settle()
+            if self._rendering is not None:
+                await asyncio.shield(self._rendering)     # not done: this yields
+            elif self._taken >= asked:
+                return self._text
+            elif (wait := self._taken + self.every - loop.time()) > 0:
+                await asyncio.sleep(wait)
+            else:
+                self._taken = loop.time()
+                reading = Reading(list(self.collector.collect()), self.process)
+                self._rendering = loop.run_in_executor(self._renderer, self._generate, reading)
+
+    def _settle(self) -> None:
+        # a finished render's text becomes the last text (a failed one's
+        # error is raised to the scrapes that waited for it)
+        done = self._rendering
+        if done is not None and done.done():
+            self._rendering = None
+            if not done.cancelled() and done.exception() is None:
+                self._text = done.result()
+
+    async def _scrape(self, conn: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn, limit=MAX_REQUEST)
+        except BaseException:
+            conn.close()
+            self._room.release()
+            raise
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
             parts = head.split(b"\r\n", 1)[0].split()
@@ -325,12 +419,16 @@ class MetricsExporter:
             if parts[:1] != [b"GET"] or path not in (b"/metrics", b"/"):
                 self._respond(writer, "404 Not Found", b"smb2 metrics: GET /metrics\n", "text/plain")
             else:
-                self._respond(writer, "200 OK", self.render(), self.content_type)
-            await writer.drain()
+                self._respond(writer, "200 OK", await self.text(), self.content_type)
+            await asyncio.wait_for(writer.drain(), SEND_TIMEOUT)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-            pass    # a scraper that went away or sent no request: nothing to answer
+            pass    # a scraper that went away, sent no request or reads no answer
         finally:
-            writer.close()
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()    # unread: its text is not kept
+            else:
+                writer.close()
+            self._room.release()
 
     @staticmethod
     def _respond(writer: asyncio.StreamWriter, status: str, body: bytes, content_type: str) -> None:

@@ -78,6 +78,10 @@ class ServerOptions:
         "waiting behind a write); a connection that would exceed it waits (default 256MiB)", type=str)
     lock_lease: float = _option(
         DEFAULT_LEASE, "seconds a lock holder may go without renewing (default %(default)g)", type=float)
+    lock_max_lease: float | None = _option(
+        None, "the longest lease a client may ask for when it opens a lock; every later user of that "
+        "lock gets it (default: --lock-lease, so clients may only ask for shorter)", type=float,
+        metavar="SECONDS")
     lock_slots: int = _option(DEFAULT_SLOTS, "locks this server can hold (default %(default)s)", type=int)
     lock_spin: float = _option(
         DEFAULT_SPIN, "while lock waiters are parked, poll instead of sleeping for up to this many "
@@ -122,5 +126,8 @@ class ServerOptions:
             raise InvalidArgumentError(f"lock slots must be in 1..{MAX_SLOTS}, not {self.lock_slots}")
         if not 0 < self.lock_lease <= MAX_LEASE:
             raise InvalidArgumentError(f"lock lease must be in (0, {MAX_LEASE:g}] s, not {self.lock_lease:g}")
+        if self.lock_max_lease is not None and not self.lock_lease <= self.lock_max_lease <= MAX_LEASE:
+            raise InvalidArgumentError(f"lock max lease must be in [lock lease ({self.lock_lease:g}), "
+                                       f"{MAX_LEASE:g}] s, not {self.lock_max_lease:g}")
         if not 0 <= self.lock_spin <= MAX_SPIN:
             raise InvalidArgumentError(f"lock spin must be in [0, {MAX_SPIN:g}] s, not {self.lock_spin:g}")

@@ -44,6 +44,12 @@ class Segment:
     size: int            # bytes held here
     mem: np.ndarray      # uint8 over a shared memfd mapping (page aligned, lazily backed)
     view: memoryview
+    # the buffer's identity, the same on each of its parts: made at random by
+    # the client that created the buffer ("" for a part made by a client
+    # that sent none); ``sealed`` on part 0 says that every part was made
+    # (docs/protocol.md, "Buffer identity")
+    buffer_id: str = ""
+    sealed: bool = True
     created: float = field(default_factory=time.time)
     # byte ranges of writes being received in place right now; an accumulate
     # that overlaps one waits for it, so that it is atomic w.r.t. writes
@@ -54,7 +60,8 @@ class Segment:
     def info(self) -> dict[str, Any]:
         return {"segment": self.id, "name": self.name, "nbytes": self.nbytes,
                 "stripe": self.stripe, "nservers": self.nservers,
-                "index": self.index, "size": self.size}
+                "index": self.index, "size": self.size, "buffer_id": self.buffer_id,
+                "sealed": self.sealed}
 
     def overlaps_inflight(self, lo: int, hi: int) -> bool:
         return any(a < hi and lo < b for a, b in self.inflight)

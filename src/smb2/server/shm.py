@@ -44,7 +44,11 @@ CLAIM_TIMEOUT = 5.0
 MAX_SEGMENTS_PER_GRANT = 64
 # tickets waiting to be claimed, per server, and per connection that asked:
 # an authenticated client that never claims must not make the server hold
-# unbounded fds, nor keep other clients from theirs
+# unbounded fds, nor keep other clients from theirs.  At the server's limit
+# a new ticket is not refused: the connection holding the most unclaimed
+# tickets loses its oldest (a client claims its ticket within a round trip,
+# so only hoarded ones are ever old), so however many connections hoard,
+# every other one is served.
 MAX_PENDING = 256
 MAX_PENDING_PER_OWNER = 4
 # fds all unclaimed tickets together may hold: a share of what the process
@@ -94,6 +98,8 @@ class ShmService:
         self._task: asyncio.Task[None] | None = None
         self._claims: set[asyncio.Task[None]] = set()
         self.handed_out = 0
+        # unclaimed tickets expired early to make room for another's (stat)
+        self.withdrawn = 0
 
     @classmethod
     def open(cls, path: str | None, port: int) -> tuple[ShmService | None, str | None]:
@@ -152,10 +158,9 @@ class ShmService:
         if self._pending_of.get(owner, 0) >= MAX_PENDING_PER_OWNER:
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"this connection has {MAX_PENDING_PER_OWNER} shm tickets "
                           "waiting to be claimed; claim them first")
-        if len(self._tickets) >= MAX_PENDING or self._pending_fds + len(segments) > self.max_pending_fds:
-            raise Refused(ErrorCode.OUT_OF_MEMORY, f"{len(self._tickets)} shm tickets holding "
-                          f"{self._pending_fds} fds wait to be claimed (at most {MAX_PENDING} and "
-                          f"{self.max_pending_fds}); try again in {TICKET_TTL:g} s, or use transport='tcp'")
+        while self._tickets and (len(self._tickets) >= MAX_PENDING
+                                 or self._pending_fds + len(segments) > self.max_pending_fds):
+            self._withdraw_hoarded()
         fds: list[int] = []
         items = []
         try:
@@ -175,6 +180,22 @@ class ShmService:
         self._pending_fds += len(fds)
         return {"ticket": ticket, "path": self.path, "boot_id": self.boot_id}
 
+    def _withdraw_hoarded(self) -> None:
+        """Expire the oldest unclaimed ticket of the connection that holds
+        the most (the first of those to ask, on a tie)."""
+        most = max(self._pending_of.values())
+        ticket = next(t for t, g in self._tickets.items() if self._pending_of[g.owner] == most)
+        self.withdrawn += 1
+        log.info("shm: %d tickets wait to be claimed; withdrew the oldest of a connection holding %d",
+                 len(self._tickets), most)
+        self._expire(ticket)
+
+    def drop_owner(self, owner: object) -> None:
+        """``owner`` (a connection) closed: its unclaimed tickets go with it."""
+        if owner in self._pending_of:
+            for ticket in [t for t, g in self._tickets.items() if g.owner is owner]:
+                self._expire(ticket)
+
     def _take(self, ticket: bytes) -> _Grant | None:
         """The grant of ``ticket``, no longer pending (its fds still open)."""
         grant = self._tickets.pop(ticket, None)
@@ -188,6 +209,7 @@ class ShmService:
     def _expire(self, ticket: bytes) -> None:
         grant = self._take(ticket)
         if grant is not None:
+            grant.expiry.cancel()
             _close_all(grant.fds)
 
     async def _serve(self) -> None:

@@ -7,13 +7,15 @@ through one striped buffer instead of a parameter server.
     loss, grads = model.grads(store.params, x, y)
     await store.push(grads)                  # the update rule moves them to the servers
 
-Only the public client API is used here: no transport code.
+Only the public client API is used here: no transport code.  The numpy MLP,
+its data sets and the multi-process job launcher that ``make demo`` runs are
+an example built on the store: :mod:`smb2.train.example`.  The PyTorch front
+end sits above this package, in :mod:`smb2.torch`.
 """
 
 from .dropping import LayerDropping
-from .mlp import MLP
 from .rules import EASGD, RULES, Accumulate, Locked, UpdateRule, make_rule
 from .store import POLICIES, ParameterStore
 
-__all__ = ["EASGD", "MLP", "POLICIES", "RULES", "Accumulate", "LayerDropping", "Locked", "ParameterStore",
+__all__ = ["EASGD", "POLICIES", "RULES", "Accumulate", "LayerDropping", "Locked", "ParameterStore",
            "UpdateRule", "make_rule"]

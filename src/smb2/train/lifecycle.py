@@ -10,7 +10,10 @@ The control area (int64 words, the store's notification area)::
     word 2        STOP        the run whose end policy fired (stop iff == G)
     word 3        OPENED_MS   wall clock (ms) when run G was opened
     word 4        RESUMED     1 if run G resumed the previous one's weights
-    words 5-7     reserved
+    word 5        ORIGIN_MS   OPENED_MS of the last fresh run, kept by resumed
+                              runs: names the weights' lineage (saved
+                              optimizer states carry it, smb2.torch.resume)
+    words 6-7     reserved
     8 + 4r + 0    JOINED[r]   the last run rank r joined
     8 + 4r + 1    STEP[r]     rank r's step (kept on resume, 0 when fresh)
     8 + 4r + 2    BEAT[r]     wall clock (ms) of rank r's last heartbeat
@@ -37,7 +40,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-VERSION, GENERATION, STOP, OPENED_MS, RESUMED = range(5)
+VERSION, GENERATION, STOP, OPENED_MS, RESUMED, ORIGIN_MS = range(6)
 RANK_BASE = 8
 RANK_WORDS = 4
 JOINED, STEP, BEAT, FINISHED = range(RANK_WORDS)
@@ -142,6 +145,12 @@ class Control:
         return bool(self.words[RESUMED])
 
     @property
+    def origin(self) -> int:
+        """When the fresh run that this run's weights descend from was opened
+        (wall clock ms; 0 for a store written before the word existed)."""
+        return int(self.words[ORIGIN_MS])
+
+    @property
     def joined(self) -> np.ndarray:
         return self._col(JOINED)
 
@@ -194,6 +203,41 @@ class Control:
             return f"rank {rank} has not joined"
         when = "never" if age == float("inf") else f"{age:.0f} s ago"
         return f"rank {rank} last reported step {int(self.steps[rank])}, {when}"
+
+
+@dataclasses.dataclass
+class RunEnd:
+    """How a run stood when a worker stopped waiting for the others
+    (``AsyncOptimizer.close(wait_all=...)``, ``ParameterStore.wait_finished``):
+    who finished, and who is missing with their last step and silence."""
+
+    store: str
+    workers: int
+    #: seconds this worker waited for the others
+    waited: float | None
+    finished: list[int]
+    #: (rank, last step it reported, seconds since it was last heard from)
+    missing: list[tuple[int, int, float]]
+    #: one phrase per missing rank (has not joined / last reported step S, T s ago)
+    notes: list[str]
+    #: this worker's frozen parameters that differ from rank 0's at start
+    frozen_changed: list[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, store: str, control: Control, waited: float | None) -> RunEnd:
+        out = control.unfinished()
+        return cls(store, control.workers, waited, [r for r in range(control.workers) if control.has_finished(r)],
+                   [(r, int(control.steps[r]), control.age(r)) for r in out],
+                   [control.describe_rank(r) for r in out])
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def __str__(self) -> str:
+        within = "" if self.waited is None else f" within {self.waited:g} s"
+        head = f"{len(self.finished)} of {self.workers} workers finished store {self.store!r}{within}"
+        return "; ".join([head, *self.notes])
 
 
 # -- decisions -------------------------------------------------------------------

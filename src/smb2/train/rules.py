@@ -27,15 +27,35 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from ..client import Buffer, Client
 from ..errors import InterfaceError, InvalidArgumentError
 from ..lock import Lock
+from .dropping import LayerDropping
 
-if TYPE_CHECKING:
-    from .store import ParameterStore
+
+class BoundStore(Protocol):
+    """What a rule needs of the store it is bound to (``store.ParameterStore``
+    satisfies it; stated here so that the rules do not import the store,
+    which imports them)."""
+
+    client: Client
+    buf: Buffer
+    params: dict[str, np.ndarray]
+    ranges: dict[str, tuple[int, int]]
+    data_off: int
+    workers: int
+    dropping: LayerDropping | None
+    stats: dict[str, int]
+
+    def flat(self) -> np.ndarray: ...
+
+    def flat_offset(self, name: str) -> int: ...
+
+    async def bump_version(self) -> int: ...
 
 
 def _positive(what: str, v: Any, *, upper: float | None = None) -> float:
@@ -54,17 +74,17 @@ class UpdateRule(abc.ABC):
 
     def __init__(self, lr: float = 0.01) -> None:
         self.lr = _positive("lr", lr)
-        self._store: ParameterStore | None = None
+        self._store: BoundStore | None = None
         #: the type pushed changes travel as (None: the store's own dtype)
         self.wire: str | None = None
 
     @property
-    def store(self) -> ParameterStore:
+    def store(self) -> BoundStore:
         if self._store is None:
             raise InterfaceError(f"rule {self.name!r} is not bound to a store")
         return self._store
 
-    def bind(self, store: ParameterStore) -> None:
+    def bind(self, store: BoundStore) -> None:
         if self._store is not None and self._store is not store:
             raise InterfaceError(f"rule {self.name!r} is already bound to another store")
         self._store = store
@@ -117,7 +137,7 @@ class Accumulate(UpdateRule):
         await accumulate_changes(st, deltas, self._stage, self.wire, count=count)
 
 
-async def accumulate_changes(st: ParameterStore, changes: Mapping[str, np.ndarray], stage: np.ndarray,
+async def accumulate_changes(st: BoundStore, changes: Mapping[str, np.ndarray], stage: np.ndarray,
                              wire: str | None, *, count: bool = True) -> None:
     """Add ``changes`` (tensor name -> array, views of ``stage`` laid out
     like the data region) to the shared tensors by server-side accumulate,
@@ -178,7 +198,7 @@ class Locked(UpdateRule):
         # again.  Only tensors that layer dropping kept home go stale.
         return self._store is not None and self._store.dropping is not None
 
-    def bind(self, store: ParameterStore) -> None:
+    def bind(self, store: BoundStore) -> None:
         super().bind(store)
         opts = {} if self.lease is None else {"lease": self.lease}
         if self.per_layer:
@@ -233,7 +253,7 @@ class EASGD(UpdateRule):
         self.tau = tau
         self.steps = 0
 
-    def bind(self, store: ParameterStore) -> None:
+    def bind(self, store: BoundStore) -> None:
         super().bind(store)
         if self.alpha is None:
             # EASGD's stability condition: alpha = beta / p with beta = 0.9

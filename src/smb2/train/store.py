@@ -82,6 +82,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -94,11 +95,13 @@ from ..checkpoint import read_checkpoint_header
 from ..client import DEFAULT_STRIPE, Buffer, Client
 from ..errors import (
     BufferConflict,
+    BufferDamaged,
     InterfaceError,
     InvalidArgumentError,
     NoSuchBuffer,
     NotifyTimeout,
     PersistenceError,
+    Smb2Error,
 )
 from ..lock import Lock
 from . import lifecycle as lc
@@ -108,7 +111,8 @@ from .rules import UpdateRule, make_rule
 
 log = logging.getLogger("smb2.train")
 
-__all__ = ["FORMAT", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe", "resolve_rank"]
+__all__ = ["FORMAT", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe", "frozen_state_name",
+           "optimizer_state_name", "remove", "resolve_rank", "store_damage"]
 
 MAGIC = int.from_bytes(b"SMB2PSTR", "little")
 FORMAT = 2
@@ -266,6 +270,7 @@ class ParameterStore:
         self._mirror_current = False
         #: False for an observer (attach): it takes no part in a run
         self.member = False
+        self.rejoined = False
         rule.bind(self)
 
     # -- opening ----------------------------------------------------------------
@@ -304,16 +309,21 @@ class ParameterStore:
                 raise InvalidArgumentError(f"checkpoint_every must be a positive int, not {checkpoint_every!r}")
             if checkpoint_path is None:
                 raise InvalidArgumentError("checkpoint_every needs checkpoint_path= (a file; '{step}' is replaced)")
+            if rank == 0:
+                checkpoint_dir(checkpoint_path)
         rule_obj = make_rule(rule, **rule_options)
         layout = Layout.plan(params, workers, rule_obj.settings())
         restarted = lc.restart_count() > 0 if restarted is None else bool(restarted)
         deadline = time.monotonic() + timeout
-        if rank == 0:
-            store = await cls._open_rank0(client, name, params, layout, rule_obj, dropping, stripe, resume,
-                                          restarted, stale_after, deadline, init_from)
-        else:
-            store = await cls._open_other(client, name, layout, rank, rule_obj, dropping, restarted,
-                                          stale_after, deadline)
+        try:
+            if rank == 0:
+                store = await cls._open_rank0(client, name, params, layout, rule_obj, dropping, stripe, resume,
+                                              restarted, stale_after, deadline, init_from)
+            else:
+                store = await cls._open_other(client, name, layout, rank, rule_obj, dropping, restarted,
+                                              stale_after, deadline)
+        except BufferDamaged as err:
+            raise store_damage(err, layout, await _last_progress(err, layout)) from None
         store.checkpoint_every = checkpoint_every
         store.checkpoint_path = None if checkpoint_path is None else str(checkpoint_path)
         store._checkpoint_step = store.start_step
@@ -332,7 +342,9 @@ class ParameterStore:
             raise InvalidArgumentError(f"checkpoint {init_from} holds another model "
                                        f"(its tensors: {image.layout.summary()})",
                                        detail=f"this job's tensors: {layout.summary()}")
-        buf = await _attach_or_create(client, name, total, stripe)
+        # a damaged store is resumed never; started over only when asked to
+        start_over = resume is False or image is not None
+        buf = await _attach_or_create(client, name, total, stripe, layout if start_over else None)
         lock = buf.lock()
         await lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         try:
@@ -389,6 +401,8 @@ class ParameterStore:
             self._mirror_current = True
         words[lc.RESUMED] = int(not fresh or image is not None)
         words[lc.OPENED_MS] = lc.now_ms()
+        if fresh:
+            words[lc.ORIGIN_MS] = words[lc.OPENED_MS]     # a new lineage of weights
         words[own + lc.JOINED] = gen
         words[own + lc.BEAT] = lc.now_ms()
         area = self.buf.notify_area[0]  # type: ignore[index]
@@ -466,6 +480,8 @@ class ParameterStore:
         self.start_step = self._step = self.iteration = int(control.steps[self.rank])
         self.version = control.version
         self._joined = joined
+        #: this rank came back into a run that went on without it (it opened nothing)
+        self.rejoined = rejoined
 
     @classmethod
     async def attach(cls, client: Client, name: str, *, rank: int = 0, rule: str | UpdateRule | None = None,
@@ -482,6 +498,8 @@ class ParameterStore:
             try:
                 buf = await client.attach(name)
                 break
+            except BufferDamaged as err:
+                raise store_damage(err, None) from None
             except NoSuchBuffer:
                 if time.monotonic() >= deadline:
                     raise
@@ -639,11 +657,12 @@ class ParameterStore:
         self._check_member()
         self._step = self.iteration = int(step)
         self._raise_checkpoint_error()
+        # a checkpoint is due by steps, not by time: checked at every step
+        await self._maybe_checkpoint()
         if not force and time.monotonic() - self._last_beat < BEAT_INTERVAL:
             return
         _, control = await asyncio.gather(self._write_own(), self.refresh())
         self._check_current(control)
-        self._maybe_checkpoint()
 
     def stalled(self, threshold: float) -> list[tuple[int, int, float]]:
         """(rank, last step, seconds since its heartbeat) of every rank that
@@ -657,30 +676,34 @@ class ParameterStore:
         evaluation and for the next run."""
         self._check_member()
         await self._write_own(finished=self.generation)
-        # a checkpoint in flight, and one that came due while it ran
-        for _ in range(2):
-            if self._checkpointing is not None:
-                await asyncio.gather(self._checkpointing, return_exceptions=True)
-                self._raise_checkpoint_error()
-            self._maybe_checkpoint()
+        # the last step's checkpoint (unless it was just saved), and the one in flight
+        await self._maybe_checkpoint(final=True)
+        if self._checkpointing is not None:
+            await asyncio.gather(self._checkpointing, return_exceptions=True)
+            self._raise_checkpoint_error()
 
     async def wait_finished(self, timeout: float | None = None) -> None:
         """The end barrier (optional): wait until every rank of this run has
         finished.  Its timeout names the ranks still out and when each was
         last heard from."""
+        end = await self.await_finished(timeout)
+        if not end.complete:
+            raise NotifyTimeout(str(end),
+                                hint="a missing rank died or hangs: its work so far is in the shared weights; "
+                                     "restart it (it rejoins the run) or accept the model as it is")
+
+    async def await_finished(self, timeout: float | None = None) -> lc.RunEnd:
+        """Wait up to ``timeout`` s until every rank of this run finished,
+        then say who did and who is missing (never raises for a missing
+        rank: the survivors go on to evaluate and save)."""
         self._check_member()
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.005
         while True:
             control = await self.refresh()
             self._check_current(control)
-            out = control.unfinished()
-            if not out:
-                return
-            if deadline is not None and time.monotonic() >= deadline:
-                raise NotifyTimeout(
-                    f"{self.workers - len(out)} of {self.workers} workers finished store {self.name!r} "
-                    f"within {timeout} s; " + "; ".join(control.describe_rank(r) for r in out))
+            if not control.unfinished() or (deadline is not None and time.monotonic() >= deadline):
+                return lc.RunEnd.of(self.name, control, timeout)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
@@ -723,17 +746,26 @@ class ParameterStore:
                                 f"(the ranks' steps: {steps})") from None
 
     async def destroy(self) -> None:
-        """Remove the store from the servers (``smb2 rm NAME`` does the same).
-        Only when no rank of any run still uses it."""
-        await self.client.destroy(self.buf.name)
+        """Remove the store and its ranks' saved optimizer states from the
+        servers (``smb2 rm NAME`` does the same).  Only when no rank of any
+        run still uses it."""
+        await remove(self.client, self.buf.name)
 
     # -- checkpoints --------------------------------------------------------------------
-    def _maybe_checkpoint(self) -> None:
+    async def _maybe_checkpoint(self, *, final: bool = False) -> None:
+        """Rank 0: save the store when its step crossed a multiple of
+        ``checkpoint_every`` (and, ``final``, at the end of its run).  One save
+        at a time: a save that comes due while the last one runs waits for it,
+        so none is skipped."""
         every = self.checkpoint_every
-        if (self.rank != 0 or every is None or self.checkpoint_path is None
-                or self._step < self._checkpoint_step + every
-                or (self._checkpointing is not None and not self._checkpointing.done())):
+        if self.rank != 0 or every is None or self.checkpoint_path is None:
             return
+        last = self._checkpoint_step
+        if not (self._step // every > last // every or (final and self._step != last)):
+            return
+        if self._checkpointing is not None:
+            await asyncio.gather(self._checkpointing, return_exceptions=True)
+            self._raise_checkpoint_error()
         self._checkpoint_step = self._step
         path = self.checkpoint_path.replace("{step}", str(self._step))
         self._checkpointing = asyncio.ensure_future(self.client.checkpoint(self.name, path))
@@ -746,6 +778,23 @@ class ParameterStore:
             exc = None if task.cancelled() else task.exception()
             if exc is not None:
                 raise exc
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """The directory of rank 0's checkpoints, made now (at the store's
+    opening, not at the first save many steps later) or refused."""
+    parent = Path(str(path)).parent
+    if "{step}" in str(parent):
+        raise InvalidArgumentError(f"checkpoint_path {path}: '{{step}}' belongs in the file name, not the directory")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PersistenceError(f"the checkpoint directory {parent} cannot be made: {e.strerror}",
+                               hint="pass a checkpoint_path= in a directory this process can make and write") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PersistenceError(f"the checkpoint directory {parent} is not writable by this process",
+                               hint="pass a checkpoint_path= in a directory this process may write")
+    return parent
 
 
 class StoreImage:
@@ -787,11 +836,67 @@ class StoreImage:
         return cls(layout, data, control)
 
 
+def store_damage(err: BufferDamaged, layout: Layout | None, progress: str = "") -> BufferDamaged:
+    """A damaged store's :class:`BufferDamaged` in training terms: which
+    tensors (of ``layout``, the job's model, when known) lost bytes, whether
+    the store's header and run state went with them, where its run was
+    (``progress``, from :func:`_last_progress`), and what to do."""
+    note_off, slots, data_off, _total = layout.geometry() if layout is not None else (0, 0, 0, 0)
+    lost = []
+    if layout is not None:
+        if any(err.ranges(0, note_off + 8 * slots)):
+            lost.append("the store's header and run state (its layout, steps and version)")
+        for tname, _dt, shape, off in layout.tensors:
+            start = data_off + off
+            gone = sum(hi - lo for lo, hi in err.ranges(start, start + layout.nbytes_of(shape)))
+            if gone:
+                lost.append(f"{tname} ({100 * gone / layout.nbytes_of(shape):.0f} %)")
+    what = (f"{', '.join(lost[:8])}{f' and {len(lost) - 8} more' if len(lost) > 8 else ''} "
+            f"{'are' if len(lost) > 1 else 'is'} lost" if lost
+            else f"{err.lost_bytes} of its {err.geometry[0]} bytes are lost")
+    name = err.name
+    return BufferDamaged(
+        f"store {name!r} is damaged: its part on server{'s' if len(err.servers) > 1 else ''} "
+        f"{', '.join(err.servers)} is gone (a restart without its data), so {what}"
+        f"{progress}; resuming would train from zeros there, so this job stops",
+        name=name, servers=err.servers, parts=err.parts, geometry=err.geometry, detail=err.message,
+        hint=("if the server keeps a --data-dir, restart it from there to get the part back and run again; "
+              "else start over: resume=False (from the job's own initial weights) or init_from=CHECKPOINT "
+              f"(from a saved checkpoint) removes the damaged store and makes it anew; `smb2 rm {name}` "
+              "removes it by hand"))
+
+
+async def _last_progress(err: BufferDamaged, layout: Layout) -> str:
+    """"; run G was at step S (version V)" read from what remains of a
+    damaged store, when its header and control words survived; else ""."""
+    note_off, slots, _data_off, _total = layout.geometry()
+    if err.remains is None or any(err.ranges(0, note_off + 8 * slots)):
+        return ""
+    buf = err.remains
+    try:
+        pre = np.empty(PREAMBLE // 8, dtype=np.int64)
+        await buf.read_into(pre, 0)
+        if (int(pre[_MAGIC // 8]), int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8])) != (MAGIC, note_off, slots):
+            return ""       # another layout: its words are elsewhere
+        words = np.empty(slots, dtype=np.int64)
+        await buf.read_into(words, note_off)
+    except Smb2Error:
+        return ""
+    c = Control.parse(words, layout.workers)
+    return f"; its run {c.generation} was at step {int(c.steps.max())} (version {c.version})"
+
+
 async def describe(client: Client, name: str) -> dict[str, Any]:
     """What ``smb2 ls`` shows of one buffer: its size and stripe, and for a
     parameter store its tensors, workers, rule, run, version, steps, and
-    whether the run finished."""
-    buf = await client.attach(name)
+    whether the run finished.  A damaged buffer (a part lost) or store (its
+    table unreadable) has ``damaged``, saying how; ``store`` is None where
+    that cannot be told."""
+    try:
+        buf = await client.attach(name)
+    except BufferDamaged as err:
+        return {"name": name, "bytes": err.geometry[0], "stripe": err.geometry[1], "store": None,
+                "damaged": err.message, "lost_on": err.servers}
     out: dict[str, Any] = {"name": name, "bytes": buf.nbytes, "stripe": buf.stripe, "store": False}
     if buf.nbytes < PREAMBLE:
         return out
@@ -803,7 +908,10 @@ async def describe(client: Client, name: str) -> dict[str, Any]:
     out["format"] = int(pre[_FORMAT // 8])
     if out["format"] != FORMAT:
         return out
-    layout, _ = await _read_layout(buf)
+    try:
+        layout, _ = await _read_layout(buf)
+    except InterfaceError as err:
+        return {**out, "damaged": err.message}
     control = Control.parse(await buf.read_notify(), layout.workers)
     out.update(tensors=len(layout.tensors), data_bytes=layout.data_len, dtype=layout.dtype.name,
                workers=layout.workers, rule=layout.rule.get("name"), run=control.generation,
@@ -817,14 +925,44 @@ def _finite(x: float) -> float | None:
     return None if math.isinf(x) else round(x, 3)
 
 
+def optimizer_state_name(store: str, rank: int) -> str:
+    """The buffer where ``rank`` keeps its optimizer's state, step and LR
+    schedules for ``store`` (written and read by :mod:`smb2.torch.resume`)."""
+    return f"{store}/optim/{rank}"
+
+
+def frozen_state_name(store: str) -> str:
+    """The buffer where rank 0 hands its frozen parameters and unaveraged
+    buffers to the other ranks (:mod:`smb2.torch.frozen`)."""
+    return f"{store}/frozen"
+
+
+async def remove(client: Client, name: str) -> bool:
+    """Destroy buffer ``name`` and the buffers kept beside it (``name/...``:
+    a store's optimizer states and frozen tensors); True if ``name`` existed."""
+    companions = [b for b in await client.buffers() if b.startswith(f"{name}/")]
+    existed = await client.destroy(name)
+    await asyncio.gather(*(client.destroy(b) for b in companions))
+    return existed
+
+
 # -- the buffer ---------------------------------------------------------------------
 
-async def _attach_or_create(client: Client, name: str, total: int, stripe: int | None) -> Buffer:
-    """Rank 0: the existing buffer (whatever its stripe), or a new one."""
+async def _attach_or_create(client: Client, name: str, total: int, stripe: int | None,
+                            start_over: Layout | None) -> Buffer:
+    """Rank 0: the existing buffer (whatever its stripe), or a new one.  A
+    damaged one (:class:`BufferDamaged`) is removed and made anew when the
+    run starts over (``start_over``: the job's layout), else refused."""
     try:
         return await client.attach(name)
     except NoSuchBuffer:
         pass
+    except BufferDamaged as err:
+        if start_over is None:
+            raise
+        log.warning("%s; this run starts over (resume=False or init_from=), so the store is made anew",
+                    store_damage(err, start_over).message)
+        await client.destroy(name)
     chosen = choose_stripe(total, len(client.servers)) if stripe is None else stripe
     try:
         return await client.create(name, total, stripe=chosen)
@@ -837,13 +975,17 @@ async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int
     while True:
         try:
             return await client.attach(name)
+        except BufferDamaged:
+            # rank 0 may be making it anew (resume=False, init_from=): wait for it
+            if time.monotonic() >= deadline:
+                raise
         except NoSuchBuffer:
             if time.monotonic() >= deadline:
                 raise NotifyTimeout(
                     f"rank 0 did not create store {name!r} in time; rank {rank} gives up: start rank 0 "
                     "with the same store name and SMB2_SERVERS, or raise timeout=") from None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.25)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.25)
 
 
 async def _initialize(buf: Buffer, layout: Layout, lock: Lock) -> None:
@@ -896,7 +1038,12 @@ async def _read_layout(buf: Buffer) -> tuple[Layout, int]:
         raise InterfaceError(f"store {buf.name!r} has format {int(pre[_FORMAT // 8])}, this smb2 reads {FORMAT}; "
                              f"remove it with `smb2 rm {buf.name}` or pick another name")
     table = await buf.read(PREAMBLE, int(pre[_TABLE // 8]))
-    layout = Layout.from_table(table.tobytes())
+    try:
+        layout = Layout.from_table(table.tobytes())
+    except (ValueError, KeyError, TypeError, IndexError, msgpack.UnpackException) as exc:
+        raise InterfaceError(f"store {buf.name!r} is damaged: its layout table is unreadable ({exc})",
+                             hint=f"remove it with `smb2 rm {buf.name}` and start again (from a checkpoint "
+                             "with init_from=, if there is one)") from None
     buf.set_notify_area(int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8]))
     return layout, int(pre[_DATA_OFF // 8])
 

@@ -73,7 +73,7 @@ async def open_transport(address: tuple[str, int], kind: str = "auto", *,
         if kind == "shm":
             await transport.close()
             raise
-        shm_reason = str(exc)
+        shm_reason = exc.message      # one line: the hint would break it
     except BaseException:
         await transport.close()
         raise
@@ -90,7 +90,7 @@ async def open_transport(address: tuple[str, int], kind: str = "auto", *,
         rdma = await RdmaTransport.upgrade(transport, timeout=timeout, **opts)
     except TransportError as exc:
         # both ends said they could, and yet: TCP still works
-        _report(transport, "tcp", f"no shm: {shm_reason}; RDMA set-up failed: {exc}")
+        _report(transport, "tcp", f"no shm: {shm_reason}; RDMA set-up failed: {exc.message}")
         return await TcpTransport.connect(address, timeout=timeout, token=token)
     _report(rdma, "rdma", "no shm: {}; device {device}, GID {gid_index} ({gid})".format(
         shm_reason, **rdma.device.describe()))

@@ -213,7 +213,7 @@ class RdmaTransport(Transport):
             if isinstance(exc, ServerError):
                 # the server said no (its RDMA connection limit, say): a reason
                 # not to use RDMA with it, which auto answers with TCP
-                raise TransportError(f"RDMA set-up with {label} refused: {exc}", server=label,
+                raise TransportError(f"RDMA set-up with {label} refused: {exc.message}", server=label,
                                      hint="use transport='tcp' for this server") from None
             raise
         return self

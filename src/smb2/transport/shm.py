@@ -26,6 +26,11 @@ A segment's **state word** (behind its data, ``server/memfd.py``) says
 whether its buffer still exists; every operation checks it, so an operation
 on a destroyed buffer fails with ``NoSuchBuffer`` and never touches memory
 the buffer no longer owns (our mapping keeps the pages alive regardless).
+A server that stops to save its data directory first FREEZES every segment
+(the word's third value): operations fail with ``TransportError``, and a
+write or atomic reads the word again after its store, with a full fence
+between, so one that returns is in the server's snapshot and one that
+overlapped the freeze raises instead of reporting success.
 The server's death is seen on the connection: once the loop has read its
 end, every operation raises ``TransportError`` (the mapping stays valid, so
 nothing crashes), and the link reconnects on the next one.
@@ -45,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _core
-from ..errors import ErrorCode, TransportError, server_error
+from ..errors import ErrorCode, OutOfMemory, TransportError, Unsupported, server_error
 from ..host import boot_id
 from ..protocol import FENCE_SIZE, LOCK_SEGMENT, MASK64, unpack
 from .base import LockCapable, Transport
@@ -53,6 +58,7 @@ from .tcp import TcpTransport
 
 # the state word's values (server/memfd.py)
 _LIVE = 1
+_GONE = 0
 # fds one hand-out may carry (the server's MAX_SEGMENTS_PER_GRANT)
 _MAX_FDS = 64
 _MAX_REPLY = 64 << 10
@@ -127,7 +133,13 @@ class ShmTransport(Transport, LockCapable):
                                  f"{control.server_info.get('shm_off', 'not offered')}",
                                  server=control.label)
         self = cls(control)
-        await asyncio.wait_for(self._map([LOCK_SEGMENT]), timeout)
+        try:
+            await asyncio.wait_for(self._map([LOCK_SEGMENT]), timeout)
+        except (OutOfMemory, Unsupported) as exc:
+            # the server offers shm and refused us this time (its tickets
+            # are all waiting to be claimed, say): TCP still reaches it
+            raise TransportError(f"{control.label} refused the shm hand-out: {exc}", server=control.label,
+                                 hint="transport='auto' takes TCP; transport='tcp' does so always") from exc
         return self
 
     @property
@@ -213,14 +225,34 @@ class ShmTransport(Transport, LockCapable):
             raise self._lost()
         m = self._maps[segment]
         if _core.atomic_load(m.whole, m.state) != _LIVE:
-            self._maps.pop(segment, None)
-            raise server_error(ErrorCode.NO_SUCH_BUFFER, f"{self.label}: no segment {segment} "
-                               "(its buffer was destroyed)", server=self.label)
+            raise self._not_live(segment, m)
         if offset > len(m.data) or length > len(m.data) - offset:
             raise server_error(ErrorCode.OUT_OF_BOUNDS, f"{self.label}: range [{offset}, "
                                f"{offset + length}) is outside segment {segment} of {len(m.data)} bytes",
                                server=self.label)
         return m
+
+    def _not_live(self, segment: int, m: _Mapping, done: str = "") -> Exception:
+        """The error for an operation on a segment whose state word left
+        LIVE (before it, or while it ran: ``done`` says what was done)."""
+        self._maps.pop(segment, None)
+        if _core.atomic_load(m.whole, m.state) == _GONE:
+            return server_error(ErrorCode.NO_SUCH_BUFFER, f"{self.label}: no segment {segment} "
+                                f"(its buffer was destroyed{done})", server=self.label)
+        # FROZEN: the server is saving its memory to stop; it will not come
+        # back to LIVE in this process, so this connection is done
+        self.alive.live = False
+        return TransportError(f"{self.label} is stopping: it froze segment {segment} to save it{done}",
+                              errno=errno_mod.ECONNRESET, server=self.label,
+                              hint="the server restarts with every acknowledged write; "
+                              "the next operation reconnects")
+
+    def _check_kept(self, segment: int, m: _Mapping, what: str) -> None:
+        # after a store: the segment was still LIVE once the store was
+        # visible, so the server's snapshot (taken after it leaves LIVE)
+        # holds it (_core.load_after_stores)
+        if _core.load_after_stores(m.whole, m.state) != _LIVE:
+            raise self._not_live(segment, m, f" while this {what} ran; it may not have been kept")
 
     async def _let_others_run(self) -> None:
         now = time.monotonic()
@@ -253,25 +285,33 @@ class ShmTransport(Transport, LockCapable):
                                "READ and atomics", server=self.label)
         if segment not in self._maps:
             await self._map_first(segment)
-        data = self._mapping(segment, offset, length).data
+        m = self._mapping(segment, offset, length)
+        data = m.data
         for piece in src:
             n = len(piece)
             _core.copy_into(data[offset:offset + n], piece)
             offset += n
+        self._check_kept(segment, m, "write")
 
     async def fetch_add(self, segment: int, offset: int, value: int) -> int:
         await self._let_others_run()
         if segment not in self._maps:
             await self._map_first(segment)
         m = self._mapping(segment, offset, 8)
-        return int(_core.atomic_fetch_add(m.data, offset, value & MASK64))
+        old = int(_core.atomic_fetch_add(m.data, offset, value & MASK64))
+        if segment != LOCK_SEGMENT:     # lock words are not saved
+            self._check_kept(segment, m, "fetch_add")
+        return old
 
     async def compare_swap(self, segment: int, offset: int, expected: int, new: int) -> int:
         await self._let_others_run()
         if segment not in self._maps:
             await self._map_first(segment)
         m = self._mapping(segment, offset, 8)
-        return int(_core.atomic_compare_swap(m.data, offset, expected & MASK64, new & MASK64))
+        old = int(_core.atomic_compare_swap(m.data, offset, expected & MASK64, new & MASK64))
+        if segment != LOCK_SEGMENT:
+            self._check_kept(segment, m, "compare_swap")
+        return old
 
     # -- waiting on a word: futexes (the lock, notifications) -------------------
     async def wait_word(self, segment: int, offset: int, old: int, timeout: float,

@@ -1,7 +1,7 @@
 """PyTorch adapter: a ``torch.nn.Module`` trained through a smb2 parameter store.
 
 An ordinary training loop uses :class:`AsyncOptimizer` (no asyncio: see
-:mod:`smb2.train.torch_optimizer`)::
+:mod:`smb2.torch.optimizer`)::
 
     opt = smb2.torch.AsyncOptimizer(torch.optim.AdamW(model.parameters()), model, name="run-17")
     for x, y in loader:
@@ -23,8 +23,13 @@ asyncio code may use the store directly through :class:`DistributedModule`::
 The module's parameters are bound to the store's local mirror without
 copies (``param.data`` becomes a tensor over the mirror's memory), so a pull
 updates the module in place, and ``param.grad`` is pushed as a numpy view.
-Workers started by ``torchrun`` read ``RANK`` and ``WORLD_SIZE``; rank 0
-creates the store, the others attach to it by name.  CPU tensors, float32
+Every rank's place in the job comes from :func:`resolve_rank`, the one
+resolver of the package: an explicit ``rank=``/``world_size=``, else
+``SMB2_RANK``/``SMB2_WORLD_SIZE`` (one torchrun per worker), else torchrun's
+``RANK``/``WORLD_SIZE``, else 0/1.  ``opt.rank``/``opt.world`` (and
+``dm.rank``/``dm.world``) are what it resolved: shard the data by them, so
+both launch recipes shard alike.  Rank 0 creates the store, the others
+attach to it by name.  CPU tensors, float32
 or float64.
 
 torch is imported lazily (``pip install 'smb2[torch]'``): importing this
@@ -33,21 +38,20 @@ module without torch works; using it raises :class:`~smb2.InterfaceError`.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .client import Client
-from .errors import InterfaceError, InvalidArgumentError
-from .train.dropping import LayerDropping
-from .train.rules import UpdateRule
-from .train.store import ParameterStore
+from ..client import Client
+from ..errors import InterfaceError, InvalidArgumentError
+from ..train.dropping import LayerDropping
+from ..train.rules import UpdateRule
+from ..train.store import ParameterStore, resolve_rank
 
 if TYPE_CHECKING:
     import torch
 
-    from .train.torch_optimizer import AsyncOptimizer
+    from .optimizer import AsyncOptimizer
 
 
 def __getattr__(name: str) -> Any:
@@ -55,7 +59,7 @@ def __getattr__(name: str) -> Any:
     # for one), so it is defined where torch is imported: on first use
     if name == "AsyncOptimizer":
         _torch()
-        from .train.torch_optimizer import AsyncOptimizer
+        from .optimizer import AsyncOptimizer
         return AsyncOptimizer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -66,17 +70,6 @@ def _torch() -> Any:
     except ImportError:
         raise InterfaceError("smb2.torch needs PyTorch", hint="pip install 'smb2[torch]'") from None
     return torch
-
-
-def env_rank() -> tuple[int, int]:
-    """(rank, world size) from torchrun's ``RANK``/``WORLD_SIZE`` (default 0, 1)."""
-    try:
-        rank = int(os.environ.get("RANK", "0"))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise InvalidArgumentError(f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE="
-                                   f"{os.environ.get('WORLD_SIZE')!r} are not integers") from None
-    return rank, world
 
 
 def module_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -95,6 +88,8 @@ class DistributedModule:
     def __init__(self, store: ParameterStore, module: torch.nn.Module) -> None:
         self.store = store
         self.module = module
+        #: this worker's rank and the job's number of workers (shard the data by them)
+        self.rank, self.world = store.rank, store.workers
         torch = _torch()
         names = [n for n, _ in module.named_parameters()]
         if names != list(store.params):
@@ -116,12 +111,10 @@ class DistributedModule:
         """Every rank opens the store ``name``: the first creates it from the
         module's current parameters, the others attach to it (waiting up to
         ``timeout``) and take its values.  ``rank``/``world_size`` default to
-        torchrun's ``RANK``/``WORLD_SIZE``; ``stripe`` is the store's (on
+        :func:`resolve_rank` (the one precedence of the package); ``stripe`` is the store's (on
         every rank), the other options are the rule's."""
         _torch()
-        env_r, env_w = env_rank()
-        rank = env_r if rank is None else rank
-        world_size = env_w if world_size is None else world_size
+        rank, world_size = resolve_rank(rank, world_size)
         store = await ParameterStore.open(client, name, module_arrays(module), rule=rule, workers=world_size,
                                           rank=rank, dropping=dropping, stripe=stripe, timeout=timeout,
                                           **rule_options)
@@ -153,4 +146,4 @@ class DistributedModule:
             await self.store.pull()
 
 
-__all__ = ["AsyncOptimizer", "DistributedModule", "env_rank", "module_arrays"]
+__all__ = ["AsyncOptimizer", "DistributedModule", "module_arrays", "resolve_rank"]

@@ -12,7 +12,7 @@ device, so the whole path is tested with CPU tensors:
   pulled copy of the shared values plus this worker's own changes the pull
   did not see yet), in their own dtype.
 
-Host arrays come from :meth:`host_array`: pinned (page-locked) memory when
+Host arrays come from :meth:`Staging.host_array`: pinned (page-locked) memory when
 the tensors are on a CUDA device, so the device<->host copies are DMA, run
 asynchronously on a side CUDA stream that overlaps the default stream's
 compute, and (registered with the client by the caller) RDMA reads and writes

@@ -31,7 +31,7 @@ What a step pushes depends on the rule:
 * ``accumulate`` / ``locked``: the gradients; the servers apply ``-lr * g``
   with the optimizer's current learning rate (so schedulers apply).
   ``accumulate`` pushes each parameter's gradient during backward, as soon
-  as autograd produced it (:mod:`smb2.train.backward_push`).  Only a
+  as autograd produced it (:mod:`smb2.torch.backward`).  Only a
   plain ``torch.optim.SGD`` is allowed: momentum, weight decay or Adam would
   be lost between the servers and the next pull, so anything else is refused
   with a hint to use ``rule="delta"``.
@@ -56,7 +56,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,13 +64,17 @@ import numpy as np
 import torch
 
 from ..client import Client, connect
-from ..errors import InterfaceError, InvalidArgumentError
-from .background import LoopThread
-from .backward_push import BackwardPushes, StepPushes, wait_for
-from .dropping import LayerDropping
-from .rules import EASGD, Accumulate, Delta
-from .store import ParameterStore, resolve_rank
-from .torch_staging import Entry, Staging
+from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout, Smb2Error
+from ..train.dropping import LayerDropping
+from ..train.faults import in_training_terms
+from ..train.lifecycle import RunEnd
+from ..train.rules import EASGD, Accumulate, Delta
+from ..train.store import ParameterStore, resolve_rank
+from .backward import BackwardPushes, StepPushes, wait_for
+from .frozen import FrozenTensors
+from .loop_thread import LoopThread
+from .resume import SAVE_EVERY, SavedState
+from .staging import Entry, Staging
 
 log = logging.getLogger("smb2.torch")
 
@@ -133,10 +137,13 @@ class AsyncOptimizer(torch.optim.Optimizer):
     either way.  ``resume``, ``stripe``, ``checkpoint_every``... go to
     :meth:`ParameterStore.open` (the store's options), other keywords to the
     rule (``tau``, ``alpha``, ``per_layer``...).  ``log_every``: steps between INFO lines
-    of :meth:`stats` on logger ``smb2.torch``.
+    of :meth:`stats` on logger ``smb2.torch``.  ``state_every``: seconds
+    between saves of this rank's optimizer state, step and LR schedules to
+    the servers, which a resumed run loads (:mod:`smb2.torch.resume`; None:
+    neither saved nor loaded).
 
     ``push_in_backward``: push each parameter's gradient as soon as
-    backward produced it (see :mod:`smb2.train.backward_push`).  None (the
+    backward produced it (see :mod:`smb2.torch.backward`).  None (the
     default): wherever that is possible: rule ``accumulate``, no layer
     dropping, a CPU model.  True asks for it (refused where impossible),
     False pushes the whole step after ``step()``."""
@@ -146,7 +153,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
                  resume: str | bool = "auto", push_dtype: str | None = None, timeout: float = 120.0,
                  rank: int | None = None, world_size: int | None = None, dropping: LayerDropping | None = None,
                  sync_buffers: bool = True, log_every: int = 100, push_in_backward: bool | None = None,
-                 **options: Any) -> None:
+                 state_every: float | None = SAVE_EVERY, **options: Any) -> None:
         # torch's Optimizer.__init__ is not called: param_groups, state and
         # defaults are the wrapped optimizer's (properties below)
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, AsyncOptimizer):
@@ -165,8 +172,12 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self.model = model
         self.staleness = staleness
         self.log_every = log_every
+        #: this worker's rank and the job's number of workers (:func:`resolve_rank`): shard the data by them
         self.rank, self.world = resolve_rank(rank, world_size)
         self._entries = self._synced_tensors(model, optimizer, sync_buffers)
+        in_store = {id(t) for _, t, _ in self._entries}
+        self.frozen = FrozenTensors(torch, [(n, p, True) for n, p in model.named_parameters() if id(p) not in in_store]
+                                    + [(n, b, False) for n, b in model.named_buffers() if id(b) not in in_store])
         self.rule_name = rule
         self._gradient_rule = rule in ("accumulate", "locked")
         if self._gradient_rule:
@@ -179,9 +190,13 @@ class AsyncOptimizer(torch.optim.Optimizer):
         try:
             self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
                                                    dict(options, resume=resume)))
-        except BaseException:
+            #: this rank's optimizer state, step and LR schedules, saved beside the store (whole resume)
+            self._saved = SavedState.open(optimizer, (self, optimizer), self.store, self._loop, state_every)
+        except BaseException as e:
             self._loop.run(self._close_client())
             self._loop.stop()
+            if isinstance(e, Smb2Error):
+                raise in_training_terms(e, store=name, rank=self.rank, step=0) from None
             raise
         #: the EASGD rule, when that is the rule (its exchanges are every tau steps)
         self._easgd = self.store.rule if isinstance(self.store.rule, EASGD) else None
@@ -198,7 +213,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._backward = None if not (pushes_in_backward and isinstance(acc, Accumulate)) else BackwardPushes(
             torch, self.staging.entries, acc, self._loop, self._upcoming,
             lambda: float(self.optimizer.param_groups[0]["lr"]))
-        self.steps = self.store.start_step
+        self.steps = self._saved.start_step
         self._pulled_at = self.steps            # the step after which the weights in use were pulled
         self._stats = {"steps": 0, "wait_s": 0.0, "max_lag": 0, "exchanges": 0}
         self._lags: collections.Counter[int] = collections.Counter()
@@ -223,7 +238,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 hint="build the optimizer from model.parameters() of the model you pass")
         frozen_owned = [n for n, p in model.named_parameters() if not p.requires_grad and id(p) in owned]
         if frozen_owned:
-            log.info("parameters %s do not require a gradient: kept local, never pushed", frozen_owned)
+            log.info("parameters %s do not require a gradient: rank 0's values for every rank, never pushed",
+                     frozen_owned)
         for n, t in params:
             if not t.is_floating_point():
                 raise InvalidArgumentError(f"parameter {n!r} is {t.dtype}; smb2.torch trains float parameters")
@@ -245,7 +261,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         return wire
 
     def _pushes_in_backward(self, wanted: bool | None, dropping: LayerDropping | None) -> bool:
-        """Will backward's hooks push the gradients (see :mod:`smb2.train.backward_push`)?"""
+        """Will backward's hooks push the gradients (see :mod:`smb2.torch.backward`)?"""
         if wanted is not None and not isinstance(wanted, bool):
             raise InvalidArgumentError(f"push_in_backward must be True, False or None, not {wanted!r}")
         why_not = None
@@ -275,7 +291,15 @@ class AsyncOptimizer(torch.optim.Optimizer):
             raise InvalidArgumentError(f"store {name!r} was made for {store.workers} workers; this job has "
                                        f"{self.world} (WORLD_SIZE)", hint="use another name, or the same WORLD_SIZE")
         store.rule.wire = self.push_dtype     # the client converts (half the bytes on the wire)
+        # frozen parameters and the buffers the store does not hold: rank 0's
+        # for everyone, as DDP broadcasts them (written before rank 0 joins,
+        # so they are there once the start barrier lets the others through)
+        opened_the_run = self.rank == 0 and not store.rejoined
+        if opened_the_run:
+            await self.frozen.publish(self._client, name)
         await store.join(timeout)
+        if not opened_the_run:
+            await self.frozen.adopt(self._client, name)
         return store
 
     @property
@@ -324,8 +348,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
             self._t_first = t_start
         if self._gradient_rule:
             check_plain_sgd(self.optimizer, self.rule_name)
+        self._saved.before_step()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.steps += 1
+        self._saved.after_step(self.steps)
         wait = 0.0
         if self._easgd:
             if self.steps % self._easgd.tau == 0:
@@ -386,7 +412,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 if self._backward is not None:
                     self._backward.settle_step(ex.early, ex.lr)
                 self._stage_grads(ex)
-        ex.future = self._loop.submit(self._exchange(ex))
+        ex.future = self._loop.submit(self._in_training_terms(self._exchange(ex), ex.step))
         self._inflight.append(ex)
         self._stats["exchanges"] += 1
 
@@ -429,6 +455,14 @@ class AsyncOptimizer(torch.optim.Optimizer):
             self.staging.swap(ex.snapshot, ex.since if ex.changed_since else None)
         self._pulled_at = ex.step
         self._free.append(ex)
+
+    async def _in_training_terms(self, work: Coroutine[Any, Any, None], step: int) -> None:
+        """``work``'s faults as the user meets them: one line naming the
+        store, this rank, the step and the server, and what to do."""
+        try:
+            await work
+        except Smb2Error as e:
+            raise in_training_terms(e, store=self.store.name, rank=self.rank, step=step) from None
 
     async def _exchange(self, ex: Exchange) -> None:
         """Push ``ex``'s step, then pull (in the background loop)."""
@@ -490,8 +524,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
 
     @property
     def start_step(self) -> int:
-        """The step this worker started from (0 unless the store resumed)."""
-        return self.store.start_step
+        """The step this worker started from (0 unless the store resumed):
+        that of its saved optimizer state (see :mod:`smb2.torch.resume`)."""
+        return self._saved.start_step
 
     @property
     def resumed(self) -> bool:
@@ -515,17 +550,23 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._loop.run(self.store.buf.read_into(snapshot, self.store.data_off))
         self.staging.swap(snapshot, None)
 
-    def close(self, *, wait_all: float | None = None) -> None:
+    def close(self, *, wait_all: float | None = None, strict: bool = False) -> RunEnd | None:
         """Flush, tell the store this worker finished (it is never
         destroyed here: other workers may still train), close the client
         and stop the background thread.  Raises what the last exchanges met.
 
-        ``wait_all=T``: then wait up to ``T`` s until every worker finished
-        and take the final shared weights into the model (to evaluate or save
-        the model the job trained); the timeout names the ranks still out."""
+        ``wait_all=T``: then wait up to ``T`` s until every worker finished,
+        take the final shared weights into the model (to evaluate or save
+        the model the job trained) and return a :class:`RunEnd`: who
+        finished, and who is missing since which step.  A worker that died
+        does not fail the others: a missing one is logged (a warning) and
+        reported, and this worker goes on to evaluate and save; with
+        ``strict=True`` it raises :class:`NotifyTimeout` instead.  Without
+        ``wait_all``, returns None."""
         if self.closed:
-            return
+            return None
         self.closed = True
+        end = None
         try:
             self._settle(limit=-1)
             if self._backward is not None:
@@ -534,16 +575,31 @@ class AsyncOptimizer(torch.optim.Optimizer):
                     # a backward whose step never came: take its pushes back
                     self._backward.settle_step(self._next.early, 0.0, final=False)
                     self._loop.run(self._backward.finish(self._next.early))
+            self._saved.close(self.steps)
             self._loop.run(self.store.finish())
             if wait_all is not None:
-                self._loop.run(self.store.wait_finished(wait_all))
+                end = self._loop.run(self.store.await_finished(wait_all))
+                end.frozen_changed = self.frozen.changed()
                 self._take_shared()
+        except Smb2Error as e:
+            raise in_training_terms(e, store=self.store.name, rank=self.rank, step=self.steps) from None
         finally:
             try:
                 self._loop.run(self._close_client())
             finally:
                 self._loop.stop()
         log.info("rank %d closed after %d steps: %s", self.rank, self.steps, self.stats())
+        if end is not None:
+            if not end.complete:
+                if strict:
+                    raise NotifyTimeout(str(end), hint="strict=False (the default) returns this report "
+                                                       "instead, and the model holds the shared weights")
+                log.warning("rank %d: %s; the model holds the shared weights as they are", self.rank, end)
+            if end.frozen_changed:
+                log.warning("rank %d: frozen parameters %s differ from the values rank 0 gave every rank at "
+                            "start: this worker trained against another model than the others", self.rank,
+                            end.frozen_changed)
+        return end
 
     async def _register_array(self, arr: np.ndarray) -> None:
         """Pinned host memory registered with the client: RDMA reads and

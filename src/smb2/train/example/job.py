@@ -2,7 +2,7 @@
 
 Used by the demo (``examples/async_training.py``), the tests and
 ``tools/bench_training.py``.  Each worker is a fresh ``python -m
-smb2.train.job worker ...`` process that trains the numpy :class:`MLP` on its
+smb2.train.example.job worker ...`` process that trains the numpy :class:`MLP` on its
 shard of the data through a :class:`ParameterStore` and prints one JSON line
 of statistics.  The launcher watches the job through the store's progress
 table (attaching by name only, like any other worker could) and evaluates
@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from ..client import connect
-from ..errors import Smb2Error
+from ...client import connect
+from ...errors import Smb2Error
+from ..dropping import LayerDropping
+from ..store import ParameterStore
 from . import data as datasets
-from .dropping import LayerDropping
 from .mlp import MLP, sgd_epochs
-from .store import ParameterStore
 
 log = logging.getLogger("smb2.train")
 
@@ -133,7 +133,7 @@ async def run_worker(servers: list[str], name: str, rank: int, cfg: JobConfig,
 
 
 def _worker_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m smb2.train.job worker")
+    p = argparse.ArgumentParser(prog="python -m smb2.train.example.job worker")
     p.add_argument("--servers", required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--rank", type=int, required=True)
@@ -164,7 +164,7 @@ async def run_job(cfg: JobConfig, servers: list[str], data_path: str | Path, *, 
     ``env``: extra environment variables for the workers."""
     split = datasets.load(data_path)
     target = cfg.target(len(split[0]))
-    cmd = [sys.executable, "-m", "smb2.train.job", "worker", "--servers", ",".join(servers),
+    cmd = [sys.executable, "-m", "smb2.train.example.job", "worker", "--servers", ",".join(servers),
            "--name", name, "--config", cfg.to_json(), "--data", str(data_path)]
     t0 = time.perf_counter()
     penv = None if env is None else {**os.environ, **env}
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
         return _worker_main(argv[1:])
-    print("usage: python -m smb2.train.job worker --servers H:P,... --name N --rank R --config JSON --data NPZ",
+    print("usage: python -m smb2.train.example.job worker --servers H:P,... --name N --rank R --config JSON --data NPZ",
           file=sys.stderr)
     return 2
 

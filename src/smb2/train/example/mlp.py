@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ...errors import InvalidArgumentError
 
 
 class MLP:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InterfaceError
+from ...errors import InterfaceError
 
 Split = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 

@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from .background import LoopThread
-from .rules import Accumulate
-from .torch_staging import Entry
+from ..train.rules import Accumulate
+from .loop_thread import LoopThread
+from .staging import Entry
 
 log = logging.getLogger("smb2.torch")
 

@@ -1,0 +1,435 @@
+"""Whole resume: each rank's optimizer state, step and LR schedules, kept on
+the memory servers beside the store, so that a resumed run continues with
+its momentum or Adam moments and its schedule's position, with no lines in
+the training script beyond the one-line port::
+
+    opt = smb2.torch.AsyncOptimizer(torch.optim.AdamW(...), model, name="run-17", staleness=1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+**What a save holds.**  Rank ``r`` keeps, in its own buffer
+``<store>/optim/<r>`` (:func:`smb2.train.store.optimizer_state_name`), the
+wrapped optimizer's ``state_dict()`` (moments, momentum buffers; the param
+groups with their learning rates), the ``state_dict()`` of every LR
+scheduler built on the optimizer, and the step they belong to.
+
+**When.**  Every ``every`` seconds (``state_every=`` of AsyncOptimizer, 5 s
+by default) and at ``close()``.  The training thread pays little: after
+an optimizer step that makes a save due, a background thread serializes the
+optimizer's tensors while the next step's forward and backward compute (the
+optimizer changes its state only in its own ``step()``, which waits for
+that serialization: it has finished unless a step is shorter than one
+copy of the state).  The schedulers and learning rates are taken at the
+start of the next ``step()``, after the loop's ``sched.step()`` calls, so a
+save is the state "after step N" as step N + 1 finds it.  The bytes go out
+through the background loop; a save that comes due while the previous one
+is still being written is skipped, never queued.
+
+**The buffer.**  Two slots, each a 64-byte header (magic, format, sequence
+number, step, lineage, byte count, CRC-32 of the data, run) and the data.  A
+save goes to the slot of the older one, data first and header last, so a
+crash in the middle of a save leaves the previous save whole; a reader takes
+the newest slot whose header and checksum are whole.  The buffer is sized
+with a quarter of headroom and made again, larger, when a save outgrows it.
+
+**What is loaded.**  On a resumed run (``store.resumed``: a run that did not
+finish, ``resume=True``, a torchrun restart) each rank loads the newest
+whole save of its own rank whose lineage is the store's
+(:attr:`smb2.train.lifecycle.Control.origin`: when the fresh run that the
+weights descend from was opened).  A fresh run never loads a save made
+before it, nor one left by an earlier store of the same name.  The
+optimizer's state is loaded when the AsyncOptimizer is made; the
+schedulers, which are built on it afterwards, at its first ``step()`` (and
+the saved learning rates with them, since building a scheduler rewrites
+them).  The rank continues from the save's step (``opt.start_step``), not
+from the store's step word: the weights hold up to a few seconds of this
+rank's later steps, which it trains again like a stale asynchronous step,
+and in exchange the data position, the optimizer state and the schedules
+agree.  A resumed run with no save (it died before its first, or the
+servers lost the buffer) continues at the store's step with a fresh
+optimizer state and says so (WARNING).
+
+**Finding the schedulers.**  A torch ``LRScheduler`` holds its optimizer;
+the optimizer holds nothing of it.  At the first ``step()`` the objects
+that refer to the AsyncOptimizer or to the wrapped optimizer are looked up
+once (``gc.get_referrers``: one pass over the interpreter's objects,
+milliseconds) and the LR schedulers among them kept, by weak reference.
+Limits: a scheduler built after the first ``step()`` is not saved; two
+top-level schedulers of the same class cannot be told apart between runs,
+so their positions are not restored (WARNING); the composite ones
+(``SequentialLR``, ``ChainedScheduler``) carry their parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import io
+import logging
+import math
+import struct
+import time
+import weakref
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from ..client import Buffer, Client
+from ..errors import InvalidArgumentError, NoSuchBuffer, OutOfMemory
+from ..train.store import ParameterStore, choose_stripe, optimizer_state_name
+from .loop_thread import LoopThread
+
+log = logging.getLogger("smb2.torch")
+
+__all__ = ["SAVE_EVERY", "SavedState", "StateSlots", "schedulers_on"]
+
+#: seconds between saves of a rank's optimizer state (``state_every=``)
+SAVE_EVERY = 5.0
+MAGIC = int.from_bytes(b"SMB2OPTS", "little")
+FORMAT = 1
+HEADER = 64
+# the header's int64 words
+_MAGIC, _FORMAT, _SEQ, _STEP, _ORIGIN, _NBYTES, _CRC, _RUN = range(8)
+SLOT_ALIGN = 4096
+#: a buffer holds this much more than the save that made it
+HEADROOM = 1.25
+_LIGHT_LEN = struct.Struct("<Q")
+SCHEDULERS = (LRScheduler, ReduceLROnPlateau)
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+# -- the buffer: two slots --------------------------------------------------------
+
+class StateSlots:
+    """One rank's buffer of saves: two slots, the newer whole one wins."""
+
+    def __init__(self, client: Client, name: str, buf: Buffer | None, headers: np.ndarray) -> None:
+        self.client = client
+        self.name = name
+        self.buf = buf
+        #: the two slots' headers as last read or written (int64 words)
+        self.headers = headers
+
+    @classmethod
+    async def open(cls, client: Client, name: str) -> StateSlots:
+        try:
+            buf = await client.attach(name)
+        except NoSuchBuffer:
+            return cls(client, name, None, np.zeros((2, HEADER // 8), np.int64))
+        headers = np.zeros((2, HEADER // 8), np.int64)
+        if buf.nbytes >= 2 * HEADER and buf.nbytes % 2 == 0:
+            for k in range(2):
+                await buf.read_into(headers[k], k * (buf.nbytes // 2))
+        return cls(client, name, buf, headers)
+
+    @property
+    def capacity(self) -> int:
+        """Data bytes one slot holds (0: no buffer yet)."""
+        return 0 if self.buf is None else self.buf.nbytes // 2 - HEADER
+
+    def _whole_header(self, k: int, origin: int) -> bool:
+        h = self.headers[k]
+        return (int(h[_MAGIC]) == MAGIC and int(h[_FORMAT]) == FORMAT and int(h[_ORIGIN]) == origin
+                and 0 <= int(h[_NBYTES]) <= self.capacity)
+
+    async def newest(self, origin: int) -> tuple[np.ndarray, bytes] | None:
+        """(header, data) of the newest whole save of lineage ``origin``."""
+        if self.buf is None or origin == 0:
+            return None
+        order = sorted((k for k in range(2) if self._whole_header(k, origin)),
+                       key=lambda k: -int(self.headers[k][_SEQ]))
+        for k in order:
+            h = self.headers[k]
+            data = (await self.buf.read(k * (self.buf.nbytes // 2) + HEADER, int(h[_NBYTES]))).tobytes()
+            if zlib.crc32(data) == int(h[_CRC]):
+                return h.copy(), data
+            log.warning("buffer %r: slot %d (step %d) is torn (checksum mismatch): using the older save",
+                        self.name, k, int(h[_STEP]))
+        return None
+
+    async def write(self, *pieces: bytes | memoryview, step: int, origin: int, run: int) -> None:
+        """Write the data (``pieces``, one after the other: no copy joins
+        them) into the older slot, data first, header last."""
+        nbytes = sum(len(p) for p in pieces)
+        if nbytes > self.capacity:
+            await self._grow(nbytes)
+        assert self.buf is not None
+        seqs = [int(h[_SEQ]) if int(h[_MAGIC]) == MAGIC else -1 for h in self.headers]
+        k = int(np.argmin(seqs))
+        slot = k * (self.buf.nbytes // 2)
+        header = np.array([MAGIC, FORMAT, max(seqs) + 1, step, origin, nbytes,
+                           await asyncio.to_thread(_crc32, pieces), run], np.int64)
+        starts = np.cumsum([0] + [len(p) for p in pieces[:-1]])
+        await asyncio.gather(*(self.buf.write(slot + HEADER + int(at), p) for at, p in zip(starts, pieces) if len(p)))
+        await self.buf.write(slot, header)
+        self.headers[k] = header
+
+    async def _grow(self, need: int) -> None:
+        """Make the buffer again with room for ``need`` bytes per slot (the
+        saves it held go: this one replaces them)."""
+        slot = _round_up(HEADER + math.ceil(need * HEADROOM), SLOT_ALIGN)
+        if self.buf is not None:
+            await self.client.destroy(self.name)
+        nservers = len(self.client.servers)
+        self.buf = await self.client.create(self.name, 2 * slot, stripe=choose_stripe(2 * slot, nservers))
+        self.headers[...] = 0
+        log.debug("buffer %r: %d bytes per slot", self.name, slot)
+
+
+# -- what a save holds ------------------------------------------------------------
+
+def _save(obj: Any) -> memoryview:
+    out = io.BytesIO()
+    torch.save(obj, out)
+    return out.getbuffer()
+
+
+def _crc32(pieces: tuple[bytes | memoryview, ...]) -> int:
+    crc = 0
+    for p in pieces:
+        crc = zlib.crc32(p, crc)
+    return crc
+
+
+def _load(raw: bytes | memoryview) -> Any:
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+
+
+def _frame(light: memoryview, heavy: memoryview) -> tuple[bytes | memoryview, ...]:
+    """A save's data: the light part's length, the light part (step, param
+    groups, schedulers), the optimizer's tensors."""
+    return _LIGHT_LEN.pack(len(light)), light, heavy
+
+
+def _unframe(data: bytes) -> tuple[dict[str, Any], dict[Any, Any]]:
+    (n,) = _LIGHT_LEN.unpack_from(data)
+    start = _LIGHT_LEN.size
+    return _load(data[start:start + n]), _load(data[start + n:])
+
+
+def schedulers_on(*optimizers: object) -> list[Any]:
+    """The LR schedulers that hold one of ``optimizers`` (found through the
+    garbage collector's referrers: a scheduler refers to its optimizer,
+    directly or through its instance dict)."""
+    targets = {id(o) for o in optimizers}
+
+    def on_ours(x: object) -> bool:
+        return isinstance(x, SCHEDULERS) and id(getattr(x, "optimizer", None)) in targets
+
+    referrers = gc.get_referrers(*optimizers)
+    found = {id(r): r for r in referrers if on_ours(r)}
+    dicts = [r for r in referrers if isinstance(r, dict) and id(r.get("optimizer")) in targets]
+    if dicts:
+        ids = {id(d) for d in dicts}
+        found.update((id(o), o) for o in gc.get_referrers(*dicts)
+                     if on_ours(o) and id(getattr(o, "__dict__", None)) in ids)
+    # the parts of SequentialLR / ChainedScheduler go with their whole
+    parts = {id(p) for s in found.values() for p in getattr(s, "_schedulers", ())}
+    return [s for i, s in found.items() if i not in parts]
+
+
+def _key(scheduler: object) -> str:
+    return f"{type(scheduler).__module__}.{type(scheduler).__qualname__}"
+
+
+# -- the training thread's side ---------------------------------------------------
+
+class SavedState:
+    """A rank's optimizer state, step and schedules, saved and loaded (see
+    the module's doc).  The AsyncOptimizer calls :meth:`before_step`,
+    :meth:`after_step` and :meth:`close`; its start step is
+    :attr:`start_step`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, owners: tuple[object, ...], store: ParameterStore,
+                 loop: LoopThread, slots: StateSlots | None, every: float | None) -> None:
+        self.optimizer = optimizer
+        self.owners = owners
+        self.store = store
+        self.loop = loop
+        self.slots = slots
+        self.every = every
+        #: the step this rank continues from (a resumed save's, else the store's)
+        self.start_step = store.start_step
+        #: the lineage of the store's weights (saves carry it; see the module's doc)
+        self.origin = 0 if store.control is None else store.control.origin
+        #: what the save being loaded holds for the schedulers (until the first step)
+        self._to_restore: dict[str, Any] | None = None
+        self._schedulers: list[weakref.ref[Any]] | None = None
+        self._last = time.monotonic()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        #: (step, future of the optimizer tensors' bytes) of the save being made
+        self._serializing: tuple[int, concurrent.futures.Future[memoryview]] | None = None
+        self._writing: concurrent.futures.Future[None] | None = None
+        #: saves written (stats)
+        self.saves = 0
+
+    @classmethod
+    def open(cls, optimizer: torch.optim.Optimizer, owners: tuple[object, ...], store: ParameterStore,
+             loop: LoopThread, every: float | None) -> SavedState:
+        """Open rank ``store.rank``'s saves; on a resumed run load the newest
+        of the store's lineage into ``optimizer``."""
+        if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or every <= 0):
+            raise InvalidArgumentError(f"state_every must be a positive number of seconds or None, not {every!r}",
+                                       hint="state_every=None neither saves nor loads the optimizer's state")
+        if every is None:
+            return cls(optimizer, owners, store, loop, None, None)
+        slots = loop.run(StateSlots.open(store.client, optimizer_state_name(store.name, store.rank)))
+        saved = cls(optimizer, owners, store, loop, slots, float(every))
+        if store.resumed:
+            saved._load()
+        return saved
+
+    def _load(self) -> None:
+        assert self.slots is not None
+        st, rank = self.store, self.store.rank
+        found = self.loop.run(self.slots.newest(self.origin))
+        if found is None:
+            log.warning("store %r: rank %d has no saved optimizer state of this run's lineage: it continues at "
+                        "step %d with a fresh %s state (momentum and moments from zero, LR schedules from their "
+                        "start)", st.name, rank, st.start_step, type(self.optimizer).__name__)
+            return
+        header, data = found
+        try:
+            light, tensors = _unframe(data)
+            if light["optimizer"] != type(self.optimizer).__name__:
+                raise InvalidArgumentError(f"it is {light['optimizer']}'s, this job's optimizer is "
+                                           f"{type(self.optimizer).__name__}")
+            self.optimizer.load_state_dict({"state": tensors, "param_groups": light["param_groups"]})
+        except Exception as exc:        # a save this job cannot use: say so, train on
+            log.warning("store %r: rank %d's saved optimizer state (step %d) is not loaded (%s): it continues at "
+                        "step %d with a fresh %s state", st.name, rank, int(header[_STEP]), exc, st.start_step,
+                        type(self.optimizer).__name__)
+            return
+        self._to_restore = light
+        self.start_step = int(header[_STEP])
+        log.info("store %r: rank %d resumes its %s state and %d LR schedule(s) at step %d (the store's step "
+                 "word says %d)", st.name, rank, light["optimizer"], len(light["schedulers"]), self.start_step,
+                 st.start_step)
+
+    # -- hooks of AsyncOptimizer ------------------------------------------------------
+    def before_step(self) -> None:
+        """Before the wrapped optimizer's step: raise a failed save's error,
+        find (and restore) the schedulers once, finish a save whose tensors
+        are serialized."""
+        if self.slots is None:
+            return
+        if self._writing is not None and self._writing.done():
+            self._collect()
+        if self._schedulers is None:
+            self._find_schedulers()
+        if self._serializing is not None:
+            step, heavy = self._serializing
+            self._serializing = None
+            if self.slots is not None:
+                self._write(step, heavy.result())
+
+    def after_step(self, step: int) -> None:
+        """After the wrapped optimizer's step ``step``: when a save is due,
+        serialize the optimizer's tensors in the background."""
+        if (self.slots is None or self.every is None or time.monotonic() - self._last < self.every
+                or self._serializing is not None or (self._writing is not None and not self._writing.done())):
+            return
+        self._last = time.monotonic()
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smb2-state")
+        tensors = self.optimizer.state_dict()["state"]
+        self._serializing = (step, self._executor.submit(_save, tensors))
+
+    def close(self, step: int) -> None:
+        """The last save (after the loop's last ``sched.step()``), written
+        before this returns; raises what a save met."""
+        if self.slots is None:
+            return
+        try:
+            if self._serializing is not None:
+                self._serializing[1].result()
+                self._serializing = None
+            self._collect()
+            if self._schedulers is None:
+                self._find_schedulers()
+            if self.slots is not None:
+                self._write(step, _save(self.optimizer.state_dict()["state"]))
+                self._collect()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+
+    # -- inside ---------------------------------------------------------------------------
+    def _collect(self) -> None:
+        """Wait for the save being written; raise what it met, but for
+        servers without room for it: then say so once and save no more."""
+        writing, self._writing = self._writing, None
+        if writing is None:
+            return
+        try:
+            writing.result()
+        except OutOfMemory as exc:
+            log.warning("store %r: the servers have no room for rank %d's optimizer state (%s): it trains on "
+                        "without saving it, and a resume would start its optimizer afresh; give the servers more "
+                        "memory (each rank keeps two saves: for Adam about 4x the model's float32 bytes) or pass "
+                        "state_every=None", self.store.name, self.store.rank, exc)
+            self.slots = None
+
+    def _write(self, step: int, heavy: memoryview) -> None:
+        assert self.slots is not None
+        live = self._live_schedulers()
+        light = _save({"optimizer": type(self.optimizer).__name__, "step": step,
+                       "param_groups": self.optimizer.state_dict()["param_groups"],
+                       "schedulers": {k: s.state_dict() for k, s in live.items()}})
+        self._writing = self.loop.submit(self.slots.write(*_frame(light, heavy), step=step, origin=self.origin,
+                                                          run=self.store.generation))
+        self.saves += 1
+
+    def _live_schedulers(self) -> dict[str, Any]:
+        live = [s for s in (r() for r in self._schedulers or []) if s is not None]
+        return {_key(s): s for s in live}
+
+    def _find_schedulers(self) -> None:
+        found = schedulers_on(*self.owners)
+        keys = [_key(s) for s in found]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            log.warning("several LR schedulers of the same class (%s) are built on the optimizer: their positions "
+                        "are neither saved nor restored (a run cannot tell them apart)", ", ".join(twice))
+        kept = []
+        for s, k in zip(found, keys):
+            try:
+                _load(_save(s.state_dict()))
+            except Exception as exc:     # its state does not survive torch.save / load(weights_only=True)
+                log.warning("LR scheduler %s cannot be saved (%s): its position is not kept for a resume", k, exc)
+                continue
+            if k not in twice:
+                kept.append(weakref.ref(s))
+        self._schedulers = kept
+        if self._to_restore is not None:
+            self._restore(self._to_restore)
+            self._to_restore = None
+
+    def _restore(self, light: dict[str, Any]) -> None:
+        """The saved schedulers' positions, then the saved learning rates
+        (building a scheduler rewrote them)."""
+        live = self._live_schedulers()
+        saved: dict[str, Any] = light["schedulers"]
+        for key, state in saved.items():
+            if key in live:
+                live[key].load_state_dict(state)
+        lost = sorted(set(saved) - set(live))
+        unsaved = sorted(set(live) - set(saved))
+        if lost:
+            log.warning("store %r: rank %d saved the position of LR schedule(s) %s, but none such is built on "
+                        "the optimizer before its first step(): not restored", self.store.name, self.store.rank,
+                        ", ".join(lost))
+        if unsaved:
+            log.warning("store %r: LR schedule(s) %s had no saved position: they start from their beginning",
+                        self.store.name, ", ".join(unsaved))
+        for group, saved_group in zip(self.optimizer.param_groups, light["param_groups"]):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(float(saved_group["lr"]))
+            else:
+                group["lr"] = saved_group["lr"]

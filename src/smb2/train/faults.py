@@ -1,0 +1,42 @@
+"""Faults in training terms.
+
+Below the store a fault is a connection or a segment: ``connection to
+127.0.0.1:7602 lost``, ``no segment 26``.  A worker's user thinks in stores,
+ranks and steps, and needs to know what to do next.  :func:`in_training_terms`
+rewords the faults a training job meets (a memory server lost, the store
+removed under a running job) as one line naming the store, the rank, the
+step and the server, with the remedy as the hint; anything else passes
+unchanged.  The original message is kept in ``err.detail``, and the new
+error keeps the original's type, so code that catches ``TransportError``
+or ``NoSuchBuffer`` still does.
+"""
+
+from __future__ import annotations
+
+from ..errors import NoSuchBuffer, Smb2Error, TransportError
+
+
+def in_training_terms(err: BaseException, *, store: str, rank: int, step: int) -> BaseException:
+    """The error a training worker should see for ``err``."""
+    if not isinstance(err, Smb2Error) or getattr(err, "in_training_terms", False):
+        return err
+    server = getattr(err, "server", None) or "a memory server"
+    out: Smb2Error
+    if isinstance(err, TransportError):
+        out = type(err)(
+            f"rank {rank} lost memory server {server} at step {step} of store {store!r}",
+            errno=err.errno, status=err.status, server=err.server, detail=err.message,
+            hint=f"restart that smb2-server (with its --data-dir, so it keeps the store) and run the job again: "
+                 f"it resumes store {store!r} from its last step; if the server's data is gone, start from a "
+                 "checkpoint (init_from=PATH) or over (resume=False)")
+    elif isinstance(err, NoSuchBuffer):
+        out = type(err)(
+            f"store {store!r} is gone from memory server {server} while rank {rank} was at step {step} "
+            "(removed with `smb2 rm`, or the server restarted without its data)",
+            server=err.server, detail=err.message,
+            hint="nothing was written to another buffer; start the job again (a fresh run) or from a "
+                 "checkpoint (init_from=PATH), and remove a store only when `smb2 ls` shows its run finished")
+    else:
+        return err
+    setattr(out, "in_training_terms", True)     # noqa: B010 (worded once, not again by an outer layer)
+    return out

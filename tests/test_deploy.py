@@ -1,0 +1,205 @@
+"""deploy/kubernetes/ and ``smb2 servers``: the manifests validate against
+the Kubernetes schemas (kubernetes-validate ships them: nothing is fetched),
+they agree with each other where a mismatch would break a job (the Job's
+server list against the StatefulSet and its Service, ranks against
+completions, memory against capacity), and the one server order that the
+Slurm and Kubernetes helpers share."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smb2 import cli
+from smb2.errors import InvalidArgumentError
+from smb2.protocol import parse_size
+from smb2.serverlist import SLURM_VARIABLES, expand_hostlist, server_list, slurm_hosts, statefulset_hosts
+
+# in the test extra (make test installs them); the soft-RoCE VM's python has
+# only what the RDMA tier needs, and skips this module
+kv = pytest.importorskip("kubernetes_validate", reason="pip install 'smb2[test]' (kubernetes-validate)")
+yaml = pytest.importorskip("yaml", reason="PyYAML comes with kubernetes-validate")
+
+ROOT = Path(__file__).resolve().parent.parent
+KUBE = ROOT / "deploy" / "kubernetes"
+
+
+def smb2_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``smb2 ARGS``, as a user runs it (outside any Slurm job unless ``env`` says)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return subprocess.run([sys.executable, "-m", "smb2.cli", *args], capture_output=True, text=True, timeout=60,
+                          env={**base, **(env or {})})
+
+
+def smb2_servers(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``smb2 servers ARGS`` in this process (the command's start is tested once, by smb2_cli)."""
+    try:
+        code = cli.main(["servers", *args])
+    except SystemExit as exc:       # argparse's usage errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------------------
+# the server order
+
+
+def test_hosts_are_ordered_naturally_whatever_order_they_come_in() -> None:
+    want = ["gpu1:7420", "gpu2:7420", "gpu10:7420", "node-a:7420", "node-b:7420"]
+    assert server_list(["node-b", "gpu10", "gpu2", "node-a", "gpu1"]) == want
+    assert server_list(reversed(["gpu1", "gpu2", "gpu10", "node-a", "node-b"])) == want
+    # a StatefulSet's ordinals past 9 stay in ordinal order
+    pods = statefulset_hosts("srv", 12, "svc")
+    assert server_list(reversed(pods), 7000) == [f"srv-{i}.svc:7000" for i in range(12)]
+    # an IPv6 address is bracketed, as smb2.connect parses it
+    assert server_list(["fd00::2", "fd00::1"], 1) == ["[fd00::1]:1", "[fd00::2]:1"]
+
+
+@pytest.mark.parametrize("hosts, port, says", [
+    (["a", "b", "a"], 7420, "listed twice"),
+    ([], 7420, "no hosts"),
+    (["a"], 0, "port 0"),
+    (["a,b"], 7420, "not a host name"),
+    (["a b"], 7420, "not a host name"),
+])
+def test_a_bad_server_list_is_an_error(hosts: list[str], port: int, says: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=says):
+        server_list(hosts, port)
+
+
+def test_slurm_host_lists_expand() -> None:
+    assert expand_hostlist("node[01-03,7],gpu5") == ["node01", "node02", "node03", "node7", "gpu5"]
+    assert expand_hostlist("a[1-2]b[8-9]") == ["a1b8", "a1b9", "a2b8", "a2b9"]
+    assert expand_hostlist("n[9-11]") == ["n9", "n10", "n11"]
+    assert expand_hostlist("single") == ["single"]
+    for bad in ("n[1-2", "n1-2]", "n[a-b]", "n[3-1]", ""):
+        with pytest.raises(InvalidArgumentError):
+            expand_hostlist(bad)
+    assert slurm_hosts({"SLURM_JOB_NODELIST": "n[2,1]"}) == ["n2", "n1"]
+    with pytest.raises(InvalidArgumentError, match="no Slurm allocation"):
+        slurm_hosts({})
+
+
+def test_smb2_servers_prints_the_list_for_slurm_and_a_statefulset(capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    run = smb2_cli("servers", "--from-slurm", "--port", "7000", env={"SLURM_JOB_NODELIST": "n[10,9],m1"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "m1:7000,n9:7000,n10:7000\n"
+    code, out, _ = smb2_servers(capsys, "--from-statefulset", "srv", "--replicas", "3", "--service", "svc",
+                                "--namespace", "ml")
+    assert code == 0 and out == "srv-0.svc.ml.svc:7420,srv-1.svc.ml.svc:7420,srv-2.svc.ml.svc:7420\n"
+    # outside an allocation: says why and what to do
+    for name in SLURM_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    code, out, err = smb2_servers(capsys, "--from-slurm")
+    assert code == 1 and out == "" and "no Slurm allocation" in err and "sbatch" in err
+    code, _, err = smb2_servers(capsys, "--from-statefulset", "srv")
+    assert code == 2 and "--replicas" in err
+
+
+# ---------------------------------------------------------------------------
+# deploy/kubernetes/
+
+
+@functools.cache
+def parsed() -> dict[str, list[dict[str, Any]]]:
+    return {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d]
+            for p in sorted(KUBE.glob("*.yaml")) if p.name != "kustomization.yaml"}
+
+
+def manifests() -> dict[str, list[dict[str, Any]]]:
+    """Each manifest file's documents (a fresh copy: tests may change it)."""
+    return copy.deepcopy(parsed())
+
+
+def one(kind: str) -> dict[str, Any]:
+    (found,) = [d for docs in manifests().values() for d in docs if d["kind"] == kind]
+    return found
+
+
+def test_the_manifests_validate_against_the_kubernetes_schemas() -> None:
+    version = kv.latest_version()
+    kinds = set()
+    for docs in manifests().values():
+        for doc in docs:
+            # strict: a misspelt or misplaced field is an error, not ignored
+            kv.validate(doc, version, strict=True)
+            kinds.add(doc["kind"])
+    assert kinds == {"Service", "StatefulSet", "PodDisruptionBudget", "Job"}
+    # what validating would miss: a field in the wrong place is caught
+    bad = one("StatefulSet")
+    bad["spec"]["template"]["spec"]["containers"][0]["memory"] = "5Gi"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, version, strict=True)
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    listed = yaml.safe_load((KUBE / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(manifests())
+
+
+def job_servers_command() -> list[str]:
+    """The ``smb2 servers`` line of the training Job's script, as argv."""
+    (container,) = one("Job")["spec"]["template"]["spec"]["containers"]
+    (line,) = [ln for ln in "\n".join(container["args"]).splitlines() if "smb2 servers" in ln]
+    argv = shlex.split(line.split("$(", 1)[1].rsplit(")", 1)[0])
+    assert argv[:2] == ["smb2", "servers"]
+    return argv
+
+
+def test_the_job_derives_its_server_list_from_the_statefulset_and_service(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    sts, svc, job = one("StatefulSet"), one("Service"), one("Job")
+    argv = job_servers_command()
+    # the Job's line, run: the pods of this StatefulSet behind this Service
+    code, out, err = smb2_servers(capsys, *argv[2:])
+    assert code == 0, err
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "smb2")
+    want = [f"{sts['metadata']['name']}-{i}.{svc['metadata']['name']}:{port}" for i in range(sts["spec"]["replicas"])]
+    assert out.strip().split(",") == want
+    # the headless Service is the StatefulSet's, selects its pods and carries its port
+    assert svc["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert any(p["port"] == port for p in svc["spec"]["ports"])
+    assert f"--port={port}" in container["command"]
+    # every rank of the Indexed Job is a worker of the store
+    spec = job["spec"]
+    env = {e["name"]: e for e in spec["template"]["spec"]["containers"][0]["env"]}
+    assert spec["completionMode"] == "Indexed"
+    assert int(env["WORLD_SIZE"]["value"]) == spec["completions"] == spec["parallelism"]
+    assert "job-completion-index" in env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+
+
+def test_the_servers_token_metrics_resources_and_budget() -> None:
+    sts, pdb = one("StatefulSet"), one("PodDisruptionBudget")
+    pod = sts["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    flags = dict(a.removeprefix("--").split("=", 1) for a in container["command"][1:] if "=" in a)
+    # the token from the Secret, in the variable smb2-server and the clients read
+    env = {e["name"]: e for e in container["env"]}
+    for c in (container, one("Job")["spec"]["template"]["spec"]["containers"][0]):
+        ref = {e["name"]: e for e in c["env"]}["SMB2_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == env["SMB2_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    # Prometheus finds the port the server serves its metrics on
+    metrics_port = int(flags["metrics"].rsplit(":", 1)[1])
+    notes = pod["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true" and int(notes["prometheus.io/port"]) == metrics_port
+    assert any(p["containerPort"] == metrics_port for p in container["ports"])
+    # the memory limit holds the capacity and the server's own pool besides
+    limit = parse_size(container["resources"]["limits"]["memory"].replace("Gi", "GiB").replace("Mi", "MiB"))
+    assert limit >= parse_size(flags["capacity"]) + (256 << 20)
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+    # the budget covers the servers, and allows no eviction
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pdb["spec"]["maxUnavailable"] == 0

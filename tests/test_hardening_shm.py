@@ -1,0 +1,292 @@
+"""What a same-host client can do to a memory server through shared memory
+(issue 22, findings 1, 2, 3 and 6), tried on real ``smb2-server`` processes:
+a planned restart while shm clients write, ``ftruncate`` on a handed-out
+memory file, lock words written by hand (over shm and over TCP), and many
+lock names over one shm connection.  After each, well-behaved clients are
+served.  docs/reliability.md states the bounds these check."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+import smb2
+from smb2 import _core
+from smb2.errors import LockTimeout, TransportError
+from smb2.protocol import LOCK_SEGMENT
+from smb2.transport import ShmTransport
+from test_hardening_server import server_process, well_behaved
+
+MiB = 1 << 20
+
+
+def shm_of(client: smb2.Client) -> ShmTransport:
+    t = client.links[0].open
+    assert isinstance(t, ShmTransport), t
+    return t
+
+
+# -- 1. a planned restart under shm writers ------------------------------------
+
+REGION = 4 * MiB
+
+
+WARM_UP = 5
+
+
+def fill_region(address: tuple[str, int], name: str, region: int, acked: list[int],
+                stop: threading.Event, going: threading.Semaphore) -> None:
+    """Fill our region with the sequence number, again and again, over shm;
+    ``acked[region]`` is the last one a write returned for.  ``going`` is
+    released after WARM_UP writes."""
+    async def run() -> None:
+        async with await smb2.connect([address], transport="shm") as c:
+            buf = await c.attach(name)
+            seq = 0
+            while not stop.is_set():
+                seq += 1
+                try:
+                    await buf.write(region * REGION, np.full(REGION // 8, seq, np.int64))
+                except (TransportError, smb2.NoSuchBuffer):
+                    return          # the server stopped: this write was not acknowledged
+                acked[region] = seq
+                if seq == WARM_UP:
+                    going.release()
+    try:
+        asyncio.run(run())
+    finally:
+        going.release()     # a writer that failed early must not hold the test up
+
+
+def start_writers(address: tuple[str, int], name: str, n: int, acked: list[int],
+                  stop: threading.Event) -> list[threading.Thread]:
+    """``n`` writer threads (fill_region), once each has written WARM_UP times."""
+    going = threading.Semaphore(0)
+    threads = [threading.Thread(target=fill_region, args=(address, name, r, acked, stop, going))
+               for r in range(n)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert going.acquire(timeout=30)
+    return threads
+
+
+@pytest.mark.server_process_only
+async def test_a_sigterm_under_shm_writers_saves_every_acknowledged_write(tmp_path: Path) -> None:
+    # before: the restart refused to start (checksum mismatch) 3 times of 3
+    writers = 3
+    flags = ("--data-dir", str(tmp_path), "--capacity", "256MiB")
+    with server_process(*flags) as s:
+        async with await smb2.connect([s.address], transport="tcp") as c:
+            await c.create("shared", writers * REGION)
+        acked = [0] * writers
+        stop = threading.Event()
+        threads = await asyncio.to_thread(start_writers, s.address, "shared", writers, acked, stop)
+        assert min(acked) >= WARM_UP, acked
+        assert s.stop() == 0, s.stderr()     # SIGTERM: save, then exit
+        stop.set()
+        for t in threads:
+            t.join(10)
+    # it starts, and every acknowledged write is there
+    with server_process(*flags) as s:
+        async with await smb2.connect([s.address], transport="tcp") as c:
+            buf = await c.attach("shared")
+            for r in range(writers):
+                got = (await buf.read(r * REGION, REGION)).view(np.int64)
+                # the write in flight at the stop may have landed in part
+                assert got.min() >= acked[r] and got.max() <= acked[r] + 1, (r, acked)
+        await well_behaved(s.address)
+
+
+async def test_a_frozen_segment_refuses_shm_writes_and_atomics_and_a_failed_save_thaws_it(
+        tmp_path: Path) -> None:
+    server = await smb2.start_server("127.0.0.1", 0, data_dir=tmp_path / "data")
+    try:
+        async with await smb2.connect([server.address], transport="shm") as c:
+            buf = await c.create("f", MiB)
+            await buf.write(0, np.ones(4, np.int64))       # mapped: the fast path serves it now
+            assert await buf.fetch_add(0, 1) == 1
+            # a save that fails (a file where the directory should be written)
+            (tmp_path / "data" / "seg-1.1.bin.tmp").mkdir()
+            with pytest.raises(smb2.PersistenceError):
+                server.save()
+            assert await buf.fetch_add(0, 1) == 2          # thawed: served again
+            (tmp_path / "data" / "seg-1.1.bin.tmp").rmdir()
+            server.save()                                 # frozen for good, as at a stop
+            for op in (buf.write(0, np.zeros(4, np.int64)), buf.fetch_add(0, 1),
+                       buf.compare_swap(0, 3, 4)):
+                with pytest.raises(TransportError, match="stopping"):
+                    await op
+    finally:
+        await server.close(save=False)
+    # what was saved is what was acknowledged before the freeze
+    again = await smb2.start_server("127.0.0.1", 0, data_dir=tmp_path / "data")
+    try:
+        async with await smb2.connect([again.address], transport="tcp") as c:
+            assert (await (await c.attach("f")).read(0, 8)).view(np.int64)[0] == 3
+    finally:
+        await again.close(save=False)
+
+
+# -- 2. sealed memory -------------------------------------------------------------
+
+def claim_fds(path: str, ticket: bytes) -> list[int]:
+    """What the shm transport does to get a grant's fds: the ticket in, the
+    fds out (SCM_RIGHTS)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+        sock.sendall(ticket)
+        msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 64)
+        assert "segments" in msgpack.unpackb(msg), msg
+        return fds
+
+
+@pytest.mark.server_process_only
+async def test_a_client_cannot_resize_handed_out_memory() -> None:
+    with server_process() as s:
+        async with await smb2.connect([s.address], transport="shm") as c:
+            buf = await c.create("sealed", 4 * MiB)
+            await buf.write(0, np.arange(MiB // 8, dtype=np.int64))
+            lock = c.lock("sealed")
+            await lock.acquire()
+            await lock.release()
+            grant = await shm_of(c).control({"cmd": "shm_grant", "segments": [LOCK_SEGMENT, buf.segments[0]]})
+            fds = claim_fds(grant["path"], grant["ticket"])
+            try:
+                for fd in fds:
+                    size = os.fstat(fd).st_size
+                    for new in (0, size // 2, size + (256 << 20)):
+                        with pytest.raises(PermissionError) as e:
+                            os.ftruncate(fd, new)
+                        assert e.value.errno == errno.EPERM
+                    assert os.fstat(fd).st_size == size
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            # the lock sweep and a TCP read of both segments go on
+            await asyncio.sleep(0.2)
+            async with await smb2.connect([s.address], transport="tcp") as t:
+                tbuf = await t.attach("sealed")
+                assert ((await tbuf.read(0, MiB)).view(np.int64) == np.arange(MiB // 8)).all()
+                async with t.lock("sealed"):
+                    pass
+        assert s.proc.poll() is None, s.stderr()
+        await well_behaved(s.address)
+
+
+# -- 3. lock words a client cannot wedge --------------------------------------------
+
+async def lock_offset(c: smb2.Client, name: str) -> int:
+    info = await c.links[0].open.control({"cmd": "lock_open", "name": name})  # type: ignore[union-attr]
+    return int(info["offset"])
+
+
+async def lock_words(c: smb2.Client, name: str) -> tuple[int, int]:
+    lock = (await c.stat())[0]["locks"]["locks"][name]
+    return int(lock["next_ticket"]), int(lock["now_serving"])
+
+
+async def acquire_within(lock: smb2.Lock, timeout: float) -> float:
+    """How long ``acquire(timeout)`` took; LockTimeout is an answer too."""
+    t0 = time.monotonic()
+    with contextlib.suppress(LockTimeout):
+        await lock.acquire(timeout=timeout)
+        await lock.release()
+    return time.monotonic() - t0
+
+
+@pytest.mark.server_process_only
+async def test_now_serving_moved_past_next_ticket_over_shm_wedges_nobody() -> None:
+    with server_process() as s:
+        async with await smb2.connect([s.address], transport="shm") as attacker, \
+                await smb2.connect([s.address], transport="shm") as shm_user, \
+                await smb2.connect([s.address], transport="tcp") as tcp_user:
+            off = await lock_offset(attacker, "L")
+            tr = shm_of(attacker)
+            nxt = await tr.fetch_add(LOCK_SEGMENT, off, 0)
+            # one compare-and-swap on our own mapping: now_serving far past next_ticket
+            await tr.compare_swap(LOCK_SEGMENT, off + _core.LOCK_SERVING, nxt, nxt + (1 << 30))
+            took = await asyncio.gather(acquire_within(shm_user.lock("L"), 2.0),
+                                        acquire_within(tcp_user.lock("L"), 2.0))
+            assert max(took) < 3.0, took
+            # the server put the lock right: both acquire again at once
+            for c in (shm_user, tcp_user):
+                async with c.lock("L"):
+                    pass
+            nxt, serving = await lock_words(tcp_user, "L")
+            assert 0 <= nxt - serving <= 1
+            assert (await tcp_user.stat())[0]["locks"]["resets"] >= 1
+    assert "impossible words" in s.stderr()
+
+
+@pytest.mark.server_process_only
+async def test_a_huge_next_ticket_over_tcp_is_reset_and_the_sender_named() -> None:
+    with server_process() as s:
+        async with await smb2.connect([s.address], transport="tcp") as attacker, \
+                await smb2.connect([s.address], transport="shm") as user:
+            held = user.lock("L")
+            await held.acquire()
+            token = held.token
+            off = await lock_offset(attacker, "L")
+            await attacker.links[0].open.fetch_add(LOCK_SEGMENT, off, 1 << 40)  # type: ignore[union-attr]
+            # the holder lost the lock to the reset, and the next acquire is served
+            with pytest.raises(smb2.StaleFence):
+                await held.release(wait=True)
+            other = user.lock("L")
+            await other.acquire(timeout=2.0)
+            assert other.token is not None and token is not None and other.token > token
+            await other.release()
+            nxt, serving = await lock_words(user, "L")
+            assert 0 <= nxt - serving <= 1
+    err = s.stderr()
+    assert "impossible words" in err and "(tcp) changed them" in err, err
+
+
+@pytest.mark.server_process_only
+async def test_a_parked_waiter_passed_by_hand_queues_again_instead_of_failing() -> None:
+    with server_process() as s:
+        async with await smb2.connect([s.address], transport="tcp") as holder, \
+                await smb2.connect([s.address], transport="tcp") as waiter:
+            lock = holder.lock("L")
+            await lock.acquire()
+            pending = asyncio.ensure_future(waiter.lock("L").acquire(timeout=3.0))
+            await asyncio.sleep(0.1)
+            off = await lock_offset(holder, "L")
+            tr = holder.links[0].open
+            assert tr is not None
+            serving = lock.token
+            assert serving is not None
+            # skip the holder and the waiter's ticket: within bounds, but by hand
+            await tr.compare_swap(LOCK_SEGMENT, off + _core.LOCK_SERVING, serving, serving + 2)
+            t0 = time.monotonic()
+            await pending           # granted (queued again), not StaleFence
+            assert time.monotonic() - t0 < 3.0
+            assert (await waiter.stat())[0]["locks"]["requeued"] >= 1
+
+
+# -- 6. lock slots over shm are reclaimed --------------------------------------------
+
+async def test_a_shm_client_uses_more_lock_names_than_the_server_has_slots() -> None:
+    # a fresh lock name per task, each Lock dropped once its task is done
+    async def task(c: smb2.Client, i: int) -> None:
+        lock = c.lock(f"task-{i}")
+        await lock.acquire()
+        await lock.release()
+
+    with server_process("--lock-slots", "256") as s:
+        async with await smb2.connect([s.address], transport="shm") as c:
+            for i in range(400):
+                await asyncio.create_task(task(c, i))
+            stat = (await c.stat())[0]["locks"]
+            assert stat["open"] <= 2, stat["open"]
+            assert stat["reclaimed"] >= 398

@@ -1,0 +1,234 @@
+"""AsyncOptimizer under faults, as a torch user meets them: frozen layers
+that every rank must share, two launch recipes that must shard alike, a
+worker that dies while the others train, a memory server lost and a store
+removed mid-run, and checkpoints.  Real smb2-server processes; the dead
+worker runs under real torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import smb2
+from smb2.torch.loop_thread import LoopThread
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
+
+import smb2.torch as st  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[str]:
+    loop = LoopThread("test-cluster")
+    cluster = smb2.LocalCluster(servers=2, processes=True)
+    loop.run(cluster.start())
+    try:
+        yield ",".join(cluster.addresses)
+    finally:
+        loop.run(cluster.close())
+        loop.stop()
+
+
+@pytest.fixture
+def own_cluster() -> Iterator[tuple[LoopThread, smb2.LocalCluster]]:
+    """Two server processes of this test's own, to kill."""
+    loop = LoopThread("test-own-cluster")
+    cluster = smb2.LocalCluster(servers=2, processes=True)
+    loop.run(cluster.start())
+    try:
+        yield loop, cluster
+    finally:
+        loop.run(cluster.close())
+        loop.stop()
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(16, 10, generator=g)
+        y = (x[:, 0] > 0).long()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def test_frozen_parameters_are_rank_0s_on_every_rank(servers: str) -> None:
+    # per-rank seeds: without the hand-out each rank trained against its own frozen layer
+    models = [_model(seed=10 + r) for r in range(2)]
+    for m in models:
+        m[0].requires_grad_(False)
+    rank0_frozen = models[0][0].weight.detach().clone()
+    ends: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            m = models[rank]
+            opt = st.AsyncOptimizer(torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1), m,
+                                    name="t-frozen-ranks", servers=servers, rank=rank, world_size=2, resume=False)
+            assert torch.equal(m[0].weight.detach(), rank0_frozen)
+            assert torch.equal(m[0].bias.detach(), models[0][0].bias.detach())
+            _steps(m, opt, 5, seed=rank)
+            if rank == 1:
+                with torch.no_grad():
+                    m[0].weight[0, 0] += 1.0        # changed by hand: this rank now trains another model
+            ends[rank] = opt.close(wait_all=60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert ends[0].frozen_changed == [] and ends[1].frozen_changed == ["0.weight"]
+    assert ends[0].complete and ends[0].finished == [0, 1]
+
+
+def test_both_launch_recipes_shard_alike(servers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # one torchrun per worker: torchrun says RANK=0 WORLD_SIZE=1 to each, smb2 is told the job's ranks
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("SMB2_RANK", "0")
+    monkeypatch.setenv("SMB2_WORLD_SIZE", "2")
+    assert st.resolve_rank() == (0, 2)
+
+    async def open_module() -> tuple[int, int, int]:
+        async with await smb2.connect(servers) as client:
+            dm = await st.DistributedModule.open(client, "t-recipes", _model(0), rule="accumulate", lr=0.1)
+            return dm.rank, dm.world, dm.store.workers
+
+    loop = LoopThread("test-recipes")
+    try:
+        assert loop.run(open_module()) == (0, 2, 2)
+    finally:
+        loop.stop()
+
+
+_WORKER = textwrap.dedent('''
+    import json, os, sys, torch
+    import smb2.torch
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = smb2.torch.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name=sys.argv[1],
+                                    staleness=1)
+    g = torch.Generator().manual_seed(opt.rank)
+    for step in range(40):
+        if opt.rank == 2 and step == 10:
+            os._exit(3)                                  # this worker dies
+        x = torch.randn(16, 10, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
+        opt.step()
+    end = opt.close(wait_all=3, strict=opt.rank == 1)
+    x = torch.randn(256, 10, generator=torch.Generator().manual_seed(99))
+    acc = (model(x).argmax(1) == (x[:, 0] > 0).long()).float().mean().item()
+    torch.save(model.state_dict(), sys.argv[2] + f"/model-{opt.rank}.pt")
+    print(json.dumps({"rank": opt.rank, "accuracy": acc, "missing": [m[0] for m in end.missing],
+                      "report": str(end)}), flush=True)
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_dead_worker_does_not_fail_the_survivors(servers: str, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_WORKER)
+    procs = []
+    for rank in range(3):
+        env = dict(os.environ, SMB2_SERVERS=servers, SMB2_RANK=str(rank), SMB2_WORLD_SIZE="3", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
+             "--max-restarts=0", str(script), "t-survivors", str(tmp_path)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=200) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert codes[2] != 0                                 # the dead one
+    # rank 0 (the default, strict=False): exit 0, evaluated and saved the shared model
+    assert codes[0] == 0, outs[0][1][-3000:]
+    report = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert report["missing"] == [2] and report["accuracy"] > 0.6, report
+    assert "2 of 3 workers finished store 't-survivors'" in report["report"]
+    assert "rank 2 last reported step" in report["report"]
+    assert (tmp_path / "model-0.pt").exists()
+    # rank 1 asked for strict=True: the report is raised, in words
+    assert codes[1] != 0
+    assert "NotifyTimeout: 2 of 3 workers finished store 't-survivors'" in outs[1][1], outs[1][1][-3000:]
+
+
+def test_a_lost_server_is_reported_in_training_terms(own_cluster: tuple[LoopThread, smb2.LocalCluster]) -> None:
+    loop, cluster = own_cluster
+    model = _model(0)
+    opt = st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-lost",
+                            servers=cluster.addresses, rank=0, world_size=1, resume=False)
+    _steps(model, opt, 3)
+    lost = cluster.addresses[1]
+    loop.run(cluster.kill(1))
+    with pytest.raises(smb2.TransportError) as info:
+        _steps(model, opt, 5)
+    msg = str(info.value)
+    assert f"rank 0 lost memory server {lost} at step" in msg and "of store 't-lost'" in msg, msg
+    assert "restart that smb2-server" in (info.value.hint or "")
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    with pytest.raises(smb2.TransportError, match="rank 0 lost memory server"):
+        opt.close()
+
+
+def test_a_removed_store_is_reported_in_training_terms(servers: str) -> None:
+    model = _model(0)
+    opt = st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-removed",
+                            servers=servers, rank=0, world_size=1, resume=False)
+    _steps(model, opt, 3)
+
+    async def remove() -> None:
+        async with await smb2.connect(servers) as c:
+            assert await c.destroy("t-removed")
+
+    loop = LoopThread("test-remove")
+    try:
+        loop.run(remove())
+    finally:
+        loop.stop()
+    with pytest.raises(smb2.NoSuchBuffer) as info:
+        _steps(model, opt, 5)
+    assert "store 't-removed' is gone from memory server" in str(info.value)
+    assert "rank 0 was at step" in str(info.value) and "smb2 ls" in (info.value.hint or "")
+    with pytest.raises(smb2.NoSuchBuffer):
+        opt.close()
+
+
+def test_checkpoints_every_k_steps_and_at_close(servers: str, tmp_path: Path) -> None:
+    # the directory does not exist yet: made at construction, not at the first save
+    path = tmp_path / "new" / "dir" / "ck-{step}.smb2"
+    model = _model(0)
+    opt = st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-ckpt", servers=servers,
+                            rank=0, world_size=1, resume=False, checkpoint_every=40, checkpoint_path=str(path))
+    assert path.parent.is_dir()
+    _steps(model, opt, 99)
+    opt.close()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ck-40.smb2", "ck-80.smb2", "ck-99.smb2"]
+
+
+def test_a_checkpoint_directory_that_cannot_be_made_is_refused_at_once(servers: str, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    model = _model(0)
+    with pytest.raises(smb2.PersistenceError, match="checkpoint directory .*a-file/sub cannot be made"):
+        st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-ckpt-bad", servers=servers,
+                          rank=0, world_size=1, resume=False, checkpoint_every=5,
+                          checkpoint_path=str(tmp_path / "a-file" / "sub" / "ck-{step}.smb2"))
