@@ -66,9 +66,15 @@ docs: $(VENV)/.installed-test
 wheel: $(VENV)/.installed-test
 	$(BIN)/python tools/build_wheel.py dist
 
-# pytest exits 5 when it collected no test: not a failure of the project
+# the host suite on pytest-xdist workers, one per core (PYTEST_WORKERS=0: in
+# this process), then the timing-sensitive tests (mark "alone") by themselves;
+# tests/conftest.py says how tests stay apart and which loops and transports
+# each runs on.  pytest exits 5 when it collected no test: not
+# a failure of the project
+PYTEST_WORKERS ?= auto
 pytest: $(VENV)/.installed-test
-	$(BIN)/pytest $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not alone" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/pytest -p no:xdist -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info src/smb2/_core.c src/smb2/_verbs.c src/smb2/*.so .pytest_cache .mypy_cache .ruff_cache

@@ -1,9 +1,53 @@
-"""Every async test body runs on both event loops (asyncio, uvloop) and, through
-the ``transport`` fixture, on every transport this machine offers.
+"""Which event loops and transports each async test runs on, and how the
+suite runs in parallel.
 
-``SMB2_TEST_TRANSPORTS`` (default ``tcp,shm``: the two every Linux host
-offers) lists the transports to test, e.g. ``rdma`` inside the soft-RoCE VM.  A test fails if its loop logged an
-unhandled exception (asyncpg's ``_testbase`` habit).
+**Transports.**  The ``transport`` fixture runs a test on every transport
+this machine offers: ``SMB2_TEST_TRANSPORTS`` (default ``tcp,shm``, the two
+every Linux host offers), e.g. ``rdma`` inside the soft-RoCE VM.
+
+**Event loops.**  uvloop, the loop smb2 runs on (``smb2-server``, the
+training layer's loop thread, the demo), runs every async test.  The plain
+asyncio loop, which a user's own program may run, behaves differently only
+in code that talks to the loop: the transports (asyncio protocols,
+``add_reader``, ``sock_*``, flow control), the client's links and deadlines,
+the in-process server's connections (``server/memory.py`` has a uvloop
+branch), the lock's timers and parked waits, notifications.  So asyncio runs
+the modules of ``BOTH_LOOPS_MODULES``, which test exactly that code, and
+over the tcp transport only there, because what the shm transport does on
+the loop (claiming segment fds on the server's Unix socket, futex waits,
+the fast path) is the subject of ``test_shm*.py``, which run on both loops.
+The other modules (the training layer, persistence, authentication, metrics,
+server processes under attack) use the client as any program would: a
+second loop would repeat them without reaching loop-specific code.  A test
+elsewhere that does reach it takes ``@pytest.mark.both_loops``; one in a
+listed module that is about a server process takes
+``@pytest.mark.server_process_only`` (uvloop only).  The soft-RoCE tier
+(``SMB2_RDMA_TIER=1``) keeps both loops everywhere: the rdma transport
+waits for completions through ``loop.add_reader``.  ``SMB2_TEST_ALL_LOOPS=1``
+runs every async test on both loops and every transport, as before.
+
+**The soft-RoCE tier** (tools/rdma_tier.sh) runs this suite again in a VM
+under TCG with ``SMB2_TEST_TRANSPORTS=rdma``.  What it adds is the
+transport: it runs the tests parametrized over transports (and the
+RDMA-only modules); the rest would only repeat the host run, many times
+slower.
+
+**In parallel.**  ``make pytest`` runs the host suite on pytest-xdist
+workers (``-n auto --dist loadgroup``).  Every test makes its own servers on
+free ports, network namespaces named after its process, memfds and sockets
+named after its process, so tests do not collide.  The modules of
+``ONE_WORKER_MODULES`` run on one worker each (an ``xdist_group`` named
+after the module): their tests share a module-scoped fixture that is costly
+or is shared state (one built wheel, warmed-up servers whose growth is
+measured, the machine's one Slurm cluster).  A new module with such a
+fixture joins the set; one whose tests are independent does not.  The
+multi-process trainings of ``TRAININGS`` run one at a time, first.  Tests
+marked ``alone`` (timing-sensitive: a state expected within milliseconds, a
+loop's stall, a hypothesis deadline, bench_tta's time budget) run after the
+parallel pass with nothing beside them (``make pytest``'s second command).
+
+A test fails if its loop logged an unhandled exception (asyncpg's
+``_testbase`` habit).
 """
 
 from __future__ import annotations
@@ -22,32 +66,71 @@ from smb2.torch.loop_thread import LoopThread
 
 TRANSPORTS = [t for t in os.environ.get("SMB2_TEST_TRANSPORTS", "tcp,shm").split(",") if t]
 
-# The soft-RoCE tier (tools/rdma_tier.sh) runs this suite again in a VM under
-# TCG with SMB2_TEST_TRANSPORTS=rdma.  What it adds is the transport: so it
-# runs the tests parametrized over transports (and the RDMA-only modules);
-# the rest would only repeat the host run, many times slower.
 RDMA_TIER = os.environ.get("SMB2_RDMA_TIER") == "1"
 _RDMA_MODULES = {"test_rdma.py", "test_verbs.py"}
 
+ALL_LOOPS = RDMA_TIER or os.environ.get("SMB2_TEST_ALL_LOOPS") == "1"
+# the modules whose tests reach code that talks to the event loop (see above)
+BOTH_LOOPS_MODULES = {
+    "test_api.py", "test_lock.py", "test_server.py", "test_limits.py", "test_faults.py",
+    "test_deadlines.py", "test_notify.py", "test_accumulate.py", "test_cluster.py",
+    "test_shm.py", "test_shm_lock.py", "test_shm_fast.py", "test_rdma.py", "test_verbs.py",
+}
+# module -> why one worker runs all its tests (see above)
+ONE_WORKER_MODULES = {
+    "test_fuzz.py": "growth is measured from the module's warmed-up servers; its tests add up one STATS",
+    "test_slurm.py": "one Slurm cluster per machine (tools/slurm_cluster.sh)",
+    "test_wheel.py": "its tests share one built and installed wheel",
+}
+# Trainings of several processes, each wanting every core and each within a
+# time budget: one worker runs them one after another, and they come first, so that the
+# other workers' short tests fill the time beside them rather than leaving
+# them to run alone at the end.
+TRAININGS = {"test_train_accuracy.py"}
+# the shm transport's own modules: on both loops over every transport
+SHM_MODULES = {"test_shm.py", "test_shm_lock.py", "test_shm_fast.py"}
+
+
+def _uvloop_only(item: pytest.Item) -> bool:
+    if item.get_closest_marker("server_process_only") is not None:
+        return True
+    if ALL_LOOPS or item.get_closest_marker("both_loops") is not None:
+        return False
+    return item.path.name not in BOTH_LOOPS_MODULES
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
+                                  ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    if _uvloop_only(item):
+        return {"uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def _repeats_the_tcp_case(item: pytest.Item) -> bool:
+    """An asyncio-loop case over shm outside the shm modules (see above)."""
+    callspec = getattr(item, "callspec", None)
+    if ALL_LOOPS or callspec is None or item.path.name in SHM_MODULES:
+        return False
+    return callspec.params.get("transport") == "shm" and asyncio.new_event_loop in callspec.params.values()
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+        elif item.path.name in TRAININGS:
+            item.add_marker(pytest.mark.xdist_group("trainings"))
+    items.sort(key=lambda item: item.path.name not in TRAININGS)     # stable: otherwise in order
+    repeats = [item for item in items if _repeats_the_tcp_case(item)]
+    if repeats:
+        config.hook.pytest_deselected(items=repeats)
+        items[:] = [item for item in items if not _repeats_the_tcp_case(item)]
     if not RDMA_TIER:
         return
     skip = pytest.mark.skip(reason="RDMA tier: not parametrized over transports (the host run covers it)")
     for item in items:
         if item.path.name not in _RDMA_MODULES and "transport" not in getattr(item, "fixturenames", ()):
             item.add_marker(skip)
-
-
-def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
-                                  ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    # a test of what a server *process* does under an attack gains nothing
-    # from a second client loop, and such tests are the suite's slowest
-    if item.get_closest_marker("server_process_only") is not None:
-        return {"uvloop": uvloop.new_event_loop}
-    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
-
-
 @pytest.fixture(params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)

@@ -125,6 +125,7 @@ async def test_cut_during_connect_and_auth() -> None:
         await s.close()
 
 
+@pytest.mark.alone
 async def test_server_sigkilled_mid_transfer() -> None:
     async with smb2.LocalCluster(servers=2, processes=True, capacity="96MiB") as cluster:
         client = await cluster.connect(timeout=5)

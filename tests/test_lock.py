@@ -470,6 +470,7 @@ async def _lock_stat(client: smb2.Client) -> dict[str, Any]:
     return locks
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("spin", [0.05, 0.0])
 async def test_server_polls_only_while_a_hand_off_is_due(spin: float) -> None:
     server = await smb2.start_server("127.0.0.1", 0, capacity="1MiB", lock_spin=spin)
@@ -499,6 +500,7 @@ async def test_server_polls_only_while_a_hand_off_is_due(spin: float) -> None:
         await server.close()
 
 
+@pytest.mark.alone
 async def test_contended_grant_is_flagged_and_its_holder_polls_for_a_while() -> None:
     server = await smb2.start_server("127.0.0.1", 0, capacity="1MiB", lock_spin=0.0)
     try:

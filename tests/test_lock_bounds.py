@@ -117,6 +117,7 @@ def test_table_cancels_20k_parked_waiters_and_skips_20k_abandoned_tickets_fast()
     assert dropped < 1.0 and abandoned < 1.0
 
 
+@pytest.mark.alone
 async def test_server_loop_stays_responsive_when_a_connection_with_20k_parked_waiters_closes() -> None:
     server = await smb2.start_server("127.0.0.1", 0, max_inflight=30000)
     server.locks.max_parked = 20000          # this test measures the table, not the caps

@@ -96,7 +96,7 @@ async def test_segments_are_page_aligned(server: smb2.Server) -> None:
     b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 8,
     os.urandom(64),
     b"\x53\x32" + b"\xff" * 30,                      # magic right, rest nonsense
-])
+], ids=["http", "random", "magic-then-nonsense"])         # ids fixed: xdist workers must collect the same names
 async def test_garbage_closes_that_connection_only(server: smb2.Server, garbage: bytes) -> None:
     reader, writer = await _raw(server)
     writer.write(garbage)
