@@ -794,7 +794,7 @@ class ParameterStore:
         prefix = _optim_prefix(self.name)
         ranks = sorted(int(b[len(prefix):]) for b in await self.client.buffers()
                        if b.startswith(prefix) and b[len(prefix):].isdigit())
-        await asyncio.to_thread(_empty_dir, sidecars)
+        await asyncio.to_thread(_empty_dir, sidecars, bool(ranks))
         for r in ranks:
             try:
                 await self.client.checkpoint(optimizer_state_name(self.name, r), sidecars / str(r))
@@ -835,12 +835,17 @@ def optimizer_states_dir(path: str | Path) -> Path:
     return Path(f"{path}.optim")
 
 
-def _empty_dir(folder: Path) -> None:
-    """Make ``folder``, or empty it of an earlier checkpoint's files."""
-    folder.mkdir(exist_ok=True)
-    for old in folder.iterdir():
-        if old.is_file():
-            old.unlink()
+def _empty_dir(folder: Path, keep: bool) -> None:
+    """Empty ``folder`` of an earlier checkpoint's files; then remove it, or
+    (``keep``) make it."""
+    if folder.is_dir():
+        for old in folder.iterdir():
+            if old.is_file():
+                old.unlink()
+        if not keep:
+            folder.rmdir()
+    if keep:
+        folder.mkdir(exist_ok=True)
 
 
 class StoreImage:
@@ -874,8 +879,8 @@ class StoreImage:
             except Smb2Error as exc:
                 log.warning("store %r: rank %s's optimizer state in %s is not restored (%s): that rank starts "
                             "with a fresh optimizer state", name, f.name, f, exc)
-        if not files:
-            log.warning("store %r: checkpoint %s carries no optimizer states (no %s/): every rank starts with a "
+        if not files:       # (smb2.torch says so per rank, as a WARNING)
+            log.info("store %r: checkpoint %s carries no optimizer states (no %s/): every rank starts with a "
                         "fresh optimizer state (momentum and moments from zero, LR schedules from their start)",
                         name, self.path, folder)
         return restored
