@@ -312,3 +312,62 @@ def test_a_save_of_another_optimizer_is_not_loaded(servers: str, caplog: pytest.
         _loop(model2, opt2, torch.optim.lr_scheduler.StepLR(opt2, 1), opt2.start_step, opt2.start_step + 2)
     finally:
         opt2.close()
+
+
+@pytest.mark.parametrize("into", ["another store", "the same store"])
+def test_a_run_from_a_checkpoint_continues_its_moments_schedule_and_loss(
+        servers: str, tmp_path: Any, caplog: pytest.LogCaptureFixture, into: str) -> None:
+    """checkpoint_every saves each rank's optimizer state beside the store
+    (``<path>.optim/<rank>``); a fresh job with init_from= loads it."""
+    model = _model()
+    path = tmp_path / "ck" / "step-{step}.smb2"
+    opt, sched = _port(model, servers, "t-ckpt", resume=False, state_every=0.02, checkpoint_every=20,
+                       checkpoint_path=path)
+    record: dict[int, Any] = {}
+    before = _loop(model, opt, sched, 0, RUN1_STEPS, record)
+    opt.close()              # its last save and the checkpoint at step 45
+    final = tmp_path / "ck" / f"step-{RUN1_STEPS}.smb2"
+    for step in (20, 40, RUN1_STEPS):
+        assert (tmp_path / "ck" / f"step-{step}.smb2.optim" / "0").is_file(), step
+    # the same store again (its state buffer holds step 45) from the checkpoint at 40; or another store from 45
+    name, ckpt = ("t-ckpt", tmp_path / "ck" / "step-40.smb2") if into == "the same store" else ("t-ckpt2", final)
+    with caplog.at_level(logging.INFO, logger="smb2.torch"):
+        opt2, sched2 = _port(_model(), servers, name, init_from=ckpt, state_every=0.02)
+    try:
+        start = opt2.start_step
+        assert "resumes its AdamW state and 1 LR schedule" in caplog.text
+        if into == "another store":
+            assert start == RUN1_STEPS            # close() saved the state of the last step
+        else:
+            assert 20 < start <= 40               # as of the rank's last save before the checkpoint
+        _same_state(opt2.state_dict(), record[start][0])
+        after = _loop(opt2.model, opt2, sched2, start, TOTAL)
+        assert sched2.last_epoch == TOTAL // EPOCH
+        assert opt2.param_groups[0]["lr"] == pytest.approx(LR * GAMMA ** (TOTAL // EPOCH))
+    finally:
+        opt2.close()
+    last_before = max(before[t] for t in range(start - 10, start))
+    first_after = max(after[t] for t in range(start, start + 10))
+    assert first_after < 3 * last_before + 0.01, (last_before, first_after)
+
+
+def test_a_checkpoint_without_optimizer_states_starts_them_fresh_and_says_so(
+        servers: str, tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    model = _model()
+    path = tmp_path / "old.smb2"
+    opt, sched = _port(model, servers, "t-ckpt-old", resume=False, checkpoint_every=10, checkpoint_path=path)
+    _loop(model, opt, sched, 0, 12)
+    opt.close()              # the checkpoint at step 12, with the state close() saved
+    # a checkpoint as saved before the states went beside it
+    (tmp_path / "old.smb2.optim" / "0").unlink()
+    (tmp_path / "old.smb2.optim").rmdir()
+    with caplog.at_level(logging.INFO):
+        opt2, sched2 = _port(_model(), servers, "t-ckpt-old2", init_from=path)
+    try:
+        assert "carries no optimizer states" in caplog.text
+        assert "rank 0 has no saved optimizer state" in caplog.text and "fresh AdamW state" in caplog.text
+        assert opt2.start_step == 12 and not opt2.state
+        _loop(opt2.model, opt2, sched2, 12, 13)
+        assert sched2.last_epoch == 0 and int(next(iter(opt2.state.values()))["step"]) == 1
+    finally:
+        opt2.close()

@@ -123,12 +123,13 @@ def read_checkpoint_header(f: io.BufferedReader, path: str) -> tuple[dict[str, A
 
 
 async def restore(client: Client, name: str, path: str | os.PathLike[str], *,
-                  chunk: int = CHUNK) -> dict[str, Any]:
+                  chunk: int = CHUNK, saved_as: str | None = None) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into buffer ``name`` (created with the
     checkpoint's size and stripe if it does not exist; a damaged buffer's
     lost parts are made again, since every byte is rewritten).  The file's checksum
     is verified before any byte is written; a buffer of another size, or a
-    checkpoint of another buffer, is refused with InvalidArgumentError."""
+    checkpoint of another buffer (than ``saved_as``, by default ``name``), is
+    refused with InvalidArgumentError."""
     path = Path(path)
     try:
         f = await asyncio.to_thread(open, path, "rb")
@@ -137,9 +138,10 @@ async def restore(client: Client, name: str, path: str | os.PathLike[str], *,
     with f:
         header, digest, start = read_checkpoint_header(f, str(path))
         nbytes = header["nbytes"]
-        if header["name"] != name:
+        expected = name if saved_as is None else saved_as
+        if header["name"] != expected:
             raise InvalidArgumentError(
-                f"{path} is a checkpoint of buffer {header['name']!r}, not {name!r}")
+                f"{path} is a checkpoint of buffer {header['name']!r}, not {expected!r}")
         size = os.fstat(f.fileno()).st_size
         if size != start + nbytes:
             raise PersistenceError(f"{path} holds {size - start} bytes of data; its header says {nbytes}")

@@ -36,7 +36,10 @@ finish, ``resume=True``, a torchrun restart) each rank loads the newest
 whole save of its own rank whose lineage is the store's
 (:attr:`smb2.train.lifecycle.Control.origin`: when the fresh run that the
 weights descend from was opened).  A fresh run never loads a save made
-before it, nor one left by an earlier store of the same name.  The
+before it, nor one left by an earlier store of the same name; a fresh run
+from a checkpoint (``init_from=``) loads the states saved beside it, which
+rank 0 restored into these buffers under the checkpoint's lineage
+(:meth:`smb2.train.store.StoreImage.restore_optimizer_states`).  The
 optimizer's state is loaded when the AsyncOptimizer is made; the
 schedulers, which are built on it afterwards, at its first ``step()`` (and
 the saved learning rates with them, since building a scheduler rewrites

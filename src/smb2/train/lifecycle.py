@@ -12,7 +12,9 @@ The control area (int64 words, the store's notification area)::
     word 4        RESUMED     1 if run G resumed the previous one's weights
     word 5        ORIGIN_MS   OPENED_MS of the last fresh run, kept by resumed
                               runs: names the weights' lineage (saved
-                              optimizer states carry it, smb2.torch.resume)
+                              optimizer states carry it, smb2.torch.resume);
+                              a run from a checkpoint whose optimizer states
+                              were restored takes the checkpoint's
     words 6-7     reserved
     8 + 4r + 0    JOINED[r]   the last run rank r joined
     8 + 4r + 1    STEP[r]     rank r's step (kept on resume, 0 when fresh)

@@ -92,6 +92,7 @@ import msgpack
 import numpy as np
 
 from ..checkpoint import read_checkpoint_header
+from ..checkpoint import restore as checkpoint_restore
 from ..client import DEFAULT_STRIPE, Buffer, Client
 from ..errors import (
     BufferConflict,
@@ -395,12 +396,19 @@ class ParameterStore:
         gen = old.generation + 1
         words = old.words.copy()
         fresh = decision.action == "fresh"
+        restored = 0
         own = lc.rank_word(0, 0)
         if fresh:
             # every control word starts over; the steps from the checkpoint, if any
             words[:] = 0
             steps = words[lc.RANK_BASE + lc.STEP::lc.RANK_WORDS]
             if image is not None:
+                if image.control.workers == self.workers:
+                    restored = await image.restore_optimizer_states(self.client, self.name)
+                else:
+                    log.warning("store %r: checkpoint %s is of %d workers, this job has %d: its steps and "
+                                "optimizer states are not used (every rank starts at step 0 with a fresh optimizer "
+                                "state)", self.name, image.path, image.control.workers, self.workers)
                 self.mirror[...] = image.data
                 words[lc.VERSION] = image.control.version
                 if image.control.workers == self.workers:
@@ -412,7 +420,11 @@ class ParameterStore:
             self._mirror_current = True
         words[lc.RESUMED] = int(not fresh or image is not None)
         words[lc.OPENED_MS] = lc.now_ms()
-        if fresh:
+        if fresh and image is not None and restored and image.control.origin:
+            # the checkpoint's weights and the optimizer states saved beside
+            # them are of its lineage: the ranks load those states
+            words[lc.ORIGIN_MS] = image.control.origin
+        elif fresh:
             words[lc.ORIGIN_MS] = words[lc.OPENED_MS]     # a new lineage of weights
         words[own + lc.JOINED] = gen
         words[own + lc.BEAT] = lc.now_ms()
@@ -845,9 +857,29 @@ class ParameterStore:
             await asyncio.gather(self._checkpointing, return_exceptions=True)
             self._raise_checkpoint_error()
         self._checkpoint_step = self._step
+        # its own step word first (heartbeats write it at most every 0.25 s):
+        # the checkpoint holds the step it is named after
+        await self._write_own()
         path = self.checkpoint_path.replace("{step}", str(self._step))
-        self._checkpointing = asyncio.ensure_future(self.client.checkpoint(self.name, path))
+        self._checkpointing = asyncio.ensure_future(self._save_checkpoint(path))
         log.info("store %r: checkpoint at step %d to %s", self.name, self._step, path)
+
+    async def _save_checkpoint(self, path: str) -> None:
+        """The ranks' optimizer states (best effort: a rank without one is
+        left out), then the store.  States first: each is as of its rank's
+        last save, so it is not newer than the weights saved after it."""
+        sidecars = optimizer_states_dir(path)
+        prefix = _optim_prefix(self.name)
+        ranks = sorted(int(b[len(prefix):]) for b in await self.client.buffers()
+                       if b.startswith(prefix) and b[len(prefix):].isdigit())
+        await asyncio.to_thread(_empty_dir, sidecars, bool(ranks))
+        for r in ranks:
+            try:
+                await self.client.checkpoint(optimizer_state_name(self.name, r), sidecars / str(r))
+            except Smb2Error as exc:
+                log.warning("store %r: rank %d's optimizer state is not in the checkpoint %s (%s): a run started "
+                            "from it gives that rank a fresh optimizer state", self.name, r, path, exc)
+        await self.client.checkpoint(self.name, path)
 
     def _raise_checkpoint_error(self) -> None:
         task = self._checkpointing
@@ -875,14 +907,61 @@ def checkpoint_dir(path: str | Path) -> Path:
     return parent
 
 
+def optimizer_states_dir(path: str | Path) -> Path:
+    """Where a checkpoint's optimizer states lie: ``<path>.optim/<rank>``,
+    each a checkpoint of that rank's :func:`optimizer_state_name` buffer."""
+    return Path(f"{path}.optim")
+
+
+def _empty_dir(folder: Path, keep: bool) -> None:
+    """Empty ``folder`` of an earlier checkpoint's files; then remove it, or
+    (``keep``) make it."""
+    if folder.is_dir():
+        for old in folder.iterdir():
+            if old.is_file():
+                old.unlink()
+        if not keep:
+            folder.rmdir()
+    if keep:
+        folder.mkdir(exist_ok=True)
+
+
 class StoreImage:
     """A store as saved by ``client.checkpoint`` (``checkpoint_every``): its
     layout, its data region and its control words, read from the file."""
 
-    def __init__(self, layout: Layout, data: np.ndarray, control: Control) -> None:
+    def __init__(self, layout: Layout, data: np.ndarray, control: Control, path: str = "", name: str = "") -> None:
         self.layout = layout
         self.data = data
         self.control = control
+        #: the file, and the store it was saved from
+        self.path = path
+        self.name = name
+
+    async def restore_optimizer_states(self, client: Client, name: str) -> int:
+        """Rank 0 of a fresh run from this image: put the optimizer states
+        saved beside it into store ``name``'s state buffers, in place of any
+        there (an earlier run's, which must not be loaded with these
+        weights).  Returns how many ranks' states were restored."""
+        prefix = _optim_prefix(name)
+        await asyncio.gather(*(client.destroy(b) for b in await client.buffers() if b.startswith(prefix)))
+        saved_prefix = _optim_prefix(self.name)
+        folder = optimizer_states_dir(self.path)
+        files = sorted(f for f in (folder.iterdir() if folder.is_dir() else ()) if f.name.isdigit())
+        restored = 0
+        for f in files:
+            try:
+                await checkpoint_restore(client, optimizer_state_name(name, int(f.name)), f,
+                                         saved_as=saved_prefix + f.name)
+                restored += 1
+            except Smb2Error as exc:
+                log.warning("store %r: rank %s's optimizer state in %s is not restored (%s): that rank starts "
+                            "with a fresh optimizer state", name, f.name, f, exc)
+        if not files:       # (smb2.torch says so per rank, as a WARNING)
+            log.info("store %r: checkpoint %s carries no optimizer states (no %s/): every rank starts with a "
+                        "fresh optimizer state (momentum and moments from zero, LR schedules from their start)",
+                        name, self.path, folder)
+        return restored
 
     @classmethod
     async def load(cls, path: str | Path) -> StoreImage:
@@ -911,7 +990,7 @@ class StoreImage:
         data_off = int(pre[_DATA_OFF // 8])
         control = Control.parse(np.frombuffer(raw, np.int64, slots, note_off), layout.workers)
         data = np.frombuffer(raw, np.uint8, layout.data_len, data_off).copy()
-        return cls(layout, data, control)
+        return cls(layout, data, control, path, header["name"])
 
 
 def store_damage(err: BufferDamaged, layout: Layout | None, progress: str = "") -> BufferDamaged:
@@ -1006,7 +1085,11 @@ def _finite(x: float) -> float | None:
 def optimizer_state_name(store: str, rank: int) -> str:
     """The buffer where ``rank`` keeps its optimizer's state, step and LR
     schedules for ``store`` (written and read by :mod:`smb2.torch.resume`)."""
-    return f"{store}/optim/{rank}"
+    return f"{_optim_prefix(store)}{rank}"
+
+
+def _optim_prefix(store: str) -> str:
+    return f"{store}/optim/"
 
 
 def frozen_state_name(store: str) -> str:
