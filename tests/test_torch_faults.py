@@ -26,17 +26,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip 
 import smb2.torch as st  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def servers() -> Iterator[str]:
-    loop = LoopThread("test-cluster")
-    cluster = smb2.LocalCluster(servers=2, processes=True)
-    loop.run(cluster.start())
-    try:
-        yield ",".join(cluster.addresses)
-    finally:
-        loop.run(cluster.close())
-        loop.stop()
-
+# ``servers``: two smb2-server processes for the module (tests/conftest.py)
 
 @pytest.fixture
 def own_cluster() -> Iterator[tuple[LoopThread, smb2.LocalCluster]]:
