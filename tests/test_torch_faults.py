@@ -25,7 +25,6 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip 
 
 import smb2.torch as st  # noqa: E402
 
-
 # ``servers``: two smb2-server processes for the module (tests/conftest.py)
 
 @pytest.fixture
