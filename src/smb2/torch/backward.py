@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ..train.rules import Accumulate
+from ..train.rules import UpdateRule
 from .loop_thread import LoopThread
 from .staging import Entry
 
@@ -76,7 +76,7 @@ class BackwardPushes:
     (``rule``'s ``-lr * g``, ``lr`` from ``lr()``) into the step that
     ``upcoming()`` returns."""
 
-    def __init__(self, torch: Any, entries: list[Entry], rule: Accumulate, loop: LoopThread,
+    def __init__(self, torch: Any, entries: list[Entry], rule: UpdateRule, loop: LoopThread,
                  upcoming: Callable[[], StepPushes], lr: Callable[[], float]) -> None:
         self.torch = torch
         self.entries = [e for e in entries if e.param]

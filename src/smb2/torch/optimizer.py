@@ -77,7 +77,7 @@ from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout, Smb2Er
 from ..train.dropping import LayerDropping
 from ..train.faults import in_training_terms
 from ..train.lifecycle import RunEnd
-from ..train.rules import EASGD, Accumulate
+from ..train.rules import UpdateRule
 from ..train.stability import LagScaling
 from ..train.store import ParameterStore, resolve_rank
 from .backward import BackwardPushes, StepPushes, wait_for
@@ -203,6 +203,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._loop = LoopThread(f"smb2-{name}")
         self._client: Client | None = None
         try:
+            if self.push_dtype is not None:
+                options["wire"] = self.push_dtype       # the rule's: the client converts (fewer bytes on the wire)
             self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
                                                    dict(options, resume=resume)))
             #: this rank's optimizer state, step and LR schedules, saved beside the store (whole resume)
@@ -213,8 +215,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
             if isinstance(e, Smb2Error):
                 raise in_training_terms(e, store=name, rank=self.rank, step=0) from None
             raise
-        #: the EASGD rule, when that is the rule (its exchanges are every tau steps)
-        self._easgd = self.store.rule if isinstance(self.store.rule, EASGD) else None
+        #: an elastic rule (EASGD), which trains the local copy and exchanges with the center every few steps
+        self._elastic: UpdateRule | None = self.store.rule if self.store.rule.elastic else None
         self.store.lag = LagScaling(self.world, staleness, enabled=lag_scaling)
         self.store.guard.enabled = guard
         flat = self.store.flat()
@@ -231,9 +233,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._inflight: collections.deque[Exchange] = collections.deque()
         #: the exchange of the coming step, once backward started pushing into it
         self._next: Exchange | None = None
-        acc = self.store.rule
-        self._backward = None if not (pushes_in_backward and isinstance(acc, Accumulate)) else BackwardPushes(
-            torch, self.staging.entries, acc, self._loop, self._upcoming,
+        shared = self.store.rule
+        self._backward = None if not (pushes_in_backward and shared.pushes_in_backward) else BackwardPushes(
+            torch, self.staging.entries, shared, self._loop, self._upcoming,
             lambda: float(self.optimizer.param_groups[0]["lr"]))
         self.steps = self._saved.start_step
         self._pulled_at = self.steps            # the step after which the weights in use were pulled
@@ -313,7 +315,6 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if store.workers != self.world:
             raise InvalidArgumentError(f"store {name!r} was made for {store.workers} workers; this job has "
                                        f"{self.world} (WORLD_SIZE)", hint="use another name, or the same WORLD_SIZE")
-        store.rule.wire = self.push_dtype     # the client converts (half the bytes on the wire)
         # frozen parameters and the buffers the store does not hold: rank 0's
         # for everyone, as DDP broadcasts them (written before rank 0 joins,
         # so they are there once the start barrier lets the others through)
@@ -376,8 +377,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self.steps += 1
         self._saved.after_step(self.steps)
         wait = 0.0
-        if self._easgd:
-            if self.steps % self._easgd.tau == 0:
+        if self._elastic:
+            if self.steps % self._elastic.exchange_every == 0:
                 wait += self._settle(limit=0)               # one exchange with the center at a time
                 self._launch()
             else:
@@ -425,7 +426,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         ex.step = self.steps
         ex.based_on = (self._pulled_version, self.steps - 1 - self._pulled_at)
         st = self.staging
-        if self._easgd:
+        if self._elastic:
             st.load(ex.stage)
         else:
             st.capture(ex.stage, [e.since for e in self._inflight])
@@ -471,7 +472,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         return waited
 
     def _land(self, ex: Exchange) -> None:
-        if self._easgd:
+        if self._elastic:
             self.staging.add(ex.snapshot)
         else:
             # the pull saw this worker's changes up to ex.step; its later
@@ -496,10 +497,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if self.staging.cuda:
             await asyncio.to_thread(self.staging.ready)       # the side stream's copies into ex.stage
         views = {e.name: ex.stage[e.offset:e.offset + e.tensor.numel()] for e in self.staging.entries}
-        if self._easgd:
+        if self._elastic:
             flat = st.flat()
             flat[...] = ex.stage
-            await self._easgd.exchange()
+            await self._elastic.exchange()
             np.subtract(flat, ex.stage, out=ex.snapshot)     # -d: how the local weights move
         else:
             if ex.grads is not None:

@@ -59,6 +59,8 @@ class BoundStore(Protocol):
 
     async def count_push(self, nbytes: int, *, update: bool = True) -> None: ...
 
+    def count_pull(self, nbytes: int) -> None: ...
+
     async def bump_version(self) -> int: ...
 
 
@@ -77,6 +79,13 @@ class UpdateRule(abc.ABC):
     gradient_rule = True
     #: each push is one step on stale weights: scaled by its lag (smb2.train.stability)
     lag_scaled = True
+    #: the worker trains its own copy and meets the shared weights in an
+    #: elastic :meth:`exchange` every :attr:`exchange_every` steps (EASGD),
+    #: instead of pushing its step and pulling the shared weights each step
+    elastic = False
+    #: a parameter's gradient may go out as soon as backward produced it
+    #: (smb2.torch.backward): the push of a step is the sum of per-tensor pushes
+    pushes_in_backward = False
 
     def __init__(self, lr: float = 0.01) -> None:
         self.lr = _positive("lr", lr)
@@ -116,6 +125,15 @@ class UpdateRule(abc.ABC):
         """Should the worker pull fresh parameters before each step?"""
         return True
 
+    @property
+    def exchange_every(self) -> int:
+        """Steps between two exchanges with the shared weights."""
+        return 1
+
+    async def exchange(self) -> None:
+        """An elastic rule's exchange with the shared weights (see :attr:`elastic`)."""
+        raise InterfaceError(f"rule {self.name!r} pushes each step; it has no elastic exchange")
+
     @abc.abstractmethod
     async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
         """Apply one step of gradients (``delta``: changes), times ``scale``,
@@ -137,6 +155,7 @@ class Accumulate(UpdateRule):
     """Server-side accumulate of ``-lr * g``, no lock."""
 
     name = "accumulate"
+    pushes_in_backward = True
 
     async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
         st = self.store
@@ -226,7 +245,7 @@ class Locked(UpdateRule):
             assert self._lock is not None
             await self._update(sent, self._lock, rate)
         nbytes = sum(st.ranges[name][1] for name in sent)
-        st.stats["bytes_pulled"] += nbytes      # (read under the lock)
+        st.count_pull(nbytes)       # (read under the lock)
         return nbytes
 
     async def _update(self, grads: Mapping[str, np.ndarray], lock: Lock, lr: float) -> None:
@@ -250,6 +269,7 @@ class EASGD(UpdateRule):
     name = "easgd"
     gradient_rule = False
     lag_scaled = False      # the elastic term bounds how far a worker pulls the center
+    elastic = True
 
     @property
     def pull_each_step(self) -> bool:
@@ -262,6 +282,10 @@ class EASGD(UpdateRule):
             raise InvalidArgumentError(f"tau must be a positive int, not {tau!r}")
         self.tau = tau
         self.steps = 0
+
+    @property
+    def exchange_every(self) -> int:
+        return self.tau
 
     def bind(self, store: BoundStore) -> None:
         super().bind(store)
@@ -295,9 +319,8 @@ class EASGD(UpdateRule):
         self._diff *= self.alpha
         local -= self._diff
         await st.buf.accumulate(st.data_off, self._diff)
-        st.stats["bytes_pulled"] += self._center.nbytes
-        st.stats["bytes_pushed"] += self._diff.nbytes
-        await st.bump_version()
+        st.count_pull(self._center.nbytes)
+        await st.count_push(self._diff.nbytes)
 
     async def center(self, out: np.ndarray | None = None) -> np.ndarray:
         """The shared center's values (flat), e.g. to evaluate the model."""
@@ -316,8 +339,9 @@ class Delta(UpdateRule):
 
     name = "delta"
 
-    def __init__(self) -> None:
+    def __init__(self, wire: str | None = None) -> None:
         super().__init__()      # (its lr is not used: the worker's optimizer has one)
+        self.wire = wire
 
     def settings(self) -> dict[str, Any]:
         return {"name": self.name}

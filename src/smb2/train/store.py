@@ -555,7 +555,7 @@ class ParameterStore:
         self.guard.check_pulled(self.iteration, self.tensors_of(out.view(self.layout.dtype)))
         self.pulled_version, self.pushed_since_pull = version, 0
         self.stats["pulls"] += 1
-        self.stats["bytes_pulled"] += out.nbytes
+        self.count_pull(out.nbytes)
         return version
 
     async def push(self, grads: Mapping[str, np.ndarray], *, step: int | None = None, lr: float | None = None,
@@ -602,6 +602,11 @@ class ParameterStore:
             return 1.0
         version, own = (self.pulled_version, self.pushed_since_pull) if based_on is None else based_on
         return self.lag.factor(max(0, await self.read_version() - version - own))
+
+    def count_pull(self, nbytes: int) -> None:
+        """Count the bytes a read of the shared weights brought in (a pull,
+        a locked read-modify-write, an elastic exchange's read of the center)."""
+        self.stats["bytes_pulled"] += nbytes
 
     async def count_push(self, nbytes: int, *, update: bool = True) -> None:
         """Count what a push sent (``nbytes`` on the wire) once its data

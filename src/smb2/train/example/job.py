@@ -117,9 +117,9 @@ async def run_worker(servers: list[str], name: str, rank: int, cfg: JobConfig,
                     done = True
                     break
         elapsed = time.perf_counter() - t0
-        if store.rule.name == "easgd":
+        if store.rule.elastic:
             # leave our last local progress in the center before it is evaluated
-            await store.rule.exchange()  # type: ignore[attr-defined]
+            await store.rule.exchange()
         # done: the store stays (the launcher evaluates it; slower ranks still train)
         await store.finish()
         out: dict[str, Any] = {
