@@ -114,6 +114,9 @@ def _repeats_the_tcp_case(item: pytest.Item) -> bool:
     return callspec.params.get("transport") == "shm" and asyncio.new_event_loop in callspec.params.values()
 
 
+# first: pytest-xdist reads the xdist_group marks in its own hook of this
+# name, which a worker calls before a conftest's (it registered later)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in ONE_WORKER_MODULES:
