@@ -73,7 +73,7 @@ wheel: $(VENV)/.installed-test
 # a failure of the project
 PYTEST_WORKERS ?= auto
 pytest: $(VENV)/.installed-test
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not alone" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist load -m "not alone" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(BIN)/pytest -p no:xdist -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 clean:

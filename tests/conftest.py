@@ -33,15 +33,16 @@ RDMA-only modules); the rest would only repeat the host run, many times
 slower.
 
 **In parallel.**  ``make pytest`` runs the host suite on pytest-xdist
-workers (``-n auto --dist loadgroup``).  Every test makes its own servers on
+workers (``-n auto --dist load``).  Every test makes its own servers on
 free ports, network namespaces named after its process, memfds and sockets
-named after its process, so tests do not collide.  The modules of
-``ONE_WORKER_MODULES`` run on one worker each (an ``xdist_group`` named
-after the module): their tests share a module-scoped fixture that is costly
-or is shared state (one built wheel, warmed-up servers whose growth is
-measured, the machine's one Slurm cluster).  A new module with such a
-fixture joins the set; one whose tests are independent does not.  The
-multi-process trainings of ``TRAININGS`` run one at a time, first.  Tests
+named after its process, so tests do not collide.  A module whose tests
+share a module-scoped fixture that is shared state (test_wheel: one built
+and installed wheel; test_slurm: the machine's one Slurm cluster, which one
+worker's teardown would stop under another's job) is marked ``alone``:
+pytest-xdist's ``--dist loadgroup`` cannot keep a module on one worker under
+pytest 9 (its ``xdist_group`` suffix no longer changes a test's id;
+measured: a group's tests ran on both workers).  The
+multi-process trainings of ``TRAININGS`` come first.  Tests
 marked ``alone`` (timing-sensitive: a state expected within milliseconds, a
 loop's stall, a hypothesis deadline, bench_tta's time budget) run after the
 parallel pass with nothing beside them (``make pytest``'s second command).
@@ -76,12 +77,6 @@ BOTH_LOOPS_MODULES = {
     "test_deadlines.py", "test_notify.py", "test_accumulate.py", "test_cluster.py",
     "test_shm.py", "test_shm_lock.py", "test_shm_fast.py", "test_rdma.py", "test_verbs.py",
 }
-# module -> why one worker runs all its tests (see above)
-ONE_WORKER_MODULES = {
-    "test_fuzz.py": "growth is measured from the module's warmed-up servers; its tests add up one STATS",
-    "test_slurm.py": "one Slurm cluster per machine (tools/slurm_cluster.sh)",
-    "test_wheel.py": "its tests share one built and installed wheel",
-}
 # Trainings of several processes, each wanting every core and each within a
 # time budget: one worker runs them one after another, and they come first, so that the
 # other workers' short tests fill the time beside them rather than leaving
@@ -114,15 +109,7 @@ def _repeats_the_tcp_case(item: pytest.Item) -> bool:
     return callspec.params.get("transport") == "shm" and asyncio.new_event_loop in callspec.params.values()
 
 
-# first: pytest-xdist reads the xdist_group marks in its own hook of this
-# name, which a worker calls before a conftest's (it registered later)
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.name in ONE_WORKER_MODULES:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
-        elif item.path.name in TRAININGS:
-            item.add_marker(pytest.mark.xdist_group("trainings"))
     items.sort(key=lambda item: item.path.name not in TRAININGS)     # stable: otherwise in order
     repeats = [item for item in items if _repeats_the_tcp_case(item)]
     if repeats:

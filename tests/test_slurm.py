@@ -32,7 +32,8 @@ TARGET_ACCURACY = 85.0
 
 # the first test pays for installing Slurm where make has not (about 40 s)
 # and starting it (2-10 s); the job takes 20-75 s (torch's start, on a busy machine)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.alone]      # one Slurm cluster per machine: no other worker beside (see conftest)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ QUICKSTART_SAYS = "alice sees [0.5 1.5 2.5] ... 999.5 after bob's accumulate; bo
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.alone,      # its tests share one built and installed wheel (see conftest)
     # the module's first test builds and installs the wheel: tens of seconds
     # alone, minutes on a machine other test runs keep busy
     pytest.mark.timeout(600),

@@ -111,7 +111,7 @@ EOF
 # name each node's loopback address in /etc/hosts (marked lines, replaced)
 write_hosts() {
   local i=0 name
-  grep -vF "$HOSTS_MARK" /etc/hosts >"$DIR/hosts.new"
+  { grep -vF "$HOSTS_MARK" /etc/hosts || true; } >"$DIR/hosts.new"
   for name in $(node_names); do
     i=$((i + 1))
     echo "127.0.0.$((10 + i)) $name $HOSTS_MARK" >>"$DIR/hosts.new"
@@ -184,7 +184,8 @@ stop() {
   fi
   stop_pidfiles "${files[@]}"
   if grep -qF "$HOSTS_MARK" /etc/hosts 2>/dev/null; then
-    grep -vF "$HOSTS_MARK" /etc/hosts >"$DIR/hosts.new" && cat "$DIR/hosts.new" >/etc/hosts && rm -f "$DIR/hosts.new"
+    # (grep -v exits 1 when only marked lines were there: not a failure)
+    { grep -vF "$HOSTS_MARK" /etc/hosts || true; } >"$DIR/hosts.new" && cat "$DIR/hosts.new" >/etc/hosts && rm -f "$DIR/hosts.new"
   fi
 }
 
