@@ -1,4 +1,4 @@
-"""A buffer that lost a part is never handed out as zeros (issue 20): every
+"""A buffer that lost a part is never handed out as zeros: every
 part carries the buffer's identity, ``create``/``attach`` on a buffer with a
 part missing or foreign raise :class:`BufferDamaged` (servers, byte ranges),
 a parameter store refuses to resume one (naming its tensors), a data

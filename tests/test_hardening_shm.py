@@ -1,5 +1,5 @@
 """What a same-host client can do to a memory server through shared memory
-(issue 22, findings 1, 2, 3 and 6), tried on real ``smb2-server`` processes:
+(planned restarts, sealed memory, lock words, lock slots), tried on real ``smb2-server`` processes:
 a planned restart while shm clients write, ``ftruncate`` on a handed-out
 memory file, lock words written by hand (over shm and over TCP), and many
 lock names over one shm connection.  After each, well-behaved clients are

@@ -1,4 +1,4 @@
-"""The wheel as a user gets it (issue 24): built by tools/build_wheel.py (what
+"""The wheel as a user gets it: built by tools/build_wheel.py (what
 ``make wheel`` runs), installed into a fresh virtual environment with no C
 compiler in reach, and the quickstart run from it over TCP and over shm
 against ``smb2-server`` processes of the same install; without libibverbs on

@@ -1,6 +1,6 @@
 """Does asynchronous training with the porting recipe survive an overloaded host?
 
-The scenario of issue 21, as a user meets it: the torch CNN of
+An overloaded host with a straggler, as a user meets it: the torch CNN of
 ``examples/torch_train.py`` on digits (SGD, lr 0.05, momentum 0.9; no
 gradient clipping unless ``--clip``), wrapped by the porting recipe's one line
 ``AsyncOptimizer(opt, model, name=..., staleness=1)``, 3 torchrun workers,

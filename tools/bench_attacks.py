@@ -1,4 +1,4 @@
-"""Issue 14's attacks 1-11 and issue 22's 12-16 (what a same-host client can
+"""Attacks 1-11 on a server's bounds, 12-16 (what a same-host client can
 do through shared memory) against real ``smb2-server`` processes: the bound
 each one meets now, and the server's memory and time while it runs.
 
@@ -314,7 +314,7 @@ async def distinct_lock_names(quick: bool) -> Row:
 
 async def wrong_tokens(quick: bool) -> Row:
     row = Row(7, "wrong-token guesses for 2 s from one address",
-              "one proof per connection, every proof checked (issue 22 #4: no back-off per address); "
+              "one proof per connection, every proof checked (no back-off per address: it would hit the token holder beside the guesser); "
               "one WARNING per 10 s")
     with tempfile.TemporaryDirectory() as tmp:
         tok = Path(tmp) / "token"
@@ -449,7 +449,7 @@ ATTACKS: dict[int, Callable[[bool], Awaitable[Row]]] = {
     11: failed_save}
 
 
-# -- issue 22 #4, #5, #7: guards aimed at others, hoarded shm tickets, a client's
+# -- guards aimed at others, hoarded shm tickets, a client's
 # lease, a flood of scrapes (attacks 20-24)
 
 def token_file(tmp: str) -> str:
@@ -643,7 +643,7 @@ ISSUE_22_GUARDS: dict[int, Callable[[bool], Awaitable[Row]]] = {
     23: client_chosen_lease, 24: scrape_flood}
 ATTACKS.update(ISSUE_22_GUARDS)
 
-# -- issue 22, findings 1, 2, 3 and 6: what a same-host client does through shm --
+# -- what a same-host client does through shm --
 
 async def sigterm_under_shm_writers(quick: bool) -> Row:
     writers, tries = 4, 2 if quick else 3

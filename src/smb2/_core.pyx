@@ -1070,7 +1070,7 @@ cdef inline int64_t _tdiff(uint64_t a, uint64_t b) noexcept nogil:
 # the renewer's ticket (mod 2**48), the low 16 a counter that every renewal
 # moves.  The server credits a renewal to the holder only when the tag is
 # now_serving's, so a stale holder that keeps renewing cannot extend the
-# lease of the holder that replaced it (issue 14, item 9).
+# lease of the holder that replaced it.
 LOCK_TAG_SHIFT = 16
 cdef uint64_t _TAG_MASK = (1ULL << 48) - 1
 
@@ -1122,7 +1122,7 @@ cdef class LockTable:
     slot's FIFO, dead (its ``_waiters`` entry is gone), and is dropped when
     it reaches the front; abandoned tickets are a set for membership and a
     heap for pruning the passed ones.  Cancelling N waiters and skipping
-    their tickets is O(N log N) (issue 14, item 3)."""
+    their tickets is O(N log N), not a scan of the queue per ticket."""
 
     cdef object _mem            # keeps the buffer alive
     cdef uint64_t *_w

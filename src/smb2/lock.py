@@ -778,7 +778,7 @@ class Lock:
         # go now (its finalizer frees its slot and its ticket record), not
         # when the timer fires a third of a lease later.  A job that takes a
         # fresh lock name per task would otherwise run out of slots: over
-        # shm, 4,080 names in less than that time (issue 22).
+        # shm, 4,080 names went by in less than that time.
         return loop.call_at(when, _renew_due, weakref.ref(self))
 
     def _renew_due(self) -> None:

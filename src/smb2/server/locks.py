@@ -46,7 +46,7 @@ lower than the highest it has seen for that key.  A stale holder's write is
 thus refused everywhere once the next holder has written there, and on the
 lock's server at once.
 
-What cleans itself (issue 14): a connection may park at most
+What cleans itself, so that no client can pile up work: a connection may park at most
 ``max_parked`` acquires; cancelling any number of them, or dropping the
 connection, costs O(n log n), not a scan per waiter (``_core.LockTable``).
 A connection that ``lock_open``ed a name keeps its slot bound until it
@@ -57,7 +57,7 @@ lock passes a fence.  The fence table itself is bounded: a key it forgets
 raises the floor of its bucket to the key's token, so forgetting can refuse
 an old token that was good, but never accepts a stale one.
 
-Words a client wrote (issue 22): the words are in memory clients change
+Words a client wrote by hand: the words are in memory clients change
 with plain atomics (shm mappings, RDMA, TCP FETCH_ADD/COMPARE_SWAP), so a
 buggy or hostile client can write anything there.  Two states no client
 following the rules can make are checked at every sweep (one pass in C)
