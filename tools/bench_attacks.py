@@ -314,8 +314,8 @@ async def distinct_lock_names(quick: bool) -> Row:
 
 async def wrong_tokens(quick: bool) -> Row:
     row = Row(7, "wrong-token guesses for 2 s from one address",
-              "one proof per connection, every proof checked (no back-off per address: it would hit the token holder beside the guesser); "
-              "one WARNING per 10 s")
+              "one proof per connection, every proof checked (no back-off per address: it would hit the "
+              "token holder beside the guesser); one WARNING per 10 s")
     with tempfile.TemporaryDirectory() as tmp:
         tok = Path(tmp) / "token"
         tok.write_bytes(TOKEN)
