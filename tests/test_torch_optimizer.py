@@ -591,7 +591,7 @@ def test_four_workers_with_momentum_move_the_model_as_one_optimizer(servers: str
         m = Quadratic()
         opt = st.AsyncOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), m,
                                 name=f"t-momentum-once-{staleness}", servers=servers, rank=rank, world_size=world,
-                                resume=False, staleness=staleness, average=True, lag_scaling=True)
+                                resume=False, staleness=staleness)     # the defaults: momentum once
         _quadratic_steps(opt, m, steps, after=barrier.wait)
         opt.close(wait_all=60)
         finals[rank] = m.w.detach().numpy().copy()
@@ -603,6 +603,49 @@ def test_four_workers_with_momentum_move_the_model_as_one_optimizer(servers: str
     assert moved > 0.5 * d0                     # the single optimizer got somewhere
     for rank, w in finals.items():
         assert np.linalg.norm(w - ref.w.detach().numpy()) <= 0.2 * d0, (rank, w, ref.w, scaled)
+
+
+def test_a_late_push_moves_the_model_by_its_lag_share_by_default(servers: str) -> None:
+    # W = 3 workers, staleness 0, the defaults (rule delta: each change counts 1/3, lag scaling on):
+    # the expected lag is L0 = (0 + 1)(3 - 1) = 2 other updates; a push that lands k versions after the
+    # pull its step was computed on moves the model by min(1, 2 / k) of its third. Every step's change
+    # is -LR * GRAD (plain SGD, constant gradients), so the shared values are exact.
+    world = 3
+    opened: dict[int, st.AsyncOptimizer] = {}
+    models: dict[int, TwoHeads] = {}
+
+    def open_one(rank: int) -> None:        # the start barrier needs every rank opening at once
+        models[rank] = TwoHeads()
+        opened[rank] = st.AsyncOptimizer(torch.optim.SGD(models[rank].parameters(), lr=LR), models[rank],
+                                         name="t-lag-default", servers=servers, rank=rank, world_size=world,
+                                         resume=False, staleness=0)
+
+    _workers(world, open_one)
+    moved = 0.0                             # the shared model's move, in units of LR * GRAD
+
+    def step(rank: int, share: float) -> None:
+        nonlocal moved
+        _constant_steps(opened[rank], models[rank], 1)
+        moved += share / world
+        shared = _shared(opened[rank])
+        for n, g in GRAD.items():
+            np.testing.assert_allclose(shared[n], np.full(shared[n].shape, -moved * LR * g, np.float32),
+                                       rtol=1e-6, err_msg=f"{n} after rank {rank}'s step")
+
+    try:
+        for r in (1, 2, 1, 2):              # fresh pushes (lag 0 or 1): whole
+            step(r, 1.0)
+        step(0, 1 / 2)                      # rank 0 computed on version 0 and lands 4 versions late: half
+        for r in (1, 2) * 3:
+            step(r, 1.0)
+        step(0, 1 / 3)                      # its pull after its last push missed 6 others: a third
+        step(0, 1.0)                        # fresh: whole
+        stats = opened[0].stats()
+        assert (stats["lag_scaled"], stats["max_version_lag"]) == (2, 6), stats
+        assert opened[1].stats()["lag_scaled"] == 0
+    finally:
+        for opt in opened.values():
+            opt.close()
 
 
 def test_a_non_finite_update_is_refused_in_training_terms(servers: str) -> None:

@@ -5,18 +5,23 @@ An overloaded host with a straggler, as a user meets it: the torch CNN of
 gradient clipping unless ``--clip``), wrapped by the porting recipe's one line
 ``AsyncOptimizer(opt, model, name=..., staleness=1)``, 3 torchrun workers,
 the last one ``--slow-ms`` (30) slower per step, and ``--hogs`` (3) busy
-processes beside them.  Rank 0 evaluates its model on the test set every
-``--eval-every`` seconds (off the clock) and ends the run when it reaches
-``--target`` (95 %) or the ``--budget`` (60 s) runs out; then every rank
-closes with ``close(wait_all=...)`` and rank 0 evaluates the model the job
-delivers (the shared weights).
+processes beside them.  One torchrun job trains ``--runs`` models one after
+another (a fresh model, optimizer and store each, seeds ``--seed + i``), so
+the workers start once.  In each run rank 0 evaluates its model on the test
+set every ``--eval-every`` seconds (off the clock) and ends the run when it
+reaches ``--target`` (95 %) or the ``--budget`` (60 s) runs out; then every
+rank closes with ``close(wait_all=...)`` and rank 0 evaluates the model the
+run delivers (the shared weights).
 
-    python tools/async_collapse.py --runs 10 [--hogs 3] [--json out.json]
+    python tools/async_collapse.py --runs 5 [--hogs 3] [--old-default] [--json out.json]
 
 prints one line per run (time to target, the delivered model's accuracy,
 steps, and the optimizer's guard counts) and the count of runs that reached
 the target.  It starts its own two ``smb2-server`` processes.  A run counts
 as collapsed when the delivered model is at chance (below 20 %).
+``--old-default`` runs the arithmetic the recipe had before the stable
+configuration became the default (``average=False, lag_scaling=False``).
+``tests/test_async_collapse.py`` calls :func:`run_job` (5 runs, the default).
 
 ``python tools/async_collapse.py --worker ...`` is what torchrun runs.
 """
@@ -40,13 +45,12 @@ CHANCE = 20.0       # digits has 10 classes: a collapsed model scores about 9-10
 
 
 def _worker(a: argparse.Namespace) -> None:
-    """One torchrun worker: the porting recipe, unchanged, plus a clock."""
+    """One torchrun worker: ``a.runs`` trainings with the porting recipe,
+    unchanged, plus a clock; one JSON line per run."""
     import importlib.util
 
     import torch
-    import torch.nn.functional as F
 
-    import smb2.torch
     from smb2.train.example import data
 
     spec = importlib.util.spec_from_file_location("torch_train_example", EXAMPLE)
@@ -55,16 +59,33 @@ def _worker(a: argparse.Namespace) -> None:
     spec.loader.exec_module(ex)
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    torch.manual_seed(a.seed)
     torch.set_num_threads(1)
     xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
     xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
+    for i in range(a.runs):
+        report = _train_one(a, ex, (xtr, ytr, xte, yte), rank, world, f"{a.name}-{i}", a.seed + i,
+                            Path(f"{a.stop_file}-{i}"))
+        print(json.dumps(dict(report, run=i)) + "\n", end="", flush=True)
+
+
+def _train_one(a: argparse.Namespace, ex: Any, digits: tuple[Any, ...], rank: int, world: int, name: str,
+               seed: int, stop: Path) -> dict[str, Any]:
+    """One run: a fresh model and store, trained until rank 0 reaches the
+    target (or the budget ran out); its report."""
+    import torch
+    import torch.nn.functional as F
+
+    import smb2.torch
+
+    xtr, ytr, xte, yte = digits
+    torch.manual_seed(seed)
     model = ex.make_model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    opt = smb2.torch.AsyncOptimizer(sgd, model, name=a.name, staleness=1,   # the recipe's line
-                                    average=a.stable, lag_scaling=a.stable)
+    if a.old_default:
+        opt = smb2.torch.AsyncOptimizer(sgd, model, name=name, staleness=1, average=False, lag_scaling=False)
+    else:
+        opt = smb2.torch.AsyncOptimizer(sgd, model, name=name, staleness=1)     # the recipe's line
     shard = torch.arange(rank, len(xtr), world)
-    stop = Path(a.stop_file)
     slow = a.slow_ms / 1000 if rank == world - 1 else 0.0
     t0 = time.perf_counter()
     off_clock = 0.0                         # seconds spent evaluating
@@ -114,28 +135,29 @@ def _worker(a: argparse.Namespace) -> None:
         stats = {}
         stop.touch()
     final = ex.accuracy(model, xte, yte) if error is None else None
-    report = {"rank": rank, "steps": step, "reached_s": None if reached is None else round(reached, 2),
-              "best": round(best, 2), "curve": curve[-8:], "final": None if final is None else round(final, 2),
-              "error": error, "guard": {k: stats.get(k) for k in ("skipped", "max_version_lag", "lag_scaled")}}
-    print(json.dumps(report) + "\n", end="", flush=True)
+    return {"rank": rank, "steps": step, "reached_s": None if reached is None else round(reached, 2),
+            "best": round(best, 2), "curve": curve[-8:], "final": None if final is None else round(final, 2),
+            "error": error, "guard": {k: stats.get(k) for k in ("skipped", "max_version_lag", "lag_scaled")}}
 
 
 def _hog() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
-def run_once(servers: str, *, hogs: int, slow_ms: float, budget: float, target: float, name: str,
-             workers: int = 3, seed: int = 0, eval_every: float = 0.5, clip: bool = False,
-             stable: bool = False, timeout: float = 300) -> dict[str, Any]:
-    """One torchrun job of ``workers`` beside ``hogs`` busy processes; rank
-    0's report (time to target, the delivered model's accuracy...)."""
+def run_job(servers: str, *, runs: int, hogs: int = 3, slow_ms: float = 30.0, budget: float = 60.0,
+            target: float = 95.0, name: str = "collapse", workers: int = 3, seed: int = 0, eval_every: float = 0.5,
+            clip: bool = False, old_default: bool = False, timeout: float = 600) -> list[dict[str, Any]]:
+    """One torchrun job of ``workers`` that trains ``runs`` models in turn
+    beside ``hogs`` busy processes; rank 0's report of each run (time to
+    target, the delivered model's accuracy, ``collapsed``...), or one row
+    with ``error`` when the job failed."""
     with tempfile.TemporaryDirectory() as tmp:
-        stop = Path(tmp) / "stop"
         env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
-               __file__, "--worker", "--name", name, "--stop-file", str(stop), "--slow-ms", str(slow_ms),
-               "--budget", str(budget), "--target", str(target), "--seed", str(seed),
-               "--eval-every", str(eval_every)] + (["--clip"] if clip else []) + (["--stable"] if stable else [])
+               __file__, "--worker", "--name", name, "--stop-file", str(Path(tmp) / "stop"), "--runs", str(runs),
+               "--slow-ms", str(slow_ms), "--budget", str(budget), "--target", str(target), "--seed", str(seed),
+               "--eval-every", str(eval_every)] + (["--clip"] if clip else []) + \
+              (["--old-default"] if old_default else [])
         busy = [_hog() for _ in range(hogs)]
         try:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -144,14 +166,18 @@ def run_once(servers: str, *, hogs: int, slow_ms: float, budget: float, target: 
                 p.kill()
                 p.wait()
     ranks = _json_objects(out.stdout)
-    r0 = next((r for r in ranks if r["rank"] == 0), None)
-    if out.returncode != 0 or r0 is None:
+    rows = []
+    for i in range(runs):
+        r0 = next((dict(r) for r in ranks if r["rank"] == 0 and r["run"] == i), None)
+        if r0 is None:
+            break
+        r0["collapsed"] = r0["final"] is None or r0["final"] < CHANCE
+        r0["ranks"] = [r for r in ranks if r["run"] == i]
+        rows.append(r0)
+    if out.returncode != 0 or len(rows) < runs:
         errors = [line for line in out.stderr.splitlines() if "Error" in line and "ChildFailed" not in line]
-        return {"error": f"torchrun exited {out.returncode}: {' | '.join(errors[-5:])}", "ranks": ranks}
-    r0 = dict(r0)
-    r0["collapsed"] = r0["final"] is None or r0["final"] < CHANCE
-    r0["ranks"] = ranks
-    return r0
+        rows.append({"error": f"torchrun exited {out.returncode}: {' | '.join(errors[-5:])}", "ranks": ranks})
+    return rows
 
 
 def _json_objects(text: str) -> list[dict[str, Any]]:
@@ -178,8 +204,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clip", action="store_true",
                    help="clip_grad_norm_(1.0) in the loop (the issue's loop had none: without it, main collapsed)")
-    p.add_argument("--stable", action="store_true",
-                   help="AsyncOptimizer(..., average=True, lag_scaling=True): momentum once and lag-scaled pushes")
+    p.add_argument("--old-default", action="store_true",
+                   help="AsyncOptimizer(..., average=False, lag_scaling=False): each worker's change whole and no "
+                        "lag scaling, the recipe's arithmetic before the stable configuration became the default")
     p.add_argument("--json")
     a = p.parse_args()
     if a.worker:
@@ -188,23 +215,21 @@ def main() -> None:
 
     import smb2
 
-    async def runs() -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
+    async def job() -> list[dict[str, Any]]:
         async with smb2.LocalCluster(servers=2, processes=True) as cluster:
-            for i in range(a.runs):
-                row = await asyncio.to_thread(
-                    run_once, ",".join(cluster.addresses), hogs=a.hogs, slow_ms=a.slow_ms, budget=a.budget,
-                    target=a.target, name=f"{a.name}-{os.getpid()}-{i}", seed=a.seed + i, eval_every=a.eval_every,
-                    clip=a.clip, stable=a.stable)
-                rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
-        return rows
+            return await asyncio.to_thread(
+                run_job, ",".join(cluster.addresses), runs=a.runs, hogs=a.hogs, slow_ms=a.slow_ms,
+                budget=a.budget, target=a.target, name=f"{a.name}-{os.getpid()}", seed=a.seed,
+                eval_every=a.eval_every, clip=a.clip, old_default=a.old_default)
 
-    rows = asyncio.run(runs())
+    t0 = time.perf_counter()
+    rows = asyncio.run(job())
+    for row in rows:
+        print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
     ok = sum(1 for r in rows if r.get("reached_s") is not None and not r.get("collapsed"))
     collapsed = sum(1 for r in rows if r.get("collapsed"))
-    print(f"{ok} of {len(rows)} runs reached {a.target} % within {a.budget} s; {collapsed} delivered a "
-          f"collapsed model (< {CHANCE} %)")
+    print(f"{ok} of {a.runs} runs reached {a.target} % within {a.budget} s; {collapsed} delivered a "
+          f"collapsed model (< {CHANCE} %); the job took {time.perf_counter() - t0:.0f} s")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "runs": rows}, indent=1))
 

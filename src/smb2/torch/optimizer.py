@@ -27,16 +27,20 @@ What a step pushes depends on the rule:
 
 * ``delta`` (default): the change of the weights ``w_after - w_before`` made
   by the user's optimizer (any optimizer; its state stays local); the
-  servers add it up.  ``average=True`` counts each worker's change ``1/W``
-  (the workers' changes average: their momentum acts once, not W times).
+  servers add it up, each worker's change counted ``1/W`` (``average``:
+  the workers' changes average, so their momentum or Adam moments act once,
+  not W times: W workers in step move the shared model as one optimizer with
+  W times the batch, DDP's arithmetic).
 
 Every push (but the layer pushes during backward) is checked by the
 divergence guard first (:mod:`smb2.train.stability`; ``guard=False`` turns
-it off), and with ``lag_scaling=True`` scaled by its lag.  ``average`` and
-``lag_scaling`` are off by default for now: together they kept an overloaded
-job with a straggler from collapsing (``tools/async_collapse.py --stable``),
-but at equal epochs they learn per sample as DDP does, measured 2-3 points
-below the default on digits at 12 epochs (docs/training.md, "Stability").
+it off), then scaled by its lag (``lag_scaling``: a push that missed more
+than the expected number of other workers' updates counts less).  Together
+they are the stable configuration, the default (docs/training.md,
+"Stability"): they kept an overloaded job with a straggler from collapsing
+(``tests/test_async_collapse.py``).  ``average=False, lag_scaling=False``
+give the earlier arithmetic (each change whole: W workers learn per sample
+as W single processes, and can collapse under uneven load).
 * ``accumulate`` / ``locked``: the gradients; the servers apply ``-lr * g``
   with the optimizer's current learning rate (so schedulers apply).
   ``accumulate`` pushes each parameter's gradient during backward, as soon
@@ -153,7 +157,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
     of :meth:`stats` on logger ``smb2.torch``.  ``state_every``: seconds
     between saves of this rank's optimizer state, step and LR schedules to
     the servers, which a resumed run loads (:mod:`smb2.torch.resume`; None:
-    neither saved nor loaded).
+    neither saved nor loaded).  ``average`` (rule ``delta``: each worker's
+    change counts 1/W), ``lag_scaling`` and ``guard``: the stable
+    configuration, on by default (see the module's doc).
 
     ``push_in_backward``: push each parameter's gradient as soon as
     backward produced it (see :mod:`smb2.torch.backward`).  None (the
@@ -166,8 +172,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
                  resume: str | bool = "auto", push_dtype: str | None = None, timeout: float = 120.0,
                  rank: int | None = None, world_size: int | None = None, dropping: LayerDropping | None = None,
                  sync_buffers: bool = True, log_every: int = 100, push_in_backward: bool | None = None,
-                 state_every: float | None = SAVE_EVERY, lag_scaling: bool = False, guard: bool = True,
-                 average: bool = False,
+                 state_every: float | None = SAVE_EVERY, lag_scaling: bool = True, guard: bool = True,
+                 average: bool = True,
                  **options: Any) -> None:
         # torch's Optimizer.__init__ is not called: param_groups, state and
         # defaults are the wrapped optimizer's (properties below)

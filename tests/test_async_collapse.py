@@ -1,0 +1,53 @@
+"""Asynchronous training with the porting recipe on an overloaded host with a
+straggler does not collapse (tools/async_collapse.py: the scenario, the test
+calls it).
+
+3 real torchrun workers train the example's CNN on digits (SGD lr 0.05,
+momentum 0.9, no gradient clipping) with the recipe's one line unchanged,
+``AsyncOptimizer(opt, model, name=..., staleness=1)``; the last worker is
+30 ms per step slower, and 3 busy processes share the 2 cores with them.
+With each worker's change counted whole and no lag scaling (the arithmetic
+before the stable configuration became the default, ``--old-default``) the
+shared model collapsed to chance in most such runs (docs/training.md,
+"Stability", has the counts).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+import smb2
+
+pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
+pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "async_collapse.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("async_collapse", TOOL)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("async_collapse", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.alone          # it loads the cores on purpose: nothing else may run beside it
+@pytest.mark.slow
+@pytest.mark.timeout(400)   # one torchrun job of 5 runs; each ends when rank 0 passes 95 %
+def test_the_porting_recipe_survives_an_overloaded_host(servers: str) -> None:
+    tool = _tool()
+    runs = 5
+    rows = tool.run_job(servers, runs=runs, hogs=3, slow_ms=30.0, budget=60.0, target=95.0,
+                        name="t-collapse")
+    failed = [r for r in rows if r.get("error") or r.get("reached_s") is None or r.get("collapsed")]
+    # every run reached 95 % (rank 0's model, held-out digits) within 60 s of training, and the
+    # model each run delivered (the shared weights, after every rank closed) is not at chance
+    assert len(rows) == runs and not failed, [{k: v for k, v in r.items() if k != "ranks"} for r in rows]
+    for r in rows:
+        assert r["final"] >= 90.0, r            # the delivered model, a moment after rank 0's 95 %
