@@ -17,10 +17,9 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-
-import smb2
 
 pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
 pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
@@ -28,7 +27,7 @@ pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "async_collapse.py"
 
 
-def _tool():
+def _tool() -> Any:
     spec = importlib.util.spec_from_file_location("async_collapse", TOOL)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
