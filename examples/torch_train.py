@@ -98,7 +98,8 @@ def main() -> None:
 
     report = {"rank": opt.rank, "world": opt.world, "optimizer": a.optimizer, "steps": stats["steps"],
               "loss": round(loss, 4), "accuracy": round(accuracy(model, xte, yte), 2),
-              "seconds": round(time.perf_counter() - t0, 2), "comm_wait_share": round(stats["comm_wait_share"], 3)}
+              "seconds": round(time.perf_counter() - t0, 2), "comm_wait_share": round(stats["comm_wait_share"], 3),
+              "lag_scaled": stats["lag_scaled"], "max_version_lag": stats["max_version_lag"]}
     print(json.dumps(report) + "\n", end="", flush=True)  # one write: ranks share torchrun's stdout
 
 

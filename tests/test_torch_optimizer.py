@@ -708,9 +708,28 @@ def _example() -> Any:
     return mod
 
 
-def _single_process_accuracy(kind: str, epochs: int, seed: int = 0, shard: slice = slice(None)) -> float:
+class _PerRankBatches(torch.nn.Module):
+    """Training forward of a batch of ``world`` ranks' batches one rank's
+    batch at a time (BatchNorm normalizes each by its own statistics, as on
+    DDP's ranks); evaluation forward as the model."""
+
+    def __init__(self, model: torch.nn.Module, world: int) -> None:
+        super().__init__()
+        self.model, self.world = model, world
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return self.model(x)
+        return torch.cat([self.model(part) for part in x.chunk(self.world)])
+
+
+def _single_process_accuracy(kind: str, epochs: int, seed: int = 0, shard: slice = slice(None),
+                             world: int = 1) -> float:
     """The example's loop in this process, plain torch, no smb2 (on the
-    whole training set, or on one worker's ``shard`` of it alone)."""
+    whole training set, or on one worker's ``shard`` of it alone).
+    ``world=W``: DDP's arithmetic for W ranks of the example's batch 32: one
+    step per batch of W·32, its gradient the mean of the W ranks' (the
+    mean loss over the batch), clipped once, BatchNorm per rank's 32."""
     from smb2.train.example import data
     ex = _example()
     threads = torch.get_num_threads()
@@ -721,8 +740,9 @@ def _single_process_accuracy(kind: str, epochs: int, seed: int = 0, shard: slice
     model = ex.make_model()
     opt = ex.make_optimizer(model, kind)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    trained = model if world == 1 else _PerRankBatches(model, world)
     try:
-        ex.train(model, opt, sched, xtr, ytr, torch.arange(len(xtr))[shard], epochs, 32)
+        ex.train(trained, opt, sched, xtr, ytr, torch.arange(len(xtr))[shard], epochs, 32 * world)
     finally:
         torch.set_num_threads(threads)
     return float(ex.accuracy(model, xte, yte))
@@ -741,15 +761,15 @@ def _json_objects(text: str) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)      # four torch processes start and train; a loaded 2-core machine needs minutes
-# Measured (digits, 539 test images: one point is 5.4 images; 4 workers, 12 epochs, shm and TCP,
-# quiet and loaded): AdamW (example's beta1 0.7) staleness 0: 96.66-97.96 %, median 97.22, in 19 runs;
-# SGD+momentum staleness 1: 96.66-98.33 %, median 97.03, in 13 runs. Single process, seeds 0-7:
-# AdamW 97.59-98.33 % (median 97.77), SGD 97.22-98.70 % (median 98.24). Asynchrony costs 0.5-1.2 points
-# here, and one run's draw spreads it by as much again: hence the median of three seeds on the
-# single-process side and 2 points of room. A worker trained on its own shard alone gets 93.1-95.0 %.
-@pytest.mark.parametrize(("kind", "staleness", "epochs", "within"), [("sgd", 1, 12, 2.0), ("adamw", 0, 12, 2.0)])
-def test_torchrun_workers_match_single_process_accuracy(servers: str, kind: str, staleness: int,
-                                                        epochs: int, within: float) -> None:
+# The bar is DDP's, the issue's target for the default port: within 1 point of DDP's accuracy. DDP's
+# arithmetic is measured here, in this process: one step per batch of the four ranks' 4 x 32 samples
+# (their mean gradient, clipped once; BatchNorm per rank's 32), the same epochs, median of three seeds.
+# The default port counts each worker's change 1/4, so it learns per sample as DDP does (not as four
+# single processes at batch 32, 1-2 points higher at 12 epochs: docs/training.md, "Stability").
+# Digits has 539 test images: one point is 5.4 images. Measured figures: docs/training.md.
+@pytest.mark.parametrize(("kind", "staleness", "epochs", "within"), [("sgd", 1, 12, 1.0), ("adamw", 0, 12, 1.0)])
+def test_torchrun_workers_match_ddp_accuracy(servers: str, kind: str, staleness: int, epochs: int,
+                                             within: float) -> None:
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
     env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
@@ -761,8 +781,9 @@ def test_torchrun_workers_match_single_process_accuracy(servers: str, kind: str,
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     # every rank evaluated the same final shared model
     assert len({r["accuracy"] for r in ranks}) == 1
-    single = statistics.median(_single_process_accuracy(kind, epochs, seed) for seed in range(3))
+    ddp = statistics.median(_single_process_accuracy(kind, epochs, seed, world=4) for seed in range(3))
     alone = _single_process_accuracy(kind, epochs, shard=slice(0, None, 4))
+    print(f"{kind}: {ranks[0]['accuracy']:.2f} % vs DDP's arithmetic {ddp:.2f} %, one shard alone {alone:.2f} %")
     # the bar must be one that workers which did not share could not clear
-    assert alone < single - within, (alone, single)
-    assert ranks[0]["accuracy"] >= single - within, (ranks[0], single, alone)
+    assert alone < ddp - within, (alone, ddp)
+    assert ranks[0]["accuracy"] >= ddp - within, (ranks[0], ddp, alone)

@@ -57,12 +57,13 @@ def _baseline(cfg: JobConfig, path: Path) -> float:
     return float(single_process(cfg, data.load(path))["accuracy"])
 
 
+# (locked with per_layer=True locks each tensor instead of the whole model: the same arithmetic,
+# which test_torch_optimizer.py's concurrent workers check loses no update; not trained again here)
 @pytest.mark.parametrize("rule,extra", [
     ("accumulate", {}),
     ("locked", {}),
-    ("locked", {"rule_options": {"per_layer": True}}),
     ("easgd", EASGD),
-], ids=["accumulate", "locked", "locked-per-layer", "easgd"])
+], ids=["accumulate", "locked", "easgd"])
 def test_four_workers_match_single_process(digits: Path, rule: str, extra: dict[str, Any]) -> None:
     cfg = JobConfig(rule=rule, **{**BASE, **extra})
     base = _baseline(cfg, digits)
@@ -75,9 +76,11 @@ def test_four_workers_match_single_process(digits: Path, rule: str, extra: dict[
 
 
 def test_layer_dropping_cuts_bytes_keeps_accuracy(digits: Path) -> None:
-    full_cfg = JobConfig(rule="accumulate", **BASE)
+    # the bytes of a push without dropping do not depend on how long the job trains: 2 epochs
+    # (test_four_workers_match_single_process[accumulate] trains this configuration to accuracy)
+    full_cfg = JobConfig(rule="accumulate", **{**BASE, "epochs": 2})
     drop_cfg = JobConfig(rule="accumulate", dropping=0.7, **BASE)
-    base = _baseline(full_cfg, digits)
+    base = _baseline(JobConfig(rule="accumulate", **BASE), digits)
     full = _job(full_cfg, digits)
     drop = _job(drop_cfg, digits)
 
@@ -86,7 +89,7 @@ def test_layer_dropping_cuts_bytes_keeps_accuracy(digits: Path) -> None:
 
     cut = 1 - per_push(drop) / per_push(full)
     print(f"layer dropping 0.7: {cut:.1%} fewer bytes pushed; accuracy {drop['accuracy']:.2f} % "
-          f"vs {base:.2f} % single, {full['accuracy']:.2f} % without dropping")
+          f"vs {base:.2f} % single")
     assert cut >= 0.65
     assert drop["dropping"]["saved_fraction"] >= 0.65
     assert drop["accuracy"] >= base - 1.5
