@@ -657,7 +657,7 @@ def test_an_update_far_out_of_line_is_skipped_and_counted(servers: str, caplog: 
     assert len(warned) == 1 and "rank 0 step 21" in warned[0], warned
 
 
-def _digits_in_lockstep(servers: str, name: str, *, average: bool, world: int = 3, steps: int = 70,
+def _digits_in_lockstep(servers: str, name: str, *, average: bool, world: int = 3, steps: int = 120,
                         lr: float = 0.1) -> dict[int, tuple[Any, dict[str, Any], float]]:
     """``world`` workers (threads) train the example's CNN on their shards of
     digits with SGD momentum 0.9 at staleness 1, in step (a barrier after

@@ -41,8 +41,8 @@ hold ``dead_share`` (90 %) of its parameters in ``patience`` (5) looks in a
 row (AsyncOptimizer shows it each step's gradients); it is **blown up or
 dying** when the norm of the shared weights a pull brought leaves
 ``[base / growth, base * growth]`` (``growth`` 8), ``base`` being the norm
-of the first pull (for a model that starts at zero, the first nonzero norm
-after ``settle`` (100) pulls).  Healthy training grows the norm slowly: the
+at the first look after ``settle`` (20) pulls (the scale of a model that
+just started can move a lot; one that starts at zero has none).  Healthy training grows the norm slowly: the
 same CNN trained alone for 40 epochs ends at 2.5 times it.  A collapse is
 logged once with the rank, the step and what to do, and counted.
 """
@@ -151,7 +151,7 @@ class CollapseWatch:
     module's doc."""
 
     def __init__(self, rank: int, store: str, *, growth: float = 8.0, dead_share: float = 0.9, patience: int = 5,
-                 settle: int = 100, every: float = 0.2, enabled: bool = True) -> None:
+                 settle: int = 20, every: float = 0.2, enabled: bool = True) -> None:
         self.rank = rank
         self.store = store
         self.growth = growth
@@ -189,8 +189,9 @@ class CollapseWatch:
         w = weights.reshape(-1)[::max(1, weights.size // SAMPLE)]
         self.norm = norm = math.sqrt(float(np.dot(w, w)))
         if self.base is None:
-            # a model that starts at zero has no scale yet: take it once it learned for a while
-            if norm > 0 and (self._pulls == 1 or self._pulls > self.settle):
+            # the scale of a model that just started can move a lot (one that starts at zero has
+            # none): it is taken once the model learned for a while
+            if norm > 0 and self._pulls >= self.settle:
                 self.base = norm
             return
         blown = not self.base / self.growth <= norm <= self.base * self.growth
