@@ -520,7 +520,7 @@ async def test_smb2_ls_shows_the_stability_counts() -> None:
         # the shared model grows by 20 % a push (the guard, which judges gradients against the last
         # ones, set aside: the watch is what sees a model that blows up step by step): 9x in 12
         watch = stores[0].watch
-        watch.every = 0.0
+        watch.every, watch.settle = 0.0, 1        # every pull looked at; the base at the first
         stores[0].guard.enabled = False
         grow = -0.2 / stores[0].rule.lr         # a gradient whose step -lr * g adds 20 % of the weights
         for s in range(12, 24):
