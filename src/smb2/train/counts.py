@@ -13,7 +13,8 @@ is not counted in the current one.  A rank writes only its own row, at most
 every :data:`PUBLISH_EVERY` seconds and only when a count changed (plus once
 when it finishes and at once when a push is refused), so the cost is one
 small write every few seconds at most.  The buffer is made by whichever rank
-publishes first (creating it is idempotent) and removed with the store
+first has a count that is not zero (creating it is idempotent; no board
+means nothing was counted) and removed with the store
 (``smb2 rm``: it is one of the store's ``name/...`` buffers).
 """
 
@@ -69,6 +70,8 @@ class CountsBoard:
         now = time.monotonic()
         if row == self._last or (not force and now - self._at < PUBLISH_EVERY):
             return
+        if self._buf is None and not any(row[1:]):
+            return          # nothing counted yet: no board (no board reads as all zero)
         try:
             if self._buf is None:
                 self._buf = await self.client.create(self.name, self.nbytes)
