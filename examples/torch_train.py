@@ -94,12 +94,13 @@ def main() -> None:
     t0 = time.perf_counter()
     loss = train(model, opt, sched, xtr, ytr, shard, a.epochs, a.batch, first_epoch)
     stats = opt.stats()
-    opt.close(wait_all=300)  # smb2: wait for every rank, take the weights they trained
+    end = opt.close(wait_all=300)  # smb2: wait for every rank, take the weights they trained
 
     report = {"rank": opt.rank, "world": opt.world, "optimizer": a.optimizer, "steps": stats["steps"],
               "loss": round(loss, 4), "accuracy": round(accuracy(model, xte, yte), 2),
               "seconds": round(time.perf_counter() - t0, 2), "comm_wait_share": round(stats["comm_wait_share"], 3),
-              "lag_scaled": stats["lag_scaled"], "max_version_lag": stats["max_version_lag"]}
+              "lag_scaled": stats["lag_scaled"], "max_version_lag": stats["max_version_lag"],
+              "collapsed": end.collapsed if end else []}     # ranks that saw the shared model collapse
     print(json.dumps(report) + "\n", end="", flush=True)  # one write: ranks share torchrun's stdout
 
 

@@ -2,10 +2,11 @@
 bookkeeping, not its speed.
 
 Two memory-server hosts and two worker hosts, each a network namespace behind a 1 Gbit/s
-link; torch DDP and every AsyncOptimizer rule train the small model on the same worker
-hosts in one run.  Checked: every system trained and learned something, the bytes that
-crossed each worker's link per step match the model's size and the rule, and DDP and smb2
-saw the same links.  Skipped, with the reason, where namespaces cannot be built or torch is
+link; torch DDP and issue 21's systems (the default port, diloco, easgd) train the small
+model on the same worker hosts in one run.  Checked: every system trained and learned
+something and no curve ended at chance, the bytes that crossed each worker's link per step
+match the model's size and the rule, the summary and the targets table are filled in, and
+DDP and smb2 saw the same links.  Skipped, with the reason, where namespaces cannot be built or torch is
 missing.
 """
 
@@ -42,7 +43,9 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_every_system_trained(result: dict) -> None:
     rows = {r["system"]: r for r in result["rows"]}
-    assert set(rows) == set(bench_tta.SYSTEMS)
+    # issue 21's systems, every one (diloco where this smb2 has the rule)
+    assert set(rows) == {s for s in bench_tta.SYSTEMS if bench_tta.available(s)} and "default" in rows
+    assert result["runs"] == 1 and all(r["run"] == 0 for r in result["rows"])
     for name, r in rows.items():
         assert r["workers"] == bench_tta.QUICK["workers"] and r["steps"] > 0, name
         assert r["samples_per_s"] > 0 and r["curve"][-1][0] > 0, name
@@ -57,7 +60,18 @@ def test_every_system_trained(result: dict) -> None:
         assert 0.0 <= r["not_computing"] <= 1.0, name
         # no system's curve ended at chance, and the row says so
         assert r["curve"][-1][2] > bench_tta.COLLAPSED_BELOW and not r["collapsed"], (name, r["curve"][-3:])
+        assert r["collapse_warnings"] == 0, name
+        assert 1 < r["rtt_us"] < 5000, name        # the round trip beside each row, in µs
     assert all(r["ddp_ratio"] is not None for r in rows.values())
+    # the summary (medians of one run: the run) and issue 21's targets, each judged
+    summary = {s["system"]: s for s in result["summary"]}
+    assert set(summary) == set(rows)
+    for name, s in summary.items():
+        assert s["runs"] == 1 and s["collapsed"] == 0 and s["final_acc"] == rows[name]["final_acc"], name
+        assert s["time_to_target_s"] == rows[name]["time_to_target_s"], name
+    said = {t["target"].split(" >=")[0].split(" within")[0].split(" never")[0] for t in result["targets"]}
+    assert said == {"default port", "default port final", "default port time to target", "best configuration"}
+    assert all(isinstance(t["met"], bool) and t["scenario"] == "homogeneous" for t in result["targets"])
 
 
 def test_bytes_per_step_match_model_and_rule(result: dict) -> None:
@@ -69,22 +83,21 @@ def test_bytes_per_step_match_model_and_rule(result: dict) -> None:
         want = r["expected_bytes_per_step"]
         measured = r["link_bytes_per_step"]
         assert len(measured) == r["workers"]
-        if want is None:                 # layer dropping sends a share of its rule's bytes
-            full = rows[name.split("/")[0]]["link_bytes_per_step"]
-            assert all(0 < m < 0.8 * f for m, f in zip(measured, full)), (measured, full)
+        if want is None:                 # diloco: one pseudo-gradient every H steps, in bf16 by default
+            full = rows["default"]["link_bytes_per_step"]
+            assert all(0 < m < 2 / bench_tta.DILOCO_H * f for m, f in zip(measured, full)), (name, measured, full)
             continue
         # on the wire: the rule's payload plus Ethernet/IP/TCP headers and acks (a few %)
         for m in measured:
             assert 0.97 * want <= m <= 1.15 * want, f"{name}: {m:.0f} B/step on the link, rule says {want:.0f}"
         for p in r.get("payload_bytes_per_step", []):   # AsyncOptimizer's own count of its payload
             assert 0.98 * want <= p <= 1.05 * want, f"{name}: payload {p:.0f} B/step, rule says {want:.0f}"
-    # the rules against each other: bf16 pushes half, EASGD exchanges every 4th step
-    assert rows["delta/bf16"]["expected_bytes_per_step"] == 0.75 * rows["delta"]["expected_bytes_per_step"]
-    assert rows["easgd"]["expected_bytes_per_step"] == 0.25 * rows["delta"]["expected_bytes_per_step"]
+    # the rules against each other: EASGD exchanges every 4th step
+    assert rows["easgd"]["expected_bytes_per_step"] == 0.25 * rows["default"]["expected_bytes_per_step"]
 
 
 def test_the_machine_round_trip_is_recorded(result: dict) -> None:
-    us = result["rtt_us"]["homogeneous"]
+    [us] = result["rtt_us"]["homogeneous"]     # one per run
     assert 1 < us < 5000, us        # a loopback round trip, in µs: microseconds, not seconds or ns
 
 

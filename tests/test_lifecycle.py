@@ -501,3 +501,51 @@ async def test_smb2_ls_and_rm(cluster: smb2.LocalCluster) -> None:
         "HINT: see the names with `smb2 ls`"]
     rc, out, err = await _cli("ls", env={"SMB2_SERVERS": ""})
     assert rc == 1 and "SMB2_SERVERS" in err and err.count("\n") == 1
+
+
+async def test_smb2_ls_shows_the_stability_counts() -> None:
+    # what kept the updates in bounds reaches the servers: rank 1's push at 1000x (skipped), rank 0's
+    # NaN (refused) and a shared model blown up to 9x its norm (a collapse, seen by rank 0's watch);
+    # `smb2 ls` shows the run's counts, its --json each rank's, and `smb2 rm` removes them with the store
+    from smb2.train.stability import TrainingDiverged
+
+    async with smb2.LocalCluster(servers=2, processes=True) as cluster:
+        client = await cluster.connect()
+        stores = await _open_all(cluster, "lc-counts", 2)
+        await asyncio.gather(*(s.join(timeout=10) for s in stores))
+        await asyncio.gather(_train(stores[0], 10), _train(stores[1], 10))
+        assert await stores[1].push({k: 1000 * v for k, v in _ones().items()}, step=11) is False
+        with pytest.raises(TrainingDiverged, match="rank 0 produced a non-finite update at step 11"):
+            await stores[0].push({k: np.full_like(v, np.nan) for k, v in _ones().items()}, step=11)
+        # the shared model grows by 20 % a push (the guard, which judges gradients against the last
+        # ones, set aside: the watch is what sees a model that blows up step by step): 9x in 12
+        watch = stores[0].watch
+        watch.every, watch.settle = 0.0, 1        # every pull looked at; the base at the first
+        stores[0].guard.enabled = False
+        grow = -0.2 / stores[0].rule.lr         # a gradient whose step -lr * g adds 20 % of the weights
+        for s in range(12, 24):
+            await stores[0].pull()
+            await stores[0].push({k: grow * v for k, v in stores[0].params.items()}, step=s)
+        await stores[0].pull()
+        assert watch.collapses == 1 and watch.norm > 8 * (watch.base or 0), (watch.norm, watch.base)
+        assert stores[0].counts() == {"skipped": 0, "refused": 1, "lag_scaled": 0, "max_version_lag": 0,
+                                      "collapses": 1}
+        await asyncio.gather(*(s.finish() for s in stores))
+        end = await stores[1].await_finished(10)
+        assert end.complete and end.collapsed == [0] and not end.healthy and "collapsed" in str(end)
+
+        servers = cluster.addresses
+        rc, out, err = await _cli("ls", *servers)
+        assert rc == 0, err
+        line = next(ln for ln in out.splitlines() if ln.startswith("lc-counts "))
+        assert line.endswith("guard: 1 skipped, 1 refused (NaN/Inf), 0 lag-scaled, max lag 0; THE SHARED MODEL "
+                             "COLLAPSED (1 warnings)"), line
+        rc, out, _ = await _cli("ls", "--json", *servers)
+        counts = {r["name"]: r for r in json.loads(out)}["lc-counts"]["counts"]
+        assert counts["per_rank"]["0"]["refused"] == 1 and counts["per_rank"]["1"]["skipped"] == 1, counts
+        rc, out, err = await _cli("rm", "--force", "lc-counts", "--servers", ",".join(servers))
+        assert rc == 0, err
+        assert not [b for b in await client.buffers() if b.startswith("lc-counts")]
+        for s in stores:
+            await s.client.close()
+        await client.close()

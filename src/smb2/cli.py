@@ -70,7 +70,16 @@ def _what(r: dict[str, Any]) -> str:
     heard = "" if beat is None else f", last heartbeat {beat:.0f} s ago"
     return (f"parameter store: {r['tensors']} tensors ({r['data_bytes']} bytes of {r['dtype']}), rule {r['rule']}, "
             f"{r['workers']} workers; run {r['run']} {state}, {r['joined']} joined, version {r['version']}, "
-            f"steps {r['steps']}{heard}")
+            f"steps {r['steps']}{heard}{_counts(r.get('counts'))}")
+
+
+def _counts(c: dict[str, Any] | None) -> str:
+    """The run's stability counts (smb2.train.counts), in words."""
+    if not c:
+        return ""
+    collapse = f"; THE SHARED MODEL COLLAPSED ({c['collapses']} warnings)" if c["collapses"] else ""
+    return (f"; guard: {c['skipped']} skipped, {c['refused']} refused (NaN/Inf), {c['lag_scaled']} lag-scaled, "
+            f"max lag {c['max_version_lag']}{collapse}")
 
 
 async def _ls_partial(servers: list[str], args: argparse.Namespace) -> int:

@@ -82,7 +82,7 @@ from ..train.dropping import LayerDropping
 from ..train.faults import in_training_terms
 from ..train.lifecycle import RunEnd
 from ..train.rules import UpdateRule
-from ..train.stability import LagScaling
+from ..train.stability import LagScaling, TrainingDiverged
 from ..train.store import ParameterStore, resolve_rank
 from .backward import BackwardPushes, StepPushes, wait_for
 from .frozen import FrozenTensors
@@ -379,6 +379,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if self._gradient_rule:
             check_plain_sgd(self.optimizer, self.rule_name)
         self._saved.before_step()
+        self._watch_gradients()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.steps += 1
         self._saved.after_step(self.steps)
@@ -400,6 +401,21 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if self.log_every and self._stats["steps"] % self.log_every == 0:
             log.info("rank %d step %d: %s", self.rank, self.steps, self.stats())
         return loss
+
+    def _watch_gradients(self) -> None:
+        """Show this step's gradients to the collapse watch (a few times a
+        second: it costs one device sync): which tensors' are exactly zero."""
+        watch = self.store.watch
+        if not watch.due("gradients"):
+            return
+        with torch.no_grad():
+            grads = [(e.tensor.numel(), e.tensor.grad) for e in self.staging.entries
+                     if e.param and e.tensor.grad is not None]
+            if not grads:
+                return
+            alive = torch.stack([g.any() for _, g in grads]).tolist()
+        watch.see_gradients(self.steps + 1, sum(n for (n, _), a in zip(grads, alive) if not a),
+                            sum(n for n, _ in grads))
 
     def _take(self) -> Exchange:
         if self._free:
@@ -530,8 +546,12 @@ class AsyncOptimizer(torch.optim.Optimizer):
     # -- state and the end -----------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Steps, seconds the training thread waited on communication, their
-        share of its time since the first step, the largest lag seen, and
-        the store's byte counts."""
+        share of its time since the first step, the largest lag seen, the
+        store's byte counts, and what kept the updates in bounds: pushes
+        the guard ``skipped`` (far out of line) and ``refused`` (not
+        finite), pushes ``lag_scaled``, the ``max_version_lag``, and the
+        ``collapses`` of the shared model the watch saw (``smb2 ls`` shows
+        the run's sums)."""
         s: dict[str, Any] = dict(self._stats)
         elapsed = time.perf_counter() - self._t_first if self._t_first is not None else 0.0
         s["elapsed_s"] = elapsed
@@ -539,9 +559,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         s["lags"] = dict(sorted(self._lags.items()))
         s["push_in_backward"] = self._backward is not None and self._backward.enabled
         s["pushes_in_backward"] = 0 if self._backward is None else self._backward.issued
-        s.update({k: v for k, v in self.store.stats.items() if k.startswith("bytes") or k == "skipped"})
-        s["lag_scaled"] = self.store.lag.scaled
-        s["max_version_lag"] = self.store.lag.max_lag
+        s.update({k: v for k, v in self.store.stats.items() if k.startswith("bytes")})
+        s.update(self.store.counts())       # the guard's, the lag scaling's and the collapse watch's
         return s
 
     @property
@@ -589,8 +608,11 @@ class AsyncOptimizer(torch.optim.Optimizer):
         finished, and who is missing since which step.  A worker that died
         does not fail the others: a missing one is logged (a warning) and
         reported, and this worker goes on to evaluate and save; with
-        ``strict=True`` it raises :class:`NotifyTimeout` instead.  Without
-        ``wait_all``, returns None."""
+        ``strict=True`` it raises :class:`NotifyTimeout` instead.  A shared
+        model that collapsed during the run (some rank's collapse watch saw
+        it, :mod:`smb2.train.stability`) is in the report
+        (``end.collapsed``, and logged); ``strict=True`` raises
+        :class:`TrainingDiverged` for it.  Without ``wait_all``, returns None."""
         if self.closed:
             return None
         self.closed = True
@@ -618,6 +640,12 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 self._loop.stop()
         log.info("rank %d closed after %d steps: %s", self.rank, self.steps, self.stats())
         if end is not None:
+            if end.collapsed and strict:
+                raise TrainingDiverged(str(end), hint="the model holds the collapsed shared weights: restart from a "
+                                                      "checkpoint (init_from=) with a lower learning rate, gradient "
+                                                      "clipping, or average=True, lag_scaling=True")
+            if end.collapsed:
+                log.warning("rank %d: %s", self.rank, end)
             if not end.complete:
                 if strict:
                     raise NotifyTimeout(str(end), hint="strict=False (the default) returns this report "

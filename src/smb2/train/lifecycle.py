@@ -224,6 +224,8 @@ class RunEnd:
     notes: list[str]
     #: this worker's frozen parameters that differ from rank 0's at start
     frozen_changed: list[str] = dataclasses.field(default_factory=list)
+    #: the ranks whose collapse watch saw the shared model collapse (smb2.train.stability)
+    collapsed: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, store: str, control: Control, waited: float | None) -> RunEnd:
@@ -236,10 +238,18 @@ class RunEnd:
     def complete(self) -> bool:
         return not self.missing
 
+    @property
+    def healthy(self) -> bool:
+        """Every worker finished and none saw the shared model collapse."""
+        return self.complete and not self.collapsed
+
     def __str__(self) -> str:
         within = "" if self.waited is None else f" within {self.waited:g} s"
         head = f"{len(self.finished)} of {self.workers} workers finished store {self.store!r}{within}"
-        return "; ".join([head, *self.notes])
+        collapse = [] if not self.collapsed else [
+            f"the shared model collapsed during the run (seen by rank{'s' if len(self.collapsed) > 1 else ''} "
+            f"{', '.join(map(str, self.collapsed))}; see their warnings): it is not a trained model"]
+        return "; ".join([head, *self.notes, *collapse])
 
 
 # -- decisions -------------------------------------------------------------------

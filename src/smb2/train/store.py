@@ -106,10 +106,11 @@ from ..errors import (
 )
 from ..lock import Lock
 from . import lifecycle as lc
+from .counts import CountsBoard, read_counts
 from .dropping import LayerDropping
 from .lifecycle import Control, check_rank, resolve_rank
 from .rules import UpdateRule, make_rule
-from .stability import DivergenceGuard, LagScaling
+from .stability import CollapseWatch, DivergenceGuard, LagScaling, TrainingDiverged
 
 log = logging.getLogger("smb2.train")
 
@@ -250,7 +251,7 @@ class ParameterStore:
         #: the last parameter version this worker saw
         self.version = 0
         self.iteration = 0
-        self.stats = {"pulls": 0, "pushes": 0, "bytes_pulled": 0, "bytes_pushed": 0, "skipped": 0}
+        self.stats = {"pulls": 0, "pushes": 0, "bytes_pulled": 0, "bytes_pushed": 0, "skipped": 0, "refused": 0}
         #: the store's version when the weights in the mirror were pulled,
         #: and this worker's updates since (already in its weights)
         self.pulled_version = 0
@@ -261,6 +262,10 @@ class ParameterStore:
         self.lag = LagScaling(layout.workers, enabled=False)
         #: refuses non-finite pushes, skips pushes far out of line
         self.guard = DivergenceGuard(rank)
+        #: watches the shared weights this rank pulls for a collapse (reported, not delivered)
+        self.watch = CollapseWatch(rank, buf.name)
+        #: this rank's row of the counts beside the store (``smb2 ls`` shows them)
+        self.board = CountsBoard(client, buf.name, rank, layout.workers)
         #: the run (generation) this rank is in; 0 for an observer
         self.generation = 0
         #: did this rank's run continue an earlier one's weights and steps?
@@ -553,6 +558,7 @@ class ParameterStore:
         version = await self.read_version()     # first: the data read after holds at least these updates
         await self.buf.read_into(out, self.data_off)
         self.guard.check_pulled(self.iteration, self.tensors_of(out.view(self.layout.dtype)))
+        self.watch.see(self.iteration, out.view(self.layout.dtype))
         self.pulled_version, self.pushed_since_pull = version, 0
         self.stats["pulls"] += 1
         self.count_pull(out.nbytes)
@@ -595,13 +601,31 @@ class ParameterStore:
                      based_on: tuple[int, int] | None) -> float | None:
         """The guard's verdict on a push (None: skipped), else its lag's scale."""
         step = self.iteration if step is None else step
-        if not self.guard.check(step, changes):
+        try:
+            admitted = self.guard.check(step, changes)
+        except TrainingDiverged:
+            self.stats["refused"] += 1
+            if self.member:         # the worker stops here: its count reaches the servers first
+                await self.publish_counts(force=True)
+            raise
+        if not admitted:
             self.stats["skipped"] += 1
             return None
         if not (self.rule.lag_scaled and self.lag.enabled):
             return 1.0
         version, own = (self.pulled_version, self.pushed_since_pull) if based_on is None else based_on
         return self.lag.factor(max(0, await self.read_version() - version - own))
+
+    def counts(self) -> dict[str, int]:
+        """What kept this rank's updates in bounds, so far: pushes the guard
+        skipped (far out of line) and refused (not finite), pushes scaled by
+        their lag, the largest lag, and collapses of the shared model seen."""
+        return {"skipped": self.stats["skipped"], "refused": self.stats["refused"], "lag_scaled": self.lag.scaled,
+                "max_version_lag": self.lag.max_lag, "collapses": self.watch.collapses}
+
+    async def publish_counts(self, *, force: bool = False) -> None:
+        """:meth:`counts` into the store's counts board (at a low rate unless ``force``)."""
+        await self.board.publish(self.generation, self.counts(), self._step, force=force)
 
     def count_pull(self, nbytes: int) -> None:
         """Count the bytes a read of the shared weights brought in (a pull,
@@ -756,7 +780,7 @@ class ParameterStore:
         await self._maybe_checkpoint()
         if not force and time.monotonic() - self._last_beat < BEAT_INTERVAL:
             return
-        _, control = await asyncio.gather(self._write_own(), self.refresh())
+        _, control, _ = await asyncio.gather(self._write_own(), self.refresh(), self.publish_counts())
         self._check_current(control)
 
     def stalled(self, threshold: float) -> list[tuple[int, int, float]]:
@@ -770,6 +794,8 @@ class ParameterStore:
         Nothing is destroyed: the store stays for the slower ranks, for
         evaluation and for the next run."""
         self._check_member()
+        # the counts first: whoever sees this rank finished reads them complete
+        await self.publish_counts(force=True)
         await self._write_own(finished=self.generation)
         # the last step's checkpoint (unless it was just saved), and the one in flight
         await self._maybe_checkpoint(final=True)
@@ -798,7 +824,11 @@ class ParameterStore:
             control = await self.refresh()
             self._check_current(control)
             if not control.unfinished() or (deadline is not None and time.monotonic() >= deadline):
-                return lc.RunEnd.of(self.name, control, timeout)
+                end = lc.RunEnd.of(self.name, control, timeout)
+                counts = await read_counts(self.client, self.name, self.generation)
+                seen = {r for r, c in (counts or {}).get("per_rank", {}).items() if c["collapses"]}
+                end.collapsed = sorted(seen | ({self.rank} if self.watch.collapses else set()))
+                return end
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
@@ -1050,8 +1080,10 @@ async def _last_progress(err: BufferDamaged, layout: Layout) -> str:
 
 async def describe(client: Client, name: str) -> dict[str, Any]:
     """What ``smb2 ls`` shows of one buffer: its size and stripe, and for a
-    parameter store its tensors, workers, rule, run, version, steps, and
-    whether the run finished.  A damaged buffer (a part lost) or store (its
+    parameter store its tensors, workers, rule, run, version, steps,
+    whether the run finished, and the run's stability counts (``counts``:
+    see :func:`smb2.train.counts.read_counts`; None before any rank
+    published).  A damaged buffer (a part lost) or store (its
     table unreadable) has ``damaged``, saying how; ``store`` is None where
     that cannot be told."""
     try:
@@ -1079,7 +1111,8 @@ async def describe(client: Client, name: str) -> dict[str, Any]:
                workers=layout.workers, rule=layout.rule.get("name"), run=control.generation,
                version=control.version, steps=control.steps.tolist(), finished=control.run_finished(),
                joined=layout.workers - len(control.missing()),
-               last_heartbeat_s=_finite(min(control.age(r) for r in range(layout.workers))))
+               last_heartbeat_s=_finite(min(control.age(r) for r in range(layout.workers))),
+               counts=await read_counts(client, name, control.generation))
     return out
 
 
