@@ -737,7 +737,9 @@ def test_a_collapse_of_the_shared_model_is_reported(servers: str, caplog: pytest
     # and close(strict=True) raises.  (Measured: 9-10 % delivered, the norm 7-8x its start, 98 %
     # of the parameters with exactly zero gradients, reported at steps 49-92.)
     with caplog.at_level("WARNING", logger="smb2.train"):
-        out = _digits_in_lockstep(servers, "t-collapse", average=False)
+        # (lr 0.2, twice the healthy run's: at 0.1 one run in a few ends half-dead at ~20 %, which the
+        # watch does not call a collapse: docs/training.md, "the collapse watch", says what it misses)
+        out = _digits_in_lockstep(servers, "t-collapse", average=False, lr=0.2)
     assert max(acc for _, _, acc in out.values()) < 20, out       # it did collapse
     strict, stats0, _ = out[0]
     assert isinstance(strict, TrainingDiverged) and "collapsed" in str(strict), strict
