@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip 
 
 import smb2.torch as st  # noqa: E402
 
-from .test_torch_optimizer import (  # noqa: E402
+from test_torch_optimizer import (  # noqa: E402
     EXAMPLE,
     GRAD,
     LR,
@@ -75,10 +75,11 @@ def _reference(rounds: int, h: int, outer_lr: float, outer_momentum: float) -> d
                          ids=["powers-of-two", "paper-defaults"])
 def test_one_worker_is_the_inner_optimizer_then_torch_nesterov(servers: str, outer_lr: float,
                                                               outer_momentum: float, exact: bool) -> None:
-    # float32 pushes.  Bit for bit where the outer step's products are exact (lr and momentum powers
-    # of two: torch's SGD fuses its multiply-adds, numpy and the servers round each product); with
-    # the paper's 0.7 / 0.9 within float32 rounding.  Rounds end with a flush, so the next round's
-    # first step sees the new shared weights (in training it may start on the old ones, see docs)
+    # float32 pushes.  The first round bit for bit where the outer step's products are exact (lr and
+    # momentum powers of two: torch's SGD fuses its multiply-adds, numpy and the servers round each
+    # product); with the paper's 0.7 / 0.9 within float32 rounding.  Later rounds within rounding: the
+    # servers hold the momentum as M + (m - M).  Rounds end with a flush, so the next round's first
+    # step sees the new shared weights (in training it may start on the old ones, see docs)
     h, rounds = 4, 3
     ref = _reference(rounds, h, outer_lr, outer_momentum)
     model = _model()
@@ -95,16 +96,17 @@ def test_one_worker_is_the_inner_optimizer_then_torch_nesterov(servers: str, out
         stats = opt.stats()
     one = _reference(1, h, outer_lr, outer_momentum)
     for n, p in model.named_parameters():
-        np.testing.assert_array_equal(first[n], one[n].numpy(), err_msg=n)     # round 1: bit for bit
         if exact:
-            np.testing.assert_array_equal(shared[n], ref[n].numpy(), err_msg=n)
-        else:
-            np.testing.assert_allclose(shared[n], ref[n].numpy(), rtol=1e-5, atol=1e-6, err_msg=n)
-        np.testing.assert_array_equal(p.detach().numpy(), shared[n], err_msg=n)   # continues from them
+            np.testing.assert_array_equal(first[n], one[n].numpy(), err_msg=n)     # round 1: bit for bit
+        np.testing.assert_allclose(first[n], one[n].numpy(), rtol=1e-6, atol=1e-7, err_msg=n)
+        # later rounds: the momentum is M + (m - M) on the servers, m in torch (rounding apart)
+        np.testing.assert_allclose(shared[n], ref[n].numpy(), rtol=1e-5, atol=1e-7, err_msg=n)
+        # it continues from them (it moves by shared - local: the steps made meanwhile stay, to rounding)
+        np.testing.assert_allclose(p.detach().numpy(), shared[n], rtol=1e-6, atol=1e-8, err_msg=n)
     nbytes = opt.store.flat().nbytes
     # per round: the momentum read and the weights pulled, the momentum's and the weights' changes pushed
     assert stats["bytes_pushed"] == rounds * 2 * nbytes
-    assert stats["bytes_pulled"] == rounds * 2 * nbytes + nbytes     # (+ the pull at opening)
+    assert stats["bytes_pulled"] == rounds * 2 * nbytes     # (rank 0 of a fresh run wrote the weights: no pull)
 
 
 def test_the_pseudo_gradient_travels_as_bfloat16_by_default(servers: str) -> None:

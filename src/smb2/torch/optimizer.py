@@ -239,6 +239,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self.staging = Staging(torch, [Entry(n, t, self.store.flat_offset(n),
                                              1.0 / self.world if averaged or not param else 1.0, param)
                                        for n, t, param in self._entries], flat.size, flat.dtype)
+        self.store.rule.buffers = [slice(e.offset, e.offset + e.tensor.numel())
+                                   for e in self.staging.entries if not e.param]
         self._register = self.staging.cuda
         self.staging.swap(flat, None)          # rank 0's values (or the resumed ones) for everyone
         self._free: list[Exchange] = []

@@ -109,6 +109,10 @@ class UpdateRule(abc.ABC):
         self._store: BoundStore | None = None
         #: the type pushed changes travel as (None: the store's own dtype)
         self.wire: str | None = None
+        #: slices of the data region that hold model buffers (running
+        #: statistics), not parameters: a rule with an outer optimizer
+        #: (diloco) adds their averaged change instead of stepping them
+        self.buffers: list[slice] = []
 
     @property
     def store(self) -> BoundStore:
@@ -521,6 +525,7 @@ class DiLoCo(UpdateRule):
         await self._outer.read_into(self._read, 0)
         st.count_pull(self._read.nbytes)
         region *= scale / st.workers                    # s D
+        averaged = [region[b].copy() for b in self.buffers]
         m = self._momentum
         np.multiply(self._read, mu, out=m)
         m += region                                     # m = mu M + s D
@@ -528,6 +533,11 @@ class DiLoCo(UpdateRule):
         region *= -self.outer_lr                        # -lr_out (s D + mu m)
         self._read -= m
         self._read *= -1.0                              # m - M
+        for b, d in zip(self.buffers, averaged):
+            # a running statistic takes the workers' mean change (a momentum
+            # step could overshoot it, a variance below zero)
+            np.negative(d, out=region[b])
+            self._read[b] = 0.0
         await asyncio.gather(self._outer.accumulate(0, self._read, wire=self.wire),
                              st.buf.accumulate(st.data_off, region, wire=self.wire))
         return int(2 * region.nbytes * _wire_fraction(region.dtype, self.wire))
