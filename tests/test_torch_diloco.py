@@ -259,7 +259,7 @@ def test_torchrun_diloco_workers_match_single_process_accuracy(servers: str) -> 
     env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                          str(EXAMPLE), "--optimizer", "sgd", "--epochs", "12", "--rule", "diloco",
+                          str(EXAMPLE), "--optimizer", "sgd", "--epochs", "16", "--rule", "diloco",
                           "--name", "t-run-diloco"], env=env, capture_output=True, text=True, timeout=300)
     took = time.perf_counter() - t0
     assert out.returncode == 0, out.stderr[-3000:]

@@ -436,8 +436,8 @@ class DiLoCo(UpdateRule):
     elastic = True
     exchange_at_close = True
 
-    def __init__(self, lr: float = 0.01, local_steps: int = 16, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, wire: str | None = "bfloat16") -> None:
+    def __init__(self, lr: float = 0.01, local_steps: int = 8, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.5, wire: str | None = "bfloat16") -> None:
         super().__init__(lr)
         if not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1:
             raise InvalidArgumentError(f"local_steps must be a positive int (inner steps per round), "
