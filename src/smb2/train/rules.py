@@ -158,11 +158,11 @@ class UpdateRule(abc.ABC):
         messages."""
         raise InterfaceError(f"rule {self.name!r} pushes each step; it has no elastic exchange")
 
-    async def open_run(self, fresh: bool) -> None:
+    async def open_run(self, fresh: bool) -> None:  # noqa: B027 (most rules keep nothing beside the store)
         """Rank 0 opens a run (under the store's lock, before any rank
         joins): set up what the rule keeps beside the store."""
 
-    def pulled(self) -> None:
+    def pulled(self) -> None:  # noqa: B027 (most rules need not know)
         """The mirror now holds the shared weights (a pull)."""
 
     @abc.abstractmethod
