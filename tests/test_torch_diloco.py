@@ -164,6 +164,26 @@ async def test_a_late_pseudo_gradient_moves_the_model_by_its_lag_share(cluster: 
     np.testing.assert_array_equal(zero.params["w"], after)      # its next round starts from them
 
 
+async def test_the_numpy_api_takes_inner_steps_then_a_round(cluster: smb2.LocalCluster) -> None:
+    # ParameterStore.push with rule diloco: an SGD step on the worker's copy (nothing sent), and at
+    # the round's end the outer step: D = 1, m = D, w = -0.5 (D + 0.5 m) = -0.75
+    async with await cluster.connect() as c:
+        store = await ParameterStore.open(c, "t-diloco-numpy", {"w": np.zeros(4, np.float32)}, rule="diloco",
+                                          lr=0.5, local_steps=2, outer_lr=0.5, outer_momentum=0.5, wire=None,
+                                          workers=1, rank=0, resume=False)
+        await store.push({"w": np.ones(4, np.float32)})
+        first = (await store.buf.read(store.data_off, 16)).view(np.float32).copy()
+        local = store.params["w"].copy()
+        await store.push({"w": np.ones(4, np.float32)})
+        shared = (await store.buf.read(store.data_off, 16)).view(np.float32).copy()
+        version = await store.read_version()
+    np.testing.assert_array_equal(first, np.zeros(4, np.float32))      # a local step sends nothing
+    np.testing.assert_array_equal(local, np.full(4, -0.5, np.float32))
+    np.testing.assert_array_equal(shared, np.full(4, -0.75, np.float32))
+    np.testing.assert_array_equal(store.params["w"], shared)            # the next round starts there
+    assert version == 1
+
+
 def test_a_nan_pseudo_gradient_is_refused_in_training_terms(servers: str) -> None:
     # rank 0's weights turn NaN in its second round (step 6): the round's push at step 8 is refused
     # with the rank and the step; the shared model stays round 1's, finite
