@@ -214,6 +214,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         try:
             if self.rule_name in WIRED_RULES:
                 options["wire"] = self.push_dtype       # the rule's: the client converts (fewer bytes on the wire)
+            if self.rule_name == "diloco":
+                options["buffers"] = [n for n, _, param in self._entries if not param]
             self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
                                                    dict(options, resume=resume)))
             #: this rank's optimizer state, step and LR schedules, saved beside the store (whole resume)
@@ -224,7 +226,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
             if isinstance(e, Smb2Error):
                 raise in_training_terms(e, store=name, rank=self.rank, step=0) from None
             raise
-        #: an elastic rule (EASGD), which trains the local copy and exchanges with the center every few steps
+        #: an elastic rule (EASGD, DiLoCo), which trains the local copy and exchanges with the shared weights
+        #: every few steps
         self._elastic: UpdateRule | None = self.store.rule if self.store.rule.elastic else None
         # (an elastic rule's exchange waits for the one before: each round sees the others' last pushes)
         self.store.lag = LagScaling(self.world, 0 if self._elastic else staleness,
@@ -239,8 +242,6 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self.staging = Staging(torch, [Entry(n, t, self.store.flat_offset(n),
                                              1.0 / self.world if averaged or not param else 1.0, param)
                                        for n, t, param in self._entries], flat.size, flat.dtype)
-        self.store.rule.buffers = [slice(e.offset, e.offset + e.tensor.numel())
-                                   for e in self.staging.entries if not e.param]
         self._register = self.staging.cuda
         self.staging.swap(flat, None)          # rank 0's values (or the resumed ones) for everyone
         self._free: list[Exchange] = []

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -109,10 +109,6 @@ class UpdateRule(abc.ABC):
         self._store: BoundStore | None = None
         #: the type pushed changes travel as (None: the store's own dtype)
         self.wire: str | None = None
-        #: slices of the data region that hold model buffers (running
-        #: statistics), not parameters: a rule with an outer optimizer
-        #: (diloco) adds their averaged change instead of stepping them
-        self.buffers: list[slice] = []
 
     @property
     def store(self) -> BoundStore:
@@ -437,8 +433,11 @@ class DiLoCo(UpdateRule):
     exchange_at_close = True
 
     def __init__(self, lr: float = 0.01, local_steps: int = 8, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.5, wire: str | None = "bfloat16") -> None:
+                 outer_momentum: float = 0.5, wire: str | None = "bfloat16", buffers: Sequence[str] = ()) -> None:
         super().__init__(lr)
+        #: tensors that are model buffers (running statistics), not parameters:
+        #: they take the workers' mean change, not an outer step
+        self.buffer_names = list(buffers)
         if not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1:
             raise InvalidArgumentError(f"local_steps must be a positive int (inner steps per round), "
                                        f"not {local_steps!r}")
@@ -472,6 +471,11 @@ class DiLoCo(UpdateRule):
         self._start = np.zeros_like(store.flat())
         self._read = np.zeros_like(store.flat())
         self._momentum = np.zeros_like(store.flat())
+        unknown = [n for n in self.buffer_names if n not in store.params]
+        if unknown:
+            raise InvalidArgumentError(f"buffers {unknown} are not tensors of the store")
+        self._buffers = [slice(store.flat_offset(n), store.flat_offset(n) + store.params[n].size)
+                         for n in self.buffer_names]
 
     def pulled(self) -> None:
         self._start[...] = self.store.flat()     # a new round starts from the shared weights
@@ -525,7 +529,7 @@ class DiLoCo(UpdateRule):
         await self._outer.read_into(self._read, 0)
         st.count_pull(self._read.nbytes)
         region *= scale / st.workers                    # s D
-        averaged = [region[b].copy() for b in self.buffers]
+        averaged = [region[b].copy() for b in self._buffers]
         m = self._momentum
         np.multiply(self._read, mu, out=m)
         m += region                                     # m = mu M + s D
@@ -533,7 +537,7 @@ class DiLoCo(UpdateRule):
         region *= -self.outer_lr                        # -lr_out (s D + mu m)
         self._read -= m
         self._read *= -1.0                              # m - M
-        for b, d in zip(self.buffers, averaged):
+        for b, d in zip(self._buffers, averaged):
             # a running statistic takes the workers' mean change (a momentum
             # step could overshoot it, a variance below zero)
             np.negative(d, out=region[b])
