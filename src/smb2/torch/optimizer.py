@@ -168,7 +168,11 @@ class AsyncOptimizer(torch.optim.Optimizer):
     backward produced it (see :mod:`smb2.torch.backward`).  None (the
     default): wherever that is possible: rule ``accumulate``, no layer
     dropping, a CPU model.  True asks for it (refused where impossible),
-    False pushes the whole step after ``step()``."""
+    False pushes the whole step after ``step()``.
+
+    ``lag_scaling``: scale each push by its lag (:mod:`smb2.train.stability`);
+    None (the default): on for an elastic rule whose pushes are lag-scaled
+    (``diloco``), off otherwise."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, name: str,
                  rule: str = "delta", staleness: int = 0, servers: str | list[str] | None = None,
