@@ -30,6 +30,7 @@ from test_torch_optimizer import (  # noqa: E402
     _json_objects,
     _model,
     _shared,
+    _single_process_accuracy,
 )
 
 
@@ -264,22 +265,35 @@ def test_bad_options_are_refused(servers: str, options: dict[str, Any], match: s
         _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-bad", **options)
 
 
+#: how far below the single process 4 diloco workers may end (points).  NOT issue 21's 2 points:
+#: on digits at 12 epochs (equal samples, the rule's defaults, loaded 2-core machine) the workers
+#: ended at 90.9-93.7 % against the single process's 97.2 % (3.5-6.3 points below), and no setting
+#: tried closed the gap (docs/training.md, "DiLoCo", the table "equal samples"); 8 points is the worst
+#: gap measured plus 1.7 points of run-to-run spread: it fails on a collapse (the paper's outer momentum
+#: 0.9 ended at 39-46 %, chance is 10 %) or a regression of the outer step, not on noise
+GAP_POINTS = 8.0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-# Measured (digits, 539 test images; 4 workers, 12 epochs, SGD momentum 0.9 lr 0.05 inner, the rule's
-# defaults, loaded 2-core machine): 93.3 % (torchrun), 95.4 % (threads), AdamW 95.4 %; 16 epochs 95.0 %.
-# The single process at batch 32 gets 97.2-98.7 %, so issue 21's bar (within 2 points of it) is NOT met:
-# each worker's round counts 1/W, DDP's arithmetic (a single process at batch 128: 95.2-96.9 %).  What
-# this test holds is that the asynchronous outer steps train the shared model and never collapse it:
-# the paper's outer momentum 0.9 ended at 39-46 % here, chance is 10 %.
 def test_torchrun_diloco_workers_train_the_shared_model(servers: str) -> None:
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
     env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                          str(EXAMPLE), "--optimizer", "sgd", "--epochs", "12", "--rule", "diloco",
-                          "--name", "t-run-diloco"], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    ranks = _json_objects(out.stdout)
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                            str(EXAMPLE), "--optimizer", "sgd", "--epochs", "12", "--rule", "diloco",
+                            "--name", "t-run-diloco"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    # the same samples in all: 12 epochs of all the data at batch 32, while the workers start up
+    try:
+        single = _single_process_accuracy("sgd", 12)
+        stdout, stderr = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 0, stderr[-3000:]
+    ranks = _json_objects(stdout)
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     assert len({r["accuracy"] for r in ranks}) == 1        # every rank evaluated the same shared model
-    assert ranks[0]["accuracy"] >= 90.0, ranks[0]
+    assert single > 95.0, single                           # the reference itself trained (97.2 % measured)
+    assert ranks[0]["accuracy"] >= single - GAP_POINTS, (ranks[0], single)
