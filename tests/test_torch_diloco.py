@@ -295,6 +295,6 @@ def test_torchrun_diloco_workers_train_the_shared_model(servers: str, record_pro
     ranks = _json_objects(stdout)
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     assert len({r["accuracy"] for r in ranks}) == 1        # every rank evaluated the same shared model
-    record_property("accuracy", {"workers": ranks[0]["accuracy"], "single": single})     # in --junitxml
+    record_property("accuracy", {"workers": ranks[0]["accuracy"], "single": single})  # --junitxml (legacy family)
     assert single > 95.0, single                           # the reference itself trained (97.2 % measured)
     assert ranks[0]["accuracy"] >= single - GAP_POINTS, (ranks[0], single)
