@@ -76,6 +76,9 @@ def main() -> None:
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--name", default="digits-cnn", help="the store's name (one per job)")
     p.add_argument("--staleness", type=int, default=1)
+    p.add_argument("--rule", choices=["delta", "diloco"], default="delta",
+                   help="how steps reach the shared model (docs/training.md, 'Update rules')")
+    p.add_argument("--local-steps", type=int, default=None, help="rule diloco: inner steps per round")
     a = p.parse_args()
 
     torch.manual_seed(0)
@@ -84,7 +87,8 @@ def main() -> None:
     xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
     model = make_model()
     opt = make_optimizer(model, a.optimizer)
-    opt = smb2.torch.AsyncOptimizer(opt, model, name=a.name, staleness=a.staleness)  # smb2
+    rule = {"rule": a.rule} if a.local_steps is None else {"rule": a.rule, "local_steps": a.local_steps}
+    opt = smb2.torch.AsyncOptimizer(opt, model, name=a.name, staleness=a.staleness, **rule)  # smb2
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     shard = torch.arange(opt.rank, len(xtr), opt.world)  # smb2: this rank's share of the data
     # smb2: a resumed store (a crash, a torchrun restart) continues at this rank's

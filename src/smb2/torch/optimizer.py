@@ -51,6 +51,13 @@ as W single processes, and can collapse under uneven load).
 * ``easgd``: the user's optimizer trains the local copy; every ``tau`` steps
   an elastic exchange with the shared center (local weights move by ``-d``
   when it lands).
+* ``diloco``: the user's optimizer is the inner optimizer: it trains the
+  local copy for ``local_steps`` steps (a round); then the round's
+  pseudo-gradient ``w_start - w_local`` goes out (bfloat16 by default), an
+  outer Nesterov step (``outer_lr``, ``outer_momentum``) applies it to the
+  shared weights, and the worker continues from the fresh shared weights (the
+  steps it made while the exchange travelled are kept on top).  ``close()``
+  pushes the last, shorter round.  Lag scaling is on by default for it.
 
 Model buffers (BatchNorm's running mean and variance: floating-point
 buffers) are averaged through the store: each exchange adds
@@ -94,6 +101,8 @@ log = logging.getLogger("smb2.torch")
 
 #: push_dtype names -> the wire type of the accumulate (None: the store's dtype)
 PUSH_DTYPES = {"float32": None, "float64": None, "bfloat16": "bfloat16", "float16": "float16"}
+#: the rules whose pushes may travel narrower than the store's dtype
+WIRED_RULES = ("delta", "diloco")
 
 
 def check_plain_sgd(optimizer: torch.optim.Optimizer, rule: str) -> None:
@@ -165,7 +174,11 @@ class AsyncOptimizer(torch.optim.Optimizer):
     backward produced it (see :mod:`smb2.torch.backward`).  None (the
     default): wherever that is possible: rule ``accumulate``, no layer
     dropping, a CPU model.  True asks for it (refused where impossible),
-    False pushes the whole step after ``step()``."""
+    False pushes the whole step after ``step()``.
+
+    ``lag_scaling``: scale each push by its lag (:mod:`smb2.train.stability`),
+    on by default; it applies to the rules whose pushes are lag-scaled
+    (``delta``, ``accumulate``, ``locked``, ``diloco``; not ``easgd``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, name: str,
                  rule: str = "delta", staleness: int = 0, servers: str | list[str] | None = None,
@@ -209,8 +222,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._loop = LoopThread(f"smb2-{name}")
         self._client: Client | None = None
         try:
-            if self.push_dtype is not None:
+            if self.rule_name in WIRED_RULES:
                 options["wire"] = self.push_dtype       # the rule's: the client converts (fewer bytes on the wire)
+            if self.rule_name == "diloco":
+                options["buffers"] = [n for n, _, param in self._entries if not param]
             self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
                                                    dict(options, resume=resume)))
             #: this rank's optimizer state, step and LR schedules, saved beside the store (whole resume)
@@ -221,9 +236,12 @@ class AsyncOptimizer(torch.optim.Optimizer):
             if isinstance(e, Smb2Error):
                 raise in_training_terms(e, store=name, rank=self.rank, step=0) from None
             raise
-        #: an elastic rule (EASGD), which trains the local copy and exchanges with the center every few steps
+        #: an elastic rule (EASGD, DiLoCo), which trains the local copy and exchanges with the shared weights
+        #: every few steps
         self._elastic: UpdateRule | None = self.store.rule if self.store.rule.elastic else None
-        self.store.lag = LagScaling(self.world, staleness, enabled=lag_scaling)
+        # (an elastic rule's exchange waits for the one before: each round sees the others' last pushes)
+        self.store.lag = LagScaling(self.world, 0 if self._elastic else staleness,
+                                    enabled=lag_scaling)
         self.store.guard.enabled = guard
         flat = self.store.flat()
         # a change counts 1/W in the shared copy where every worker's change
@@ -283,12 +301,14 @@ class AsyncOptimizer(torch.optim.Optimizer):
         """The wire type of pushes (None: the store's dtype)."""
         if push_dtype is None:
             bf16 = any(t.dtype == torch.bfloat16 for _, t, _ in self._entries)
-            return "bfloat16" if bf16 and self.rule_name == "delta" else None
+            # diloco's pseudo-gradient of a whole round is big and smooth: bf16 by default
+            return "bfloat16" if (bf16 and self.rule_name == "delta") or self.rule_name == "diloco" else None
         if push_dtype not in PUSH_DTYPES:
             raise InvalidArgumentError(f"push_dtype must be one of {', '.join(PUSH_DTYPES)}, not {push_dtype!r}")
         wire = PUSH_DTYPES[push_dtype]
-        if wire is not None and self.rule_name != "delta":
-            raise InvalidArgumentError(f"push_dtype={push_dtype!r} applies to rule 'delta', not {self.rule_name!r}")
+        if wire is not None and self.rule_name not in WIRED_RULES:
+            raise InvalidArgumentError(f"push_dtype={push_dtype!r} applies to rules {' and '.join(WIRED_RULES)}, "
+                                       f"not {self.rule_name!r}")
         return wire
 
     def _pushes_in_backward(self, wanted: bool | None, dropping: LayerDropping | None) -> bool:
@@ -522,7 +542,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if self._elastic:
             flat = st.flat()
             flat[...] = ex.stage
-            await self._elastic.exchange()
+            await self._elastic.exchange(step=ex.step)
             np.subtract(flat, ex.stage, out=ex.snapshot)     # -d: how the local weights move
         else:
             if ex.grads is not None:
@@ -593,6 +613,11 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._take_shared()
 
     def _take_shared(self) -> None:
+        if self._elastic:
+            # into the mirror: an elastic rule's next exchange starts from it (DiLoCo: a new round)
+            self._loop.run(self.store.pull())
+            self.staging.swap(self.store.flat(), None)
+            return
         snapshot = self.staging.host_array()
         self._loop.run(self.store.buf.read_into(snapshot, self.store.data_off))
         self.staging.swap(snapshot, None)
@@ -619,6 +644,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
         end = None
         try:
             self._settle(limit=-1)
+            if self._elastic and self._elastic.exchange_at_close and self.steps > self._pulled_at:
+                self._launch()      # the last, shorter round
+                self._settle(limit=-1)
             if self._backward is not None:
                 self._backward.close()
                 if self._next is not None and self._next.early.lrs:

