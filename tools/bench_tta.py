@@ -42,8 +42,9 @@ reports on any rank (``collapse_warnings``).
 
 Systems (issue 21's): ``ddp`` (DistributedDataParallel, gloo ring all-reduce); ``default``, the
 porting recipe's one line ``AsyncOptimizer(opt, model, name=..., staleness=1)`` and nothing else
-(whatever AsyncOptimizer's defaults are); ``diloco`` (``rule="diloco", local_steps=8,
-outer_lr=0.7, outer_momentum=0.9``: the user's SGD is the inner optimizer); ``easgd`` (tau 4).
+(whatever AsyncOptimizer's defaults are); ``diloco`` (``rule="diloco", local_steps=8`` and
+the rule's defaults, outer lr 0.7 and Nesterov momentum 0.5 -- the paper's 0.9 collapses
+asynchronously, docs/training.md -- the user's SGD is the inner optimizer); ``easgd`` (tau 4).
 ``--systems`` also takes the variants docs/training.md cites from before issue 21: ``delta``
 (every change counted whole, no lag scaling: that time's default port), ``delta/bf16``,
 ``delta/drop`` (layer dropping 0.7), ``accumulate``, ``accumulate/drop``.  A system whose rule
@@ -104,7 +105,7 @@ SYSTEMS: dict[str, dict[str, Any] | None] = {
     "ddp": None,
     # the porting recipe's one line, nothing else: whatever AsyncOptimizer's defaults are
     "default": {"staleness": 1},
-    "diloco": {"rule": "diloco", "local_steps": DILOCO_H, "outer_lr": 0.7, "outer_momentum": 0.9},
+    "diloco": {"rule": "diloco", "local_steps": DILOCO_H},
     "easgd": {"rule": "easgd", "tau": 4},
 }
 #: more systems, by --systems only: the rows docs/training.md cites from before issue 21 ("delta"
