@@ -99,9 +99,21 @@ class ServerOptions:
     shm_socket: str | None = _option(
         None, "the Unix socket for shm clients (default: $XDG_RUNTIME_DIR/smb2/PORT-PID.sock, "
         "else under /tmp, per user)", metavar="PATH")
+    # replication (docs/design.md, "Replication")
+    membership: str | None = _option(
+        None, "join the replicated cluster whose view lives at URL (etcd://HOST:PORT[,HOST:PORT]/NAME); "
+        "default: none (buffers of one replica only)", metavar="URL")
+    zone: str | None = _option(None, "the zone (host, rack) this server is in: replicas of a stripe go to "
+                               "servers of different zones where they can", metavar="NAME")
+    advertise: str | None = _option(
+        None, "the HOST:PORT this server is known by in the membership view and to its peers (default: "
+        "the address it listens on)", metavar="HOST:PORT")
+    repair_rate: int | str = _option(
+        "256MiB", "bytes per second a primary sends when it copies stripes to a server that catches up "
+        "(default 256MiB; 0 = unpaced)", type=str)
 
     def __post_init__(self) -> None:
-        for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes"):
+        for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes", "repair_rate"):
             parse_size(getattr(self, name))
         if parse_size(self.max_receive_memory) < MIN_RECEIVE_MEMORY:
             raise InvalidArgumentError(f"max receive memory must be at least {MIN_RECEIVE_MEMORY >> 20} MiB "
