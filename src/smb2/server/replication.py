@@ -349,6 +349,7 @@ class Replication:
         self.state = "starting"
         self.caught_up_at: float | None = None
         self.catch_up_seconds = 0.0
+        self.started = 0.0
         self.copied_bytes = 0
         self.copy_rate = 0
         self.diverged = 0
@@ -357,6 +358,7 @@ class Replication:
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
         self.membership = open_membership(self.url)
+        self.started = time.monotonic()
         self.spawn(self._refresh_loop())
         joined = self.spawn(self.join())
         # a new cluster's servers start side by side: wait a little for the
@@ -726,6 +728,10 @@ class Replication:
             # every other member answered and none places a stripe here:
             # nothing can be stale (a new cluster)
             return self._became_member(view, 0)
+        if self.me in view.members and unreachable and not buffers and time.monotonic() - self.started < START_WAIT:
+            # the servers of a new cluster start side by side: ask again
+            # before taking this one out of the members to catch up
+            return False
         if self.me in view.members and not others:
             log.warning("this server is the only member of the view: it serves what it holds")
             return self._became_member(view, 0)
