@@ -73,6 +73,11 @@ class PersistenceError(Smb2Error):
     mismatch) or in use."""
 
 
+class MembershipError(Smb2Error):
+    """The membership service of a replicated cluster (etcd) could not be
+    reached or holds something that is not a view."""
+
+
 class LockTimeout(Smb2Error, TimeoutError):
     """A lock could not be acquired within the timeout."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..membership import parse_url as parse_membership_url
 from ..protocol import DEFAULT_MAX_FRAME, MAX_ACCUMULATE, parse_size
 from .locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_LEASE, MAX_SLOTS, MAX_SPIN
 from .metrics import parse_address as parse_metrics_address
@@ -99,12 +100,12 @@ class ServerOptions:
     shm_socket: str | None = _option(
         None, "the Unix socket for shm clients (default: $XDG_RUNTIME_DIR/smb2/PORT-PID.sock, "
         "else under /tmp, per user)", metavar="PATH")
-    # replication (docs/design.md, "Replication")
     membership: str | None = _option(
-        None, "join the replicated cluster whose view lives at URL (etcd://HOST:PORT[,HOST:PORT]/NAME); "
-        "default: none (buffers of one replica only)", metavar="URL")
-    zone: str | None = _option(None, "the zone (host, rack) this server is in: replicas of a stripe go to "
-                               "servers of different zones where they can", metavar="NAME")
+        None, "the coordination service holding the replicated cluster's view, "
+        "etcd://HOST:PORT[,HOST:PORT]/CLUSTER-NAME (default: none; replicas=1 needs none)", metavar="URL")
+    zone: str | None = _option(
+        None, "the host, rack or zone this server is in: replicas of a stripe go to servers of different "
+        "zones where there are enough (default: none)", metavar="NAME")
     advertise: str | None = _option(
         None, "the HOST:PORT this server is known by in the membership view and to its peers (default: "
         "the address it listens on)", metavar="HOST:PORT")
@@ -130,6 +131,10 @@ class ServerOptions:
         if self.metrics is not None:
             parse_metrics_address(self.metrics)
             prometheus()        # missing: said now, not after the server started
+        if self.membership is not None:
+            parse_membership_url(self.membership)
+        if self.zone is not None and not (0 < len(self.zone) <= 64 and self.zone.isprintable()):
+            raise InvalidArgumentError(f"a zone is a printable name of 1 to 64 characters, not {self.zone!r}")
         if self.rdma not in RDMA_MODES:
             raise InvalidArgumentError(f"rdma must be auto, on or off, not {self.rdma!r}")
         if self.shm not in SHM_MODES:
