@@ -24,9 +24,8 @@ from smb2.errors import ErrorCode, MembershipError
 from smb2.local_etcd import LocalEtcd, etcd_binary, free_port
 from smb2.membership import NO_VIEW, View, open_membership
 from smb2.placement import Placement
-from smb2.protocol import FLAG_FORWARDED, FLAG_REPLICATED, DTYPE_SHIFT, VERSION, Op
+from smb2.protocol import DTYPE_SHIFT, FLAG_FORWARDED, FLAG_REPLICATED, VERSION, Op
 from smb2.server import start_server
-
 from wire import control, frame, reply
 
 try:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, cast
 from .. import _core, auth
 from ..checks import is_int
 from ..errors import ErrorCode, PersistenceError, TransportError
+from ..placement import Placement
 from ..protocol import (
     CLOSED,
     DEFAULT_PORT,
@@ -35,9 +36,6 @@ from ..protocol import (
     FLAG_NOREPLY,
     FLAG_REPLY,
     FLAG_STAGED,
-    REPL_FLAGS,
-    REPL_PREFIX_SIZE,
-    REPLICATED_OPS,
     H_FLAGS,
     H_LENGTH,
     H_OFFSET,
@@ -50,6 +48,9 @@ from ..protocol import (
     LOCK_SEGMENT,
     MAX_ACCUMULATE,
     MAX_CONTROL,
+    REPL_FLAGS,
+    REPL_PREFIX_SIZE,
+    REPLICATED_OPS,
     VERSION,
     Destination,
     FrameReceiver,
@@ -70,9 +71,8 @@ from .memfd import FROZEN, LIVE, mark, mark_gone
 from .metrics import MetricsExporter, RequestCounts
 from .metrics import parse_address as parse_metrics_address
 from .options import ServerOptions
-from .replication import Replication
-from ..placement import Placement
 from .rdma import RdmaServer
+from .replication import Replication
 from .segment import Refused, Segment, alloc
 from .shm import ShmService
 

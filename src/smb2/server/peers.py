@@ -96,7 +96,7 @@ class PeerLink(FrameReceiver):
              on_reply: ReplyCallback) -> None:
         """Send one request frame (its payload is ``parts``, joined)."""
         if not self.is_open:
-            on_reply(LINK_FAILED, self._closed_why or "not connected")
+            on_reply(LINK_FAILED, (self._closed_why or "not connected").encode())
             return
         self._next_rid = (self._next_rid % 0xFFFFFFFF) + 1      # never 0
         rid = self._next_rid

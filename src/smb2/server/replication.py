@@ -31,11 +31,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
 
 from .. import _core
-from ..errors import ErrorCode, Smb2Error
+from ..errors import ErrorCode
 from ..membership import Membership, View, open_membership
 from ..placement import Placement
 from ..protocol import (
@@ -53,13 +53,9 @@ from ..protocol import (
     Header,
     Op,
     accumulate_span,
-    pack,
 )
 from .peers import LINK_FAILED, PeerLink, error_message
 from .segment import Refused, Segment
-
-if TYPE_CHECKING:
-    from .memory import MemoryServer
 
 log = logging.getLogger("smb2.server.replication")
 
@@ -95,6 +91,22 @@ class Client(Protocol):
     def refuse(self, hdr: Header, code: ErrorCode, message: str, **extra: Any) -> None: ...
     def hold_input(self, reason: str) -> None: ...
     def unhold_input(self, reason: str) -> None: ...
+
+
+class Server(Protocol):
+    """What this module needs of its server (memory.MemoryServer)."""
+
+    segments: dict[int, Segment]
+    by_name: dict[str, Segment]
+    token: bytes | None
+    locks: Any
+    bytes_in: int
+    repair_rate: int
+
+    def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int,
+               buffer_id: str | None = None, seal: bool = False, *, replicas: int = 1,
+               servers: list[str] | None = None, zones: list[str | None] | None = None) -> dict[str, Any]: ...
+    def destroy(self, name: str) -> dict[str, Any]: ...
 
 
 def apply_op(seg: Segment, op: int, flags: int, offset: int, data: memoryview) -> bytes:
@@ -260,6 +272,13 @@ class Outbox:
         self.fail("server shutting down")
 
 
+def _resolver(fut: asyncio.Future[tuple[int, bytes]]) -> Callable[[int, bytes], None]:
+    def done(status: int, payload: bytes) -> None:
+        if not fut.done():
+            fut.set_result((status, payload))
+    return done
+
+
 @dataclass(eq=False)
 class Stripe:
     """Where one op landed: the buffer's segment here, its placement, the
@@ -331,7 +350,7 @@ class Replication:
     """This server's part in its replicated cluster (one per MemoryServer
     started with ``--membership``)."""
 
-    def __init__(self, server: MemoryServer, url: str, me: str) -> None:
+    def __init__(self, server: Server, url: str, me: str) -> None:
         self.server = server
         self.url = url
         # this server's name in the view ("host:port")
@@ -654,7 +673,7 @@ class Replication:
                     self.outbox(t).forward(
                         seg.name, Op.WRITE, FLAG_FORWARDED, off,
                         (prefix(self.view.epoch, self.copy_id, self._copy_seq), seg.view[base + lo:base + lo + n]),
-                        lambda status, payload, fut=fut: fut.done() or fut.set_result((status, payload)))
+                        _resolver(fut))
                     futures.append((t, fut))
                     sent += n
                 self.copied_bytes += n * len(targets)
@@ -743,7 +762,7 @@ class Replication:
         self.state = "joining"
         t0 = time.monotonic()
         # 2. a copy of each stripe from its primary (in the ordered stream)
-        for name, info in buffers.items():
+        for name in buffers:
             seg = self.server.by_name.get(name)
             if seg is None:
                 return False
