@@ -98,6 +98,7 @@ class Server(Protocol):
 
     segments: dict[int, Segment]
     by_name: dict[str, Segment]
+    restored: set[int]
     token: bytes | None
     locks: Any
     bytes_in: int
@@ -826,9 +827,12 @@ class Replication:
             if seg is not None and not same:
                 srv.destroy(name)
             if not same:
-                srv.create(name, info["nbytes"], info["stripe"], info["nservers"], servers.index(self.me),
-                           info["buffer_id"], True, replicas=info["replicas"], servers=servers,
-                           zones=info.get("zones"))
+                made = srv.create(name, info["nbytes"], info["stripe"], info["nservers"], servers.index(self.me),
+                                  info["buffer_id"], True, replicas=info["replicas"], servers=servers,
+                                  zones=info.get("zones"))
+                # it will hold the buffer's data (a copy from the primaries) before
+                # it serves anything: to a client's lookup it is the buffer as it was
+                srv.restored.add(made["segment"])
         if not unreachable:
             for seg in [s for s in srv.by_name.values() if s.replicas > 1 and s.name not in found]:
                 log.warning("dropping buffer %r: no member holds it any more (destroyed while this server "
