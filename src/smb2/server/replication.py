@@ -183,7 +183,11 @@ class Outbox:
     A forward goes straight to the link's socket when the link is up, nothing
     waits before it and the peer's segment id of the buffer is known; else it
     is queued (its payload copied) and a pump connects, looks the buffer's
-    segment up by name (once per link) and sends the queue in order."""
+    segment up by name (once per link) and sends the queue in order.
+
+    A backup is failed when it stops making progress: ops are out and no
+    answer came for FORWARD_TIMEOUT (a watchdog), not when one op waited
+    that long behind many others on a loaded link."""
 
     def __init__(self, repl: Replication, address: str) -> None:
         self.repl = repl
@@ -196,20 +200,45 @@ class Outbox:
         self._pump: asyncio.Task[None] | None = None
         # client connections that stopped being read while this outbox was full
         self.blocked: set[Any] = set()
+        # ops sent or queued and not answered; when the last answer came
+        self.outstanding = 0
+        self.progress = 0.0
+        self._watchdog: asyncio.TimerHandle | None = None
 
     def forward(self, name: str, op: int, flags: int, offset: int, parts: Sequence[bytes | memoryview],
                 on_reply: Callable[[int, bytes], None]) -> None:
+        loop = asyncio.get_running_loop()
+        if not self.outstanding:
+            self.progress = loop.time()
+        self.outstanding += 1
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(self.progress + FORWARD_TIMEOUT, self._check_progress)
+
+        def answered(status: int, payload: bytes) -> None:
+            self.outstanding -= 1
+            self.progress = loop.time()
+            on_reply(status, payload)
         link = self.link
         if link is not None and link.is_open and not self.queue:
             sid = self.segment_ids.get(name)
             if sid is not None:
-                link.send(op, flags, sid, offset, parts, on_reply)
+                link.send(op, flags, sid, offset, parts, answered)
                 return
         copied = [bytes(p) for p in parts]
-        self.queue.append((name, op, flags, offset, copied, on_reply))
+        self.queue.append((name, op, flags, offset, copied, answered))
         self.queued_bytes += sum(len(p) for p in copied)
         if self._pump is None:
             self._pump = asyncio.get_running_loop().create_task(self.pump())
+
+    def _check_progress(self) -> None:
+        self._watchdog = None
+        if not self.outstanding:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() - self.progress >= FORWARD_TIMEOUT:
+            self.fail(f"{self.outstanding} forwarded ops and no answer for {FORWARD_TIMEOUT:g} s")
+        else:
+            self._watchdog = loop.call_at(self.progress + FORWARD_TIMEOUT, self._check_progress)
 
     @property
     def full(self) -> bool:
@@ -220,11 +249,15 @@ class Outbox:
         """Stop reading ``conn`` until this outbox drains."""
         conn.hold_input("forward")
         self.blocked.add(conn)
-        if self.link is not None and self.link.paused:
-            self.link.on_drain.append(self.drained)
+        self.drained()
 
     def drained(self) -> None:
+        """Read the blocked connections again, unless still full: then when
+        the link's socket drains (or the pump ends)."""
         if self.full:
+            link = self.link
+            if link is not None and link.paused and self.drained not in link.on_drain:
+                link.on_drain.append(self.drained)
             return
         blocked, self.blocked = self.blocked, set()
         for conn in blocked:
@@ -292,7 +325,7 @@ class Stripe:
 
 class Pending:
     """A primary's op whose forwards are out: answers its waiters when every
-    backup answered (or the time ran out)."""
+    backup answered (or its outbox failed it: see Outbox)."""
 
     def __init__(self, repl: Replication, where: Stripe, entry: Entry, backups: list[str]) -> None:
         self.repl = repl
@@ -302,7 +335,7 @@ class Pending:
         self.acked: set[str] = set()
         self.failed: dict[str, str] = {}
         self.stale = False
-        self.timer = asyncio.get_running_loop().call_later(FORWARD_TIMEOUT, self.time_out)
+        self.done = False
 
     def callback(self, backup: str) -> Callable[[int, bytes], None]:
         def on_reply(status: int, payload: bytes) -> None:
@@ -325,19 +358,10 @@ class Pending:
                 self.finish()
         return on_reply
 
-    def time_out(self) -> None:
-        for backup in self.waiting:
-            self.failed[backup] = f"no answer within {FORWARD_TIMEOUT:g} s"
-            # a late answer must not be taken for a later op's
-            self.repl.outbox(backup).fail(f"no answer within {FORWARD_TIMEOUT:g} s")
-        self.waiting.clear()
-        self.finish()
-
     def finish(self) -> None:
-        if self.timer is None:
+        if self.done:
             return
-        self.timer.cancel()
-        self.timer = None       # type: ignore[assignment]
+        self.done = True
         self.entry.acked = frozenset(self.acked)
         if self.stale or self.failed:
             # a backup knows a newer view, or failed: settle it under the
