@@ -285,6 +285,17 @@ async def test_partitioned_primary_acknowledges_nothing(cluster):
     raw.close()
 
 
+def metric(server, name: str) -> float:
+    """One sample of the server's Prometheus metrics (read as a scrape does)."""
+    pytest.importorskip("prometheus_client")
+    from smb2.server.metrics import ServerCollector
+    for family in ServerCollector(server).collect():
+        for sample in family.samples:
+            if sample.name in (name, name + "_total"):
+                return sample.value
+    raise KeyError(name)
+
+
 async def test_restarted_server_catches_up(cluster):
     c = cluster
     p, segs = await create(c, "r5")
@@ -308,11 +319,18 @@ async def test_restarted_server_catches_up(cluster):
                 assert st == 0, msg
 
     await push(2)
+    assert metric(c.servers[victim], "smb2_replication_member") == 1
+    assert metric(c.servers[victim], "smb2_replication_degraded_buffers") == 0
     await c.servers[victim].close()
     c.servers[victim] = None
     # what a client does when the server stops answering: out of the view
     await c.change([a for k, a in enumerate(c.addresses) if k != victim])
     await push(3)
+    survivor = c.servers[0]
+    await survivor.replication.refresh()
+    # a stripe of the buffer is short of a copy: shown in stat and the metric
+    assert metric(survivor, "smb2_replication_degraded_buffers") == 1
+    assert survivor.stat()["buffers"]["r5"]["degraded"] is True
     t0 = time.monotonic()
     c.servers[victim] = await c.start_one(victim)
     repl = c.servers[victim].replication
@@ -320,6 +338,9 @@ async def test_restarted_server_catches_up(cluster):
         assert time.monotonic() - t0 < 10, f"not caught up: {repl.stat()}"
         await asyncio.sleep(0.05)
     took = time.monotonic() - t0
+    assert metric(c.servers[victim], "smb2_replication_member") == 1
+    assert metric(c.servers[0 if victim else 1], "smb2_replication_copied_bytes") > 0 or \
+        metric(c.servers[2], "smb2_replication_copied_bytes") > 0
     await push(1)
     # every replica of every stripe holds 6.0 in every word, the restarted one too
     info = await (await Raw.open(c.addresses[victim])).control({"cmd": "lookup", "name": "r5"})
