@@ -792,9 +792,17 @@ class Replication:
             if seg is None:
                 return False
             placement = self.placement(seg)
-            primaries = {self.primary_of(seg, placement.replicas_of(i)) for i in range(placement.nstripes)
-                         if seg.index in placement.replicas_of(i)} - {None, self.me}
-            for p in sorted(p for p in primaries if p is not None):
+            mine = [i for i in range(placement.nstripes) if seg.index in placement.replicas_of(i)]
+            primaries = {i: self.primary_of(seg, placement.replicas_of(i)) for i in mine}
+            lost = [i for i, p in primaries.items() if p is None]
+            if lost:
+                # no member holds a copy: becoming a member with ours (empty,
+                # or stale) would serve it as if nothing were lost
+                log.error("stripes %s of buffer %r have no member copy to catch up from: their data is lost "
+                          "unless a server that held them comes back; this server stays out of the members",
+                          lost[:8], name)
+                return False
+            for p in sorted({p for p in primaries.values() if p is not None and p != self.me}):
                 link = await PeerLink.open(p, self.me, self.server.token)
                 try:
                     await link.control({"cmd": "repl_sync", "name": name, "epoch": view.epoch})
