@@ -296,10 +296,25 @@ def metric(server, name: str) -> float:
     raise KeyError(name)
 
 
-async def test_restarted_server_catches_up(cluster):
+async def wait_member(server, since: float) -> None:
+    while server.replication.state != "member":
+        assert time.monotonic() - since < 10, f"not caught up: {server.replication.stat()}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("data_dir", [False, True], ids=["empty", "data_dir"])
+async def test_restarted_server_catches_up(cluster, data_dir, tmp_path):
+    """A server that comes back (empty, or with its stale --data-dir) catches
+    up instead of serving what it had: all copies hold every update."""
     c = cluster
-    p, segs = await create(c, "r5")
     victim = 1
+    kw = {"data_dir": str(tmp_path / "victim")} if data_dir else {}
+    if data_dir:
+        # the victim keeps a data directory from the start
+        await c.servers[victim].close()
+        c.servers[victim] = await c.start_one(victim, **kw)
+        await wait_member(c.servers[victim], time.monotonic())
+    p, segs = await create(c, "r5")
     delta = np.ones(STRIPE // 8, np.float64).tobytes()
     client = int.from_bytes(os.urandom(8), "little")
     seq = 0
@@ -332,11 +347,10 @@ async def test_restarted_server_catches_up(cluster):
     assert metric(survivor, "smb2_replication_degraded_buffers") == 1
     assert survivor.stat()["buffers"]["r5"]["degraded"] is True
     t0 = time.monotonic()
-    c.servers[victim] = await c.start_one(victim)
-    repl = c.servers[victim].replication
-    while repl.state != "member":
-        assert time.monotonic() - t0 < 10, f"not caught up: {repl.stat()}"
-        await asyncio.sleep(0.05)
+    c.servers[victim] = await c.start_one(victim, **kw)
+    if data_dir:
+        assert c.servers[victim].restored, "the data directory was not restored"
+    await wait_member(c.servers[victim], t0)
     took = time.monotonic() - t0
     assert metric(c.servers[victim], "smb2_replication_member") == 1
     assert metric(c.servers[0 if victim else 1], "smb2_replication_copied_bytes") > 0 or \
