@@ -60,6 +60,7 @@ from ..protocol import (
     accumulate_span,
     error_payload,
     pack,
+    parse_address,
     parse_size,
     unpack,
 )
@@ -510,6 +511,17 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False     # "" (all addresses), a host name: treat as exposed
+
+
+def _comes_from(address: str, source: str) -> bool:
+    """May a connection from ``source`` (an IP) be the server ``address``
+    ("host:port")?  Checked where the host is an IP literal (a name would
+    need a lookup on the loop: it is taken as said)."""
+    try:
+        host = parse_address(address)[0]
+        return ipaddress.ip_address(host) == ipaddress.ip_address(source)
+    except ValueError:
+        return True
 
 
 def _str(msg: dict[str, Any], key: str) -> str:
@@ -1188,8 +1200,12 @@ class Connection(FrameReceiver):
         self.greeted = True
         peer = msg.get("peer")
         if isinstance(peer, str):
-            # a server of the cluster (replication.py checks it against the view)
-            self.peer_server = peer
+            # a server of the cluster (replication.py checks it against the
+            # view); one that names another host than it comes from is not
+            if _comes_from(peer, self.host):
+                self.peer_server = peer
+            else:
+                srv.warn("peer", "%s says it is server %s: not that server's address, ignored", self.peer, peer)
         repl = srv.replication
         result: dict[str, Any] = {
             "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
