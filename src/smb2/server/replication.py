@@ -193,10 +193,13 @@ class Outbox:
         self.repl = repl
         self.address = address
         self.link: PeerLink | None = None
-        self.queue: collections.deque[tuple[str, int, int, int, list[bytes], Callable[[int, bytes], None]]] = (
+        self.queue: collections.deque[tuple[tuple[str, str], int, int, int, list[bytes],
+                                            Callable[[int, bytes], None]]] = (
             collections.deque())
         self.queued_bytes = 0
-        self.segment_ids: dict[str, int] = {}
+        # the peer's segment of each buffer, by (name, buffer_id): a buffer
+        # destroyed and made again under its name is another buffer
+        self.segment_ids: dict[tuple[str, str], int] = {}
         self._pump: asyncio.Task[None] | None = None
         # client connections that stopped being read while this outbox was full
         self.blocked: set[Any] = set()
@@ -205,8 +208,10 @@ class Outbox:
         self.progress = 0.0
         self._watchdog: asyncio.TimerHandle | None = None
 
-    def forward(self, name: str, op: int, flags: int, offset: int, parts: Sequence[bytes | memoryview],
-                on_reply: Callable[[int, bytes], None]) -> None:
+    def forward(self, buffer: tuple[str, str], op: int, flags: int, offset: int,
+                parts: Sequence[bytes | memoryview], on_reply: Callable[[int, bytes], None]) -> None:
+        """Send an op for ``buffer`` (name, buffer_id) to this peer, after
+        every op sent before it."""
         loop = asyncio.get_running_loop()
         if not self.outstanding:
             self.progress = loop.time()
@@ -220,12 +225,12 @@ class Outbox:
             on_reply(status, payload)
         link = self.link
         if link is not None and link.is_open and not self.queue:
-            sid = self.segment_ids.get(name)
+            sid = self.segment_ids.get(buffer)
             if sid is not None:
                 link.send(op, flags, sid, offset, parts, answered)
                 return
         copied = [bytes(p) for p in parts]
-        self.queue.append((name, op, flags, offset, copied, answered))
+        self.queue.append((buffer, op, flags, offset, copied, answered))
         self.queued_bytes += sum(len(p) for p in copied)
         if self._pump is None:
             self._pump = asyncio.get_running_loop().create_task(self.pump())
@@ -270,13 +275,16 @@ class Outbox:
                 self.link = await PeerLink.open(self.address, self.repl.me, self.repl.server.token)
             link = self.link
             while self.queue:
-                name = self.queue[0][0]
-                if name not in self.segment_ids:
-                    info = await link.control({"cmd": "lookup", "name": name})
-                    self.segment_ids[name] = int(info["segment"])
-                name, op, flags, offset, parts, cb = self.queue.popleft()
+                buffer = self.queue[0][0]
+                if buffer not in self.segment_ids:
+                    info = await link.control({"cmd": "lookup", "name": buffer[0]})
+                    if info.get("buffer_id") != buffer[1]:
+                        raise LookupError(f"server {self.address} holds another buffer named {buffer[0]!r} "
+                                          f"(buffer_id {info.get('buffer_id')!r}, not {buffer[1]!r})")
+                    self.segment_ids[buffer] = int(info["segment"])
+                buffer, op, flags, offset, parts, cb = self.queue.popleft()
                 self.queued_bytes -= sum(len(p) for p in parts)
-                link.send(op, flags, self.segment_ids[name], offset, parts, cb)
+                link.send(op, flags, self.segment_ids[buffer], offset, parts, cb)
             self.drained()
         except asyncio.CancelledError:
             self.fail("server shutting down")
@@ -603,7 +611,7 @@ class Replication:
         for b in backups:
             box = self.outbox(b)
             off = placement.offset_on(seg.servers.index(b), stripe) + offset - placement.offset_on(seg.index, stripe)
-            box.forward(seg.name, op, fwd_flags, off, (head, data), pending.callback(b))
+            box.forward((seg.name, seg.buffer_id), op, fwd_flags, off, (head, data), pending.callback(b))
             if box.full:
                 full = box
         if full is not None:
@@ -696,7 +704,7 @@ class Replication:
                     self._copy_seq += 1
                     off = placement.offset_on(seg.servers.index(t), i) + lo
                     self.outbox(t).forward(
-                        seg.name, Op.WRITE, FLAG_FORWARDED, off,
+                        (seg.name, seg.buffer_id), Op.WRITE, FLAG_FORWARDED, off,
                         (prefix(self.view.epoch, self.copy_id, self._copy_seq), seg.view[base + lo:base + lo + n]),
                         _resolver(fut))
                     futures.append((t, fut))
