@@ -203,6 +203,8 @@ class Outbox:
         self._pump: asyncio.Task[None] | None = None
         # client connections that stopped being read while this outbox was full
         self.blocked: set[Any] = set()
+        # stripe copies waiting for room (see room)
+        self.room_waiters: list[asyncio.Future[None]] = []
         # ops sent or queued and not answered; when the last answer came
         self.outstanding = 0
         self.progress = 0.0
@@ -256,6 +258,15 @@ class Outbox:
         self.blocked.add(conn)
         self.drained()
 
+    async def room(self) -> None:
+        """Return once this outbox is not full (or has failed)."""
+        if not self.full:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.room_waiters.append(fut)
+        self.drained()          # arranges to be called again when the link drains
+        await fut
+
     def drained(self) -> None:
         """Read the blocked connections again, unless still full: then when
         the link's socket drains (or the pump ends)."""
@@ -267,6 +278,10 @@ class Outbox:
         blocked, self.blocked = self.blocked, set()
         for conn in blocked:
             conn.unhold_input("forward")
+        waiters, self.room_waiters = self.room_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     async def pump(self) -> None:
         try:
@@ -710,6 +725,9 @@ class Replication:
                     futures.append((t, fut))
                     sent += n
                 self.copied_bytes += n * len(targets)
+                for t in targets:
+                    # a slow link: no more than OUTBOX_HIGH queued for it
+                    await self.outbox(t).room()
                 rate = self.server.repair_rate
                 if pace and rate:
                     ahead = t0 + sent / rate - loop.time()
