@@ -622,11 +622,15 @@ class Replication:
         pending = Pending(self, where, entry, backups)
         fwd_flags = (flags & ~(FLAG_REPLICATED | FLAG_FENCED)) | FLAG_FORWARDED
         head = prefix(view.epoch, client, seq)
+        # a copy: the payload is a view of this connection's inbox, reused by
+        # the next frame, and a socket keeps what it could not send yet by
+        # reference (uvloop)
+        copied = bytes(data)
         full = None
         for b in backups:
             box = self.outbox(b)
             off = placement.offset_on(seg.servers.index(b), stripe) + offset - placement.offset_on(seg.index, stripe)
-            box.forward((seg.name, seg.buffer_id), op, fwd_flags, off, (head, data), pending.callback(b))
+            box.forward((seg.name, seg.buffer_id), op, fwd_flags, off, (head, copied), pending.callback(b))
             if box.full:
                 full = box
         if full is not None:
@@ -712,6 +716,9 @@ class Replication:
             base = placement.offset_on(seg.index, i)
             for lo in range(0, seg.stripe, COPY_CHUNK):
                 n = min(COPY_CHUNK, seg.stripe - lo)
+                # taken now (later updates to the stripe follow it on the link),
+                # and copied: the socket may hold it by reference while they land
+                piece = bytes(seg.view[base + lo:base + lo + n])
                 for t in targets:
                     if t in failed:
                         continue
@@ -720,7 +727,7 @@ class Replication:
                     off = placement.offset_on(seg.servers.index(t), i) + lo
                     self.outbox(t).forward(
                         (seg.name, seg.buffer_id), Op.WRITE, FLAG_FORWARDED, off,
-                        (prefix(self.view.epoch, self.copy_id, self._copy_seq), seg.view[base + lo:base + lo + n]),
+                        (prefix(self.view.epoch, self.copy_id, self._copy_seq), piece),
                         _resolver(fut))
                     futures.append((t, fut))
                     sent += n
