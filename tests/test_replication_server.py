@@ -471,6 +471,7 @@ async def test_servers_forward_to_each_other_with_the_clusters_token(etcd, monke
         await c.close()
 
 
+@pytest.mark.slow
 async def test_pipelined_large_writes_reach_the_backups_intact() -> None:
     """A 32 MiB write of a replicas=2 buffer (1 MiB requests, pipelined) on
     server processes, then a server lost and caught up: every copy holds the
