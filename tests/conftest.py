@@ -172,3 +172,11 @@ async def client(cluster: smb2.LocalCluster, transport: str) -> AsyncIterator[sm
         yield c
     finally:
         await c.close()
+
+
+@pytest_asyncio.fixture
+async def replicated_cluster() -> AsyncIterator[smb2.LocalCluster]:
+    """Three smb2-server processes with a private etcd holding their view
+    (``LocalCluster(replicated=True)``; epoch 1: all three members)."""
+    async with smb2.LocalCluster(servers=3, processes=True, replicated=True) as c:
+        yield c

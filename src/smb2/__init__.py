@@ -24,6 +24,7 @@ from .errors import (
     InterfaceError,
     InvalidArgumentError,
     LockTimeout,
+    MembershipError,
     NoSuchBuffer,
     NotifyTimeout,
     OperationTimeout,
@@ -64,8 +65,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "BufferDamaged", "Client", "ErrorCode",
     "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockTimeout",
-    "NoSuchBuffer", "NotifyTimeout", "OperationTimeout", "OutOfBounds", "OutOfMemory", "PersistenceError",
-    "ProtocolError", "Server", "ServerError",
+    "MembershipError", "NoSuchBuffer", "NotifyTimeout", "OperationTimeout", "OutOfBounds", "OutOfMemory",
+    "PersistenceError", "ProtocolError", "Server", "ServerError",
     "Smb2Error", "StaleFence", "StaleHandle", "TransportError", "Unsupported", "VersionMismatch", "connect",
     "start_server",
 ]

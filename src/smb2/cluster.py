@@ -5,6 +5,11 @@ In-process (default) the servers run in the caller's event loop on free
 ports.  With ``processes=True`` each server is a real ``smb2-server``
 subprocess, started and torn down by the cluster; ``kill(i)`` and
 ``restart(i)`` inject faults.
+
+With ``replicated=True`` the cluster also starts a private etcd (its own
+data directory and free ports, stopped with the cluster), writes the first
+membership view (epoch 1: every server a member) before any server starts,
+and gives every server ``--membership etcd://127.0.0.1:PORT/<name>``.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ import os
 import re
 import signal
 import sys
+import uuid
 from typing import Any
 
 from . import auth
 from .client import Client, connect
 from .errors import InterfaceError
+from .local_etcd import LocalEtcd, free_port
+from .membership import NO_VIEW, open_membership
 from .server import MemoryServer, start_server
 
 log = logging.getLogger("smb2.cluster")
@@ -88,7 +96,8 @@ class LocalCluster:
     def __init__(self, servers: int = 4, *, processes: bool = False, capacity: int | str = "256MiB",
                  host: str = "127.0.0.1", server_args: list[str] | None = None,
                  start_timeout: float = 30.0, token: str | bytes | None = None,
-                 data_dir: str | os.PathLike[str] | None = None) -> None:
+                 data_dir: str | os.PathLike[str] | None = None, replicated: bool = False,
+                 zones: list[str] | None = None) -> None:
         if servers < 1:
             raise InterfaceError("a cluster needs at least one server")
         self.nservers = servers
@@ -101,6 +110,14 @@ class LocalCluster:
         self.token = auth.as_token(token)
         # server i saves and restores its segments in data_dir/server-<i>
         self.data_dir = data_dir
+        # replicated: a private etcd holds the view of the cluster named self.name
+        self.replicated = replicated
+        self.name = f"local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.etcd: LocalEtcd | None = None
+        # server i says it is in zones[i] (smb2-server --zone)
+        if zones is not None and len(zones) != servers:
+            raise InterfaceError(f"zones names {len(zones)} zones for {servers} servers: name one per server")
+        self.zones = zones
         self.servers: list[MemoryServer] = []          # in-process mode
         self.procs: list[_Process | None] = []           # processes mode
         self._addresses: list[tuple[str, int]] = []
@@ -110,16 +127,27 @@ class LocalCluster:
     def addresses(self) -> list[str]:
         return [f"{h}:{p}" for h, p in self._addresses]
 
+    @property
+    def membership_url(self) -> str | None:
+        """The servers' ``--membership`` URL (None unless replicated)."""
+        return None if self.etcd is None else self.etcd.url(self.name)
+
     async def start(self) -> LocalCluster:
         try:
+            ports = [0] * self.nservers
+            if self.replicated:
+                # the first view names the servers, so their ports are chosen first
+                ports = [free_port(self.host) for _ in range(self.nservers)]
+                await self._start_etcd([f"{self.host}:{p}" for p in ports])
             if self.processes:
                 self.procs = list(await asyncio.gather(
-                    *(self._spawn(self.host, 0, i) for i in range(self.nservers))))
+                    *(self._spawn(self.host, ports[i], i) for i in range(self.nservers))))
                 self._addresses = [(p.host, p.port) for p in self.procs if p is not None]
             else:
                 for i in range(self.nservers):
-                    s = await start_server(self.host, 0, capacity=self.capacity, token=self.token,
-                                           data_dir=self._data_dir(i))
+                    s = await start_server(self.host, ports[i], capacity=self.capacity, token=self.token,
+                                           data_dir=self._data_dir(i), membership=self.membership_url,
+                                           zone=None if self.zones is None else self.zones[i])
                     self.servers.append(s)
                 self._addresses = [s.address for s in self.servers]
         except BaseException:
@@ -128,6 +156,14 @@ class LocalCluster:
         log.info("local cluster of %d servers: %s", self.nservers, ", ".join(self.addresses))
         return self
 
+    async def _start_etcd(self, members: list[str]) -> None:
+        self.etcd = await LocalEtcd(self.host).start()
+        url = self.etcd.url(self.name)
+        async with open_membership(url) as membership:
+            view = await membership.change(NO_VIEW, members=members)
+        if view.epoch != 1 or list(view.members) != members:
+            raise InterfaceError(f"a fresh etcd at {url} already held a view: {view}")
+
     def _data_dir(self, index: int) -> str | None:
         return None if self.data_dir is None else os.path.join(self.data_dir, f"server-{index}")
 
@@ -135,6 +171,10 @@ class LocalCluster:
         args = ["--capacity", str(self.capacity), *self.server_args]
         if self.data_dir is not None:
             args += ["--data-dir", str(self._data_dir(index))]
+        if self.membership_url is not None:
+            args += ["--membership", self.membership_url]
+        if self.zones is not None:
+            args += ["--zone", self.zones[index]]
         return await _Process.spawn(host, port, args, self.start_timeout, self.token)
 
     async def connect(self, **kwargs: Any) -> Client:
@@ -179,6 +219,9 @@ class LocalCluster:
         await asyncio.gather(*(p.stop() for p in self.procs if p is not None),
                              return_exceptions=True)
         self.procs.clear()
+        if self.etcd is not None:
+            await self.etcd.close()
+            self.etcd = None
 
     async def __aenter__(self) -> LocalCluster:
         return await self.start()

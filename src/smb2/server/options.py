@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..membership import parse_url as parse_membership_url
 from ..protocol import DEFAULT_MAX_FRAME, MAX_ACCUMULATE, parse_size
 from .locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_LEASE, MAX_SLOTS, MAX_SPIN
 from .metrics import parse_address as parse_metrics_address
@@ -99,9 +100,21 @@ class ServerOptions:
     shm_socket: str | None = _option(
         None, "the Unix socket for shm clients (default: $XDG_RUNTIME_DIR/smb2/PORT-PID.sock, "
         "else under /tmp, per user)", metavar="PATH")
+    membership: str | None = _option(
+        None, "the coordination service holding the replicated cluster's view, "
+        "etcd://HOST:PORT[,HOST:PORT]/CLUSTER-NAME (default: none; replicas=1 needs none)", metavar="URL")
+    zone: str | None = _option(
+        None, "the host, rack or zone this server is in: replicas of a stripe go to servers of different "
+        "zones where there are enough (default: none)", metavar="NAME")
+    advertise: str | None = _option(
+        None, "the HOST:PORT this server is known by in the membership view and to its peers (default: "
+        "the address it listens on)", metavar="HOST:PORT")
+    repair_rate: int | str = _option(
+        "256MiB", "bytes per second a primary sends when it copies stripes to a server that catches up "
+        "(default 256MiB; 0 = unpaced)", type=str)
 
     def __post_init__(self) -> None:
-        for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes"):
+        for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes", "repair_rate"):
             parse_size(getattr(self, name))
         if parse_size(self.max_receive_memory) < MIN_RECEIVE_MEMORY:
             raise InvalidArgumentError(f"max receive memory must be at least {MIN_RECEIVE_MEMORY >> 20} MiB "
@@ -118,6 +131,10 @@ class ServerOptions:
         if self.metrics is not None:
             parse_metrics_address(self.metrics)
             prometheus()        # missing: said now, not after the server started
+        if self.membership is not None:
+            parse_membership_url(self.membership)
+        if self.zone is not None and not (0 < len(self.zone) <= 64 and self.zone.isprintable()):
+            raise InvalidArgumentError(f"a zone is a printable name of 1 to 64 characters, not {self.zone!r}")
         if self.rdma not in RDMA_MODES:
             raise InvalidArgumentError(f"rdma must be auto, on or off, not {self.rdma!r}")
         if self.shm not in SHM_MODES:

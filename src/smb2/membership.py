@@ -1,0 +1,257 @@
+"""Who holds the replicas of a replicated cluster, and in which epoch.
+
+The view (:class:`View`: an epoch and the member servers) lives in a
+coordination service, never in the smb2 servers themselves: a view changes
+only by a compare-and-set there, so two servers cut off from each other can
+never both believe they are the primary of a stripe in the same epoch.  No
+consensus is made here; etcd's is used.
+
+``open_membership("etcd://host:port[,host:port]/cluster-name")`` gives the
+view of the cluster named ``cluster-name``, kept at the etcd key
+``smb2/<cluster-name>/view``.  etcd 3.4 serves its v3 API as JSON over HTTP
+(the gRPC gateway); a small HTTP/1.1 client over ``asyncio.open_connection``
+talks to it, so no gRPC stack is needed.  Every request goes to the first
+endpoint that answers; a read is linearizable (etcd's default).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import base64
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidArgumentError, MembershipError
+
+log = logging.getLogger("smb2.membership")
+
+SCHEME = "etcd"
+# one request to etcd, connection included; a partitioned endpoint is given up
+# after this and the next one is tried
+REQUEST_TIMEOUT = 2.0
+# the largest reply read from etcd (a view is a few hundred bytes)
+MAX_REPLY = 1 << 20
+
+
+@dataclass(frozen=True)
+class View:
+    """One epoch of a replicated cluster's membership."""
+
+    epoch: int                      # grows by exactly 1 at every change; 1 = the first view, 0 = none yet
+    members: tuple[str, ...]        # "host:port" of servers that hold current replicas (cluster order)
+    joining: tuple[str, ...] = ()   # servers catching up: they receive forwarded updates, serve no reads
+
+    def to_json(self) -> bytes:
+        return json.dumps({"epoch": self.epoch, "members": list(self.members),
+                           "joining": list(self.joining)}, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> View:
+        try:
+            obj = json.loads(data)
+            view = cls(int(obj["epoch"]), tuple(str(m) for m in obj["members"]),
+                       tuple(str(m) for m in obj.get("joining", ())))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MembershipError(f"the membership view at {where} is not a view: {data[:200]!r}",
+                                  hint="it was written by something other than smb2: delete the key "
+                                       "(etcdctl del) and restart the cluster") from exc
+        return view
+
+
+#: the view of a cluster nothing has written yet (its first change writes epoch 1)
+NO_VIEW = View(0, ())
+
+
+class Membership(abc.ABC):
+    """The current view of one replicated cluster, in a coordination service."""
+
+    url: str
+
+    @abc.abstractmethod
+    async def view(self) -> View:
+        """A linearizable read of the current view (:data:`NO_VIEW` if none was written)."""
+
+    @abc.abstractmethod
+    async def change(self, expected: View, *, members: Sequence[str],
+                     joining: Sequence[str] = ()) -> View:
+        """Compare-and-set on ``expected.epoch``: write epoch + 1 with these members if the
+        current epoch is still ``expected.epoch``.  Returns the view current afterwards: ours,
+        or the one another client wrote first (compare its epoch to know which)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections (the view stays in the service)."""
+
+    async def __aenter__(self) -> Membership:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def parse_url(url: str) -> tuple[list[tuple[str, int]], str]:
+    """``etcd://h:p[,h:p]/name`` -> ([(h, p), ...], name) (InvalidArgumentError)."""
+    example = "etcd://127.0.0.1:2379/my-cluster (several etcd endpoints: etcd://h1:2379,h2:2379/my-cluster)"
+    if not isinstance(url, str) or not url.startswith(SCHEME + "://"):
+        raise InvalidArgumentError(f"a membership URL looks like {example}, not {url!r}")
+    hosts, _, name = url[len(SCHEME) + 3:].partition("/")
+    name = name.strip("/")
+    if not name or "/" in name or not name.isprintable() or " " in name:
+        raise InvalidArgumentError(f"membership URL {url!r} names no cluster (one path segment): "
+                                   f"write it as {example}")
+    endpoints = []
+    for part in hosts.split(","):
+        host, sep, port = part.strip().rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgumentError(f"membership URL {url!r}: {part!r} is not host:port; "
+                                       f"write it as {example}")
+        endpoints.append((host, int(port)))
+    return endpoints, name
+
+
+def open_membership(url: str) -> Membership:
+    """The membership service ``url`` names (only ``etcd://`` for now).  Nothing is
+    connected yet: the first :meth:`Membership.view` does that."""
+    endpoints, name = parse_url(url)
+    return EtcdMembership(url, endpoints, name)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+class EtcdMembership(Membership):
+    """The view in etcd 3.4+, through its JSON gateway (``/v3/kv/range``, ``/v3/kv/txn``)."""
+
+    def __init__(self, url: str, endpoints: list[tuple[str, int]], name: str,
+                 timeout: float = REQUEST_TIMEOUT) -> None:
+        self.url = url
+        self.endpoints = endpoints
+        self.name = name
+        self.key = f"smb2/{name}/view".encode()
+        self.timeout = timeout
+        self._preferred = 0         # the endpoint that answered last
+
+    # -- the view ------------------------------------------------------------
+    async def view(self) -> View:
+        view, _ = await self._read()
+        return view
+
+    async def change(self, expected: View, *, members: Sequence[str],
+                     joining: Sequence[str] = ()) -> View:
+        new = View(expected.epoch + 1, tuple(members), tuple(joining))
+        if not new.members:
+            raise InvalidArgumentError("a view needs at least one member",
+                                       hint="a replicated cluster with no member server holds no data")
+        current, mod_revision = await self._read()
+        if current.epoch != expected.epoch:
+            return current
+        # one txn: put only if the key is still what we read (mod_revision 0 = the key is absent)
+        reply = await self._post("/v3/kv/txn", {
+            "compare": [{"key": _b64(self.key), "target": "MOD", "mod_revision": str(mod_revision),
+                         "result": "EQUAL"}],
+            "success": [{"request_put": {"key": _b64(self.key), "value": _b64(new.to_json())}}],
+            "failure": [{"request_range": {"key": _b64(self.key)}}],
+        })
+        if reply.get("succeeded"):
+            log.info("membership %s: epoch %d, members %s, joining %s", self.name, new.epoch,
+                     ",".join(new.members), ",".join(new.joining) or "none")
+            return new
+        # another writer came first: its view is in the failure branch's range
+        ranged = reply.get("responses", [{}])[0].get("response_range", {})
+        return self._decode(ranged)[0]
+
+    async def _read(self) -> tuple[View, int]:
+        """The current view and the key's mod_revision (0: no view yet)."""
+        return self._decode(await self._post("/v3/kv/range", {"key": _b64(self.key)}))
+
+    def _decode(self, ranged: dict[str, Any]) -> tuple[View, int]:
+        kvs = ranged.get("kvs") or []
+        if not kvs:
+            return NO_VIEW, 0
+        kv = kvs[0]
+        view = View.from_json(base64.b64decode(kv.get("value", "")), where=f"{self.url} ({self.key.decode()})")
+        return view, int(kv.get("mod_revision", 0))
+
+    async def close(self) -> None:
+        pass                        # a connection per request: nothing held
+
+    # -- HTTP ----------------------------------------------------------------
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST to the first endpoint that answers, starting with the last one that did."""
+        failures = []
+        n = len(self.endpoints)
+        for k in range(n):
+            i = (self._preferred + k) % n
+            host, port = self.endpoints[i]
+            try:
+                status, reply = await asyncio.wait_for(http_post(host, port, path, body), self.timeout)
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+                failures.append(f"{host}:{port}: {exc!r}")
+                continue
+            if status == 200:
+                self._preferred = i
+                return reply
+            # etcd's own refusal (no leader: 503 "etcdserver: no leader") -- try the next one
+            failures.append(f"{host}:{port}: HTTP {status} {reply.get('message') or reply.get('error')}")
+        raise MembershipError(
+            f"the membership service {self.url} did not answer: etcd unreachable",
+            detail="; ".join(failures),
+            hint="check that etcd runs at those addresses and that this host can reach them "
+                 "(etcdctl --endpoints=HOST:PORT endpoint health); for a test cluster "
+                 "LocalCluster(replicated=True) starts its own")
+
+
+async def http_post(host: str, port: int, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """One HTTP/1.1 POST of a JSON body; the status and the JSON reply."""
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        await writer.drain()
+        status_line = await reader.readuntil(b"\r\n")
+        parts = status_line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise ValueError(f"not an HTTP reply: {status_line[:80]!r}")
+        headers = {}
+        while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            payload = await _read_chunked(reader)
+        elif "content-length" in headers:
+            length = int(headers["content-length"])
+            if length > MAX_REPLY:
+                raise ValueError(f"reply of {length} bytes")
+            payload = await reader.readexactly(length)
+        else:
+            payload = await reader.read(MAX_REPLY)
+        reply = json.loads(payload) if payload.strip() else {}
+        if not isinstance(reply, dict):
+            raise ValueError(f"not a JSON object: {payload[:80]!r}")
+        return int(parts[1]), reply
+    finally:
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    payload = bytearray()
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        if size == 0:
+            await reader.readuntil(b"\r\n")
+            return bytes(payload)
+        if len(payload) + size > MAX_REPLY:
+            raise ValueError("reply too large")
+        payload += await reader.readexactly(size)
+        await reader.readexactly(2)
