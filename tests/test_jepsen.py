@@ -14,6 +14,7 @@ import smb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import jepsen  # noqa: E402
+import netns_cluster  # noqa: E402
 from jepsen import FAIL, OK, UNKNOWN, Final, History, Op  # noqa: E402
 
 REPLICATION = "replicas" in inspect.signature(smb2.Client.create).parameters
@@ -137,3 +138,24 @@ async def test_replicas_2_kill_and_pause_lose_nothing() -> None:
     history = await jepsen.run_local(s)
     violations = jepsen.check(history)
     assert violations == [], jepsen.report(history, violations)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not REPLICATION, reason="replication (client.create(replicas=...)) is not on this branch yet")
+def test_partition_old_primary_acknowledges_nothing_that_is_lost() -> None:
+    """Issue 23's partition test, in the netns harness (every server, both client hosts and etcd
+    their own hosts): server i and client host "c" are cut off from everything else for 3-4 s,
+    while both client hosts go on; whatever the cut-off primary acknowledged must be there after."""
+    ok, why = netns_cluster.can_run()
+    if not ok:
+        pytest.skip(f"no network namespaces here: {why}")
+    s = jepsen.Settings(seed=11, duration=7.0, servers=3, replicas=2, processes=4, clients=2,
+                        nemesis=("partition",), interval=2.0, fault_time=(3.0, 4.0), settle=10.0, data_dir=False)
+    history = jepsen.run_netns(s)
+    violations = jepsen.check(history)
+    report = jepsen.report(history, violations)
+    print(report)
+    assert any(w.startswith("partition server") for _, w in history.nemesis), report
+    # both sides did something: the majority's host and the cut-off one
+    assert {op.process % 2 for op in history.ops if op.outcome == OK} == {0, 1}, report
+    assert violations == [], report
