@@ -122,7 +122,7 @@ async def test_replicas_1_kill_without_data_dir_loses_acknowledged_increments() 
     """Today's picture (issue 23): a server SIGKILLed and restarted without --data-dir comes back
     empty, and the checker reports the acknowledged increments it held as lost."""
     s = jepsen.Settings(seed=2, duration=3.0, servers=3, replicas=1, processes=3, nemesis=("kill",),
-                        interval=1.0, settle=3.0, data_dir=False)
+                        interval=1.0, fault_time=(0.3, 1.0), settle=3.0, data_dir=False)
     history = await jepsen.run_local(s)
     violations = jepsen.check(history)
     print(jepsen.report(history, violations))
