@@ -318,6 +318,10 @@ class Workload:
                     await self.lock_rmw(p, buf, lock)
                 else:
                     await self.one(p, kind, buf, rng)
+                if self.history.ops[-1].error.startswith("StaleHandle"):
+                    # a server came back with new segments: look the buffer up again, as a user would
+                    with contextlib.suppress(smb2.Smb2Error):
+                        buf = await client.attach(BUFFER, timeout=self.op_timeout)
                 await asyncio.sleep(rng.uniform(0, 0.005))
         finally:
             with contextlib.suppress(Exception):
@@ -353,8 +357,8 @@ class Workload:
         op.invoke = time.monotonic()
         try:
             await lock.acquire(timeout=self.op_timeout)
-        except Exception as exc:
-            op.outcome, op.error = FAIL if isinstance(exc, smb2.LockTimeout) else UNKNOWN, type(exc).__name__
+        except Exception as exc:        # not held: nothing was written
+            op.outcome, op.error = FAIL, f"acquire: {type(exc).__name__}: {exc}".splitlines()[0]
             op.complete = time.monotonic()
             return
         start = time.monotonic()
