@@ -133,8 +133,8 @@ async def test_replicas_1_kill_without_data_dir_loses_acknowledged_increments() 
 @pytest.mark.server_process_only
 @pytest.mark.skipif(not REPLICATION, reason="replication (client.create(replicas=...)) is not on this branch yet")
 async def test_replicas_2_kill_and_pause_lose_nothing() -> None:
-    s = jepsen.Settings(seed=3, duration=6.0, servers=3, replicas=2, processes=3, nemesis=("kill", "pause"),
-                        interval=1.5, settle=8.0, data_dir=False)
+    s = jepsen.Settings(seed=3, duration=5.0, servers=3, replicas=2, processes=3, nemesis=("kill", "pause"),
+                        interval=1.5, fault_time=(0.5, 2.0), settle=8.0, data_dir=False)
     history = await jepsen.run_local(s)
     violations = jepsen.check(history)
     assert violations == [], jepsen.report(history, violations)
@@ -149,13 +149,15 @@ def test_partition_old_primary_acknowledges_nothing_that_is_lost() -> None:
     ok, why = netns_cluster.can_run()
     if not ok:
         pytest.skip(f"no network namespaces here: {why}")
-    s = jepsen.Settings(seed=11, duration=7.0, servers=3, replicas=2, processes=4, clients=2,
-                        nemesis=("partition",), interval=2.0, fault_time=(3.0, 4.0), settle=10.0, data_dir=False)
+    s = jepsen.Settings(seed=11, duration=5.0, servers=3, replicas=2, processes=4, clients=2,
+                        nemesis=("partition",), interval=1.5, fault_time=(3.0, 3.5), settle=10.0, data_dir=False)
     history = jepsen.run_netns(s)
     violations = jepsen.check(history)
     report = jepsen.report(history, violations)
     print(report)
     assert any(w.startswith("partition server") for _, w in history.nemesis), report
-    # both sides did something: the majority's host and the cut-off one
+    # both sides did something, and the cut-off client tried while it was cut off
     assert {op.process % 2 for op in history.ops if op.outcome == OK} == {0, 1}, report
+    (cut, _), (healed, _) = history.nemesis[:2]
+    assert any(op.process % 2 == 0 and cut < op.invoke < healed for op in history.ops), report
     assert violations == [], report

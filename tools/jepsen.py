@@ -600,10 +600,12 @@ def run_netns(s: Settings) -> History:
             job = json.dumps({"role": role, "processes": list(processes), "settings": asdict(s)})
             p = cluster.popen_client(worker + [job], host=host, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE)
-            assert p.stdout is not None
-            if p.stdout.readline().strip() != b"ready":     # python and smb2 imported: the slow part
-                p.kill()
             return p
+
+        def ready(p: subprocess.Popen) -> None:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != b"ready":     # smb2 imported, the buffer made: the slow part
+                p.kill()            # finish_worker says why
 
         def go(p: subprocess.Popen) -> None:
             assert p.stdin is not None
@@ -620,12 +622,14 @@ def run_netns(s: Settings) -> History:
 
         def run_worker(host: str, role: str) -> list[Any]:
             p = start_worker(host, role)
+            ready(p)
             go(p)
             return finish_worker(p)
 
-        run_worker("c", "create")
         hosts = cluster.client_hosts
         workers = [start_worker(h, "process", range(k, s.processes, len(hosts))) for k, h in enumerate(hosts)]
+        for p in workers:
+            ready(p)
         for p in workers:       # all at once, with the nemesis
             go(p)
 
@@ -649,9 +653,8 @@ def run_netns(s: Settings) -> History:
 
 
 async def worker(job: dict[str, Any]) -> None:
-    """A client host's part of a netns run: print what it did as JSON lines."""
-    print("ready", flush=True)
-    await asyncio.to_thread(sys.stdin.readline)         # "go"
+    """A client host's part of a netns run: make the buffer (every client host: create is
+    idempotent), say "ready", wait for "go", then print what it did as JSON lines."""
     s = Settings(**{**job["settings"], "nemesis": tuple(job["settings"]["nemesis"]),
                     "fault_time": tuple(job["settings"]["fault_time"])})
     history = History(s.seed)
@@ -661,13 +664,15 @@ async def worker(job: dict[str, Any]) -> None:
 
     work = Workload(connect, history, processes=s.processes, layout=Layout(counters=2 * s.servers),
                     replicas=s.replicas, op_timeout=s.op_timeout)
-    if job["role"] == "create":
+    if job["role"] == "process":
         client = await connect()
         try:
             await work.create(client)
         finally:
             await client.close()
-    elif job["role"] == "final":
+    print("ready", flush=True)
+    await asyncio.to_thread(sys.stdin.readline)         # "go"
+    if job["role"] == "final":
         print(json.dumps(asdict(await work.read_final(s.settle))), flush=True)
     else:
         asyncio.get_running_loop().call_later(s.duration, work.stop.set)
