@@ -93,9 +93,12 @@ def test_checker_catches_overlapping_critical_sections() -> None:
 def test_checker_catches_a_lost_update_under_the_lock() -> None:
     h = _consistent()
     h.ops[-1] = _lock(1, 4, (1.8, 1.9), 1)          # read 1 after 2 acknowledged updates (tokens 1, 3)
-    h.final.record = 2
+    h.ops.append(_lock(0, 5, (2.0, 2.1), 2))         # goes on from there: the same loss, said once
+    h.final.record = 3
     violations = jepsen.check(h)
-    assert any("token 4" in v and "acknowledged update was lost" in v for v in violations), violations
+    lost = [v for v in violations if "acknowledged update was lost" in v]
+    assert len(lost) == 1 and "token 4" in lost[0], violations
+    assert any("record: final 3, outside [4, 4]" in v for v in violations), violations
 
 
 def test_checker_catches_tokens_going_backwards() -> None:
