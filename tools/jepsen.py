@@ -689,6 +689,8 @@ def report(history: History, violations: list[str]) -> str:
     lines = [f"jepsen seed {history.seed}: {len(history.ops)} operations ({summary(history)}); "
              f"{sum(1 for _, w in history.nemesis if not w.startswith('healed'))} faults"]
     lines += [f"  nemesis {w}" for _, w in history.nemesis]
+    errors = Counter(f"{op.kind} {op.outcome}: {op.error[:100]}" for op in history.ops if op.outcome != OK)
+    lines += [f"  {n} x {what}" for what, n in errors.most_common(5)]
     if history.final.error:
         lines.append(f"  the final read first failed: {history.final.error.splitlines()[0]}")
     if violations:
