@@ -46,6 +46,13 @@ def _consistent() -> History:
     return h
 
 
+def _kept(history: History, violations: list[str], where: Path) -> str:
+    """The report, and the history kept as JSON lines to study (tools/jepsen.py --history's format)."""
+    path = where / f"jepsen-{history.seed}.jsonl"
+    history.dump(path)
+    return f"{jepsen.report(history, violations)}\nthe history: {path}"
+
+
 def test_checker_passes_a_consistent_history() -> None:
     assert jepsen.check(_consistent()) == []
 
@@ -135,17 +142,17 @@ async def test_replicas_1_kill_without_data_dir_loses_acknowledged_increments() 
 
 @pytest.mark.server_process_only
 @pytest.mark.skipif(not REPLICATION, reason="replication (client.create(replicas=...)) is not on this branch yet")
-async def test_replicas_2_kill_and_pause_lose_nothing() -> None:
+async def test_replicas_2_kill_and_pause_lose_nothing(tmp_path: Path) -> None:
     s = jepsen.Settings(seed=3, duration=5.0, servers=3, replicas=2, processes=3, nemesis=("kill", "pause"),
                         interval=1.5, fault_time=(0.5, 2.0), settle=8.0, data_dir=False)
     history = await jepsen.run_local(s)
     violations = jepsen.check(history)
-    assert violations == [], jepsen.report(history, violations)
+    assert violations == [], _kept(history, violations, tmp_path)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not REPLICATION, reason="replication (client.create(replicas=...)) is not on this branch yet")
-def test_partition_old_primary_acknowledges_nothing_that_is_lost() -> None:
+def test_partition_old_primary_acknowledges_nothing_that_is_lost(tmp_path: Path) -> None:
     """Issue 23's partition test, in the netns harness (every server, both client hosts and etcd
     their own hosts): server i and client host "c" are cut off from everything else for 3-4 s,
     while both client hosts go on; whatever the cut-off primary acknowledged must be there after."""
@@ -163,4 +170,4 @@ def test_partition_old_primary_acknowledges_nothing_that_is_lost() -> None:
     assert {op.process % 2 for op in history.ops if op.outcome == OK} == {0, 1}, report
     (cut, _), (healed, _) = history.nemesis[:2]
     assert any(op.process % 2 == 0 and cut < op.invoke < healed for op in history.ops), report
-    assert violations == [], report
+    assert violations == [], _kept(history, violations, tmp_path)
