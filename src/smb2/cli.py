@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Any
 
+from . import _core
 from .client import connect
 from .errors import InterfaceError, NoSuchBuffer, Smb2Error, TransportError
 from .protocol import DEFAULT_PORT
@@ -25,8 +26,32 @@ from .version import __version__
 
 async def _stat(client: Any, args: argparse.Namespace) -> int:
     stats = await client.stat()
+    if any(info.get("replicas", 1) > 1 for s in stats for info in s.get("buffers", {}).values()):
+        replication = await _replication(client, stats)
+        for s in stats:
+            s["replication"] = replication
     print(json.dumps(stats if len(stats) > 1 else stats[0], indent=2, sort_keys=True))
     return 0
+
+
+async def _replication(client: Any, stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The membership view and the replicated buffers that are degraded
+    (a stripe with fewer copies on member servers than its replicas)."""
+    from .placement import Placement
+    from .replication import degraded
+
+    view = await (await client.views()).refresh()
+    out: dict[str, Any] = {"epoch": view.epoch, "members": list(view.members), "joining": list(view.joining),
+                           "degraded": []}
+    infos = {name: info for s in stats for name, info in s.get("buffers", {}).items()}
+    for name, info in sorted(infos.items()):
+        if info.get("replicas", 1) > 1:
+            n = info["nservers"]
+            placement = Placement(n, info["nbytes"], info["stripe"], _core.name_hash(name) % n, info["replicas"],
+                                  info.get("zones"))
+            if degraded(placement, client.servers, view):
+                out["degraded"].append(name)
+    return out
 
 
 async def _ls(client: Any, args: argparse.Namespace) -> int:
@@ -50,12 +75,24 @@ def _print_rows(rows: list[dict[str, Any]], as_json: bool) -> None:
     else:
         print(f"{'NAME':24} {'BYTES':>12} {'STRIPE':>8}  WHAT")
         for r in rows:
-            print(f"{r['name']:24} {r.get('bytes', '-'):>12} {r.get('stripe', '-'):>8}  {_what(r)}")
+            print(f"{r['name']:24} {r.get('bytes', '-'):>12} {r.get('stripe', '-'):>8}  {_what(r)}{_copies(r)}")
+
+
+def _copies(r: dict[str, Any]) -> str:
+    if r.get("replicas", 1) <= 1:
+        return ""
+    if r.get("degraded"):
+        return (f"; {r['replicas']} replicas, DEGRADED: some stripes have fewer copies (a server was lost; they "
+                "are whole again once it rejoins)")
+    return f"; {r['replicas']} replicas"
 
 
 def _what(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"unreadable: {r['error']}"
+    if r.get("whole"):
+        return (f"readable: every stripe has a copy on a reachable server (unreachable: "
+                f"{', '.join(r['unreachable'])})")
     if "unreachable" in r:
         return (f"unknown: server{'s' if len(r['unreachable']) > 1 else ''} {', '.join(r['unreachable'])} "
                 f"unreachable (parts seen: {r['parts_seen']} of {r['parts']})")
@@ -96,9 +133,24 @@ async def _ls_partial(servers: list[str], args: argparse.Namespace) -> int:
             row = seen.setdefault(name, {"name": name, "bytes": info["nbytes"], "stripe": info["stripe"],
                                          "parts": info["nservers"], "parts_seen": 0, "unreachable": down})
             row["parts_seen"] += 1
+            if info.get("replicas", 1) > 1:
+                row.update(replicas=info["replicas"], degraded=True, whole=_whole_without(name, info, down))
     _print_rows([seen[n] for n in sorted(seen)], args.json)
     print(f"HINT: buffers with a part on {', '.join(down)} cannot be read until it is back", file=sys.stderr)
     return 1
+
+
+def _whole_without(name: str, info: dict[str, Any], down: list[str]) -> bool:
+    """Whether every stripe of the replicated buffer ``name`` has a copy on
+    a server not ``down`` (its part ``info`` names the servers)."""
+    from .placement import Placement
+
+    servers = info.get("servers") or []
+    n = info["nservers"]
+    if len(servers) != n:
+        return False
+    p = Placement(n, info["nbytes"], info["stripe"], _core.name_hash(name) % n, info["replicas"], info.get("zones"))
+    return all(any(servers[s] not in down for s in p.replicas_of(i)) for i in range(min(p.nstripes, n)))
 
 
 async def _rm(client: Any, args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _core, auth, checkpoint, parts
+from . import _core, auth, checkpoint, parts, replication
 from . import notify as _notify
 from .checks import check_int, check_word, to_signed
 from .errors import (
@@ -45,7 +45,8 @@ from .errors import (
     TransportError,
 )
 from .lock import Fence, Lock, fence_of
-from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, WIRE_CODES, parse_address
+from .placement import Placement, check_replicas
+from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, MASK64, WIRE_CODES, parse_address
 from .transport import KINDS, Link, MemoryDomain, ShmTransport, Transport
 
 log = logging.getLogger("smb2.client")
@@ -95,7 +96,7 @@ class Client:
     """A connection to a cluster of memory servers.  Make it with
     :func:`connect`; close it with ``await client.close()`` or ``async with``."""
 
-    __slots__ = ("_links", "_closed", "_registered", "_created_at", "op_timeout", "__weakref__")
+    __slots__ = ("_links", "_closed", "_registered", "_created_at", "op_timeout", "_views", "__weakref__")
 
     def __init__(self, links: Sequence[Link], created_at: str = "", op_timeout: float | None = None) -> None:
         #: the deadline of an operation that gives no ``timeout=`` (None: none)
@@ -103,6 +104,8 @@ class Client:
         self._links = tuple(links)
         self._closed = False
         self._registered: list[Registration] = []
+        # the membership view replicated buffers are routed by (opened on first use)
+        self._views: replication.Views | None = None
         #: "file:line" of the code that connected (for the unclosed-client warning)
         self._created_at = created_at or _caller_outside_package()
 
@@ -135,6 +138,8 @@ class Client:
             return
         self._closed = True
         await asyncio.gather(*(link.close() for link in self._links), return_exceptions=True)
+        if self._views is not None:
+            await self._views.close()
         for reg in self._registered:
             reg.close()
         self._registered.clear()
@@ -185,6 +190,16 @@ class Client:
         """An operation's ``timeout=`` argument, checked, or the client's default."""
         return self.op_timeout if timeout is None else _check_timeout(timeout)
 
+    async def views(self) -> replication.Views:
+        """The membership view of the servers (the one every server named at
+        hello), which replicated buffers are routed by; InterfaceError where
+        the servers run without a membership service."""
+        if self._views is None:
+            # what each server said at hello (every link connected once, in connect)
+            infos = [link.transport.server_info if link.transport is not None else {} for link in self._links]
+            self._views = replication.Views.of_servers(infos, self.servers)
+        return self._views
+
     async def _each(self, msgs: Iterable[dict[str, Any]], timeout: float | None, *,
                     idempotent: bool) -> list[dict[str, Any]]:
         t = self.deadline(timeout)
@@ -193,8 +208,16 @@ class Client:
 
     # -- buffers ------------------------------------------------------------
     async def create(self, name: str, nbytes: int, *, stripe: int = DEFAULT_STRIPE,
-                     recreate_lost: bool = False, timeout: float | None = None) -> Buffer:
+                     replicas: int = 1, recreate_lost: bool = False, timeout: float | None = None) -> Buffer:
         """Create the buffer ``name`` of ``nbytes`` striped over all servers.
+
+        ``replicas=R`` keeps R copies of every stripe on R different servers
+        (different zones where the servers declare them, ``smb2-server
+        --zone``), so the buffer survives R - 1 lost servers: mutations go
+        through each stripe's primary server, which copies them to the
+        others before it answers; reads stay one-sided.  It needs servers
+        started with ``--membership`` (docs/operations.md, "Replicated
+        buffers").  ``R`` is at most the number of servers.
 
         Idempotent: creating an existing buffer with the same size and stripe
         returns it; other parameters raise :class:`BufferConflict`.  An
@@ -215,11 +238,18 @@ class Client:
         if stripe % 8:
             raise InvalidArgumentError(f"stripe must be a multiple of 8 bytes, not {stripe}")
         n = len(self._links)
+        replicas = check_replicas(replicas, n)
         deadline = self.deadline(timeout)
+        layout: dict[str, Any] = {}
+        if replicas > 1:
+            await self.views()      # refused here where the servers keep no view
+            zones = [link.transport.server_info.get("zone") if link.transport is not None else None
+                     for link in self._links]
+            layout = {"replicas": replicas, "servers": self.servers, "zones": zones}
 
         async def make(index: int, buffer_id: str | None, seal: bool = False) -> dict[str, Any]:
             msg = {"cmd": "create", "name": name, "nbytes": nbytes, "stripe": stripe,
-                   "nservers": n, "index": index, "buffer_id": buffer_id, "seal": seal}
+                   "nservers": n, "index": index, "buffer_id": buffer_id, "seal": seal, **layout}
             if buffer_id is None:       # a server without identities gave part 0 none
                 del msg["buffer_id"]
             return await _control(self._links[index], msg, deadline, idempotent=False, stamp=True)
@@ -276,10 +306,14 @@ class Client:
               for link in self._links),
             return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, NoSuchBuffer)]
-        if errors:
-            raise _first_error(errors)
         infos = [r if isinstance(r, dict) else None for r in results]
         found = [i for i in infos if i is not None]
+        unreachable = [k for k, r in enumerate(results) if isinstance(r, TransportError)]
+        if errors and len(unreachable) == len(errors) and any((i.get("replicas") or 1) > 1 for i in found):
+            # a replicated buffer goes on without the servers it cannot reach
+            return await self._attach_without(name, infos, {k: results[k] for k in unreachable})
+        if errors:
+            raise _first_error(errors)
         if found:
             identity, lost = parts.judge(infos)
             if lost:
@@ -291,6 +325,27 @@ class Client:
         if len(found) < len(infos):
             raise next(r for r in results if isinstance(r, NoSuchBuffer))
         return Buffer(self, name, found)
+
+    async def _attach_without(self, name: str, infos: list[dict[str, Any] | None],
+                              failed: dict[int, Any]) -> Buffer:
+        """Attach the replicated buffer ``name`` whose servers ``failed``
+        (index -> TransportError) cannot be reached: they are taken out of
+        the membership view (as a failed operation would), and the buffer
+        is handed out if every stripe still has a copy on a member."""
+        views = await self.views()
+        view = await views.current()
+        for k, err in failed.items():
+            view = await views.stop_using(self.servers[k], view, err.message)
+        identity, lost = parts.judge(infos)
+        lost = {k: why for k, why in lost.items() if k not in failed}
+        whole = next(i for i in infos if i is not None and i.get("buffer_id") == identity)
+        if lost:
+            raise parts.damaged(name, lost, self.servers, whole["nbytes"], whole["stripe"])
+        buf = Buffer(self, name, parts.remains(infos, identity, dict.fromkeys(failed, "unreachable")))
+        assert buf.placement is not None
+        for i in range(min(buf.placement.nstripes, buf.placement.nservers)):
+            replication.primary(buf, i, view)       # raises where every copy is lost
+        return buf
 
     async def destroy(self, name: str, *, timeout: float | None = None) -> bool:
         """Destroy the buffer on every server; True if any server had it."""
@@ -415,7 +470,7 @@ class Buffer:
     several servers run on all of them concurrently."""
 
     __slots__ = ("client", "name", "nbytes", "stripe", "nservers", "first", "segments", "buffer_id",
-                 "notify_area", "_incarnations", "_checked", "_mapped")
+                 "replicas", "placement", "notify_area", "_incarnations", "_checked", "_mapped")
 
     def __init__(self, client: Client, name: str, infos: Sequence[dict[str, Any]]) -> None:
         geometry = {(i["nbytes"], i["stripe"], i["nservers"]) for i in infos}
@@ -438,6 +493,13 @@ class Buffer:
         self.nservers: int = nservers
         self.first: int = _core.name_hash(name) % nservers
         self.segments: list[int] = [int(i["segment"]) for i in infos]
+        #: copies of every stripe (1: unreplicated, today's path)
+        self.replicas: int = int(infos[0].get("replicas") or 1)
+        #: where each copy lives, for a replicated buffer (None for replicas=1)
+        self.placement: Placement | None = None
+        if self.replicas > 1:
+            self.placement = Placement(nservers, nbytes, stripe, self.first, self.replicas,
+                                       infos[0].get("zones"))
         #: the identity every part carries (random, made at creation; None
         #: from servers that have none)
         self.buffer_id: str | None = infos[0].get("buffer_id")
@@ -453,8 +515,26 @@ class Buffer:
         self._mapped: _core.MappedStripes | None = None
 
     def __repr__(self) -> str:
+        copies = f", {self.replicas} replicas" if self.replicas > 1 else ""
         return (f"<smb2.Buffer {self.name!r} {self.nbytes} bytes, stripe {self.stripe}, "
-                f"{self.nservers} servers>")
+                f"{self.nservers} servers{copies}>")
+
+    # -- replication (smb2.replication routes a replicated buffer's operations) --
+    @property
+    def links(self) -> tuple[Link, ...]:
+        return self.client.links
+
+    async def views(self) -> replication.Views:
+        return await self.client.views()
+
+    async def degraded(self) -> bool:
+        """True while some stripe has fewer copies on member servers than
+        ``replicas`` (a server was lost and has not caught up yet); always
+        False for replicas=1."""
+        if self.placement is None:
+            return False
+        views = await self.views()
+        return replication.degraded(self.placement, self.client.servers, await views.refresh())
 
     # -- planning -----------------------------------------------------------
     def _range(self, offset: Any, length: int, what: str) -> int:
@@ -482,6 +562,9 @@ class Buffer:
         length = len(view) * widen
         if length == 0:
             return
+        if self.placement is not None:
+            return await replication.run(self, what, view, offset, length, widen, dtype_code, fence,
+                                         self.client.deadline(timeout))
         links = self.client.links
         # one cut for all servers: the smallest any of this client's
         # transports takes (they differ where auto chose shm for some)
@@ -496,10 +579,28 @@ class Buffer:
                      for p in range(p0, p0 + np_)]
             coros.append(self._one(what, links[server], server, parts, seg_off, ln // widen, dtype_code, fence,
                                    timeout))
-        if len(coros) == 1:
-            await coros[0]
-        else:
-            await _gather(coros)
+        try:
+            if len(coros) == 1:
+                await coros[0]
+            else:
+                await _gather(coros)
+        except TransportError as exc:
+            raise self._lost(exc) from None
+
+    def _lost(self, exc: TransportError) -> TransportError:
+        """``exc`` from a server of this unreplicated buffer, said in the
+        buffer's terms with what to do (the buffer has no other copy)."""
+        if exc.server is None or getattr(exc, "buffer", None) is not None:
+            return exc
+        err = type(exc)(
+            f"buffer {self.name!r} lost server {exc.server}: {exc.message}", errno=exc.errno,
+            status=exc.status, server=exc.server, detail=exc.detail,
+            hint="its stripes on that server have no other copy (replicas=1): restart the server with its "
+                 "--data-dir and attach the buffer again (a training job: run it again, it resumes); to go on "
+                 "through a lost server, create the buffer with replicas=2 over servers started with "
+                 "--membership")
+        setattr(err, "buffer", self.name)     # noqa: B010 (worded once, not again by an outer layer)
+        return err
 
     async def _one(self, what: str, link: Link, server: int, parts: list[memoryview],
                    seg_off: int, length: int, dtype_code: int,
@@ -569,7 +670,7 @@ class Buffer:
         handle on ``server``: when ``t`` maps the segment, serve the next
         reads, writes and atomics on it from the mapping, in one Cython call
         each (``_core.MappedStripes``), for as long as ``t`` stays open."""
-        if not isinstance(t, ShmTransport) or t is not self._checked[server]:
+        if not isinstance(t, ShmTransport) or t is not self._checked[server] or self.placement is not None:
             return
         if self._mapped is not None and self._mapped.attached(server, t.alive):
             return
@@ -594,7 +695,10 @@ class Buffer:
     def word_transport(self, offset: int) -> tuple[Transport | None, int, int]:
         """``(transport, segment, segment offset)`` of the int64 word at
         ``offset``; the transport is None while its server is not connected
-        (smb2.notify: a shm transport can sleep on the word)."""
+        (smb2.notify: a shm transport can sleep on the word).  None for a
+        replicated buffer: its waiters poll the primary, which may change."""
+        if self.placement is not None:
+            return None, 0, 0
         server, seg_off = self._word(offset)
         return self.client.links[server].open, self.segments[server], seg_off
 
@@ -606,6 +710,13 @@ class Buffer:
             server=label, hint="the server starts again with every acknowledged operation; "
             "read the word after reconnecting before you retry")
 
+    async def _replicated_atomic(self, offset: Any, what: str, operands: bytes, timeout: float | None) -> int:
+        self.client.ensure_open()
+        offset = self._range(offset, 8, "an atomic")
+        if offset % 8:
+            raise InvalidArgumentError(f"atomics need an 8-byte aligned offset, not {offset}")
+        return to_signed(await replication.atomic(self, what, offset, operands, self.client.deadline(timeout)))
+
     async def _atomic(self, offset: Any, what: str, timeout: float | None,
                       op: Callable[[Transport, int, int], Awaitable[int]]) -> int:
         """``op(transport, segment, segment offset)`` on the word at ``offset``."""
@@ -614,18 +725,21 @@ class Buffer:
         link = self.client.links[server]
         deadline = self.client.deadline(timeout)
         t = link.open
-        if deadline is None and t is not None and t is self._checked[server]:
-            old = await op(t, self.segments[server], seg_off)
-            self._serve_mapped(server, t)
-            return to_signed(old)
+        try:
+            if deadline is None and t is not None and t is self._checked[server]:
+                old = await op(t, self.segments[server], seg_off)
+                self._serve_mapped(server, t)
+                return to_signed(old)
 
-        async def request(t: Transport) -> int:
-            await self.check_incarnation(server, t)
-            old = await op(t, self.segments[server], seg_off)
-            self._serve_mapped(server, t)
-            return old
-        return to_signed(await link.call(request, deadline, idempotent=False,
-                                         what=f"{what} on buffer {self.name!r}"))
+            async def request(t: Transport) -> int:
+                await self.check_incarnation(server, t)
+                old = await op(t, self.segments[server], seg_off)
+                self._serve_mapped(server, t)
+                return old
+            return to_signed(await link.call(request, deadline, idempotent=False,
+                                             what=f"{what} on buffer {self.name!r}"))
+        except TransportError as exc:
+            raise self._lost(exc) from None
 
     # -- data operations ------------------------------------------------------
     async def write(self, offset: int, data: Any, *, fence: Lock | Fence | None = None,
@@ -732,6 +846,8 @@ class Buffer:
             if old is _TORN:
                 raise self._torn(offset)
         value = check_word("value", value)
+        if self.placement is not None:
+            return await self._replicated_atomic(offset, "fetch_add", _core.pack_u64(value & MASK64), timeout)
         return await self._atomic(offset, "fetch_add", timeout,
                                   lambda t, seg, off: t.fetch_add(seg, off, value))
 
@@ -751,6 +867,9 @@ class Buffer:
                 raise self._torn(offset)
         expected = check_word("expected", expected)
         new = check_word("new", new)
+        if self.placement is not None:
+            return await self._replicated_atomic(offset, "compare_swap",
+                                                 _core.pack_u64x2(expected & MASK64, new & MASK64), timeout)
         return await self._atomic(offset, "compare_swap", timeout,
                                   lambda t, seg, off: t.compare_swap(seg, off, expected, new))
 

@@ -107,6 +107,10 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 9
     TOO_LARGE = 10
     UNSUPPORTED = 11
+    # replication (docs/protocol.md, "Replication")
+    STALE_EPOCH = 12
+    NOT_MEMBER = 13
+    BACKUP_FAILED = 14
 
 
 class ServerError(Smb2Error):
@@ -239,10 +243,35 @@ class Unsupported(ServerError):
     code = ErrorCode.UNSUPPORTED
 
 
+class StaleEpoch(ServerError):
+    """A replicated op carried an older membership view than the server
+    knows (``epoch``: the server's, from the message): read the view again
+    and retry with the same op id."""
+
+    code = ErrorCode.STALE_EPOCH
+
+
+class NotMember(ServerError):
+    """The server is not a member of the current view of its replicated
+    cluster (it was removed, or is catching up after a restart): send the op
+    to the stripe's primary in the current view."""
+
+    code = ErrorCode.NOT_MEMBER
+
+
+class BackupFailed(ServerError):
+    """The primary applied a replicated op but a backup (the message names
+    its "host:port") did not answer in time: remove that server from the
+    view and retry with the same op id (it is applied once)."""
+
+    code = ErrorCode.BACKUP_FAILED
+
+
 _BY_CODE: dict[int, type[ServerError]] = {
     cls.code: cls for cls in (BadRequest, NoSuchBuffer, OutOfMemory, AccessDenied,
                               OutOfBounds, StaleFence, BufferConflict,
-                              VersionMismatch, FrameTooLarge, Unsupported)
+                              VersionMismatch, FrameTooLarge, Unsupported, StaleEpoch, NotMember,
+                              BackupFailed)
 }
 
 

@@ -82,6 +82,17 @@ LOCK_SEGMENT: Final = 0
 FLAG_STAGED: Final = 0x0002
 DTYPE_SHIFT: Final = 4
 DTYPE_MASK: Final = 0x00F0
+# WRITE, ACCUMULATE, FETCH_ADD, COMPARE_SWAP on a replicated buffer: from a
+# client to the stripe's primary (REPLICATED), and from the primary to each
+# backup (FORWARDED).  The payload starts with REPL_PREFIX_SIZE bytes: u64
+# view epoch, u64 client id, u64 sequence number (the op's identity: a retry
+# carries the same one and is applied once), then the fence (FENCED), then
+# the data (docs/protocol.md, "Replication")
+FLAG_REPLICATED: Final = 0x0200
+FLAG_FORWARDED: Final = 0x0400
+REPL_FLAGS: Final = FLAG_REPLICATED | FLAG_FORWARDED
+REPL_PREFIX_SIZE: Final = 24
+REPLICATED_OPS: Final = frozenset({Op.WRITE, Op.ACCUMULATE, Op.FETCH_ADD, Op.COMPARE_SWAP})
 
 # dtype codes carried in the flags of ACCUMULATE (the same numbers as _core's):
 # a delta of the destination's own dtype, by its numpy name ...

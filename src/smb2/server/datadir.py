@@ -43,6 +43,7 @@ import numpy as np
 from .. import _core
 from ..durable import CHUNK, chunks, fsync_dir
 from ..errors import PersistenceError
+from ..placement import Placement
 from .segment import Segment, alloc
 
 log = logging.getLogger("smb2.persist")
@@ -195,9 +196,16 @@ class DataDir:
                 fname, digest = str(e["file"]), str(e["sha256"])
                 # a manifest from before buffer identities: parts of identity "", sealed
                 buffer_id, sealed = str(e.get("buffer_id", "")), bool(e.get("sealed", True))
+                # a manifest from before replicated buffers: one replica
+                replicas = int(e.get("replicas", 1))
+                servers = tuple(str(a) for a in e.get("servers", ()))
+                zones = None if e.get("zones") is None else tuple(e["zones"])
             except (KeyError, TypeError, ValueError):
                 raise PersistenceError(f"{self.path / MANIFEST}: malformed segment entry {e!r}") from None
-            if (size != _core.segment_size(nbytes, stripe, nservers) or "/" in fname
+            want = (_core.segment_size(nbytes, stripe, nservers) if replicas == 1 else
+                    Placement(nservers, nbytes, stripe, _core.name_hash(name) % nservers, replicas,
+                              zones).segment_size(index))
+            if (size != want or "/" in fname
                     or sid in taken or not name):
                 raise PersistenceError(f"{self.path / MANIFEST}: inconsistent entry for {name!r}")
             used += size
@@ -218,6 +226,7 @@ class DataDir:
                 raise PersistenceError(f"{path}: checksum mismatch (the file is corrupt); "
                                        f"move {self.path} aside to start empty")
             segs.append(Segment(sid, name, nbytes, stripe, nservers, index, size, mem, view,
-                                buffer_id=buffer_id, sealed=sealed))
+                                buffer_id=buffer_id, sealed=sealed, replicas=replicas, servers=servers,
+                                zones=zones))
         log.info("restored %d segments (%d bytes) from %s", len(segs), used, self.path)
         return segs, max(int(m.get("next_id", 1)), max((s.id for s in segs), default=0) + 1)

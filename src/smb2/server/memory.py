@@ -24,6 +24,7 @@ from typing import Any, ClassVar, cast
 from .. import _core, auth
 from ..checks import is_int
 from ..errors import ErrorCode, PersistenceError, TransportError
+from ..placement import Placement
 from ..protocol import (
     CLOSED,
     DEFAULT_PORT,
@@ -47,6 +48,9 @@ from ..protocol import (
     LOCK_SEGMENT,
     MAX_ACCUMULATE,
     MAX_CONTROL,
+    REPL_FLAGS,
+    REPL_PREFIX_SIZE,
+    REPLICATED_OPS,
     VERSION,
     Destination,
     FrameReceiver,
@@ -56,6 +60,7 @@ from ..protocol import (
     accumulate_span,
     error_payload,
     pack,
+    parse_address,
     parse_size,
     unpack,
 )
@@ -68,6 +73,7 @@ from .metrics import MetricsExporter, RequestCounts
 from .metrics import parse_address as parse_metrics_address
 from .options import ServerOptions
 from .rdma import RdmaServer
+from .replication import Replication
 from .segment import Refused, Segment, alloc
 from .shm import ShmService
 
@@ -160,6 +166,9 @@ class MemoryServer:
         self.shm_reason: str | None = "not started"
         # the Prometheus endpoint (options.metrics; metrics.py)
         self.metrics: MetricsExporter | None = None
+        # replicated buffers (options.membership; replication.py): made at start()
+        self.replication: Replication | None = None
+        self.repair_rate = parse_size(options.repair_rate)
 
     def __repr__(self) -> str:
         host, port = self.address
@@ -206,6 +215,10 @@ class MemoryServer:
             raise
         sock = self._server.sockets[0]
         self.address = sock.getsockname()[:2]
+        if self.options.membership is not None:
+            me = self.options.advertise or f"{self.address[0]}:{self.address[1]}"
+            self.replication = Replication(self, self.options.membership, me)
+            await self.replication.start()
         self._start_shm()
         if self.token is None and not _is_loopback(host):
             log.warning("listening on %s without an authentication token: anyone who can reach "
@@ -289,6 +302,8 @@ class MemoryServer:
         if self.metrics is not None:
             await self.metrics.close()
             self.metrics = None
+        if self.replication is not None:
+            await self.replication.close()
         await self.locks.close()
         if self.shm is not None:
             await self.shm.close()
@@ -344,26 +359,34 @@ class MemoryServer:
 
     # -- control commands ----------------------------------------------
     def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int,
-               buffer_id: str | None = None, seal: bool = False) -> dict[str, Any]:
+               buffer_id: str | None = None, seal: bool = False, *, replicas: int = 1,
+               servers: list[str] | None = None, zones: list[str | None] | None = None) -> dict[str, Any]:
         """The part ``index`` of buffer ``name``: made (zero-filled, with
         the identity ``buffer_id``, sealed if ``seal``) when this server
         has none, else the one it has, sealed now if ``seal`` and the
         identity is the same.  A client without identities (no
-        ``buffer_id``) makes sealed parts of identity ""."""
+        ``buffer_id``) makes sealed parts of identity "".  ``replicas`` > 1:
+        a replicated buffer over ``servers`` (with their ``zones``), which
+        needs this server in a replicated cluster (``--membership``)."""
         if not 0 < len(name.encode()) <= MAX_NAME:
             raise Refused(ErrorCode.BAD_REQUEST, f"buffer names are 1..{MAX_NAME} bytes")
         if nbytes <= 0 or stripe <= 0 or stripe % 8 or nservers <= 0 or not 0 <= index < nservers:
             raise Refused(ErrorCode.BAD_REQUEST, "bad buffer geometry")
-        size = _core.segment_size(nbytes, stripe, nservers)
+        if replicas == 1:
+            size = _core.segment_size(nbytes, stripe, nservers)
+        else:
+            size = self._replicated_size(name, nbytes, stripe, nservers, index, replicas, servers, zones)
         seg = self.by_name.get(name)
         if seg is not None:
-            same = (seg.nbytes, seg.stripe, seg.nservers, seg.index) == (nbytes, stripe, nservers, index)
+            same = ((seg.nbytes, seg.stripe, seg.nservers, seg.index, seg.replicas)
+                    == (nbytes, stripe, nservers, index, replicas))
             if not same:
                 raise Refused(
                     ErrorCode.CONFLICT,
                     f"buffer {name!r} exists with nbytes={seg.nbytes} stripe={seg.stripe} "
-                    f"over {seg.nservers} servers (this server #{seg.index}); asked for "
-                    f"nbytes={nbytes} stripe={stripe} over {nservers} servers (#{index})")
+                    f"over {seg.nservers} servers (this server #{seg.index}, {seg.replicas} replicas); asked "
+                    f"for nbytes={nbytes} stripe={stripe} over {nservers} servers (#{index}, {replicas} "
+                    "replicas)")
             if seal and seg.buffer_id == buffer_id:
                 seg.sealed = True
             return {**seg.info(), "created": False}
@@ -378,12 +401,29 @@ class MemoryServer:
         except (OSError, MemoryError, OverflowError) as exc:
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"cannot map {size} bytes: {exc}") from None
         seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view,
-                      buffer_id="" if buffer_id is None else buffer_id, sealed=buffer_id is None or seal)
+                      buffer_id="" if buffer_id is None else buffer_id, sealed=buffer_id is None or seal,
+                      replicas=replicas, servers=tuple(servers or ()),
+                      zones=None if zones is None else tuple(zones))
         if self.rdma is not None:
             self.rdma.register(seg.id, view)     # once, for the segment's lifetime
         self._add(seg)
         log.debug("created buffer %r: segment %d, %d bytes", name, seg.id, size)
         return {**seg.info(), "created": True}
+
+    def _replicated_size(self, name: str, nbytes: int, stripe: int, nservers: int, index: int,
+                         replicas: int, servers: list[str] | None, zones: list[str | None] | None) -> int:
+        if self.replication is None:
+            raise Refused(ErrorCode.UNSUPPORTED, f"buffer {name!r} asks for {replicas} replicas; this "
+                          "server is not part of a replicated cluster (start it with --membership)")
+        if not 1 < replicas <= nservers or servers is None or len(servers) != nservers or (
+                zones is not None and len(zones) != nservers) or len(set(servers)) != nservers:
+            raise Refused(ErrorCode.BAD_REQUEST, f"a buffer of {replicas} replicas over {nservers} servers "
+                          f"names {nservers} distinct servers (and zones), at most {nservers} replicas")
+        if servers[index] != self.replication.me:
+            raise Refused(ErrorCode.CONFLICT, f"part {index} of {name!r} belongs to server {servers[index]}; "
+                          f"this server is {self.replication.me} in the view")
+        return Placement(nservers, nbytes, stripe, _core.name_hash(name) % nservers, replicas,
+                         zones).segment_size(index)
 
     def _add(self, seg: Segment) -> None:
         self.segments[seg.id] = seg
@@ -439,7 +479,9 @@ class MemoryServer:
             "package_version": __version__,
             "capacity": self.capacity,
             "used": self.used,
-            "buffers": {s.name: {k: v for k, v in s.info().items() if k != "name"}
+            "buffers": {s.name: {**{k: v for k, v in s.info().items() if k != "name"},
+                                 **({"degraded": self.replication.degraded(s)}
+                                    if self.replication is not None and s.replicas > 1 else {})}
                         for s in self.segments.values() if s.id != LOCK_SEGMENT},
             "connections": len(self.connections),
             "ops": self.ops,
@@ -458,6 +500,7 @@ class MemoryServer:
             "receive_memory": {"used": self.receive_pool.used, "peak": self.receive_pool.peak,
                                "limit": self.receive_pool.limit},
             "locks": self.locks.stat(),
+            **({"replication": self.replication.stat()} if self.replication is not None else {}),
         }
 
 
@@ -468,6 +511,17 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False     # "" (all addresses), a host name: treat as exposed
+
+
+def _comes_from(address: str, source: str) -> bool:
+    """May a connection from ``source`` (an IP) be the server ``address``
+    ("host:port")?  Checked where the host is an IP literal (a name would
+    need a lookup on the loop: it is taken as said)."""
+    try:
+        host = parse_address(address)[0]
+        return ipaddress.ip_address(host) == ipaddress.ip_address(source)
+    except ValueError:
+        return True
 
 
 def _str(msg: dict[str, Any], key: str) -> str:
@@ -488,6 +542,12 @@ def _refuse_lock_segment(segment: int) -> None:
     # a client changes lock words only with atomics, which the lock service sees
     if segment == LOCK_SEGMENT:
         raise Refused(ErrorCode.ACCESS_DENIED, "the lock segment only takes READ and atomics")
+
+
+def _refuse_unreplicated(seg: Segment) -> None:
+    # one copy changed without the others would make the replicas differ
+    raise Refused(ErrorCode.BAD_REQUEST, f"buffer {seg.name!r} is replicated ({seg.replicas} copies): "
+                  "its writes, accumulates and atomics go to a stripe's primary with REPLICATED")
 
 
 def _accumulate_span(hdr: Header, offset: int, length: int) -> int:
@@ -557,6 +617,9 @@ class Connection(FrameReceiver):
         # the frame being handled started (its header was read)
         self.counts = server.requests[self.transport_name]
         self._frame_started = 0
+        # the "host:port" a peer server named itself by in its hello (the
+        # replication's forwarded ops are taken only from a stripe's primary)
+        self.peer_server: str | None = None
 
     # -- asyncio -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -680,6 +743,15 @@ class Connection(FrameReceiver):
             self.transport.pause_reading()
         self.hold(reason)
 
+    # for the replication module: a replicated op waits for the view, or for
+    # a backup's link to drain, without this connection's later frames
+    # overtaking it
+    def hold_input(self, reason: str) -> None:
+        self._hold_input(reason)
+
+    def unhold_input(self, reason: str) -> None:
+        self._unhold_input(reason)
+
     def _unhold_input(self, reason: str) -> None:
         if self.transport is None or reason not in self._holds:
             return
@@ -762,13 +834,15 @@ class Connection(FrameReceiver):
             t.write(head)
             t.write(payload)
 
-    def _refuse(self, hdr: Header, code: ErrorCode, message: str) -> None:
+    def refuse(self, hdr: Header, code: ErrorCode, message: str, **extra: Any) -> None:
+        """Answer ``hdr`` with an error (``extra``: more fields of its map)."""
         self._count_refusal(code)
         if hdr[H_FLAGS] & FLAG_NOREPLY:
             # the client asked for no answer (a lock release): none, not even this
             log.info("refused a request from %s that wants no reply: %s", self.peer, message)
             return
-        self.reply(hdr, error_payload(message), status=code)
+        self.reply(hdr, pack({"message": message[:4096], **extra}) if extra else error_payload(message),
+                   status=code)
 
     def close_with(self, reason: str, hdr: Header | None = None,
                    code: ErrorCode = ErrorCode.BAD_REQUEST, why: str | None = None) -> None:
@@ -826,7 +900,7 @@ class Connection(FrameReceiver):
             self.close_with(f"frame of {length} bytes exceeds the limit of "
                             f"{self.server.max_frame}", hdr, ErrorCode.TOO_LARGE)
             return CLOSED
-        if op == Op.ACCUMULATE and size > MAX_ACCUMULATE:
+        if op == Op.ACCUMULATE and size > MAX_ACCUMULATE + (REPL_PREFIX_SIZE if flags & REPL_FLAGS else 0):
             self.close_with(f"accumulate of {size} bytes exceeds the limit of {MAX_ACCUMULATE}",
                             hdr, ErrorCode.TOO_LARGE)
             return CLOSED
@@ -839,9 +913,11 @@ class Connection(FrameReceiver):
         self._expect_reply(hdr)
         # a request this server refuses gets an error reply; its payload is dropped
         try:
+            if flags & REPL_FLAGS:
+                return self._check_replicated(hdr, size)
             return check(self, hdr, size)
         except Refused as exc:
-            self._refuse(hdr, exc.code, str(exc))
+            self.refuse(hdr, exc.code, str(exc), **exc.extra)
             return DISCARD
 
     def _expect_reply(self, hdr: Header) -> None:
@@ -857,6 +933,34 @@ class Connection(FrameReceiver):
         self.server.locks.check_header(hdr, size)
         return INLINE
 
+    def _check_replicated(self, hdr: Header, size: int) -> Destination:
+        # the payload comes whole (INLINE): it is applied here and forwarded
+        # to the backups in one step (replication.py)
+        op, flags, offset = hdr[H_OP], hdr[H_FLAGS], hdr[H_OFFSET]
+        if self.server.replication is None:
+            raise Refused(ErrorCode.UNSUPPORTED, "this server is not part of a replicated cluster "
+                          "(smb2-server --membership)")
+        if op not in REPLICATED_OPS or flags & FLAG_STAGED or (flags & REPL_FLAGS) == REPL_FLAGS:
+            raise Refused(ErrorCode.BAD_REQUEST, "REPLICATED or FORWARDED is a flag of WRITE, ACCUMULATE, "
+                          "FETCH_ADD or COMPARE_SWAP, not both, never STAGED")
+        head = REPL_PREFIX_SIZE + (FENCE_SIZE if flags & FLAG_FENCED and op == Op.WRITE else 0)
+        if size < head:
+            raise Refused(ErrorCode.BAD_REQUEST, f"a replicated op's payload starts with {head} bytes "
+                          "(epoch, client id, sequence[, fence])")
+        n = size - head
+        _refuse_lock_segment(hdr[H_SEGMENT])
+        if op == Op.ACCUMULATE:
+            n = _accumulate_span(hdr, offset, n)
+        elif op != Op.WRITE and (offset % 8 or n != (8 if op == Op.FETCH_ADD else 16)):
+            raise Refused(ErrorCode.BAD_REQUEST, "atomics act on one 8-byte aligned word")
+        seg = self._segment(hdr[H_SEGMENT], offset, 8 if op in (Op.FETCH_ADD, Op.COMPARE_SWAP) else n)
+        if seg.replicas < 2:
+            raise Refused(ErrorCode.BAD_REQUEST, f"buffer {seg.name!r} is not replicated: send its ops "
+                          "without REPLICATED")
+        if n and offset // seg.stripe != (offset + n - 1) // seg.stripe:
+            raise Refused(ErrorCode.BAD_REQUEST, "a replicated op stays within one stripe")
+        return INLINE
+
     def _check_read(self, hdr: Header, size: int) -> Destination:
         self._segment(hdr[H_SEGMENT], hdr[H_OFFSET], hdr[H_LENGTH])
         return INLINE
@@ -867,9 +971,12 @@ class Connection(FrameReceiver):
         if hdr[H_FLAGS] & FLAG_FENCED:
             if length < FENCE_SIZE:
                 raise Refused(ErrorCode.BAD_REQUEST, "a fenced WRITE starts with a 16-byte fence")
-            self._segment(segment, offset, length - FENCE_SIZE)
+            if self._segment(segment, offset, length - FENCE_SIZE).replicas > 1:
+                _refuse_unreplicated(self.server.segments[segment])
             return _FENCE
         seg = self._segment(segment, offset, length)
+        if seg.replicas > 1:
+            _refuse_unreplicated(seg)
         return self._receive_write(seg, offset, length)
 
     def _receive_write(self, seg: Segment, offset: int, length: int) -> Destination:
@@ -891,12 +998,14 @@ class Connection(FrameReceiver):
                               "and a 16-byte payload")
             return INLINE
         # the dtype and alignment first, then the bounds of the whole range
-        self._segment(segment, offset, _accumulate_span(hdr, offset, length))
+        if self._segment(segment, offset, _accumulate_span(hdr, offset, length)).replicas > 1:
+            _refuse_unreplicated(self.server.segments[segment])
         return INLINE
 
     def _check_atomic(self, hdr: Header, size: int) -> Destination:
         offset = hdr[H_OFFSET]
-        self._segment(hdr[H_SEGMENT], offset, 8)
+        if self._segment(hdr[H_SEGMENT], offset, 8).replicas > 1:
+            _refuse_unreplicated(self.server.segments[hdr[H_SEGMENT]])
         want = 8 if hdr[H_OP] == Op.FETCH_ADD else 16
         if offset % 8 or size != want:
             raise Refused(ErrorCode.BAD_REQUEST, "atomics act on one 8-byte aligned word")
@@ -906,13 +1015,13 @@ class Connection(FrameReceiver):
         # a fenced WRITE: check the fence before a byte of data lands
         key, token = _core.unpack_u64(prefix, 0), _core.unpack_u64(prefix, 8)
         if not self.server.locks.check_fence(key, token):
-            self._refuse(hdr, ErrorCode.STALE_FENCE,
+            self.refuse(hdr, ErrorCode.STALE_FENCE,
                          f"write fenced with token {token} refused: the lock was lost "
                          "(lease expired, released, or a newer holder wrote here)")
             return DISCARD
         seg = self.server.segments.get(hdr[H_SEGMENT])
         if seg is None:     # destroyed between header and prefix
-            self._refuse(hdr, ErrorCode.NO_SUCH_BUFFER, f"no segment {hdr[H_SEGMENT]}")
+            self.refuse(hdr, ErrorCode.NO_SUCH_BUFFER, f"no segment {hdr[H_SEGMENT]}")
             return DISCARD
         return self._receive_write(seg, hdr[H_OFFSET], rest)
 
@@ -939,13 +1048,16 @@ class Connection(FrameReceiver):
             if op == Op.CONTROL:
                 assert payload is not None
                 self._control(hdr, payload)
+            elif hdr[H_FLAGS] & REPL_FLAGS:
+                assert payload is not None and self.server.replication is not None
+                self.server.replication.on_frame(self, hdr, payload)
             else:
                 self._EXECUTE[op](self, hdr, payload)
         except Refused as exc:
-            self._refuse(hdr, exc.code, str(exc))
+            self.refuse(hdr, exc.code, str(exc), **exc.extra)
         except Exception as exc:  # a bug must cost one request, not the server
             log.exception("internal error handling op %d from %s", op, self.peer)
-            self._refuse(hdr, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            self.refuse(hdr, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
         if op != Op.CONTROL:
             # counted here, refused or not: the op count is the histogram's
             self.counts.time[op].observe(time.monotonic_ns() - self._frame_started)
@@ -1086,10 +1198,23 @@ class Connection(FrameReceiver):
                             hdr, ErrorCode.VERSION_MISMATCH)
             return None
         self.greeted = True
+        peer = msg.get("peer")
+        if isinstance(peer, str):
+            # a server of the cluster (replication.py checks it against the
+            # view); one that names another host than it comes from is not
+            if _comes_from(peer, self.host):
+                self.peer_server = peer
+            else:
+                srv.warn("peer", "%s says it is server %s: not that server's address, ignored", self.peer, peer)
+        repl = srv.replication
         result: dict[str, Any] = {
             "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
             "max_frame": srv.max_frame,
-            "transports": srv.transports()}
+            "transports": srv.transports(),
+            "membership": repl.url if repl is not None else None,
+            "server": repl.me if repl is not None else None,
+            "zone": srv.options.zone,
+            "epoch": repl.view.epoch if repl is not None else 0}
         if srv.rdma is None:
             result["rdma_off"] = srv.rdma_reason
         if srv.shm is None:
@@ -1110,9 +1235,17 @@ class Connection(FrameReceiver):
         buffer_id = _str(msg, "buffer_id") if "buffer_id" in msg else None
         if buffer_id is not None and len(buffer_id) > MAX_BUFFER_ID:
             raise Refused(ErrorCode.BAD_REQUEST, f"a buffer_id is at most {MAX_BUFFER_ID} characters")
+        replicas = _uint(msg, "replicas") if "replicas" in msg else 1
+        servers, zones = msg.get("servers"), msg.get("zones")
+        if replicas > 1 and (not isinstance(servers, list) or not all(isinstance(a, str) for a in servers)
+                             or (zones is not None and (not isinstance(zones, list)
+                                                        or not all(z is None or isinstance(z, str) for z in zones)))):
+            raise Refused(ErrorCode.BAD_REQUEST, "a replicated create names its 'servers' (a list of "
+                          "\"host:port\") and optionally their 'zones' (a list of str or None)")
         return self._with_rdma_keys(self.server.create(
             _str(msg, "name"), _uint(msg, "nbytes"), _uint(msg, "stripe"),
-            _uint(msg, "nservers"), _uint(msg, "index"), buffer_id, msg.get("seal") is True))
+            _uint(msg, "nservers"), _uint(msg, "index"), buffer_id, msg.get("seal") is True,
+            replicas=replicas, servers=servers, zones=zones))
 
     def _cmd_lookup(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self._with_rdma_keys(self.server.lookup(_str(msg, "name")))
@@ -1162,6 +1295,24 @@ class Connection(FrameReceiver):
     def _count_as(self, transport: str) -> None:
         self.transport_name = transport
         self.counts = self.server.requests[transport]
+
+    def _cmd_repl_sync(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
+        # a joining server asks for its copies of a buffer's stripes: they go
+        # through this server's ordered stream to it; answered when they landed
+        repl = self.server.replication
+        if repl is None or self.peer_server is None:
+            raise Refused(ErrorCode.BAD_REQUEST, "repl_sync is for the servers of a replicated cluster")
+        name, epoch, joiner = _str(msg, "name"), _uint(msg, "epoch"), self.peer_server
+
+        async def run() -> None:
+            try:
+                self.reply(hdr, pack(await repl.serve_sync(joiner, name, epoch)))
+            except Refused as exc:
+                self.refuse(hdr, exc.code, str(exc), **exc.extra)
+            except Exception as exc:
+                self.refuse(hdr, ErrorCode.INTERNAL, f"copying to {joiner} failed: {exc}")
+        repl.spawn(run())
+        return None
 
     def _cmd_destroy(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.destroy(_str(msg, "name"))
@@ -1232,7 +1383,7 @@ class Connection(FrameReceiver):
         "rdma_segment": _cmd_rdma_segment, "rdma_connect": _cmd_rdma_connect, "destroy": _cmd_destroy,
         "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon,
         "shm_grant": _cmd_shm_grant, "lock_close": _cmd_lock_close,
-        "lock_records": _cmd_lock_records}
+        "lock_records": _cmd_lock_records, "repl_sync": _cmd_repl_sync}
 
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT,

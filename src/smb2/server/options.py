@@ -106,9 +106,15 @@ class ServerOptions:
     zone: str | None = _option(
         None, "the host, rack or zone this server is in: replicas of a stripe go to servers of different "
         "zones where there are enough (default: none)", metavar="NAME")
+    advertise: str | None = _option(
+        None, "the HOST:PORT this server is known by in the membership view and to its peers (default: "
+        "the address it listens on)", metavar="HOST:PORT")
+    repair_rate: int | str = _option(
+        "256MiB", "bytes per second a primary sends when it copies stripes to a server that catches up "
+        "(default 256MiB; 0 = unpaced)", type=str)
 
     def __post_init__(self) -> None:
-        for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes"):
+        for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes", "repair_rate"):
             parse_size(getattr(self, name))
         if parse_size(self.max_receive_memory) < MIN_RECEIVE_MEMORY:
             raise InvalidArgumentError(f"max receive memory must be at least {MIN_RECEIVE_MEMORY >> 20} MiB "

@@ -24,11 +24,13 @@ from .memfd import alloc_shared
 
 class Refused(Exception):
     """A request the server answers with an error code (``code``) and this
-    message; the connection stays open."""
+    message (and ``extra`` fields in the error payload's map, such as a
+    server's view ``epoch``); the connection stays open."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, **extra: Any) -> None:
         super().__init__(message)
         self.code = code
+        self.extra = extra
 
 
 @dataclass(eq=False)
@@ -50,6 +52,12 @@ class Segment:
     # (docs/protocol.md, "Buffer identity")
     buffer_id: str = ""
     sealed: bool = True
+    # a replicated buffer (docs/design.md, "Replication"): each stripe on
+    # ``replicas`` of ``servers`` (the cluster's "host:port" names, in order,
+    # with their ``zones``), placed by smb2.placement
+    replicas: int = 1
+    servers: tuple[str, ...] = ()
+    zones: tuple[str | None, ...] | None = None
     created: float = field(default_factory=time.time)
     # byte ranges of writes being received in place right now; an accumulate
     # that overlaps one waits for it, so that it is atomic w.r.t. writes
@@ -61,7 +69,9 @@ class Segment:
         return {"segment": self.id, "name": self.name, "nbytes": self.nbytes,
                 "stripe": self.stripe, "nservers": self.nservers,
                 "index": self.index, "size": self.size, "buffer_id": self.buffer_id,
-                "sealed": self.sealed}
+                "sealed": self.sealed, "replicas": self.replicas,
+                **({"servers": list(self.servers), "zones": None if self.zones is None else list(self.zones)}
+                   if self.replicas > 1 else {})}
 
     def overlaps_inflight(self, lo: int, hi: int) -> bool:
         return any(a < hi and lo < b for a, b in self.inflight)

@@ -61,18 +61,18 @@ class FrozenTensors:
         self._digests = {n: hashlib.blake2b(self._bytes_of(t).tobytes(), digest_size=16).hexdigest()
                          for n, t, param in self.tensors if param}
 
-    async def publish(self, client: Client, store: str) -> None:
-        """Rank 0: write its values beside the store."""
+    async def publish(self, client: Client, store: str, replicas: int = 1) -> None:
+        """Rank 0: write its values beside the store (with the store's ``replicas``)."""
         self._remember()
         if not self.tensors:
             return
         raw = self._pack()
         name = frozen_state_name(store)
         try:
-            buf = await client.create(name, raw.size)
+            buf = await client.create(name, raw.size, replicas=replicas)
         except BufferConflict:          # an earlier run's, of another model: replace it
             await client.destroy(name)
-            buf = await client.create(name, raw.size)
+            buf = await client.create(name, raw.size, replicas=replicas)
         await buf.write(0, raw)
 
     async def adopt(self, client: Client, store: str) -> None:

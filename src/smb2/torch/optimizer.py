@@ -147,7 +147,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
     steps a worker may run past its last pull (see the module's doc).
     ``push_dtype``: the type changes travel as: "bfloat16" (default for a
     bf16 model), "float16", or "float32"; the shared master copy is float32
-    either way.  ``resume``, ``stripe``, ``checkpoint_every``... go to
+    either way.  ``resume``, ``stripe``, ``replicas`` (2: train on through a
+    lost memory server; this rank's saved optimizer state and the frozen
+    tensors get as many copies), ``checkpoint_every``... go to
     :meth:`ParameterStore.open` (the store's options), other keywords to the
     rule (``tau``, ``alpha``, ``per_layer``...).  ``log_every``: steps between INFO lines
     of :meth:`stats` on logger ``smb2.torch``.  ``state_every``: seconds
@@ -320,7 +322,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         # so they are there once the start barrier lets the others through)
         opened_the_run = self.rank == 0 and not store.rejoined
         if opened_the_run:
-            await self.frozen.publish(self._client, name)
+            await self.frozen.publish(self._client, name, store.buf.replicas)
         await store.join(timeout)
         if not opened_the_run:
             await self.frozen.adopt(self._client, name)

@@ -112,24 +112,27 @@ def _round_up(n: int, to: int) -> int:
 class StateSlots:
     """One rank's buffer of saves: two slots, the newer whole one wins."""
 
-    def __init__(self, client: Client, name: str, buf: Buffer | None, headers: np.ndarray) -> None:
+    def __init__(self, client: Client, name: str, buf: Buffer | None, headers: np.ndarray,
+                 replicas: int = 1) -> None:
         self.client = client
         self.name = name
         self.buf = buf
+        #: the copies a buffer made again gets (the store's)
+        self.replicas = replicas
         #: the two slots' headers as last read or written (int64 words)
         self.headers = headers
 
     @classmethod
-    async def open(cls, client: Client, name: str) -> StateSlots:
+    async def open(cls, client: Client, name: str, replicas: int = 1) -> StateSlots:
         try:
             buf = await client.attach(name)
         except NoSuchBuffer:
-            return cls(client, name, None, np.zeros((2, HEADER // 8), np.int64))
+            return cls(client, name, None, np.zeros((2, HEADER // 8), np.int64), replicas)
         headers = np.zeros((2, HEADER // 8), np.int64)
         if buf.nbytes >= 2 * HEADER and buf.nbytes % 2 == 0:
             for k in range(2):
                 await buf.read_into(headers[k], k * (buf.nbytes // 2))
-        return cls(client, name, buf, headers)
+        return cls(client, name, buf, headers, replicas)
 
     @property
     def capacity(self) -> int:
@@ -180,7 +183,8 @@ class StateSlots:
         if self.buf is not None:
             await self.client.destroy(self.name)
         nservers = len(self.client.servers)
-        self.buf = await self.client.create(self.name, 2 * slot, stripe=choose_stripe(2 * slot, nservers))
+        self.buf = await self.client.create(self.name, 2 * slot, stripe=choose_stripe(2 * slot, nservers),
+                                            replicas=self.replicas)
         self.headers[...] = 0
         log.debug("buffer %r: %d bytes per slot", self.name, slot)
 
@@ -282,7 +286,8 @@ class SavedState:
                                        hint="state_every=None neither saves nor loads the optimizer's state")
         if every is None:
             return cls(optimizer, owners, store, loop, None, None)
-        slots = loop.run(StateSlots.open(store.client, optimizer_state_name(store.name, store.rank)))
+        slots = loop.run(StateSlots.open(store.client, optimizer_state_name(store.name, store.rank),
+                                         store.buf.replicas))
         saved = cls(optimizer, owners, store, loop, slots, float(every))
         if store.resumed:
             saved._load()

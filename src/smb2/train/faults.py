@@ -28,7 +28,8 @@ def in_training_terms(err: BaseException, *, store: str, rank: int, step: int) -
             errno=err.errno, status=err.status, server=err.server, detail=err.message,
             hint=f"restart that smb2-server (with its --data-dir, so it keeps the store) and run the job again: "
                  f"it resumes store {store!r} from its last step; if the server's data is gone, start from a "
-                 "checkpoint (init_from=PATH) or over (resume=False)")
+                 "checkpoint (init_from=PATH) or over (resume=False); to train on through a lost server, give the "
+                 "store replicas=2 (servers started with --membership)")
     elif isinstance(err, NoSuchBuffer):
         out = type(err)(
             f"store {store!r} is gone from memory server {server} while rank {rank} was at step {step} "

@@ -290,8 +290,9 @@ class ParameterStore:
     async def open(cls, client: Client, name: str, params: Mapping[str, np.ndarray], *,
                    rule: str | UpdateRule = "accumulate", workers: int | None = None, rank: int | None = None,
                    resume: str | bool = "auto", dropping: LayerDropping | None = None,
-                   stripe: int | None = None, timeout: float = 60.0, stale_after: float = lc.STALE_AFTER,
-                   checkpoint_every: int | None = None, checkpoint_path: str | Path | None = None,
+                   stripe: int | None = None, replicas: int = 1, timeout: float = 60.0,
+                   stale_after: float = lc.STALE_AFTER, checkpoint_every: int | None = None,
+                   checkpoint_path: str | Path | None = None,
                    init_from: str | Path | None = None, restarted: bool | None = None,
                    **rule_options: Any) -> ParameterStore:
         """Open the store ``name`` for one rank of a job whose model's
@@ -308,7 +309,9 @@ class ParameterStore:
         and :meth:`finish` at the end.
 
         ``stripe=None`` spreads the buffer over all servers whatever its
-        size; ``checkpoint_every=K`` makes rank 0 save the store to
+        size; ``replicas=2`` keeps two copies of every stripe, so the job
+        trains on through a lost server (:meth:`smb2.Client.create`; a
+        store that exists keeps the replicas it was made with); ``checkpoint_every=K`` makes rank 0 save the store to
         ``checkpoint_path`` (``{step}`` is replaced) every K of its steps;
         ``init_from=PATH`` makes a fresh run start from such a checkpoint's
         weights, version and steps.  Other keywords go to the update rule."""
@@ -329,8 +332,8 @@ class ParameterStore:
         deadline = time.monotonic() + timeout
         try:
             if rank == 0:
-                store = await cls._open_rank0(client, name, params, layout, rule_obj, dropping, stripe, resume,
-                                              restarted, stale_after, deadline, init_from)
+                store = await cls._open_rank0(client, name, params, layout, rule_obj, dropping, stripe, replicas,
+                                              resume, restarted, stale_after, deadline, init_from)
             else:
                 store = await cls._open_other(client, name, layout, rank, rule_obj, dropping, restarted,
                                               stale_after, deadline)
@@ -346,7 +349,7 @@ class ParameterStore:
     @classmethod
     async def _open_rank0(cls, client: Client, name: str, params: Mapping[str, np.ndarray], layout: Layout,
                           rule: UpdateRule, dropping: LayerDropping | None, stripe: int | None,
-                          resume: str | bool, restarted: bool, stale_after: float, deadline: float,
+                          replicas: int, resume: str | bool, restarted: bool, stale_after: float, deadline: float,
                           init_from: str | Path | None) -> ParameterStore:
         note_off, slots, data_off, total = layout.geometry()
         image = None if init_from is None else await StoreImage.load(init_from)
@@ -356,7 +359,7 @@ class ParameterStore:
                                        detail=f"this job's tensors: {layout.summary()}")
         # a damaged store is resumed never; started over only when asked to
         start_over = resume is False or image is not None
-        buf = await _attach_or_create(client, name, total, stripe, layout if start_over else None)
+        buf = await _attach_or_create(client, name, total, stripe, replicas, layout if start_over else None)
         lock = buf.lock()
         await lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         try:
@@ -1049,7 +1052,8 @@ async def _last_progress(err: BufferDamaged, layout: Layout) -> str:
 
 
 async def describe(client: Client, name: str) -> dict[str, Any]:
-    """What ``smb2 ls`` shows of one buffer: its size and stripe, and for a
+    """What ``smb2 ls`` shows of one buffer: its size, stripe and replicas
+    (``degraded``: some stripe has fewer copies on member servers), and for a
     parameter store its tensors, workers, rule, run, version, steps, and
     whether the run finished.  A damaged buffer (a part lost) or store (its
     table unreadable) has ``damaged``, saying how; ``store`` is None where
@@ -1059,7 +1063,10 @@ async def describe(client: Client, name: str) -> dict[str, Any]:
     except BufferDamaged as err:
         return {"name": name, "bytes": err.geometry[0], "stripe": err.geometry[1], "store": None,
                 "damaged": err.message, "lost_on": err.servers}
-    out: dict[str, Any] = {"name": name, "bytes": buf.nbytes, "stripe": buf.stripe, "store": False}
+    out: dict[str, Any] = {"name": name, "bytes": buf.nbytes, "stripe": buf.stripe, "store": False,
+                           "replicas": buf.replicas}
+    if buf.replicas > 1:
+        out["degraded"] = await buf.degraded()
     if buf.nbytes < PREAMBLE:
         return out
     pre = np.empty(PREAMBLE // 8, dtype=np.int64)
@@ -1114,13 +1121,18 @@ async def remove(client: Client, name: str) -> bool:
 
 # -- the buffer ---------------------------------------------------------------------
 
-async def _attach_or_create(client: Client, name: str, total: int, stripe: int | None,
+async def _attach_or_create(client: Client, name: str, total: int, stripe: int | None, replicas: int,
                             start_over: Layout | None) -> Buffer:
     """Rank 0: the existing buffer (whatever its stripe), or a new one.  A
     damaged one (:class:`BufferDamaged`) is removed and made anew when the
     run starts over (``start_over``: the job's layout), else refused."""
     try:
-        return await client.attach(name)
+        buf = await client.attach(name)
+        if buf.replicas != replicas:
+            log.warning("store %r exists with replicas=%d and keeps them (this job asked for %d; to change them, "
+                        "remove the store with `smb2 rm %s` or start over from a checkpoint)",
+                        name, buf.replicas, replicas, name)
+        return buf
     except NoSuchBuffer:
         pass
     except BufferDamaged as err:
@@ -1131,7 +1143,7 @@ async def _attach_or_create(client: Client, name: str, total: int, stripe: int |
         await client.destroy(name)
     chosen = choose_stripe(total, len(client.servers)) if stripe is None else stripe
     try:
-        return await client.create(name, total, stripe=chosen)
+        return await client.create(name, total, stripe=chosen, replicas=replicas)
     except BufferConflict:
         return await client.attach(name)        # made by someone else in between
 

@@ -94,6 +94,17 @@ class Transport(abc.ABC):
         sends fenced writes through its server's CPU, or does not offer them."""
         raise InterfaceError(f"the {self.name} transport does not carry fenced writes")
 
+    async def replicated(self, op: int, flags: int, segment: int, offset: int,
+                         payload: Sequence[memoryview | bytes]) -> int | None:
+        """A mutation of a replicated buffer, sent to the stripe's primary
+        with ``FLAG_REPLICATED`` (``op``: WRITE, ACCUMULATE, FETCH_ADD or
+        COMPARE_SWAP; ``payload``: the replication prefix, the fence if
+        ``flags`` has FLAG_FENCED, then the data or operands).  Returns the
+        old word of an atomic, None otherwise.  Only a server's CPU forwards
+        to the backups, so every fabric sends these over its TCP connection
+        (docs/design.md, "Replication")."""
+        raise InterfaceError(f"the {self.name} transport does not carry replicated operations")
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Close the connection; pending operations fail with TransportError."""

@@ -436,6 +436,11 @@ class RdmaTransport(Transport):
         # checked by the server's CPU, so fenced writes take the TCP path.
         await self._tcp.write_fenced(src, segment, offset, length, lock_key, token)
 
+    async def replicated(self, op: int, flags: int, segment: int, offset: int,
+                         payload: Sequence[memoryview | bytes]) -> int | None:
+        # the primary's CPU forwards it to the backups: through the server
+        return await self._tcp.replicated(op, flags, segment, offset, payload)
+
     async def control(self, msg: dict[str, Any]) -> dict[str, Any]:
         reply = await self._tcp.control(msg)
         cmd = msg.get("cmd")

@@ -387,6 +387,11 @@ class ShmTransport(Transport, LockCapable):
         for at, pieces, n in _cut(src, self._fenced_frame):
             await self._ctl.write_fenced(pieces, segment, offset + at, n, lock_key, token)
 
+    async def replicated(self, op: int, flags: int, segment: int, offset: int,
+                         payload: Sequence[memoryview | bytes]) -> int | None:
+        # the primary's CPU forwards it to the backups: through the server
+        return await self._ctl.replicated(op, flags, segment, offset, payload)
+
     async def lock_acquire(self, segment: int, offset: int) -> tuple[int, bool]:
         return await self._ctl.lock_acquire(segment, offset)
 

@@ -23,6 +23,7 @@ from ..protocol import (
     FLAG_FENCED,
     FLAG_NOREPLY,
     FLAG_QUEUED,
+    FLAG_REPLICATED,
     FLAG_REPLY,
     FLAG_STAGED,
     H_FLAGS,
@@ -351,6 +352,14 @@ class TcpTransport(Transport, LockCapable):
         parts: list[memoryview] = [memoryview(_core.pack_u64x2(lock_key & MASK64, token & MASK64))]
         parts.extend(src)
         await self._call(Op.WRITE, FLAG_FENCED, segment, offset, length + 16, parts, _EMPTY)
+
+    async def replicated(self, op: int, flags: int, segment: int, offset: int,
+                         payload: Sequence[memoryview | bytes]) -> int | None:
+        parts = [p if isinstance(p, memoryview) else memoryview(p) for p in payload]
+        atomic = op in (Op.FETCH_ADD, Op.COMPARE_SWAP)
+        result = await self._call(op, flags | FLAG_REPLICATED, segment, offset, sum(len(p) for p in parts),
+                                  parts, _U64 if atomic else _EMPTY)
+        return int(result) if atomic else None
 
     # -- LockCapable: the server parks waiters (smb2.server.locks) -------------
     async def lock_acquire(self, segment: int, offset: int) -> tuple[int, bool]:

@@ -1,0 +1,307 @@
+"""Replicated buffers, the client's side: which server each operation goes
+to, and what the client does when one fails (docs/design.md, "Replication").
+
+A buffer made with ``replicas=R > 1`` keeps R copies of every stripe
+(:mod:`smb2.placement`).  Of the copies whose servers are members of the
+cluster's current membership view (:class:`~smb2.membership.View`, kept in
+etcd), the first is the stripe's **primary**:
+
+* mutations (write, accumulate, fetch_add, compare_swap, fenced writes) go
+  to the primary over its TCP connection with ``FLAG_REPLICATED`` and the
+  24-byte prefix (view epoch, client id, sequence number); the primary
+  applies them, forwards them to the stripe's backups, and answers once
+  every member copy has them.  One request per stripe (the server resolves
+  it to one replica group), each with its own sequence number;
+* reads go one-sided to the primary, on whatever fabric the link uses.
+
+When the primary refuses the connection, loses it or does not answer within
+:data:`FAILOVER_AFTER` s (plus the time its bytes need), or answers
+``BACKUP_FAILED`` naming a backup, the client removes that server from the
+view (a compare-and-set in etcd: :meth:`Views.stop_using`), logs
+``stopped using server X (epoch e): why`` on ``smb2.client`` once, and sends
+the SAME request (same client id and sequence number: the servers apply it
+once) to the stripe's primary in the new view.  ``STALE_EPOCH`` and
+``NOT_MEMBER`` make it read the view again first.  A request is tried at
+most :data:`MAX_ATTEMPTS` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from . import _core
+from .errors import (
+    BackupFailed,
+    InterfaceError,
+    NotMember,
+    OperationTimeout,
+    StaleEpoch,
+    TransportError,
+)
+from .membership import Membership, View, open_membership
+from .placement import Placement
+from .protocol import DEFAULT_MAX_REQUEST, FENCE_SIZE, FLAG_FENCED, MASK64, REPL_PREFIX_SIZE, Op
+from .transport import Link, Transport
+
+log = logging.getLogger("smb2.client")
+
+#: seconds one attempt waits for a primary before the client stops using it
+#: (a crashed server refuses or resets at once; this bounds a stopped or cut
+#: off one).  Above the primaries' own wait for a backup (1 s), so a slow
+#: backup is named by its primary rather than blamed on the primary.
+FAILOVER_AFTER = 2.0
+#: the time an attempt is given on top, per byte it sends (50 MB/s): a large
+#: write on a busy host is not mistaken for a dead server
+SECONDS_PER_BYTE = 1 / 50e6
+#: attempts of one request before the error is raised
+MAX_ATTEMPTS = 6
+#: the largest request of a replicated mutation: a TCP frame, with room
+#: for the prefix and a fence
+_PREFIX = struct.Struct("<QQQ")
+
+
+class ReplicatedBuffer(Protocol):
+    """What the routing needs of a buffer (:class:`smb2.Buffer` has it)."""
+
+    name: str
+    nbytes: int
+    placement: Placement | None     # None for an unreplicated buffer, never routed here
+    segments: list[int]
+
+    @property
+    def links(self) -> tuple[Link, ...]: ...
+
+    async def views(self) -> Views: ...
+
+    async def check_incarnation(self, server: int, t: Transport, /) -> None: ...
+
+
+class Views:
+    """The membership view one client routes its replicated buffers by, and
+    the identity its mutations carry (a random client id, a sequence)."""
+
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+        #: random per client: with ``seq``, an op's identity at the servers
+        self.client_id = int.from_bytes(os.urandom(8), "little")
+        self._seq = 0
+        self.view: View | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def of_servers(cls, infos: Sequence[dict[str, Any]], labels: Sequence[str]) -> Views:
+        """The views of the cluster whose servers said ``infos`` at hello."""
+        urls = {info.get("membership") for info in infos}
+        if None in urls or len(urls) != 1:
+            told = ", ".join(f"{label}: {info.get('membership') or 'none'}" for label, info in zip(labels, infos))
+            raise InterfaceError(
+                f"replicated buffers need every server to name the same membership service, and they "
+                f"name {told}",
+                hint="start every smb2-server with the same --membership etcd://HOST:PORT/CLUSTER "
+                     "(LocalCluster(..., replicated=True) does), or use replicas=1")
+        return cls(open_membership(str(urls.pop())))
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def prefix(self, view: View, seq: int) -> bytes:
+        return _PREFIX.pack(view.epoch & MASK64, self.client_id, seq)
+
+    async def current(self) -> View:
+        """The view last seen (read from the service the first time)."""
+        return self.view if self.view is not None else await self.refresh()
+
+    async def refresh(self) -> View:
+        """Read the view again (after STALE_EPOCH or NOT_MEMBER)."""
+        return self._adopt(await self.membership.view(), "it is not a member of the current view")
+
+    async def stop_using(self, server: str, seen: View, why: str) -> View:
+        """Remove ``server`` from the view ``seen`` (compare-and-set): the
+        view current afterwards.  Concurrent callers wait for each other,
+        and one that finds the server already gone changes nothing."""
+        async with self._lock:
+            base = self.view if self.view is not None and self.view.epoch > seen.epoch else seen
+            if server not in base.members and server not in base.joining:
+                return base
+            members = tuple(m for m in base.members if m != server)
+            if not members:
+                raise TransportError(
+                    f"server {server} failed ({why}) and it is the last member of the view",
+                    server=server, hint="restart the servers (with their --data-dir) and run again")
+            new = await self.membership.change(
+                base, members=members, joining=tuple(m for m in base.joining if m != server))
+            return self._adopt(new, why, removing=server)
+
+    def _adopt(self, view: View, why: str, removing: str | None = None) -> View:
+        old = self.view
+        if old is None or view.epoch >= old.epoch:
+            self.view = view
+            for gone in (old.members if old is not None else ()):
+                if gone not in view.members:
+                    reason = why if gone == removing or removing is None else "removed by another client"
+                    log.warning("stopped using server %s (epoch %d): %s", gone, view.epoch, reason)
+            return view
+        return old
+
+    async def close(self) -> None:
+        await self.membership.close()
+
+
+def primary(buf: ReplicatedBuffer, i: int, view: View) -> int:
+    """The server that takes stripe ``i``'s operations in ``view``: its
+    first replica that is a member."""
+    group = _layout(buf).replicas_of(i)
+    for s in group:
+        if buf.links[s].label in view.members:
+            return s
+    lost = ", ".join(buf.links[s].label for s in group)
+    stripe = _layout(buf).stripe
+    raise TransportError(
+        f"buffer {buf.name!r}: every copy of bytes {i * stripe}-{min((i + 1) * stripe, buf.nbytes)} is lost: "
+        f"its servers {lost} are all out of the view (epoch {view.epoch})",
+        hint="restart those servers with their --data-dir so they rejoin; if their data is gone, restore the "
+             "buffer from a checkpoint")
+
+
+def degraded(placement: Placement, labels: Sequence[str], view: View) -> bool:
+    """Whether some stripe has fewer member copies than its replicas in ``view``."""
+    members = set(view.members)
+    return any(sum(labels[s] in members for s in placement.replicas_of(i)) < placement.replicas
+               for i in range(min(placement.nstripes, placement.nservers)))
+
+
+def _pieces(placement: Placement, offset: int, length: int, limit: int) -> list[tuple[int, int, int]]:
+    """``(stripe, buffer offset, bytes)`` of ``[offset, offset+length)``,
+    each within one stripe and at most ``limit`` bytes."""
+    out = []
+    end = offset + length
+    at = offset
+    while at < end:
+        i = at // placement.stripe
+        hi = min(end, (i + 1) * placement.stripe, at + limit)
+        out.append((i, at, hi - at))
+        at = hi
+    return out
+
+
+async def _attempts(buf: ReplicatedBuffer, i: int, within: int, nbytes: int, what: str,
+                    send: Any) -> Any:
+    """``send(transport, segment, segment offset, view)`` on stripe ``i``'s
+    primary, failing over as the module docstring says."""
+    views = await buf.views()
+    view = await views.current()
+    patience = FAILOVER_AFTER + nbytes * SECONDS_PER_BYTE
+    last: BaseException | None = None
+    for _ in range(MAX_ATTEMPTS):
+        server = primary(buf, i, view)
+        link = buf.links[server]
+        seg_off = _layout(buf).offset_on(server, i) + within
+        seen = view
+
+        async def request(t: Transport, server: int = server, seg_off: int = seg_off,
+                          seen: View = seen) -> Any:
+            await buf.check_incarnation(server, t)
+            return await send(t, buf.segments[server], seg_off, seen)
+        try:
+            return await link.call(request, patience, idempotent=False, what=f"{what} of buffer {buf.name!r}")
+        except BackupFailed as exc:
+            last = exc
+            backup = next((other.label for other in buf.links
+                           if other is not link and other.label in exc.message), None)
+            view = await (views.stop_using(backup, seen, f"{exc.message} (as backup)") if backup is not None
+                          else views.refresh())
+        except (StaleEpoch, NotMember) as exc:
+            last = exc
+            view = await views.refresh()
+        except TransportError as exc:       # refused, reset, timed out (OperationTimeout)
+            last = exc
+            view = await views.stop_using(link.label, seen, exc.message)
+    raise TransportError(f"{what} of buffer {buf.name!r} failed {MAX_ATTEMPTS} times on the primaries of its "
+                         f"stripe {i}; the last: {last}", server=getattr(last, "server", None),
+                         hint="check that the servers and the membership service (etcd) are up: "
+                              "`smb2 stat`, `smb2 ls`")
+
+
+async def _bounded(deadline: float | None, what: str, coro: Any) -> Any:
+    if deadline is None:
+        return await coro
+    try:
+        async with asyncio.timeout(deadline):
+            return await coro
+    except TimeoutError:
+        raise OperationTimeout(f"{what} did not complete within {deadline} s (replicated: failing over "
+                               "included)", hint="give it a longer timeout=, or check the servers") from None
+
+
+async def run(buf: ReplicatedBuffer, what: str, view: memoryview, offset: int, length: int, widen: int,
+              dtype_code: int, fence: tuple[int, int] | None, deadline: float | None) -> None:
+    """A read, write or accumulate of ``[offset, offset+length)`` (the
+    payload ``view`` is ``widen`` times shorter for a widening accumulate)."""
+    if what == "read":
+        limit = DEFAULT_MAX_REQUEST
+    else:
+        limit = _frame(buf) - REPL_PREFIX_SIZE - FENCE_SIZE
+        limit -= limit % 8
+    pieces = _pieces(_layout(buf), offset, length, limit)
+
+    async def one(i: int, at: int, n: int) -> None:
+        part = view[(at - offset) // widen:(at - offset + n) // widen]
+        within = at - i * _layout(buf).stripe
+        if what == "read":
+            async def read(t: Transport, seg: int, seg_off: int, seen: View) -> None:
+                await t.read_into([part], seg, seg_off, n)
+            await _attempts(buf, i, within, n, what, read)
+            return
+        if what == "write":
+            op, flags = Op.WRITE, 0
+            body: list[memoryview | bytes] = [part]
+            if fence is not None:
+                flags = FLAG_FENCED
+                body.insert(0, _core.pack_u64x2(fence[0] & MASK64, fence[1] & MASK64))
+        else:
+            op, flags, body = Op.ACCUMULATE, dtype_code << 4, [part]
+        views = await buf.views()
+        seq = views.next_seq()
+
+        async def mutate(t: Transport, seg: int, seg_off: int, seen: View) -> None:
+            await t.replicated(op, flags, seg, seg_off, [views.prefix(seen, seq), *body])
+        await _attempts(buf, i, within, n, what, mutate)
+
+    await _bounded(deadline, f"{what} of buffer {buf.name!r}",
+                   asyncio.gather(*(one(*p) for p in pieces)) if len(pieces) > 1 else one(*pieces[0]))
+
+
+async def atomic(buf: ReplicatedBuffer, what: str, offset: int, operands: bytes,
+                 deadline: float | None) -> int:
+    """fetch_add (``operands``: the u64 value) or compare_swap (expected,
+    new) on the word at ``offset``: the word's old value, as a u64."""
+    op = Op.FETCH_ADD if what == "fetch_add" else Op.COMPARE_SWAP
+    i, within = divmod(offset, _layout(buf).stripe)
+    views = await buf.views()
+    seq = views.next_seq()
+
+    async def send(t: Transport, seg: int, seg_off: int, seen: View) -> int:
+        old = await t.replicated(op, 0, seg, seg_off, [views.prefix(seen, seq), operands])
+        assert old is not None
+        return old
+    return int(await _bounded(deadline, f"{what} on buffer {buf.name!r}",
+                              _attempts(buf, i, within, 8, what, send)))
+
+
+def _layout(buf: ReplicatedBuffer) -> Placement:
+    if buf.placement is None:
+        raise InterfaceError(f"buffer {buf.name!r} is not replicated")
+    return buf.placement
+
+
+def _frame(buf: ReplicatedBuffer) -> int:
+    """The largest frame every server of the buffer takes."""
+    frames = [f for link in buf.links if (t := link.transport) is not None
+              and isinstance(f := t.server_info.get("max_frame"), int) and f > 0]
+    return min([DEFAULT_MAX_REQUEST, *frames])

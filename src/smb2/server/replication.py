@@ -1,0 +1,914 @@
+"""Replicated buffers, the server's half (docs/design.md, "Replication").
+
+A buffer made with ``replicas=R`` keeps each stripe on R servers
+(:mod:`smb2.placement`).  Which servers hold current replicas, and the epoch of
+that view, live in the membership service (:mod:`smb2.membership`, etcd): never
+decided here.  This module is what one server does with them:
+
+* *primary* (an op with ``FLAG_REPLICATED``, sent by a client to the stripe's
+  first member replica): check the op's epoch against the server's view,
+  apply it once per (client id, sequence) -- a retry returns the stored
+  result -- and forward it, in arrival order, over one link per backup
+  (:class:`Outbox`), then answer once every member and joining backup
+  applied it (``BACKUP_FAILED`` naming one that did not within 1 s);
+* *backup* (``FLAG_FORWARDED``, from the stripe's primary): the same epoch and
+  duplicate checks, apply, answer.  A backup refuses an epoch older than its
+  own: a primary cut off from the membership service cannot acknowledge
+  anything once its backups learned the view that removed it;
+* *rejoin*: a server that is not a member (it restarted, or was removed) makes
+  its segments, adds itself to ``joining``, asks each stripe's primary for a
+  copy of the stripe (:meth:`Replication.push_stripes`: sent through the same
+  ordered stream as the updates, paced by ``--repair-rate``), and moves
+  itself into ``members`` once it holds them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+from .. import _core
+from ..errors import ErrorCode
+from ..membership import Membership, View, open_membership
+from ..placement import Placement
+from ..protocol import (
+    DTYPE_MASK,
+    DTYPE_SHIFT,
+    FENCE_SIZE,
+    FLAG_FENCED,
+    FLAG_FORWARDED,
+    FLAG_REPLICATED,
+    H_FLAGS,
+    H_OFFSET,
+    H_OP,
+    H_SEGMENT,
+    REPL_PREFIX_SIZE,
+    Header,
+    Op,
+    accumulate_span,
+)
+from .peers import LINK_FAILED, PeerLink, error_message
+from .segment import Refused, Segment
+
+log = logging.getLogger("smb2.server.replication")
+
+# a member backup that has not answered a forwarded op within this is failed
+FORWARD_TIMEOUT: Final = 1.0
+# how often the view is read from the membership service in the background
+# (a request that carries a newer epoch reads it at once)
+REFRESH_EVERY: Final = 0.5
+# results kept for duplicate detection: the last this many (client, seq)
+# pairs, about DEDUP_ENTRY_BYTES each (see Dedup)
+DEDUP_ENTRIES: Final = 65536
+DEDUP_ENTRY_BYTES: Final = 400
+# clients whose oldest forgotten sequence number is remembered (see Dedup)
+DEDUP_CLIENTS: Final = 65536
+# start() waits this long for the server to be a member before it lets
+# clients in (it goes on catching up in the background)
+START_WAIT: Final = 3.0
+# a stripe copy goes out in pieces of this size (and so paced)
+COPY_CHUNK: Final = 1 << 20
+# bytes queued for one backup (not yet handed to its socket, or in its send
+# buffer) before clients that forward to it stop being read
+OUTBOX_HIGH: Final = 16 << 20
+
+
+class Client(Protocol):
+    """What this module needs of a server connection (memory.Connection)."""
+
+    peer_server: str | None
+    host: str
+
+    def reply(self, hdr: Header, payload: bytes | memoryview = b"", status: int = 0,
+              flags: int = 0) -> None: ...
+    def refuse(self, hdr: Header, code: ErrorCode, message: str, **extra: Any) -> None: ...
+    def hold_input(self, reason: str) -> None: ...
+    def unhold_input(self, reason: str) -> None: ...
+
+
+class Server(Protocol):
+    """What this module needs of its server (memory.MemoryServer)."""
+
+    segments: dict[int, Segment]
+    by_name: dict[str, Segment]
+    restored: set[int]
+    token: bytes | None
+    locks: Any
+    bytes_in: int
+    repair_rate: int
+
+    def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int,
+               buffer_id: str | None = None, seal: bool = False, *, replicas: int = 1,
+               servers: list[str] | None = None, zones: list[str | None] | None = None) -> dict[str, Any]: ...
+    def destroy(self, name: str) -> dict[str, Any]: ...
+
+
+def apply_op(seg: Segment, op: int, flags: int, offset: int, data: memoryview) -> bytes:
+    """Apply one data op to ``seg`` (its range was checked): the reply's payload."""
+    if op == Op.WRITE:
+        _core.copy_into(seg.view[offset:offset + len(data)], data)
+        return b""
+    if op == Op.ACCUMULATE:
+        end = offset + accumulate_span(flags, offset, len(data))
+        _core.accumulate(seg.view[offset:end], data, (flags & DTYPE_MASK) >> DTYPE_SHIFT)
+        return b""
+    if op == Op.FETCH_ADD:
+        add = _core.unpack_u64(data)
+        old = _core.atomic_fetch_add(seg.view, offset, add)
+        if add:
+            _core.futex_wake(seg.view, offset)      # a shm reader may sleep on it (smb2.notify)
+        return _core.pack_u64(old)
+    expected = _core.unpack_u64(data, 0)
+    old = _core.atomic_compare_swap(seg.view, offset, expected, _core.unpack_u64(data, 8))
+    if old == expected:
+        _core.futex_wake(seg.view, offset)
+    return _core.pack_u64(old)
+
+
+def prefix(epoch: int, client: int, seq: int) -> bytes:
+    return _core.pack_u64(epoch) + _core.pack_u64(client) + _core.pack_u64(seq)
+
+
+@dataclass(eq=False)
+class Entry:
+    """One applied op in the duplicate table: its result, the backups known
+    to hold it, and (while its forwards are out) who waits for its reply."""
+
+    result: bytes
+    acked: frozenset[str] = frozenset()
+    waiters: list[tuple[Client, Header]] | None = None
+
+
+class Dedup:
+    """Results of the last DEDUP_ENTRIES ops, by (client id, sequence).
+
+    Budget: DEDUP_ENTRIES x about DEDUP_ENTRY_BYTES (26 MiB), plus DEDUP_CLIENTS
+    small ints.  A retry whose entry was already dropped is not applied a
+    second time on a guess: the client's highest dropped sequence number is
+    remembered, and an op at or below it is refused (``too_old``)."""
+
+    def __init__(self, entries: int = DEDUP_ENTRIES, clients: int = DEDUP_CLIENTS) -> None:
+        self.entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()
+        self.limit = entries
+        self.floor: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self.clients = clients
+
+    def get(self, client: int, seq: int) -> Entry | None:
+        return self.entries.get(client << 64 | seq)
+
+    def too_old(self, client: int, seq: int) -> bool:
+        f = self.floor.get(client)
+        return f is not None and seq <= f
+
+    def put(self, client: int, seq: int, entry: Entry) -> None:
+        self.entries[client << 64 | seq] = entry
+        while len(self.entries) > self.limit:
+            key, _ = self.entries.popitem(last=False)
+            c, s = key >> 64, key & ((1 << 64) - 1)
+            self.floor[c] = max(self.floor.pop(c, 0), s)
+            while len(self.floor) > self.clients:
+                self.floor.popitem(last=False)
+
+
+class Outbox:
+    """The ordered stream of forwarded ops from this server to one peer.
+
+    A forward goes straight to the link's socket when the link is up, nothing
+    waits before it and the peer's segment id of the buffer is known; else it
+    is queued (its payload copied) and a pump connects, looks the buffer's
+    segment up by name (once per link) and sends the queue in order.
+
+    A backup is failed when it stops making progress: ops are out and no
+    answer came for FORWARD_TIMEOUT (a watchdog), not when one op waited
+    that long behind many others on a loaded link."""
+
+    def __init__(self, repl: Replication, address: str) -> None:
+        self.repl = repl
+        self.address = address
+        self.link: PeerLink | None = None
+        self.queue: collections.deque[tuple[tuple[str, str], int, int, int, list[bytes],
+                                            Callable[[int, bytes], None]]] = (
+            collections.deque())
+        self.queued_bytes = 0
+        # the peer's segment of each buffer, by (name, buffer_id): a buffer
+        # destroyed and made again under its name is another buffer
+        self.segment_ids: dict[tuple[str, str], int] = {}
+        self._pump: asyncio.Task[None] | None = None
+        # client connections that stopped being read while this outbox was full
+        self.blocked: set[Any] = set()
+        # stripe copies waiting for room (see room)
+        self.room_waiters: list[asyncio.Future[None]] = []
+        # ops sent or queued and not answered; when the last answer came
+        self.outstanding = 0
+        self.progress = 0.0
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    def forward(self, buffer: tuple[str, str], op: int, flags: int, offset: int,
+                parts: Sequence[bytes | memoryview], on_reply: Callable[[int, bytes], None]) -> None:
+        """Send an op for ``buffer`` (name, buffer_id) to this peer, after
+        every op sent before it."""
+        loop = asyncio.get_running_loop()
+        if not self.outstanding:
+            self.progress = loop.time()
+        self.outstanding += 1
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(self.progress + FORWARD_TIMEOUT, self._check_progress)
+
+        def answered(status: int, payload: bytes) -> None:
+            self.outstanding -= 1
+            self.progress = loop.time()
+            on_reply(status, payload)
+        link = self.link
+        if link is not None and link.is_open and not self.queue:
+            sid = self.segment_ids.get(buffer)
+            if sid is not None:
+                link.send(op, flags, sid, offset, parts, answered)
+                return
+        copied = [bytes(p) for p in parts]
+        self.queue.append((buffer, op, flags, offset, copied, answered))
+        self.queued_bytes += sum(len(p) for p in copied)
+        if self._pump is None:
+            self._pump = asyncio.get_running_loop().create_task(self.pump())
+
+    def _check_progress(self) -> None:
+        self._watchdog = None
+        if not self.outstanding:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() - self.progress >= FORWARD_TIMEOUT:
+            self.fail(f"{self.outstanding} forwarded ops and no answer for {FORWARD_TIMEOUT:g} s")
+        else:
+            self._watchdog = loop.call_at(self.progress + FORWARD_TIMEOUT, self._check_progress)
+
+    @property
+    def full(self) -> bool:
+        link = self.link
+        return self.queued_bytes > OUTBOX_HIGH or (link is not None and link.paused)
+
+    def block(self, conn: Any) -> None:
+        """Stop reading ``conn`` until this outbox drains."""
+        conn.hold_input("forward")
+        self.blocked.add(conn)
+        self.drained()
+
+    async def room(self) -> None:
+        """Return once this outbox is not full (or has failed)."""
+        if not self.full:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.room_waiters.append(fut)
+        self.drained()          # arranges to be called again when the link drains
+        await fut
+
+    def drained(self) -> None:
+        """Read the blocked connections again, unless still full: then when
+        the link's socket drains (or the pump ends)."""
+        if self.full:
+            link = self.link
+            if link is not None and link.paused and self.drained not in link.on_drain:
+                link.on_drain.append(self.drained)
+            return
+        blocked, self.blocked = self.blocked, set()
+        for conn in blocked:
+            conn.unhold_input("forward")
+        waiters, self.room_waiters = self.room_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def pump(self) -> None:
+        try:
+            if self.link is None or not self.link.is_open:
+                self.segment_ids.clear()
+                self.link = await PeerLink.open(self.address, self.repl.me, self.repl.server.token)
+            link = self.link
+            while self.queue:
+                buffer = self.queue[0][0]
+                if buffer not in self.segment_ids:
+                    info = await link.control({"cmd": "lookup", "name": buffer[0]})
+                    if info.get("buffer_id") != buffer[1]:
+                        raise LookupError(f"server {self.address} holds another buffer named {buffer[0]!r} "
+                                          f"(buffer_id {info.get('buffer_id')!r}, not {buffer[1]!r})")
+                    self.segment_ids[buffer] = int(info["segment"])
+                buffer, op, flags, offset, parts, cb = self.queue.popleft()
+                self.queued_bytes -= sum(len(p) for p in parts)
+                link.send(op, flags, self.segment_ids[buffer], offset, parts, cb)
+            self.drained()
+        except asyncio.CancelledError:
+            self.fail("server shutting down")
+            raise
+        except Exception as exc:  # the peer is down, refused us, or lacks the buffer
+            self.fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        finally:
+            self._pump = None
+
+    def fail(self, why: str) -> None:
+        """Drop the link; every op queued or waiting for the peer fails."""
+        if self.link is not None:
+            self.link.close(why)
+            self.link = None
+        self.segment_ids.clear()
+        queue, self.queue = self.queue, collections.deque()
+        self.queued_bytes = 0
+        for *_, cb in queue:
+            cb(LINK_FAILED, why.encode())
+        self.drained()
+
+    async def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+        self.fail("server shutting down")
+
+
+def _resolver(fut: asyncio.Future[tuple[int, bytes]]) -> Callable[[int, bytes], None]:
+    def done(status: int, payload: bytes) -> None:
+        if not fut.done():
+            fut.set_result((status, payload))
+    return done
+
+
+@dataclass(eq=False)
+class Stripe:
+    """Where one op landed: the buffer's segment here, its placement, the
+    stripe and this server's place among its replicas."""
+
+    seg: Segment
+    placement: Placement
+    index: int
+
+
+class Pending:
+    """A primary's op whose forwards are out: answers its waiters when every
+    backup answered (or its outbox failed it: see Outbox)."""
+
+    def __init__(self, repl: Replication, where: Stripe, entry: Entry, backups: list[str]) -> None:
+        self.repl = repl
+        self.where = where
+        self.entry = entry
+        self.waiting = set(backups)
+        self.acked: set[str] = set()
+        self.failed: dict[str, str] = {}
+        self.stale = False
+        self.done = False
+
+    def callback(self, backup: str) -> Callable[[int, bytes], None]:
+        def on_reply(status: int, payload: bytes) -> None:
+            if backup not in self.waiting:
+                return
+            self.waiting.discard(backup)
+            if status == 0:
+                self.acked.add(backup)
+                if payload != self.entry.result:
+                    # an atomic's old value differs: the copies diverged
+                    self.repl.diverged += 1
+                    log.error("backup %s returned %r where this primary returned %r: its copy of "
+                              "buffer %r differs", backup, payload, self.entry.result, self.where.seg.name)
+            elif status == ErrorCode.STALE_EPOCH:
+                self.stale = True
+            else:
+                why = "the link failed" if status == LINK_FAILED else ErrorCode(status).name
+                self.failed[backup] = f"{why}: {error_message(payload) or payload.decode(errors='replace')}"
+            if not self.waiting:
+                self.finish()
+        return on_reply
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.entry.acked = frozenset(self.acked)
+        if self.stale or self.failed:
+            # a backup knows a newer view, or failed: settle it under the
+            # view read now (repairing a backup that missed the op)
+            self.repl.spawn(self.repl.settle(self.where, self.entry, self.failed))
+        else:
+            self.repl.answer(self.entry)
+
+
+class Replication:
+    """This server's part in its replicated cluster (one per MemoryServer
+    started with ``--membership``)."""
+
+    def __init__(self, server: Server, url: str, me: str) -> None:
+        self.server = server
+        self.url = url
+        # this server's name in the view ("host:port")
+        self.me = me
+        self.membership: Membership | None = None
+        self.view = View(epoch=0, members=())
+        # random per process: the client id of the stripe copies this server sends
+        self.copy_id = int.from_bytes(os.urandom(8), "little")
+        self._copy_seq = 0
+        self.dedup = Dedup()
+        self.outboxes: dict[str, Outbox] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._refreshing: asyncio.Future[View] | None = None
+        # "starting" (not yet read the view), "joining" (catching up), "member"
+        self.state = "starting"
+        self.caught_up_at: float | None = None
+        self.catch_up_seconds = 0.0
+        self.started = 0.0
+        self.copied_bytes = 0
+        self.copy_rate = 0
+        self.diverged = 0
+        self.joins = 0
+
+    # -- lifecycle --------------------------------------------------------
+    async def start(self) -> None:
+        self.membership = open_membership(self.url)
+        self.started = time.monotonic()
+        self.spawn(self._refresh_loop())
+        joined = self.spawn(self.join())
+        # a new cluster's servers start side by side: wait a little for the
+        # others, so that clients find this one a member at once
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(joined), START_WAIT)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for box in self.outboxes.values():
+            await box.close()
+        if self.membership is not None:
+            await self.membership.close()
+
+    def spawn(self, work: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def outbox(self, address: str) -> Outbox:
+        box = self.outboxes.get(address)
+        if box is None:
+            box = self.outboxes[address] = Outbox(self, address)
+        return box
+
+    # -- the view ---------------------------------------------------------
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_EVERY)
+            try:
+                await self.refresh()
+            except Exception as exc:
+                log.warning("cannot read the membership view from %s: %s", self.url, exc)
+                continue
+            if self.state == "member" and self.me not in self.view.members:
+                log.warning("this server was removed from the view (epoch %d): it catches up and rejoins",
+                            self.view.epoch)
+                self.state = "joining"
+                self.spawn(self.join())
+
+    async def refresh(self) -> View:
+        """Read the view now (one read for all who ask at once) and install
+        it if it is newer."""
+        if self._refreshing is None:
+            self._refreshing = asyncio.get_running_loop().create_future()
+            try:
+                assert self.membership is not None
+                view = await self.membership.view()
+                self.install(view)
+                self._refreshing.set_result(self.view)
+            except BaseException as exc:
+                self._refreshing.set_exception(exc)
+                self._refreshing.exception()      # retrieved: the callers re-raise it
+                raise
+            finally:
+                self._refreshing = None
+            return self.view
+        return await asyncio.shield(self._refreshing)
+
+    def install(self, view: View) -> None:
+        if view.epoch > self.view.epoch:
+            log.info("view epoch %d: members %s, joining %s", view.epoch, ",".join(view.members),
+                     ",".join(view.joining) or "none")
+            self.view = view
+
+    async def change(self, expected: View, members: Sequence[str], joining: Sequence[str]) -> View:
+        assert self.membership is not None
+        view = await self.membership.change(expected, members=tuple(members), joining=tuple(joining))
+        self.install(view)
+        return view
+
+    def live(self, view: View | None = None) -> set[str]:
+        v = view or self.view
+        return set(v.members) | set(v.joining)
+
+    # -- placement ----------------------------------------------------------
+    @staticmethod
+    def placement(seg: Segment) -> Placement:
+        return Placement(seg.nservers, seg.nbytes, seg.stripe, _core.name_hash(seg.name) % seg.nservers,
+                         seg.replicas, seg.zones)
+
+    def primary_of(self, seg: Segment, replicas: Sequence[int]) -> str | None:
+        """The stripe's first replica that is a member of the view."""
+        for s in replicas:
+            if seg.servers[s] in self.view.members:
+                return seg.servers[s]
+        return None
+
+    def backups_of(self, seg: Segment, replicas: Sequence[int], primary: str) -> list[str]:
+        """The stripe's other replicas that are members or joining."""
+        live = self.live()
+        return [seg.servers[s] for s in replicas if seg.servers[s] != primary and seg.servers[s] in live]
+
+    # -- ops ---------------------------------------------------------------
+    def on_frame(self, conn: Client, hdr: Header, payload: memoryview) -> None:
+        """A replicated or forwarded op, whole (its header was checked)."""
+        epoch = _core.unpack_u64(payload, 0)
+        if epoch > self.view.epoch:
+            # read the view first; this connection's later frames wait (order)
+            data = memoryview(bytes(payload))
+            conn.hold_input("epoch")
+            self.spawn(self._after_refresh(conn, hdr, data))
+            return
+        self.handle(conn, hdr, payload)
+
+    async def _after_refresh(self, conn: Client, hdr: Header, payload: memoryview) -> None:
+        try:
+            try:
+                await self.refresh()
+            except Exception as exc:
+                log.warning("cannot read the membership view from %s: %s", self.url, exc)
+            self.handle(conn, hdr, payload)
+        except Refused as exc:
+            conn.refuse(hdr, exc.code, str(exc), **exc.extra)
+        except Exception as exc:
+            log.exception("internal error in a replicated op")
+            conn.refuse(hdr, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            conn.unhold_input("epoch")
+
+    def handle(self, conn: Client, hdr: Header, payload: memoryview) -> None:
+        op, flags, offset = hdr[H_OP], hdr[H_FLAGS], hdr[H_OFFSET]
+        forwarded = bool(flags & FLAG_FORWARDED)
+        epoch, client, seq = (_core.unpack_u64(payload, 0), _core.unpack_u64(payload, 8),
+                              _core.unpack_u64(payload, 16))
+        view = self.view
+        if epoch < view.epoch:
+            raise Refused(ErrorCode.STALE_EPOCH, f"the op carries view epoch {epoch}; this server "
+                           f"knows epoch {view.epoch}", epoch=view.epoch)
+        if epoch > view.epoch:
+            raise Refused(ErrorCode.NOT_MEMBER, f"this server cannot read view epoch {epoch} from the "
+                           f"membership service (it knows {view.epoch})", epoch=view.epoch)
+        if self.state != "member" and not (forwarded and self.me in view.joining):
+            raise Refused(ErrorCode.NOT_MEMBER, f"server {self.me} is not a member of view epoch "
+                           f"{view.epoch} ({'catching up' if self.me in view.joining else self.state})",
+                           epoch=view.epoch)
+        seg = self.server.segments.get(hdr[H_SEGMENT])
+        if seg is None:
+            raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no segment {hdr[H_SEGMENT]} (destroyed while the "
+                          "request was being received)")
+        placement = self.placement(seg)
+        stripe, _ = placement.stripe_at(seg.index, offset)
+        replicas = placement.replicas_of(stripe)
+        primary = self.primary_of(seg, replicas)
+        where = Stripe(seg, placement, stripe)
+        if forwarded:
+            if conn.peer_server is None or conn.peer_server != primary:
+                raise Refused(ErrorCode.ACCESS_DENIED, f"forwarded ops of stripe {stripe} of {seg.name!r} are "
+                              f"taken only from its primary {primary} (this connection is "
+                              f"{conn.peer_server or 'a client'})")
+        elif primary != self.me:
+            raise Refused(ErrorCode.NOT_MEMBER, f"server {self.me} is not the primary of stripe {stripe} of "
+                           f"{seg.name!r} in view epoch {view.epoch} ({primary} is)", epoch=view.epoch)
+        entry = self.dedup.get(client, seq)
+        if entry is not None:
+            if forwarded or entry.waiters is not None:
+                self._wait_or_answer(entry, conn, hdr)
+            else:
+                # a retry: answer it once every backup of the view now holds the op
+                entry.waiters = [(conn, hdr)]
+                self.spawn(self.settle(where, entry, {}))
+            return
+        if self.dedup.too_old(client, seq):
+            raise Refused(ErrorCode.CONFLICT, f"op {seq} of client {client:016x} is older than the "
+                          f"{DEDUP_ENTRIES} ops this server remembers: it may have been applied; not "
+                          "applied again")
+        body = REPL_PREFIX_SIZE
+        if flags & FLAG_FENCED:
+            if forwarded:
+                raise Refused(ErrorCode.BAD_REQUEST, "a forwarded op carries no fence (the primary checked it)")
+            key, token = _core.unpack_u64(payload, body), _core.unpack_u64(payload, body + 8)
+            if not self.server.locks.check_fence(key, token):
+                raise Refused(ErrorCode.STALE_FENCE, f"write fenced with token {token} refused: the lock was "
+                              "lost (lease expired, released, or a newer holder wrote here)")
+            body += FENCE_SIZE
+        data = payload[body:]
+        result = apply_op(seg, op, flags, offset, data)
+        self.server.bytes_in += len(data)
+        entry = Entry(result)
+        self.dedup.put(client, seq, entry)
+        if forwarded:
+            conn.reply(hdr, result)
+            return
+        backups = self.backups_of(seg, replicas, self.me)
+        if not backups:
+            conn.reply(hdr, result)
+            return
+        entry.waiters = [(conn, hdr)]
+        pending = Pending(self, where, entry, backups)
+        fwd_flags = (flags & ~(FLAG_REPLICATED | FLAG_FENCED)) | FLAG_FORWARDED
+        head = prefix(view.epoch, client, seq)
+        full = None
+        for b in backups:
+            box = self.outbox(b)
+            off = placement.offset_on(seg.servers.index(b), stripe) + offset - placement.offset_on(seg.index, stripe)
+            box.forward((seg.name, seg.buffer_id), op, fwd_flags, off, (head, data), pending.callback(b))
+            if box.full:
+                full = box
+        if full is not None:
+            full.block(conn)
+
+    def _wait_or_answer(self, entry: Entry, conn: Client, hdr: Header) -> None:
+        if entry.waiters is not None:
+            entry.waiters.append((conn, hdr))
+        else:
+            conn.reply(hdr, entry.result)
+
+    def answer(self, entry: Entry, code: ErrorCode | None = None, message: str = "",
+               **extra: Any) -> None:
+        waiters, entry.waiters = entry.waiters or [], None
+        for conn, hdr in waiters:
+            if code is None:
+                conn.reply(hdr, entry.result)
+            else:
+                conn.refuse(hdr, code, message, **extra)
+
+    async def settle(self, where: Stripe, entry: Entry, failed: dict[str, str]) -> None:
+        """Answer an op whose backups did not all take it under the view its
+        forwards carried: a failed member backup is reported
+        (BACKUP_FAILED: the client removes it from the view and retries);
+        otherwise read the view, copy the stripe to every live backup that
+        does not hold the op yet, then answer."""
+        try:
+            members = set(self.view.members)
+            dead = [b for b in failed if b in members]
+            joining = [b for b in failed if b not in members]
+            for b in joining:
+                # a joining server that missed an update must start over
+                self.spawn(self.kick(b))
+            if dead:
+                self.answer(entry, ErrorCode.BACKUP_FAILED, f"backup {dead[0]} of buffer {where.seg.name!r} "
+                            f"failed ({failed[dead[0]]})", backup=dead[0])
+                return
+            await self.refresh()
+            if self.me not in self.view.members:
+                self.answer(entry, ErrorCode.NOT_MEMBER, f"server {self.me} was removed from the view "
+                            f"(epoch {self.view.epoch})", epoch=self.view.epoch)
+                return
+            replicas = where.placement.replicas_of(where.index)
+            if self.primary_of(where.seg, replicas) != self.me:
+                self.answer(entry, ErrorCode.STALE_EPOCH, f"server {self.me} is no longer the primary of "
+                            f"the stripe (epoch {self.view.epoch})", epoch=self.view.epoch)
+                return
+            missing = [b for b in self.backups_of(where.seg, replicas, self.me) if b not in entry.acked]
+            failed = await self.push_stripes(where.seg, [where.index], missing, pace=False) if missing else {}
+            dead = [b for b in failed if b in self.view.members]
+            if dead:
+                self.answer(entry, ErrorCode.BACKUP_FAILED, f"backup {dead[0]} of buffer {where.seg.name!r} "
+                            f"failed ({failed[dead[0]]})", backup=dead[0])
+                return
+            entry.acked = entry.acked | frozenset(b for b in missing if b not in failed)
+            self.answer(entry)
+        except Exception as exc:
+            self.answer(entry, ErrorCode.NOT_MEMBER, f"server {self.me} cannot confirm the op under the "
+                        f"current view: {exc}", epoch=self.view.epoch)
+
+    async def kick(self, backup: str) -> None:
+        """Take a joining server out of ``joining`` (it missed an update):
+        it notices and starts its catch-up again."""
+        with contextlib.suppress(Exception):
+            view = await self.refresh()
+            if backup in view.joining:
+                await self.change(view, view.members, [j for j in view.joining if j != backup])
+                log.warning("removed joining server %s from the view: it missed a forwarded update", backup)
+
+    # -- stripe copies (repair, rejoin) -------------------------------------
+    async def push_stripes(self, seg: Segment, stripes: Sequence[int], targets: Sequence[str],
+                           *, pace: bool = True) -> dict[str, str]:
+        """Copy stripes of ``seg`` to ``targets`` through their ordered
+        outboxes (each piece is copied when it is queued, so no update that
+        follows it is overwritten); paced at ``--repair-rate`` when ``pace``.
+        Returns the targets that failed, with why."""
+        placement = self.placement(seg)
+        loop = asyncio.get_running_loop()
+        futures: list[tuple[str, asyncio.Future[tuple[int, bytes]]]] = []
+        failed: dict[str, str] = {}
+        t0, sent = loop.time(), 0
+        for i in stripes:
+            base = placement.offset_on(seg.index, i)
+            for lo in range(0, seg.stripe, COPY_CHUNK):
+                n = min(COPY_CHUNK, seg.stripe - lo)
+                for t in targets:
+                    if t in failed:
+                        continue
+                    fut: asyncio.Future[tuple[int, bytes]] = loop.create_future()
+                    self._copy_seq += 1
+                    off = placement.offset_on(seg.servers.index(t), i) + lo
+                    self.outbox(t).forward(
+                        (seg.name, seg.buffer_id), Op.WRITE, FLAG_FORWARDED, off,
+                        (prefix(self.view.epoch, self.copy_id, self._copy_seq), seg.view[base + lo:base + lo + n]),
+                        _resolver(fut))
+                    futures.append((t, fut))
+                    sent += n
+                self.copied_bytes += n * len(targets)
+                for t in targets:
+                    # a slow link: no more than OUTBOX_HIGH queued for it
+                    await self.outbox(t).room()
+                rate = self.server.repair_rate
+                if pace and rate:
+                    ahead = t0 + sent / rate - loop.time()
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
+        for t, fut in futures:
+            try:
+                status, payload = await asyncio.wait_for(fut, FORWARD_TIMEOUT + 1)
+            except TimeoutError:
+                status, payload = LINK_FAILED, b"no answer"
+            if status and t not in failed:
+                failed[t] = error_message(payload) or payload.decode(errors="replace")
+                self.outbox(t).fail(failed[t])
+        return failed
+
+    async def serve_sync(self, joiner: str, name: str, epoch: int) -> dict[str, Any]:
+        """A joining server asks for its copies of the stripes of ``name``
+        that this server is the primary of."""
+        if epoch > self.view.epoch:
+            await self.refresh()
+        if joiner not in self.view.joining:
+            raise Refused(ErrorCode.NOT_MEMBER, f"server {joiner} is not joining in view epoch "
+                          f"{self.view.epoch}: add it to joining first")
+        if self.state != "member":
+            raise Refused(ErrorCode.NOT_MEMBER, f"server {self.me} is not a member: ask a member")
+        seg = self.server.by_name.get(name)
+        if seg is None or seg.replicas < 2:
+            raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no replicated buffer named {name!r} here")
+        placement = self.placement(seg)
+        j = seg.servers.index(joiner)
+        mine = [i for i in range(placement.nstripes)
+                if j in (rs := placement.replicas_of(i)) and self.primary_of(seg, rs) == self.me]
+        t0 = time.monotonic()
+        failed = await self.push_stripes(seg, mine, [joiner])
+        if failed:
+            raise Refused(ErrorCode.BACKUP_FAILED, f"copying to {joiner} failed: {failed[joiner]}")
+        took = time.monotonic() - t0
+        return {"stripes": len(mine), "bytes": len(mine) * seg.stripe, "seconds": round(took, 3)}
+
+    # -- joining ------------------------------------------------------------
+    async def join(self) -> None:
+        """Catch up and become a member (at start, and after a removal)."""
+        self.joins += 1
+        self.state = "joining" if self.state != "starting" else "starting"
+        delay = 0.2
+        while True:
+            try:
+                if await self._join_once():
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("catching up failed (retrying in %.1f s): %s", delay, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _join_once(self) -> bool:
+        view = await self.refresh()
+        if not view.members:
+            # the first server of a cluster nobody set up: nothing to catch up on
+            view = await self.change(view, [self.me], [])
+            return self._became_member(view, 0)
+        others = [m for m in view.members if m != self.me]
+        # 1. make (or check) every segment this server should hold, before
+        #    joining: a primary's forwards to us then find them
+        buffers, unreachable = await self._buffers_of(others)
+        if self.me in view.members and not buffers and not unreachable:
+            # every other member answered and none places a stripe here:
+            # nothing can be stale (a new cluster)
+            return self._became_member(view, 0)
+        if self.me in view.members and unreachable and not buffers and time.monotonic() - self.started < START_WAIT:
+            # the servers of a new cluster start side by side: ask again
+            # before taking this one out of the members to catch up
+            return False
+        if self.me in view.members and not others:
+            log.warning("this server is the only member of the view: it serves what it holds")
+            return self._became_member(view, 0)
+        if self.me not in view.joining:
+            # a restarted member may hold stale data: out of members first
+            view = await self.change(view, [m for m in view.members if m != self.me], [*view.joining, self.me])
+            if self.me not in view.joining:
+                return False
+        self.state = "joining"
+        t0 = time.monotonic()
+        # 2. a copy of each stripe from its primary (in the ordered stream)
+        for name in buffers:
+            seg = self.server.by_name.get(name)
+            if seg is None:
+                return False
+            placement = self.placement(seg)
+            mine = [i for i in range(placement.nstripes) if seg.index in placement.replicas_of(i)]
+            primaries = {i: self.primary_of(seg, placement.replicas_of(i)) for i in mine}
+            lost = [i for i, p in primaries.items() if p is None]
+            if lost:
+                # no member holds a copy: becoming a member with ours (empty,
+                # or stale) would serve it as if nothing were lost
+                log.error("stripes %s of buffer %r have no member copy to catch up from: their data is lost "
+                          "unless a server that held them comes back; this server stays out of the members",
+                          lost[:8], name)
+                return False
+            for p in sorted({p for p in primaries.values() if p is not None and p != self.me}):
+                link = await PeerLink.open(p, self.me, self.server.token)
+                try:
+                    await link.control({"cmd": "repl_sync", "name": name, "epoch": view.epoch})
+                finally:
+                    link.close("done")
+        # 3. a member again, if nothing changed meanwhile
+        current = await self.refresh()
+        if current.epoch != view.epoch or self.me not in current.joining:
+            return False
+        members = [*current.members, self.me]
+        view = await self.change(current, members, [j for j in current.joining if j != self.me])
+        return self._became_member(view, len(buffers), time.monotonic() - t0)
+
+    def _became_member(self, view: View, buffers: int, took: float = 0.0) -> bool:
+        if self.me not in view.members:
+            return False
+        self.state = "member"
+        self.caught_up_at = time.time()
+        self.catch_up_seconds = took
+        log.info("caught up on %d buffers in %.2f s: member of view epoch %d", buffers, took, view.epoch)
+        return True
+
+    async def _buffers_of(self, others: Sequence[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        """The replicated buffers that place stripes on this server, as the
+        members know them; made here where missing (or of another identity),
+        and those the members no longer have dropped.  Also the members that
+        did not answer."""
+        found: dict[str, dict[str, Any]] = {}
+        unreachable = []
+        for m in others:
+            try:
+                link = await PeerLink.open(m, self.me, self.server.token)
+            except Exception as exc:
+                log.info("member %s is not reachable: %s", m, exc)
+                unreachable.append(m)
+                continue
+            try:
+                names = (await link.control({"cmd": "list"})).get("buffers", [])
+                for name in names:
+                    if name in found:
+                        continue
+                    info = await link.control({"cmd": "lookup", "name": name})
+                    if int(info.get("replicas", 1)) > 1 and self.me in info.get("servers", ()):
+                        found[name] = info
+            finally:
+                link.close("done")
+        srv = self.server
+        for name, info in found.items():
+            seg = srv.by_name.get(name)
+            servers = list(info["servers"])
+            same = seg is not None and (seg.buffer_id, seg.nbytes, seg.stripe, seg.nservers, seg.replicas,
+                                        list(seg.servers)) == (info["buffer_id"], info["nbytes"], info["stripe"],
+                                                               info["nservers"], info["replicas"], servers)
+            if seg is not None and not same:
+                srv.destroy(name)
+            if not same:
+                made = srv.create(name, info["nbytes"], info["stripe"], info["nservers"], servers.index(self.me),
+                                  info["buffer_id"], True, replicas=info["replicas"], servers=servers,
+                                  zones=info.get("zones"))
+                # it will hold the buffer's data (a copy from the primaries) before
+                # it serves anything: to a client's lookup it is the buffer as it was
+                srv.restored.add(made["segment"])
+        if not unreachable:
+            for seg in [s for s in srv.by_name.values() if s.replicas > 1 and s.name not in found]:
+                log.warning("dropping buffer %r: no member holds it any more (destroyed while this server "
+                            "was away)", seg.name)
+                srv.destroy(seg.name)
+        return found, unreachable
+
+    # -- reporting ------------------------------------------------------------
+    def degraded(self, seg: Segment) -> bool:
+        """Some stripe of ``seg`` has fewer member replicas than it should."""
+        members = set(self.view.members)
+        return self.state != "member" or any(s not in members for s in seg.servers)
+
+    def stat(self) -> dict[str, Any]:
+        return {"membership": self.url, "server": self.me, "state": self.state, "epoch": self.view.epoch,
+                "members": list(self.view.members), "joining": list(self.view.joining),
+                "degraded": sorted(s.name for s in self.server.by_name.values()
+                                   if s.replicas > 1 and self.degraded(s)),
+                "copied_bytes": self.copied_bytes, "diverged": self.diverged,
+                "dedup_entries": len(self.dedup.entries), "joins": self.joins}
+

@@ -1,0 +1,471 @@
+"""Replicated buffers, the server side: raw frames against memory servers that
+share a view in a real etcd (docs/design.md, "Replication").
+
+What each test shows: a replicated op lands on every replica of its stripe;
+a retried op (same client id and sequence) is applied once; a backup refuses
+an op forwarded under an older epoch, and one a client forges; a primary cut
+off from the membership service acknowledges nothing once its backup knows the
+newer view; a server that comes back catches up and holds the primary's bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+
+import msgpack
+import numpy as np
+import pytest
+
+from smb2 import _core, auth
+from smb2.errors import ErrorCode, MembershipError
+from smb2.local_etcd import LocalEtcd, etcd_binary, free_port
+from smb2.membership import NO_VIEW, View, open_membership
+from smb2.placement import Placement
+from smb2.protocol import DTYPE_SHIFT, FLAG_FORWARDED, FLAG_REPLICATED, VERSION, Op
+from smb2.server import start_server
+from wire import control, frame, reply
+
+try:
+    etcd_binary()
+    HAVE_ETCD = True
+except Exception:
+    HAVE_ETCD = False
+
+pytestmark = [pytest.mark.skipif(not HAVE_ETCD, reason="needs etcd (tools/host_deps.sh installs etcd-server)"),
+              pytest.mark.server_process_only]
+
+STRIPE = 4096
+NBYTES = 6 * STRIPE
+
+
+def prefix(epoch: int, client: int, seq: int) -> bytes:
+    return _core.pack_u64(epoch) + _core.pack_u64(client) + _core.pack_u64(seq)
+
+
+class Raw:
+    """One raw connection to a server (hello, then frames)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.rid = 1
+
+    token: bytes | None = None      # set by a test whose servers want one
+
+    @classmethod
+    async def open(cls, address: str, peer: str | None = None) -> Raw:
+        host, port = address.rsplit(":", 1)
+        r, w = await asyncio.open_connection(host, int(port))
+        raw = cls(r, w)
+        msg = {"cmd": "hello", "version": VERSION, "transports": ["tcp"]}
+        if peer is not None:
+            msg["peer"] = peer
+        hdr, body = await raw.call_frame(control(msg))
+        assert hdr[4] == 0, body
+        nonce = msgpack.unpackb(body).get("nonce")
+        if nonce is not None and cls.token is not None:
+            mine = os.urandom(32)
+            await raw.control({"cmd": "auth", "nonce": mine, "proof": auth.client_proof(cls.token, nonce, mine)})
+        return raw
+
+    async def call_frame(self, data: bytes) -> tuple[tuple[int, ...], bytes]:
+        self.writer.write(data)
+        return await reply(self.reader)
+
+    async def control(self, msg: dict) -> dict:
+        self.rid += 1
+        hdr, body = await self.call_frame(control(msg, self.rid))
+        out = msgpack.unpackb(body)
+        assert hdr[4] == 0, out
+        return out
+
+    async def op(self, op: int, segment: int, offset: int, payload: bytes, flags: int) -> tuple[int, dict | bytes]:
+        self.rid += 1
+        hdr, body = await self.call_frame(frame(op, payload, rid=self.rid, segment=segment, offset=offset,
+                                                flags=flags))
+        return hdr[4], (msgpack.unpackb(body) if hdr[4] else body)
+
+    async def read(self, segment: int, offset: int, n: int) -> bytes:
+        self.rid += 1
+        hdr, body = await self.call_frame(frame(Op.READ, rid=self.rid, segment=segment, offset=offset, length=n))
+        assert hdr[4] == 0
+        return body
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Cluster:
+    """Memory servers in this process sharing one view in a private etcd."""
+
+    def __init__(self, etcd: LocalEtcd, n: int) -> None:
+        self.etcd = etcd
+        self.url = etcd.url(f"t-{uuid.uuid4().hex[:8]}")
+        self.ports = [free_port() for _ in range(n)]
+        self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
+        self.servers: list = [None] * n
+
+    async def start(self) -> Cluster:
+        async with open_membership(self.url) as m:
+            await m.change(NO_VIEW, members=self.addresses)
+        self.servers = list(await asyncio.gather(*(self.start_one(i) for i in range(len(self.ports)))))
+        return self
+
+    async def start_one(self, i: int, **kw):
+        return await start_server("127.0.0.1", self.ports[i], membership=self.url, shm="off", rdma="off", **kw)
+
+    async def view(self) -> View:
+        async with open_membership(self.url) as m:
+            return await m.view()
+
+    async def change(self, members: list[str], joining: list[str] = ()) -> View:
+        async with open_membership(self.url) as m:
+            v = await m.view()
+            return await m.change(v, members=members, joining=joining)
+
+    async def close(self) -> None:
+        for s in self.servers:
+            if s is not None:
+                await s.close()
+
+
+@pytest.fixture
+async def etcd():
+    e = await LocalEtcd("127.0.0.1").start()
+    yield e
+    await e.close()
+
+
+@pytest.fixture
+async def cluster(etcd):
+    c = await Cluster(etcd, 3).start()
+    yield c
+    await c.close()
+
+
+async def create(c: Cluster, name: str, replicas: int = 2) -> tuple[Placement, list[int]]:
+    """The buffer on every server; its placement and each server's segment id."""
+    segs = []
+    for i, a in enumerate(c.addresses):
+        raw = await Raw.open(a)
+        info = await raw.control({"cmd": "create", "name": name, "nbytes": NBYTES, "stripe": STRIPE,
+                                  "nservers": len(c.addresses), "index": i, "buffer_id": "b" * 16,
+                                  "seal": i == 0, "replicas": replicas, "servers": c.addresses})
+        segs.append(info["segment"])
+        raw.close()
+    n = len(c.addresses)
+    return Placement(n, NBYTES, STRIPE, _core.name_hash(name) % n, replicas), segs
+
+
+async def replica_bytes(c: Cluster, p: Placement, segs: list[int], stripe: int) -> list[bytes]:
+    out = []
+    for s in p.replicas_of(stripe):
+        raw = await Raw.open(c.addresses[s])
+        out.append(await raw.read(segs[s], p.offset_on(s, stripe), STRIPE))
+        raw.close()
+    return out
+
+
+async def test_replicated_ops_land_on_every_replica(cluster):
+    c = cluster
+    p, segs = await create(c, "r1")
+    for i in range(p.nstripes):
+        primary = p.replicas_of(i)[0]
+        raw = await Raw.open(c.addresses[primary])
+        base = p.offset_on(primary, i)
+        data = bytes([i + 1]) * 64
+        st, _ = await raw.op(Op.WRITE, segs[primary], base, prefix(1, 7, 10 * i) + data, FLAG_REPLICATED)
+        assert st == 0
+        delta = np.full(4, 2.5, np.float32).tobytes()
+        st, _ = await raw.op(Op.ACCUMULATE, segs[primary], base + 64, prefix(1, 7, 10 * i + 1) + delta,
+                             FLAG_REPLICATED | (1 << DTYPE_SHIFT))
+        assert st == 0
+        st, old = await raw.op(Op.FETCH_ADD, segs[primary], base + 128, prefix(1, 7, 10 * i + 2) +
+                               _core.pack_u64(5), FLAG_REPLICATED)
+        assert st == 0 and _core.unpack_u64(old) == 0
+        raw.close()
+        copies = await replica_bytes(c, p, segs, i)
+        assert copies[0] == copies[1]
+        assert copies[0][:64] == data
+        assert np.frombuffer(copies[0][64:80], np.float32).tolist() == [2.5] * 4
+        assert _core.unpack_u64(copies[0][128:136]) == 5
+    # a plain (unreplicated) write to a replicated buffer would change one copy: refused
+    raw = await Raw.open(c.addresses[0])
+    st, msg = await raw.op(Op.WRITE, segs[0], 0, b"x" * 8, 0)
+    assert st == ErrorCode.BAD_REQUEST and "replicated" in msg["message"]
+    raw.close()
+
+
+async def test_retried_op_is_applied_once(cluster):
+    c = cluster
+    p, segs = await create(c, "r2")
+    primary = p.replicas_of(0)[0]
+    raw = await Raw.open(c.addresses[primary])
+    base = p.offset_on(primary, 0)
+    delta = np.full(2, 1.0, np.float64).tobytes()
+    for _ in range(3):      # the same op three times: a client retrying after a lost reply
+        st, _ = await raw.op(Op.ACCUMULATE, segs[primary], base, prefix(1, 99, 1) + delta,
+                             FLAG_REPLICATED | (2 << DTYPE_SHIFT))
+        assert st == 0
+    olds = []
+    for _ in range(2):
+        st, old = await raw.op(Op.FETCH_ADD, segs[primary], base + 64, prefix(1, 99, 2) + _core.pack_u64(3),
+                               FLAG_REPLICATED)
+        assert st == 0
+        olds.append(_core.unpack_u64(old))
+    assert olds == [0, 0]       # the retry gets the first result, not 3
+    raw.close()
+    for copy in await replica_bytes(c, p, segs, 0):
+        assert np.frombuffer(copy[:16], np.float64).tolist() == [1.0, 1.0]
+        assert _core.unpack_u64(copy[64:72]) == 3
+
+
+async def test_backup_refuses_older_epoch_and_forged_forwards(cluster):
+    c = cluster
+    p, segs = await create(c, "r3")
+    primary, backup = p.replicas_of(0)
+    off = p.offset_on(backup, 0)
+    # a client (no peer hello) that sends FORWARDED to skip the primary: refused
+    raw = await Raw.open(c.addresses[backup])
+    st, msg = await raw.op(Op.WRITE, segs[backup], off, prefix(1, 5, 1) + b"y" * 8, FLAG_FORWARDED)
+    assert st == ErrorCode.ACCESS_DENIED, msg
+    raw.close()
+    # ... and one that claims to be a server that is not the stripe's primary
+    third = next(a for k, a in enumerate(c.addresses) if k not in (primary, backup))
+    raw = await Raw.open(c.addresses[backup], peer=third)
+    st, msg = await raw.op(Op.WRITE, segs[backup], off, prefix(1, 5, 2) + b"y" * 8, FLAG_FORWARDED)
+    assert st == ErrorCode.ACCESS_DENIED, msg
+    raw.close()
+    # the view moves on (same members, epoch 2); the backup learns it
+    v = await c.change(list(c.addresses))
+    assert v.epoch == 2
+    await c.servers[backup].replication.refresh()
+    raw = await Raw.open(c.addresses[backup], peer=c.addresses[primary])
+    st, msg = await raw.op(Op.WRITE, segs[backup], off, prefix(1, 5, 3) + b"z" * 8, FLAG_FORWARDED)
+    assert st == ErrorCode.STALE_EPOCH and msg["epoch"] == 2, msg
+    raw.close()
+    copies = await replica_bytes(c, p, segs, 0)
+    assert copies[1][:8] == bytes(8)        # nothing landed
+
+
+class Unreachable:
+    """A membership service this server cannot reach (a partition)."""
+
+    async def view(self) -> View:
+        raise MembershipError("etcd unreachable (partitioned in this test)")
+
+    async def change(self, *a, **k) -> View:
+        raise MembershipError("etcd unreachable (partitioned in this test)")
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_partitioned_primary_acknowledges_nothing(cluster):
+    c = cluster
+    p, segs = await create(c, "r4")
+    primary, backup = p.replicas_of(0)
+    old = c.servers[primary].replication
+    old.membership = Unreachable()          # the primary is cut off from etcd
+    # the cluster removes it (epoch 2); its backup learns that first
+    await c.change([a for k, a in enumerate(c.addresses) if k != primary])
+    await c.servers[backup].replication.refresh()
+    assert old.view.epoch == 1 and old.state == "member"
+    raw = await Raw.open(c.addresses[primary])
+    base = p.offset_on(primary, 0)
+    delta = np.full(2, 1.0, np.float64).tobytes()
+    t0 = time.monotonic()
+    for seq in range(5):
+        # a client that still has epoch 1
+        st, msg = await raw.op(Op.ACCUMULATE, segs[primary], base, prefix(1, 11, seq) + delta,
+                               FLAG_REPLICATED | (2 << DTYPE_SHIFT))
+        assert st != 0, "a primary cut off from the view acknowledged an op"
+        assert st in (ErrorCode.NOT_MEMBER, ErrorCode.STALE_EPOCH), msg
+    assert time.monotonic() - t0 < 10
+    raw.close()
+    # the new primary (the old backup) holds none of them
+    raw = await Raw.open(c.addresses[backup])
+    assert await raw.read(segs[backup], p.offset_on(backup, 0), 16) == bytes(16)
+    raw.close()
+
+
+def metric(server, name: str) -> float:
+    """One sample of the server's Prometheus metrics (read as a scrape does)."""
+    pytest.importorskip("prometheus_client")
+    from smb2.server.metrics import ServerCollector
+    for family in ServerCollector(server).collect():
+        for sample in family.samples:
+            if sample.name in (name, name + "_total"):
+                return sample.value
+    raise KeyError(name)
+
+
+async def wait_member(server, since: float) -> None:
+    while server.replication.state != "member":
+        assert time.monotonic() - since < 10, f"not caught up: {server.replication.stat()}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("data_dir", [False, True], ids=["empty", "data_dir"])
+async def test_restarted_server_catches_up(cluster, data_dir, tmp_path):
+    """A server that comes back (empty, or with its stale --data-dir) catches
+    up instead of serving what it had: all copies hold every update."""
+    c = cluster
+    victim = 1
+    kw = {"data_dir": str(tmp_path / "victim")} if data_dir else {}
+    if data_dir:
+        # the victim keeps a data directory from the start
+        await c.servers[victim].close()
+        c.servers[victim] = await c.start_one(victim, **kw)
+        await wait_member(c.servers[victim], time.monotonic())
+    p, segs = await create(c, "r5")
+    delta = np.ones(STRIPE // 8, np.float64).tobytes()
+    client = int.from_bytes(os.urandom(8), "little")
+    seq = 0
+
+    async def push(rounds: int) -> None:
+        """Accumulate 1.0 into every stripe, ``rounds`` times, at its primary."""
+        nonlocal seq
+        v = await c.view()
+        for _ in range(rounds):
+            for i in range(p.nstripes):
+                prim = next(s for s in p.replicas_of(i) if c.addresses[s] in v.members)
+                raw = await Raw.open(c.addresses[prim])
+                seq += 1
+                st, msg = await raw.op(Op.ACCUMULATE, segs[prim], p.offset_on(prim, i),
+                                       prefix(v.epoch, client, seq) + delta, FLAG_REPLICATED | (2 << DTYPE_SHIFT))
+                raw.close()
+                assert st == 0, msg
+
+    await push(2)
+    assert metric(c.servers[victim], "smb2_replication_member") == 1
+    assert metric(c.servers[victim], "smb2_replication_degraded_buffers") == 0
+    await c.servers[victim].close()
+    c.servers[victim] = None
+    # what a client does when the server stops answering: out of the view
+    await c.change([a for k, a in enumerate(c.addresses) if k != victim])
+    await push(3)
+    survivor = c.servers[0]
+    await survivor.replication.refresh()
+    # a stripe of the buffer is short of a copy: shown in stat and the metric
+    assert metric(survivor, "smb2_replication_degraded_buffers") == 1
+    assert survivor.stat()["buffers"]["r5"]["degraded"] is True
+    t0 = time.monotonic()
+    c.servers[victim] = await c.start_one(victim, **kw)
+    if data_dir:
+        assert c.servers[victim].restored, "the data directory was not restored"
+    await wait_member(c.servers[victim], t0)
+    took = time.monotonic() - t0
+    assert metric(c.servers[victim], "smb2_replication_member") == 1
+    assert metric(c.servers[0 if victim else 1], "smb2_replication_copied_bytes") > 0 or \
+        metric(c.servers[2], "smb2_replication_copied_bytes") > 0
+    await push(1)
+    # every replica of every stripe holds 6.0 in every word, the restarted one too
+    info = await (await Raw.open(c.addresses[victim])).control({"cmd": "lookup", "name": "r5"})
+    segs[victim] = info["segment"]
+    for i in range(p.nstripes):
+        for copy in await replica_bytes(c, p, segs, i):
+            assert np.all(np.frombuffer(copy, np.float64) == 6.0), i
+    assert took < 10
+    print(f"caught up in {took:.2f} s")
+
+
+async def segment_bytes(address: str, name: str) -> tuple[dict, bytes]:
+    raw = await Raw.open(address)
+    try:
+        info = await raw.control({"cmd": "lookup", "name": name})
+        return info, await raw.read(info["segment"], 0, info["size"])
+    finally:
+        raw.close()
+
+
+async def server_stat(address: str) -> dict:
+    raw = await Raw.open(address)
+    try:
+        return await raw.control({"cmd": "stat"})
+    finally:
+        raw.close()
+
+
+REPAIR_WITHIN = 10.0
+
+
+@pytest.mark.slow
+async def test_killed_server_rejoins_and_is_whole_again_while_writes_go_on() -> None:
+    """SIGKILL a server of three (replicas=2) under a stream of accumulates,
+    restart it (no data directory: it comes back empty), and it catches up
+    while the writes go on: within REPAIR_WITHIN s it is a member again, and
+    every stripe's two copies are equal bytes, holding every acknowledged
+    increment."""
+    import smb2
+    MiB = 1 << 20
+    async with smb2.LocalCluster(servers=3, processes=True, replicated=True, capacity="64MiB") as cluster:
+        async with await smb2.connect(cluster.addresses) as client:
+            buf = await client.create("heal", 4 * MiB, stripe=MiB, replicas=2)
+            n = buf.nbytes // 8
+            acked = np.zeros(n, np.int64)
+            sent = np.zeros(n, np.int64)
+            stop = asyncio.Event()
+
+            async def writer(k: int) -> None:
+                rng = np.random.default_rng(k)
+                while not stop.is_set():
+                    m = int(rng.integers(1, 2048))
+                    at = int(rng.integers(0, n - m))
+                    sent[at:at + m] += 1
+                    await buf.accumulate(8 * at, np.ones(m, np.int64))
+                    acked[at:at + m] += 1
+
+            tasks = [asyncio.create_task(writer(k)) for k in range(2)]
+            await asyncio.sleep(0.5)
+            await cluster.kill(1)
+            await asyncio.sleep(1.0)
+            t0 = time.monotonic()
+            await cluster.restart(1)
+            while True:
+                st = (await server_stat(cluster.addresses[1]))["replication"]
+                if st["state"] == "member" and not st["degraded"]:
+                    break
+                assert time.monotonic() - t0 < REPAIR_WITHIN, st
+                await asyncio.sleep(0.1)
+            took = time.monotonic() - t0
+            await asyncio.sleep(0.5)        # updates flow to the rejoined copy too
+            stop.set()
+            await asyncio.gather(*tasks)
+            want_lo, want_hi = acked.copy(), sent.copy()
+            whole = np.frombuffer(await buf.read(0, buf.nbytes), np.int64)
+            assert np.all(whole >= want_lo) and np.all(whole <= want_hi)
+            p = Placement(3, buf.nbytes, MiB, _core.name_hash("heal") % 3, 2)
+            parts = [await segment_bytes(a, "heal") for a in cluster.addresses]
+            for i in range(p.nstripes):
+                copies = [parts[s][1][p.offset_on(s, i):p.offset_on(s, i) + MiB] for s in p.replicas_of(i)]
+                assert copies[0] == copies[1], f"stripe {i}: the copies differ"
+                assert copies[0] == whole[i * MiB // 8:(i + 1) * MiB // 8].tobytes()
+            print(f"restarted server was a member again {took:.2f} s after its restart")
+
+
+async def test_servers_forward_to_each_other_with_the_clusters_token(etcd, monkeypatch):
+    """With a token, server-to-server links authenticate like clients."""
+    token = b"k" * 32
+    monkeypatch.setattr(Raw, "token", token)
+    c = Cluster(etcd, 3)
+
+    async def start_one(i: int, **kw):
+        return await start_server("127.0.0.1", c.ports[i], membership=c.url, shm="off", rdma="off",
+                                  token=token, **kw)
+    c.start_one = start_one
+    await c.start()
+    try:
+        p, segs = await create(c, "tok")
+        primary = p.replicas_of(0)[0]
+        raw = await Raw.open(c.addresses[primary])
+        st, msg = await raw.op(Op.WRITE, segs[primary], p.offset_on(primary, 0),
+                               prefix(1, 3, 1) + b"t" * 32, FLAG_REPLICATED)
+        raw.close()
+        assert st == 0, msg
+        copies = await replica_bytes(c, p, segs, 0)
+        assert copies[0][:32] == copies[1][:32] == b"t" * 32
+    finally:
+        await c.close()
