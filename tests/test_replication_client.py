@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 
 import numpy as np
@@ -81,8 +82,10 @@ async def test_a_replicated_buffer_is_made_with_the_placements_sizes(replicated:
         assert not await buf.degraded()
 
 
-async def test_updates_survive_a_sigkill_and_the_client_goes_on(replicated: smb2.LocalCluster,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+async def test_updates_survive_a_lost_server_and_the_client_goes_on(replicated: smb2.LocalCluster, sig: int,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # SIGKILL: the connections reset at once; SIGSTOP: nothing answers, the client's wait runs out
     caplog.set_level(logging.WARNING, logger="smb2.client")
     async with await smb2.connect(replicated.addresses) as client:
         buf = await client.create("acc", 3 * MiB, stripe=MiB, replicas=2)
@@ -113,10 +116,17 @@ async def test_updates_survive_a_sigkill_and_the_client_goes_on(replicated: smb2
         await asyncio.sleep(0.5)
         before = len(tickets)
         victim = replicated.addresses[1]
-        await replicated.kill(1)
+        if sig == signal.SIGSTOP:
+            proc = replicated.procs[1]
+            assert proc is not None
+            proc.proc.send_signal(sig)       # paused: its sockets stay open, nothing answers
+        else:
+            await replicated.kill(1)
         await asyncio.sleep(2.0)
         stop.set()
         await asyncio.gather(*tasks)
+        if sig == signal.SIGSTOP:
+            await replicated.kill(1)        # it stays out of the view either way
         assert len(tickets) > before        # the counters went on after the kill
         # every acknowledged increment is there, once (the words all started at 0)
         got = (await buf.read(0, buf.nbytes)).view(np.float32)

@@ -214,7 +214,7 @@ async def _attempts(buf: ReplicatedBuffer, i: int, within: int, nbytes: int, wha
             last = exc
             backup = next((other.label for other in buf.links
                            if other is not link and other.label in exc.message), None)
-            view = await (views.stop_using(backup, seen, f"{exc.message} (as backup)") if backup is not None
+            view = await (views.stop_using(backup, seen, exc.message) if backup is not None
                           else views.refresh())
         except (StaleEpoch, NotMember) as exc:
             last = exc
