@@ -7,6 +7,7 @@ the clear error an unreplicated buffer gives when its server is lost."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import time
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import smb2
-from smb2 import _core
+from smb2 import _core, cli
 from smb2.placement import Placement
 
 MiB = 1 << 20
@@ -84,7 +85,8 @@ async def test_a_replicated_buffer_is_made_with_the_placements_sizes(replicated:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
 async def test_updates_survive_a_lost_server_and_the_client_goes_on(replicated: smb2.LocalCluster, sig: int,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+                                                                    caplog: pytest.LogCaptureFixture,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     # SIGKILL: the connections reset at once; SIGSTOP: nothing answers, the client's wait runs out
     caplog.set_level(logging.WARNING, logger="smb2.client")
     async with await smb2.connect(replicated.addresses) as client:
@@ -144,3 +146,21 @@ async def test_updates_survive_a_lost_server_and_the_client_goes_on(replicated: 
         # attached again after the loss: the lost server is left out, the bytes are the same
         again = await client.attach("acc")
         assert np.array_equal(await again.read(0, buf.nbytes), got.view(np.uint8))
+        if sig == signal.SIGKILL:
+            await _the_cli_shows_it_degraded(replicated.addresses, victim, capsys)
+
+
+async def _the_cli_shows_it_degraded(servers: list[str], victim: str, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert await asyncio.to_thread(cli.main, ["ls", *servers]) == 1      # a server is unreachable
+    out = capsys.readouterr()
+    for name in ("acc", "ctr"):
+        row = next(line for line in out.out.splitlines() if line.startswith(name + " "))
+        assert "readable" in row and victim in row and "2 replicas, DEGRADED" in row, row
+    assert "rejoins" in out.err
+    assert await asyncio.to_thread(cli.main, ["stat", *servers]) == 1
+    stats = json.loads(capsys.readouterr().out)
+    assert [s.get("unreachable") is not None for s in stats] == [s == victim for s in servers]
+    live = next(s for s in stats if "replication" in s)
+    assert live["replication"]["degraded"] == ["acc", "ctr"] and victim not in live["replication"]["members"]
+    assert live["buffers"]["acc"]["replicas"] == 2
