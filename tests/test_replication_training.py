@@ -24,9 +24,11 @@ from smb2.train.store import describe
 pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
 
 WORKERS = 4
-EPOCHS = 12
-# the server is killed once every worker is this far in (of about 250 steps each)
-KILL_AT_STEP = 40
+EPOCHS = 6
+# the server is killed once every worker is this far in (of about 125 steps each)
+KILL_AT_STEP = 25
+# test accuracy of the shared model (97 % measured without a kill, 12 epochs; 96 % with 4)
+TARGET = 90
 
 _WORKER = textwrap.dedent('''
     import json, sys
@@ -70,61 +72,49 @@ def cluster() -> Iterator[tuple[LoopThread, smb2.LocalCluster]]:
         loop.stop()
 
 
-def _run_with_a_kill(loop: LoopThread, cluster: smb2.LocalCluster, tmp_path: Path, name: str,
-                     replicas: int) -> tuple[subprocess.CompletedProcess[str], list[int], str]:
-    """The job under torchrun; server 1 is SIGKILLed once every worker
-    reached KILL_AT_STEP.  Returns the job, the steps at the kill, the victim."""
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_training_goes_on_through_a_lost_server_with_two_replicas_and_ends_clearly_with_one(
+        cluster: tuple[LoopThread, smb2.LocalCluster], tmp_path: Path) -> None:
+    # the two jobs run side by side on the same servers: one kill, one torch start-up
+    loop, c = cluster
     script = tmp_path / "train.py"
     script.write_text(_WORKER)
-    env = dict(os.environ, SMB2_SERVERS=",".join(cluster.addresses), OMP_NUM_THREADS="1")
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-         f"--nproc-per-node={WORKERS}", "--max-restarts=0", str(script), name, str(replicas), str(EPOCHS)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    victim = cluster.addresses[1]
+    env = dict(os.environ, SMB2_SERVERS=",".join(c.addresses), OMP_NUM_THREADS="1")
+    names = {2: "t-replicated", 1: "t-single"}
+    jobs = {r: subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={WORKERS}",
+         "--max-restarts=0", str(script), names[r], str(r), str(EPOCHS)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in names}
+    victim = c.addresses[1]
 
-    async def steps() -> list[int]:
-        async with await smb2.connect(cluster.addresses) as client:
+    async def steps(name: str) -> list[int]:
+        async with await smb2.connect(c.addresses) as client:
             try:
-                info = await describe(client, name)
+                return list((await describe(client, name)).get("steps") or [])
             except smb2.NoSuchBuffer:
                 return []
-            return list(info.get("steps") or [])
 
-    at: list[int] = []
-    deadline = time.monotonic() + 150
-    while job.poll() is None and time.monotonic() < deadline:
-        at = loop.run(steps())
-        if len(at) == WORKERS and min(at) >= KILL_AT_STEP:
-            loop.run(cluster.kill(1))
+    at: dict[int, list[int]] = {}
+    deadline = time.monotonic() + 200
+    while all(j.poll() is None for j in jobs.values()) and time.monotonic() < deadline:
+        at = {r: loop.run(steps(name)) for r, name in names.items()}
+        if all(len(s) == WORKERS and min(s) >= KILL_AT_STEP for s in at.values()):
+            loop.run(c.kill(1))
             break
         time.sleep(0.2)
-    out, err = job.communicate(timeout=200)
-    return subprocess.CompletedProcess(job.args, job.returncode, out, err), at, victim
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_training_goes_on_through_a_lost_server_with_two_replicas(
-        cluster: tuple[LoopThread, smb2.LocalCluster], tmp_path: Path) -> None:
-    loop, c = cluster
-    job, at, victim = _run_with_a_kill(loop, c, tmp_path, "t-replicated", replicas=2)
-    assert len(at) == WORKERS and min(at) >= KILL_AT_STEP, (at, job.stderr[-3000:])
-    assert job.returncode == 0, job.stderr[-5000:]
-    reports = [json.loads(line) for line in job.stdout.splitlines() if line.startswith("{")]
-    assert sorted(r["rank"] for r in reports) == list(range(WORKERS)), job.stdout
-    assert min(r["accuracy"] for r in reports) >= 90, reports
-    assert "restart" not in job.stderr.lower() or "Restarting" not in job.stderr
-    assert f"stopped using server {victim}" in job.stderr, job.stderr[-3000:]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_one_replica_ends_the_job_with_what_to_do(cluster: tuple[LoopThread, smb2.LocalCluster],
-                                                  tmp_path: Path) -> None:
-    loop, c = cluster
-    job, at, victim = _run_with_a_kill(loop, c, tmp_path, "t-single", replicas=1)
-    assert len(at) == WORKERS and min(at) >= KILL_AT_STEP, (at, job.stderr[-3000:])
-    assert job.returncode != 0
-    assert f"lost memory server {victim} at step" in job.stderr, job.stderr[-5000:]
-    assert "of store 't-single'" in job.stderr and "replicas=2" in job.stderr, job.stderr[-5000:]
+    outs = {r: j.communicate(timeout=200) for r, j in jobs.items()}
+    for r, s in at.items():     # killed mid-run: every worker of both jobs was past KILL_AT_STEP, none done
+        assert len(s) == WORKERS and min(s) >= KILL_AT_STEP, (r, at, outs[r][1][-3000:])
+    # replicas=2: every worker finished, none restarted (--max-restarts=0), the target reached
+    out, err = outs[2]
+    assert jobs[2].returncode == 0, err[-5000:]
+    reports = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in reports) == list(range(WORKERS)), out
+    assert min(r["accuracy"] for r in reports) >= TARGET, reports
+    assert f"stopped using server {victim}" in err, err[-3000:]
+    # replicas=1: the job ends, saying which store, which server, and what to do
+    out, err = outs[1]
+    assert jobs[1].returncode != 0
+    assert f"lost memory server {victim} at step" in err and "of store 't-single'" in err, err[-5000:]
+    assert "replicas=2" in err, err[-5000:]
