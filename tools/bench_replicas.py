@@ -74,7 +74,9 @@ def child(args: argparse.Namespace) -> int:
 def run_child(python: str, servers: list[str], transport: str, replicas: int, repeat: int) -> dict[str, float]:
     out = subprocess.run([python, __file__, "--child", "--servers", ",".join(servers), "--transport", transport,
                           "--replicas", str(replicas), "--repeat", str(repeat), "--name", f"bench-r{replicas}"],
-                         check=True, capture_output=True, text=True)
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"replicas={replicas} with {python} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

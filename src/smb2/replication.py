@@ -60,6 +60,11 @@ FAILOVER_AFTER = 2.0
 SECONDS_PER_BYTE = 1 / 50e6
 #: attempts of one request before the error is raised
 MAX_ATTEMPTS = 6
+#: requests of replicated buffers a client has in flight to one server: an
+#: attempt's wait starts when it is sent, so a large operation's later
+#: pieces do not run out of time queued behind its earlier ones (which would
+#: look like a dead server)
+WINDOW = 4
 #: the largest request of a replicated mutation: a TCP frame, with room
 #: for the prefix and a fence
 _PREFIX = struct.Struct("<QQQ")
@@ -92,6 +97,7 @@ class Views:
         self._seq = 0
         self.view: View | None = None
         self._lock = asyncio.Lock()
+        self._windows: dict[str, asyncio.Semaphore] = {}
 
     @classmethod
     def of_servers(cls, infos: Sequence[dict[str, Any]], labels: Sequence[str]) -> Views:
@@ -105,6 +111,13 @@ class Views:
                 hint="start every smb2-server with the same --membership etcd://HOST:PORT/CLUSTER "
                      "(LocalCluster(..., replicated=True) does), or use replicas=1")
         return cls(open_membership(str(urls.pop())))
+
+    def window(self, server: str) -> asyncio.Semaphore:
+        """The :data:`WINDOW` of requests in flight to ``server``."""
+        w = self._windows.get(server)
+        if w is None:
+            w = self._windows[server] = asyncio.Semaphore(WINDOW)
+        return w
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -209,7 +222,8 @@ async def _attempts(buf: ReplicatedBuffer, i: int, within: int, nbytes: int, wha
             await buf.check_incarnation(server, t)
             return await send(t, buf.segments[server], seg_off, seen)
         try:
-            return await link.call(request, patience, idempotent=False, what=f"{what} of buffer {buf.name!r}")
+            async with views.window(link.label):
+                return await link.call(request, patience, idempotent=False, what=f"{what} of buffer {buf.name!r}")
         except BackupFailed as exc:
             last = exc
             backup = next((other.label for other in buf.links
