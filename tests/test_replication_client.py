@@ -164,3 +164,26 @@ async def _the_cli_shows_it_degraded(servers: list[str], victim: str, capsys: py
     live = next(s for s in stats if "replication" in s)
     assert live["replication"]["degraded"] == ["acc", "ctr"] and victim not in live["replication"]["members"]
     assert live["buffers"]["acc"]["replicas"] == 2
+
+
+async def test_a_reader_follows_a_new_primary_within_a_view_refresh(replicated: smb2.LocalCluster) -> None:
+    # the reader maps the old primary's memory (shm): a paused primary still serves it, stale, so
+    # the reader must learn the new view by itself (replication.VIEW_MAX_AGE), not only on an error
+    async with await smb2.connect(replicated.addresses) as writer, \
+            await smb2.connect(replicated.addresses) as reader:
+        wbuf = await writer.create("follow", 64, stripe=64, replicas=2)
+        rbuf = await reader.attach("follow")
+        await wbuf.write(0, np.full(64, 1, np.uint8))
+        assert (await rbuf.read(0, 64) == 1).all()
+        assert reader.transports[wbuf.first] == "shm"
+        proc = replicated.procs[wbuf.first]       # stripe 0's primary
+        assert proc is not None
+        proc.proc.send_signal(signal.SIGSTOP)
+        try:
+            await wbuf.write(0, np.full(64, 2, np.uint8))      # fails over (2 s), then acknowledged
+            t0 = time.monotonic()
+            while (await rbuf.read(0, 64) != 2).any():
+                assert time.monotonic() - t0 < GO_ON_WITHIN + SLACK, "the reader kept the old primary"
+                await asyncio.sleep(0.05)
+        finally:
+            await replicated.kill(wbuf.first)

@@ -63,7 +63,7 @@ async def measure(servers: list[str], transport: str, replicas: int, repeat: int
 
 
 def child(args: argparse.Namespace) -> int:
-    import uvloop      # the loop smb2 runs on (its training layer, smb2-server)
+    import uvloop  # the loop smb2 runs on (its training layer, smb2-server)
 
     uvloop.install()
     print(json.dumps(asyncio.run(measure(args.servers.split(","), args.transport, args.replicas, args.repeat,

@@ -622,6 +622,11 @@ class Buffer:
             await self._request(t, what, server, parts, seg_off, length, dtype_code, fence)
         await link.call(request, deadline, idempotent=retry, what=f"{what} of buffer {self.name!r}")
 
+    def checked(self, server: int) -> Transport | None:
+        """The connection to ``server`` last found to hold this buffer's
+        segment (:meth:`check_incarnation`), or None."""
+        return self._checked[server]
+
     async def check_incarnation(self, server: int, t: Transport) -> None:
         """Make sure the connection ``t`` reaches a server process that holds
         this buffer's segment under the id it was planned with: the one the

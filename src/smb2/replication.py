@@ -31,6 +31,7 @@ import asyncio
 import logging
 import os
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -65,6 +66,10 @@ MAX_ATTEMPTS = 6
 #: pieces do not run out of time queued behind its earlier ones (which would
 #: look like a dead server)
 WINDOW = 4
+#: seconds a client routes by the view it read before it reads it again: a
+#: client that only reads learns within this that a primary was replaced
+#: (it would read a stopped primary's memory otherwise)
+VIEW_MAX_AGE = 1.0
 #: the largest request of a replicated mutation: a TCP frame, with room
 #: for the prefix and a fence
 _PREFIX = struct.Struct("<QQQ")
@@ -85,6 +90,8 @@ class ReplicatedBuffer(Protocol):
 
     async def check_incarnation(self, server: int, t: Transport, /) -> None: ...
 
+    def checked(self, server: int, /) -> Transport | None: ...
+
 
 class Views:
     """The membership view one client routes its replicated buffers by, and
@@ -96,6 +103,7 @@ class Views:
         self.client_id = int.from_bytes(os.urandom(8), "little")
         self._seq = 0
         self.view: View | None = None
+        self._read_at = 0.0         # time.monotonic() of the last read of the view
         self._lock = asyncio.Lock()
         self._windows: dict[str, asyncio.Semaphore] = {}
 
@@ -127,11 +135,15 @@ class Views:
         return _PREFIX.pack(view.epoch & MASK64, self.client_id, seq)
 
     async def current(self) -> View:
-        """The view last seen (read from the service the first time)."""
-        return self.view if self.view is not None else await self.refresh()
+        """The view last seen, read again once it is :data:`VIEW_MAX_AGE` old."""
+        view = self.view
+        if view is not None and time.monotonic() - self._read_at < VIEW_MAX_AGE:
+            return view
+        return await self.refresh()
 
     async def refresh(self) -> View:
         """Read the view again (after STALE_EPOCH or NOT_MEMBER)."""
+        self._read_at = time.monotonic()
         return self._adopt(await self.membership.view(), "it is not a member of the current view")
 
     async def stop_using(self, server: str, seen: View, why: str) -> View:
@@ -267,7 +279,18 @@ async def run(buf: ReplicatedBuffer, what: str, view: memoryview, offset: int, l
     async def one(i: int, at: int, n: int) -> None:
         part = view[(at - offset) // widen:(at - offset + n) // widen]
         within = at - i * _layout(buf).stripe
+        views = await buf.views()
         if what == "read":
+            server = primary(buf, i, await views.current())
+            t = buf.links[server].open
+            if t is not None and t.name == "shm" and buf.checked(server) is t:
+                # a copy from the mapped segment never waits: no deadline, no window
+                try:
+                    return await t.read_into([part], buf.segments[server],
+                                             _layout(buf).offset_on(server, i) + within, n)
+                except TransportError:
+                    pass        # failed over below
+
             async def read(t: Transport, seg: int, seg_off: int, seen: View) -> None:
                 await t.read_into([part], seg, seg_off, n)
             await _attempts(buf, i, within, n, what, read)
@@ -280,7 +303,6 @@ async def run(buf: ReplicatedBuffer, what: str, view: memoryview, offset: int, l
                 body.insert(0, _core.pack_u64x2(fence[0] & MASK64, fence[1] & MASK64))
         else:
             op, flags, body = Op.ACCUMULATE, dtype_code << 4, [part]
-        views = await buf.views()
         seq = views.next_seq()
 
         async def mutate(t: Transport, seg: int, seg_off: int, seen: View) -> None:
