@@ -19,14 +19,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from smb2 import _core
+from smb2 import _core, auth
 from smb2.errors import ErrorCode, MembershipError
 from smb2.local_etcd import LocalEtcd, etcd_binary, free_port
 from smb2.membership import NO_VIEW, View, open_membership
 from smb2.placement import Placement
-from smb2.protocol import FLAG_FORWARDED, FLAG_REPLICATED, DTYPE_SHIFT, VERSION, Op
+from smb2.protocol import DTYPE_SHIFT, FLAG_FORWARDED, FLAG_REPLICATED, VERSION, Op
 from smb2.server import start_server
-
 from wire import control, frame, reply
 
 try:
@@ -53,6 +52,8 @@ class Raw:
         self.reader, self.writer = reader, writer
         self.rid = 1
 
+    token: bytes | None = None      # set by a test whose servers want one
+
     @classmethod
     async def open(cls, address: str, peer: str | None = None) -> Raw:
         host, port = address.rsplit(":", 1)
@@ -63,6 +64,10 @@ class Raw:
             msg["peer"] = peer
         hdr, body = await raw.call_frame(control(msg))
         assert hdr[4] == 0, body
+        nonce = msgpack.unpackb(body).get("nonce")
+        if nonce is not None and cls.token is not None:
+            mine = os.urandom(32)
+            await raw.control({"cmd": "auth", "nonce": mine, "proof": auth.client_proof(cls.token, nonce, mine)})
         return raw
 
     async def call_frame(self, data: bytes) -> tuple[tuple[int, ...], bytes]:
@@ -286,10 +291,36 @@ async def test_partitioned_primary_acknowledges_nothing(cluster):
     raw.close()
 
 
-async def test_restarted_server_catches_up(cluster):
+def metric(server, name: str) -> float:
+    """One sample of the server's Prometheus metrics (read as a scrape does)."""
+    pytest.importorskip("prometheus_client")
+    from smb2.server.metrics import ServerCollector
+    for family in ServerCollector(server).collect():
+        for sample in family.samples:
+            if sample.name in (name, name + "_total"):
+                return sample.value
+    raise KeyError(name)
+
+
+async def wait_member(server, since: float) -> None:
+    while server.replication.state != "member":
+        assert time.monotonic() - since < 10, f"not caught up: {server.replication.stat()}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("data_dir", [False, True], ids=["empty", "data_dir"])
+async def test_restarted_server_catches_up(cluster, data_dir, tmp_path):
+    """A server that comes back (empty, or with its stale --data-dir) catches
+    up instead of serving what it had: all copies hold every update."""
     c = cluster
-    p, segs = await create(c, "r5")
     victim = 1
+    kw = {"data_dir": str(tmp_path / "victim")} if data_dir else {}
+    if data_dir:
+        # the victim keeps a data directory from the start
+        await c.servers[victim].close()
+        c.servers[victim] = await c.start_one(victim, **kw)
+        await wait_member(c.servers[victim], time.monotonic())
+    p, segs = await create(c, "r5")
     delta = np.ones(STRIPE // 8, np.float64).tobytes()
     client = int.from_bytes(os.urandom(8), "little")
     seq = 0
@@ -309,18 +340,27 @@ async def test_restarted_server_catches_up(cluster):
                 assert st == 0, msg
 
     await push(2)
+    assert metric(c.servers[victim], "smb2_replication_member") == 1
+    assert metric(c.servers[victim], "smb2_replication_degraded_buffers") == 0
     await c.servers[victim].close()
     c.servers[victim] = None
     # what a client does when the server stops answering: out of the view
     await c.change([a for k, a in enumerate(c.addresses) if k != victim])
     await push(3)
+    survivor = c.servers[0]
+    await survivor.replication.refresh()
+    # a stripe of the buffer is short of a copy: shown in stat and the metric
+    assert metric(survivor, "smb2_replication_degraded_buffers") == 1
+    assert survivor.stat()["buffers"]["r5"]["degraded"] is True
     t0 = time.monotonic()
-    c.servers[victim] = await c.start_one(victim)
-    repl = c.servers[victim].replication
-    while repl.state != "member":
-        assert time.monotonic() - t0 < 10, f"not caught up: {repl.stat()}"
-        await asyncio.sleep(0.05)
+    c.servers[victim] = await c.start_one(victim, **kw)
+    if data_dir:
+        assert c.servers[victim].restored, "the data directory was not restored"
+    await wait_member(c.servers[victim], t0)
     took = time.monotonic() - t0
+    assert metric(c.servers[victim], "smb2_replication_member") == 1
+    assert metric(c.servers[0 if victim else 1], "smb2_replication_copied_bytes") > 0 or \
+        metric(c.servers[2], "smb2_replication_copied_bytes") > 0
     await push(1)
     # every replica of every stripe holds 6.0 in every word, the restarted one too
     info = await (await Raw.open(c.addresses[victim])).control({"cmd": "lookup", "name": "r5"})
@@ -330,3 +370,102 @@ async def test_restarted_server_catches_up(cluster):
             assert np.all(np.frombuffer(copy, np.float64) == 6.0), i
     assert took < 10
     print(f"caught up in {took:.2f} s")
+
+
+async def segment_bytes(address: str, name: str) -> tuple[dict, bytes]:
+    raw = await Raw.open(address)
+    try:
+        info = await raw.control({"cmd": "lookup", "name": name})
+        return info, await raw.read(info["segment"], 0, info["size"])
+    finally:
+        raw.close()
+
+
+async def server_stat(address: str) -> dict:
+    raw = await Raw.open(address)
+    try:
+        return await raw.control({"cmd": "stat"})
+    finally:
+        raw.close()
+
+
+REPAIR_WITHIN = 10.0
+
+
+@pytest.mark.slow
+async def test_killed_server_rejoins_and_is_whole_again_while_writes_go_on() -> None:
+    """SIGKILL a server of three (replicas=2) under a stream of accumulates,
+    restart it (no data directory: it comes back empty), and it catches up
+    while the writes go on: within REPAIR_WITHIN s it is a member again, and
+    every stripe's two copies are equal bytes, holding every acknowledged
+    increment."""
+    import smb2
+    MiB = 1 << 20
+    async with smb2.LocalCluster(servers=3, processes=True, replicated=True, capacity="64MiB") as cluster:
+        async with await smb2.connect(cluster.addresses) as client:
+            buf = await client.create("heal", 4 * MiB, stripe=MiB, replicas=2)
+            n = buf.nbytes // 8
+            acked = np.zeros(n, np.int64)
+            sent = np.zeros(n, np.int64)
+            stop = asyncio.Event()
+
+            async def writer(k: int) -> None:
+                rng = np.random.default_rng(k)
+                while not stop.is_set():
+                    m = int(rng.integers(1, 2048))
+                    at = int(rng.integers(0, n - m))
+                    sent[at:at + m] += 1
+                    await buf.accumulate(8 * at, np.ones(m, np.int64))
+                    acked[at:at + m] += 1
+
+            tasks = [asyncio.create_task(writer(k)) for k in range(2)]
+            await asyncio.sleep(0.5)
+            await cluster.kill(1)
+            await asyncio.sleep(1.0)
+            t0 = time.monotonic()
+            await cluster.restart(1)
+            while True:
+                st = (await server_stat(cluster.addresses[1]))["replication"]
+                if st["state"] == "member" and not st["degraded"]:
+                    break
+                assert time.monotonic() - t0 < REPAIR_WITHIN, st
+                await asyncio.sleep(0.1)
+            took = time.monotonic() - t0
+            await asyncio.sleep(0.5)        # updates flow to the rejoined copy too
+            stop.set()
+            await asyncio.gather(*tasks)
+            want_lo, want_hi = acked.copy(), sent.copy()
+            whole = np.frombuffer(await buf.read(0, buf.nbytes), np.int64)
+            assert np.all(whole >= want_lo) and np.all(whole <= want_hi)
+            p = Placement(3, buf.nbytes, MiB, _core.name_hash("heal") % 3, 2)
+            parts = [await segment_bytes(a, "heal") for a in cluster.addresses]
+            for i in range(p.nstripes):
+                copies = [parts[s][1][p.offset_on(s, i):p.offset_on(s, i) + MiB] for s in p.replicas_of(i)]
+                assert copies[0] == copies[1], f"stripe {i}: the copies differ"
+                assert copies[0] == whole[i * MiB // 8:(i + 1) * MiB // 8].tobytes()
+            print(f"restarted server was a member again {took:.2f} s after its restart")
+
+
+async def test_servers_forward_to_each_other_with_the_clusters_token(etcd, monkeypatch):
+    """With a token, server-to-server links authenticate like clients."""
+    token = b"k" * 32
+    monkeypatch.setattr(Raw, "token", token)
+    c = Cluster(etcd, 3)
+
+    async def start_one(i: int, **kw):
+        return await start_server("127.0.0.1", c.ports[i], membership=c.url, shm="off", rdma="off",
+                                  token=token, **kw)
+    c.start_one = start_one
+    await c.start()
+    try:
+        p, segs = await create(c, "tok")
+        primary = p.replicas_of(0)[0]
+        raw = await Raw.open(c.addresses[primary])
+        st, msg = await raw.op(Op.WRITE, segs[primary], p.offset_on(primary, 0),
+                               prefix(1, 3, 1) + b"t" * 32, FLAG_REPLICATED)
+        raw.close()
+        assert st == 0, msg
+        copies = await replica_bytes(c, p, segs, 0)
+        assert copies[0][:32] == copies[1][:32] == b"t" * 32
+    finally:
+        await c.close()

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, cast
 from .. import _core, auth
 from ..checks import is_int
 from ..errors import ErrorCode, PersistenceError, TransportError
+from ..placement import Placement
 from ..protocol import (
     CLOSED,
     DEFAULT_PORT,
@@ -35,9 +36,6 @@ from ..protocol import (
     FLAG_NOREPLY,
     FLAG_REPLY,
     FLAG_STAGED,
-    REPL_FLAGS,
-    REPL_PREFIX_SIZE,
-    REPLICATED_OPS,
     H_FLAGS,
     H_LENGTH,
     H_OFFSET,
@@ -50,6 +48,9 @@ from ..protocol import (
     LOCK_SEGMENT,
     MAX_ACCUMULATE,
     MAX_CONTROL,
+    REPL_FLAGS,
+    REPL_PREFIX_SIZE,
+    REPLICATED_OPS,
     VERSION,
     Destination,
     FrameReceiver,
@@ -59,6 +60,7 @@ from ..protocol import (
     accumulate_span,
     error_payload,
     pack,
+    parse_address,
     parse_size,
     unpack,
 )
@@ -70,9 +72,8 @@ from .memfd import FROZEN, LIVE, mark, mark_gone
 from .metrics import MetricsExporter, RequestCounts
 from .metrics import parse_address as parse_metrics_address
 from .options import ServerOptions
-from .replication import Replication
-from ..placement import Placement
 from .rdma import RdmaServer
+from .replication import Replication
 from .segment import Refused, Segment, alloc
 from .shm import ShmService
 
@@ -510,6 +511,17 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False     # "" (all addresses), a host name: treat as exposed
+
+
+def _comes_from(address: str, source: str) -> bool:
+    """May a connection from ``source`` (an IP) be the server ``address``
+    ("host:port")?  Checked where the host is an IP literal (a name would
+    need a lookup on the loop: it is taken as said)."""
+    try:
+        host = parse_address(address)[0]
+        return ipaddress.ip_address(host) == ipaddress.ip_address(source)
+    except ValueError:
+        return True
 
 
 def _str(msg: dict[str, Any], key: str) -> str:
@@ -1188,8 +1200,12 @@ class Connection(FrameReceiver):
         self.greeted = True
         peer = msg.get("peer")
         if isinstance(peer, str):
-            # a server of the cluster (replication.py checks it against the view)
-            self.peer_server = peer
+            # a server of the cluster (replication.py checks it against the
+            # view); one that names another host than it comes from is not
+            if _comes_from(peer, self.host):
+                self.peer_server = peer
+            else:
+                srv.warn("peer", "%s says it is server %s: not that server's address, ignored", self.peer, peer)
         repl = srv.replication
         result: dict[str, Any] = {
             "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,

@@ -157,6 +157,7 @@ class WatchedServer(Protocol):
     receive_pool: Any       # guard.MemoryPool: .used, .peak, .limit
     admission: Any          # guard.Admission: .evicted
     locks: Any              # locks.LockService: .stat(), .handoffs
+    replication: Any        # replication.Replication (.stat()) or None
 
     @property
     def requests(self) -> Mapping[str, RequestCounts]: ...
@@ -219,6 +220,7 @@ class ServerCollector:
                                          if c.transport is not None))
         yield held
         yield from self.locks()
+        yield from self.replication()
 
     def requests(self) -> Iterator[Any]:
         """Per transport and op: requests, their handling time, their bytes."""
@@ -264,6 +266,28 @@ class ServerCollector:
         for reason, n in sorted({**self.server.cuts, "evicted": self.server.admission.evicted}.items()):
             cut.add_metric([reason], n)
         yield cut
+
+    def replication(self) -> Iterator[Any]:
+        """A replicated cluster's server: its view, whether it is caught up,
+        the buffers short of a copy, what it copied to servers catching up."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        repl = self.server.replication
+        if repl is None:
+            return
+        st = repl.stat()
+        yield GaugeMetricFamily("smb2_replication_epoch", "the membership view's epoch this server knows",
+                                value=st["epoch"])
+        yield GaugeMetricFamily("smb2_replication_member", "1 when this server is a member of the view "
+                                "(0 while it catches up after a restart or a removal)",
+                                value=1 if st["state"] == "member" else 0)
+        yield GaugeMetricFamily("smb2_replication_degraded_buffers", "replicated buffers with a stripe "
+                                "short of a member copy (a server of theirs is out of the view or catching up)",
+                                value=len(st["degraded"]))
+        yield CounterMetricFamily("smb2_replication_copied_bytes", "bytes of stripe copies this server sent "
+                                  "to servers catching up (paced by --repair-rate)", value=st["copied_bytes"])
+        yield CounterMetricFamily("smb2_replication_diverged", "atomics whose old value on a backup differed "
+                                  "from this primary's (the copies differ: should stay 0)", value=st["diverged"])
 
     def locks(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from .. import _core, auth
-from ..errors import ErrorCode, TransportError, server_error
+from ..errors import TransportError, server_error
 from ..protocol import (
     CLOSED,
     FLAG_REPLY,
@@ -43,6 +43,9 @@ log = logging.getLogger("smb2.server.peers")
 LINK_FAILED = -1
 # a peer that does not answer hello within this is as good as down
 CONNECT_TIMEOUT = 1.0
+# bytes queued in a link's socket buffer before it says it is paused (the
+# forwarding primary then stops reading the clients that feed it)
+LINK_HIGH_WATER = 16 << 20
 
 ReplyCallback = Callable[[int, bytes], None]
 
@@ -96,7 +99,7 @@ class PeerLink(FrameReceiver):
              on_reply: ReplyCallback) -> None:
         """Send one request frame (its payload is ``parts``, joined)."""
         if not self.is_open:
-            on_reply(LINK_FAILED, self._closed_why or "not connected")
+            on_reply(LINK_FAILED, (self._closed_why or "not connected").encode())
             return
         self._next_rid = (self._next_rid % 0xFFFFFFFF) + 1      # never 0
         rid = self._next_rid
@@ -147,6 +150,7 @@ class PeerLink(FrameReceiver):
     # -- asyncio -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=LINK_HIGH_WATER)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -199,4 +203,3 @@ def error_message(payload: bytes) -> str:
     return _message(memoryview(payload))
 
 
-__all__ = ["LINK_FAILED", "PeerLink", "ErrorCode", "error_message"]

@@ -31,11 +31,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
 
 from .. import _core
-from ..errors import ErrorCode, Smb2Error
+from ..errors import ErrorCode
 from ..membership import Membership, View, open_membership
 from ..placement import Placement
 from ..protocol import (
@@ -53,13 +53,9 @@ from ..protocol import (
     Header,
     Op,
     accumulate_span,
-    pack,
 )
 from .peers import LINK_FAILED, PeerLink, error_message
 from .segment import Refused, Segment
-
-if TYPE_CHECKING:
-    from .memory import MemoryServer
 
 log = logging.getLogger("smb2.server.replication")
 
@@ -95,6 +91,23 @@ class Client(Protocol):
     def refuse(self, hdr: Header, code: ErrorCode, message: str, **extra: Any) -> None: ...
     def hold_input(self, reason: str) -> None: ...
     def unhold_input(self, reason: str) -> None: ...
+
+
+class Server(Protocol):
+    """What this module needs of its server (memory.MemoryServer)."""
+
+    segments: dict[int, Segment]
+    by_name: dict[str, Segment]
+    restored: set[int]
+    token: bytes | None
+    locks: Any
+    bytes_in: int
+    repair_rate: int
+
+    def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int,
+               buffer_id: str | None = None, seal: bool = False, *, replicas: int = 1,
+               servers: list[str] | None = None, zones: list[str | None] | None = None) -> dict[str, Any]: ...
+    def destroy(self, name: str) -> dict[str, Any]: ...
 
 
 def apply_op(seg: Segment, op: int, flags: int, offset: int, data: memoryview) -> bytes:
@@ -170,33 +183,69 @@ class Outbox:
     A forward goes straight to the link's socket when the link is up, nothing
     waits before it and the peer's segment id of the buffer is known; else it
     is queued (its payload copied) and a pump connects, looks the buffer's
-    segment up by name (once per link) and sends the queue in order."""
+    segment up by name (once per link) and sends the queue in order.
+
+    A backup is failed when it stops making progress: ops are out and no
+    answer came for FORWARD_TIMEOUT (a watchdog), not when one op waited
+    that long behind many others on a loaded link."""
 
     def __init__(self, repl: Replication, address: str) -> None:
         self.repl = repl
         self.address = address
         self.link: PeerLink | None = None
-        self.queue: collections.deque[tuple[str, int, int, int, list[bytes], Callable[[int, bytes], None]]] = (
+        self.queue: collections.deque[tuple[tuple[str, str], int, int, int, list[bytes],
+                                            Callable[[int, bytes], None]]] = (
             collections.deque())
         self.queued_bytes = 0
-        self.segment_ids: dict[str, int] = {}
+        # the peer's segment of each buffer, by (name, buffer_id): a buffer
+        # destroyed and made again under its name is another buffer
+        self.segment_ids: dict[tuple[str, str], int] = {}
         self._pump: asyncio.Task[None] | None = None
         # client connections that stopped being read while this outbox was full
         self.blocked: set[Any] = set()
+        # stripe copies waiting for room (see room)
+        self.room_waiters: list[asyncio.Future[None]] = []
+        # ops sent or queued and not answered; when the last answer came
+        self.outstanding = 0
+        self.progress = 0.0
+        self._watchdog: asyncio.TimerHandle | None = None
 
-    def forward(self, name: str, op: int, flags: int, offset: int, parts: Sequence[bytes | memoryview],
-                on_reply: Callable[[int, bytes], None]) -> None:
+    def forward(self, buffer: tuple[str, str], op: int, flags: int, offset: int,
+                parts: Sequence[bytes | memoryview], on_reply: Callable[[int, bytes], None]) -> None:
+        """Send an op for ``buffer`` (name, buffer_id) to this peer, after
+        every op sent before it."""
+        loop = asyncio.get_running_loop()
+        if not self.outstanding:
+            self.progress = loop.time()
+        self.outstanding += 1
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(self.progress + FORWARD_TIMEOUT, self._check_progress)
+
+        def answered(status: int, payload: bytes) -> None:
+            self.outstanding -= 1
+            self.progress = loop.time()
+            on_reply(status, payload)
         link = self.link
         if link is not None and link.is_open and not self.queue:
-            sid = self.segment_ids.get(name)
+            sid = self.segment_ids.get(buffer)
             if sid is not None:
-                link.send(op, flags, sid, offset, parts, on_reply)
+                link.send(op, flags, sid, offset, parts, answered)
                 return
         copied = [bytes(p) for p in parts]
-        self.queue.append((name, op, flags, offset, copied, on_reply))
+        self.queue.append((buffer, op, flags, offset, copied, answered))
         self.queued_bytes += sum(len(p) for p in copied)
         if self._pump is None:
             self._pump = asyncio.get_running_loop().create_task(self.pump())
+
+    def _check_progress(self) -> None:
+        self._watchdog = None
+        if not self.outstanding:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() - self.progress >= FORWARD_TIMEOUT:
+            self.fail(f"{self.outstanding} forwarded ops and no answer for {FORWARD_TIMEOUT:g} s")
+        else:
+            self._watchdog = loop.call_at(self.progress + FORWARD_TIMEOUT, self._check_progress)
 
     @property
     def full(self) -> bool:
@@ -207,15 +256,32 @@ class Outbox:
         """Stop reading ``conn`` until this outbox drains."""
         conn.hold_input("forward")
         self.blocked.add(conn)
-        if self.link is not None and self.link.paused:
-            self.link.on_drain.append(self.drained)
+        self.drained()
+
+    async def room(self) -> None:
+        """Return once this outbox is not full (or has failed)."""
+        if not self.full:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.room_waiters.append(fut)
+        self.drained()          # arranges to be called again when the link drains
+        await fut
 
     def drained(self) -> None:
+        """Read the blocked connections again, unless still full: then when
+        the link's socket drains (or the pump ends)."""
         if self.full:
+            link = self.link
+            if link is not None and link.paused and self.drained not in link.on_drain:
+                link.on_drain.append(self.drained)
             return
         blocked, self.blocked = self.blocked, set()
         for conn in blocked:
             conn.unhold_input("forward")
+        waiters, self.room_waiters = self.room_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     async def pump(self) -> None:
         try:
@@ -224,13 +290,16 @@ class Outbox:
                 self.link = await PeerLink.open(self.address, self.repl.me, self.repl.server.token)
             link = self.link
             while self.queue:
-                name = self.queue[0][0]
-                if name not in self.segment_ids:
-                    info = await link.control({"cmd": "lookup", "name": name})
-                    self.segment_ids[name] = int(info["segment"])
-                name, op, flags, offset, parts, cb = self.queue.popleft()
+                buffer = self.queue[0][0]
+                if buffer not in self.segment_ids:
+                    info = await link.control({"cmd": "lookup", "name": buffer[0]})
+                    if info.get("buffer_id") != buffer[1]:
+                        raise LookupError(f"server {self.address} holds another buffer named {buffer[0]!r} "
+                                          f"(buffer_id {info.get('buffer_id')!r}, not {buffer[1]!r})")
+                    self.segment_ids[buffer] = int(info["segment"])
+                buffer, op, flags, offset, parts, cb = self.queue.popleft()
                 self.queued_bytes -= sum(len(p) for p in parts)
-                link.send(op, flags, self.segment_ids[name], offset, parts, cb)
+                link.send(op, flags, self.segment_ids[buffer], offset, parts, cb)
             self.drained()
         except asyncio.CancelledError:
             self.fail("server shutting down")
@@ -260,6 +329,13 @@ class Outbox:
         self.fail("server shutting down")
 
 
+def _resolver(fut: asyncio.Future[tuple[int, bytes]]) -> Callable[[int, bytes], None]:
+    def done(status: int, payload: bytes) -> None:
+        if not fut.done():
+            fut.set_result((status, payload))
+    return done
+
+
 @dataclass(eq=False)
 class Stripe:
     """Where one op landed: the buffer's segment here, its placement, the
@@ -272,7 +348,7 @@ class Stripe:
 
 class Pending:
     """A primary's op whose forwards are out: answers its waiters when every
-    backup answered (or the time ran out)."""
+    backup answered (or its outbox failed it: see Outbox)."""
 
     def __init__(self, repl: Replication, where: Stripe, entry: Entry, backups: list[str]) -> None:
         self.repl = repl
@@ -282,7 +358,7 @@ class Pending:
         self.acked: set[str] = set()
         self.failed: dict[str, str] = {}
         self.stale = False
-        self.timer = asyncio.get_running_loop().call_later(FORWARD_TIMEOUT, self.time_out)
+        self.done = False
 
     def callback(self, backup: str) -> Callable[[int, bytes], None]:
         def on_reply(status: int, payload: bytes) -> None:
@@ -305,19 +381,10 @@ class Pending:
                 self.finish()
         return on_reply
 
-    def time_out(self) -> None:
-        for backup in self.waiting:
-            self.failed[backup] = f"no answer within {FORWARD_TIMEOUT:g} s"
-            # a late answer must not be taken for a later op's
-            self.repl.outbox(backup).fail(f"no answer within {FORWARD_TIMEOUT:g} s")
-        self.waiting.clear()
-        self.finish()
-
     def finish(self) -> None:
-        if self.timer is None:
+        if self.done:
             return
-        self.timer.cancel()
-        self.timer = None       # type: ignore[assignment]
+        self.done = True
         self.entry.acked = frozenset(self.acked)
         if self.stale or self.failed:
             # a backup knows a newer view, or failed: settle it under the
@@ -331,7 +398,7 @@ class Replication:
     """This server's part in its replicated cluster (one per MemoryServer
     started with ``--membership``)."""
 
-    def __init__(self, server: MemoryServer, url: str, me: str) -> None:
+    def __init__(self, server: Server, url: str, me: str) -> None:
         self.server = server
         self.url = url
         # this server's name in the view ("host:port")
@@ -349,6 +416,7 @@ class Replication:
         self.state = "starting"
         self.caught_up_at: float | None = None
         self.catch_up_seconds = 0.0
+        self.started = 0.0
         self.copied_bytes = 0
         self.copy_rate = 0
         self.diverged = 0
@@ -357,6 +425,7 @@ class Replication:
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
         self.membership = open_membership(self.url)
+        self.started = time.monotonic()
         self.spawn(self._refresh_loop())
         joined = self.spawn(self.join())
         # a new cluster's servers start side by side: wait a little for the
@@ -557,7 +626,7 @@ class Replication:
         for b in backups:
             box = self.outbox(b)
             off = placement.offset_on(seg.servers.index(b), stripe) + offset - placement.offset_on(seg.index, stripe)
-            box.forward(seg.name, op, fwd_flags, off, (head, data), pending.callback(b))
+            box.forward((seg.name, seg.buffer_id), op, fwd_flags, off, (head, data), pending.callback(b))
             if box.full:
                 full = box
         if full is not None:
@@ -650,12 +719,15 @@ class Replication:
                     self._copy_seq += 1
                     off = placement.offset_on(seg.servers.index(t), i) + lo
                     self.outbox(t).forward(
-                        seg.name, Op.WRITE, FLAG_FORWARDED, off,
+                        (seg.name, seg.buffer_id), Op.WRITE, FLAG_FORWARDED, off,
                         (prefix(self.view.epoch, self.copy_id, self._copy_seq), seg.view[base + lo:base + lo + n]),
-                        lambda status, payload, fut=fut: fut.done() or fut.set_result((status, payload)))
+                        _resolver(fut))
                     futures.append((t, fut))
                     sent += n
                 self.copied_bytes += n * len(targets)
+                for t in targets:
+                    # a slow link: no more than OUTBOX_HIGH queued for it
+                    await self.outbox(t).room()
                 rate = self.server.repair_rate
                 if pace and rate:
                     ahead = t0 + sent / rate - loop.time()
@@ -726,6 +798,10 @@ class Replication:
             # every other member answered and none places a stripe here:
             # nothing can be stale (a new cluster)
             return self._became_member(view, 0)
+        if self.me in view.members and unreachable and not buffers and time.monotonic() - self.started < START_WAIT:
+            # the servers of a new cluster start side by side: ask again
+            # before taking this one out of the members to catch up
+            return False
         if self.me in view.members and not others:
             log.warning("this server is the only member of the view: it serves what it holds")
             return self._became_member(view, 0)
@@ -737,14 +813,22 @@ class Replication:
         self.state = "joining"
         t0 = time.monotonic()
         # 2. a copy of each stripe from its primary (in the ordered stream)
-        for name, info in buffers.items():
+        for name in buffers:
             seg = self.server.by_name.get(name)
             if seg is None:
                 return False
             placement = self.placement(seg)
-            primaries = {self.primary_of(seg, placement.replicas_of(i)) for i in range(placement.nstripes)
-                         if seg.index in placement.replicas_of(i)} - {None, self.me}
-            for p in sorted(p for p in primaries if p is not None):
+            mine = [i for i in range(placement.nstripes) if seg.index in placement.replicas_of(i)]
+            primaries = {i: self.primary_of(seg, placement.replicas_of(i)) for i in mine}
+            lost = [i for i, p in primaries.items() if p is None]
+            if lost:
+                # no member holds a copy: becoming a member with ours (empty,
+                # or stale) would serve it as if nothing were lost
+                log.error("stripes %s of buffer %r have no member copy to catch up from: their data is lost "
+                          "unless a server that held them comes back; this server stays out of the members",
+                          lost[:8], name)
+                return False
+            for p in sorted({p for p in primaries.values() if p is not None and p != self.me}):
                 link = await PeerLink.open(p, self.me, self.server.token)
                 try:
                     await link.control({"cmd": "repl_sync", "name": name, "epoch": view.epoch})
@@ -801,9 +885,12 @@ class Replication:
             if seg is not None and not same:
                 srv.destroy(name)
             if not same:
-                srv.create(name, info["nbytes"], info["stripe"], info["nservers"], servers.index(self.me),
-                           info["buffer_id"], True, replicas=info["replicas"], servers=servers,
-                           zones=info.get("zones"))
+                made = srv.create(name, info["nbytes"], info["stripe"], info["nservers"], servers.index(self.me),
+                                  info["buffer_id"], True, replicas=info["replicas"], servers=servers,
+                                  zones=info.get("zones"))
+                # it will hold the buffer's data (a copy from the primaries) before
+                # it serves anything: to a client's lookup it is the buffer as it was
+                srv.restored.add(made["segment"])
         if not unreachable:
             for seg in [s for s in srv.by_name.values() if s.replicas > 1 and s.name not in found]:
                 log.warning("dropping buffer %r: no member holds it any more (destroyed while this server "
