@@ -168,7 +168,7 @@ async def _the_cli_shows_it_degraded(servers: list[str], victim: str, capsys: py
 
 async def test_a_reader_follows_a_new_primary_within_a_view_refresh(replicated: smb2.LocalCluster) -> None:
     # the reader maps the old primary's memory (shm): a paused primary still serves it, stale, so
-    # the reader must learn the new view by itself (replication.VIEW_MAX_AGE), not only on an error
+    # the reader must learn the new view by itself (replication.VIEW_LEASE), not only on an error
     async with await smb2.connect(replicated.addresses) as writer, \
             await smb2.connect(replicated.addresses) as reader:
         wbuf = await writer.create("follow", 64, stripe=64, replicas=2)
