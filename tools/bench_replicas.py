@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ async def measure(servers: list[str], transport: str, replicas: int, repeat: int
     import smb2
 
     async with await smb2.connect(servers, transport=transport) as client:
-        kw = {"replicas": replicas} if replicas > 1 else {}
+        kw: dict[str, Any] = {"replicas": replicas} if replicas > 1 else {}  # main (the baseline) has no replicas=
         await client.destroy(name)
         buf = await client.create(name, BIG, **kw)
         small = np.zeros(64, np.uint8)
