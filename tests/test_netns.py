@@ -225,3 +225,36 @@ def test_lock_works_across_hosts() -> None:
         assert total == 2 * INCREMENTS
         client_pids = [p.pid for p in procs] + [counter.pid]
     _assert_gone(cluster, server_pids + client_pids)
+
+
+def test_faults_cut_heal_kill_restart_and_etcd() -> None:
+    """The nemesis' tools (tools/jepsen.py): a cut drops traffic between two hosts until healed,
+    a killed server restarts on its address, and etcd=True runs etcd on its own host with the first
+    view written and every server told where it is."""
+    ok, why = netns_cluster.can_run()
+    if not ok:
+        pytest.skip(f"no network namespaces here: {why}")
+    probe = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1)"
+    with netns_cluster.NetnsCluster(servers=2, rate=None, capacity="16MiB", quiet=True, handle_signals=False,
+                                    ready_timeout=20, clients=2, etcd=True) as cluster:
+        def reaches(host: str, server: int) -> bool:
+            p = cluster.popen_client([sys.executable, "-c", probe, cluster.server_addrs[server], "7420"], host=host)
+            return p.wait(10) == 0
+
+        assert reaches("c1", 0) and reaches("c", 0)
+        cluster.cut("c1", "s0")
+        assert not reaches("c1", 0) and reaches("c", 0) and reaches("c1", 1)
+        cluster.heal()
+        assert reaches("c1", 0)
+        old = cluster.server_process(1).pid  # type: ignore[union-attr]
+        cluster.kill_server(1)
+        assert not reaches("c", 1)
+        cluster.restart_server(1)
+        assert cluster.server_process(1).pid != old and reaches("c", 1)  # type: ignore[union-attr]
+        view = cluster.run_client([sys.executable, "-c", "import asyncio, sys, smb2.membership as m; "
+                                   "print(asyncio.run(m.open_membership(sys.argv[1]).view()))",
+                                   str(cluster.membership_url)], capture_output=True, text=True, timeout=30)
+        assert view.stdout.strip() == f"View(epoch=1, members=({cluster.servers[0]!r}, {cluster.servers[1]!r}), " \
+                                      "joining=())", view.stderr
+        argv = (Path("/proc") / str(cluster.server_process(0).pid) / "cmdline").read_bytes().split(b"\0")  # type: ignore
+        assert argv[argv.index(b"--membership") + 1].decode() == cluster.membership_url

@@ -7,14 +7,16 @@ the clear error an unreplicated buffer gives when its server is lost."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import signal
 import time
 
 import numpy as np
 import pytest
 
 import smb2
-from smb2 import _core
+from smb2 import _core, cli
 from smb2.placement import Placement
 
 MiB = 1 << 20
@@ -81,8 +83,11 @@ async def test_a_replicated_buffer_is_made_with_the_placements_sizes(replicated:
         assert not await buf.degraded()
 
 
-async def test_updates_survive_a_sigkill_and_the_client_goes_on(replicated: smb2.LocalCluster,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+async def test_updates_survive_a_lost_server_and_the_client_goes_on(replicated: smb2.LocalCluster, sig: int,
+                                                                    caplog: pytest.LogCaptureFixture,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # SIGKILL: the connections reset at once; SIGSTOP: nothing answers, the client's wait runs out
     caplog.set_level(logging.WARNING, logger="smb2.client")
     async with await smb2.connect(replicated.addresses) as client:
         buf = await client.create("acc", 3 * MiB, stripe=MiB, replicas=2)
@@ -113,10 +118,17 @@ async def test_updates_survive_a_sigkill_and_the_client_goes_on(replicated: smb2
         await asyncio.sleep(0.5)
         before = len(tickets)
         victim = replicated.addresses[1]
-        await replicated.kill(1)
+        if sig == signal.SIGSTOP:
+            proc = replicated.procs[1]
+            assert proc is not None
+            proc.proc.send_signal(sig)       # paused: its sockets stay open, nothing answers
+        else:
+            await replicated.kill(1)
         await asyncio.sleep(2.0)
         stop.set()
         await asyncio.gather(*tasks)
+        if sig == signal.SIGSTOP:
+            await replicated.kill(1)        # it stays out of the view either way
         assert len(tickets) > before        # the counters went on after the kill
         # every acknowledged increment is there, once (the words all started at 0)
         got = (await buf.read(0, buf.nbytes)).view(np.float32)
@@ -134,3 +146,44 @@ async def test_updates_survive_a_sigkill_and_the_client_goes_on(replicated: smb2
         # attached again after the loss: the lost server is left out, the bytes are the same
         again = await client.attach("acc")
         assert np.array_equal(await again.read(0, buf.nbytes), got.view(np.uint8))
+        if sig == signal.SIGKILL:
+            await _the_cli_shows_it_degraded(replicated.addresses, victim, capsys)
+
+
+async def _the_cli_shows_it_degraded(servers: list[str], victim: str, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert await asyncio.to_thread(cli.main, ["ls", *servers]) == 1      # a server is unreachable
+    out = capsys.readouterr()
+    for name in ("acc", "ctr"):
+        row = next(line for line in out.out.splitlines() if line.startswith(name + " "))
+        assert "readable" in row and victim in row and "2 replicas, DEGRADED" in row, row
+    assert "rejoins" in out.err
+    assert await asyncio.to_thread(cli.main, ["stat", *servers]) == 1
+    stats = json.loads(capsys.readouterr().out)
+    assert [s.get("unreachable") is not None for s in stats] == [s == victim for s in servers]
+    live = next(s for s in stats if "replication" in s)
+    assert live["replication"]["degraded"] == ["acc", "ctr"] and victim not in live["replication"]["members"]
+    assert live["buffers"]["acc"]["replicas"] == 2
+
+
+async def test_a_reader_follows_a_new_primary_within_a_view_refresh(replicated: smb2.LocalCluster) -> None:
+    # the reader maps the old primary's memory (shm): a paused primary still serves it, stale, so
+    # the reader must learn the new view by itself (replication.VIEW_LEASE), not only on an error
+    async with await smb2.connect(replicated.addresses) as writer, \
+            await smb2.connect(replicated.addresses) as reader:
+        wbuf = await writer.create("follow", 64, stripe=64, replicas=2)
+        rbuf = await reader.attach("follow")
+        await wbuf.write(0, np.full(64, 1, np.uint8))
+        assert (await rbuf.read(0, 64) == 1).all()
+        assert reader.transports[wbuf.first] == "shm"
+        proc = replicated.procs[wbuf.first]       # stripe 0's primary
+        assert proc is not None
+        proc.proc.send_signal(signal.SIGSTOP)
+        try:
+            await wbuf.write(0, np.full(64, 2, np.uint8))      # fails over (2 s), then acknowledged
+            t0 = time.monotonic()
+            while (await rbuf.read(0, 64) != 2).any():
+                assert time.monotonic() - t0 < GO_ON_WITHIN + SLACK, "the reader kept the old primary"
+                await asyncio.sleep(0.05)
+        finally:
+            await replicated.kill(wbuf.first)

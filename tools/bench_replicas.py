@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ async def measure(servers: list[str], transport: str, replicas: int, repeat: int
     import smb2
 
     async with await smb2.connect(servers, transport=transport) as client:
-        kw = {"replicas": replicas} if replicas > 1 else {}
+        kw: dict[str, Any] = {"replicas": replicas} if replicas > 1 else {}  # main (the baseline) has no replicas=
         await client.destroy(name)
         buf = await client.create(name, BIG, **kw)
         small = np.zeros(64, np.uint8)
@@ -63,6 +64,9 @@ async def measure(servers: list[str], transport: str, replicas: int, repeat: int
 
 
 def child(args: argparse.Namespace) -> int:
+    import uvloop  # the loop smb2 runs on (its training layer, smb2-server)
+
+    uvloop.install()
     print(json.dumps(asyncio.run(measure(args.servers.split(","), args.transport, args.replicas, args.repeat,
                                          args.name))))
     return 0
@@ -71,7 +75,9 @@ def child(args: argparse.Namespace) -> int:
 def run_child(python: str, servers: list[str], transport: str, replicas: int, repeat: int) -> dict[str, float]:
     out = subprocess.run([python, __file__, "--child", "--servers", ",".join(servers), "--transport", transport,
                           "--replicas", str(replicas), "--repeat", str(repeat), "--name", f"bench-r{replicas}"],
-                         check=True, capture_output=True, text=True)
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"replicas={replicas} with {python} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -94,7 +100,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
                     run_child, args.baseline_python, servers, args.transport, 1, args.repeat))
             rows["this r1"].append(await asyncio.to_thread(
                 run_child, sys.executable, servers, args.transport, 1, args.repeat))
-            if replicated:
+            if replicated and not args.only_r1:
                 rows["this r2"].append(await asyncio.to_thread(
                     run_child, sys.executable, servers, args.transport, 2, args.repeat))
     result: dict[str, object] = {"transport": args.transport, "turns": args.turns, "repeat": args.repeat}
@@ -117,6 +123,7 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=15, help="samples per figure and turn")
     p.add_argument("--turns", type=int, default=3, help="turns of each version")
     p.add_argument("--baseline-python", help="another checkout's python, measured in turns for replicas=1")
+    p.add_argument("--only-r1", action="store_true", help="measure replicas=1 only")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--servers", help=argparse.SUPPRESS)
     p.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)

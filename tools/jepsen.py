@@ -48,6 +48,7 @@ import logging
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -60,6 +61,8 @@ from typing import Any
 import numpy as np
 
 import smb2
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # netns_cluster beside this file
 
 log = logging.getLogger("smb2.jepsen")
 
@@ -228,11 +231,15 @@ def check_lock(ops: Sequence[Op], final: Final) -> list[str]:
             out.append(f"fencing tokens went backwards: {a.token} then {b.token}")
     by_token = sorted((op for op in sections if op.token is not None), key=lambda op: op.token)  # type: ignore
     ok_before = unknown_before = 0
+    # after one lost (or phantom) update every later read is off by it too: count each once
+    shift = 0
     for op in by_token:
-        if op.result is not None and not ok_before <= op.result <= ok_before + unknown_before:
-            out.append(f"process {op.process} (token {op.token}) read {op.result} under the lock, outside "
-                       f"[{ok_before}, {ok_before + unknown_before}]: "
-                       + ("an acknowledged update was lost" if op.result < ok_before else "a phantom update"))
+        low, high = ok_before + shift, ok_before + unknown_before + shift
+        if op.result is not None and not low <= op.result <= high:
+            out.append(f"process {op.process} (token {op.token}, held from {op.held[0]:.3f}) read {op.result} "  # type: ignore
+                       f"under the lock, outside [{low}, {high}]: "
+                       + ("an acknowledged update was lost" if op.result < low else "a phantom update"))
+            shift += op.result - (low if op.result < low else high)
         ok_before += op.outcome == OK
         unknown_before += op.outcome == UNKNOWN
     if final.record is None:
@@ -291,9 +298,23 @@ class Workload:
 
     async def process(self, p: int) -> None:
         rng = random.Random(self.history.seed * 1000 + p)
-        client = await self.connect()
+        while True:     # a server may be down right now: go on trying until the end
+            try:
+                client = await self.connect()
+            except smb2.Smb2Error:
+                if self.stop.is_set():
+                    return
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                buf = await client.attach(BUFFER, timeout=self.op_timeout)
+                break
+            except smb2.Smb2Error:
+                await client.close()
+                if self.stop.is_set():
+                    return
+                await asyncio.sleep(0.2)
         try:
-            buf = await client.attach(BUFFER, timeout=self.op_timeout)
             lock = client.lock(LOCK)
             while not self.stop.is_set():
                 kind = rng.choices(("accumulate", "fetch_add", "read", "lock_rmw"), (4, 2, 2, 2))[0]
@@ -301,6 +322,10 @@ class Workload:
                     await self.lock_rmw(p, buf, lock)
                 else:
                     await self.one(p, kind, buf, rng)
+                if self.history.ops[-1].error.startswith("StaleHandle"):
+                    # a server came back with new segments: look the buffer up again, as a user would
+                    with contextlib.suppress(smb2.Smb2Error):
+                        buf = await client.attach(BUFFER, timeout=self.op_timeout)
                 await asyncio.sleep(rng.uniform(0, 0.005))
         finally:
             with contextlib.suppress(Exception):
@@ -336,8 +361,8 @@ class Workload:
         op.invoke = time.monotonic()
         try:
             await lock.acquire(timeout=self.op_timeout)
-        except Exception as exc:
-            op.outcome, op.error = FAIL if isinstance(exc, smb2.LockTimeout) else UNKNOWN, type(exc).__name__
+        except Exception as exc:        # not held: nothing was written
+            op.outcome, op.error = FAIL, f"acquire: {type(exc).__name__}: {exc}".splitlines()[0]
             op.complete = time.monotonic()
             return
         start = time.monotonic()
@@ -432,12 +457,46 @@ class LocalTarget(Target):
         os.kill(self.cluster.pid(i), signal.SIGCONT)
 
 
+class NetnsTarget(Target):
+    """A cluster of tools/netns_cluster.py: every server and client its own host.  ``cut(i)``
+    partitions server i together with the first client host ("c") from every other host (the
+    other servers, the other clients, etcd): the old primary and a client of it on a minority side."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+        self.nservers = cluster.n
+
+    async def kill(self, i: int) -> None:
+        await asyncio.to_thread(self.cluster.kill_server, i)
+
+    async def restart(self, i: int) -> None:
+        # in this thread, which outlives the run: a server dies with the thread that started it
+        # (PR_SET_PDEATHSIG), and asyncio.to_thread's threads end with the loop
+        self.cluster.restart_server(i)
+
+    async def pause(self, i: int) -> None:
+        self.cluster.signal_server(i, signal.SIGSTOP)
+
+    async def resume(self, i: int) -> None:
+        self.cluster.signal_server(i, signal.SIGCONT)
+
+    async def cut(self, i: int) -> None:
+        minority = {f"s{i}", "c"}
+        for side in minority:
+            for other in self.cluster.hosts:
+                if other not in minority:
+                    await asyncio.to_thread(self.cluster.cut, side, other)
+
+    async def mend(self, i: int) -> None:
+        await asyncio.to_thread(self.cluster.heal)
+
+
 class Nemesis:
     """Every ``interval`` seconds (jittered), one fault on one random server, healed after a random
     while; at most one server is faulty at a time (what replicas=2 promises to survive)."""
 
     def __init__(self, target: Target, choices: Sequence[str], history: History, *, interval: float,
-                 fault_time: tuple[float, float] = (0.5, 2.0)) -> None:
+                 fault_time: tuple[float, float] = (1.0, 5.0)) -> None:
         self.target = target
         self.choices = list(choices)
         self.history = history
@@ -477,12 +536,14 @@ class Nemesis:
 @dataclass
 class Settings:
     seed: int = 1
+    clients: int = 2                # netns: client hosts (processes are spread over them)
     duration: float = 10.0
     servers: int = 3
     replicas: int = 1
     processes: int = 4
     nemesis: tuple[str, ...] = ("kill", "pause")
     interval: float = 2.0
+    fault_time: tuple[float, float] = (1.0, 5.0)    # how long a fault lasts (longer than op_timeout: some bite)
     op_timeout: float = 3.0
     settle: float = 10.0
     data_dir: bool = True
@@ -508,7 +569,7 @@ async def _run(s: Settings, history: History, connect: Callable[[], Awaitable[sm
                target: Target) -> None:
     work = Workload(connect, history, processes=s.processes, layout=Layout(counters=2 * s.servers),
                     replicas=s.replicas, op_timeout=s.op_timeout)
-    nemesis = Nemesis(target, s.nemesis, history, interval=s.interval)
+    nemesis = Nemesis(target, s.nemesis, history, interval=s.interval, fault_time=s.fault_time)
     clients = asyncio.ensure_future(work.run())
     faults = asyncio.ensure_future(nemesis.run(work.stop))
     try:
@@ -520,10 +581,116 @@ async def _run(s: Settings, history: History, connect: Callable[[], Awaitable[sm
     history.final = await work.read_final(s.settle)
 
 
+def run_netns(s: Settings) -> History:
+    """One run in the netns harness: every server, every client host and etcd its own host; the
+    client processes run as workers (``--worker``) on the client hosts, the nemesis here."""
+    import netns_cluster
+
+    ok, why = netns_cluster.can_run()
+    if not ok:
+        raise netns_cluster.NotSupported(why)
+    history = History(s.seed)
+    cmd = list(netns_cluster.DEFAULT_SERVER_CMD)
+    with contextlib.ExitStack() as stack:
+        if s.data_dir:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="smb2-jepsen-"))
+            cmd += ["--data-dir", os.path.join(tmp, "s{index}")]
+        cluster = stack.enter_context(netns_cluster.NetnsCluster(
+            servers=s.servers, rate=None, capacity="64MiB", server_cmd=cmd, quiet=True, handle_signals=False,
+            ready_timeout=20, clients=s.clients, etcd=s.replicas > 1))
+        worker = [sys.executable, str(Path(__file__).resolve()), "--worker"]
+
+        def start_worker(host: str, role: str, processes: Sequence[int] = ()) -> subprocess.Popen:
+            job = json.dumps({"role": role, "processes": list(processes), "settings": asdict(s)})
+            p = cluster.popen_client(worker + [job], host=host, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)
+            return p
+
+        def ready(p: subprocess.Popen) -> None:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != b"ready":     # smb2 imported, the buffer made: the slow part
+                p.kill()            # finish_worker says why
+
+        def go(p: subprocess.Popen) -> None:
+            assert p.stdin is not None
+            with contextlib.suppress(OSError):
+                p.stdin.write(b"go\n")
+                p.stdin.flush()
+
+        def finish_worker(p: subprocess.Popen) -> list[Any]:
+            out, err = p.communicate(timeout=s.duration + 10 * s.op_timeout + s.settle + 60)
+            if p.returncode != 0:
+                raise RuntimeError(f"jepsen worker {p.pid} failed ({p.returncode}): "
+                                   f"{err.decode(errors='replace')[-3000:]}")
+            return [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+
+        def run_worker(host: str, role: str) -> list[Any]:
+            p = start_worker(host, role)
+            ready(p)
+            go(p)
+            return finish_worker(p)
+
+        hosts = cluster.client_hosts
+        workers = [start_worker(h, "process", range(k, s.processes, len(hosts))) for k, h in enumerate(hosts)]
+        for p in workers:
+            ready(p)
+        for p in workers:       # all at once, with the nemesis
+            go(p)
+
+        async def clients_and_nemesis() -> list[list[Any]]:
+            stop = asyncio.Event()
+            nemesis = asyncio.ensure_future(
+                Nemesis(NetnsTarget(cluster), s.nemesis, history, interval=s.interval,
+                        fault_time=s.fault_time).run(stop))
+            try:
+                return list(await asyncio.gather(*(asyncio.to_thread(finish_worker, p) for p in workers)))
+            finally:
+                stop.set()
+                await nemesis
+
+        for records in asyncio.run(clients_and_nemesis()):
+            history.ops += [Op(**{**r, "held": tuple(r["held"]) if r["held"] else None}) for r in records]
+        cluster.heal()
+        (final,) = run_worker(hosts[-1], "final")
+        history.final = Final(**final)
+    return history
+
+
+async def worker(job: dict[str, Any]) -> None:
+    """A client host's part of a netns run: make the buffer (every client host: create is
+    idempotent), say "ready", wait for "go", then print what it did as JSON lines."""
+    s = Settings(**{**job["settings"], "nemesis": tuple(job["settings"]["nemesis"]),
+                    "fault_time": tuple(job["settings"]["fault_time"])})
+    history = History(s.seed)
+
+    async def connect() -> smb2.Client:
+        return await smb2.connect(transport=s.transport, timeout=s.op_timeout)
+
+    work = Workload(connect, history, processes=s.processes, layout=Layout(counters=2 * s.servers),
+                    replicas=s.replicas, op_timeout=s.op_timeout)
+    if job["role"] == "process":
+        client = await connect()
+        try:
+            await work.create(client)
+        finally:
+            await client.close()
+    print("ready", flush=True)
+    await asyncio.to_thread(sys.stdin.readline)         # "go"
+    if job["role"] == "final":
+        print(json.dumps(asdict(await work.read_final(s.settle))), flush=True)
+    else:
+        asyncio.get_running_loop().call_later(s.duration, work.stop.set)
+        await asyncio.gather(*(work.process(p) for p in job["processes"]))
+        for op in history.ops:
+            print(json.dumps(asdict(op)), flush=True)
+
+
 def report(history: History, violations: list[str]) -> str:
     lines = [f"jepsen seed {history.seed}: {len(history.ops)} operations ({summary(history)}); "
              f"{sum(1 for _, w in history.nemesis if not w.startswith('healed'))} faults"]
     lines += [f"  nemesis {w}" for _, w in history.nemesis]
+    errors = Counter(f"{op.kind} {op.outcome}: {op.error[:100]}" for op in history.ops if op.outcome != OK)
+    lines += [f"  {n} x {what}" for what, n in errors.most_common(5)]
     if history.final.error:
         lines.append(f"  the final read first failed: {history.final.error.splitlines()[0]}")
     if violations:
@@ -545,26 +712,32 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated faults among {','.join(NEMESES)}, or none (default kill,pause)")
     p.add_argument("--interval", type=float, default=3.0, help="mean seconds between faults (default 3)")
     p.add_argument("--op-timeout", type=float, default=3.0)
+    p.add_argument("--fault-time", default="1,5", metavar="MIN,MAX",
+                   help="seconds a fault lasts, uniformly drawn (default 1,5)")
     p.add_argument("--no-data-dir", action="store_true", help="servers restart empty (no --data-dir)")
     p.add_argument("--transport", default="tcp")
     p.add_argument("--netns", action="store_true",
                    help="every server its own host (tools/netns_cluster.py; needs root); allows partition")
+    p.add_argument("--clients", type=int, default=2, help="netns: client hosts (default 2)")
     p.add_argument("--history", metavar="FILE", help="write the history as JSON lines")
+    p.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if a.worker:
+        asyncio.run(worker(json.loads(a.worker)))
+        return 0
     choices = () if a.nemesis == "none" else tuple(a.nemesis.split(","))
     bad = [c for c in choices if c not in NEMESES]
     if bad:
         p.error(f"unknown nemesis {bad}: choose among {','.join(NEMESES)}")
     s = Settings(seed=a.seed, duration=a.duration, servers=a.servers, replicas=a.replicas,
                  processes=a.processes, nemesis=choices, interval=a.interval, op_timeout=a.op_timeout,
-                 data_dir=not a.no_data_dir, transport=a.transport)
+                 data_dir=not a.no_data_dir, transport=a.transport, clients=a.clients,
+                 fault_time=tuple(float(x) for x in a.fault_time.split(",", 1)))  # type: ignore[arg-type]
     if a.netns:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import jepsen_netns
-        history = jepsen_netns.run(s)
+        history = run_netns(s)
     else:
         history = asyncio.run(run_local(s))
     if a.history:

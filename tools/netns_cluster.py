@@ -12,6 +12,8 @@ Everything is torn down afterwards: on success, on error, on Ctrl-C and on SIGTE
 Topology (one run, prefix ``smb2-<pid>-<n>``)::
 
     netns <prefix>-c    eth0 198.18.0.1/24  ── veth ──┐                      (unlimited)
+    netns <prefix>-c1.. eth0 198.18.0.2.. (clients=K: more client hosts)
+    netns <prefix>-e    eth0 198.18.0.10/24 (etcd=True: the membership service's host)
     netns <prefix>-s0   eth0 198.18.0.11/24 ── veth ──┤  br0 in netns <prefix>-br
     netns <prefix>-s1   eth0 198.18.0.12/24 ── veth ──┤  (ports c, s0, s1, ...)
     ...                                               ┘
@@ -34,6 +36,15 @@ Library::
         c.run_client([sys.executable, "bench.py"])  # CompletedProcess, SMB2_SERVERS set
         p = c.popen_client([...])                   # Popen in the client namespace
         c.run_coroutine(main, c.servers)            # asyncio.run(main(c.servers)) in the client netns
+
+Faults (tools/jepsen.py's nemesis)::
+
+    c.signal_server(i, signal.SIGSTOP)             # pause (SIGCONT resumes)
+    c.kill_server(i); c.restart_server(i)          # SIGKILL, then the same command again
+    c.cut("s0", "c1"); c.heal()                    # drop all traffic between two hosts (blackhole routes)
+
+With ``etcd=True`` a private etcd runs on its own host and every server gets
+``--membership c.membership_url`` (the first view, epoch 1 with every server, written before they start).
         await c.run_coroutine_async(main, c.servers)  # same, awaited from a running loop
 
 CLI::
@@ -89,7 +100,10 @@ __all__ = [
 BENCH_RANGE = ipaddress.IPv4Network("198.18.0.0/15")  # RFC 2544 benchmarking range: the only one
 SUBNET = ipaddress.IPv4Network("198.18.0.0/24")
 assert SUBNET.subnet_of(BENCH_RANGE)
-CLIENT_ADDR = str(SUBNET[1])  # 198.18.0.1
+CLIENT_ADDR = str(SUBNET[1])  # 198.18.0.1; more client hosts are .2, .3, ...
+MAX_CLIENTS = 8
+ETCD_ADDR = str(SUBNET[10])  # 198.18.0.10
+ETCD_PORTS = (2379, 2380)
 FIRST_SERVER_HOST = 11  # servers are 198.18.0.11, .12, ...
 MAX_SERVERS = 254 - FIRST_SERVER_HOST  # 243
 DEFAULT_PORT = 7420
@@ -101,7 +115,7 @@ DEFAULT_SERVER_CMD = ("{smb2_server}", "--host", "{host}", "--port", "{port}", "
                       "--shm", "off")
 READY_RE = re.compile(rb"smb2-server listening on (\S+):(\d+)")
 NAME_PREFIX = "smb2-"
-NAME_RE = re.compile(r"^smb2-(\d+)-(\d+)-(br|c|s\d+)$")
+NAME_RE = re.compile(r"^smb2-(\d+)-(\d+)-(br|c\d*|e|s\d+)$")
 LOGDIR_RE = re.compile(r"^smb2-(\d+)-(\d+)-logs")
 NETNS_DIR = Path("/run/netns")
 CLONE_NEWNET = 0x40000000
@@ -401,9 +415,13 @@ class NetnsCluster:
         quiet: bool = False,
         handle_signals: bool = True,
         die_with_parent: bool = True,
+        clients: int = 1,
+        etcd: bool = False,
     ):
         if not 1 <= servers <= MAX_SERVERS:
             raise ValueError(f"servers must be 1..{MAX_SERVERS}, not {servers}")
+        if not 1 <= clients <= MAX_CLIENTS:
+            raise ValueError(f"clients must be 1..{MAX_CLIENTS}, not {clients}")
         self.n = servers
         self.rate_bits = parse_rate(rate)
         self.client_rate_bits = parse_rate(client_rate)
@@ -430,11 +448,20 @@ class NetnsCluster:
         self.bridge_netns = f"{self.prefix}-br"
         self.client_netns = f"{self.prefix}-c"
         self.client_addr = CLIENT_ADDR
+        # host name -> (netns, address): "c", "c1", ..., "e", "s0", ... (what cut() takes)
+        self.hosts: dict[str, tuple[str, str]] = {"c": (self.client_netns, CLIENT_ADDR)}
+        for k in range(1, clients):
+            self.hosts[f"c{k}"] = (f"{self.prefix}-c{k}", str(SUBNET[1 + k]))
+        self.etcd = etcd
+        if etcd:
+            self.hosts["e"] = (f"{self.prefix}-e", ETCD_ADDR)
+        self._cuts: set[tuple[str, str]] = set()
         self._servers = [
             _Server(i, f"{self.prefix}-s{i}", str(SUBNET[FIRST_SERVER_HOST + i]), self.port) for i in range(servers)
         ]
         for s in self._servers:
             assert ipaddress.IPv4Address(s.addr) in BENCH_RANGE
+            self.hosts[f"s{s.index}"] = (s.netns, s.addr)
         self._created_netns: list[str] = []
         self._clients: list[subprocess.Popen] = []
         self._logdir: Path | None = None
@@ -460,9 +487,19 @@ class NetnsCluster:
         return [s.netns for s in self._servers]
 
     @property
+    def client_hosts(self) -> list[str]:
+        """The client hosts' names, for ``popen_client(host=...)``: ["c", "c1", ...]."""
+        return [h for h in self.hosts if h.startswith("c")]
+
+    @property
+    def membership_url(self) -> str | None:
+        """The servers' ``--membership`` (None without ``etcd=True``)."""
+        return f"etcd://{ETCD_ADDR}:{ETCD_PORTS[0]}/{self.prefix}" if self.etcd else None
+
+    @property
     def netns_names(self) -> list[str]:
-        """Every namespace this cluster owns (bridge, client, servers)."""
-        return [self.bridge_netns, self.client_netns, *self.server_netns]
+        """Every namespace this cluster owns (bridge, clients, etcd, servers)."""
+        return [self.bridge_netns, *(netns for netns, _ in self.hosts.values())]
 
     @property
     def env(self) -> dict[str, str]:
@@ -505,6 +542,8 @@ class NetnsCluster:
         try:
             cmd = self._server_argv(0)  # resolve the command before building anything
             self._build_network()
+            if self.etcd:
+                self._start_etcd()
             if self.start_servers:
                 self._start_servers(cmd)
         except BaseException:
@@ -526,9 +565,12 @@ class NetnsCluster:
                 )
         fields = dict(host=s.addr, port=s.port, capacity=self.capacity, index=i, smb2_server=binary)
         try:
-            return [a.format(**fields) for a in self._server_cmd_template]
+            argv = [a.format(**fields) for a in self._server_cmd_template]
         except (KeyError, IndexError, ValueError) as e:
             raise ValueError(f"bad server command template {self._server_cmd_template!r}: {e!r}") from None
+        if self.membership_url is not None:
+            argv += ["--membership", self.membership_url]
+        return argv
 
     def _netns_add(self, name: str) -> None:
         if (NETNS_DIR / name).exists():
@@ -546,7 +588,8 @@ class NetnsCluster:
         return f"qdisc replace dev {dev} root tbf rate {rate_bits}bit burst {burst} latency {latency:g}ms"
 
     def _build_network(self) -> None:
-        hosts = [("c", self.client_netns, self.client_addr, self.client_rate_bits)] + [
+        hosts = [(name, netns, addr, None if name.startswith("s") or name == "e" else self.client_rate_bits)
+                 for name, (netns, addr) in self.hosts.items() if not name.startswith("s")] + [
             (f"s{s.index}", s.netns, s.addr, self.rate_bits) for s in self._servers
         ]
         self._log(
@@ -601,22 +644,31 @@ class NetnsCluster:
         return kw
 
     def _start_servers(self, argv0: list[str]) -> None:
-        self._logdir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-logs-"))
+        self._logdir = self._logdir or Path(tempfile.mkdtemp(prefix=f"{self.prefix}-logs-"))
         env = dict(os.environ)
         env.update(self.server_env)
         self._log(f"starting {self.n} server(s): {shlex.join(argv0)}")
         for s in self._servers:
-            argv = self._server_argv(s.index)
-            s.stderr_path = self._logdir / f"s{s.index}.stderr"
-            with open(s.stderr_path, "wb") as err:
-                s.proc = subprocess.Popen(
-                    self.exec_prefix(s.netns) + argv, stdout=subprocess.PIPE, stderr=err, env=env,
-                    **self._spawn_kwargs(),
-                )
-            s.reader = threading.Thread(target=_drain_stdout, args=(s,), name=f"{s.netns}-stdout", daemon=True)
-            s.reader.start()
+            self._spawn_server(s, env)
+        self._wait_ready(self._servers)
+        self._log(f"{self.n} server(s) ready")
+
+    def _spawn_server(self, s: _Server, env: Mapping[str, str]) -> None:
+        assert self._logdir is not None
+        argv = self._server_argv(s.index)
+        s.stderr_path = self._logdir / f"s{s.index}.stderr"
+        s.ready = threading.Event()
+        with open(s.stderr_path, "ab") as err:
+            s.proc = subprocess.Popen(
+                self.exec_prefix(s.netns) + argv, stdout=subprocess.PIPE, stderr=err, env=dict(env),
+                **self._spawn_kwargs(),
+            )
+        s.reader = threading.Thread(target=_drain_stdout, args=(s,), name=f"{s.netns}-stdout", daemon=True)
+        s.reader.start()
+
+    def _wait_ready(self, servers: list[_Server]) -> None:
         deadline = time.monotonic() + self.ready_timeout
-        for s in self._servers:
+        for s in servers:
             while not s.ready.wait(0.05):
                 rc = s.proc.poll() if s.proc else None
                 if rc is not None:
@@ -635,14 +687,90 @@ class NetnsCluster:
                         f"stdout: {b''.join(s.stdout_tail).decode(errors='replace').strip() or '(empty)'}; "
                         f"stderr: {s.stderr_tail()}"
                     )
-        for s in self._servers:
+        for s in servers:
             rc = s.proc.poll() if s.proc else None
             if rc is not None:
                 raise ServerStartError(
                     f"server s{s.index} ({s.endpoint}, netns {s.netns}) exited with code {rc} right after "
                     f"starting; stderr: {s.stderr_tail()}"
                 )
-        self._log(f"{self.n} server(s) ready")
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def signal_server(self, i: int, sig: int) -> None:
+        """Send ``sig`` to server ``i`` (SIGSTOP pauses it, SIGCONT resumes it)."""
+        p = self._servers[i].proc
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
+
+    def kill_server(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Stop server ``i`` with ``sig`` (default SIGKILL) and wait for it to exit."""
+        p = self._servers[i].proc
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
+            if sig not in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+                p.kill()
+            p.wait(10)
+
+    def restart_server(self, i: int) -> None:
+        """Start server ``i`` again with its command (after ``kill_server``), wait until ready."""
+        self._check_up()
+        s = self._servers[i]
+        if s.proc is not None and s.proc.poll() is None:
+            self.kill_server(i, signal.SIGTERM)
+        env = dict(os.environ)
+        env.update(self.server_env)
+        self._spawn_server(s, env)
+        self._wait_ready([s])
+
+    def cut(self, a: str, b: str) -> None:
+        """Drop every packet between hosts ``a`` and ``b`` ("c", "c1", "e", "s0", ...): a blackhole
+        route to the other on each side (a partition; :meth:`heal` ends it)."""
+        if a == b or (min(a, b), max(a, b)) in self._cuts:
+            return
+        (na, aa), (nb, ab) = self.hosts[a], self.hosts[b]
+        _run(["ip", "-n", na, "route", "add", "blackhole", f"{ab}/32"])
+        _run(["ip", "-n", nb, "route", "add", "blackhole", f"{aa}/32"])
+        self._cuts.add((min(a, b), max(a, b)))
+
+    def heal(self) -> None:
+        """End every partition :meth:`cut` made."""
+        for a, b in sorted(self._cuts):
+            (na, aa), (nb, ab) = self.hosts[a], self.hosts[b]
+            _run(["ip", "-n", na, "route", "del", "blackhole", f"{ab}/32"], check=False)
+            _run(["ip", "-n", nb, "route", "del", "blackhole", f"{aa}/32"], check=False)
+        self._cuts.clear()
+
+    # -- the membership service (etcd=True) -------------------------------------------------------
+
+    def _start_etcd(self) -> None:
+        """etcd on host "e"; the first view (every server a member) written before any server starts."""
+        from smb2.local_etcd import LocalEtcd
+        from smb2.membership import NO_VIEW, MembershipError, open_membership
+
+        self._logdir = self._logdir or Path(tempfile.mkdtemp(prefix=f"{self.prefix}-logs-"))
+        netns, addr = self.hosts["e"]
+        etcd = LocalEtcd(addr, data_dir=str(self._logdir), client_port=ETCD_PORTS[0], peer_port=ETCD_PORTS[1])
+        with open(self._logdir / "etcd.log", "ab") as out:
+            self._clients.append(subprocess.Popen(self.exec_prefix(netns) + etcd.command(), stdout=out, stderr=out,
+                                                  **self._spawn_kwargs()))
+        url = self.membership_url
+        assert url is not None
+
+        async def seed() -> None:
+            deadline = time.monotonic() + self.ready_timeout
+            async with open_membership(url) as m:
+                while True:
+                    try:
+                        await m.change(NO_VIEW, members=self.servers)
+                        return
+                    except MembershipError:
+                        if time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(0.1)
+
+        self.run_coroutine(seed)
+        self._log(f"etcd on {addr}:{ETCD_PORTS[0]}: {url}, epoch 1")
 
     def _install_signal_handlers(self) -> None:
         if not self.handle_signals or threading.current_thread() is not threading.main_thread():
@@ -766,15 +894,17 @@ class NetnsCluster:
             raise NetnsError("cluster is not running (use `with NetnsCluster(...) as c:` or c.start())")
 
     def popen_client(
-        self, cmd: Sequence[str], *, env: Mapping[str, str] | None = None, **popen_kwargs: Any
+        self, cmd: Sequence[str], *, env: Mapping[str, str] | None = None, host: str = "c", **popen_kwargs: Any
     ) -> subprocess.Popen:
-        """Start ``cmd`` in the client namespace with ``SMB2_SERVERS`` set (plus ``env``).
+        """Start ``cmd`` in the client namespace (``host``: another client host, "c1", ...) with
+        ``SMB2_SERVERS`` set (plus ``env``).
         The process is terminated at teardown if still running (and, with ``die_with_parent``,
         killed if this thread dies)."""
         self._check_up()
         if self.die_with_parent:
             popen_kwargs.setdefault("preexec_fn", _pdeathsig_kill)
-        p = subprocess.Popen(self.exec_prefix() + list(cmd), env=self._client_env(env), **popen_kwargs)
+        p = subprocess.Popen(self.exec_prefix(self.hosts[host][0]) + list(cmd), env=self._client_env(env),
+                             **popen_kwargs)
         self._clients.append(p)
         return p
 

@@ -26,32 +26,48 @@ from .version import __version__
 
 async def _stat(client: Any, args: argparse.Namespace) -> int:
     stats = await client.stat()
-    if any(info.get("replicas", 1) > 1 for s in stats for info in s.get("buffers", {}).values()):
-        replication = await _replication(client, stats)
-        for s in stats:
-            s["replication"] = replication
+    await _add_replication(client, stats)
     print(json.dumps(stats if len(stats) > 1 else stats[0], indent=2, sort_keys=True))
     return 0
 
 
-async def _replication(client: Any, stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """The membership view and the replicated buffers that are degraded
-    (a stripe with fewer copies on member servers than its replicas)."""
+async def _stat_partial(servers: list[str], args: argparse.Namespace) -> int:
+    """``smb2 stat`` while some server cannot be reached: the others' statistics,
+    and ``{"server": ..., "unreachable": why}`` in the place of each lost one."""
+    async def one(server: str) -> dict[str, Any]:
+        async with await connect([server], transport=args.transport, timeout=args.connect_timeout) as c:
+            stats = await c.stat()
+            await _add_replication(c, stats)
+            return dict(stats[0])
+    answers = await asyncio.gather(*(one(s) for s in servers), return_exceptions=True)
+    print(json.dumps([a if isinstance(a, dict) else
+                      {"server": s, "unreachable": a.message if isinstance(a, Smb2Error) else str(a)}
+                      for s, a in zip(servers, answers)], indent=2, sort_keys=True))
+    return 1
+
+
+async def _add_replication(client: Any, stats: list[dict[str, Any]]) -> None:
+    """Where replicated buffers are, ``replication`` beside each server's
+    statistics: the membership view, and the buffers that are degraded (a
+    stripe with fewer copies on member servers than its replicas)."""
     from .placement import Placement
     from .replication import degraded
 
+    infos = {name: info for s in stats for name, info in s.get("buffers", {}).items()
+             if info.get("replicas", 1) > 1}
+    if not infos:
+        return
     view = await (await client.views()).refresh()
     out: dict[str, Any] = {"epoch": view.epoch, "members": list(view.members), "joining": list(view.joining),
                            "degraded": []}
-    infos = {name: info for s in stats for name, info in s.get("buffers", {}).items()}
     for name, info in sorted(infos.items()):
-        if info.get("replicas", 1) > 1:
-            n = info["nservers"]
-            placement = Placement(n, info["nbytes"], info["stripe"], _core.name_hash(name) % n, info["replicas"],
-                                  info.get("zones"))
-            if degraded(placement, client.servers, view):
-                out["degraded"].append(name)
-    return out
+        n = info["nservers"]
+        placement = Placement(n, info["nbytes"], info["stripe"], _core.name_hash(name) % n, info["replicas"],
+                              info.get("zones"))
+        if degraded(placement, info.get("servers") or client.servers, view):
+            out["degraded"].append(name)
+    for s in stats:
+        s["replication"] = out
 
 
 async def _ls(client: Any, args: argparse.Namespace) -> int:
@@ -145,7 +161,11 @@ async def _ls_partial(servers: list[str], args: argparse.Namespace) -> int:
             if info.get("replicas", 1) > 1:
                 row.update(replicas=info["replicas"], degraded=True, whole=_whole_without(name, info, down))
     _print_rows([seen[n] for n in sorted(seen)], args.json)
-    print(f"HINT: buffers with a part on {', '.join(down)} cannot be read until it is back", file=sys.stderr)
+    if not all(row.get("whole") for row in seen.values()):
+        print(f"HINT: buffers with a part on {', '.join(down)} cannot be read until it is back", file=sys.stderr)
+    else:
+        print(f"HINT: every buffer has a copy of each stripe on the servers left; restart {', '.join(down)} "
+              "(with its --data-dir) so that it rejoins and the buffers are whole again", file=sys.stderr)
     return 1
 
 
@@ -292,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             client = await connect(servers or None, transport=args.transport, timeout=args.connect_timeout)
         except TransportError:
+            if args.cmd == "stat":
+                return await _stat_partial(servers or _servers_from_env(), args)
             if args.cmd != "ls":
                 raise
             return await _ls_partial(servers or _servers_from_env(), args)

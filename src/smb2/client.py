@@ -622,6 +622,11 @@ class Buffer:
             await self._request(t, what, server, parts, seg_off, length, dtype_code, fence)
         await link.call(request, deadline, idempotent=retry, what=f"{what} of buffer {self.name!r}")
 
+    def checked(self, server: int) -> Transport | None:
+        """The connection to ``server`` last found to hold this buffer's
+        segment (:meth:`check_incarnation`), or None."""
+        return self._checked[server]
+
     async def check_incarnation(self, server: int, t: Transport) -> None:
         """Make sure the connection ``t`` reaches a server process that holds
         this buffer's segment under the id it was planned with: the one the
@@ -641,10 +646,14 @@ class Buffer:
                 info = await t.control({"cmd": "lookup", "name": self.name})
             except NoSuchBuffer:
                 raise stale from None
-            if (int(info["segment"]), info["nbytes"], info["stripe"], info["nservers"], info["index"],
-                    info.get("buffer_id"), info.get("restored")) != (
-                        self.segments[server], self.nbytes, self.stripe, self.nservers, server,
-                        self.buffer_id, True):
+            same = (info["nbytes"], info["stripe"], info["nservers"], info["index"], info.get("buffer_id"),
+                    info.get("restored"), info.get("replicas") or 1) == (
+                        self.nbytes, self.stripe, self.nservers, server, self.buffer_id, True, self.replicas)
+            if self.placement is not None and same:
+                # a replicated part comes back by catching up from the other copies, under the segment id
+                # its server gives it now; the server serves it only once it is a member again
+                self.segments[server] = int(info["segment"])
+            elif not same or int(info["segment"]) != self.segments[server]:
                 raise stale
             self._incarnations[server] = sid
         self._checked[server] = t

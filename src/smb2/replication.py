@@ -31,6 +31,7 @@ import asyncio
 import logging
 import os
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -40,7 +41,9 @@ from .errors import (
     InterfaceError,
     NotMember,
     OperationTimeout,
+    Smb2Error,
     StaleEpoch,
+    StaleHandle,
     TransportError,
 )
 from .membership import Membership, View, open_membership
@@ -54,12 +57,23 @@ log = logging.getLogger("smb2.client")
 #: (a crashed server refuses or resets at once; this bounds a stopped or cut
 #: off one).  Above the primaries' own wait for a backup (1 s), so a slow
 #: backup is named by its primary rather than blamed on the primary.
-FAILOVER_AFTER = 2.0
+FAILOVER_AFTER = 1.5
 #: the time an attempt is given on top, per byte it sends (50 MB/s): a large
 #: write on a busy host is not mistaken for a dead server
 SECONDS_PER_BYTE = 1 / 50e6
 #: attempts of one request before the error is raised
 MAX_ATTEMPTS = 6
+#: requests of replicated buffers a client has in flight to one server: an
+#: attempt's wait starts when it is sent, so a large operation's later
+#: pieces do not run out of time queued behind its earlier ones (which would
+#: look like a dead server)
+WINDOW = 4
+#: the view lease, seconds (docs/design.md, "Replication: the client"): a
+#: client uses a view only within this of the start of its last confirmation
+#: with etcd (else it reads the view again, and a client cut off from etcd
+#: stops), and uses a view of a new epoch only this long after it learned it
+#: (so every client still on the old view has stopped using it by then)
+VIEW_LEASE = 1.0
 #: the largest request of a replicated mutation: a TCP frame, with room
 #: for the prefix and a fence
 _PREFIX = struct.Struct("<QQQ")
@@ -80,6 +94,8 @@ class ReplicatedBuffer(Protocol):
 
     async def check_incarnation(self, server: int, t: Transport, /) -> None: ...
 
+    def checked(self, server: int, /) -> Transport | None: ...
+
 
 class Views:
     """The membership view one client routes its replicated buffers by, and
@@ -91,7 +107,12 @@ class Views:
         self.client_id = int.from_bytes(os.urandom(8), "little")
         self._seq = 0
         self.view: View | None = None
+        # time.monotonic() at the start of the last confirmation of the view,
+        # and when ops may use it (VIEW_LEASE after its epoch was learned)
+        self._confirmed_at = 0.0
+        self._usable_at = 0.0
         self._lock = asyncio.Lock()
+        self._windows: dict[str, asyncio.Semaphore] = {}
 
     @classmethod
     def of_servers(cls, infos: Sequence[dict[str, Any]], labels: Sequence[str]) -> Views:
@@ -106,6 +127,13 @@ class Views:
                      "(LocalCluster(..., replicated=True) does), or use replicas=1")
         return cls(open_membership(str(urls.pop())))
 
+    def window(self, server: str) -> asyncio.Semaphore:
+        """The :data:`WINDOW` of requests in flight to ``server``."""
+        w = self._windows.get(server)
+        if w is None:
+            w = self._windows[server] = asyncio.Semaphore(WINDOW)
+        return w
+
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -114,12 +142,28 @@ class Views:
         return _PREFIX.pack(view.epoch & MASK64, self.client_id, seq)
 
     async def current(self) -> View:
-        """The view last seen (read from the service the first time)."""
-        return self.view if self.view is not None else await self.refresh()
+        """The view ops may use now: confirmed with etcd within
+        :data:`VIEW_LEASE` (read again otherwise), and learned at least
+        VIEW_LEASE ago (waited for otherwise)."""
+        while True:
+            now = time.monotonic()
+            if self.view is None or now - self._confirmed_at >= VIEW_LEASE:
+                await self.refresh()
+            elif now < self._usable_at:
+                await asyncio.sleep(self._usable_at - now)
+            else:
+                return self.view
+
+    def confirmed_within_lease(self) -> bool:
+        return time.monotonic() - self._confirmed_at < VIEW_LEASE
 
     async def refresh(self) -> View:
-        """Read the view again (after STALE_EPOCH or NOT_MEMBER)."""
-        return self._adopt(await self.membership.view(), "it is not a member of the current view")
+        """Read the view again (after STALE_EPOCH or NOT_MEMBER; use
+        :meth:`current` for a view ops may use)."""
+        started = time.monotonic()
+        view = await self.membership.view()
+        self._confirmed_at = max(self._confirmed_at, started)
+        return self._adopt(view, "it is not a member of the current view")
 
     async def stop_using(self, server: str, seen: View, why: str) -> View:
         """Remove ``server`` from the view ``seen`` (compare-and-set): the
@@ -134,13 +178,19 @@ class Views:
                 raise TransportError(
                     f"server {server} failed ({why}) and it is the last member of the view",
                     server=server, hint="restart the servers (with their --data-dir) and run again")
+            started = time.monotonic()
             new = await self.membership.change(
                 base, members=members, joining=tuple(m for m in base.joining if m != server))
+            self._confirmed_at = max(self._confirmed_at, started)
             return self._adopt(new, why, removing=server)
 
     def _adopt(self, view: View, why: str, removing: str | None = None) -> View:
         old = self.view
         if old is None or view.epoch >= old.epoch:
+            if old is None or view.epoch > old.epoch:
+                # learned now, written at most now: usable once every client still on the older view
+                # (confirmed before it was written) is past its lease
+                self._usable_at = time.monotonic() + VIEW_LEASE
             self.view = view
             for gone in (old.members if old is not None else ()):
                 if gone not in view.members:
@@ -198,7 +248,7 @@ async def _attempts(buf: ReplicatedBuffer, i: int, within: int, nbytes: int, wha
     view = await views.current()
     patience = FAILOVER_AFTER + nbytes * SECONDS_PER_BYTE
     last: BaseException | None = None
-    for _ in range(MAX_ATTEMPTS):
+    for attempt in range(MAX_ATTEMPTS):
         server = primary(buf, i, view)
         link = buf.links[server]
         seg_off = _layout(buf).offset_on(server, i) + within
@@ -209,23 +259,51 @@ async def _attempts(buf: ReplicatedBuffer, i: int, within: int, nbytes: int, wha
             await buf.check_incarnation(server, t)
             return await send(t, buf.segments[server], seg_off, seen)
         try:
-            return await link.call(request, patience, idempotent=False, what=f"{what} of buffer {buf.name!r}")
+            async with views.window(link.label):
+                return await link.call(request, patience, idempotent=False, what=f"{what} of buffer {buf.name!r}")
         except BackupFailed as exc:
             last = exc
             backup = next((other.label for other in buf.links
                            if other is not link and other.label in exc.message), None)
-            view = await (views.stop_using(backup, seen, f"{exc.message} (as backup)") if backup is not None
-                          else views.refresh())
+            if backup is not None:
+                await views.stop_using(_keeping_a_copy(buf, backup, seen, exc), seen, exc.message)
+            else:
+                await views.refresh()
         except (StaleEpoch, NotMember) as exc:
             last = exc
-            view = await views.refresh()
+            await views.refresh()
+        except StaleHandle as exc:
+            if attempt == 0 or what == "read":
+                raise
+            # an earlier attempt was sent: it may have been applied, so never say "nothing was sent"
+            raise TransportError(
+                f"{what} of buffer {buf.name!r} was sent to server {last and getattr(last, 'server', None)}, which "
+                f"failed ({last}); its retry found no copy to send it to ({exc.message}): it may or may not have "
+                "been applied", server=exc.server, hint=exc.hint) from None
         except TransportError as exc:       # refused, reset, timed out (OperationTimeout)
             last = exc
-            view = await views.stop_using(link.label, seen, exc.message)
+            await views.stop_using(_keeping_a_copy(buf, link.label, seen, exc), seen, exc.message)
+        view = await views.current()
     raise TransportError(f"{what} of buffer {buf.name!r} failed {MAX_ATTEMPTS} times on the primaries of its "
                          f"stripe {i}; the last: {last}", server=getattr(last, "server", None),
                          hint="check that the servers and the membership service (etcd) are up: "
                               "`smb2 stat`, `smb2 ls`")
+
+
+def _keeping_a_copy(buf: ReplicatedBuffer, server: str, view: View, exc: Smb2Error) -> str:
+    """``server``, if taking it out of ``view`` leaves every stripe of the
+    buffer a member copy; else the error is raised (a stripe without a
+    member copy could never be caught up again)."""
+    members = set(view.members) - {server}
+    p = _layout(buf)
+    for i in range(min(p.nstripes, p.nservers)):
+        if not any(buf.links[s].label in members for s in p.replicas_of(i)):
+            raise TransportError(
+                f"buffer {buf.name!r}: server {server} failed ({exc.message}), and it holds the last member copy "
+                f"of bytes {i * p.stripe}-{min((i + 1) * p.stripe, buf.nbytes)}: it stays in the view",
+                server=server, hint="restart the lost servers (with their --data-dir): the buffer goes on once "
+                                    "they are back") from None
+    return server
 
 
 async def _bounded(deadline: float | None, what: str, coro: Any) -> Any:
@@ -253,11 +331,14 @@ async def run(buf: ReplicatedBuffer, what: str, view: memoryview, offset: int, l
     async def one(i: int, at: int, n: int) -> None:
         part = view[(at - offset) // widen:(at - offset + n) // widen]
         within = at - i * _layout(buf).stripe
+        views = await buf.views()
         if what == "read":
-            async def read(t: Transport, seg: int, seg_off: int, seen: View) -> None:
-                await t.read_into([part], seg, seg_off, n)
-            await _attempts(buf, i, within, n, what, read)
-            return
+            while True:
+                before = await views.current()
+                await _read(buf, views, i, within, part, n)
+                # served by a primary of a view still within its lease when it was served: current
+                if views.confirmed_within_lease() or (await views.current()).epoch == before.epoch:
+                    return
         if what == "write":
             op, flags = Op.WRITE, 0
             body: list[memoryview | bytes] = [part]
@@ -266,7 +347,6 @@ async def run(buf: ReplicatedBuffer, what: str, view: memoryview, offset: int, l
                 body.insert(0, _core.pack_u64x2(fence[0] & MASK64, fence[1] & MASK64))
         else:
             op, flags, body = Op.ACCUMULATE, dtype_code << 4, [part]
-        views = await buf.views()
         seq = views.next_seq()
 
         async def mutate(t: Transport, seg: int, seg_off: int, seen: View) -> None:
@@ -275,6 +355,21 @@ async def run(buf: ReplicatedBuffer, what: str, view: memoryview, offset: int, l
 
     await _bounded(deadline, f"{what} of buffer {buf.name!r}",
                    asyncio.gather(*(one(*p) for p in pieces)) if len(pieces) > 1 else one(*pieces[0]))
+
+
+async def _read(buf: ReplicatedBuffer, views: Views, i: int, within: int, part: memoryview, n: int) -> None:
+    server = primary(buf, i, await views.current())
+    t = buf.links[server].open
+    if t is not None and t.name == "shm" and buf.checked(server) is t:
+        # a copy from the mapped segment never waits: no deadline, no window
+        try:
+            return await t.read_into([part], buf.segments[server], _layout(buf).offset_on(server, i) + within, n)
+        except TransportError:
+            pass        # failed over below
+
+    async def read(t: Transport, seg: int, seg_off: int, seen: View) -> None:
+        await t.read_into([part], seg, seg_off, n)
+    await _attempts(buf, i, within, n, "read", read)
 
 
 async def atomic(buf: ReplicatedBuffer, what: str, offset: int, operands: bytes,
