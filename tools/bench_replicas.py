@@ -34,9 +34,9 @@ async def measure(servers: list[str], transport: str, replicas: int, repeat: int
     import smb2
 
     async with await smb2.connect(servers, transport=transport) as client:
-        kw: dict[str, Any] = {"replicas": replicas} if replicas > 1 else {}  # main (the baseline) has no replicas=
         await client.destroy(name)
-        buf = await client.create(name, BIG, **kw)
+        # replicas=1 as main's code calls it (no keyword), so it can be the baseline
+        buf = await (client.create(name, BIG, replicas=replicas) if replicas > 1 else client.create(name, BIG))
         small = np.zeros(64, np.uint8)
         data = np.random.default_rng(0).integers(0, 256, BIG, dtype=np.uint8)
         out = np.empty(BIG, np.uint8)
