@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
 
 import numpy as np
 
