@@ -54,6 +54,7 @@ A test fails if its loop logged an unhandled exception (asyncpg's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
@@ -151,18 +152,34 @@ async def cluster() -> AsyncIterator[smb2.LocalCluster]:
         yield c
 
 
+@contextlib.contextmanager
+def _cluster_on_a_thread(name: str, **options: Any) -> Iterator[tuple[LoopThread, smb2.LocalCluster]]:
+    """A LocalCluster of server processes (``options`` as LocalCluster's)
+    started and closed on a loop thread of its own: for ordinary (not async)
+    tests, such as the torch ones, which may also kill and restart them."""
+    loop = LoopThread(name)
+    cluster = smb2.LocalCluster(processes=True, **options)
+    loop.run(cluster.start())
+    try:
+        yield loop, cluster
+    finally:
+        loop.run(cluster.close())
+        loop.stop()
+
+
+@pytest.fixture(scope="session")
+def threaded_cluster() -> Callable[..., contextlib.AbstractContextManager[tuple[LoopThread, smb2.LocalCluster]]]:
+    """``with threaded_cluster(name, servers=N, ...) as (loop, cluster):``
+    a cluster of this test's own (see _cluster_on_a_thread)."""
+    return _cluster_on_a_thread
+
+
 @pytest.fixture(scope="module")
 def servers() -> Iterator[str]:
     """Two smb2-server processes for a module of ordinary (not async) tests,
     such as the torch ones ("h:p,h:p")."""
-    loop = LoopThread("test-cluster")
-    cluster = smb2.LocalCluster(servers=2, processes=True)
-    loop.run(cluster.start())
-    try:
+    with _cluster_on_a_thread("test-cluster", servers=2) as (_, cluster):
         yield ",".join(cluster.addresses)
-    finally:
-        loop.run(cluster.close())
-        loop.stop()
 
 
 @pytest_asyncio.fixture

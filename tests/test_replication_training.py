@@ -12,8 +12,9 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,15 +62,9 @@ _WORKER = textwrap.dedent('''
 
 
 @pytest.fixture
-def cluster() -> Iterator[tuple[LoopThread, smb2.LocalCluster]]:
-    loop = LoopThread("test-replicated-training")
-    cluster = smb2.LocalCluster(servers=3, processes=True, replicated=True, capacity="128MiB")
-    loop.run(cluster.start())
-    try:
-        yield loop, cluster
-    finally:
-        loop.run(cluster.close())
-        loop.stop()
+def cluster(threaded_cluster: Callable[..., Any]) -> Iterator[tuple[LoopThread, smb2.LocalCluster]]:
+    with threaded_cluster("test-replicated-training", servers=3, replicated=True, capacity="128MiB") as own:
+        yield own
 
 
 @pytest.mark.slow

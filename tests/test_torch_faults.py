@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +28,10 @@ import smb2.torch as st  # noqa: E402
 # ``servers``: two smb2-server processes for the module (tests/conftest.py)
 
 @pytest.fixture
-def own_cluster() -> Iterator[tuple[LoopThread, smb2.LocalCluster]]:
+def own_cluster(threaded_cluster: Callable[..., Any]) -> Iterator[tuple[LoopThread, smb2.LocalCluster]]:
     """Two server processes of this test's own, to kill."""
-    loop = LoopThread("test-own-cluster")
-    cluster = smb2.LocalCluster(servers=2, processes=True)
-    loop.run(cluster.start())
-    try:
-        yield loop, cluster
-    finally:
-        loop.run(cluster.close())
-        loop.stop()
+    with threaded_cluster("test-own-cluster", servers=2) as own:
+        yield own
 
 
 def _model(seed: int) -> torch.nn.Module:

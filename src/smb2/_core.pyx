@@ -1689,7 +1689,7 @@ cdef class TicketState:
 
 
 # --------------------------------------------------------------------------
-# Futexes on shared words (issue 15: the shm lock and notifications).
+# Futexes on shared words: the shm lock's waiters and notification waits sleep on them.
 #
 # A shm client maps the server's memfds MAP_SHARED, so the SHARED futex
 # operations (not FUTEX_*_PRIVATE, whose key is this process's address
@@ -1874,7 +1874,7 @@ def futex_wake(uint8_t[::1] mem, Py_ssize_t offset, int n=0x7FFFFFFF):
     return r
 
 
-# A shm client's ticket records (issue 15): a shm waiter draws its ticket
+# A shm client's ticket records (fair tickets over shm): a shm waiter draws its ticket
 # with its own atomic, so the server cannot tell whose it is.  Each shm
 # connection therefore gets record words in the lock segment (a slot taken
 # off the free list, server/locks.py) and stores there, with one plain
@@ -1911,7 +1911,7 @@ def record_slot(uint64_t record):
 
 
 # --------------------------------------------------------------------------
-# The futex path's atomics on one lock slot, one call each (issue 15).
+# The futex path's atomics on one lock slot, one call each (why: below).
 #
 # Over shm an uncontended acquire + release is six word operations (draw,
 # record, look, look at LOCK_PARKED, release, look again) and a wake; as
