@@ -300,12 +300,15 @@ class Workload:
             await lock.release()
         return buf
 
-    async def run(self) -> None:
+    async def setup(self) -> None:
+        """Make the buffer (and the replicated lock), before any fault."""
         setup = await self.connect()
         try:
             await self.create(setup)
         finally:
             await setup.close()
+
+    async def run(self) -> None:
         await asyncio.gather(*(self.process(p) for p in range(self.processes)))
 
     async def process(self, p: int) -> None:
@@ -600,6 +603,7 @@ async def _run(s: Settings, history: History, connect: Callable[[], Awaitable[sm
                     replicas=s.replicas, op_timeout=s.op_timeout, lock_lease=s.lock_lease)
     nemesis = Nemesis(target, s.nemesis, history, interval=s.interval, fault_time=s.fault_time,
                       first=lock_server(s.servers) if s.aim_lock else None)
+    await work.setup()
     clients = asyncio.ensure_future(work.run())
     faults = asyncio.ensure_future(nemesis.run(work.stop))
     try:
