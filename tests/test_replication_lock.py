@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.server_process_only
 
 
 @pytest.fixture
-async def replicated() -> smb2.LocalCluster:
+async def replicated() -> AsyncIterator[smb2.LocalCluster]:
     async with smb2.LocalCluster(servers=3, processes=True, replicated=True, capacity="64MiB") as cluster:
         yield cluster
 
@@ -57,7 +58,9 @@ async def test_the_holder_keeps_its_lock_across_a_sigkill_of_the_locks_server(
         waiters = []
         for i in range(3):          # queued one after the other (each has drawn its ticket): FIFO is their order
             waiters.append(asyncio.ensure_future(wait(i)))
-            while int((await words.read(8, 8)).view(np.int64)[0]) != first + 2 + i:      # the next ticket
+            for _ in range(3000):           # the lock's next ticket (its second word) moved past it
+                if int((await words.read(8, 8)).view(np.int64)[0]) == first + 2 + i:
+                    break
                 await asyncio.sleep(0.01)
         await replicated.kill(lost)
         t_kill = time.monotonic()
@@ -118,4 +121,18 @@ async def test_a_holder_whose_lease_ran_out_during_the_failover_is_told_it_lost_
         with pytest.raises(smb2.StaleFence):        # where the new holder wrote, the old token is refused
             await data.write(at, np.full(8, 3, np.uint8), fence=old)
         assert bytes(await data.read(at, 8)) == b"\x02" * 8
-        await other.release()
+        # a holder that goes silent (its client closed without releasing) is passed over, even by
+        # waiters whose timeouts are shorter than the lease: their given-up tickets keep watching
+        taken = other.token
+        assert taken is not None
+        await b.close()
+        late = a.replicated_lock("short", lease=0.5)
+        t0 = time.monotonic()
+        for _ in range(40):
+            try:
+                await late.acquire(timeout=0.2)
+                break
+            except smb2.LockTimeout:
+                pass
+        assert late.locked() and (late.token or 0) > taken, time.monotonic() - t0
+        await late.release()

@@ -900,6 +900,32 @@ class LockWords(Protocol):
     async def primary_server(self, offset: int) -> str: ...
 
 
+class _Watch:
+    """A waiter's eye on the holder: ``look`` reads ``now_serving`` and the
+    heartbeat, and passes the holder over once both stayed the same for a
+    whole lease from the first read that showed them."""
+
+    __slots__ = ("lease", "seen", "since", "heartbeat")
+
+    def __init__(self, lease: float) -> None:
+        self.lease = lease
+        self.seen: tuple[int, int] | None = None
+        self.since = 0.0
+        self.heartbeat = 0
+
+    async def look(self, lock: ReplicatedLock, words: LockWords) -> int:
+        got = bytes(await words.read(_R_SERVING, 16))
+        serving, self.heartbeat = _core.unpack_u64(got, 0), _core.unpack_u64(got, 8)
+        now = time.monotonic()
+        if (serving, self.heartbeat) != self.seen:
+            self.seen, self.since = (serving, self.heartbeat), now
+        elif now - self.since >= self.lease:
+            self.seen = None
+            if await lock._pass_over(words, serving, self.heartbeat):
+                return serving + 1
+        return serving
+
+
 class ReplicatedLock:
     """The FIFO ticket lock, kept on ``replicas`` servers:
     ``client.replicated_lock(name, replicas=2)``.  Same use as :class:`Lock` (``acquire``/``release``,
@@ -1010,49 +1036,37 @@ class ReplicatedLock:
     async def _acquire(self) -> None:
         words = await self._open()
         ticket = await self._draw(words)
-        now = time.monotonic
-        seen: tuple[int, int] | None = None     # (serving, heartbeat) unchanged since `since`
-        since = 0.0
+        watch = _Watch(self._lease)
         delay = 1e-3
         try:
             while True:
-                got = bytes(await words.read(_R_SERVING, 16))
-                serving, heartbeat = _core.unpack_u64(got, 0), _core.unpack_u64(got, 8)
+                serving = await watch.look(self, words)
                 if serving == ticket:
                     # what a read shows may not be acknowledged yet (the
                     # primary applies before its backups do): confirm with
                     # a renewal, a replicated CAS, which also restarts the
                     # clock of any waiter watching the heartbeat
-                    self._ticket, self._heartbeat, self._valid_until = ticket, heartbeat, 0.0
+                    self._ticket, self._heartbeat, self._valid_until = ticket, watch.heartbeat, 0.0
                     self._server = await words.primary_server(_R_SERVING)
                     if await self._renew(ticket, granting=True):
                         self._renewer = asyncio.ensure_future(_renew_replicated(weakref.ref(self), ticket))
                         return
                     self._ticket = None
-                    log.info("lock %r: ticket %d was passed over before this waiter saw its turn; "
-                             "drawing a new one", self.name, ticket)
-                    ticket = await self._draw(words)
-                    seen = None
-                    continue
+                    serving = ticket + 1
                 if serving > ticket:
                     # we were passed over (we looked as dead as a crashed
                     # holder to the waiters): take a new place at the end
                     log.info("lock %r: ticket %d was passed over while waiting; drawing a new one",
                              self.name, ticket)
                     ticket = await self._draw(words)
-                    seen = None
-                    continue
-                if (serving, heartbeat) != seen:
-                    seen, since = (serving, heartbeat), now()
-                elif now() - since >= self._lease:
-                    await self._pass_over(words, serving, heartbeat)
-                    seen = None
                     continue
                 delay = min(self._max_delay, max(1e-3, delay * 1.5), 2e-3 * (ticket - serving))
                 await asyncio.sleep(delay)
         except BaseException:
+            if self._ticket == ticket and self._renewer is None:
+                self._ticket = None         # stopped while confirming the grant
             if self._ticket != ticket:
-                _spawn(self._give_up(words, ticket))
+                _spawn(self._give_up(words, ticket, watch))
             raise
 
     async def _draw(self, words: LockWords) -> int:
@@ -1064,28 +1078,34 @@ class ReplicatedLock:
         except asyncio.CancelledError:
             def late(f: asyncio.Future[int]) -> None:
                 if not f.cancelled() and f.exception() is None:
-                    _spawn(self._give_up(words, f.result()))
+                    _spawn(self._give_up(words, f.result(), _Watch(self._lease)))
             fut.add_done_callback(late)
             raise
 
-    async def _pass_over(self, words: LockWords, serving: int, heartbeat: int) -> None:
+    async def _pass_over(self, words: LockWords, serving: int, heartbeat: int) -> bool:
         """The holder of ``serving`` has not renewed for a whole lease: mark
         its heartbeat passed over (a CAS: fails if a renewal landed since),
-        then move the lock on (a CAS: one waiter wins)."""
+        then move the lock on (a CAS: one waiter wins).  True if we moved it."""
         if heartbeat != _tomb(serving):
             if await words.compare_swap(_R_HEARTBEAT, heartbeat, _tomb(serving)) != heartbeat:
-                return          # it renewed after all
-        if await words.compare_swap(_R_SERVING, serving, serving + 1) == serving:
-            log.warning("lock %r: the holder of ticket %d did not renew it for its lease of %g s; "
-                        "passed on to the next waiter", self.name, serving, self._lease)
+                return False        # it renewed after all
+        if await words.compare_swap(_R_SERVING, serving, serving + 1) != serving:
+            return False
+        log.warning("lock %r: the holder of ticket %d did not renew it for its lease of %g s; "
+                    "passed on to the next waiter", self.name, serving, self._lease)
+        return True
 
-    async def _give_up(self, words: LockWords, ticket: int) -> None:
+    async def _give_up(self, words: LockWords, ticket: int, watch: _Watch) -> None:
         """A waiter that stopped waiting: when its turn comes, pass the lock
-        on at once instead of after a lease (if this process lives)."""
+        on at once instead of after a lease; meanwhile it goes on watching
+        for a silent holder, as a waiter does (waiters whose timeouts are
+        shorter than the lease would otherwise never see a whole lease
+        pass).  For as long as this process lives, up to 10 leases."""
         until = time.monotonic() + 10 * self._lease
+        serving = ticket - 1
         while time.monotonic() < until and not self.client.closed:
             try:
-                serving = _core.unpack_u64(bytes(await words.read(_R_SERVING, 8)), 0)
+                serving = await watch.look(self, words)
                 if serving > ticket:
                     return
                 if serving == ticket:
