@@ -44,6 +44,11 @@ ticket is the fencing token.
 ``lock.close()`` (or dropping the object) tells the server this client no
 longer uses the name; a slot nobody uses is freed for other names, so a job
 may use any number of distinct lock names over time.
+
+A lock that must outlive its server is a :class:`ReplicatedLock`
+(``client.replicated_lock(name, replicas=2)``, at the end of this module):
+the same ticket lock, its words in a replicated buffer, every step a
+replicated atomic, and the lease kept by the waiters instead of a server.
 """
 
 from __future__ import annotations
