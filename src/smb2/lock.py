@@ -933,9 +933,9 @@ class _Watch:
 
 class ReplicatedLock:
     """The FIFO ticket lock, kept on ``replicas`` servers:
-    ``client.replicated_lock(name, replicas=2)``.  Same use as :class:`Lock` (``acquire``/``release``,
-    ``async with``, ``token``/``fence`` for fenced writes); it survives the
-    loss of the server it is on.
+    ``client.replicated_lock(name, replicas=2)``.  Same use as :class:`Lock`
+    (``acquire``/``release``, ``async with``, ``token``/``fence`` for fenced
+    writes); it survives the loss of the server it is on.
 
     A holder keeps the lock across a failover as long as it renews it within
     its ``lease`` (default :data:`REPLICATED_LEASE`, longer than a failover);
@@ -1005,6 +1005,7 @@ class ReplicatedLock:
         """Wait for the lock (FIFO).  With ``timeout``, :class:`LockTimeout`
         when it runs out (the ticket is then given up)."""
         self.client.ensure_open()
+        self._check_lease()         # a holder whose lease ran out may take the lock again
         if self._busy or self._ticket is not None:
             raise InterfaceError(f"lock {self.name!r} is already held or being acquired by this "
                                  "ReplicatedLock object (it is not reentrant)")
