@@ -136,3 +136,38 @@ async def test_a_holder_whose_lease_ran_out_during_the_failover_is_told_it_lost_
                 pass
         assert late.locked() and (late.token or 0) > taken, time.monotonic() - t0
         await late.release()
+
+
+@pytest.mark.slow
+async def test_the_locked_rule_of_a_replicated_store_loses_no_update_across_a_kill_of_its_lock_server(
+        replicated: smb2.LocalCluster) -> None:
+    """A store made with replicas=2 takes its locks replicated too: three workers pushing with the
+    "locked" rule (read-modify-write under the store's lock) go on through a SIGKILL of the
+    lock's server, and the weights end exactly at init - lr * (sum of every gradient)."""
+    from smb2.train.store import ParameterStore
+
+    lr = 0.5
+    init = {"w": np.zeros(64, np.float32), "b": np.zeros(8, np.float32)}
+    clients = [await smb2.connect(replicated.addresses, transport="tcp") for _ in range(3)]
+    try:
+        stores = [await ParameterStore.open(c, "st-r", init, rule="locked", lr=lr, workers=3, rank=r, replicas=2)
+                  for r, c in enumerate(clients)]
+        lost = await _primary_index(replicated, clients[0], "buffer:st-r")
+        total = {k: np.zeros_like(v) for k, v in init.items()}
+
+        async def work(r: int) -> None:
+            for step in range(6):
+                if r == 0 and step == 2:
+                    await replicated.kill(lost)
+                g = {k: np.full(v.shape, (r + 1) * 0.25 + step * 0.125, np.float32) for k, v in init.items()}
+                await stores[r].push(g)
+                for k in g:
+                    total[k] += g[k]
+        await asyncio.wait_for(asyncio.gather(*(work(r) for r in range(3))), 60)
+        await stores[1].pull()
+        for k, v in init.items():
+            np.testing.assert_array_equal(stores[1].params[k], v - lr * total[k])
+        assert await stores[2].read_version() == 18
+    finally:
+        for c in clients:
+            await c.close()
