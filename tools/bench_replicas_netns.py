@@ -154,6 +154,7 @@ def _cluster(args: argparse.Namespace, *, rate: str | None, client_rate: str | N
              extra_server_args: tuple[str, ...] = ()) -> netns_cluster.NetnsCluster:
     return netns_cluster.NetnsCluster(
         servers=args.servers, rate=rate, client_rate=client_rate, capacity=capacity, etcd=True, quiet=not args.verbose,
+        latency_ms=args.queue_ms,
         server_cmd=[*netns_cluster.DEFAULT_SERVER_CMD, *extra_server_args], handle_signals=True, ready_timeout=60)
 
 
@@ -355,10 +356,20 @@ async def repair(cluster: netns_cluster.NetnsCluster, main: MainThread, size: in
         buf = await client.create(name, size, stripe=stripe, replicas=2)
         p = buf.placement
         assert p is not None
+        rtt, _ = await _small_latencies(buf, 100)      # before the fill: its fetch_adds change word 0
         t0 = time.monotonic()
-        await buf.write(0, data)
+        retries: list[str] = []
+        for at in range(0, size, 64 * MiB):     # in pieces, so one that fails is written again alone
+            for attempt in range(4):
+                try:
+                    await buf.write(at, data[at:at + 64 * MiB])
+                    break
+                except smb2.Smb2Error as e:     # counted and reported: writing again is harmless here
+                    if attempt == 3:
+                        raise
+                    retries.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+                    log.warning("filling %s: %s", name, retries[-1])
         fill = time.monotonic() - t0
-        rtt, _ = await _small_latencies(buf, 100)
         first = next(i for i in range(p.nstripes) if p.replicas_of(i)[0] == victim)
         for _ in range(kills):
             await main.acall(cluster.kill_server, victim)
@@ -367,7 +378,7 @@ async def repair(cluster: netns_cluster.NetnsCluster, main: MainThread, size: in
             t_restart = time.monotonic()
             await main.acall(cluster.restart_server, victim)
             t_ready = time.monotonic()
-            while await buf.degraded():
+            while await still_degraded(buf, retries):
                 if time.monotonic() - t_ready > 600:
                     raise AssertionError(f"server {victim} was not a member again 600 s after its restart")
                 await asyncio.sleep(0.05)
@@ -389,7 +400,19 @@ async def repair(cluster: netns_cluster.NetnsCluster, main: MainThread, size: in
     return {"size_MiB": size // MiB, "copied_to_rejoiner_MiB": held // MiB, "kills": rows,
             "repair_s_median": round(med, 3), "repair_s_worst": round(max(r["repair_s"] for r in rows), 3),
             "implied_MiB_per_s": round(held / MiB / med, 1), "fill_MBps": round(size / fill / 1e6, 1),
-            "copies_equal_data": not bad, "differing_stripes": bad[:10], "rtt_64B_us": round(rtt, 1)}
+            "copies_equal_data": not bad, "differing_stripes": bad[:10], "rtt_64B_us": round(rtt, 1),
+            "errors_retried": retries}
+
+
+async def still_degraded(buf: Any, errors: list[str]) -> bool:
+    """``buf.degraded()``; True where etcd did not answer in time (noted in ``errors``)."""
+    import smb2
+
+    try:
+        return bool(await buf.degraded())
+    except smb2.MembershipError as e:
+        errors.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,7 +465,9 @@ def table(result: dict[str, Any]) -> str:
                      f"median {rp['repair_s_median']} s, worst {rp['repair_s_worst']} s from its restart "
                      "(process start included) "
                      f"({rp['implied_MiB_per_s']} MiB/s); copies equal the data: {rp['copies_equal_data']}; "
-                     f"64 B rtt {rp['rtt_64B_us']} us")
+                     f"64 B rtt {rp['rtt_64B_us']} us; fill {rp['fill_MBps']} MB/s")
+        if rp["errors_retried"]:
+            lines.append(f"  {len(rp['errors_retried'])} errors retried: {rp['errors_retried'][:3]}")
     return "\n".join(lines)
 
 
@@ -472,6 +497,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repair-link", default="1gbit", help="server links in the repair phase")
     ap.add_argument("--repair-kills", type=int, default=2)
     ap.add_argument("--phases", default="throughput,failover,repair")
+    ap.add_argument("--patience", type=float, default=None,
+                    help="seconds a replicated request waits before its server is taken for dead (sets "
+                         "smb2.replication.FAILOVER_AFTER for this run; default: the library's)")
+    ap.add_argument("--queue-ms", type=float, default=None,
+                    help="each shaped link's queue, in ms of its rate (tbf latency; default: netns_cluster's 5 ms)")
+    ap.add_argument("--shapings", default="server-bound,client-bound")
     ap.add_argument("--quick", action="store_true", help="4 MiB, 1 sample, 2 kills, no repair, one shaping")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -491,7 +522,16 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = MainThread()
     result: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "verbose")},
                               "throughput": {}}
-    shapings = {"server-bound": None} if args.quick else {"server-bound": None, "client-bound": args.client_rate}
+    if args.patience is not None:
+        import smb2.replication
+
+        smb2.replication.FAILOVER_AFTER = args.patience
+    shapings = {k: v for k, v in {"server-bound": None, "client-bound": args.client_rate}.items()
+                if k in args.shapings.split(",") and not (args.quick and k == "client-bound")}
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     capacity = f"{max(64, 4 * size // MiB // args.servers)}MiB"
     t_start = time.monotonic()
     for shaping, client_rate in shapings.items():
@@ -503,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
             if "throughput" in phases:
                 result["throughput"][shaping] = {"links": links, **phase(main_thread, c, throughput, c, size,
                                                                          args.repeat)}
+                save()
             if "failover" in phases and shaping == "server-bound":
                 result["failover"] = {"links": links, **phase(main_thread, c, failover, c, main_thread, args.kills,
                                                               args.settle)}
@@ -512,11 +553,10 @@ def main(argv: list[str] | None = None) -> int:
         with _cluster(args, rate=args.repair_link, client_rate=None, capacity=capacity,
                       extra_server_args=("--repair-rate", args.repair_rate)) as c:
             result["repair"] = {"links": f"server links at {args.repair_link}, client link unlimited",
-                                **phase(main_thread, c, repair, c, repair_size, args.repair_kills)}
+                                **phase(main_thread, c, repair, c, main_thread, repair_size, args.repair_kills)}
     result["seconds"] = round(time.monotonic() - t_start, 1)
+    save()
     print(table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     parts = [*result["throughput"].values(), result.get("failover") or {}, result.get("repair") or {}]
     bad = any(p.get("error") or p.get("violations") or p.get("copies_equal_data") is False for p in parts)
     return 1 if bad else 0
