@@ -526,7 +526,8 @@ async def _paused_primary_answers(cluster, primary: int, seg: int, offset: int, 
         os.kill(cluster.pid(primary), signal.SIGSTOP)
         try:
             raw.rid += 1
-            raw.writer.write(frame(Op.ACCUMULATE, prefix(epoch, int.from_bytes(os.urandom(8), "little"), 1) + np.ones(2, np.float64).tobytes(),
+            client = int.from_bytes(os.urandom(8), "little")
+            raw.writer.write(frame(Op.ACCUMULATE, prefix(epoch, client, 1) + np.ones(2, np.float64).tobytes(),
                                    rid=raw.rid, segment=seg, offset=offset,
                                    flags=FLAG_REPLICATED | (2 << DTYPE_SHIFT)))
             await raw.writer.drain()
