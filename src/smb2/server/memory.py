@@ -204,7 +204,7 @@ class MemoryServer:
             # buffers) are registered now; create() registers later ones
             for seg in self.segments.values():
                 if seg.id not in self.rdma.mrs:
-                    access = self.rdma.lock_access if seg.id == LOCK_SEGMENT else None
+                    access = self.rdma.lock_access if seg.id == LOCK_SEGMENT else self.rdma.access_of(seg)
                     self.rdma.register(seg.id, seg.view, access)
         try:
             self._server = await loop.create_server(
@@ -346,7 +346,7 @@ class MemoryServer:
                 mark(seg.view, LIVE)
             if self.rdma is not None:
                 for seg in segs:
-                    self.rdma.register(seg.id, seg.view)
+                    self.rdma.register(seg.id, seg.view, self.rdma.access_of(seg))
             if isinstance(exc, OSError):
                 raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: {exc}") from exc
             raise
@@ -397,7 +397,8 @@ class MemoryServer:
                           f"buffer {name!r} needs {size} bytes on this server; "
                           f"{self.capacity - self.used} of {self.capacity} are free")
         try:
-            mem, view = alloc(size)
+            # a replicated buffer's copies change only through its primary
+            mem, view = alloc(size, clients_write=replicas == 1)
         except (OSError, MemoryError, OverflowError) as exc:
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"cannot map {size} bytes: {exc}") from None
         seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view,
@@ -405,7 +406,7 @@ class MemoryServer:
                       replicas=replicas, servers=tuple(servers or ()),
                       zones=None if zones is None else tuple(zones))
         if self.rdma is not None:
-            self.rdma.register(seg.id, view)     # once, for the segment's lifetime
+            self.rdma.register(seg.id, view, self.rdma.access_of(seg))     # once, for its lifetime
         self._add(seg)
         log.debug("created buffer %r: segment %d, %d bytes", name, seg.id, size)
         return {**seg.info(), "created": True}
