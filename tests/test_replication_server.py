@@ -609,3 +609,47 @@ async def cluster_change(cluster, members: list[str]) -> View:
         new = await m.change(v, members=members)
         assert new.epoch == v.epoch + 1, (v, new)
         return new
+
+
+async def test_a_client_cannot_forge_a_forward_when_the_servers_share_a_peer_token(etcd):
+    """A client on the primary's own host that says it is the primary (the
+    source address check passes) is not taken as a peer: it cannot prove the
+    servers' peer token, so its forwarded write is refused and a wrong proof
+    closes the connection; the servers' own forwards still land."""
+    peer_token = b"p" * 32
+    c = Cluster(etcd, 3)
+
+    async def start_one(i: int, **kw):
+        return await start_server("127.0.0.1", c.ports[i], membership=c.url, shm="off", rdma="off",
+                                  peer_token=peer_token, **kw)
+    c.start_one = start_one
+    await c.start()
+    try:
+        p, segs = await create(c, "forge")
+        primary, backup = p.replicas_of(0)
+        off = p.offset_on(backup, 0)
+        for proof in (None, b"\0" * 32):
+            host, port = c.addresses[backup].rsplit(":", 1)
+            raw = Raw(*await asyncio.open_connection(host, int(port)))
+            hdr, body = await raw.call_frame(control({"cmd": "hello", "version": VERSION, "transports": ["tcp"],
+                                                      "peer": c.addresses[primary]}))
+            assert hdr[4] == 0 and isinstance(msgpack.unpackb(body).get("peer_nonce"), bytes)
+            if proof is None:
+                st, msg = await raw.op(Op.WRITE, segs[backup], off, prefix(1, 5, 1) + b"f" * 8, FLAG_FORWARDED)
+                assert st == ErrorCode.ACCESS_DENIED, msg
+            else:
+                raw.rid += 1
+                hdr, body = await raw.call_frame(control({"cmd": "peer_auth", "nonce": os.urandom(32),
+                                                          "proof": proof}, raw.rid))
+                assert hdr[4] == ErrorCode.ACCESS_DENIED, msgpack.unpackb(body)
+                assert await raw.reader.read() == b""       # closed
+            raw.close()
+        raw = await Raw.open(c.addresses[primary])
+        st, msg = await raw.op(Op.WRITE, segs[primary], p.offset_on(primary, 0), prefix(1, 3, 1) + b"t" * 8,
+                               FLAG_REPLICATED)
+        raw.close()
+        assert st == 0, msg
+        copies = await replica_bytes(c, p, segs, 0)
+        assert copies[0][:8] == copies[1][:8] == b"t" * 8
+    finally:
+        await c.close()

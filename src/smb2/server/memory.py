@@ -125,6 +125,8 @@ class MemoryServer:
         self.data_dir = DataDir(options.data_dir) if options.data_dir is not None else None
         # the shared secret clients must prove they know (None: no authentication)
         self.token = auth.as_token(options.token)
+        # the servers' own secret: a peer proves it (auth.peer_proof)
+        self.peer_token = auth.as_token(options.peer_token)
         self.auth_failures = 0
         self.max_frame = parse_size(options.max_frame)
         self.max_buffers = options.max_buffers
@@ -590,6 +592,9 @@ class Connection(FrameReceiver):
         # until then only auth.PUBLIC_COMMANDS are answered
         self.authed = False
         self._nonce = b""
+        # the server this connection says it is, until it proves it (peer_auth)
+        self._peer_claim: str | None = None
+        self._peer_nonce = b""
         self._paused = False
         self._uvloop = False
         # the write whose payload is being received in place: (segment, range)
@@ -1203,10 +1208,13 @@ class Connection(FrameReceiver):
         if isinstance(peer, str):
             # a server of the cluster (replication.py checks it against the
             # view); one that names another host than it comes from is not
-            if _comes_from(peer, self.host):
+            if not _comes_from(peer, self.host):
+                srv.warn("peer", "%s says it is server %s: not that server's address, ignored", self.peer, peer)
+            elif srv.peer_token is None:
                 self.peer_server = peer
             else:
-                srv.warn("peer", "%s says it is server %s: not that server's address, ignored", self.peer, peer)
+                # taken as that server once it proves the peer token
+                self._peer_claim, self._peer_nonce = peer, auth.new_nonce()
         repl = srv.replication
         result: dict[str, Any] = {
             "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
@@ -1225,7 +1233,25 @@ class Connection(FrameReceiver):
         elif not self.authed:
             self._nonce = auth.new_nonce()
             result.update(auth=auth.MECH, nonce=self._nonce)
+        if self._peer_claim is not None:
+            result["peer_nonce"] = self._peer_nonce
         return result
+
+    def _cmd_peer_auth(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
+        # behind the authentication gate: a peer authenticates as a client first
+        srv = self.server
+        claim, self._peer_claim = self._peer_claim, None
+        if claim is None or srv.peer_token is None:
+            raise Refused(ErrorCode.BAD_REQUEST, "peer_auth follows a hello that names a server (peer)")
+        nonce = msg.get("nonce")
+        if not (isinstance(nonce, bytes) and len(nonce) == auth.NONCE_SIZE and auth.check(
+                auth.peer_proof(srv.peer_token, self._peer_nonce, nonce, claim), msg.get("proof"))):
+            srv.warn("peer", "%s says it is server %s and cannot prove the peer token", self.peer, claim)
+            self.close_with("peer authentication failed: wrong peer token", hdr, ErrorCode.ACCESS_DENIED,
+                            why="auth_failed")
+            return None
+        self.peer_server = claim
+        return {}
 
     def _with_rdma_keys(self, info: dict[str, Any]) -> dict[str, Any]:
         # a segment's address and key, for clients that read it one-sidedly
@@ -1384,7 +1410,7 @@ class Connection(FrameReceiver):
         "rdma_segment": _cmd_rdma_segment, "rdma_connect": _cmd_rdma_connect, "destroy": _cmd_destroy,
         "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon,
         "shm_grant": _cmd_shm_grant, "lock_close": _cmd_lock_close,
-        "lock_records": _cmd_lock_records, "repl_sync": _cmd_repl_sync}
+        "lock_records": _cmd_lock_records, "repl_sync": _cmd_repl_sync, "peer_auth": _cmd_peer_auth}
 
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT,

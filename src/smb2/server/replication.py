@@ -110,6 +110,7 @@ class Server(Protocol):
     by_name: dict[str, Segment]
     restored: set[int]
     token: bytes | None
+    peer_token: bytes | None
     locks: Any
     bytes_in: int
     repair_rate: int
@@ -297,7 +298,8 @@ class Outbox:
         try:
             if self.link is None or not self.link.is_open:
                 self.segment_ids.clear()
-                self.link = await PeerLink.open(self.address, self.repl.me, self.repl.server.token)
+                self.link = await PeerLink.open(self.address, self.repl.me, self.repl.server.token,
+                                                self.repl.server.peer_token)
             link = self.link
             while self.queue:
                 buffer = self.queue[0][0]
@@ -882,7 +884,7 @@ class Replication:
                           lost[:8], name)
                 return False
             for p in sorted({p for p in primaries.values() if p is not None and p != self.me}):
-                link = await PeerLink.open(p, self.me, self.server.token)
+                link = await PeerLink.open(p, self.me, self.server.token, self.server.peer_token)
                 try:
                     await link.control({"cmd": "repl_sync", "name": name, "epoch": view.epoch})
                 finally:
@@ -913,7 +915,7 @@ class Replication:
         unreachable = []
         for m in others:
             try:
-                link = await PeerLink.open(m, self.me, self.server.token)
+                link = await PeerLink.open(m, self.me, self.server.token, self.server.peer_token)
             except Exception as exc:
                 log.info("member %s is not reachable: %s", m, exc)
                 unreachable.append(m)
