@@ -195,9 +195,10 @@ class Client:
         hello), which replicated buffers are routed by; InterfaceError where
         the servers run without a membership service."""
         if self._views is None:
-            # what each server said at hello (every link connected once, in connect)
-            infos = [link.transport.server_info if link.transport is not None else {} for link in self._links]
-            self._views = replication.Views.of_servers(infos, self.servers)
+            # what each server said at hello (every link that connected once,
+            # in connect: a replicated cluster's down servers did not)
+            said = [(link.transport.server_info, link.label) for link in self._links if link.transport is not None]
+            self._views = replication.Views.of_servers([i for i, _ in said], [label for _, label in said])
         return self._views
 
     async def _each(self, msgs: Iterable[dict[str, Any]], timeout: float | None, *,
@@ -963,8 +964,11 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     their connection lives).  ``timeout`` bounds connecting (and
     reconnecting).
 
-    Raises :class:`TransportError` if a server cannot be reached,
-    :class:`AccessDenied` if one refuses the token."""
+    Raises :class:`TransportError` if a server cannot be reached (where the
+    servers keep a replicated cluster's membership view, only if none can:
+    the unreachable ones are taken out of the view, logged on
+    ``smb2.client``, and their replicated buffers show as degraded until
+    they rejoin), :class:`AccessDenied` if one refuses the token."""
     if isinstance(servers, str):
         servers = [s for s in (p.strip() for p in servers.split(",")) if s]
     if servers is None:
@@ -992,8 +996,28 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     links = [Link(a, transport, timeout, options) for a in addresses]
     client = Client(links, _caller_outside_package(), op_timeout)
     try:
-        await asyncio.gather(*(link.get() for link in links))
+        got = await asyncio.gather(*(link.get() for link in links), return_exceptions=True)
+        down = {k: r for k, r in enumerate(got) if isinstance(r, BaseException)}
+        if down:
+            await _go_on_without(client, down)
     except BaseException:
         await client.close()
         raise
     return client
+
+
+async def _go_on_without(client: Client, down: dict[int, BaseException]) -> None:
+    """``connect`` reached some servers and not those in ``down``: a
+    replicated cluster goes on without them (taken out of the membership
+    view, as a failed operation would: their buffers show as degraded
+    until they rejoin); otherwise the first error is raised."""
+    first = next(iter(down.values()))
+    reached = [link.transport for link in client._links if link.transport is not None]
+    if (not all(isinstance(e, TransportError) for e in down.values()) or not reached
+            or any(t.server_info.get("membership") is None for t in reached)):
+        raise first
+    views = await client.views()
+    view = await views.current()
+    for k, err in down.items():
+        assert isinstance(err, TransportError)
+        view = await views.stop_using(client.servers[k], view, f"unreachable at connect: {err.message}")
