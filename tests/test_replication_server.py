@@ -511,7 +511,7 @@ async def _epoch_known(address: str, epoch: int) -> None:
         st = (await server_stat(address))["replication"]
         if st["epoch"] >= epoch and st["state"] == "member":
             return
-        assert time.monotonic() - t0 < 10, st
+        assert time.monotonic() - t0 < 20, st
         await asyncio.sleep(0.05)
 
 
@@ -580,7 +580,7 @@ async def test_a_paused_old_primary_acknowledges_nothing_after_the_failover() ->
         # the old primary rejoins; then the stripe's backup is lost for good
         t0 = time.monotonic()
         while addrs[prim] not in (v := await _view(cluster)).members:
-            assert time.monotonic() - t0 < 10, v
+            assert time.monotonic() - t0 < 20, v
             await asyncio.sleep(0.1)
         await cluster.kill(backup)
         v = await cluster_change(cluster, [a for k, a in enumerate(addrs) if k != backup])
