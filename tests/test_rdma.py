@@ -105,6 +105,7 @@ async def test_a_replicated_buffer_is_registered_without_remote_write_or_atomics
     try:
         etcd_binary()
     except Exception:
+        # the soft-RoCE VM's image has etcd with RXE_VM_EXTRA_PKGS=etcd-server
         pytest.skip("needs etcd (tools/host_deps.sh installs etcd-server)")
     async with smb2.LocalCluster(servers=2, replicated=True, capacity="64MiB") as cluster:
         client = await cluster.connect(transport="rdma")
