@@ -13,8 +13,9 @@ decided here.  This module is what one server does with them:
   applied it (``BACKUP_FAILED`` naming one that did not within 1 s), and
   only within its lease on the view (SERVER_LEASE: a primary paused or cut
   off past it reads the view before it acknowledges anything);
-* *backup* (``FLAG_FORWARDED``, from the stripe's primary): the same epoch and
-  duplicate checks, apply, answer.  A backup refuses an epoch older than its
+* *backup* (``FLAG_FORWARDED``, from the stripe's primary, on a connection
+  that proved the servers' peer token where they have one): the same epoch
+  and duplicate checks, apply, answer.  A backup refuses an epoch older than its
   own: a primary cut off from the membership service cannot acknowledge
   anything once its backups learned the view that removed it;
 * *rejoin*: a server that is not a member (it restarted, or was removed) makes
