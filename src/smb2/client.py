@@ -23,6 +23,7 @@ buffer from its data directory under the same segment, nothing is sent and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -335,8 +336,6 @@ class Client:
         is handed out if every stripe still has a copy on a member."""
         views = await self.views()
         view = await views.current()
-        for k, err in failed.items():
-            view = await views.stop_using(self.servers[k], view, err.message)
         identity, lost = parts.judge(infos)
         lost = {k: why for k, why in lost.items() if k not in failed}
         whole = next(i for i in infos if i is not None and i.get("buffer_id") == identity)
@@ -344,8 +343,14 @@ class Client:
             raise parts.damaged(name, lost, self.servers, whole["nbytes"], whole["stripe"])
         buf = Buffer(self, name, parts.remains(infos, identity, dict.fromkeys(failed, "unreachable")))
         assert buf.placement is not None
+        # every stripe keeps a member copy without them, or none is removed
+        # (the last member copy of a stripe is never taken out of the view)
+        gone = {self.servers[k] for k in failed}
+        without = dataclasses.replace(view, members=tuple(m for m in view.members if m not in gone))
         for i in range(min(buf.placement.nstripes, buf.placement.nservers)):
-            replication.primary(buf, i, view)       # raises where every copy is lost
+            replication.primary(buf, i, without)       # raises where every copy would be lost
+        for k, err in failed.items():
+            view = await views.stop_using(self.servers[k], view, err.message)
         return buf
 
     async def destroy(self, name: str, *, timeout: float | None = None) -> bool:
@@ -966,9 +971,9 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
 
     Raises :class:`TransportError` if a server cannot be reached (where the
     servers keep a replicated cluster's membership view, only if none can:
-    the unreachable ones are taken out of the view, logged on
-    ``smb2.client``, and their replicated buffers show as degraded until
-    they rejoin), :class:`AccessDenied` if one refuses the token."""
+    the client goes on without the others, logged on ``smb2.client``, and
+    their replicated buffers fail over from them), :class:`AccessDenied`
+    if one refuses the token."""
     if isinstance(servers, str):
         servers = [s for s in (p.strip() for p in servers.split(",")) if s]
     if servers is None:
@@ -1008,16 +1013,18 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
 
 async def _go_on_without(client: Client, down: dict[int, BaseException]) -> None:
     """``connect`` reached some servers and not those in ``down``: a
-    replicated cluster goes on without them (taken out of the membership
-    view, as a failed operation would: their buffers show as degraded
-    until they rejoin); otherwise the first error is raised."""
+    replicated cluster goes on without them (logged; the view is left as it
+    is: an operation or ``attach`` that needs one of them takes it out of
+    the view where every stripe keeps a member copy without it, as after a
+    failure, and the buffer shows as degraded); otherwise the first error
+    is raised."""
     first = next(iter(down.values()))
     reached = [link.transport for link in client._links if link.transport is not None]
     if (not all(isinstance(e, TransportError) for e in down.values()) or not reached
             or any(t.server_info.get("membership") is None for t in reached)):
         raise first
-    views = await client.views()
-    view = await views.current()
+    await client.views()        # the membership service the reached servers name
     for k, err in down.items():
         assert isinstance(err, TransportError)
-        view = await views.stop_using(client.servers[k], view, f"unreachable at connect: {err.message}")
+        log.warning("server %s is unreachable at connect (%s): going on without it (a replicated cluster)",
+                    client.servers[k], err.message)
