@@ -347,8 +347,12 @@ class Client:
         # (the last member copy of a stripe is never taken out of the view)
         gone = {self.servers[k] for k in failed}
         without = dataclasses.replace(view, members=tuple(m for m in view.members if m not in gone))
-        for i in range(min(buf.placement.nstripes, buf.placement.nservers)):
-            replication.primary(buf, i, without)       # raises where every copy would be lost
+        try:
+            for i in range(min(buf.placement.nstripes, buf.placement.nservers)):
+                replication.primary(buf, i, without)       # raises where every copy would be lost
+        except TransportError as exc:
+            raise TransportError(f"{exc.message}, once the servers that do not answer "
+                                 f"({', '.join(sorted(gone))}) are left out", hint=exc.hint) from None
         for k, err in failed.items():
             view = await views.stop_using(self.servers[k], view, err.message)
         return buf
