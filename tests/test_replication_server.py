@@ -502,3 +502,154 @@ async def test_pipelined_large_writes_reach_the_backups_intact() -> None:
                 for s in p.replicas_of(i):
                     copy = parts[s][1][p.offset_on(s, i):p.offset_on(s, i) + mib]
                     assert copy == data[i * mib:(i + 1) * mib].tobytes(), f"stripe {i} on server {s}"
+
+
+async def _epoch_known(address: str, epoch: int) -> None:
+    """Wait until the server at ``address`` holds view ``epoch`` and is a member."""
+    t0 = time.monotonic()
+    while True:
+        st = (await server_stat(address))["replication"]
+        if st["epoch"] >= epoch and st["state"] == "member":
+            return
+        assert time.monotonic() - t0 < 20, st
+        await asyncio.sleep(0.05)
+
+
+async def _paused_primary_answers(cluster, primary: int, seg: int, offset: int, epoch: int,
+                                  during_pause) -> tuple[int, dict | bytes]:
+    """SIGSTOP ``primary`` with a replicated accumulate under ``epoch`` queued
+    on its socket, run ``during_pause()`` (the failover), SIGCONT it past its
+    lease, and return its late answer."""
+    import signal
+    raw = await Raw.open(cluster.addresses[primary])
+    try:
+        os.kill(cluster.pid(primary), signal.SIGSTOP)
+        try:
+            raw.rid += 1
+            client = int.from_bytes(os.urandom(8), "little")
+            raw.writer.write(frame(Op.ACCUMULATE, prefix(epoch, client, 1) + np.ones(2, np.float64).tobytes(),
+                                   rid=raw.rid, segment=seg, offset=offset,
+                                   flags=FLAG_REPLICATED | (2 << DTYPE_SHIFT)))
+            await raw.writer.drain()
+            await during_pause()
+            # the clients' view lease: nobody acts on the new view before this
+            await asyncio.sleep(1.0)
+        finally:
+            os.kill(cluster.pid(primary), signal.SIGCONT)
+        hdr, body = await asyncio.wait_for(reply(raw.reader), 10)
+        return hdr[4], (msgpack.unpackb(body) if hdr[4] else body)
+    finally:
+        raw.close()
+
+
+@pytest.mark.slow
+async def test_a_paused_old_primary_acknowledges_nothing_after_the_failover() -> None:
+    """A primary SIGSTOPped with an op queued, removed from the view while it
+    sleeps, and resumed: its late answer is a refusal, never an ack.  First
+    with its backup alive (the backup, on the new view, refuses the forward),
+    then the case the backups cannot cover: a stripe whose only live copy was
+    the primary (its backup was lost before), where only the server's lease
+    on its view stops the ack.  The acknowledged write of the new primary is
+    kept."""
+    import smb2
+    async with smb2.LocalCluster(servers=3, processes=True, replicated=True, capacity="64MiB") as cluster:
+        addrs = cluster.addresses
+        p, segs = await create(cluster, "paused")
+        prim, backup = p.replicas_of(0)
+        other = next(k for k in range(3) if k not in (prim, backup))
+        await _epoch_known(addrs[prim], 1)
+
+        async def fail_over_to_backup() -> None:
+            # what a client does when the primary stops answering
+            v = await cluster_change(cluster, [a for k, a in enumerate(addrs) if k != prim])
+            # ... and its next write, on the new primary, acknowledged
+            raw = await Raw.open(addrs[backup])
+            st, msg = await raw.op(Op.WRITE, segs[backup], p.offset_on(backup, 0) + 64,
+                                   prefix(v.epoch, 78, 1) + b"N" * 8, FLAG_REPLICATED)
+            raw.close()
+            assert st == 0, msg
+
+        st, msg = await _paused_primary_answers(cluster, prim, segs[prim], p.offset_on(prim, 0), 1,
+                                                fail_over_to_backup)
+        assert st in (ErrorCode.NOT_MEMBER, ErrorCode.STALE_EPOCH), (st, msg)
+        raw = await Raw.open(addrs[backup])
+        kept = await raw.read(segs[backup], p.offset_on(backup, 0), 72)
+        raw.close()
+        assert kept[64:72] == b"N" * 8 and kept[:16] == bytes(16)
+
+        # the old primary rejoins; then the stripe's backup is lost for good
+        t0 = time.monotonic()
+        while addrs[prim] not in (v := await _view(cluster)).members:
+            assert time.monotonic() - t0 < 20, v
+            await asyncio.sleep(0.1)
+        await cluster.kill(backup)
+        v = await cluster_change(cluster, [a for k, a in enumerate(addrs) if k != backup])
+        await _epoch_known(addrs[prim], v.epoch)
+        removed = []
+
+        async def remove_primary() -> None:
+            # a client of another buffer removes the paused server: the stripe
+            # it held alone has no member copy now
+            removed.append(await cluster_change(cluster, [addrs[other]]))
+
+        st, msg = await _paused_primary_answers(cluster, prim, segs[prim], p.offset_on(prim, 0), v.epoch,
+                                                remove_primary)
+        assert st in (ErrorCode.NOT_MEMBER, ErrorCode.STALE_EPOCH), \
+            f"the old primary acknowledged an op after the view that removed it (epoch {removed[0].epoch})"
+
+
+async def _view(cluster) -> View:
+    async with open_membership(cluster.membership_url) as m:
+        return await m.view()
+
+
+async def cluster_change(cluster, members: list[str]) -> View:
+    async with open_membership(cluster.membership_url) as m:
+        v = await m.view()
+        new = await m.change(v, members=members)
+        assert new.epoch == v.epoch + 1, (v, new)
+        return new
+
+
+async def test_a_client_cannot_forge_a_forward_when_the_servers_share_a_peer_token(etcd):
+    """A client on the primary's own host that says it is the primary (the
+    source address check passes) is not taken as a peer: it cannot prove the
+    servers' peer token, so its forwarded write is refused and a wrong proof
+    closes the connection; the servers' own forwards still land."""
+    peer_token = b"p" * 32
+    c = Cluster(etcd, 3)
+
+    async def start_one(i: int, **kw):
+        return await start_server("127.0.0.1", c.ports[i], membership=c.url, shm="off", rdma="off",
+                                  peer_token=peer_token, **kw)
+    c.start_one = start_one
+    await c.start()
+    try:
+        p, segs = await create(c, "forge")
+        primary, backup = p.replicas_of(0)
+        off = p.offset_on(backup, 0)
+        for proof in (None, b"\0" * 32):
+            host, port = c.addresses[backup].rsplit(":", 1)
+            raw = Raw(*await asyncio.open_connection(host, int(port)))
+            hdr, body = await raw.call_frame(control({"cmd": "hello", "version": VERSION, "transports": ["tcp"],
+                                                      "peer": c.addresses[primary]}))
+            assert hdr[4] == 0 and isinstance(msgpack.unpackb(body).get("peer_nonce"), bytes)
+            if proof is None:
+                st, msg = await raw.op(Op.WRITE, segs[backup], off, prefix(1, 5, 1) + b"f" * 8, FLAG_FORWARDED)
+                assert st == ErrorCode.ACCESS_DENIED, msg
+            else:
+                raw.rid += 1
+                hdr, body = await raw.call_frame(control({"cmd": "peer_auth", "nonce": os.urandom(32),
+                                                          "proof": proof}, raw.rid))
+                assert hdr[4] == ErrorCode.ACCESS_DENIED, msgpack.unpackb(body)
+                assert await raw.reader.read() == b""       # closed
+            raw.close()
+        raw = await Raw.open(c.addresses[primary])
+        st, msg = await raw.op(Op.WRITE, segs[primary], p.offset_on(primary, 0), prefix(1, 3, 1) + b"t" * 8,
+                               FLAG_REPLICATED)
+        raw.close()
+        assert st == 0, msg
+        copies = await replica_bytes(c, p, segs, 0)
+        assert copies[0][:8] == copies[1][:8] == b"t" * 8
+    finally:
+        await c.close()

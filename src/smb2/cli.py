@@ -317,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.cmd != "ls":
                 raise
             return await _ls_partial(servers or _servers_from_env(), args)
+        if args.cmd in ("stat", "ls") and "-" in client.transports:
+            # a replicated cluster's client went on without a server: say
+            # server by server what is there and what is not
+            await client.close()
+            partial = _stat_partial if args.cmd == "stat" else _ls_partial
+            return await partial(servers or _servers_from_env(), args)
         async with client:
             return await run(client, args)
     try:

@@ -288,6 +288,9 @@ class ServerCollector:
                                   "to servers catching up (paced by --repair-rate)", value=st["copied_bytes"])
         yield CounterMetricFamily("smb2_replication_diverged", "atomics whose old value on a backup differed "
                                   "from this primary's (the copies differ: should stay 0)", value=st["diverged"])
+        yield CounterMetricFamily("smb2_replication_lease_waits", "answers this primary held back for a read of "
+                                  "the view (its lease on it had run out: paused, loaded, or cut off from etcd)",
+                                  value=st["lease_waits"])
 
     def locks(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

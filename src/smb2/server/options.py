@@ -46,6 +46,10 @@ class ServerOptions:
     # the shared secret clients must prove they know (None: no authentication);
     # smb2-server reads it from --auth-token-file or the environment instead
     token: str | bytes | None = _option(None, "", flag=False)
+    # the replicated cluster's servers' own secret, which a server proves to
+    # be taken as a peer (auth.peer_proof; None: the source address is all);
+    # smb2-server reads it from --peer-token-file or the environment
+    peer_token: str | bytes | None = _option(None, "", flag=False)
     data_dir: str | os.PathLike[str] | None = _option(
         None, "save the segments to DIR on SIGTERM/SIGINT and restore them at start", metavar="DIR")
     write_timeout: float = _option(

@@ -10,9 +10,12 @@ decided here.  This module is what one server does with them:
   apply it once per (client id, sequence) -- a retry returns the stored
   result -- and forward it, in arrival order, over one link per backup
   (:class:`Outbox`), then answer once every member and joining backup
-  applied it (``BACKUP_FAILED`` naming one that did not within 1 s);
-* *backup* (``FLAG_FORWARDED``, from the stripe's primary): the same epoch and
-  duplicate checks, apply, answer.  A backup refuses an epoch older than its
+  applied it (``BACKUP_FAILED`` naming one that did not within 1 s), and
+  only within its lease on the view (SERVER_LEASE: a primary paused or cut
+  off past it reads the view before it acknowledges anything);
+* *backup* (``FLAG_FORWARDED``, from the stripe's primary, on a connection
+  that proved the servers' peer token where they have one): the same epoch
+  and duplicate checks, apply, answer.  A backup refuses an epoch older than its
   own: a primary cut off from the membership service cannot acknowledge
   anything once its backups learned the view that removed it;
 * *rejoin*: a server that is not a member (it restarted, or was removed) makes
@@ -64,6 +67,14 @@ FORWARD_TIMEOUT: Final = 1.0
 # how often the view is read from the membership service in the background
 # (a request that carries a newer epoch reads it at once)
 REFRESH_EVERY: Final = 0.5
+# the server's lease on its view (docs/design.md, "Why no acknowledged update
+# is lost"): a primary acknowledges an op only within this of the start of
+# its last read of the view from the membership service that returned the
+# epoch it holds, on the monotonic clock; past it, it reads the view first.
+# Below the clients' view lease (smb2.replication.VIEW_LEASE, 1 s) by the
+# clock-rate margin stated there, and above REFRESH_EVERY, so the background
+# read keeps it fresh and an acknowledgement waits for no read of its own.
+SERVER_LEASE: Final = 0.8
 # results kept for duplicate detection: the last this many (client, seq)
 # pairs, about DEDUP_ENTRY_BYTES each (see Dedup)
 DEDUP_ENTRIES: Final = 65536
@@ -100,6 +111,7 @@ class Server(Protocol):
     by_name: dict[str, Segment]
     restored: set[int]
     token: bytes | None
+    peer_token: bytes | None
     locks: Any
     bytes_in: int
     repair_rate: int
@@ -287,7 +299,8 @@ class Outbox:
         try:
             if self.link is None or not self.link.is_open:
                 self.segment_ids.clear()
-                self.link = await PeerLink.open(self.address, self.repl.me, self.repl.server.token)
+                self.link = await PeerLink.open(self.address, self.repl.me, self.repl.server.token,
+                                                self.repl.server.peer_token)
             link = self.link
             while self.queue:
                 buffer = self.queue[0][0]
@@ -391,7 +404,7 @@ class Pending:
             # view read now (repairing a backup that missed the op)
             self.repl.spawn(self.repl.settle(self.where, self.entry, self.failed))
         else:
-            self.repl.answer(self.entry)
+            self.repl.acknowledge(self.where, self.entry)
 
 
 class Replication:
@@ -405,6 +418,12 @@ class Replication:
         self.me = me
         self.membership: Membership | None = None
         self.view = View(epoch=0, members=())
+        # time.monotonic() at the start of the last read (or compare-and-set)
+        # of the view in the membership service that returned self.view's
+        # epoch: the start of the server's lease (SERVER_LEASE)
+        self.confirmed_at = -SERVER_LEASE
+        # acknowledgements held back for a read of the view (the lease had run out)
+        self.lease_waits = 0
         # random per process: the client id of the stripe copies this server sends
         self.copy_id = int.from_bytes(os.urandom(8), "little")
         self._copy_seq = 0
@@ -478,8 +497,9 @@ class Replication:
             self._refreshing = asyncio.get_running_loop().create_future()
             try:
                 assert self.membership is not None
+                started = time.monotonic()
                 view = await self.membership.view()
-                self.install(view)
+                self.install(view, started)
                 self._refreshing.set_result(self.view)
             except BaseException as exc:
                 self._refreshing.set_exception(exc)
@@ -490,16 +510,28 @@ class Replication:
             return self.view
         return await asyncio.shield(self._refreshing)
 
-    def install(self, view: View) -> None:
+    def install(self, view: View, started: float) -> None:
+        """Take ``view``, read from the membership service by a request that
+        started at ``started`` (monotonic), if it is newer; a read that
+        returns the epoch held renews the lease."""
         if view.epoch > self.view.epoch:
             log.info("view epoch %d: members %s, joining %s", view.epoch, ",".join(view.members),
                      ",".join(view.joining) or "none")
             self.view = view
+        if view.epoch == self.view.epoch:
+            # the view was current at some moment after ``started``: no newer
+            # one was written before then
+            self.confirmed_at = max(self.confirmed_at, started)
+
+    def leased(self) -> bool:
+        """Whether this server's view was confirmed within SERVER_LEASE."""
+        return time.monotonic() - self.confirmed_at < SERVER_LEASE
 
     async def change(self, expected: View, members: Sequence[str], joining: Sequence[str]) -> View:
         assert self.membership is not None
+        started = time.monotonic()
         view = await self.membership.change(expected, members=tuple(members), joining=tuple(joining))
-        self.install(view)
+        self.install(view, started)
         return view
 
     def live(self, view: View | None = None) -> set[str]:
@@ -618,11 +650,11 @@ class Replication:
         if forwarded:
             conn.reply(hdr, result)
             return
+        entry.waiters = [(conn, hdr)]
         backups = self.backups_of(seg, replicas, self.me)
         if not backups:
-            conn.reply(hdr, result)
+            self.acknowledge(where, entry)
             return
-        entry.waiters = [(conn, hdr)]
         pending = Pending(self, where, entry, backups)
         fwd_flags = (flags & ~FLAG_REPLICATED) | FLAG_FORWARDED
         head = prefix(view.epoch, client, seq) + fence
@@ -646,6 +678,17 @@ class Replication:
         else:
             conn.reply(hdr, entry.result)
 
+    def acknowledge(self, where: Stripe, entry: Entry) -> None:
+        """Answer a primary's op that every backup holds: at once within the
+        lease; else once a read of the view confirmed this server is still
+        the stripe's primary (settle), so that a primary paused or cut off
+        past its lease acknowledges nothing under a view already replaced."""
+        if self.leased():
+            self.answer(entry)
+        else:
+            self.lease_waits += 1
+            self.spawn(self.settle(where, entry, {}))
+
     def answer(self, entry: Entry, code: ErrorCode | None = None, message: str = "",
                **extra: Any) -> None:
         waiters, entry.waiters = entry.waiters or [], None
@@ -660,7 +703,8 @@ class Replication:
         forwards carried: a failed member backup is reported
         (BACKUP_FAILED: the client removes it from the view and retries);
         otherwise read the view, copy the stripe to every live backup that
-        does not hold the op yet, then answer."""
+        does not hold the op yet, then answer, within the lease of that read
+        (else read it again)."""
         try:
             members = set(self.view.members)
             dead = [b for b in failed if b in members]
@@ -672,25 +716,30 @@ class Replication:
                 self.answer(entry, ErrorCode.BACKUP_FAILED, f"backup {dead[0]} of buffer {where.seg.name!r} "
                             f"failed ({failed[dead[0]]})", backup=dead[0])
                 return
-            await self.refresh()
-            if self.me not in self.view.members:
-                self.answer(entry, ErrorCode.NOT_MEMBER, f"server {self.me} was removed from the view "
-                            f"(epoch {self.view.epoch})", epoch=self.view.epoch)
-                return
-            replicas = where.placement.replicas_of(where.index)
-            if self.primary_of(where.seg, replicas) != self.me:
-                self.answer(entry, ErrorCode.STALE_EPOCH, f"server {self.me} is no longer the primary of "
-                            f"the stripe (epoch {self.view.epoch})", epoch=self.view.epoch)
-                return
-            missing = [b for b in self.backups_of(where.seg, replicas, self.me) if b not in entry.acked]
-            failed = await self.push_stripes(where.seg, [where.index], missing, pace=False) if missing else {}
-            dead = [b for b in failed if b in self.view.members]
-            if dead:
-                self.answer(entry, ErrorCode.BACKUP_FAILED, f"backup {dead[0]} of buffer {where.seg.name!r} "
-                            f"failed ({failed[dead[0]]})", backup=dead[0])
-                return
-            entry.acked = entry.acked | frozenset(b for b in missing if b not in failed)
-            self.answer(entry)
+            while True:
+                await self.refresh()
+                if self.me not in self.view.members:
+                    self.answer(entry, ErrorCode.NOT_MEMBER, f"server {self.me} was removed from the view "
+                                f"(epoch {self.view.epoch})", epoch=self.view.epoch)
+                    return
+                replicas = where.placement.replicas_of(where.index)
+                if self.primary_of(where.seg, replicas) != self.me:
+                    self.answer(entry, ErrorCode.STALE_EPOCH, f"server {self.me} is no longer the primary of "
+                                f"the stripe (epoch {self.view.epoch})", epoch=self.view.epoch)
+                    return
+                missing = [b for b in self.backups_of(where.seg, replicas, self.me) if b not in entry.acked]
+                failed = await self.push_stripes(where.seg, [where.index], missing, pace=False) if missing else {}
+                dead = [b for b in failed if b in self.view.members]
+                if dead:
+                    self.answer(entry, ErrorCode.BACKUP_FAILED, f"backup {dead[0]} of buffer "
+                                f"{where.seg.name!r} failed ({failed[dead[0]]})", backup=dead[0])
+                    return
+                entry.acked = entry.acked | frozenset(b for b in missing if b not in failed)
+                if self.leased():
+                    # still within the lease of the read above (the copies
+                    # may have taken longer: then read the view again)
+                    self.answer(entry)
+                    return
         except Exception as exc:
             self.answer(entry, ErrorCode.NOT_MEMBER, f"server {self.me} cannot confirm the op under the "
                         f"current view: {exc}", epoch=self.view.epoch)
@@ -840,7 +889,7 @@ class Replication:
                           lost[:8], name)
                 return False
             for p in sorted({p for p in primaries.values() if p is not None and p != self.me}):
-                link = await PeerLink.open(p, self.me, self.server.token)
+                link = await PeerLink.open(p, self.me, self.server.token, self.server.peer_token)
                 try:
                     await link.control({"cmd": "repl_sync", "name": name, "epoch": view.epoch})
                 finally:
@@ -871,7 +920,7 @@ class Replication:
         unreachable = []
         for m in others:
             try:
-                link = await PeerLink.open(m, self.me, self.server.token)
+                link = await PeerLink.open(m, self.me, self.server.token, self.server.peer_token)
             except Exception as exc:
                 log.info("member %s is not reachable: %s", m, exc)
                 unreachable.append(m)
@@ -921,5 +970,6 @@ class Replication:
                 "degraded": sorted(s.name for s in self.server.by_name.values()
                                    if s.replicas > 1 and self.degraded(s)),
                 "copied_bytes": self.copied_bytes, "diverged": self.diverged,
-                "dedup_entries": len(self.dedup.entries), "joins": self.joins}
+                "dedup_entries": len(self.dedup.entries), "joins": self.joins,
+                "lease_age": round(time.monotonic() - self.confirmed_at, 3), "lease_waits": self.lease_waits}
 
