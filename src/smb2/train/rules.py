@@ -18,9 +18,11 @@
   changes, not gradients (see :class:`smb2.torch.AsyncOptimizer`).
 * ``"diloco"`` (DiLoCo, Douillard et al. 2023, made asynchronous): the worker
   trains its own copy for ``local_steps`` inner steps, then pushes its
-  pseudo-gradient ``D = w_start - w_local``; each pseudo-gradient gets its own
-  outer Nesterov step on the shared weights, whose momentum lives beside the
-  store (``<store>/outer``), by server-side accumulates; the worker starts its
+  pseudo-gradient ``D = w_start - w_local``; an outer Nesterov step on the
+  shared weights with delayed momentum (Liu et al. 2024): each
+  pseudo-gradient's plain part at once, the momentum step once per W of
+  them, the momentum and the pseudo-gradients waiting for it beside the store
+  (``<store>/outer``), all by server-side accumulates; the worker starts its
   next round from the fresh shared weights.
 
 ``wire`` (an attribute of every rule, default None) names the type a pushed
@@ -56,6 +58,8 @@ class BoundStore(Protocol):
     workers: int
     dropping: LayerDropping | None
     stats: dict[str, int]
+    #: the updates applied in all, as of this worker's last push or pull
+    version: int
 
     name: str
 
