@@ -82,7 +82,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
                 want = data[i * stripe:(i + 1) * stripe]
                 for s in p.replicas_of(i):
                     host, port = cluster.addresses[s].rsplit(":", 1)
-                    got = await _read(host, int(port), parts[s], p.offset_on(s, i), len(want))
+                    got = await read_copy(host, int(port), parts[s], p.offset_on(s, i), len(want))
                     if got != want.tobytes():
                         ok = False
                         bad.append((i, s, len(got), int(np.count_nonzero(np.frombuffer(got, np.uint8) != want))
@@ -95,7 +95,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
             "differing (stripe, server, bytes read, bytes wrong)": bad[:10]}
 
 
-async def _read(host: str, port: int, segment: int, offset: int, n: int) -> bytes:
+async def read_copy(host: str, port: int, segment: int, offset: int, n: int) -> bytes:
     """One raw READ (the client reads primaries only; this reads a given copy)."""
     from smb2.protocol import VERSION, Op, pack, unpack
     reader, writer = await asyncio.open_connection(host, port)

@@ -70,6 +70,11 @@ hides inside backward): 1 - the time of as many steps under ``no_sync()``
     python tools/bench_tta.py [--quick] [--scenarios homogeneous,straggler,comm-bound,overloaded]
         [--systems ddp,default,diloco,easgd] [--runs 3] [--default-runs 10] [--hogs W]
         [--budget 60] [--stop budget|target] [--json out.json] [--png out.png]
+        [--replicas 2 [--kill-at 0.5]]
+
+``--replicas 2`` keeps the stores on two servers each (a private etcd on a host of its own);
+``--kill-at F`` SIGKILLs the first server at that fraction of the budget of rank 0's training
+clock: the same run with and without it is what a lost server costs the training.
 
 Needs root, ``ip netns`` and ``tc`` (see netns_cluster.py); otherwise it says
 why and exits 2.
@@ -85,6 +90,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -212,11 +218,14 @@ def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[s
         aopt = smb2.torch.AsyncOptimizer(
             torch.optim.SGD(model.parameters(), lr=lr), model, name=f"tta-{tag}", rank=a.rank,
             world_size=a.world, resume=False, servers=a.servers,
-            dropping=LayerDropping(ratio) if ratio else None, **options)
+            dropping=LayerDropping(ratio) if ratio else None,
+            **({"replicas": a.replicas} if a.replicas > 1 else {}), **options)
         opt = aopt
     bytes0 = link_bytes()
     cpu0 = schedstat(os.getpid())
     curve: list[tuple[float, int, float]] = [(0.0, 0, accuracy(net))]
+    if a.rank == 0:     # the driver times a --kill-at from here: rank 0's clock starts now
+        Path(f"{a.stop_file}.{tag}.started").touch()
     t0 = time.perf_counter()
     evaluating = 0.0
     steps = 0
@@ -337,7 +346,7 @@ def start_servers(cluster: netns_cluster.NetnsCluster, hosts: list[int], capacit
         # --shm off, as netns_cluster's own servers: the namespaces share this kernel and file
         # system, so a worker would map a server's memory and its pulls would bypass the links
         argv = [binary, "--host", cluster.server_addrs[i], "--port", str(SERVER_PORT), "--capacity", capacity,
-                "--shm", "off"]
+                "--shm", "off"] + (["--membership", cluster.membership_url] if cluster.membership_url else [])
         procs.append(subprocess.Popen(cluster.exec_prefix(cluster.server_netns[i]) + argv, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, start_new_session=True))
     for i, p in zip(hosts, procs):
@@ -351,8 +360,10 @@ def start_servers(cluster: netns_cluster.NetnsCluster, hosts: list[int], capacit
 
 def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], systems: list[str], scenario: str,
                  servers: list[str], server_procs: dict[str, subprocess.Popen], workers: list[int], budget: float,
-                 run: int = 0) -> list[dict[str, Any]]:
-    """One worker process on each worker host trains every system in turn; a row per system."""
+                 run: int = 0, replicas: int = 1, kill_at: float | None = None) -> list[dict[str, Any]]:
+    """One worker process on each worker host trains every system in turn; a row per system.
+    ``kill_at``: SIGKILL the first server at that fraction of the budget of the first system's
+    training clock (rank 0's)."""
     tag = f"{scenario}-r{run}"
     stop_file = Path(tempfile.gettempdir()) / f"bench-tta-{os.getpid()}-{tag}.stop"
     common = ["--sizes", json.dumps(cfg["sizes"]), "--batch", str(cfg["batch"]), "--lr", str(cfg["lr"]),
@@ -360,7 +371,7 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
               str(cfg["eval_n"]), "--final-n", str(cfg["final_n"]), "--stop", cfg["stop"],
               "--budget", str(budget), "--systems", ",".join(systems), "--tag", tag,
               "--servers", ",".join(servers), "--master", cluster.server_addrs[workers[0]],
-              "--world", str(len(workers)), "--stop-file", str(stop_file)]
+              "--world", str(len(workers)), "--stop-file", str(stop_file), "--replicas", str(replicas)]
     if scenario in ("straggler", "overloaded"):
         common.append("--straggler")
     env = {**os.environ, **ONE_THREAD}
@@ -373,12 +384,19 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
              for r, h in enumerate(workers)]
     before = {name: schedstat(p.pid) for name, p in server_procs.items()}
     t0 = time.monotonic()
+    killed: dict[str, Any] = {}
+    if kill_at is not None:
+        threading.Thread(target=kill_server_at, daemon=True, args=(
+            Path(f"{stop_file}.{tag}-0.started"), kill_at * budget, server_procs, killed, procs)).start()
     outs = []
     try:
         for r, p in enumerate(procs):
             out, err = p.communicate(timeout=len(systems) * (budget + 300))
             if p.returncode:
-                raise RuntimeError(f"worker rank {r} failed (exit {p.returncode}):\n{err[-3000:]}")
+                # the other ranks that failed too say why (one of them may be the cause of this one)
+                others = "".join(f"\nworker rank {k} failed too (exit {q.returncode}):\n{q.communicate()[1][-1500:]}"
+                                 for k, q in enumerate(procs) if k != r and q.poll())
+                raise RuntimeError(f"worker rank {r} failed (exit {p.returncode}):\n{err[-3000:]}{others}")
             outs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
     finally:
         for p in procs:
@@ -389,11 +407,29 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
             hog.wait()
         for n in range(len(systems)):
             Path(f"{stop_file}.{tag}-{n}").unlink(missing_ok=True)
+            Path(f"{stop_file}.{tag}-{n}.started").unlink(missing_ok=True)
     rows = [summarize([o[n] for o in outs], system, scenario, cfg) for n, system in enumerate(systems)]
     for row in rows:
         row["run"] = run
     rows[0]["servers_time"] = where_time_went(server_procs, before, time.monotonic() - t0)
+    rows[0]["replicas"] = replicas
+    if kill_at is not None:
+        rows[0]["killed"] = killed
     return rows
+
+
+def kill_server_at(started: Path, after: float, server_procs: dict[str, subprocess.Popen], killed: dict[str, Any],
+                   workers: list[subprocess.Popen]) -> None:
+    """SIGKILL the first server ``after`` seconds into rank 0's training clock (``started`` appears
+    when it starts); notes which server and when in ``killed``."""
+    while not started.exists():
+        if all(p.poll() is not None for p in workers):
+            return
+        time.sleep(0.05)
+    time.sleep(after)
+    name, proc = next(iter(server_procs.items()))
+    proc.kill()
+    killed.update(server=name, at_s=after)
 
 
 def available(system: str) -> bool:
@@ -457,9 +493,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             plan += [(i, ["default"]) for i in range(a.runs, a.default_runs)]
         # hosts 0..S-1 are memory servers, S..S+W-1 workers: every one behind its own limited link
         with netns_cluster.NetnsCluster(servers=nserv + nwork, rate=rate, start_servers=False,
-                                        quiet=True) as cluster:
-            procs = start_servers(cluster, list(range(nserv)), a.capacity)
+                                        quiet=True, etcd=a.replicas > 1) as cluster:
             servers = [f"{cluster.server_addrs[i]}:{SERVER_PORT}" for i in range(nserv)]
+            if cluster.membership_url:      # the view names the server hosts only, not the workers'
+                cluster.run_coroutine(only_members, cluster.membership_url, servers)
+            procs = start_servers(cluster, list(range(nserv)), a.capacity)
             workers = list(range(nserv, nserv + nwork))
             try:
                 for i, systems in plan:
@@ -471,7 +509,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                           f"{rtt:.0f} µs): {', '.join(systems)} ...", file=sys.stderr, flush=True)
                     for row in run_scenario(cluster, cfg, systems, scenario, servers,
                                             {f"server {addr}": p for addr, p in zip(servers, procs)}, workers,
-                                            a.budget, run=i):
+                                            a.budget, run=i, replicas=a.replicas, kill_at=a.kill_at):
                         row["rate"] = rate
                         row["rtt_us"] = rtt
                         result["rows"].append(row)
@@ -482,6 +520,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 for p in procs:
                     p.wait(10)
     return result
+
+
+async def only_members(url: str, members: list[str]) -> None:
+    """Make ``members`` the membership view (netns_cluster writes every host of the cluster)."""
+    from smb2.membership import open_membership
+
+    async with open_membership(url) as m:
+        await m.change(await m.view(), members=members, joining=[])
 
 
 def add_ratios(result: dict[str, Any]) -> None:
@@ -679,6 +725,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="end a run at the target or train the whole budget (default: budget, so final "
                          "accuracies compare at equal time; --quick: target)")
     ap.add_argument("--capacity", default="1GiB", help="each server's --capacity")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="the stores' replicas (2: the servers get a private etcd on a host of its own)")
+    ap.add_argument("--kill-at", type=float, default=None, metavar="FRACTION",
+                    help="SIGKILL the first server at this fraction of the budget of rank 0's training clock "
+                         "(e.g. 0.5; once per run, in its first system)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
     return ap
@@ -691,6 +742,7 @@ def _worker_parser() -> argparse.ArgumentParser:
                        ("tag", str), ("servers", str), ("master", str), ("stop-file", str)):
         ap.add_argument(f"--{name}", type=kind, required=True)
     ap.add_argument("--final-n", type=int, required=True)
+    ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--stop", choices=("target", "budget"), required=True)
     ap.add_argument("--straggler", action="store_true")
     return ap

@@ -8,7 +8,9 @@ Concurrent client processes (each its own :class:`smb2.Client`) issue, against o
 * ``fetch_add``: add 1 to one word, whose old values must all differ;
 * ``read``: read a counter;
 * ``lock_rmw``: take the lock, read a ``[value, token]`` record, write ``[value + 1, token]`` back
-  with a *fenced* write, release.
+  with a *fenced* write, release.  With ``--replicas`` above 1 the lock is a replicated one
+  (``client.replicated_lock``), kept on that many servers, and ``--aim-lock`` makes the nemesis's
+  first fault a SIGKILL of the lock's server.
 
 Every invocation and its outcome -- ``ok``, ``fail`` (the error proves it was not applied) or
 ``unknown`` (a timeout, a lost connection: it may or may not have been applied) -- is recorded
@@ -61,6 +63,7 @@ from typing import Any
 import numpy as np
 
 import smb2
+from smb2 import _core
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))     # netns_cluster beside this file
 
@@ -91,7 +94,8 @@ class Op:
     result: Any = None              # read: the value; fetch_add: the old value; lock_rmw: see below
     error: str = ""
     # lock_rmw: the token, when the lock was held (acquired .. about to release), the value read,
-    # and the outcome of the fenced write (the op's outcome)
+    # and the outcome of the fenced write (the op's outcome; unknown where the write was
+    # acknowledged after the holder learned it had lost the lock: it landed, unprotected)
     token: int | None = None
     held: tuple[float, float] | None = None
 
@@ -274,26 +278,37 @@ class Workload:
     """``processes`` clients issuing random operations until ``stop`` is set."""
 
     def __init__(self, connect: Callable[[], Awaitable[smb2.Client]], history: History, *, processes: int,
-                 layout: Layout, replicas: int, op_timeout: float) -> None:
+                 layout: Layout, replicas: int, op_timeout: float, lock_lease: float | None = None) -> None:
         self.connect = connect
         self.history = history
         self.processes = processes
         self.layout = layout
         self.replicas = replicas
         self.op_timeout = op_timeout
+        self.lock_lease = lock_lease
         self.stop = asyncio.Event()
 
     async def create(self, client: smb2.Client) -> smb2.Buffer:
         # replicas= only where asked: replicas=1 runs against a client without the option too
         extra: dict[str, Any] = {"replicas": self.replicas} if self.replicas > 1 else {}
-        return await client.create(BUFFER, self.layout.nbytes, stripe=STRIPE, timeout=self.op_timeout, **extra)
+        buf = await client.create(BUFFER, self.layout.nbytes, stripe=STRIPE, timeout=self.op_timeout, **extra)
+        if self.replicas > 1:
+            # the replicated lock's words are a replicated buffer, made (like any) while every
+            # server is up: its first use makes it
+            lock = client.replicated_lock(LOCK, self.replicas, lease=self.lock_lease)
+            await lock.acquire(timeout=self.op_timeout)
+            await lock.release()
+        return buf
 
-    async def run(self) -> None:
+    async def setup(self) -> None:
+        """Make the buffer (and the replicated lock), before any fault."""
         setup = await self.connect()
         try:
             await self.create(setup)
         finally:
             await setup.close()
+
+    async def run(self) -> None:
         await asyncio.gather(*(self.process(p) for p in range(self.processes)))
 
     async def process(self, p: int) -> None:
@@ -315,7 +330,10 @@ class Workload:
                     return
                 await asyncio.sleep(0.2)
         try:
-            lock = client.lock(LOCK)
+            # a lock that outlives its server where the buffer does
+            lock: smb2.Lock | smb2.ReplicatedLock = (
+                client.replicated_lock(LOCK, self.replicas, lease=self.lock_lease) if self.replicas > 1
+                else client.lock(LOCK))
             while not self.stop.is_set():
                 kind = rng.choices(("accumulate", "fetch_add", "read", "lock_rmw"), (4, 2, 2, 2))[0]
                 if kind == "lock_rmw":
@@ -355,7 +373,7 @@ class Workload:
             op.result = int(result.view(np.int64)[0]) if kind == "read" else result
         op.complete = time.monotonic()
 
-    async def lock_rmw(self, p: int, buf: smb2.Buffer, lock: smb2.Lock) -> None:
+    async def lock_rmw(self, p: int, buf: smb2.Buffer, lock: smb2.Lock | smb2.ReplicatedLock) -> None:
         op = Op(p, "lock_rmw")
         self.history.ops.append(op)
         op.invoke = time.monotonic()
@@ -373,7 +391,10 @@ class Workload:
             op.outcome = UNKNOWN          # from here on the write may land
             await buf.write(self.layout.record, np.array([op.result + 1, op.token or 0], np.int64), fence=lock,
                             timeout=self.op_timeout)
-            op.outcome = OK
+            if lock.locked():
+                op.outcome = OK
+            else:
+                op.error = "the lock was lost before the fenced write was acknowledged"
         except Exception as exc:
             op.outcome = UNKNOWN if op.outcome == UNKNOWN and not isinstance(exc, _NOT_APPLIED) else FAIL
             op.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -496,8 +517,9 @@ class Nemesis:
     while; at most one server is faulty at a time (what replicas=2 promises to survive)."""
 
     def __init__(self, target: Target, choices: Sequence[str], history: History, *, interval: float,
-                 fault_time: tuple[float, float] = (1.0, 5.0)) -> None:
+                 fault_time: tuple[float, float] = (1.0, 5.0), first: int | None = None) -> None:
         self.target = target
+        self.first = first      # the server the first fault, a kill, hits (else a random one)
         self.choices = list(choices)
         self.history = history
         self.interval = interval
@@ -514,6 +536,8 @@ class Nemesis:
                 await asyncio.wait_for(stop.wait(), self.rng.uniform(0.5, 1.5) * self.interval)
                 return
             what, i = self.rng.choice(self.choices), self.rng.randrange(self.target.nservers)
+            if self.first is not None:
+                what, i, self.first = "kill", self.first, None
             await self.fault(what, i, self.rng.uniform(*self.fault_time))
 
     async def fault(self, what: str, i: int, hold: float) -> None:
@@ -548,6 +572,14 @@ class Settings:
     settle: float = 10.0
     data_dir: bool = True
     transport: str = "tcp"
+    aim_lock: bool = False          # the first fault kills the lock's server (replicas > 1)
+    lock_lease: float | None = None     # the replicated lock's lease (None: its default)
+
+
+def lock_server(servers: int) -> int:
+    """The server that holds the replicated lock's words first (replica 0 of its buffer's only
+    stripe, the primary while every server is a member)."""
+    return _core.name_hash("lock:" + LOCK) % servers
 
 
 async def run_local(s: Settings) -> History:
@@ -568,8 +600,10 @@ async def run_local(s: Settings) -> History:
 async def _run(s: Settings, history: History, connect: Callable[[], Awaitable[smb2.Client]],
                target: Target) -> None:
     work = Workload(connect, history, processes=s.processes, layout=Layout(counters=2 * s.servers),
-                    replicas=s.replicas, op_timeout=s.op_timeout)
-    nemesis = Nemesis(target, s.nemesis, history, interval=s.interval, fault_time=s.fault_time)
+                    replicas=s.replicas, op_timeout=s.op_timeout, lock_lease=s.lock_lease)
+    nemesis = Nemesis(target, s.nemesis, history, interval=s.interval, fault_time=s.fault_time,
+                      first=lock_server(s.servers) if s.aim_lock else None)
+    await work.setup()
     clients = asyncio.ensure_future(work.run())
     faults = asyncio.ensure_future(nemesis.run(work.stop))
     try:
@@ -640,8 +674,8 @@ def run_netns(s: Settings) -> History:
         async def clients_and_nemesis() -> list[list[Any]]:
             stop = asyncio.Event()
             nemesis = asyncio.ensure_future(
-                Nemesis(NetnsTarget(cluster), s.nemesis, history, interval=s.interval,
-                        fault_time=s.fault_time).run(stop))
+                Nemesis(NetnsTarget(cluster), s.nemesis, history, interval=s.interval, fault_time=s.fault_time,
+                        first=lock_server(s.servers) if s.aim_lock else None).run(stop))
             try:
                 return list(await asyncio.gather(*(asyncio.to_thread(finish_worker, p) for p in workers)))
             finally:
@@ -667,7 +701,7 @@ async def worker(job: dict[str, Any]) -> None:
         return await smb2.connect(transport=s.transport, timeout=s.op_timeout)
 
     work = Workload(connect, history, processes=s.processes, layout=Layout(counters=2 * s.servers),
-                    replicas=s.replicas, op_timeout=s.op_timeout)
+                    replicas=s.replicas, op_timeout=s.op_timeout, lock_lease=s.lock_lease)
     if job["role"] == "process":
         client = await connect()
         try:
@@ -719,6 +753,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--netns", action="store_true",
                    help="every server its own host (tools/netns_cluster.py; needs root); allows partition")
     p.add_argument("--clients", type=int, default=2, help="netns: client hosts (default 2)")
+    p.add_argument("--aim-lock", action="store_true",
+                   help="the first fault is a SIGKILL of the replicated lock's server (with --replicas 2+)")
     p.add_argument("--history", metavar="FILE", help="write the history as JSON lines")
     p.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -734,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown nemesis {bad}: choose among {','.join(NEMESES)}")
     s = Settings(seed=a.seed, duration=a.duration, servers=a.servers, replicas=a.replicas,
                  processes=a.processes, nemesis=choices, interval=a.interval, op_timeout=a.op_timeout,
-                 data_dir=not a.no_data_dir, transport=a.transport, clients=a.clients,
+                 data_dir=not a.no_data_dir, transport=a.transport, clients=a.clients, aim_lock=a.aim_lock,
                  fault_time=tuple(float(x) for x in a.fault_time.split(",", 1)))  # type: ignore[arg-type]
     if a.netns:
         history = run_netns(s)

@@ -23,6 +23,7 @@ from .errors import (
     FrameTooLarge,
     InterfaceError,
     InvalidArgumentError,
+    LockLost,
     LockTimeout,
     MembershipError,
     NoSuchBuffer,
@@ -40,7 +41,7 @@ from .errors import (
     Unsupported,
     VersionMismatch,
 )
-from .lock import Fence, Lock
+from .lock import Fence, Lock, ReplicatedLock
 from .version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -64,7 +65,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "BufferDamaged", "Client", "ErrorCode",
-    "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockTimeout",
+    "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockLost",
+    "ReplicatedLock",
+    "LockTimeout",
     "MembershipError", "NoSuchBuffer", "NotifyTimeout", "OperationTimeout", "OutOfBounds", "OutOfMemory",
     "PersistenceError", "ProtocolError", "Server", "ServerError",
     "Smb2Error", "StaleFence", "StaleHandle", "TransportError", "Unsupported", "VersionMismatch", "connect",

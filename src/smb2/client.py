@@ -44,7 +44,7 @@ from .errors import (
     StaleHandle,
     TransportError,
 )
-from .lock import Fence, Lock, fence_of
+from .lock import REPLICATED_LOCK_BYTES, Fence, Lock, ReplicatedLock, fence_of
 from .placement import Placement, check_replicas
 from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, MASK64, WIRE_CODES, parse_address
 from .transport import KINDS, Link, MemoryDomain, ShmTransport, Transport
@@ -390,6 +390,24 @@ class Client:
         self.ensure_open()
         return Lock(self, name, **options)
 
+    def replicated_lock(self, name: str, replicas: int = 2, *, lease: float | None = None) -> ReplicatedLock:
+        """A contender for the FIFO lock ``name`` kept on ``replicas`` servers
+        (servers started with ``--membership``), in the replicated buffer
+        ``"lock:" + name``: it survives the loss of its server (see
+        :class:`smb2.lock.ReplicatedLock`).  A name is used either here or
+        with :meth:`lock`, never both."""
+        self.ensure_open()
+        replicas = check_replicas(replicas, len(self._links))
+        words = "lock:" + name
+
+        async def open_words() -> Buffer:
+            try:
+                return await self.attach(words)
+            except NoSuchBuffer:
+                return await self.create(words, REPLICATED_LOCK_BYTES, stripe=REPLICATED_LOCK_BYTES,
+                                         replicas=replicas)
+        return ReplicatedLock(self, name, open_words, replicas=replicas, lease=lease)
+
 
 async def _control(link: Link, msg: dict[str, Any], timeout: float | None, *, idempotent: bool,
                    stamp: bool = False) -> dict[str, Any]:
@@ -548,6 +566,16 @@ class Buffer:
     def lock(self, **options: Any) -> Lock:
         """The buffer's own lock (the lock named ``"buffer:" + name``)."""
         return self.client.lock("buffer:" + self.name, **options)
+
+    async def primary_server(self, offset: int) -> str:
+        """The server ("host:port") that takes operations on the byte at
+        ``offset`` now: its stripe's primary in the current view for a
+        replicated buffer, else the one server that holds it."""
+        stripe = self._range(offset, 1, "a lookup") // self.stripe
+        if self.placement is None:
+            return self.links[(self.first + stripe) % self.nservers].label
+        view = await (await self.views()).current()
+        return self.links[replication.primary(self, stripe, view)].label
 
     async def _run(self, what: str, view: memoryview, offset: int, dtype_code: int = 0,
                    fence: tuple[int, int] | None = None, timeout: float | None = None) -> None:
@@ -751,7 +779,7 @@ class Buffer:
             raise self._lost(exc) from None
 
     # -- data operations ------------------------------------------------------
-    async def write(self, offset: int, data: Any, *, fence: Lock | Fence | None = None,
+    async def write(self, offset: int, data: Any, *, fence: Lock | ReplicatedLock | Fence | None = None,
                     notify: tuple[int, int] | None = None, timeout: float | None = None) -> None:
         """Store ``data`` (bytes-like or a C-contiguous numpy array) at ``offset``.
 

@@ -161,6 +161,13 @@ class StaleFence(ServerError):
     code = ErrorCode.STALE_FENCE
 
 
+class LockLost(StaleFence):
+    """A replicated lock's holder learned that it no longer holds the lock: it
+    could not renew it within its lease (its server was lost and the failover
+    took longer), or another client passed it on.  The message names the
+    lock, the servers, and what was left unprotected; acquire it again."""
+
+
 class BufferConflict(ServerError):
     """A buffer of that name exists with other parameters (or a lock of that
     name with another lease)."""

@@ -44,11 +44,17 @@ ticket is the fencing token.
 ``lock.close()`` (or dropping the object) tells the server this client no
 longer uses the name; a slot nobody uses is freed for other names, so a job
 may use any number of distinct lock names over time.
+
+A lock that must outlive its server is a :class:`ReplicatedLock`
+(``client.replicated_lock(name, replicas=2)``, at the end of this module):
+the same ticket lock, its words in a replicated buffer, every step a
+replicated atomic, and the lease kept by the waiters instead of a server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -61,6 +67,7 @@ from .busypoll import poll_while
 from .errors import (
     InterfaceError,
     InvalidArgumentError,
+    LockLost,
     LockTimeout,
     NoSuchBuffer,
     OutOfMemory,
@@ -850,10 +857,400 @@ def _unused(link: Link, name: str, recbox: list[tuple[ShmTransport, int] | None]
     _spawn(link.lock_unused(name))
 
 
-def fence_of(fence: Lock | Fence) -> tuple[int, int]:
+def fence_of(fence: Lock | ReplicatedLock | Fence) -> tuple[int, int]:
     """``(key, token)`` of a fence argument."""
-    if isinstance(fence, Lock):
+    if isinstance(fence, (Lock, ReplicatedLock)):
         fence = fence.fence
     if not isinstance(fence, Fence):
         raise InvalidArgumentError(f"fence must be a Lock or a Fence, not {type(fence).__name__}")
     return fence.key, fence.token
+
+
+# -- the replicated lock ---------------------------------------------------------
+#
+# A lock that survives the loss of its server (docs/design.md, "The lock,
+# replicated").  Its words live in a small replicated buffer, and every
+# change to them is a replicated atomic: applied by the primary, copied to
+# the backups before it is acknowledged, applied once however often it is
+# retried.  So the words the new primary holds after a failover are the
+# words every acknowledged step left, and the lock goes on from them.
+
+#: the words of a replicated lock, in its buffer "lock:<name>"
+_R_BASE, _R_NEXT, _R_SERVING, _R_HEARTBEAT = 0, 8, 16, 24
+#: the size (and stripe: one stripe, so one replica group) of that buffer
+REPLICATED_LOCK_BYTES = 32
+#: the lease of a replicated lock when none is asked for (as --lock-lease's)
+REPLICATED_LEASE = 5.0
+_R_MASK62 = (1 << 62) - 1
+
+
+def _tomb(ticket: int) -> int:
+    """The heartbeat word that says ``ticket`` was passed on by a waiter
+    (odd: a renewal only ever writes even words), so that the holder's
+    next renewal fails instead of landing on a lock that moved on."""
+    return ((ticket & _R_MASK62) << 1) | 1
+
+
+class LockWords(Protocol):
+    """What a replicated lock needs of its buffer (:class:`smb2.Buffer` is
+    one): replicated atomics, a read, and which server takes them now."""
+
+    async def fetch_add(self, offset: int, value: int = 1, *, timeout: float | None = None) -> int: ...
+
+    async def compare_swap(self, offset: int, expected: int, new: int, *,
+                           timeout: float | None = None) -> int: ...
+
+    async def read(self, offset: int, nbytes: int, *, timeout: float | None = None) -> Any: ...
+
+    async def primary_server(self, offset: int) -> str: ...
+
+
+class _Watch:
+    """A waiter's eye on the holder: ``look`` reads ``now_serving`` and the
+    heartbeat, and passes the holder over once both stayed the same for a
+    whole lease from the first read that showed them."""
+
+    __slots__ = ("lease", "seen", "since", "heartbeat")
+
+    def __init__(self, lease: float) -> None:
+        self.lease = lease
+        self.seen: tuple[int, int] | None = None
+        self.since = 0.0
+        self.heartbeat = 0
+
+    async def look(self, lock: ReplicatedLock, words: LockWords) -> int:
+        got = bytes(await words.read(_R_SERVING, 16))
+        serving, self.heartbeat = _core.unpack_u64(got, 0), _core.unpack_u64(got, 8)
+        now = time.monotonic()
+        if (serving, self.heartbeat) != self.seen:
+            self.seen, self.since = (serving, self.heartbeat), now
+        elif now - self.since >= self.lease:
+            self.seen = None
+            if await lock._pass_over(words, serving, self.heartbeat):
+                return serving + 1
+        return serving
+
+
+class ReplicatedLock:
+    """The FIFO ticket lock, kept on ``replicas`` servers:
+    ``client.replicated_lock(name, replicas=2)``.  Same use as :class:`Lock`
+    (``acquire``/``release``, ``async with``, ``token``/``fence`` for fenced
+    writes); it survives the loss of the server it is on.
+
+    A holder keeps the lock across a failover as long as it renews it within
+    its ``lease`` (default :data:`REPLICATED_LEASE`, longer than a failover);
+    otherwise it is told, with :class:`~smb2.LockLost`, at its next
+    ``release``, ``fence`` or ``async with`` exit, and ``locked()`` turns
+    False as soon as its lease ran out.  Waiters keep their place in the
+    queue.  A holder that stops renewing (its process died) is passed over
+    by the waiters after a lease.  Every step is a replicated atomic, a few
+    milliseconds each: use it where a lock must outlive a server, not where
+    hand-offs must be fast."""
+
+    __slots__ = ("client", "name", "replicas", "_open_words", "_words", "_lease", "_max_delay", "_ticket",
+                 "_valid_until", "_heartbeat", "_lost", "_server", "_renewer", "_busy", "__weakref__")
+
+    def __init__(self, client: LockOwner, name: str, open_words: Any, *, replicas: int,
+                 lease: float | None = None, max_delay: float = 0.05) -> None:
+        if not isinstance(name, str) or not 0 < len(name.encode()) <= 250:
+            raise InvalidArgumentError(f"a replicated lock name is a non-empty str of at most 250 bytes, "
+                                       f"not {name!r}")
+        if lease is not None and not 0 < lease <= 3600:
+            raise InvalidArgumentError(f"lease must be in (0, 3600] seconds, not {lease!r}")
+        self.client = client
+        self.name = name
+        self.replicas = replicas
+        self._open_words = open_words       # () -> awaitable LockWords: the buffer "lock:<name>"
+        self._words: LockWords | None = None
+        self._lease = REPLICATED_LEASE if lease is None else float(lease)
+        self._max_delay = max_delay
+        self._ticket: int | None = None     # ours while held
+        self._valid_until = 0.0             # monotonic: held until then unless renewed
+        self._heartbeat = 0                 # the heartbeat word as we last wrote or saw it
+        self._lost: str | None = None       # why the lock was lost, until the holder is told
+        self._server = ""                   # the server that granted or last renewed it
+        self._renewer: asyncio.Task[None] | None = None
+        self._busy = False
+
+    def __repr__(self) -> str:
+        state = f"locked token={self._ticket}" if self.locked() else "unlocked"
+        return f"<smb2.ReplicatedLock {self.name!r} replicas={self.replicas} {state}>"
+
+    @property
+    def lease(self) -> float:
+        return self._lease
+
+    def locked(self) -> bool:
+        """True while this object holds the lock and its lease, counted from
+        the start of its last renewal that succeeded, has not run out."""
+        return self._ticket is not None and time.monotonic() < self._valid_until
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token (our ticket) while held, else None."""
+        return self._ticket if self.locked() else None
+
+    @property
+    def fence(self) -> Fence:
+        """The current fencing token as a :class:`Fence` (must be held;
+        :class:`~smb2.LockLost` if it was lost)."""
+        self._check_lease()
+        self._raise_if_lost()
+        if self._ticket is None:
+            raise InterfaceError(f"lock {self.name!r} is not held by this ReplicatedLock object")
+        return Fence(self.name, self._ticket)
+
+    # -- acquire / release ----------------------------------------------------
+    async def acquire(self, timeout: float | None = None) -> bool:
+        """Wait for the lock (FIFO).  With ``timeout``, :class:`LockTimeout`
+        when it runs out (the ticket is then given up)."""
+        self.client.ensure_open()
+        self._check_lease()         # a holder whose lease ran out may take the lock again
+        if self._busy or self._ticket is not None:
+            raise InterfaceError(f"lock {self.name!r} is already held or being acquired by this "
+                                 "ReplicatedLock object (it is not reentrant)")
+        self._lost = None
+        self._busy = True
+        try:
+            if timeout is None:
+                await self._acquire()
+            else:
+                try:
+                    async with asyncio.timeout(timeout):
+                        await self._acquire()
+                except TimeoutError:
+                    raise LockTimeout(f"lock {self.name!r} not acquired within {timeout} s") from None
+        finally:
+            self._busy = False
+        return True
+
+    async def _open(self) -> LockWords:
+        words = self._words
+        if words is None:
+            words = await self._open_words()
+            # the first user sets the base: tickets start at a time-based
+            # value, so that tokens keep growing even if every copy of the
+            # lock was lost and it is made again
+            base = (time.time_ns() // 1000) << 10
+            got = await words.compare_swap(_R_BASE, 0, base)
+            base = got or base
+            await words.compare_swap(_R_NEXT, 0, base)
+            await words.compare_swap(_R_SERVING, 0, base)
+            self._words = words
+        return words
+
+    async def _acquire(self) -> None:
+        words = await self._open()
+        ticket = await self._draw(words)
+        watch = _Watch(self._lease)
+        delay = 1e-3
+        try:
+            while True:
+                serving = await watch.look(self, words)
+                if serving == ticket:
+                    # what a read shows may not be acknowledged yet (the
+                    # primary applies before its backups do): confirm with
+                    # a renewal, a replicated CAS, which also restarts the
+                    # clock of any waiter watching the heartbeat
+                    self._ticket, self._heartbeat, self._valid_until = ticket, watch.heartbeat, 0.0
+                    self._server = await words.primary_server(_R_SERVING)
+                    if await self._renew(ticket, granting=True):
+                        self._renewer = asyncio.ensure_future(_renew_replicated(weakref.ref(self), ticket))
+                        return
+                    self._ticket = None
+                    serving = ticket + 1
+                if serving > ticket:
+                    # we were passed over (we looked as dead as a crashed
+                    # holder to the waiters): take a new place at the end
+                    log.info("lock %r: ticket %d was passed over while waiting; drawing a new one",
+                             self.name, ticket)
+                    ticket = await self._draw(words)
+                    continue
+                delay = min(self._max_delay, max(1e-3, delay * 1.5), 2e-3 * (ticket - serving))
+                await asyncio.sleep(delay)
+        except BaseException:
+            if self._ticket == ticket and self._renewer is None:
+                self._ticket = None         # stopped while confirming the grant
+            if self._ticket != ticket:
+                _spawn(self._give_up(words, ticket, watch))
+            raise
+
+    async def _draw(self, words: LockWords) -> int:
+        # not lost to a cancellation: a ticket drawn and not known would
+        # cost the queue a whole lease
+        fut = asyncio.ensure_future(words.fetch_add(_R_NEXT, 1))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            def late(f: asyncio.Future[int]) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    _spawn(self._give_up(words, f.result(), _Watch(self._lease)))
+            fut.add_done_callback(late)
+            raise
+
+    async def _pass_over(self, words: LockWords, serving: int, heartbeat: int) -> bool:
+        """The holder of ``serving`` has not renewed for a whole lease: mark
+        its heartbeat passed over (a CAS: fails if a renewal landed since),
+        then move the lock on (a CAS: one waiter wins).  True if we moved it."""
+        if heartbeat != _tomb(serving):
+            if await words.compare_swap(_R_HEARTBEAT, heartbeat, _tomb(serving)) != heartbeat:
+                return False        # it renewed after all
+        if await words.compare_swap(_R_SERVING, serving, serving + 1) != serving:
+            return False
+        log.warning("lock %r: the holder of ticket %d did not renew it for its lease of %g s; "
+                    "passed on to the next waiter", self.name, serving, self._lease)
+        return True
+
+    async def _give_up(self, words: LockWords, ticket: int, watch: _Watch) -> None:
+        """A waiter that stopped waiting: when its turn comes, pass the lock
+        on at once instead of after a lease; meanwhile it goes on watching
+        for a silent holder, as a waiter does (waiters whose timeouts are
+        shorter than the lease would otherwise never see a whole lease
+        pass).  For as long as this process lives, up to 10 leases."""
+        until = time.monotonic() + 10 * self._lease
+        serving = ticket - 1
+        while time.monotonic() < until and not self.client.closed:
+            try:
+                serving = await watch.look(self, words)
+                if serving > ticket:
+                    return
+                if serving == ticket:
+                    await words.compare_swap(_R_SERVING, ticket, ticket + 1)
+                    return
+            except Exception as exc:        # a failover: try again
+                log.debug("lock %r: giving ticket %d up: %s", self.name, ticket, exc)
+            await asyncio.sleep(min(self._max_delay, 2e-3 * max(1, ticket - serving)))
+
+    async def release(self) -> None:
+        """Release the lock: :class:`~smb2.LockLost` if it had been passed on
+        meanwhile (what was done under it since then was not protected)."""
+        ticket, words = self._ticket, self._words
+        if ticket is None or words is None:
+            self._raise_if_lost()
+            raise InterfaceError(f"release() of lock {self.name!r}, which this ReplicatedLock object "
+                                 "does not hold")
+        self._unhold()
+        old = await words.compare_swap(_R_SERVING, ticket, ticket + 1)
+        if old != ticket:
+            raise LockLost(
+                f"lock {self.name!r} was lost before release: another client passed it on after this "
+                f"holder did not renew it within its lease of {self._lease:g} s (ticket {ticket}, the lock "
+                f"now serves {old})", hint="what was done under the lock since then was not protected; "
+                "acquire it again and check the state it guards")
+
+    async def close(self) -> None:
+        """Release the lock if held (the lock's buffer stays: other clients use it)."""
+        if self._ticket is not None:
+            with contextlib.suppress(StaleFence):
+                await self.release()
+
+    async def __aenter__(self) -> ReplicatedLock:
+        await self.acquire()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._check_lease()
+        if self._ticket is not None:
+            await self.release()
+        elif exc[0] is None:
+            self._raise_if_lost()
+
+    # -- holding --------------------------------------------------------------
+    def _unhold(self) -> None:
+        self._ticket = None
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None and renewer is not asyncio.current_task():
+            renewer.cancel()
+
+    def _check_lease(self) -> None:
+        # past the lease without a renewal: lost, as far as this holder can
+        # know (a waiter may pass it on from now)
+        if self._ticket is not None and time.monotonic() >= self._valid_until:
+            self._lose(f"its lease of {self._lease:g} s ran out before this holder (ticket {self._ticket}) "
+                       f"could renew it: its server {self._server} did not answer in time (lost, or "
+                       "failing over to another copy)")
+
+    def _lose(self, why: str) -> None:
+        if self._ticket is None:
+            return
+        self._unhold()
+        self._lost = f"lock {self.name!r} was lost: {why}"
+        log.warning("%s", self._lost)
+
+    def _raise_if_lost(self) -> None:
+        why, self._lost = self._lost, None
+        if why is not None:
+            raise LockLost(why, hint="what was done under the lock since then was not protected; "
+                           "acquire it again and check the state it guards")
+
+    async def _renew(self, ticket: int, granting: bool = False) -> bool:
+        """One renewal: the heartbeat raised (a CAS: it fails on the word a
+        waiter marked when it passed the lock on), then whether the lock
+        still serves us (a CAS that changes nothing: an atomic read).  True,
+        and the lease counted from this renewal's start, if we hold it."""
+        words = self._words
+        assert words is not None
+        start = time.monotonic()
+        if not granting and start >= self._valid_until:
+            # the lease ran out first: a waiter may have the lock already,
+            # and a renewal now must not make this holder think it kept it
+            self._check_lease()
+            return False
+        old = self._heartbeat
+        for _ in range(4):
+            if old == _tomb(ticket):
+                break
+            got = await words.compare_swap(_R_HEARTBEAT, old, (old | 1) + 1)
+            if got == old:
+                old = self._heartbeat = (old | 1) + 1
+                break
+            old = got        # a renewal of ours that answered late, or the last holder's word
+        serving = await words.compare_swap(_R_SERVING, ticket, ticket)
+        if self._ticket != ticket:
+            return False        # released meanwhile
+        if serving != ticket or old != self._heartbeat:
+            return False
+        server = await words.primary_server(_R_SERVING)
+        self._valid_until = max(self._valid_until, start + self._lease)
+        if self._ticket != ticket or time.monotonic() >= self._valid_until:
+            self._check_lease()         # renewed too late to count: lost
+            return False
+        if server != self._server:
+            log.warning("lock %r: kept by this holder (ticket %d) across the loss of server %s; now on %s",
+                        self.name, ticket, self._server, server)
+            self._server = server
+        return True
+
+    def _passed_over(self, ticket: int) -> str:
+        return (f"this holder (ticket {ticket}) did not renew it within its lease of {self._lease:g} s "
+                f"(its server {self._server} was lost, or this process stalled), and a waiter passed it on")
+
+
+async def _renew_replicated(ref: weakref.ref[ReplicatedLock], ticket: int) -> None:
+    """A replicated lock's renewals, every lease/3 while it is held (holds
+    the lock weakly: one dropped while held stops renewing)."""
+    lock = ref()
+    if lock is None:
+        return
+    period = lock.lease / 3
+    del lock
+    while True:
+        await asyncio.sleep(period)
+        lock = ref()
+        if lock is None or lock._ticket != ticket or lock.client.closed:
+            return
+        try:
+            if not await lock._renew(ticket):
+                if lock._ticket == ticket:
+                    lock._lose(lock._passed_over(ticket))
+                return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # a failover under way: the next renewal tries again; past the
+            # lease the holder is told it lost the lock
+            log.warning("lock %r: renewing failed (%s: %s); the lock is lost unless a renewal succeeds "
+                        "within %.1f s", lock.name, type(exc).__name__, str(exc).splitlines()[0],
+                        max(0.0, lock._valid_until - time.monotonic()))
+            lock._check_lease()
+        del lock

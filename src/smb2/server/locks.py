@@ -721,6 +721,14 @@ class LockService:
         return ok
 
 
+    def note_fence(self, key: int, token: int) -> None:
+        """Learn that a fenced write with ``token`` was applied elsewhere (a
+        replicated stripe's primary checked it): from now on no older token
+        of ``key`` passes here.  Never refuses: the primary decided."""
+        seen = self.fences.get(key)
+        if token > (self._fence_floors[key % FENCE_BUCKETS] if seen is None else seen):
+            self._remember_fence(key, token)
+
     def _remember_fence(self, key: int, token: int) -> None:
         """From now on ``key`` needs a token of at least ``token``.  The
         table is bounded: the key used longest ago is forgotten, and its

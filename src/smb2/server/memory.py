@@ -953,11 +953,12 @@ class Connection(FrameReceiver):
             n = _accumulate_span(hdr, offset, n)
         elif op != Op.WRITE and (offset % 8 or n != (8 if op == Op.FETCH_ADD else 16)):
             raise Refused(ErrorCode.BAD_REQUEST, "atomics act on one 8-byte aligned word")
-        seg = self._segment(hdr[H_SEGMENT], offset, 8 if op in (Op.FETCH_ADD, Op.COMPARE_SWAP) else n)
+        span = 8 if op in (Op.FETCH_ADD, Op.COMPARE_SWAP) else n     # a CAS's 16 bytes act on one word
+        seg = self._segment(hdr[H_SEGMENT], offset, span)
         if seg.replicas < 2:
             raise Refused(ErrorCode.BAD_REQUEST, f"buffer {seg.name!r} is not replicated: send its ops "
                           "without REPLICATED")
-        if n and offset // seg.stripe != (offset + n - 1) // seg.stripe:
+        if span and offset // seg.stripe != (offset + span - 1) // seg.stripe:
             raise Refused(ErrorCode.BAD_REQUEST, "a replicated op stays within one stripe")
         return INLINE
 

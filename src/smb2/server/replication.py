@@ -598,11 +598,15 @@ class Replication:
                           f"{DEDUP_ENTRIES} ops this server remembers: it may have been applied; not "
                           "applied again")
         body = REPL_PREFIX_SIZE
+        fence = b""
         if flags & FLAG_FENCED:
-            if forwarded:
-                raise Refused(ErrorCode.BAD_REQUEST, "a forwarded op carries no fence (the primary checked it)")
             key, token = _core.unpack_u64(payload, body), _core.unpack_u64(payload, body + 8)
-            if not self.server.locks.check_fence(key, token):
+            fence = bytes(payload[body:body + FENCE_SIZE])
+            if forwarded:
+                # the primary checked it; a backup only learns the token, so that
+                # as the stripe's next primary it refuses the older ones too
+                self.server.locks.note_fence(key, token)
+            elif not self.server.locks.check_fence(key, token):
                 raise Refused(ErrorCode.STALE_FENCE, f"write fenced with token {token} refused: the lock was "
                               "lost (lease expired, released, or a newer holder wrote here)")
             body += FENCE_SIZE
@@ -620,8 +624,8 @@ class Replication:
             return
         entry.waiters = [(conn, hdr)]
         pending = Pending(self, where, entry, backups)
-        fwd_flags = (flags & ~(FLAG_REPLICATED | FLAG_FENCED)) | FLAG_FORWARDED
-        head = prefix(view.epoch, client, seq)
+        fwd_flags = (flags & ~FLAG_REPLICATED) | FLAG_FORWARDED
+        head = prefix(view.epoch, client, seq) + fence
         # a copy: the payload is a view of this connection's inbox, reused by
         # the next frame, and a socket keeps what it could not send yet by
         # reference (uvloop)

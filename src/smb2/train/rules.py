@@ -41,8 +41,17 @@ import numpy as np
 
 from ..client import Buffer, Client
 from ..errors import InterfaceError, InvalidArgumentError, NoSuchBuffer
-from ..lock import Lock
+from ..lock import Lock, ReplicatedLock
 from .dropping import LayerDropping
+
+
+def lock_of(client: Client, name: str, buf: Buffer, lease: float | None = None) -> Lock | ReplicatedLock:
+    """The lock ``name`` that guards (part of) ``buf``, kept like it: on as
+    many servers as the buffer has copies, so that it outlives a lost server
+    as the buffer does."""
+    if buf.replicas > 1:
+        return client.replicated_lock(name, buf.replicas, lease=lease)
+    return client.lock(name) if lease is None else client.lock(name, lease=lease)
 
 
 class BoundStore(Protocol):
@@ -243,8 +252,8 @@ class Locked(UpdateRule):
         self.per_layer = per_layer
         self.lease = lease
         self.timeout = timeout
-        self._locks: dict[str, Lock] = {}
-        self._lock: Lock | None = None
+        self._locks: dict[str, Lock | ReplicatedLock] = {}
+        self._lock: Lock | ReplicatedLock | None = None
 
     def settings(self) -> dict[str, Any]:
         return {"name": self.name, "lr": self.lr, "per_layer": self.per_layer}
@@ -258,11 +267,11 @@ class Locked(UpdateRule):
 
     def bind(self, store: BoundStore) -> None:
         super().bind(store)
-        opts = {} if self.lease is None else {"lease": self.lease}
         if self.per_layer:
-            self._locks = {name: store.client.lock(f"{store.buf.name}/{name}", **opts) for name in store.params}
+            self._locks = {name: lock_of(store.client, f"{store.buf.name}/{name}", store.buf, self.lease)
+                           for name in store.params}
         else:
-            self._lock = store.buf.lock(**opts)
+            self._lock = lock_of(store.client, "buffer:" + store.buf.name, store.buf, self.lease)
 
     async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
         st = self.store
@@ -279,7 +288,7 @@ class Locked(UpdateRule):
         st.count_pull(nbytes)       # (read under the lock)
         return nbytes
 
-    async def _update(self, grads: Mapping[str, np.ndarray], lock: Lock, lr: float) -> None:
+    async def _update(self, grads: Mapping[str, np.ndarray], lock: Lock | ReplicatedLock, lr: float) -> None:
         st = self.store
         await lock.acquire(timeout=self.timeout)
         try:

@@ -104,12 +104,12 @@ from ..errors import (
     PersistenceError,
     Smb2Error,
 )
-from ..lock import Lock
+from ..lock import Lock, ReplicatedLock
 from . import lifecycle as lc
 from .counts import CountsBoard, read_counts
 from .dropping import LayerDropping
 from .lifecycle import Control, check_rank, resolve_rank
-from .rules import UpdateRule, make_rule
+from .rules import UpdateRule, lock_of, make_rule
 from .stability import CollapseWatch, DivergenceGuard, LagScaling, TrainingDiverged
 
 log = logging.getLogger("smb2.train")
@@ -367,7 +367,7 @@ class ParameterStore:
         # a damaged store is resumed never; started over only when asked to
         start_over = resume is False or image is not None
         buf = await _attach_or_create(client, name, total, stripe, replicas, layout if start_over else None)
-        lock = buf.lock()
+        lock = lock_of(client, "buffer:" + name, buf)       # the buffer's own lock, replicated with it
         await lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         try:
             state = await buf.fetch_add(_STATE, 0)
@@ -401,7 +401,7 @@ class ParameterStore:
         return store
 
     async def _open_run(self, old: Control, decision: lc.Decision, params: Mapping[str, np.ndarray],
-                        image: StoreImage | None, lock: Lock) -> None:
+                        image: StoreImage | None, lock: Lock | ReplicatedLock) -> None:
         """Rank 0, under the lock: open run G+1, fresh or resumed."""
         gen = old.generation + 1
         words = old.words.copy()
@@ -1204,7 +1204,7 @@ async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int
         delay = min(delay * 2, 0.25)
 
 
-async def _initialize(buf: Buffer, layout: Layout, lock: Lock) -> None:
+async def _initialize(buf: Buffer, layout: Layout, lock: Lock | ReplicatedLock) -> None:
     """Rank 0, under the lock: preamble, table, zeroed control words, ready.
     The weights come with the first run (``_open_run``)."""
     note_off, slots, data_off, _total = layout.geometry()
@@ -1221,7 +1221,7 @@ async def _initialize(buf: Buffer, layout: Layout, lock: Lock) -> None:
              buf.nservers)
 
 
-async def _write_words(buf: Buffer, words: dict[int, int], fence: Lock) -> None:
+async def _write_words(buf: Buffer, words: dict[int, int], fence: Lock | ReplicatedLock) -> None:
     """Write int64 words, one write per run of adjacent words (never
     touching the words in between, such as the state word)."""
     runs: list[list[int]] = []
