@@ -96,6 +96,7 @@ async def test_mr_without_remote_write_gives_a_clear_error() -> None:
 
 
 @needs_rdma
+@pytest.mark.server_process_only     # about the servers' registration: one client loop is enough
 async def test_a_replicated_buffer_is_registered_without_remote_write_or_atomics() -> None:
     """A replicated buffer's copies change only through its primary: a
     client of its own that RDMA-writes or does a one-sided atomic on one copy
@@ -105,7 +106,7 @@ async def test_a_replicated_buffer_is_registered_without_remote_write_or_atomics
     try:
         etcd_binary()
     except Exception:
-        # the soft-RoCE VM's image has etcd with RXE_VM_EXTRA_PKGS=etcd-server
+        # the soft-RoCE VM's image carries etcd-server (tools/rxe_vm.sh)
         pytest.skip("needs etcd (tools/host_deps.sh installs etcd-server)")
     async with smb2.LocalCluster(servers=2, replicated=True, capacity="64MiB") as cluster:
         client = await cluster.connect(transport="rdma")
