@@ -99,7 +99,8 @@ def _copies(r: dict[str, Any]) -> str:
         return ""
     if r.get("degraded"):
         return (f"; {r['replicas']} replicas, DEGRADED: some stripes have fewer copies (a server was lost; they "
-                "are whole again once it rejoins)")
+                "are whole again once it rejoins, or once other servers made new copies: smb2-server "
+                "--replace-after)")
     return f"; {r['replicas']} replicas"
 
 

@@ -1,0 +1,145 @@
+"""A server lost for good: its copies are made again on the other servers
+(docs/design.md, "Replication": "Copies moved off a lost server"), against
+real ``smb2-server`` processes and a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+import smb2
+from smb2 import _core
+from smb2.membership import View, open_membership
+from smb2.placement import Placement
+from test_replication_server import Raw, server_stat
+
+MiB = 1 << 20
+# --replace-after in these tests
+REPLACE_AFTER = 1.0
+# the buffer is whole on two live servers again within this of the kill: the
+# client's failover (about 1 s), --replace-after, the servers' 0.5 s view
+# read, the copy (a few MiB), and slack for this loaded machine
+WHOLE_WITHIN = 15.0
+
+
+async def copy_bytes(address: str, name: str, slot: str, nbytes: int) -> bytes:
+    """Server ``address``'s copy of ``slot``'s part of buffer ``name`` (its own
+    part, or one it holds for a lost server): the first ``nbytes``."""
+    raw = await Raw.open(address)
+    try:
+        msg = {"cmd": "lookup", "name": name, **({} if slot == address else {"copy_of": slot})}
+        info = await raw.control(msg)
+        return await raw.read(info["segment"], 0, min(nbytes, info["size"]))
+    finally:
+        raw.close()
+
+
+async def copies_of(view: View, p: Placement, servers: list[str], name: str, i: int) -> list[tuple[str, bytes]]:
+    """(server, bytes) of every member copy of stripe ``i``."""
+    out = []
+    for h in view.holders([servers[s] for s in p.replicas_of(i)]):
+        if h.state == "member":
+            off = p.offset_on(servers.index(h.slot), i)
+            part = await copy_bytes(h.server, name, h.slot, off + p.stripe)
+            out.append((h.server, part[off:off + p.stripe]))
+    return out
+
+
+@pytest.mark.slow
+async def test_a_server_lost_for_good_has_its_copies_made_on_the_others() -> None:
+    """SIGKILL one server of three (replicas=2) under a stream of
+    accumulates and never restart it: within WHOLE_WITHIN s every stripe has
+    two member copies on live servers again, byte-equal, holding every
+    acknowledged increment, and ``degraded()`` is False.  Then the second
+    copy of some stripes is lost too: the client reads and writes them on
+    the copies the first repair made (a moved copy as the primary).  Then
+    the first server comes back empty: it serves nothing of its old part,
+    and the copies are made again on it (its own part, and the second lost
+    server's)."""
+    n_stripes = 6
+    async with smb2.LocalCluster(servers=3, processes=True, replicated=True, capacity="64MiB",
+                                 server_args=["--replace-after", str(REPLACE_AFTER)]) as cluster:
+        servers = list(cluster.addresses)
+        async with await smb2.connect(servers, transport="tcp") as client:
+            buf = await client.create("moved", n_stripes * MiB, stripe=MiB, replicas=2)
+            n = buf.nbytes // 8
+            acked = np.zeros(n, np.int64)
+            sent = np.zeros(n, np.int64)
+            stop = asyncio.Event()
+
+            async def writer(k: int) -> None:
+                rng = np.random.default_rng(k)
+                while not stop.is_set():
+                    m = int(rng.integers(1, 4096))
+                    at = int(rng.integers(0, n - m))
+                    sent[at:at + m] += 1
+                    await buf.accumulate(8 * at, np.ones(m, np.int64))
+                    acked[at:at + m] += 1
+
+            tasks = [asyncio.create_task(writer(k)) for k in range(2)]
+            await asyncio.sleep(0.3)
+            assert not await buf.degraded()
+            lost = servers[1]
+            t0 = time.monotonic()
+            await cluster.kill(1)
+            took = await whole_again(buf, t0)
+            await asyncio.sleep(0.3)        # updates go on reaching the new copies
+            stop.set()
+            await asyncio.gather(*tasks)
+            whole = np.frombuffer(await buf.read(0, buf.nbytes), np.int64)
+            assert np.all(whole >= acked) and np.all(whole <= sent)
+            assert acked.sum() > 0
+
+            view = await check_copies(cluster, servers, "moved", whole, [0, 2])
+            assert all(r.slot == lost and r.by != lost and r.ready for r in view.replaced), view.replaced
+            print(f"whole again on two live servers {took:.2f} s after the kill")
+
+            # the copies of the lost server are now on 0 and 2; lose 2 too: the
+            # stripes it shared with 1 are served from the copy 0 holds for 1
+            await cluster.kill(2)
+            await buf.accumulate(0, np.ones(n, np.int64))
+            whole = whole + 1
+            assert np.array_equal(np.frombuffer(await buf.read(0, buf.nbytes), np.int64), whole)
+
+            # 1 comes back empty: it serves none of its old (stale) part, and
+            # takes 2's copies and its own back once they are caught up
+            t0 = time.monotonic()
+            await cluster.restart(1)
+            await whole_again(buf, t0)
+            await check_copies(cluster, servers, "moved", whole, [0, 1])
+            await buf.accumulate(0, np.ones(n, np.int64))
+            assert np.array_equal(np.frombuffer(await buf.read(0, buf.nbytes), np.int64), whole + 1)
+
+
+async def whole_again(buf: smb2.Buffer, t0: float) -> float:
+    """Seconds from ``t0`` until ``buf`` is degraded and then whole again."""
+    seen_degraded = False
+    while True:
+        if await buf.degraded():
+            seen_degraded = True
+        elif seen_degraded:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < WHOLE_WITHIN, "the buffer is still degraded"
+        await asyncio.sleep(0.1)
+
+
+async def check_copies(cluster: smb2.LocalCluster, servers: list[str], name: str, whole: np.ndarray,
+                       live: list[int]) -> View:
+    """Every stripe of ``name`` has two member copies, on servers ``live``,
+    equal to ``whole``; those servers say it is not degraded.  The view."""
+    assert cluster.membership_url is not None
+    async with open_membership(cluster.membership_url) as m:
+        view = await m.view()
+    p = Placement(3, whole.nbytes, MiB, _core.name_hash(name) % 3, 2)
+    for i in range(p.nstripes):
+        copies = await copies_of(view, p, servers, name, i)
+        assert len(copies) == 2 and {s for s, _ in copies} <= {servers[k] for k in live}, (i, copies, view)
+        assert copies[0][1] == copies[1][1], f"stripe {i}: the copies differ"
+        assert copies[0][1] == whole[i * MiB // 8:(i + 1) * MiB // 8].tobytes(), f"stripe {i}"
+    for k in live:
+        st = await server_stat(servers[k])
+        assert st["buffers"][name]["degraded"] is False and not st["replication"]["degraded"], st["replication"]
+    return view
