@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import smb2
-from smb2 import _core
-from smb2.membership import View, open_membership
+from smb2 import _core, cli
+from smb2.membership import Holder, Substitute, View, open_membership
 from smb2.placement import Placement
 from test_replication_server import Raw, server_stat
 
@@ -48,8 +48,26 @@ async def copies_of(view: View, p: Placement, servers: list[str], name: str, i: 
     return out
 
 
+def test_the_view_says_where_each_copy_is_after_a_move() -> None:
+    """View.holders: copies on their own servers first, a moved copy counts
+    only when its entry is ready and its server a member; the map survives
+    the JSON in etcd."""
+    group = ("a:1", "b:1")
+    moving = View(5, ("a:1", "c:1"), (), (Substitute("b:1", group, "c:1"),))
+    assert moving.holders(group) == [Holder("a:1", "a:1", "member"), Holder("b:1", "c:1", "joining")]
+    assert moving.primary(group) == Holder("a:1", "a:1", "member")
+    moved = View(6, ("c:1",), ("a:1",), (Substitute("b:1", group, "c:1", ready=True),))
+    # a moved copy is the primary once the own copies are out (here: catching up)
+    assert moved.primary(["b:1", "a:1"]) == Holder("b:1", "c:1", "member")
+    assert moved.holders(["c:1", "a:1"]) == [Holder("c:1", "c:1", "member"), Holder("a:1", "a:1", "joining")]
+    assert View.from_json(moved.to_json(), where="test") == moved
+    assert b"replaced" not in View(1, ("a:1",)).to_json()     # the format without moves is unchanged
+    assert View(6, ("a:1",), (), moved.replaced).primary(group) == Holder("a:1", "a:1", "member")
+    assert View(6, (), (), moved.replaced).primary(group) is None
+
+
 @pytest.mark.slow
-async def test_a_server_lost_for_good_has_its_copies_made_on_the_others() -> None:
+async def test_a_server_lost_for_good_has_its_copies_made_on_the_others(capsys: pytest.CaptureFixture[str]) -> None:
     """SIGKILL one server of three (replicas=2) under a stream of
     accumulates and never restart it: within WHOLE_WITHIN s every stripe has
     two member copies on live servers again, byte-equal, holding every
@@ -95,6 +113,12 @@ async def test_a_server_lost_for_good_has_its_copies_made_on_the_others() -> Non
 
             view = await check_copies(cluster, servers, "moved", whole, [0, 2])
             assert all(r.slot == lost and r.by != lost and r.ready for r in view.replaced), view.replaced
+            capsys.readouterr()
+            assert await asyncio.to_thread(cli.main, ["ls", *servers]) == 1      # a server is unreachable
+            out = capsys.readouterr()
+            row = next(line for line in out.out.splitlines() if line.startswith("moved "))
+            assert "2 replicas" in row and "DEGRADED" not in row and "readable" in row, row
+            assert "whole on the servers left" in out.err, out.err
             print(f"whole again on two live servers {took:.2f} s after the kill")
 
             # the copies of the lost server are now on 0 and 2; lose 2 too: the
