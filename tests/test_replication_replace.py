@@ -113,6 +113,9 @@ async def test_a_server_lost_for_good_has_its_copies_made_on_the_others(capsys: 
 
             view = await check_copies(cluster, servers, "moved", whole, [0, 2])
             assert all(r.slot == lost and r.by != lost and r.ready for r in view.replaced), view.replaced
+            # with 3 servers each survivor takes the stripes it shared no copy of
+            for k in (0, 2):
+                assert (await server_stat(servers[k]))["replication"]["copies_held"] == [f"moved ({lost})"]
             capsys.readouterr()
             assert await asyncio.to_thread(cli.main, ["ls", *servers]) == 1      # a server is unreachable
             out = capsys.readouterr()

@@ -1,9 +1,10 @@
 """Who holds the replicas of a replicated cluster, and in which epoch.
 
-The view (:class:`View`: an epoch and the member servers) lives in a
-coordination service, never in the smb2 servers themselves: a view changes
-only by a compare-and-set there, so two servers cut off from each other can
-never both believe they are the primary of a stripe in the same epoch.  No
+The view (:class:`View`: an epoch, the member servers, and the copies
+moved off lost servers) lives in a coordination service, never in the smb2
+servers themselves: a view changes only by a compare-and-set there, so two
+servers cut off from each other can never both believe they are the primary
+of a stripe in the same epoch.  No
 consensus is made here; etcd's is used.
 
 ``open_membership("etcd://host:port[,host:port]/cluster-name")`` gives the

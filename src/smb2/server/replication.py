@@ -19,7 +19,11 @@ decided here.  This module is what one server does with them:
   its segments, adds itself to ``joining``, asks each stripe's primary for a
   copy of the stripe (:meth:`Replication.push_stripes`: sent through the same
   ordered stream as the updates, paced by ``--repair-rate``), and moves
-  itself into ``members`` once it holds them all.
+  itself into ``members`` once it holds them all;
+* *moved copies* (:meth:`Replication.replace`): the copies of a server out
+  of the view for ``--replace-after`` s are claimed (CAS) by the member
+  chosen for each replica group, kept in a segment laid out as the lost
+  server's part, caught up like a rejoin, and marked ready (CAS).
 """
 
 from __future__ import annotations
