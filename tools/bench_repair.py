@@ -17,7 +17,10 @@ Starts 3 ``smb2-server`` processes with a private etcd
   of the stripes it held (``--replace-after`` s after they saw it out of
   the view, then a copy through each primary's ordered link at
   ``--repair-rate``).  The figure is reported from the removal, and less
-  the grace period.
+  the grace period.  With ``--load``, a client writes 4 MiB pieces (and
+  reads 64 bytes) all along: its write rate and 64-byte round trip during
+  the repair are reported against the same traffic for as long after it,
+  which shows what the repair takes from training (``--repair-rate``).
 
 Each mode then checks that every stripe's two member copies are the same
 bytes as the data written.  Prints the median and worst times and the rate
@@ -127,9 +130,51 @@ async def rejoin(args: argparse.Namespace) -> dict[str, object]:
             "differing (stripe, server, bytes read, bytes wrong)": bad[:10]}
 
 
+class Traffic:
+    """With ``--load``: training-like traffic while the repair runs, 4 MiB
+    writes of the buffer's own bytes (its contents do not change) each
+    followed by a 64-byte read, counted per phase."""
+
+    def __init__(self, buf: smb2.Buffer, data: np.ndarray) -> None:
+        self.buf, self.data = buf, data
+        self.phase = "during"
+        self.bytes: dict[str, int] = {"during": 0, "after": 0}
+        self.rtts: dict[str, list[float]] = {"during": [], "after": []}
+        self.started: dict[str, float] = {"during": time.monotonic()}
+        self.ended = 0.0
+        self.stop = False
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        small = np.zeros(64, np.uint8)
+        at, piece = 0, 4 * MiB
+        while not self.stop:
+            phase = self.phase
+            await self.buf.write(at, self.data[at:at + piece])
+            t0 = time.perf_counter()
+            await self.buf.read_into(small, 0)
+            self.rtts[phase].append((time.perf_counter() - t0) * 1e6)
+            self.bytes[phase] += piece
+            at = (at + piece) % (len(self.data) - piece)
+
+    def next_phase(self) -> None:
+        self.started["after"] = self.ended = time.monotonic()
+        self.phase = "after"
+
+    async def finish(self) -> dict[str, float]:
+        self.stop = True
+        await self.task
+        end = time.monotonic()
+        during = self.bytes["during"] / (self.ended - self.started["during"]) / 1e6
+        after = self.bytes["after"] / (end - self.started["after"]) / 1e6
+        return {"during": during, "after": after,
+                "rtt_during": statistics.median(self.rtts["during"] or [float("nan")]),
+                "rtt_after": statistics.median(self.rtts["after"] or [float("nan")])}
+
+
 async def replace(args: argparse.Namespace) -> dict[str, object]:
     size = parse_size(args.size)
-    times, rtts, bad = [], [], []
+    times, rtts, bad, loads = [], [], [], []
     for _ in range(args.kills):
         async with smb2.LocalCluster(
                 servers=3, processes=True, replicated=True, capacity=f"{2 * size // MiB + 64}MiB",
@@ -140,21 +185,37 @@ async def replace(args: argparse.Namespace) -> dict[str, object]:
                 await cluster.kill(1)
                 await _remove(cluster, 1)
                 t0 = time.monotonic()
+                traffic = Traffic(buf, data) if args.load else None
                 while True:
                     if not await buf.degraded():
                         break
                     await asyncio.sleep(0.02)
                 times.append(time.monotonic() - t0)
+                if traffic is not None:
+                    # as long again with the buffer whole: the same traffic without a repair
+                    traffic.next_phase()
+                    await asyncio.sleep(max(2.0, times[-1]))
+                    loads.append(await traffic.finish())
                 bad += await _check(cluster, data)
     held = Placement(3, size, MiB, _core.name_hash("repair") % 3, 2).stripes_on(1) * MiB
     med = statistics.median(times)
-    return {"mode": "replace (the lost server stays dead; its copies are made on the other two)", "size": size,
-            "repair_rate": args.repair_rate, "replace_after_s": args.replace_after, "bytes_copied": held,
-            "repair_s_median": round(med, 3), "repair_s_worst": round(max(times), 3),
-            "repair_s_median_less_grace": round(med - args.replace_after, 3),
-            "implied_MiB_per_s": round(held / MiB / max(med - args.replace_after, 1e-3), 1),
-            "rtt_64B_us_median": round(statistics.median(rtts), 1), "copies_equal_data": not bad,
-            "differing (stripe, server, bytes read, bytes wrong)": bad[:10]}
+    out: dict[str, object] = {
+        "mode": "replace (the lost server stays dead; its copies are made on the other two)", "size": size,
+        "repair_rate": args.repair_rate, "replace_after_s": args.replace_after, "bytes_copied": held,
+        "repair_s_median": round(med, 3), "repair_s_worst": round(max(times), 3),
+        "repair_s_median_less_grace": round(med - args.replace_after, 3),
+        "implied_MiB_per_s": round(held / MiB / max(med - args.replace_after, 1e-3), 1),
+        "rtt_64B_us_median": round(statistics.median(rtts), 1), "copies_equal_data": not bad,
+        "differing (stripe, server, bytes read, bytes wrong)": bad[:10]}
+    if loads:
+        during = statistics.median(x["during"] for x in loads)
+        after = statistics.median(x["after"] for x in loads)
+        out.update({"load_write_MB_per_s_during_repair": round(during, 1),
+                    "load_write_MB_per_s_after_repair": round(after, 1),
+                    "load_during_over_after": round(during / after, 2),
+                    "load_rtt_64B_us_during_repair": round(statistics.median(x["rtt_during"] for x in loads), 1),
+                    "load_rtt_64B_us_after_repair": round(statistics.median(x["rtt_after"] for x in loads), 1)})
+    return out
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, object]]:
@@ -198,12 +259,20 @@ def main() -> int:
     p.add_argument("--mode", choices=("rejoin", "replace", "both"), default="both")
     p.add_argument("--replace-after", type=float, default=1.0,
                    help="the servers' --replace-after in replace mode (seconds; default 1)")
+    p.add_argument("--load", action="store_true",
+                   help="replace mode: 4 MiB writes and 64 B reads all along, their rate during the repair "
+                        "against as long after it")
     rows = asyncio.run(main_async(p.parse_args()))
     print(f"{'MODE':8} {'BYTES':>10} {'MEDIAN s':>9} {'WORST s':>8} {'MiB/s':>7} {'64B RTT us':>10}  COPIES")
     for r in rows:
         print(f"{str(r['mode']).split()[0]:8} {r['bytes_copied']:>10} {r['repair_s_median']:>9} "
               f"{r['repair_s_worst']:>8} {r['implied_MiB_per_s']:>7} {r['rtt_64B_us_median']:>10}  "
               f"{'equal' if r['copies_equal_data'] else 'DIFFER'}")
+        if "load_during_over_after" in r:
+            print(f"  with --load: writes {r['load_write_MB_per_s_during_repair']} MB/s during the repair, "
+                  f"{r['load_write_MB_per_s_after_repair']} MB/s after ({r['load_during_over_after']}x); 64 B "
+                  f"round trip {r['load_rtt_64B_us_during_repair']} us during, {r['load_rtt_64B_us_after_repair']} "
+                  "us after")
     print(json.dumps(rows, indent=2))
     return 0
 
