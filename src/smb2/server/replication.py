@@ -612,10 +612,6 @@ class Replication:
         self.install(view)
         return view
 
-    def live(self, view: View | None = None) -> set[str]:
-        v = view or self.view
-        return set(v.members) | set(v.joining)
-
     # -- placement ----------------------------------------------------------
     @staticmethod
     def placement(seg: Segment) -> Placement:
