@@ -19,8 +19,10 @@ Starts 3 ``smb2-server`` processes with a private etcd
   ``--repair-rate``).  The figure is reported from the removal, and less
   the grace period.  With ``--load``, a client writes 4 MiB pieces (and
   reads 64 bytes) all along: its write rate and 64-byte round trip during
-  the repair are reported against the same traffic for as long after it,
-  which shows what the repair takes from training (``--repair-rate``).
+  the repair (from the end of the grace, so use a grace longer than the
+  client's failover, e.g. ``--replace-after 3``) are reported against the
+  same traffic for as long after it, which shows what the repair takes
+  from training (``--repair-rate``).
 
 Each mode then checks that every stripe's two member copies are the same
 bytes as the data written.  Prints the median and worst times and the rate
@@ -133,17 +135,26 @@ async def rejoin(args: argparse.Namespace) -> dict[str, object]:
 class Traffic:
     """With ``--load``: training-like traffic while the repair runs, 4 MiB
     writes of the buffer's own bytes (its contents do not change) each
-    followed by a 64-byte read, counted per phase."""
+    followed by a 64-byte read, counted per phase: not counted during the
+    grace (the client fails over then: the view's lease, a refused
+    connection), "during" from the end of the grace until the buffer is
+    whole, "after" for as long again."""
 
-    def __init__(self, buf: smb2.Buffer, data: np.ndarray) -> None:
+    def __init__(self, buf: smb2.Buffer, data: np.ndarray, grace: float) -> None:
         self.buf, self.data = buf, data
-        self.phase = "during"
-        self.bytes: dict[str, int] = {"during": 0, "after": 0}
-        self.rtts: dict[str, list[float]] = {"during": [], "after": []}
-        self.started: dict[str, float] = {"during": time.monotonic()}
+        self.phase = "grace"
+        self.bytes: dict[str, int] = {"grace": 0, "during": 0, "after": 0}
+        self.rtts: dict[str, list[float]] = {"grace": [], "during": [], "after": []}
+        self.started: dict[str, float] = {}
         self.ended = 0.0
         self.stop = False
         self.task = asyncio.create_task(self._run())
+        asyncio.get_running_loop().call_later(grace, self._during)
+
+    def _during(self) -> None:
+        if self.phase == "grace":
+            self.started["during"] = time.monotonic()
+            self.phase = "during"
 
     async def _run(self) -> None:
         small = np.zeros(64, np.uint8)
@@ -158,6 +169,7 @@ class Traffic:
             at = (at + piece) % (len(self.data) - piece)
 
     def next_phase(self) -> None:
+        self._during()
         self.started["after"] = self.ended = time.monotonic()
         self.phase = "after"
 
@@ -185,7 +197,7 @@ async def replace(args: argparse.Namespace) -> dict[str, object]:
                 await cluster.kill(1)
                 await _remove(cluster, 1)
                 t0 = time.monotonic()
-                traffic = Traffic(buf, data) if args.load else None
+                traffic = Traffic(buf, data, args.replace_after) if args.load else None
                 while True:
                     if not await buf.degraded():
                         break
@@ -194,7 +206,7 @@ async def replace(args: argparse.Namespace) -> dict[str, object]:
                 if traffic is not None:
                     # as long again with the buffer whole: the same traffic without a repair
                     traffic.next_phase()
-                    await asyncio.sleep(max(2.0, times[-1]))
+                    await asyncio.sleep(max(2.0, times[-1] - args.replace_after))
                     loads.append(await traffic.finish())
                 bad += await _check(cluster, data)
     held = Placement(3, size, MiB, _core.name_hash("repair") % 3, 2).stripes_on(1) * MiB
