@@ -59,7 +59,7 @@ async def _add_replication(client: Any, stats: list[dict[str, Any]]) -> None:
         return
     view = await (await client.views()).refresh()
     out: dict[str, Any] = {"epoch": view.epoch, "members": list(view.members), "joining": list(view.joining),
-                           "degraded": []}
+                           "replaced": [r.to_obj() for r in view.replaced], "degraded": []}
     for name, info in sorted(infos.items()):
         n = info["nservers"]
         placement = Placement(n, info["nbytes"], info["stripe"], _core.name_hash(name) % n, info["replicas"],
