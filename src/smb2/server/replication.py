@@ -521,7 +521,10 @@ class Replication:
                     log.warning("server %s is out of the view for more than %g s: this server takes over its "
                                 "copies of the stripes on %s (catching up at --repair-rate)",
                                 c.slot, self.server.replace_after, "+".join(c.group))
-                view = new
+                # caught up from the next round's view: the other servers' claims for the same lost
+                # server (their clocks started within one view read of ours) are in it by then, so
+                # they do not change the view under the copy and make it start again
+                return
             if not any(r.by == self.me and not r.ready for r in view.replaced):
                 return
             t0 = time.monotonic()
