@@ -531,7 +531,7 @@ class Replication:
             if not await self._catch_up(view, [n for n, s in self.server.by_name.items() if s.replicas > 1]):
                 return
             current = await self.refresh()
-            if current.epoch != view.epoch:
+            if current.epoch != view.epoch and not self._only_others_moved(view, current):
                 return              # catch up again under the new view (next round)
             done = await self.change(current, current.members, current.joining,
                                      [dataclasses.replace(r, ready=True) if r.by == self.me else r
@@ -544,6 +544,28 @@ class Replication:
             raise
         except Exception as exc:
             log.warning("taking over a lost server's copies failed (retrying): %s", exc)
+
+    def _only_others_moved(self, old: View, new: View) -> bool:
+        """Whether ``new`` differs from ``old`` only by other servers' claims
+        and ready marks, one per epoch, with the primary of every stripe this
+        server catches up the same: then its copies, taken under ``old``, are
+        as good under ``new`` (no primary changed, nobody joined or left),
+        and another substitute finishing first does not make it start again."""
+        if (new.members, new.joining) != (old.members, old.joining):
+            return False
+        if {r for r in new.replaced if r.by == self.me} != {r for r in old.replaced if r.by == self.me}:
+            return False
+        others = {r for r in new.replaced if r.by != self.me} - set(old.replaced)
+        if new.epoch - old.epoch > len(others):
+            return False
+        for seg in [s for s in self.server.by_name.values() if s.replicas > 1]:
+            p = self.placement(seg)
+            for i in range(min(p.nstripes, p.nservers)):
+                group = [seg.servers[s] for s in p.replicas_of(i)]
+                if any(h.server == self.me and h.state == "joining" for h in old.holders(group)) and \
+                        old.primary(group) != new.primary(group):
+                    return False
+        return True
 
     def _claims(self, view: View) -> list[Substitute]:
         """The copies out of ``view`` for longer than --replace-after that
