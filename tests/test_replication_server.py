@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from smb2 import _core, auth
+from smb2 import Buffer, _core, auth
 from smb2.errors import ErrorCode, MembershipError
 from smb2.local_etcd import LocalEtcd, etcd_binary, free_port
 from smb2.membership import NO_VIEW, View, open_membership
@@ -392,6 +392,38 @@ async def server_stat(address: str) -> dict:
 REPAIR_WITHIN = 10.0
 
 
+class Increments:
+    """Writers accumulating int64 ones at random places of ``buf`` until
+    stopped, recording what each sent and which were acknowledged: the
+    buffer must then hold at least every acknowledged one, at most every
+    one sent."""
+
+    def __init__(self, buf: Buffer, writers: int = 2, most: int = 2048) -> None:
+        self.buf, self.n = buf, buf.nbytes // 8
+        self.acked = np.zeros(self.n, np.int64)
+        self.sent = np.zeros(self.n, np.int64)
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._writer(k, most)) for k in range(writers)]
+
+    async def _writer(self, k: int, most: int) -> None:
+        rng = np.random.default_rng(k)
+        while not self._stop.is_set():
+            m = int(rng.integers(1, most))
+            at = int(rng.integers(0, self.n - m))
+            self.sent[at:at + m] += 1
+            await self.buf.accumulate(8 * at, np.ones(m, np.int64))
+            self.acked[at:at + m] += 1
+
+    async def stop(self) -> np.ndarray:
+        """Stop the writers; the buffer's contents, checked."""
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        whole = np.frombuffer(await self.buf.read(0, self.buf.nbytes), np.int64)
+        assert self.acked.sum() > 0
+        assert np.all(whole >= self.acked) and np.all(whole <= self.sent)
+        return whole
+
+
 @pytest.mark.slow
 async def test_killed_server_rejoins_and_is_whole_again_while_writes_go_on() -> None:
     """SIGKILL a server of three (replicas=2) under a stream of accumulates,
@@ -404,21 +436,7 @@ async def test_killed_server_rejoins_and_is_whole_again_while_writes_go_on() -> 
     async with smb2.LocalCluster(servers=3, processes=True, replicated=True, capacity="64MiB") as cluster:
         async with await smb2.connect(cluster.addresses) as client:
             buf = await client.create("heal", 4 * MiB, stripe=MiB, replicas=2)
-            n = buf.nbytes // 8
-            acked = np.zeros(n, np.int64)
-            sent = np.zeros(n, np.int64)
-            stop = asyncio.Event()
-
-            async def writer(k: int) -> None:
-                rng = np.random.default_rng(k)
-                while not stop.is_set():
-                    m = int(rng.integers(1, 2048))
-                    at = int(rng.integers(0, n - m))
-                    sent[at:at + m] += 1
-                    await buf.accumulate(8 * at, np.ones(m, np.int64))
-                    acked[at:at + m] += 1
-
-            tasks = [asyncio.create_task(writer(k)) for k in range(2)]
+            writes = Increments(buf)
             await asyncio.sleep(0.5)
             await cluster.kill(1)
             await asyncio.sleep(1.0)
@@ -432,11 +450,7 @@ async def test_killed_server_rejoins_and_is_whole_again_while_writes_go_on() -> 
                 await asyncio.sleep(0.1)
             took = time.monotonic() - t0
             await asyncio.sleep(0.5)        # updates flow to the rejoined copy too
-            stop.set()
-            await asyncio.gather(*tasks)
-            want_lo, want_hi = acked.copy(), sent.copy()
-            whole = np.frombuffer(await buf.read(0, buf.nbytes), np.int64)
-            assert np.all(whole >= want_lo) and np.all(whole <= want_hi)
+            whole = await writes.stop()
             p = Placement(3, buf.nbytes, MiB, _core.name_hash("heal") % 3, 2)
             parts = [await segment_bytes(a, "heal") for a in cluster.addresses]
             for i in range(p.nstripes):

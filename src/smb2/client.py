@@ -585,7 +585,7 @@ class Buffer:
         if self.placement is None:
             return self.links[(self.first + stripe) % self.nservers].label
         view = await (await self.views()).current()
-        return self.links[replication.primary(self, stripe, view)].label
+        return self.links[replication.primary(self, stripe, view)[0]].label
 
     async def _run(self, what: str, view: memoryview, offset: int, dtype_code: int = 0,
                    fence: tuple[int, int] | None = None, timeout: float | None = None) -> None:

@@ -171,6 +171,7 @@ class MemoryServer:
         # replicated buffers (options.membership; replication.py): made at start()
         self.replication: Replication | None = None
         self.repair_rate = parse_size(options.repair_rate)
+        self.replace_after = float(options.replace_after)
 
     def __repr__(self) -> str:
         host, port = self.address
@@ -446,10 +447,37 @@ class MemoryServer:
         self._ids = itertools.count(nxt)
         return nxt
 
+    def add_copy(self, of: Segment, index: int) -> Segment:
+        """A segment for part ``index`` of replicated buffer ``of`` (another
+        server's part, held here in a lost server's stead: replication.py):
+        not a buffer of its own (not listed, not saved), reachable by id."""
+        if self.used + of.size > self.capacity:
+            raise Refused(ErrorCode.OUT_OF_MEMORY, f"a copy of part {index} of buffer {of.name!r} needs {of.size} "
+                          f"bytes on this server; {self.capacity - self.used} of {self.capacity} are free")
+        mem, view = alloc(of.size)
+        seg = dataclasses.replace(of, id=next(self._ids), index=index, mem=mem, view=view, inflight=[],
+                                  deferred=collections.deque(), created=time.time())
+        if self.rdma is not None:
+            self.rdma.register(seg.id, view)
+        self.segments[seg.id] = seg
+        self.used += seg.size
+        return seg
+
+    def drop_copy(self, seg: Segment) -> None:
+        """Release a segment made by add_copy."""
+        if self.segments.pop(seg.id, None) is None:
+            return
+        self.used -= seg.size
+        if self.rdma is not None:
+            self.rdma.deregister(seg.id)
+        mark_gone(seg.view)
+
     def destroy(self, name: str) -> dict[str, Any]:
         seg = self.by_name.pop(name, None)
         if seg is None:
             return {"destroyed": False}
+        if self.replication is not None:
+            self.replication.forget(name)
         del self.segments[seg.id]
         self.used -= seg.size
         if self.rdma is not None:
@@ -485,7 +513,7 @@ class MemoryServer:
             "buffers": {s.name: {**{k: v for k, v in s.info().items() if k != "name"},
                                  **({"degraded": self.replication.degraded(s)}
                                     if self.replication is not None and s.replicas > 1 else {})}
-                        for s in self.segments.values() if s.id != LOCK_SEGMENT},
+                        for s in self.by_name.values()},
             "connections": len(self.connections),
             "ops": self.ops,
             "transports": self.transports(),
@@ -1276,6 +1304,10 @@ class Connection(FrameReceiver):
             replicas=replicas, servers=servers, zones=zones))
 
     def _cmd_lookup(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+        repl = self.server.replication
+        if "copy_of" in msg and repl is not None:
+            # a copy of a lost server's part this server holds in its stead
+            return self._with_rdma_keys(repl.lookup_copy(_str(msg, "name"), _str(msg, "copy_of")).info())
         return self._with_rdma_keys(self.server.lookup(_str(msg, "name")))
 
     def _cmd_rdma_segment(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
