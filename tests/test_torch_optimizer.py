@@ -764,6 +764,58 @@ def test_a_healthy_run_reports_no_collapse(servers: str, caplog: pytest.LogCaptu
     assert not [r for r in caplog.records if "collapsed" in r.getMessage()]
 
 
+def _digits_with_a_spike(servers: str, name: str, spike: float) -> tuple[float, dict[str, Any]]:
+    """One worker trains the example's CNN on digits (SGD lr 0.05, momentum
+    0.9, staleness 0: deterministic), 60 steps, then 3 steps at lr ``spike``,
+    then 27 at lr 0.1; the delivered model's accuracy and the optimizer's
+    stats."""
+    from smb2.train.example import data
+    ex = _example()
+    xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
+    xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
+    torch.manual_seed(1)
+    m = ex.make_model()
+    sgd = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    # guard=False: the guard skips a step 14 times the usual size; this test is of the watch, for
+    # a spike that got through (or a rate raised slowly enough for the guard to accept it)
+    opt = st.AsyncOptimizer(sgd, m, name=name, servers=servers, rank=0, world_size=1, resume=False,
+                            guard=False, log_every=0)
+    opt.store.watch.every = 0.0         # a look at every step: the test is of the criterion, not the clock
+    g = torch.Generator().manual_seed(1)
+    for step in range(90):
+        for group in sgd.param_groups:
+            group["lr"] = 0.05 if step < 60 else spike if step < 63 else 0.1
+        idx = torch.randint(0, len(xtr), (32,), generator=g)
+        loss = torch.nn.functional.cross_entropy(m(xtr[idx]), ytr[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    stats = opt.stats()
+    opt.close()
+    return ex.accuracy(m, xte, yte), stats
+
+
+@pytest.mark.slow      # two runs of 90 steps: 5-8 s on the loaded 2-core machine
+def test_a_half_dead_model_is_reported(servers: str, caplog: pytest.LogCaptureFixture) -> None:
+    # A model can die only mostly: a few units stay alive, so no tensor's gradient is all zero (the
+    # 90 % criterion sees nothing), and it sits near chance for good.  Here 3 steps at 14 times the
+    # learning rate kill about three quarters of the units of a trained CNN (measured: 75 % of its
+    # 122 units dead, 9-10 % accuracy from then on, reported at step 77); the watch counts dead units
+    # (rows of a Linear or Conv weight with exactly zero gradient) and reports it.  The same run
+    # without the spike learns (95 %) and is not reported.
+    with caplog.at_level("WARNING", logger="smb2.train"):
+        acc, stats = _digits_with_a_spike(servers, "t-half-dead", spike=0.7)
+    assert acc < 20, acc                                          # it did die (mostly)
+    assert stats["collapses"] == 1, stats
+    warned = [r.getMessage() for r in caplog.records if "collapsed:" in r.getMessage()]
+    assert len(warned) == 1 and "units of its Linear and Conv layers" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="smb2.train"):
+        acc, stats = _digits_with_a_spike(servers, "t-not-half-dead", spike=0.05)
+    assert acc > 85 and stats["collapses"] == 0, (acc, stats)
+    assert not [r for r in caplog.records if "collapsed" in r.getMessage()]
+
+
 # -- real torchrun workers -----------------------------------------------------------------
 
 def _example() -> Any:

@@ -336,8 +336,11 @@ def start_servers(cluster: netns_cluster.NetnsCluster, hosts: list[int], capacit
     for i in hosts:
         # --shm off, as netns_cluster's own servers: the namespaces share this kernel and file
         # system, so a worker would map a server's memory and its pulls would bypass the links
+        # --lock-lease 30: rank 0 holds the store's lock while it writes the first 81 MB; on the
+        # loaded 2-core machine its renewals (every lease/3) starved past the default 5 s lease and
+        # a run died opening its store (StaleFence): the benchmark measures training, not that
         argv = [binary, "--host", cluster.server_addrs[i], "--port", str(SERVER_PORT), "--capacity", capacity,
-                "--shm", "off"]
+                "--shm", "off", "--lock-lease", "30"]
         procs.append(subprocess.Popen(cluster.exec_prefix(cluster.server_netns[i]) + argv, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, start_new_session=True))
     for i, p in zip(hosts, procs):
