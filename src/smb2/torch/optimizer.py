@@ -445,13 +445,16 @@ class AsyncOptimizer(torch.optim.Optimizer):
                      if e.param and e.tensor.grad is not None]
             if not grads:
                 return
-            rows = [w.grad.reshape(w.shape[0], -1) for w in self._unit_weights
-                    if w.grad is not None and not w.grad.is_sparse]
-            counts = torch.stack([g.any() for _, g in grads]
-                                 + [(~r.any(1)).sum() for r in rows]).tolist()
+            # one pass over each gradient: a unit layer's weight is read row by row (its rows'
+            # flags also say whether any of it is alive), every other tensor whole
+            rows = {id(w.grad): w.grad.reshape(w.shape[0], -1).any(1) for w in self._unit_weights
+                    if w.grad is not None and not w.grad.is_sparse}
+            flags = [rows[id(g)] if id(g) in rows else g.any().reshape(1) for _, g in grads]
+            counts = torch.stack([f.any() for f in flags] + [(~f).sum() for f in rows.values()]).tolist()
         alive = counts[:len(grads)]
         watch.see_gradients(self.steps + 1, sum(n for (n, _), a in zip(grads, alive) if not a),
-                            sum(n for n, _ in grads), int(sum(counts[len(grads):])), sum(r.shape[0] for r in rows))
+                            sum(n for n, _ in grads), int(sum(counts[len(grads):])),
+                            sum(f.numel() for f in rows.values()))
 
     def _take(self) -> Exchange:
         if self._free:
