@@ -37,7 +37,7 @@ def make_model() -> nn.Module:
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
           x: torch.Tensor, y: torch.Tensor, shard: torch.Tensor, epochs: int, batch: int,
-          first_epoch: int = 0) -> float:
+          first_epoch: int = 0, max_norm: float = 1.0) -> float:
     """The training loop, as in any torch script; returns the last loss."""
     loss = torch.tensor(float("nan"))
     for epoch in range(first_epoch, epochs):
@@ -48,7 +48,7 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_sc
             loss = F.cross_entropy(model(x[idx]), y[idx])
             opt.zero_grad()
             loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             opt.step()
         sched.step()
     return loss.item()
@@ -101,8 +101,14 @@ def main() -> None:
     # last saved step, with its optimizer state and schedule: skip the epochs done
     first_epoch = opt.start_step // -(-len(shard) // a.batch)
 
+    # smb2: with delta the ranks' changes average into one step, DDP's arithmetic; each rank clips
+    # its own gradient (a mean over its batch), which carries sqrt(W) times the noise of the mean
+    # over the W ranks' batches that DDP clips: clipping at sqrt(W) times DDP's threshold clips
+    # about as often as DDP does (docs/training.md, "Stability").  DiLoCo's inner steps are each
+    # rank's own local training: clipped as in one process
+    max_norm = 1.0 * opt.world ** 0.5 if a.rule == "delta" else 1.0
     t0 = time.perf_counter()
-    loss = train(model, opt, sched, xtr, ytr, shard, a.epochs, a.batch, first_epoch)
+    loss = train(model, opt, sched, xtr, ytr, shard, a.epochs, a.batch, first_epoch, max_norm)
     stats = opt.stats()
     end = opt.close(wait_all=300)  # smb2: wait for every rank, take the weights they trained
 

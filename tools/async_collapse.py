@@ -150,7 +150,8 @@ def _train_one(a: argparse.Namespace, ex: Any, digits: tuple[Any, ...], rank: in
     final = ex.accuracy(model, xte, yte) if error is None else None
     return {"rank": rank, "steps": step, "reached_s": None if reached is None else round(reached, 2),
             "best": round(best, 2), "curve": curve[-8:], "final": None if final is None else round(final, 2),
-            "error": error, "guard": {k: stats.get(k) for k in ("skipped", "max_version_lag", "lag_scaled")},
+            "error": error,
+            "guard": {k: stats.get(k) for k in ("skipped", "max_version_lag", "lag_scaled", "collapses")},
             "open_s": round(open_s, 2), "close_s": round(stats.get("close_s", 0.0), 2),
             "eval_s": round(off_clock, 2), "wall_s": round(time.perf_counter() - t_open, 2)}
 

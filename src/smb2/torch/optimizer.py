@@ -104,6 +104,10 @@ log = logging.getLogger("smb2.torch")
 PUSH_DTYPES = {"float32": None, "float64": None, "bfloat16": "bfloat16", "float16": "float16"}
 #: the rules whose pushes may travel narrower than the store's dtype
 WIRED_RULES = ("delta", "diloco")
+#: the layers whose weight rows are units (an output feature or channel) the collapse watch counts
+#: as dead when their gradient is exactly zero (not an embedding: its rows are inputs, and the
+#: rows of the tokens a batch lacks get no gradient in any healthy run)
+UNIT_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
 def check_plain_sgd(optimizer: torch.optim.Optimizer, rule: str) -> None:
@@ -255,6 +259,11 @@ class AsyncOptimizer(torch.optim.Optimizer):
                                              1.0 / self.world if averaged or not param else 1.0, param)
                                        for n, t, param in self._entries], flat.size, flat.dtype)
         self._register = self.staging.cuda
+        #: the weights of the model's Linear and Conv layers in the store: their rows (a unit: an output
+        #: feature or channel) are what the collapse watch counts as dead or alive
+        mine = {id(e.tensor) for e in self.staging.entries if e.param}
+        self._unit_weights = [m.weight for m in model.modules() if isinstance(m, UNIT_LAYERS)
+                              and isinstance(m.weight, torch.Tensor) and id(m.weight) in mine and m.weight.dim() >= 2]
         self.staging.swap(flat, None)          # rank 0's values (or the resumed ones) for everyone
         self._free: list[Exchange] = []
         self._inflight: collections.deque[Exchange] = collections.deque()
@@ -427,7 +436,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
 
     def _watch_gradients(self) -> None:
         """Show this step's gradients to the collapse watch (a few times a
-        second: it costs one device sync): which tensors' are exactly zero."""
+        second: it costs one device sync): which tensors' are exactly zero,
+        and how many units (rows of a Linear or Conv weight) got none."""
         watch = self.store.watch
         if not watch.due("gradients"):
             return
@@ -436,9 +446,16 @@ class AsyncOptimizer(torch.optim.Optimizer):
                      if e.param and e.tensor.grad is not None]
             if not grads:
                 return
-            alive = torch.stack([g.any() for _, g in grads]).tolist()
+            # one pass over each gradient: a unit layer's weight is read row by row (its rows'
+            # flags also say whether any of it is alive), every other tensor whole
+            rows = {id(w.grad): w.grad.reshape(w.shape[0], -1).any(1) for w in self._unit_weights
+                    if w.grad is not None and not w.grad.is_sparse}
+            flags = [rows[id(g)] if id(g) in rows else g.any().reshape(1) for _, g in grads]
+            counts = torch.stack([f.any() for f in flags] + [(~f).sum() for f in rows.values()]).tolist()
+        alive = counts[:len(grads)]
         watch.see_gradients(self.steps + 1, sum(n for (n, _), a in zip(grads, alive) if not a),
-                            sum(n for n, _ in grads))
+                            sum(n for n, _ in grads), int(sum(counts[len(grads):])),
+                            sum(f.numel() for f in rows.values()))
 
     def _take(self) -> Exchange:
         if self._free:
