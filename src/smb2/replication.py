@@ -32,7 +32,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from . import _core
@@ -226,6 +226,34 @@ def degraded(placement: Placement, labels: Sequence[str], view: View) -> bool:
                for i in range(min(placement.nstripes, placement.nservers)))
 
 
+def without_copy(placement: Placement, labels: Sequence[str], members: Collection[str]) -> int | None:
+    """The first stripe with no copy on a server of ``members`` (None: every
+    stripe has one)."""
+    for i in range(min(placement.nstripes, placement.nservers)):
+        if not any(labels[s] in members for s in placement.replicas_of(i)):
+            return i
+    return None
+
+
+def check_creatable(name: str, placement: Placement, labels: Sequence[str], view: View,
+                    away: Collection[int]) -> None:
+    """Refuse to create the buffer ``name`` when a stripe would have no copy
+    on a member server once the servers ``away`` (indices: out of ``view``,
+    or not answering) are left out; their parts are made when they rejoin."""
+    members = set(view.members) - {labels[k] for k in away}
+    i = without_copy(placement, labels, members)
+    if i is None:
+        return
+    down = ", ".join(labels[k] for k in sorted(away))
+    raise TransportError(
+        f"buffer {name!r} cannot be created with replicas={placement.replicas} now: servers {down} are down or "
+        f"out of the membership view (epoch {view.epoch}), and they would hold every copy of bytes "
+        f"{i * placement.stripe}-{min((i + 1) * placement.stripe, placement.nbytes)}",
+        server=labels[min(away)] if away else None,
+        hint="restart those servers (they rejoin by themselves: `smb2 stat` shows them as members again), "
+             "then create it; or create it with more replicas")
+
+
 def _pieces(placement: Placement, offset: int, length: int, limit: int) -> list[tuple[int, int, int]]:
     """``(stripe, buffer offset, bytes)`` of ``[offset, offset+length)``,
     each within one stripe and at most ``limit`` bytes."""
@@ -294,15 +322,14 @@ def _keeping_a_copy(buf: ReplicatedBuffer, server: str, view: View, exc: Smb2Err
     """``server``, if taking it out of ``view`` leaves every stripe of the
     buffer a member copy; else the error is raised (a stripe without a
     member copy could never be caught up again)."""
-    members = set(view.members) - {server}
     p = _layout(buf)
-    for i in range(min(p.nstripes, p.nservers)):
-        if not any(buf.links[s].label in members for s in p.replicas_of(i)):
-            raise TransportError(
-                f"buffer {buf.name!r}: server {server} failed ({exc.message}), and it holds the last member copy "
-                f"of bytes {i * p.stripe}-{min((i + 1) * p.stripe, buf.nbytes)}: it stays in the view",
-                server=server, hint="restart the lost servers (with their --data-dir): the buffer goes on once "
-                                    "they are back") from None
+    i = without_copy(p, [link.label for link in buf.links], set(view.members) - {server})
+    if i is not None:
+        raise TransportError(
+            f"buffer {buf.name!r}: server {server} failed ({exc.message}), and it holds the last member copy "
+            f"of bytes {i * p.stripe}-{min((i + 1) * p.stripe, buf.nbytes)}: it stays in the view",
+            server=server, hint="restart the lost servers (with their --data-dir): the buffer goes on once "
+                                "they are back") from None
     return server
 
 
