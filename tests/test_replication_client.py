@@ -228,6 +228,10 @@ async def test_a_replicated_buffer_is_made_while_a_server_is_down(replicated: sm
         assert [await small.fetch_add(8 * k, 0) for k in range(3)] == [5, 5, 5]
         again = await client.attach("made-down")
         assert np.array_equal(await again.read(0, buf.nbytes), data)
+        # made again larger (as the optimizer's state slots grow): destroyed on the servers up
+        assert await client.destroy("made-down-2")
+        bigger = await client.create("made-down-2", 48, stripe=8, replicas=2)
+        assert [await bigger.fetch_add(8 * k, 0) for k in range(6)] == [0] * 6
 
         # with two of three servers down, a stripe would have no copy: refused in plain words
         await replicated.kill(2)

@@ -380,12 +380,28 @@ class Client:
         return buf
 
     async def destroy(self, name: str, *, timeout: float | None = None) -> bool:
-        """Destroy the buffer on every server; True if any server had it."""
+        """Destroy the buffer on every server; True if any server had it.  A
+        replicated buffer is destroyed on the servers that are up while the
+        others are out of the membership view: those drop their parts when
+        they rejoin (no member has the buffer any more)."""
         self.ensure_open()
         _check_name(name)
-        results = await self._each(({"cmd": "destroy", "name": name} for _ in self._links), timeout,
-                                   idempotent=False)
-        return any(r.get("destroyed") for r in results)
+        t = self.deadline(timeout)
+        results = await asyncio.gather(*(_control(link, {"cmd": "destroy", "name": name}, t, idempotent=False)
+                                         for link in self._links), return_exceptions=True)
+        done = [r for r in results if isinstance(r, dict)]
+        failed = [k for k, r in enumerate(results) if not isinstance(r, dict)]
+        if failed and all(isinstance(results[k], TransportError) for k in failed) and any(
+                (r.get("replicas") or 1) > 1 for r in done):
+            view = await (await self.views()).current()
+            away = [self.servers[k] for k in failed]
+            if not any(s in view.members or s in view.joining for s in away):
+                log.warning("buffer %r destroyed on the servers that are up; %s, out of the view, drop their "
+                            "parts when they rejoin", name, ", ".join(away))
+                return True
+        if failed:
+            raise _first_error([r for r in results if isinstance(r, BaseException)])
+        return any(r.get("destroyed") for r in done)
 
     async def buffers(self, *, timeout: float | None = None) -> list[str]:
         """Names of the buffers that exist on the cluster."""
