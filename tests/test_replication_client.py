@@ -241,6 +241,7 @@ async def test_a_replicated_buffer_is_made_while_a_server_is_down(replicated: sm
         assert err.value.hint is not None and "restart those servers" in err.value.hint
 
 
+@pytest.mark.slow
 async def test_operations_wait_out_a_slow_etcd(replicated: smb2.LocalCluster) -> None:
     # etcd paused longer than the view lease (1 s) and one request's timeout (2 s) together, so a view
     # read times out: it is tried again (membership.PATIENCE) and the operations wait; none fails,

@@ -124,6 +124,7 @@ def test_training_goes_on_through_a_lost_server_with_two_replicas_and_ends_clear
     assert "replicas=2" in err, err[-5000:]
 
 
+@pytest.mark.slow
 def test_the_optimizer_state_is_saved_when_a_server_was_lost_before_the_first_save(
         cluster: tuple[LoopThread, smb2.LocalCluster]) -> None:
     # the state's save slots (<store>/optim/<rank>, replicas=2) are first made after the kill: made on
