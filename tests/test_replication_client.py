@@ -213,6 +213,9 @@ async def test_a_replicated_buffer_is_made_while_a_server_is_down(replicated: sm
         data = np.random.default_rng(3).integers(0, 256, buf.nbytes, dtype=np.uint8)
         await buf.write(0, data)
         small = await client.create("made-down-2", 24, stripe=8, replicas=2)     # server 0 out of the view now
+        async with client.replicated_lock("made-down") as lock:       # its words made on first use
+            assert lock.locked()
+        assert (await client.attach("lock:made-down")).replicas == 2
         for k in range(3):
             assert await small.fetch_add(8 * k, 5) == 0
         assert await buf.degraded() and await small.degraded()

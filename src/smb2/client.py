@@ -344,6 +344,16 @@ class Client:
         if errors and len(unreachable) == len(errors) and any((i.get("replicas") or 1) > 1 for i in found):
             # a replicated buffer goes on without the servers it cannot reach
             return await self._attach_without(name, infos, {k: results[k] for k in unreachable})
+        if errors and len(unreachable) == len(errors) and not found and self._replicated_cluster():
+            # every server that answered has no part, and a buffer has a part on every server: it does not
+            # exist (so a replicated one can be created without the servers that are down)
+            views = await self.views()
+            view = await views.current()
+            for k in unreachable:
+                err = results[k]
+                assert isinstance(err, TransportError)
+                view = await views.stop_using(self.servers[k], view, err.message)
+            raise next(r for r in results if isinstance(r, NoSuchBuffer))
         if errors:
             raise _first_error(errors)
         if found:
@@ -357,6 +367,11 @@ class Client:
         if len(found) < len(infos):
             raise next(r for r in results if isinstance(r, NoSuchBuffer))
         return Buffer(self, name, found)
+
+    def _replicated_cluster(self) -> bool:
+        """Whether the servers keep a membership view (said at hello)."""
+        return any(link.transport is not None and link.transport.server_info.get("membership")
+                   for link in self._links)
 
     async def _attach_without(self, name: str, infos: list[dict[str, Any] | None],
                               failed: dict[int, Any]) -> Buffer:
