@@ -89,6 +89,12 @@ def main() -> None:
     opt = make_optimizer(model, a.optimizer)
     rule = {"rule": a.rule} if a.local_steps is None else {"rule": a.rule, "local_steps": a.local_steps}
     opt = smb2.torch.AsyncOptimizer(opt, model, name=a.name, staleness=a.staleness, **rule)  # smb2
+    if a.rule == "diloco" and a.optimizer == "sgd":
+        # smb2, rule diloco: each worker's round counts 1/W, so the shared model learns per sample
+        # as DDP does at W times the batch: scale the inner lr by W, as DDP users do (the linear
+        # scaling rule; docs/training.md, "DiLoCo"), before the schedule takes it as its start
+        for group in opt.param_groups:
+            group["lr"] *= opt.world
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     shard = torch.arange(opt.rank, len(xtr), opt.world)  # smb2: this rank's share of the data
     # smb2: a resumed store (a crash, a torchrun restart) continues at this rank's

@@ -83,9 +83,12 @@ def test_bytes_per_step_match_model_and_rule(result: dict) -> None:
         want = r["expected_bytes_per_step"]
         measured = r["link_bytes_per_step"]
         assert len(measured) == r["workers"]
-        if want is None:                 # diloco: one pseudo-gradient every H steps, in bf16 by default
+        if want is None:
+            # diloco, a round of H steps (bytes a parameter): two bf16 accumulates and the pull (8), and
+            # for the worker whose push completes a group of W the momentum step too (read 8, write 6):
+            # at most 22, under 3 of the default's float32 steps (8 each)
             full = rows["default"]["link_bytes_per_step"]
-            assert all(0 < m < 2 / bench_tta.DILOCO_H * f for m, f in zip(measured, full)), (name, measured, full)
+            assert all(0 < m < 3 / bench_tta.DILOCO_H * f for m, f in zip(measured, full)), (name, measured, full)
             continue
         # on the wire: the rule's payload plus Ethernet/IP/TCP headers and acks (a few %)
         for m in measured:

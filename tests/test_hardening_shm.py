@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import mmap
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +26,7 @@ import pytest
 import smb2
 from smb2 import _core
 from smb2.errors import LockTimeout, TransportError
+from smb2.local_etcd import etcd_binary
 from smb2.protocol import LOCK_SEGMENT
 from smb2.transport import ShmTransport
 from test_hardening_server import server_process, well_behaved
@@ -182,6 +186,74 @@ async def test_a_client_cannot_resize_handed_out_memory() -> None:
                     pass
         assert s.proc.poll() is None, s.stderr()
         await well_behaved(s.address)
+
+
+# what a hostile same-host client does with a read-only mapping: make it
+# writable (mprotect), then store through it anyway
+_STORE_THROUGH_A_READ_ONLY_MAPPING = r"""
+import ctypes, mmap, sys
+import numpy as np
+fd, size = int(sys.argv[1]), int(sys.argv[2])
+mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+addr = np.frombuffer(mm, np.uint8).ctypes.data
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.mprotect(ctypes.c_void_p(addr), ctypes.c_size_t(mmap.PAGESIZE), 3) != 0:
+    print("mprotect refused", ctypes.get_errno(), flush=True)
+ctypes.memset(addr, 0x41, 8)
+print("stored", flush=True)
+"""
+
+
+@pytest.mark.server_process_only
+async def test_a_same_host_client_cannot_write_one_copy_of_a_replicated_buffer() -> None:
+    """A replicated buffer's copies change only through its primary: a shm
+    client that claims the segment's memfd itself can map it only read-only
+    (mmap with PROT_WRITE, write(), a reopen through /proc and mprotect are
+    refused; a store through the mapping dies of SIGSEGV), and every copy
+    stays as written.  An unreplicated buffer's memfd still maps writable."""
+    try:
+        etcd_binary()
+    except Exception:
+        pytest.skip("needs etcd (tools/host_deps.sh installs etcd-server)")
+    async with smb2.LocalCluster(servers=2, processes=True, replicated=True, capacity="64MiB") as cluster:
+        async with await smb2.connect(cluster.addresses, transport="shm") as c:
+            buf = await c.create("two", 2 * MiB, stripe=MiB, replicas=2)
+            plain = await c.create("one", MiB)
+            await buf.write(0, np.ones(buf.nbytes, np.uint8))
+            # one-sided reads from the client's (read-only) mapping of each primary
+            assert (await buf.read(0, buf.nbytes) == 1).all()
+            grant = await shm_of(c).control({"cmd": "shm_grant", "segments": [buf.segments[0], plain.segments[0]]})
+            rep, unrep = claim_fds(grant["path"], grant["ticket"])
+            try:
+                mmap.mmap(unrep, os.fstat(unrep).st_size, flags=mmap.MAP_SHARED).close()
+                size = os.fstat(rep).st_size
+                with pytest.raises(PermissionError):
+                    mmap.mmap(rep, size, flags=mmap.MAP_SHARED)
+                with pytest.raises(PermissionError):
+                    os.pwrite(rep, b"x", 0)
+                reopened = os.open(f"/proc/self/fd/{rep}", os.O_RDWR)
+                try:
+                    with pytest.raises(PermissionError):
+                        mmap.mmap(reopened, size, flags=mmap.MAP_SHARED)
+                    with pytest.raises(PermissionError):
+                        os.pwrite(reopened, b"x", 0)
+                finally:
+                    os.close(reopened)
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", _STORE_THROUGH_A_READ_ONLY_MAPPING, str(rep), str(size),
+                    pass_fds=(rep,), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                out, err = (b.decode() for b in await asyncio.wait_for(proc.communicate(), 60))
+                assert proc.returncode == -signal.SIGSEGV, (proc.returncode, out, err)
+                assert f"mprotect refused {errno.EACCES}" in out and "stored" not in out
+                mm = mmap.mmap(rep, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                assert bytes(mm[:MiB]) == b"\x01" * MiB      # this server's copy is as written
+                mm.close()
+            finally:
+                os.close(rep)
+                os.close(unrep)
+            assert (await buf.read(0, buf.nbytes) == 1).all()
+            await plain.write(0, b"p" * 8)           # the unreplicated fast path writes its mapping
+            assert bytes(await plain.read(0, 8)) == b"p" * 8
 
 
 # -- 3. lock words a client cannot wedge --------------------------------------------

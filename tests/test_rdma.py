@@ -96,6 +96,36 @@ async def test_mr_without_remote_write_gives_a_clear_error() -> None:
 
 
 @needs_rdma
+@pytest.mark.server_process_only     # about the servers' registration: one client loop is enough
+async def test_a_replicated_buffer_is_registered_without_remote_write_or_atomics() -> None:
+    """A replicated buffer's copies change only through its primary: a
+    client of its own that RDMA-writes or does a one-sided atomic on one copy
+    gets a remote access error from the NIC, and the copies stay as written;
+    RDMA READs of it work."""
+    from smb2.local_etcd import etcd_binary
+    try:
+        etcd_binary()
+    except Exception:
+        # the soft-RoCE VM's image carries etcd-server (tools/rxe_vm.sh)
+        pytest.skip("needs etcd (tools/host_deps.sh installs etcd-server)")
+    async with smb2.LocalCluster(servers=2, replicated=True, capacity="64MiB") as cluster:
+        client = await cluster.connect(transport="rdma")
+        buf = await client.create("copies", 2 * MiB, stripe=MiB, replicas=2)
+        await buf.write(0, np.ones(buf.nbytes, np.uint8))         # through the primaries
+        assert (await buf.read(0, buf.nbytes) == 1).all()           # RDMA READs
+        t = client.links[0].open
+        seg = buf.segments[0]
+        with pytest.raises(smb2.TransportError, match="remote access error"):
+            await t.write([memoryview(b"one copy")], seg, 0, 8)
+        with pytest.raises(smb2.TransportError, match="remote access error"):
+            await t.fetch_add(seg, 0, 1)
+        assert (await buf.read(0, buf.nbytes) == 1).all()
+        for server in cluster.servers:
+            assert server.rdma is not None
+            assert server.rdma.access_of(server.by_name["copies"]) == server.rdma.replica_access
+
+
+@needs_rdma
 @pytest.mark.parametrize("poll", ["event", "busy"])
 async def test_poll_modes(poll: str) -> None:
     async with smb2.LocalCluster(servers=2) as cluster:

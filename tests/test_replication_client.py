@@ -17,6 +17,7 @@ import pytest
 
 import smb2
 from smb2 import _core, cli
+from smb2.membership import open_membership
 from smb2.placement import Placement
 
 MiB = 1 << 20
@@ -276,3 +277,36 @@ async def test_operations_wait_out_a_slow_etcd(replicated: smb2.LocalCluster) ->
         assert sum(counts) > before
         assert [await ctr.fetch_add(8 * k, 0) for k in range(3)] == counts
         assert (await (await client.views()).refresh()).epoch == epoch
+
+
+async def test_connect_goes_on_with_a_replicated_clusters_server_down(replicated: smb2.LocalCluster,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A new client connects while a server of a replicated cluster is down
+    (logged); attach takes the server out of the view, and the replicated
+    buffer is whole for it, degraded, and takes writes.  With a second
+    server down, attach raises and leaves the last member copy in the view."""
+    async with await smb2.connect(replicated.addresses, transport="tcp") as first:
+        buf = await first.create("on", 3 * MiB, stripe=MiB, replicas=2)
+        data = np.random.default_rng(5).integers(0, 256, buf.nbytes, dtype=np.uint8)
+        await buf.write(0, data)
+    victim = replicated.addresses[1]
+    await replicated.kill(1)
+    caplog.set_level(logging.WARNING, logger="smb2.client")
+    async with await smb2.connect(replicated.addresses, transport="tcp") as late:
+        assert late.transports[1] == "-"
+        assert any(victim + " is unreachable at connect" in r.getMessage() for r in caplog.records)
+        again = await late.attach("on")
+        # attach takes it out of the view: every stripe keeps a member copy without it
+        assert any("stopped using server " + victim in r.getMessage() for r in caplog.records)
+        assert np.array_equal(await again.read(0, again.nbytes), data)
+        assert await again.degraded()
+        await again.write(0, np.zeros(MiB, np.uint8))
+        assert (await again.read(0, MiB) == 0).all()
+    # a second server down: a stripe's last member copy is on it, so attach
+    # raises and takes nothing out of the view
+    await replicated.kill(2)
+    async with await smb2.connect(replicated.addresses, transport="tcp") as last:
+        with pytest.raises(smb2.TransportError, match="do not answer"):
+            await last.attach("on")
+        async with open_membership(replicated.membership_url) as m:
+            assert replicated.addresses[2] in (await m.view()).members

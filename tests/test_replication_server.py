@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from smb2 import _core, auth
+from smb2 import Buffer, _core, auth
 from smb2.errors import ErrorCode, MembershipError
 from smb2.local_etcd import LocalEtcd, etcd_binary, free_port
 from smb2.membership import NO_VIEW, View, open_membership
@@ -392,6 +392,38 @@ async def server_stat(address: str) -> dict:
 REPAIR_WITHIN = 10.0
 
 
+class Increments:
+    """Writers accumulating int64 ones at random places of ``buf`` until
+    stopped, recording what each sent and which were acknowledged: the
+    buffer must then hold at least every acknowledged one, at most every
+    one sent."""
+
+    def __init__(self, buf: Buffer, writers: int = 2, most: int = 2048) -> None:
+        self.buf, self.n = buf, buf.nbytes // 8
+        self.acked = np.zeros(self.n, np.int64)
+        self.sent = np.zeros(self.n, np.int64)
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._writer(k, most)) for k in range(writers)]
+
+    async def _writer(self, k: int, most: int) -> None:
+        rng = np.random.default_rng(k)
+        while not self._stop.is_set():
+            m = int(rng.integers(1, most))
+            at = int(rng.integers(0, self.n - m))
+            self.sent[at:at + m] += 1
+            await self.buf.accumulate(8 * at, np.ones(m, np.int64))
+            self.acked[at:at + m] += 1
+
+    async def stop(self) -> np.ndarray:
+        """Stop the writers; the buffer's contents, checked."""
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        whole = np.frombuffer(await self.buf.read(0, self.buf.nbytes), np.int64)
+        assert self.acked.sum() > 0
+        assert np.all(whole >= self.acked) and np.all(whole <= self.sent)
+        return whole
+
+
 @pytest.mark.slow
 async def test_killed_server_rejoins_and_is_whole_again_while_writes_go_on() -> None:
     """SIGKILL a server of three (replicas=2) under a stream of accumulates,
@@ -404,21 +436,7 @@ async def test_killed_server_rejoins_and_is_whole_again_while_writes_go_on() -> 
     async with smb2.LocalCluster(servers=3, processes=True, replicated=True, capacity="64MiB") as cluster:
         async with await smb2.connect(cluster.addresses) as client:
             buf = await client.create("heal", 4 * MiB, stripe=MiB, replicas=2)
-            n = buf.nbytes // 8
-            acked = np.zeros(n, np.int64)
-            sent = np.zeros(n, np.int64)
-            stop = asyncio.Event()
-
-            async def writer(k: int) -> None:
-                rng = np.random.default_rng(k)
-                while not stop.is_set():
-                    m = int(rng.integers(1, 2048))
-                    at = int(rng.integers(0, n - m))
-                    sent[at:at + m] += 1
-                    await buf.accumulate(8 * at, np.ones(m, np.int64))
-                    acked[at:at + m] += 1
-
-            tasks = [asyncio.create_task(writer(k)) for k in range(2)]
+            writes = Increments(buf)
             await asyncio.sleep(0.5)
             await cluster.kill(1)
             await asyncio.sleep(1.0)
@@ -432,11 +450,7 @@ async def test_killed_server_rejoins_and_is_whole_again_while_writes_go_on() -> 
                 await asyncio.sleep(0.1)
             took = time.monotonic() - t0
             await asyncio.sleep(0.5)        # updates flow to the rejoined copy too
-            stop.set()
-            await asyncio.gather(*tasks)
-            want_lo, want_hi = acked.copy(), sent.copy()
-            whole = np.frombuffer(await buf.read(0, buf.nbytes), np.int64)
-            assert np.all(whole >= want_lo) and np.all(whole <= want_hi)
+            whole = await writes.stop()
             p = Placement(3, buf.nbytes, MiB, _core.name_hash("heal") % 3, 2)
             parts = [await segment_bytes(a, "heal") for a in cluster.addresses]
             for i in range(p.nstripes):
@@ -502,3 +516,154 @@ async def test_pipelined_large_writes_reach_the_backups_intact() -> None:
                 for s in p.replicas_of(i):
                     copy = parts[s][1][p.offset_on(s, i):p.offset_on(s, i) + mib]
                     assert copy == data[i * mib:(i + 1) * mib].tobytes(), f"stripe {i} on server {s}"
+
+
+async def _epoch_known(address: str, epoch: int) -> None:
+    """Wait until the server at ``address`` holds view ``epoch`` and is a member."""
+    t0 = time.monotonic()
+    while True:
+        st = (await server_stat(address))["replication"]
+        if st["epoch"] >= epoch and st["state"] == "member":
+            return
+        assert time.monotonic() - t0 < 20, st
+        await asyncio.sleep(0.05)
+
+
+async def _paused_primary_answers(cluster, primary: int, seg: int, offset: int, epoch: int,
+                                  during_pause) -> tuple[int, dict | bytes]:
+    """SIGSTOP ``primary`` with a replicated accumulate under ``epoch`` queued
+    on its socket, run ``during_pause()`` (the failover), SIGCONT it past its
+    lease, and return its late answer."""
+    import signal
+    raw = await Raw.open(cluster.addresses[primary])
+    try:
+        os.kill(cluster.pid(primary), signal.SIGSTOP)
+        try:
+            raw.rid += 1
+            client = int.from_bytes(os.urandom(8), "little")
+            raw.writer.write(frame(Op.ACCUMULATE, prefix(epoch, client, 1) + np.ones(2, np.float64).tobytes(),
+                                   rid=raw.rid, segment=seg, offset=offset,
+                                   flags=FLAG_REPLICATED | (2 << DTYPE_SHIFT)))
+            await raw.writer.drain()
+            await during_pause()
+            # the clients' view lease: nobody acts on the new view before this
+            await asyncio.sleep(1.0)
+        finally:
+            os.kill(cluster.pid(primary), signal.SIGCONT)
+        hdr, body = await asyncio.wait_for(reply(raw.reader), 10)
+        return hdr[4], (msgpack.unpackb(body) if hdr[4] else body)
+    finally:
+        raw.close()
+
+
+@pytest.mark.slow
+async def test_a_paused_old_primary_acknowledges_nothing_after_the_failover() -> None:
+    """A primary SIGSTOPped with an op queued, removed from the view while it
+    sleeps, and resumed: its late answer is a refusal, never an ack.  First
+    with its backup alive (the backup, on the new view, refuses the forward),
+    then the case the backups cannot cover: a stripe whose only live copy was
+    the primary (its backup was lost before), where only the server's lease
+    on its view stops the ack.  The acknowledged write of the new primary is
+    kept."""
+    import smb2
+    async with smb2.LocalCluster(servers=3, processes=True, replicated=True, capacity="64MiB") as cluster:
+        addrs = cluster.addresses
+        p, segs = await create(cluster, "paused")
+        prim, backup = p.replicas_of(0)
+        other = next(k for k in range(3) if k not in (prim, backup))
+        await _epoch_known(addrs[prim], 1)
+
+        async def fail_over_to_backup() -> None:
+            # what a client does when the primary stops answering
+            v = await cluster_change(cluster, [a for k, a in enumerate(addrs) if k != prim])
+            # ... and its next write, on the new primary, acknowledged
+            raw = await Raw.open(addrs[backup])
+            st, msg = await raw.op(Op.WRITE, segs[backup], p.offset_on(backup, 0) + 64,
+                                   prefix(v.epoch, 78, 1) + b"N" * 8, FLAG_REPLICATED)
+            raw.close()
+            assert st == 0, msg
+
+        st, msg = await _paused_primary_answers(cluster, prim, segs[prim], p.offset_on(prim, 0), 1,
+                                                fail_over_to_backup)
+        assert st in (ErrorCode.NOT_MEMBER, ErrorCode.STALE_EPOCH), (st, msg)
+        raw = await Raw.open(addrs[backup])
+        kept = await raw.read(segs[backup], p.offset_on(backup, 0), 72)
+        raw.close()
+        assert kept[64:72] == b"N" * 8 and kept[:16] == bytes(16)
+
+        # the old primary rejoins; then the stripe's backup is lost for good
+        t0 = time.monotonic()
+        while addrs[prim] not in (v := await _view(cluster)).members:
+            assert time.monotonic() - t0 < 20, v
+            await asyncio.sleep(0.1)
+        await cluster.kill(backup)
+        v = await cluster_change(cluster, [a for k, a in enumerate(addrs) if k != backup])
+        await _epoch_known(addrs[prim], v.epoch)
+        removed = []
+
+        async def remove_primary() -> None:
+            # a client of another buffer removes the paused server: the stripe
+            # it held alone has no member copy now
+            removed.append(await cluster_change(cluster, [addrs[other]]))
+
+        st, msg = await _paused_primary_answers(cluster, prim, segs[prim], p.offset_on(prim, 0), v.epoch,
+                                                remove_primary)
+        assert st in (ErrorCode.NOT_MEMBER, ErrorCode.STALE_EPOCH), \
+            f"the old primary acknowledged an op after the view that removed it (epoch {removed[0].epoch})"
+
+
+async def _view(cluster) -> View:
+    async with open_membership(cluster.membership_url) as m:
+        return await m.view()
+
+
+async def cluster_change(cluster, members: list[str]) -> View:
+    async with open_membership(cluster.membership_url) as m:
+        v = await m.view()
+        new = await m.change(v, members=members)
+        assert new.epoch == v.epoch + 1, (v, new)
+        return new
+
+
+async def test_a_client_cannot_forge_a_forward_when_the_servers_share_a_peer_token(etcd):
+    """A client on the primary's own host that says it is the primary (the
+    source address check passes) is not taken as a peer: it cannot prove the
+    servers' peer token, so its forwarded write is refused and a wrong proof
+    closes the connection; the servers' own forwards still land."""
+    peer_token = b"p" * 32
+    c = Cluster(etcd, 3)
+
+    async def start_one(i: int, **kw):
+        return await start_server("127.0.0.1", c.ports[i], membership=c.url, shm="off", rdma="off",
+                                  peer_token=peer_token, **kw)
+    c.start_one = start_one
+    await c.start()
+    try:
+        p, segs = await create(c, "forge")
+        primary, backup = p.replicas_of(0)
+        off = p.offset_on(backup, 0)
+        for proof in (None, b"\0" * 32):
+            host, port = c.addresses[backup].rsplit(":", 1)
+            raw = Raw(*await asyncio.open_connection(host, int(port)))
+            hdr, body = await raw.call_frame(control({"cmd": "hello", "version": VERSION, "transports": ["tcp"],
+                                                      "peer": c.addresses[primary]}))
+            assert hdr[4] == 0 and isinstance(msgpack.unpackb(body).get("peer_nonce"), bytes)
+            if proof is None:
+                st, msg = await raw.op(Op.WRITE, segs[backup], off, prefix(1, 5, 1) + b"f" * 8, FLAG_FORWARDED)
+                assert st == ErrorCode.ACCESS_DENIED, msg
+            else:
+                raw.rid += 1
+                hdr, body = await raw.call_frame(control({"cmd": "peer_auth", "nonce": os.urandom(32),
+                                                          "proof": proof}, raw.rid))
+                assert hdr[4] == ErrorCode.ACCESS_DENIED, msgpack.unpackb(body)
+                assert await raw.reader.read() == b""       # closed
+            raw.close()
+        raw = await Raw.open(c.addresses[primary])
+        st, msg = await raw.op(Op.WRITE, segs[primary], p.offset_on(primary, 0), prefix(1, 3, 1) + b"t" * 8,
+                               FLAG_REPLICATED)
+        raw.close()
+        assert st == 0, msg
+        copies = await replica_bytes(c, p, segs, 0)
+        assert copies[0][:8] == copies[1][:8] == b"t" * 8
+    finally:
+        await c.close()

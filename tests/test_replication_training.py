@@ -153,7 +153,7 @@ def test_the_optimizer_state_is_saved_when_a_server_was_lost_before_the_first_sa
     opt.close()         # the last save is written here, on the two servers left
     assert opt.steps == 5
     saved = opt.state_dict()
-    # a new client needs every server (connect): the lost one back, a member again, caught up
+    # the lost server back, a member again, caught up on the slots made while it was away
     loop.run(c.restart(1))
 
     async def whole() -> bool:

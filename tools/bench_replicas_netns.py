@@ -387,12 +387,12 @@ async def repair(cluster: netns_cluster.NetnsCluster, main: MainThread, size: in
             rows.append({"restart_s": round(t_ready - t_restart, 3), "repair_s": round(t_member - t_restart, 3)})
         # every copy on the rejoined server holds the data
         host, port = cluster.servers[victim].rsplit(":", 1)
-        segment = (await client.stat())[victim]["buffers"][name]["segment"]
         bad = []
         for i in range(p.nstripes):
             if victim in p.replicas_of(i):
                 want = data[i * stripe:(i + 1) * stripe]
-                got = await read_copy(host, int(port), segment, p.offset_on(victim, i), len(want))
+                got = await read_copy(host, int(port), cluster.servers[victim], p.offset_on(victim, i), len(want),
+                                      name=name)
                 if got != want.tobytes():
                     bad.append(i)
         await client.destroy(name)

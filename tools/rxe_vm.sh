@@ -88,7 +88,8 @@ SUITE=bookworm
 # They live IN the image rather than coming from the host venv over a 9p
 # share: that works too, but every import then goes over 9p and Python-heavy
 # tests ran 3-5x slower.
-GUEST_PKGS="python3,python3-pip,python3-pyverbs,rdma-core,ibverbs-providers,ibverbs-utils,iproute2,kmod,mount,procps,busybox-static"
+# etcd-server: the replicated buffers' membership, so the tier runs them over rdma too
+GUEST_PKGS="python3,python3-pip,python3-pyverbs,rdma-core,ibverbs-providers,ibverbs-utils,iproute2,kmod,mount,procps,busybox-static,etcd-server"
 [ -n "${RXE_VM_EXTRA_PKGS:-}" ] && GUEST_PKGS="$GUEST_PKGS,$RXE_VM_EXTRA_PKGS"
 
 SHARES=()

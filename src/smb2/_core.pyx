@@ -1030,18 +1030,30 @@ cdef uint64_t *_word_at(uint8_t[::1] mem, Py_ssize_t offset) except NULL:
     return p
 
 
-def atomic_load(uint8_t[::1] mem, Py_ssize_t offset):
+cdef uint64_t *_word_read(const uint8_t[::1] mem, Py_ssize_t offset) except NULL:
+    # _word_at for what only reads the word (a load, a futex wait): it takes
+    # read-only memory too, such as a shm client's mapping of a replicated
+    # segment (the server hands those out unwritable)
+    if offset < 0 or offset % 8 or offset + 8 > mem.shape[0]:
+        raise ValueError(f"no aligned 8-byte word at offset {offset} of {mem.shape[0]} bytes")
+    cdef uint64_t *p = <uint64_t *>&mem[offset]
+    if <size_t>p % 8:
+        raise ValueError("the memory is not 8-byte aligned")
+    return p
+
+
+def atomic_load(const uint8_t[::1] mem, Py_ssize_t offset):
     """The u64 word at ``offset`` of ``mem``."""
-    return smb2_load64(_word_at(mem, offset))
+    return smb2_load64(_word_read(mem, offset))
 
 
-def load_after_stores(uint8_t[::1] mem, Py_ssize_t offset):
+def load_after_stores(const uint8_t[::1] mem, Py_ssize_t offset):
     """The u64 word at ``offset``, read after every store this thread made
     before is visible to all (a full fence, then a seq-cst load).  A shm
     writer reads its segment's state word so after its copy: if the word
     is still LIVE, the server, which changes the word before it snapshots
     the segment (a save), sees the whole copy (docs/reliability.md)."""
-    return smb2_load64_after_stores(_word_at(mem, offset))
+    return smb2_load64_after_stores(_word_read(mem, offset))
 
 
 def atomic_store(uint8_t[::1] mem, Py_ssize_t offset, uint64_t value):
@@ -1821,13 +1833,13 @@ FUTEX_TIMED_OUT = 2
 FUTEX_INTERRUPTED = 3
 
 
-def futex_wait_u64(uint8_t[::1] mem, Py_ssize_t offset, uint64_t expected, double timeout):
+def futex_wait_u64(const uint8_t[::1] mem, Py_ssize_t offset, uint64_t expected, double timeout):
     """Sleep while the u64 word at ``offset`` of ``mem`` is ``expected``, at
     most ``timeout`` seconds (negative: no limit).  Returns FUTEX_CHANGED
     at once if it is not, else FUTEX_WOKEN (which may be spurious: look at
     the word again), FUTEX_TIMED_OUT or FUTEX_INTERRUPTED.  The GIL is
     released while it sleeps."""
-    cdef uint64_t *p = _word_at(mem, offset)
+    cdef uint64_t *p = _word_read(mem, offset)
     cdef int r
     if smb2_load64(p) != expected:
         return FUTEX_CHANGED

@@ -37,6 +37,8 @@ log = logging.getLogger("smb2.auth")
 MECH: Final = "hmac-sha256"
 NONCE_SIZE: Final = 32
 ENV: Final = "SMB2_AUTH_TOKEN"
+# the servers' own secret (below): clients never hold it
+PEER_ENV: Final = "SMB2_PEER_TOKEN"
 # commands a connection may send before it has authenticated (the server's gate)
 PUBLIC_COMMANDS: Final = frozenset({"hello", "auth"})
 # a token file larger than this is not a token file (a wrong path, a key store)
@@ -44,6 +46,7 @@ MAX_TOKEN_FILE: Final = 64 << 10
 
 _CLIENT_LABEL: Final = b"smb2 client\0"
 _SERVER_LABEL: Final = b"smb2 server\0"
+_PEER_LABEL: Final = b"smb2 peer\0"
 
 
 def as_token(token: str | bytes | None) -> bytes | None:
@@ -95,6 +98,15 @@ def client_proof(token: bytes, server_nonce: bytes, client_nonce: bytes) -> byte
 
 def server_proof(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     return hmac.new(token, _SERVER_LABEL + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def peer_proof(peer_token: bytes, server_nonce: bytes, peer_nonce: bytes, name: str) -> bytes:
+    """What a server proves, after ``hello`` with ``peer``, to be taken as
+    the server ``name`` of a replicated cluster (its forwarded ops are
+    applied to a backup's copy).  The peer token is a second secret that
+    only the servers hold: the clients' token cannot forge it, so a client
+    cannot send a forward that changes one copy of a replicated stripe."""
+    return hmac.new(peer_token, _PEER_LABEL + server_nonce + peer_nonce + name.encode(), hashlib.sha256).digest()
 
 
 def check(expected: bytes, got: Any) -> bool:

@@ -59,7 +59,7 @@ async def _add_replication(client: Any, stats: list[dict[str, Any]]) -> None:
         return
     view = await (await client.views()).refresh()
     out: dict[str, Any] = {"epoch": view.epoch, "members": list(view.members), "joining": list(view.joining),
-                           "degraded": []}
+                           "replaced": [r.to_obj() for r in view.replaced], "degraded": []}
     for name, info in sorted(infos.items()):
         n = info["nservers"]
         placement = Placement(n, info["nbytes"], info["stripe"], _core.name_hash(name) % n, info["replicas"],
@@ -99,7 +99,8 @@ def _copies(r: dict[str, Any]) -> str:
         return ""
     if r.get("degraded"):
         return (f"; {r['replicas']} replicas, DEGRADED: some stripes have fewer copies (a server was lost; they "
-                "are whole again once it rejoins)")
+                "are whole again once it rejoins, or once other servers made new copies: smb2-server "
+                "--replace-after)")
     return f"; {r['replicas']} replicas"
 
 
@@ -159,10 +160,17 @@ async def _ls_partial(servers: list[str], args: argparse.Namespace) -> int:
                                          "parts": info["nservers"], "parts_seen": 0, "unreachable": down})
             row["parts_seen"] += 1
             if info.get("replicas", 1) > 1:
-                row.update(replicas=info["replicas"], degraded=True, whole=_whole_without(name, info, down))
+                # whole without the servers down where every reachable server's view says so
+                # (their copies were made again on the others: smb2-server --replace-after)
+                moved = info.get("degraded") is False and row.get("degraded") is not True
+                row.update(replicas=info["replicas"], degraded=not moved,
+                           whole=moved or _whole_without(name, info, down))
     _print_rows([seen[n] for n in sorted(seen)], args.json)
     if not all(row.get("whole") for row in seen.values()):
         print(f"HINT: buffers with a part on {', '.join(down)} cannot be read until it is back", file=sys.stderr)
+    elif not any(row.get("degraded") for row in seen.values()):
+        print(f"HINT: every buffer is whole on the servers left (the copies {', '.join(down)} held were made "
+              "again on the others); it can be restarted or left out", file=sys.stderr)
     else:
         print(f"HINT: every buffer has a copy of each stripe on the servers left; restart {', '.join(down)} "
               "(with its --data-dir) so that it rejoins and the buffers are whole again", file=sys.stderr)
@@ -317,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.cmd != "ls":
                 raise
             return await _ls_partial(servers or _servers_from_env(), args)
+        if args.cmd in ("stat", "ls") and "-" in client.transports:
+            # a replicated cluster's client went on without a server: say
+            # server by server what is there and what is not
+            await client.close()
+            partial = _stat_partial if args.cmd == "stat" else _ls_partial
+            return await partial(servers or _servers_from_env(), args)
         async with client:
             return await run(client, args)
     try:

@@ -23,6 +23,7 @@ buffer from its data directory under the same segment, nothing is sent and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -195,9 +196,10 @@ class Client:
         hello), which replicated buffers are routed by; InterfaceError where
         the servers run without a membership service."""
         if self._views is None:
-            # what each server said at hello (every link connected once, in connect)
-            infos = [link.transport.server_info if link.transport is not None else {} for link in self._links]
-            self._views = replication.Views.of_servers(infos, self.servers)
+            # what each server said at hello (every link that connected once,
+            # in connect: a replicated cluster's down servers did not)
+            said = [(link.transport.server_info, link.label) for link in self._links if link.transport is not None]
+            self._views = replication.Views.of_servers([i for i, _ in said], [label for _, label in said])
         return self._views
 
     async def _each(self, msgs: Iterable[dict[str, Any]], timeout: float | None, *,
@@ -381,8 +383,6 @@ class Client:
         is handed out if every stripe still has a copy on a member."""
         views = await self.views()
         view = await views.current()
-        for k, err in failed.items():
-            view = await views.stop_using(self.servers[k], view, err.message)
         identity, lost = parts.judge(infos)
         lost = {k: why for k, why in lost.items() if k not in failed}
         whole = next(i for i in infos if i is not None and i.get("buffer_id") == identity)
@@ -390,8 +390,18 @@ class Client:
             raise parts.damaged(name, lost, self.servers, whole["nbytes"], whole["stripe"])
         buf = Buffer(self, name, parts.remains(infos, identity, dict.fromkeys(failed, "unreachable")))
         assert buf.placement is not None
-        for i in range(min(buf.placement.nstripes, buf.placement.nservers)):
-            replication.primary(buf, i, view)       # raises where every copy is lost
+        # every stripe keeps a member copy without them, or none is removed
+        # (the last member copy of a stripe is never taken out of the view)
+        gone = {self.servers[k] for k in failed}
+        without = dataclasses.replace(view, members=tuple(m for m in view.members if m not in gone))
+        try:
+            for i in range(min(buf.placement.nstripes, buf.placement.nservers)):
+                replication.primary(buf, i, without)       # raises where every copy would be lost
+        except TransportError as exc:
+            raise TransportError(f"{exc.message}, once the servers that do not answer "
+                                 f"({', '.join(sorted(gone))}) are left out", hint=exc.hint) from None
+        for k, err in failed.items():
+            view = await views.stop_using(self.servers[k], view, err.message)
         return buf
 
     async def destroy(self, name: str, *, timeout: float | None = None) -> bool:
@@ -638,7 +648,7 @@ class Buffer:
         if self.placement is None:
             return self.links[(self.first + stripe) % self.nservers].label
         view = await (await self.views()).current()
-        return self.links[replication.primary(self, stripe, view)].label
+        return self.links[replication.primary(self, stripe, view)[0]].label
 
     async def _run(self, what: str, view: memoryview, offset: int, dtype_code: int = 0,
                    fence: tuple[int, int] | None = None, timeout: float | None = None) -> None:
@@ -1054,8 +1064,11 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     their connection lives).  ``timeout`` bounds connecting (and
     reconnecting).
 
-    Raises :class:`TransportError` if a server cannot be reached,
-    :class:`AccessDenied` if one refuses the token."""
+    Raises :class:`TransportError` if a server cannot be reached (where the
+    servers keep a replicated cluster's membership view, only if none can:
+    the client goes on without the others, logged on ``smb2.client``, and
+    their replicated buffers fail over from them), :class:`AccessDenied`
+    if one refuses the token."""
     if isinstance(servers, str):
         servers = [s for s in (p.strip() for p in servers.split(",")) if s]
     if servers is None:
@@ -1083,8 +1096,30 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     links = [Link(a, transport, timeout, options) for a in addresses]
     client = Client(links, _caller_outside_package(), op_timeout)
     try:
-        await asyncio.gather(*(link.get() for link in links))
+        got = await asyncio.gather(*(link.get() for link in links), return_exceptions=True)
+        down = {k: r for k, r in enumerate(got) if isinstance(r, BaseException)}
+        if down:
+            await _go_on_without(client, down)
     except BaseException:
         await client.close()
         raise
     return client
+
+
+async def _go_on_without(client: Client, down: dict[int, BaseException]) -> None:
+    """``connect`` reached some servers and not those in ``down``: a
+    replicated cluster goes on without them (logged; the view is left as it
+    is: an operation or ``attach`` that needs one of them takes it out of
+    the view where every stripe keeps a member copy without it, as after a
+    failure, and the buffer shows as degraded); otherwise the first error
+    is raised."""
+    first = next(iter(down.values()))
+    reached = [link.transport for link in client._links if link.transport is not None]
+    if (not all(isinstance(e, TransportError) for e in down.values()) or not reached
+            or any(t.server_info.get("membership") is None for t in reached)):
+        raise first
+    await client.views()        # the membership service the reached servers name
+    for k, err in down.items():
+        assert isinstance(err, TransportError)
+        log.warning("server %s is unreachable at connect (%s): going on without it (a replicated cluster)",
+                    client.servers[k], err.message)

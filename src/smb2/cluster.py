@@ -45,12 +45,14 @@ class _Process:
 
     @classmethod
     async def spawn(cls, host: str, port: int, args: list[str], timeout: float,
-                    token: bytes | None = None) -> _Process:
+                    token: bytes | None = None, peer_token: bytes | None = None) -> _Process:
         cmd = [sys.executable, "-m", "smb2.server", "--host", host, "--port", str(port), *args]
-        # the token goes by environment, not argv: argv is visible to every user in ps
-        env = {k: v for k, v in os.environ.items() if k != auth.ENV}
+        # the tokens go by environment, not argv: argv is visible to every user in ps
+        env = {k: v for k, v in os.environ.items() if k not in (auth.ENV, auth.PEER_ENV)}
         if token is not None:
             env[auth.ENV] = token.decode("utf-8", "surrogateescape")
+        if peer_token is not None:
+            env[auth.PEER_ENV] = peer_token.decode("utf-8", "surrogateescape")
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, env=env)
@@ -112,6 +114,9 @@ class LocalCluster:
         self.data_dir = data_dir
         # replicated: a private etcd holds the view of the cluster named self.name
         self.replicated = replicated
+        # ... whose servers share a secret of their own to forward updates
+        # to each other (auth.peer_proof): its clients cannot forge a forward
+        self.peer_token = os.urandom(32).hex().encode() if replicated else None
         self.name = f"local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.etcd: LocalEtcd | None = None
         # server i says it is in zones[i] (smb2-server --zone)
@@ -146,6 +151,7 @@ class LocalCluster:
             else:
                 for i in range(self.nservers):
                     s = await start_server(self.host, ports[i], capacity=self.capacity, token=self.token,
+                                           peer_token=self.peer_token,
                                            data_dir=self._data_dir(i), membership=self.membership_url,
                                            zone=None if self.zones is None else self.zones[i])
                     self.servers.append(s)
@@ -175,7 +181,7 @@ class LocalCluster:
             args += ["--membership", self.membership_url]
         if self.zones is not None:
             args += ["--zone", self.zones[index]]
-        return await _Process.spawn(host, port, args, self.start_timeout, self.token)
+        return await _Process.spawn(host, port, args, self.start_timeout, self.token, self.peer_token)
 
     async def connect(self, **kwargs: Any) -> Client:
         """A client of all servers (closed with the cluster if still open)."""

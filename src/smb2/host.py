@@ -1,7 +1,16 @@
-"""What tells two processes that they run on the same host (shared by the
-server's shm hand-out and the shm transport)."""
+"""What two processes on the same host agree on (shared by the server's shm
+hand-out and the shm transport): the boot id that tells them they are on one
+host, and the seal that marks memory only its server may write."""
 
 from __future__ import annotations
+
+import fcntl
+
+#: a memfd sealed so (Linux 5.1) has no writable mapping but those made
+#: before the seal: the server's.  A replicated buffer's segments are (its
+#: copies change only through its primary); clients map them read-only.
+#: Python's fcntl names it from 3.12.
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
@@ -14,3 +23,9 @@ def boot_id() -> str | None:
             return f.read().strip() or None
     except OSError:
         return None
+
+
+def writable_by_clients(fd: int) -> bool:
+    """Whether a handed-out memfd may be mapped writable (not sealed
+    F_SEAL_FUTURE_WRITE)."""
+    return not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE

@@ -1,9 +1,10 @@
 """Who holds the replicas of a replicated cluster, and in which epoch.
 
-The view (:class:`View`: an epoch and the member servers) lives in a
-coordination service, never in the smb2 servers themselves: a view changes
-only by a compare-and-set there, so two servers cut off from each other can
-never both believe they are the primary of a stripe in the same epoch.  No
+The view (:class:`View`: an epoch, the member servers, and the copies
+moved off lost servers) lives in a coordination service, never in the smb2
+servers themselves: a view changes only by a compare-and-set there, so two
+servers cut off from each other can never both believe they are the primary
+of a stripe in the same epoch.  No
 consensus is made here; etcd's is used.
 
 ``open_membership("etcd://host:port[,host:port]/cluster-name")`` gives the
@@ -22,8 +23,8 @@ import base64
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from .errors import InvalidArgumentError, MembershipError
 
@@ -46,23 +47,81 @@ MAX_REPLY = 1 << 20
 
 
 @dataclass(frozen=True)
+class Substitute:
+    """A copy moved off a lost server: the copy that placement puts on
+    ``slot`` of every stripe whose replica servers are ``group`` (sorted) is
+    held by ``by`` instead, in a segment laid out as ``slot``'s.  ``ready``
+    is False while ``by`` catches it up (it receives updates, serves none)."""
+
+    slot: str
+    group: tuple[str, ...]
+    by: str
+    ready: bool = False
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"slot": self.slot, "group": list(self.group), "by": self.by, "ready": self.ready}
+
+
+class Holder(NamedTuple):
+    """Who holds one copy of a stripe now: the copy placement puts on
+    ``slot`` is on ``server``, which is a ``member`` copy (serves and counts),
+    ``joining`` (catching up: receives updates) or ``out``."""
+
+    slot: str
+    server: str
+    state: str
+
+
+@dataclass(frozen=True)
 class View:
     """One epoch of a replicated cluster's membership."""
 
     epoch: int                      # grows by exactly 1 at every change; 1 = the first view, 0 = none yet
     members: tuple[str, ...]        # "host:port" of servers that hold current replicas (cluster order)
     joining: tuple[str, ...] = ()   # servers catching up: they receive forwarded updates, serve no reads
+    # copies moved off servers lost for longer than --replace-after (see holders)
+    replaced: tuple[Substitute, ...] = field(default=(), repr=False)
+
+    def holders(self, group: Sequence[str]) -> list[Holder]:
+        """Where each copy of a stripe whose placement puts its replicas on
+        the servers ``group`` (replica order) is: the copies still on their
+        own servers first, in replica order, then the moved ones; the
+        first ``member`` one is the stripe's primary (:meth:`primary`)."""
+        key = tuple(sorted(group))
+        moved = {s.slot: s for s in self.replaced if s.group == key}
+        members, joining = set(self.members), set(self.joining)
+        own: list[Holder] = []
+        subs: list[Holder] = []
+        for slot in group:
+            sub = moved.get(slot)
+            server = slot if sub is None else sub.by
+            if server in members and (sub is None or sub.ready):
+                state = "member"
+            elif server in members or server in joining:
+                state = "joining"
+            else:
+                state = "out"
+            (own if server == slot else subs).append(Holder(slot, server, state))
+        return own + subs
+
+    def primary(self, group: Sequence[str]) -> Holder | None:
+        """The stripe's first member copy (None: every copy is lost)."""
+        return next((h for h in self.holders(group) if h.state == "member"), None)
 
     def to_json(self) -> bytes:
-        return json.dumps({"epoch": self.epoch, "members": list(self.members),
-                           "joining": list(self.joining)}, separators=(",", ":")).encode()
+        obj: dict[str, Any] = {"epoch": self.epoch, "members": list(self.members), "joining": list(self.joining)}
+        if self.replaced:
+            obj["replaced"] = [s.to_obj() for s in self.replaced]
+        return json.dumps(obj, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> View:
         try:
             obj = json.loads(data)
             view = cls(int(obj["epoch"]), tuple(str(m) for m in obj["members"]),
-                       tuple(str(m) for m in obj.get("joining", ())))
+                       tuple(str(m) for m in obj.get("joining", ())),
+                       tuple(Substitute(str(r["slot"]), tuple(str(g) for g in r["group"]), str(r["by"]),
+                                        bool(r.get("ready", False))) for r in obj.get("replaced", ())))
         except (ValueError, KeyError, TypeError) as exc:
             raise MembershipError(f"the membership view at {where} is not a view: {data[:200]!r}",
                                   hint="it was written by something other than smb2: delete the key "
@@ -85,10 +144,11 @@ class Membership(abc.ABC):
 
     @abc.abstractmethod
     async def change(self, expected: View, *, members: Sequence[str],
-                     joining: Sequence[str] = ()) -> View:
-        """Compare-and-set on ``expected.epoch``: write epoch + 1 with these members if the
-        current epoch is still ``expected.epoch``.  Returns the view current afterwards: ours,
-        or the one another client wrote first (compare its epoch to know which)."""
+                     joining: Sequence[str] = (), replaced: Sequence[Substitute] | None = None) -> View:
+        """Compare-and-set on ``expected.epoch``: write epoch + 1 with these members (and
+        ``replaced``; None keeps ``expected``'s) if the current epoch is still
+        ``expected.epoch``.  Returns the view current afterwards: ours, or the one another
+        client wrote first (compare its epoch to know which)."""
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -152,8 +212,9 @@ class EtcdMembership(Membership):
         return view
 
     async def change(self, expected: View, *, members: Sequence[str],
-                     joining: Sequence[str] = ()) -> View:
-        new = View(expected.epoch + 1, tuple(members), tuple(joining))
+                     joining: Sequence[str] = (), replaced: Sequence[Substitute] | None = None) -> View:
+        new = View(expected.epoch + 1, tuple(members), tuple(joining),
+                   expected.replaced if replaced is None else tuple(replaced))
         if not new.members:
             raise InvalidArgumentError("a view needs at least one member",
                                        hint="a replicated cluster with no member server holds no data")
@@ -168,8 +229,10 @@ class EtcdMembership(Membership):
             "failure": [{"request_range": {"key": _b64(self.key)}}],
         })
         if reply.get("succeeded"):
-            log.info("membership %s: epoch %d, members %s, joining %s", self.name, new.epoch,
-                     ",".join(new.members), ",".join(new.joining) or "none")
+            log.info("membership %s: epoch %d, members %s, joining %s%s", self.name, new.epoch,
+                     ",".join(new.members), ",".join(new.joining) or "none",
+                     "".join(f"; {s.slot}'s copy of {'+'.join(s.group)} on {s.by}{'' if s.ready else ' (catching up)'}"
+                             for s in new.replaced))
             return new
         # another writer came first: its view is in the failure branch's range
         ranged = reply.get("responses", [{}])[0].get("response_range", {})

@@ -84,6 +84,7 @@ class ReplicatedBuffer(Protocol):
 
     name: str
     nbytes: int
+    buffer_id: str | None
     placement: Placement | None     # None for an unreplicated buffer, never routed here
     segments: list[int]
 
@@ -113,6 +114,9 @@ class Views:
         self._usable_at = 0.0
         self._lock = asyncio.Lock()
         self._windows: dict[str, asyncio.Semaphore] = {}
+        # segment ids of copies servers hold for lost servers, by (server
+        # process, buffer, lost server)
+        self._copies: dict[tuple[Any, str, str, str], int] = {}
 
     @classmethod
     def of_servers(cls, infos: Sequence[dict[str, Any]], labels: Sequence[str]) -> Views:
@@ -133,6 +137,20 @@ class Views:
         if w is None:
             w = self._windows[server] = asyncio.Semaphore(WINDOW)
         return w
+
+    async def copy_segment(self, buf: ReplicatedBuffer, t: Transport, part: int) -> int:
+        """The segment id under which the server ``t`` reaches holds its copy
+        of part ``part`` of ``buf`` (moved there off a lost server)."""
+        slot = buf.links[part].label
+        key = (t.server_info.get("server_id"), buf.name, buf.buffer_id or "", slot)
+        sid = self._copies.get(key)
+        if sid is None:
+            info = await t.control({"cmd": "lookup", "name": buf.name, "copy_of": slot})
+            if info.get("buffer_id") != key[2] or info.get("index") != part:
+                raise StaleHandle(f"buffer {buf.name!r}: the copy of server {slot}'s part there is another "
+                                  "buffer's", server=slot, hint=f"attach it again: await client.attach({buf.name!r})")
+            sid = self._copies[key] = int(info["segment"])
+        return sid
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -203,13 +221,16 @@ class Views:
         await self.membership.close()
 
 
-def primary(buf: ReplicatedBuffer, i: int, view: View) -> int:
-    """The server that takes stripe ``i``'s operations in ``view``: its
-    first replica that is a member."""
+def primary(buf: ReplicatedBuffer, i: int, view: View) -> tuple[int, int]:
+    """Where stripe ``i``'s operations go in ``view``: (the server, the part
+    whose copy it holds), the server of its first member copy; the part is
+    the server's own unless the copy was moved there off a lost server
+    (``View.holders``)."""
     group = _layout(buf).replicas_of(i)
-    for s in group:
-        if buf.links[s].label in view.members:
-            return s
+    labels = [link.label for link in buf.links]
+    first = view.primary([labels[s] for s in group])
+    if first is not None and first.server in labels:
+        return labels.index(first.server), labels.index(first.slot)
     lost = ", ".join(buf.links[s].label for s in group)
     stripe = _layout(buf).stripe
     raise TransportError(
@@ -220,17 +241,20 @@ def primary(buf: ReplicatedBuffer, i: int, view: View) -> int:
 
 
 def degraded(placement: Placement, labels: Sequence[str], view: View) -> bool:
-    """Whether some stripe has fewer member copies than its replicas in ``view``."""
-    members = set(view.members)
-    return any(sum(labels[s] in members for s in placement.replicas_of(i)) < placement.replicas
-               for i in range(min(placement.nstripes, placement.nservers)))
+    """Whether some stripe has fewer member copies than its replicas in
+    ``view`` (a copy moved off a lost server counts once it is ready)."""
+    return any(sum(h.state == "member" for h in view.holders([labels[s] for s in placement.replicas_of(i)]))
+               < placement.replicas for i in range(min(placement.nstripes, placement.nservers)))
 
 
-def without_copy(placement: Placement, labels: Sequence[str], members: Collection[str]) -> int | None:
-    """The first stripe with no copy on a server of ``members`` (None: every
-    stripe has one)."""
+def without_copy(placement: Placement, labels: Sequence[str], view: View, away: Collection[str], *,
+                 moved: bool = True) -> int | None:
+    """The first stripe with no member copy in ``view`` on a server not in
+    ``away`` (None: every stripe has one).  ``moved``: a copy moved off a
+    lost server counts (a new buffer has none: only its own parts are made)."""
     for i in range(min(placement.nstripes, placement.nservers)):
-        if not any(labels[s] in members for s in placement.replicas_of(i)):
+        if not any(h.state == "member" and h.server not in away and (moved or h.server == h.slot)
+                   for h in view.holders([labels[s] for s in placement.replicas_of(i)])):
             return i
     return None
 
@@ -240,8 +264,7 @@ def check_creatable(name: str, placement: Placement, labels: Sequence[str], view
     """Refuse to create the buffer ``name`` when a stripe would have no copy
     on a member server once the servers ``away`` (indices: out of ``view``,
     or not answering) are left out; their parts are made when they rejoin."""
-    members = set(view.members) - {labels[k] for k in away}
-    i = without_copy(placement, labels, members)
+    i = without_copy(placement, labels, view, {labels[k] for k in away}, moved=False)
     if i is None:
         return
     down = ", ".join(labels[k] for k in sorted(away))
@@ -277,15 +300,16 @@ async def _attempts(buf: ReplicatedBuffer, i: int, within: int, nbytes: int, wha
     patience = FAILOVER_AFTER + nbytes * SECONDS_PER_BYTE
     last: BaseException | None = None
     for attempt in range(MAX_ATTEMPTS):
-        server = primary(buf, i, view)
+        server, part = primary(buf, i, view)
         link = buf.links[server]
-        seg_off = _layout(buf).offset_on(server, i) + within
+        seg_off = _layout(buf).offset_on(part, i) + within
         seen = view
 
-        async def request(t: Transport, server: int = server, seg_off: int = seg_off,
+        async def request(t: Transport, server: int = server, part: int = part, seg_off: int = seg_off,
                           seen: View = seen) -> Any:
             await buf.check_incarnation(server, t)
-            return await send(t, buf.segments[server], seg_off, seen)
+            seg = buf.segments[server] if part == server else await views.copy_segment(buf, t, part)
+            return await send(t, seg, seg_off, seen)
         try:
             async with views.window(link.label):
                 return await link.call(request, patience, idempotent=False, what=f"{what} of buffer {buf.name!r}")
@@ -323,7 +347,7 @@ def _keeping_a_copy(buf: ReplicatedBuffer, server: str, view: View, exc: Smb2Err
     buffer a member copy; else the error is raised (a stripe without a
     member copy could never be caught up again)."""
     p = _layout(buf)
-    i = without_copy(p, [link.label for link in buf.links], set(view.members) - {server})
+    i = without_copy(p, [link.label for link in buf.links], view, {server})
     if i is not None:
         raise TransportError(
             f"buffer {buf.name!r}: server {server} failed ({exc.message}), and it holds the last member copy "
@@ -385,9 +409,9 @@ async def run(buf: ReplicatedBuffer, what: str, view: memoryview, offset: int, l
 
 
 async def _read(buf: ReplicatedBuffer, views: Views, i: int, within: int, part: memoryview, n: int) -> None:
-    server = primary(buf, i, await views.current())
+    server, held = primary(buf, i, await views.current())
     t = buf.links[server].open
-    if t is not None and t.name == "shm" and buf.checked(server) is t:
+    if t is not None and t.name == "shm" and buf.checked(server) is t and held == server:
         # a copy from the mapped segment never waits: no deadline, no window
         try:
             return await t.read_into([part], buf.segments[server], _layout(buf).offset_on(server, i) + within, n)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 
@@ -29,6 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-token-file", metavar="FILE",
                    help=f"require clients to prove they know the token in FILE "
                         f"(default: ${auth.ENV} if set, else no authentication)")
+    p.add_argument("--peer-token-file", metavar="FILE",
+                   help=f"replicated clusters: the secret the servers share and clients do not, which a "
+                        f"server proves to forward updates to another (default: ${auth.PEER_ENV} if set, "
+                        f"else a forward is taken by its source address)")
     # the server's own options: one flag per ServerOptions field
     for f in dataclasses.fields(ServerOptions):
         meta = f.metadata
@@ -46,7 +51,9 @@ def _options(args: argparse.Namespace) -> ServerOptions:
     """The ServerOptions the flags ask for (InvalidArgumentError, OSError)."""
     token = auth.token_from_file(args.auth_token_file) if args.auth_token_file else auth.token_from_env()
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerOptions) if f.metadata["flag"]}
-    return ServerOptions(**flags, token=token)
+    peer_token = (auth.token_from_file(args.peer_token_file) if args.peer_token_file
+                  else auth.as_token(os.environ.get(auth.PEER_ENV) or None))
+    return ServerOptions(**flags, token=token, peer_token=peer_token)
 
 
 async def _serve(args: argparse.Namespace, options: ServerOptions) -> None:

@@ -213,7 +213,7 @@ class DataDir:
                 raise PersistenceError(f"the saved segments in {self.path} need more than this "
                                        f"server's capacity of {capacity} bytes")
             path = self.path / fname
-            mem, view = alloc(size)
+            mem, view = alloc(size, clients_write=replicas == 1)
             h = hashlib.sha256()
             try:
                 with open(path, "rb") as f:

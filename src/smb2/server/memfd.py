@@ -19,7 +19,14 @@ before anyone else sees it: a client that got the fd cannot ``ftruncate``
 it.  Shrunk, the server's own accesses past the new end (the lock sweep, a
 TCP client's read) would die of SIGBUS; grown, the file would hold memory
 outside ``--capacity``.  Writing through a mapping stays allowed: that is
-what the hand-out is for.
+what the hand-out is for -- except for a replicated buffer's segment, which
+is also sealed ``F_SEAL_FUTURE_WRITE`` once the server mapped it: the
+server's own mapping stays writable, and no other (a client's ``mmap`` with
+``PROT_WRITE``, ``mprotect`` to write, ``write()``, a reopen through
+``/proc/PID/fd``) can be made.  Its copies change only through its primary,
+which forwards every change to the other copies; a client writing one copy
+would make them differ silently.  A client maps such a segment read-only
+(it reads the seals).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import weakref
 import numpy as np
 
 from .. import _core
+from ..host import F_SEAL_FUTURE_WRITE
 
 LIVE = 1
 GONE = 0
@@ -71,17 +79,21 @@ def _raise_fd_limit() -> None:
 _fd_limit_raised = False
 
 
-def alloc_shared(size: int, name: str = "smb2-segment") -> tuple[np.ndarray, memoryview]:
+def alloc_shared(size: int, name: str = "smb2-segment", *,
+                 clients_write: bool = True) -> tuple[np.ndarray, memoryview]:
     """``size`` bytes of fresh memfd memory: a uint8 array and a view of the
-    same bytes (the view's exporter is the mapping, see :func:`fd_of`)."""
+    same bytes (the view's exporter is the mapping, see :func:`fd_of`).
+    ``clients_write=False``: only this mapping can write it (see the top)."""
     if not _fd_limit_raised:
         _raise_fd_limit()
     total = state_offset(size) + _STATE_ALIGN
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, total)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        # mapped before the seals: F_SEAL_FUTURE_WRITE leaves only mappings
+        # made before it writable
         mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS if clients_write else SEALS | F_SEAL_FUTURE_WRITE)
     except BaseException:
         os.close(fd)
         raise

@@ -125,6 +125,8 @@ class MemoryServer:
         self.data_dir = DataDir(options.data_dir) if options.data_dir is not None else None
         # the shared secret clients must prove they know (None: no authentication)
         self.token = auth.as_token(options.token)
+        # the servers' own secret: a peer proves it (auth.peer_proof)
+        self.peer_token = auth.as_token(options.peer_token)
         self.auth_failures = 0
         self.max_frame = parse_size(options.max_frame)
         self.max_buffers = options.max_buffers
@@ -169,6 +171,7 @@ class MemoryServer:
         # replicated buffers (options.membership; replication.py): made at start()
         self.replication: Replication | None = None
         self.repair_rate = parse_size(options.repair_rate)
+        self.replace_after = float(options.replace_after)
 
     def __repr__(self) -> str:
         host, port = self.address
@@ -204,7 +207,7 @@ class MemoryServer:
             # buffers) are registered now; create() registers later ones
             for seg in self.segments.values():
                 if seg.id not in self.rdma.mrs:
-                    access = self.rdma.lock_access if seg.id == LOCK_SEGMENT else None
+                    access = self.rdma.lock_access if seg.id == LOCK_SEGMENT else self.rdma.access_of(seg)
                     self.rdma.register(seg.id, seg.view, access)
         try:
             self._server = await loop.create_server(
@@ -346,7 +349,7 @@ class MemoryServer:
                 mark(seg.view, LIVE)
             if self.rdma is not None:
                 for seg in segs:
-                    self.rdma.register(seg.id, seg.view)
+                    self.rdma.register(seg.id, seg.view, self.rdma.access_of(seg))
             if isinstance(exc, OSError):
                 raise PersistenceError(f"cannot save the segments to {self.data_dir.path}: {exc}") from exc
             raise
@@ -397,7 +400,8 @@ class MemoryServer:
                           f"buffer {name!r} needs {size} bytes on this server; "
                           f"{self.capacity - self.used} of {self.capacity} are free")
         try:
-            mem, view = alloc(size)
+            # a replicated buffer's copies change only through its primary
+            mem, view = alloc(size, clients_write=replicas == 1)
         except (OSError, MemoryError, OverflowError) as exc:
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"cannot map {size} bytes: {exc}") from None
         seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view,
@@ -405,7 +409,7 @@ class MemoryServer:
                       replicas=replicas, servers=tuple(servers or ()),
                       zones=None if zones is None else tuple(zones))
         if self.rdma is not None:
-            self.rdma.register(seg.id, view)     # once, for the segment's lifetime
+            self.rdma.register(seg.id, view, self.rdma.access_of(seg))     # once, for its lifetime
         self._add(seg)
         log.debug("created buffer %r: segment %d, %d bytes", name, seg.id, size)
         return {**seg.info(), "created": True}
@@ -443,10 +447,37 @@ class MemoryServer:
         self._ids = itertools.count(nxt)
         return nxt
 
+    def add_copy(self, of: Segment, index: int) -> Segment:
+        """A segment for part ``index`` of replicated buffer ``of`` (another
+        server's part, held here in a lost server's stead: replication.py):
+        not a buffer of its own (not listed, not saved), reachable by id."""
+        if self.used + of.size > self.capacity:
+            raise Refused(ErrorCode.OUT_OF_MEMORY, f"a copy of part {index} of buffer {of.name!r} needs {of.size} "
+                          f"bytes on this server; {self.capacity - self.used} of {self.capacity} are free")
+        mem, view = alloc(of.size)
+        seg = dataclasses.replace(of, id=next(self._ids), index=index, mem=mem, view=view, inflight=[],
+                                  deferred=collections.deque(), created=time.time())
+        if self.rdma is not None:
+            self.rdma.register(seg.id, view)
+        self.segments[seg.id] = seg
+        self.used += seg.size
+        return seg
+
+    def drop_copy(self, seg: Segment) -> None:
+        """Release a segment made by add_copy."""
+        if self.segments.pop(seg.id, None) is None:
+            return
+        self.used -= seg.size
+        if self.rdma is not None:
+            self.rdma.deregister(seg.id)
+        mark_gone(seg.view)
+
     def destroy(self, name: str) -> dict[str, Any]:
         seg = self.by_name.pop(name, None)
         if seg is None:
             return {"destroyed": False}
+        if self.replication is not None:
+            self.replication.forget(name)
         del self.segments[seg.id]
         self.used -= seg.size
         if self.rdma is not None:
@@ -482,7 +513,7 @@ class MemoryServer:
             "buffers": {s.name: {**{k: v for k, v in s.info().items() if k != "name"},
                                  **({"degraded": self.replication.degraded(s)}
                                     if self.replication is not None and s.replicas > 1 else {})}
-                        for s in self.segments.values() if s.id != LOCK_SEGMENT},
+                        for s in self.by_name.values()},
             "connections": len(self.connections),
             "ops": self.ops,
             "transports": self.transports(),
@@ -589,6 +620,9 @@ class Connection(FrameReceiver):
         # until then only auth.PUBLIC_COMMANDS are answered
         self.authed = False
         self._nonce = b""
+        # the server this connection says it is, until it proves it (peer_auth)
+        self._peer_claim: str | None = None
+        self._peer_nonce = b""
         self._paused = False
         self._uvloop = False
         # the write whose payload is being received in place: (segment, range)
@@ -1203,10 +1237,13 @@ class Connection(FrameReceiver):
         if isinstance(peer, str):
             # a server of the cluster (replication.py checks it against the
             # view); one that names another host than it comes from is not
-            if _comes_from(peer, self.host):
+            if not _comes_from(peer, self.host):
+                srv.warn("peer", "%s says it is server %s: not that server's address, ignored", self.peer, peer)
+            elif srv.peer_token is None:
                 self.peer_server = peer
             else:
-                srv.warn("peer", "%s says it is server %s: not that server's address, ignored", self.peer, peer)
+                # taken as that server once it proves the peer token
+                self._peer_claim, self._peer_nonce = peer, auth.new_nonce()
         repl = srv.replication
         result: dict[str, Any] = {
             "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
@@ -1225,7 +1262,25 @@ class Connection(FrameReceiver):
         elif not self.authed:
             self._nonce = auth.new_nonce()
             result.update(auth=auth.MECH, nonce=self._nonce)
+        if self._peer_claim is not None:
+            result["peer_nonce"] = self._peer_nonce
         return result
+
+    def _cmd_peer_auth(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
+        # behind the authentication gate: a peer authenticates as a client first
+        srv = self.server
+        claim, self._peer_claim = self._peer_claim, None
+        if claim is None or srv.peer_token is None:
+            raise Refused(ErrorCode.BAD_REQUEST, "peer_auth follows a hello that names a server (peer)")
+        nonce = msg.get("nonce")
+        if not (isinstance(nonce, bytes) and len(nonce) == auth.NONCE_SIZE and auth.check(
+                auth.peer_proof(srv.peer_token, self._peer_nonce, nonce, claim), msg.get("proof"))):
+            srv.warn("peer", "%s says it is server %s and cannot prove the peer token", self.peer, claim)
+            self.close_with("peer authentication failed: wrong peer token", hdr, ErrorCode.ACCESS_DENIED,
+                            why="auth_failed")
+            return None
+        self.peer_server = claim
+        return {}
 
     def _with_rdma_keys(self, info: dict[str, Any]) -> dict[str, Any]:
         # a segment's address and key, for clients that read it one-sidedly
@@ -1249,6 +1304,10 @@ class Connection(FrameReceiver):
             replicas=replicas, servers=servers, zones=zones))
 
     def _cmd_lookup(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+        repl = self.server.replication
+        if "copy_of" in msg and repl is not None:
+            # a copy of a lost server's part this server holds in its stead
+            return self._with_rdma_keys(repl.lookup_copy(_str(msg, "name"), _str(msg, "copy_of")).info())
         return self._with_rdma_keys(self.server.lookup(_str(msg, "name")))
 
     def _cmd_rdma_segment(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
@@ -1384,7 +1443,7 @@ class Connection(FrameReceiver):
         "rdma_segment": _cmd_rdma_segment, "rdma_connect": _cmd_rdma_connect, "destroy": _cmd_destroy,
         "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon,
         "shm_grant": _cmd_shm_grant, "lock_close": _cmd_lock_close,
-        "lock_records": _cmd_lock_records, "repl_sync": _cmd_repl_sync}
+        "lock_records": _cmd_lock_records, "repl_sync": _cmd_repl_sync, "peer_auth": _cmd_peer_auth}
 
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT,

@@ -284,10 +284,15 @@ class ServerCollector:
         yield GaugeMetricFamily("smb2_replication_degraded_buffers", "replicated buffers with a stripe "
                                 "short of a member copy (a server of theirs is out of the view or catching up)",
                                 value=len(st["degraded"]))
+        yield GaugeMetricFamily("smb2_replication_moved_copies", "parts of lost servers' buffers this server "
+                                "holds in their stead (--replace-after)", value=len(st["copies_held"]))
         yield CounterMetricFamily("smb2_replication_copied_bytes", "bytes of stripe copies this server sent "
                                   "to servers catching up (paced by --repair-rate)", value=st["copied_bytes"])
         yield CounterMetricFamily("smb2_replication_diverged", "atomics whose old value on a backup differed "
                                   "from this primary's (the copies differ: should stay 0)", value=st["diverged"])
+        yield CounterMetricFamily("smb2_replication_lease_waits", "answers this primary held back for a read of "
+                                  "the view (its lease on it had run out: paused, loaded, or cut off from etcd)",
+                                  value=st["lease_waits"])
 
     def locks(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

@@ -46,6 +46,10 @@ class ServerOptions:
     # the shared secret clients must prove they know (None: no authentication);
     # smb2-server reads it from --auth-token-file or the environment instead
     token: str | bytes | None = _option(None, "", flag=False)
+    # the replicated cluster's servers' own secret, which a server proves to
+    # be taken as a peer (auth.peer_proof; None: the source address is all);
+    # smb2-server reads it from --peer-token-file or the environment
+    peer_token: str | bytes | None = _option(None, "", flag=False)
     data_dir: str | os.PathLike[str] | None = _option(
         None, "save the segments to DIR on SIGTERM/SIGINT and restore them at start", metavar="DIR")
     write_timeout: float = _option(
@@ -112,6 +116,9 @@ class ServerOptions:
     repair_rate: int | str = _option(
         "256MiB", "bytes per second a primary sends when it copies stripes to a server that catches up "
         "(default 256MiB; 0 = unpaced)", type=str)
+    replace_after: float = _option(
+        30.0, "seconds a server may be out of the replicated cluster's view before the copies it held are "
+        "made again on other servers (default 30; 0 = only when it comes back)", type=float, metavar="SECONDS")
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes", "repair_rate"):
@@ -119,7 +126,7 @@ class ServerOptions:
         if parse_size(self.max_receive_memory) < MIN_RECEIVE_MEMORY:
             raise InvalidArgumentError(f"max receive memory must be at least {MIN_RECEIVE_MEMORY >> 20} MiB "
                                        f"(one accumulate request), not {self.max_receive_memory}")
-        for name in ("write_timeout", "hello_timeout", "idle_timeout"):
+        for name in ("write_timeout", "hello_timeout", "idle_timeout", "replace_after"):
             if not getattr(self, name) >= 0:
                 raise InvalidArgumentError(f"{name.replace('_', ' ')} must be >= 0 s (0 = never), "
                                            f"not {getattr(self, name)}")

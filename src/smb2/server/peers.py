@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from .. import _core, auth
-from ..errors import TransportError, server_error
+from ..errors import AccessDenied, TransportError, server_error
 from ..protocol import (
     CLOSED,
     FLAG_REPLY,
@@ -68,10 +68,12 @@ class PeerLink(FrameReceiver):
         self.on_drain: list[Callable[[], None]] = []
 
     @classmethod
-    async def open(cls, address: str, me: str, token: bytes | None,
+    async def open(cls, address: str, me: str, token: bytes | None, peer_token: bytes | None = None,
                    timeout: float = CONNECT_TIMEOUT) -> PeerLink:
-        """Connect, say hello as server ``me``, authenticate; raises
-        TransportError (or the server's refusal) when the peer is not there."""
+        """Connect, say hello as server ``me``, authenticate (with the
+        clients' ``token``, then, where the peer asks, proving the servers'
+        ``peer_token``); raises TransportError (or the server's refusal)
+        when the peer is not there."""
         host, port = parse_address(address)
         loop = asyncio.get_running_loop()
         link = cls(address)
@@ -81,6 +83,16 @@ class PeerLink(FrameReceiver):
                 hello = await link.control({"cmd": "hello", "version": VERSION, "transports": ["tcp"],
                                             "peer": me})
                 await auth.client_handshake(link.control, hello, token, f"server {address}")
+                peer_nonce = hello.get("peer_nonce")
+                if peer_nonce is not None:
+                    if peer_token is None:
+                        raise AccessDenied(f"server {address} takes forwarded updates only from a server that "
+                                           "proves the peer token, and this one has none",
+                                           hint="start every server of the cluster with the same "
+                                                f"--peer-token-file (or ${auth.PEER_ENV})")
+                    mine = auth.new_nonce()
+                    await link.control({"cmd": "peer_auth", "nonce": mine,
+                                        "proof": auth.peer_proof(peer_token, peer_nonce, mine, me)})
         except (OSError, TimeoutError) as exc:
             link.close(f"cannot reach {address}: {exc or type(exc).__name__}")
             raise TransportError(f"cannot reach server {address}: {exc or 'timed out'}",

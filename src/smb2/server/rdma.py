@@ -3,7 +3,8 @@
 The memory server calls in here through a few hooks (memory.py): every
 segment is registered once, at creation, as a memory region with local
 write, remote read, remote write and remote atomic access (``register`` /
-``deregister``); a connection that says ``rdma_connect`` over the TCP control
+``deregister``; a replicated buffer's segment with remote read only: its
+copies change only through its primary); a connection that says ``rdma_connect`` over the TCP control
 connection gets its own RC queue pair and a registered *staging area*
 (:class:`Peer`).  After that the client reads, writes and does atomics with
 one-sided RDMA: the server's CPU never sees those operations (they do not
@@ -22,7 +23,7 @@ from typing import Any
 
 from ..errors import ErrorCode
 from ..rdma_device import Device, _verbs, alloc_pinned, get_device, unavailable_reason
-from .segment import Refused
+from .segment import Refused, Segment
 
 log = logging.getLogger("smb2.transport.rdma")
 
@@ -108,6 +109,10 @@ class RdmaServer:
         # (a one-sided WRITE could not be refused by this CPU: the NIC must)
         self.lock_access: int = (_verbs.ACCESS_LOCAL_WRITE | _verbs.ACCESS_REMOTE_READ
                                  | _verbs.ACCESS_REMOTE_ATOMIC)
+        # a replicated buffer's segment: clients READ it, and change it only
+        # through its primary, which forwards to the other copies (a
+        # one-sided WRITE or atomic would change one copy, unseen by this CPU)
+        self.replica_access: int = _verbs.ACCESS_LOCAL_WRITE | _verbs.ACCESS_REMOTE_READ
 
     @classmethod
     def open(cls, device: str | None, gid_index: int | None) -> tuple[RdmaServer | None, str | None]:
@@ -122,6 +127,10 @@ class RdmaServer:
 
     def describe(self) -> dict[str, Any]:
         return self.device.describe()
+
+    def access_of(self, seg: Segment) -> int:
+        """The remote access a buffer's segment is registered with."""
+        return self.replica_access if seg.replicas > 1 else self.segment_access
 
     def register(self, seg_id: int, view: memoryview, access: int | None = None) -> None:
         assert _verbs is not None

@@ -10,16 +10,23 @@ decided here.  This module is what one server does with them:
   apply it once per (client id, sequence) -- a retry returns the stored
   result -- and forward it, in arrival order, over one link per backup
   (:class:`Outbox`), then answer once every member and joining backup
-  applied it (``BACKUP_FAILED`` naming one that did not within 1 s);
-* *backup* (``FLAG_FORWARDED``, from the stripe's primary): the same epoch and
-  duplicate checks, apply, answer.  A backup refuses an epoch older than its
+  applied it (``BACKUP_FAILED`` naming one that did not within 1 s), and
+  only within its lease on the view (SERVER_LEASE: a primary paused or cut
+  off past it reads the view before it acknowledges anything);
+* *backup* (``FLAG_FORWARDED``, from the stripe's primary, on a connection
+  that proved the servers' peer token where they have one): the same epoch
+  and duplicate checks, apply, answer.  A backup refuses an epoch older than its
   own: a primary cut off from the membership service cannot acknowledge
   anything once its backups learned the view that removed it;
 * *rejoin*: a server that is not a member (it restarted, or was removed) makes
   its segments, adds itself to ``joining``, asks each stripe's primary for a
   copy of the stripe (:meth:`Replication.push_stripes`: sent through the same
   ordered stream as the updates, paced by ``--repair-rate``), and moves
-  itself into ``members`` once it holds them all.
+  itself into ``members`` once it holds them all;
+* *moved copies* (:meth:`Replication.replace`): the copies of a server out
+  of the view for ``--replace-after`` s are claimed (CAS) by the member
+  chosen for each replica group, kept in a segment laid out as the lost
+  server's part, caught up like a rejoin, and marked ready (CAS).
 """
 
 from __future__ import annotations
@@ -27,16 +34,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from .. import _core
 from ..errors import ErrorCode
-from ..membership import Membership, View, open_membership
+from ..membership import Holder, Membership, Substitute, View, open_membership
 from ..placement import Placement
 from ..protocol import (
     DTYPE_MASK,
@@ -64,6 +72,14 @@ FORWARD_TIMEOUT: Final = 1.0
 # how often the view is read from the membership service in the background
 # (a request that carries a newer epoch reads it at once)
 REFRESH_EVERY: Final = 0.5
+# the server's lease on its view (docs/design.md, "Why no acknowledged update
+# is lost"): a primary acknowledges an op only within this of the start of
+# its last read of the view from the membership service that returned the
+# epoch it holds, on the monotonic clock; past it, it reads the view first.
+# Below the clients' view lease (smb2.replication.VIEW_LEASE, 1 s) by the
+# clock-rate margin stated there, and above REFRESH_EVERY, so the background
+# read keeps it fresh and an acknowledgement waits for no read of its own.
+SERVER_LEASE: Final = 0.8
 # results kept for duplicate detection: the last this many (client, seq)
 # pairs, about DEDUP_ENTRY_BYTES each (see Dedup)
 DEDUP_ENTRIES: Final = 65536
@@ -78,6 +94,10 @@ COPY_CHUNK: Final = 1 << 20
 # bytes queued for one backup (not yet handed to its socket, or in its send
 # buffer) before clients that forward to it stop being read
 OUTBOX_HIGH: Final = 16 << 20
+
+
+# a buffer's part on a peer: (name, buffer_id, slot), slot "" for its own part
+BufferKey = tuple[str, str, str]
 
 
 class Client(Protocol):
@@ -100,14 +120,18 @@ class Server(Protocol):
     by_name: dict[str, Segment]
     restored: set[int]
     token: bytes | None
+    peer_token: bytes | None
     locks: Any
     bytes_in: int
     repair_rate: int
+    replace_after: float
 
     def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int,
                buffer_id: str | None = None, seal: bool = False, *, replicas: int = 1,
                servers: list[str] | None = None, zones: list[str | None] | None = None) -> dict[str, Any]: ...
     def destroy(self, name: str) -> dict[str, Any]: ...
+    def add_copy(self, of: Segment, index: int) -> Segment: ...
+    def drop_copy(self, seg: Segment) -> None: ...
 
 
 def apply_op(seg: Segment, op: int, flags: int, offset: int, data: memoryview) -> bytes:
@@ -193,13 +217,15 @@ class Outbox:
         self.repl = repl
         self.address = address
         self.link: PeerLink | None = None
-        self.queue: collections.deque[tuple[tuple[str, str], int, int, int, list[bytes],
+        self.queue: collections.deque[tuple[BufferKey, int, int, int, list[bytes],
                                             Callable[[int, bytes], None]]] = (
             collections.deque())
         self.queued_bytes = 0
-        # the peer's segment of each buffer, by (name, buffer_id): a buffer
-        # destroyed and made again under its name is another buffer
-        self.segment_ids: dict[tuple[str, str], int] = {}
+        # the peer's segment of each buffer, by (name, buffer_id, slot): a
+        # buffer destroyed and made again under its name is another buffer;
+        # slot "" is the peer's own part, else the part of the lost server
+        # whose copies it holds in its stead (see Replication.copy_of)
+        self.segment_ids: dict[BufferKey, int] = {}
         self._pump: asyncio.Task[None] | None = None
         # client connections that stopped being read while this outbox was full
         self.blocked: set[Any] = set()
@@ -210,10 +236,10 @@ class Outbox:
         self.progress = 0.0
         self._watchdog: asyncio.TimerHandle | None = None
 
-    def forward(self, buffer: tuple[str, str], op: int, flags: int, offset: int,
+    def forward(self, buffer: BufferKey, op: int, flags: int, offset: int,
                 parts: Sequence[bytes | memoryview], on_reply: Callable[[int, bytes], None]) -> None:
-        """Send an op for ``buffer`` (name, buffer_id) to this peer, after
-        every op sent before it."""
+        """Send an op for ``buffer`` (name, buffer_id, slot) to this peer,
+        after every op sent before it."""
         loop = asyncio.get_running_loop()
         if not self.outstanding:
             self.progress = loop.time()
@@ -287,12 +313,14 @@ class Outbox:
         try:
             if self.link is None or not self.link.is_open:
                 self.segment_ids.clear()
-                self.link = await PeerLink.open(self.address, self.repl.me, self.repl.server.token)
+                self.link = await PeerLink.open(self.address, self.repl.me, self.repl.server.token,
+                                                self.repl.server.peer_token)
             link = self.link
             while self.queue:
                 buffer = self.queue[0][0]
                 if buffer not in self.segment_ids:
-                    info = await link.control({"cmd": "lookup", "name": buffer[0]})
+                    info = await link.control({"cmd": "lookup", "name": buffer[0],
+                                               **({"copy_of": buffer[2]} if buffer[2] else {})})
                     if info.get("buffer_id") != buffer[1]:
                         raise LookupError(f"server {self.address} holds another buffer named {buffer[0]!r} "
                                           f"(buffer_id {info.get('buffer_id')!r}, not {buffer[1]!r})")
@@ -391,7 +419,7 @@ class Pending:
             # view read now (repairing a backup that missed the op)
             self.repl.spawn(self.repl.settle(self.where, self.entry, self.failed))
         else:
-            self.repl.answer(self.entry)
+            self.repl.acknowledge(self.where, self.entry)
 
 
 class Replication:
@@ -405,6 +433,12 @@ class Replication:
         self.me = me
         self.membership: Membership | None = None
         self.view = View(epoch=0, members=())
+        # time.monotonic() at the start of the last read (or compare-and-set)
+        # of the view in the membership service that returned self.view's
+        # epoch: the start of the server's lease (SERVER_LEASE)
+        self.confirmed_at = -SERVER_LEASE
+        # acknowledgements held back for a read of the view (the lease had run out)
+        self.lease_waits = 0
         # random per process: the client id of the stripe copies this server sends
         self.copy_id = int.from_bytes(os.urandom(8), "little")
         self._copy_seq = 0
@@ -421,6 +455,13 @@ class Replication:
         self.copy_rate = 0
         self.diverged = 0
         self.joins = 0
+        # segments holding lost servers' parts, by (buffer name, lost server)
+        self.copies: dict[tuple[str, str], Segment] = {}
+        # when this server first saw each copy out of the view, by
+        # (lost server, group, server that held it); copies it claimed
+        self._out_since: dict[tuple[str, tuple[str, ...], str], float] = {}
+        self.replacements = 0
+        self._replacing: asyncio.Task[None] | None = None
 
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
@@ -470,6 +511,117 @@ class Replication:
                             self.view.epoch)
                 self.state = "joining"
                 self.spawn(self.join())
+            elif self.state == "member" and self.server.replace_after > 0 and (
+                    self._replacing is None or self._replacing.done()):
+                self._replacing = self.spawn(self.replace())
+
+    # -- copies moved off lost servers --------------------------------------
+    async def replace(self) -> None:
+        """Move the copies of servers out of the view for longer than
+        ``--replace-after`` to other servers: this server claims (CAS) those
+        it is the chosen substitute for, catches them up like a joining
+        server (through each primary's ordered link), then marks them ready
+        (CAS, if the view did not change meanwhile).  Every server runs this
+        on the view it read; etcd's CAS decides between any that race."""
+        try:
+            view = self.view
+            claims = self._claims(view)
+            if claims:
+                keys = {(c.slot, c.group) for c in claims}
+                # the segments first: primaries forward to them once the claim is in the view
+                self._copies_for(dataclasses.replace(view, replaced=(*view.replaced, *claims)))
+                new = await self.change(view, view.members, view.joining,
+                                        [r for r in view.replaced if (r.slot, r.group) not in keys] + claims)
+                if not all(c in new.replaced for c in claims):
+                    self._copies_for(new)
+                    return          # another server or view change came first: the next round sees it
+                self.replacements += len(claims)
+                for c in claims:
+                    log.warning("server %s is out of the view for more than %g s: this server takes over its "
+                                "copies of the stripes on %s (catching up at --repair-rate)",
+                                c.slot, self.server.replace_after, "+".join(c.group))
+                # caught up from the next round's view: the other servers' claims for the same lost
+                # server (their clocks started within one view read of ours) are in it by then, so
+                # they do not change the view under the copy and make it start again
+                return
+            if not any(r.by == self.me and not r.ready for r in view.replaced):
+                return
+            t0 = time.monotonic()
+            if not await self._catch_up(view, [n for n, s in self.server.by_name.items() if s.replicas > 1]):
+                return
+            current = await self.refresh()
+            if current.epoch != view.epoch and not self._only_others_moved(view, current):
+                return              # catch up again under the new view (next round)
+            done = await self.change(current, current.members, current.joining,
+                                     [dataclasses.replace(r, ready=True) if r.by == self.me else r
+                                      for r in current.replaced])
+            if done.epoch == current.epoch + 1:
+                self.catch_up_seconds = time.monotonic() - t0
+                log.info("copies taken over from lost servers are whole (%.2f s): epoch %d",
+                         self.catch_up_seconds, done.epoch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("taking over a lost server's copies failed (retrying): %s", exc)
+
+    def _only_others_moved(self, old: View, new: View) -> bool:
+        """Whether ``new`` differs from ``old`` only by other servers' claims
+        and ready marks, one per epoch, with the primary of every stripe this
+        server catches up the same: then its copies, taken under ``old``, are
+        as good under ``new`` (no primary changed, nobody joined or left),
+        and another substitute finishing first does not make it start again."""
+        if (new.members, new.joining) != (old.members, old.joining):
+            return False
+        if {r for r in new.replaced if r.by == self.me} != {r for r in old.replaced if r.by == self.me}:
+            return False
+        others = {r for r in new.replaced if r.by != self.me} - set(old.replaced)
+        if new.epoch - old.epoch > len(others):
+            return False
+        for seg in [s for s in self.server.by_name.values() if s.replicas > 1]:
+            p = self.placement(seg)
+            for i in range(min(p.nstripes, p.nservers)):
+                group = [seg.servers[s] for s in p.replicas_of(i)]
+                if any(h.server == self.me and h.state == "joining" for h in old.holders(group)) and \
+                        old.primary(group) != new.primary(group):
+                    return False
+        return True
+
+    def _claims(self, view: View) -> list[Substitute]:
+        """The copies out of ``view`` for longer than --replace-after that
+        this server is the substitute for: of the members that hold no copy
+        of the stripe, the first by (a zone no live copy has, fewest copies
+        taken over, ring order after the lost server)."""
+        now = time.monotonic()
+        seen: dict[tuple[str, tuple[str, ...], str], float] = {}
+        claims: dict[tuple[str, tuple[str, ...]], Substitute] = {}
+        load = collections.Counter(r.by for r in view.replaced)
+        for seg in [s for s in self.server.by_name.values() if s.replicas > 1]:
+            p = self.placement(seg)
+            zone = dict(zip(seg.servers, seg.zones or [None] * len(seg.servers)))
+            for i in range(min(p.nstripes, p.nservers)):
+                group = [seg.servers[s] for s in p.replicas_of(i)]
+                holders = view.holders(group)
+                if not any(h.state == "member" for h in holders):
+                    continue        # every copy lost: nothing to copy from
+                for h in holders:
+                    if h.state != "out":
+                        continue
+                    key = (h.slot, tuple(sorted(group)), h.server)
+                    seen[key] = since = self._out_since.get(key, now)
+                    if now - since < self.server.replace_after or key[:2] in claims:
+                        continue
+                    taken = {x.server for x in holders}
+                    zones = {zone[x.server] for x in holders if x.state != "out" and x.server in zone}
+                    at = seg.servers.index(h.slot)
+                    n = len(seg.servers)
+                    candidates = sorted(
+                        (s for s in seg.servers if s in view.members and s not in taken),
+                        key=lambda s: (zone.get(s) is not None and zone.get(s) in zones, load[s],
+                                       (seg.servers.index(s) - at) % n))
+                    if candidates and candidates[0] == self.me:
+                        claims[key[:2]] = Substitute(h.slot, key[1], self.me)
+        self._out_since = seen
+        return list(claims.values())
 
     async def refresh(self) -> View:
         """Read the view now (one read for all who ask at once) and install
@@ -478,8 +630,9 @@ class Replication:
             self._refreshing = asyncio.get_running_loop().create_future()
             try:
                 assert self.membership is not None
+                started = time.monotonic()
                 view = await self.membership.view()
-                self.install(view)
+                self.install(view, started)
                 self._refreshing.set_result(self.view)
             except BaseException as exc:
                 self._refreshing.set_exception(exc)
@@ -490,21 +643,31 @@ class Replication:
             return self.view
         return await asyncio.shield(self._refreshing)
 
-    def install(self, view: View) -> None:
+    def install(self, view: View, started: float) -> None:
+        """Take ``view``, read from the membership service by a request that
+        started at ``started`` (monotonic), if it is newer; a read that
+        returns the epoch held renews the lease."""
         if view.epoch > self.view.epoch:
             log.info("view epoch %d: members %s, joining %s", view.epoch, ",".join(view.members),
                      ",".join(view.joining) or "none")
             self.view = view
+        if view.epoch == self.view.epoch:
+            # the view was current at some moment after ``started``: no newer
+            # one was written before then
+            self.confirmed_at = max(self.confirmed_at, started)
 
-    async def change(self, expected: View, members: Sequence[str], joining: Sequence[str]) -> View:
+    def leased(self) -> bool:
+        """Whether this server's view was confirmed within SERVER_LEASE."""
+        return time.monotonic() - self.confirmed_at < SERVER_LEASE
+
+    async def change(self, expected: View, members: Sequence[str], joining: Sequence[str],
+                     replaced: Sequence[Substitute] | None = None) -> View:
         assert self.membership is not None
-        view = await self.membership.change(expected, members=tuple(members), joining=tuple(joining))
-        self.install(view)
+        started = time.monotonic()
+        view = await self.membership.change(expected, members=tuple(members), joining=tuple(joining),
+                                            replaced=replaced)
+        self.install(view, started)
         return view
-
-    def live(self, view: View | None = None) -> set[str]:
-        v = view or self.view
-        return set(v.members) | set(v.joining)
 
     # -- placement ----------------------------------------------------------
     @staticmethod
@@ -512,17 +675,56 @@ class Replication:
         return Placement(seg.nservers, seg.nbytes, seg.stripe, _core.name_hash(seg.name) % seg.nservers,
                          seg.replicas, seg.zones)
 
-    def primary_of(self, seg: Segment, replicas: Sequence[int]) -> str | None:
-        """The stripe's first replica that is a member of the view."""
-        for s in replicas:
-            if seg.servers[s] in self.view.members:
-                return seg.servers[s]
-        return None
+    def holders_of(self, seg: Segment, replicas: Sequence[int]) -> list[Holder]:
+        """Where the copies of a stripe (placed on ``replicas``) are in the
+        view: on their own servers, or moved (View.holders)."""
+        return self.view.holders([seg.servers[s] for s in replicas])
 
-    def backups_of(self, seg: Segment, replicas: Sequence[int], primary: str) -> list[str]:
-        """The stripe's other replicas that are members or joining."""
-        live = self.live()
-        return [seg.servers[s] for s in replicas if seg.servers[s] != primary and seg.servers[s] in live]
+    def backups_of(self, seg: Segment, replicas: Sequence[int], primary: str) -> list[Holder]:
+        """The stripe's other copies that are members or joining."""
+        return [h for h in self.holders_of(seg, replicas) if h.server != primary and h.state != "out"]
+
+    def copy_of(self, name: str, slot: str) -> Segment | None:
+        """This server's segment holding server ``slot``'s part of buffer
+        ``name``: its own part, or one it holds in a lost server's stead."""
+        return self.server.by_name.get(name) if slot == self.me else self.copies.get((name, slot))
+
+    def lookup_copy(self, name: str, slot: str) -> Segment:
+        seg = self.copy_of(name, slot)
+        if seg is None:
+            raise Refused(ErrorCode.NO_SUCH_BUFFER, f"server {self.me} holds no copy of server {slot}'s part "
+                          f"of buffer {name!r}")
+        return seg
+
+    def forget(self, name: str) -> None:
+        """Buffer ``name`` is destroyed here: so are the copies held for it."""
+        for key in [k for k in self.copies if k[0] == name]:
+            self.server.drop_copy(self.copies.pop(key))
+
+    def _copy_segment(self, seg: Segment, slot: str) -> None:
+        """Make the segment for ``slot``'s part of ``seg``'s buffer here (before
+        this server claims it: forwards to it then find it)."""
+        if slot == self.me:
+            return
+        have = self.copies.get((seg.name, slot))
+        if have is not None and have.buffer_id == seg.buffer_id and have.servers == seg.servers:
+            return
+        if have is not None:
+            self.server.drop_copy(have)
+        self.copies[(seg.name, slot)] = self.server.add_copy(seg, seg.servers.index(slot))
+
+    def _copies_for(self, view: View) -> None:
+        """Make the segments of every copy the view moves here; drop those it
+        no longer does (their data is not served: nothing routes to them)."""
+        wanted = set()
+        for seg in [s for s in self.server.by_name.values() if s.replicas > 1]:
+            groups = _groups(seg)
+            for sub in view.replaced:
+                if sub.by == self.me and sub.slot != self.me and sub.group in groups:
+                    self._copy_segment(seg, sub.slot)
+                    wanted.add((seg.name, sub.slot))
+        for key in [k for k in self.copies if k not in wanted]:
+            self.server.drop_copy(self.copies.pop(key))
 
     # -- ops ---------------------------------------------------------------
     def on_frame(self, conn: Client, hdr: Header, payload: memoryview) -> None:
@@ -574,14 +776,17 @@ class Replication:
         placement = self.placement(seg)
         stripe, _ = placement.stripe_at(seg.index, offset)
         replicas = placement.replicas_of(stripe)
-        primary = self.primary_of(seg, replicas)
+        first = view.primary([seg.servers[s] for s in replicas])
+        primary = None if first is None else first.server
         where = Stripe(seg, placement, stripe)
         if forwarded:
             if conn.peer_server is None or conn.peer_server != primary:
                 raise Refused(ErrorCode.ACCESS_DENIED, f"forwarded ops of stripe {stripe} of {seg.name!r} are "
                               f"taken only from its primary {primary} (this connection is "
                               f"{conn.peer_server or 'a client'})")
-        elif primary != self.me:
+        elif first is None or (first.server, first.slot) != (self.me, seg.servers[seg.index]):
+            # (the primary's copy may be one it holds for a lost server: the op
+            # must name that segment, not this server's own part)
             raise Refused(ErrorCode.NOT_MEMBER, f"server {self.me} is not the primary of stripe {stripe} of "
                            f"{seg.name!r} in view epoch {view.epoch} ({primary} is)", epoch=view.epoch)
         entry = self.dedup.get(client, seq)
@@ -618,12 +823,12 @@ class Replication:
         if forwarded:
             conn.reply(hdr, result)
             return
+        entry.waiters = [(conn, hdr)]
         backups = self.backups_of(seg, replicas, self.me)
         if not backups:
-            conn.reply(hdr, result)
+            self.acknowledge(where, entry)
             return
-        entry.waiters = [(conn, hdr)]
-        pending = Pending(self, where, entry, backups)
+        pending = Pending(self, where, entry, [b.server for b in backups])
         fwd_flags = (flags & ~FLAG_REPLICATED) | FLAG_FORWARDED
         head = prefix(view.epoch, client, seq) + fence
         # a copy: the payload is a view of this connection's inbox, reused by
@@ -631,10 +836,11 @@ class Replication:
         # reference (uvloop)
         copied = bytes(data)
         full = None
+        within = offset - placement.offset_on(seg.index, stripe)
         for b in backups:
-            box = self.outbox(b)
-            off = placement.offset_on(seg.servers.index(b), stripe) + offset - placement.offset_on(seg.index, stripe)
-            box.forward((seg.name, seg.buffer_id), op, fwd_flags, off, (head, copied), pending.callback(b))
+            box = self.outbox(b.server)
+            off = placement.offset_on(seg.servers.index(b.slot), stripe) + within
+            box.forward(_key(seg, b), op, fwd_flags, off, (head, copied), pending.callback(b.server))
             if box.full:
                 full = box
         if full is not None:
@@ -645,6 +851,17 @@ class Replication:
             entry.waiters.append((conn, hdr))
         else:
             conn.reply(hdr, entry.result)
+
+    def acknowledge(self, where: Stripe, entry: Entry) -> None:
+        """Answer a primary's op that every backup holds: at once within the
+        lease; else once a read of the view confirmed this server is still
+        the stripe's primary (settle), so that a primary paused or cut off
+        past its lease acknowledges nothing under a view already replaced."""
+        if self.leased():
+            self.answer(entry)
+        else:
+            self.lease_waits += 1
+            self.spawn(self.settle(where, entry, {}))
 
     def answer(self, entry: Entry, code: ErrorCode | None = None, message: str = "",
                **extra: Any) -> None:
@@ -660,7 +877,8 @@ class Replication:
         forwards carried: a failed member backup is reported
         (BACKUP_FAILED: the client removes it from the view and retries);
         otherwise read the view, copy the stripe to every live backup that
-        does not hold the op yet, then answer."""
+        does not hold the op yet, then answer, within the lease of that read
+        (else read it again)."""
         try:
             members = set(self.view.members)
             dead = [b for b in failed if b in members]
@@ -672,25 +890,31 @@ class Replication:
                 self.answer(entry, ErrorCode.BACKUP_FAILED, f"backup {dead[0]} of buffer {where.seg.name!r} "
                             f"failed ({failed[dead[0]]})", backup=dead[0])
                 return
-            await self.refresh()
-            if self.me not in self.view.members:
-                self.answer(entry, ErrorCode.NOT_MEMBER, f"server {self.me} was removed from the view "
-                            f"(epoch {self.view.epoch})", epoch=self.view.epoch)
-                return
-            replicas = where.placement.replicas_of(where.index)
-            if self.primary_of(where.seg, replicas) != self.me:
-                self.answer(entry, ErrorCode.STALE_EPOCH, f"server {self.me} is no longer the primary of "
-                            f"the stripe (epoch {self.view.epoch})", epoch=self.view.epoch)
-                return
-            missing = [b for b in self.backups_of(where.seg, replicas, self.me) if b not in entry.acked]
-            failed = await self.push_stripes(where.seg, [where.index], missing, pace=False) if missing else {}
-            dead = [b for b in failed if b in self.view.members]
-            if dead:
-                self.answer(entry, ErrorCode.BACKUP_FAILED, f"backup {dead[0]} of buffer {where.seg.name!r} "
-                            f"failed ({failed[dead[0]]})", backup=dead[0])
-                return
-            entry.acked = entry.acked | frozenset(b for b in missing if b not in failed)
-            self.answer(entry)
+            while True:
+                await self.refresh()
+                if self.me not in self.view.members:
+                    self.answer(entry, ErrorCode.NOT_MEMBER, f"server {self.me} was removed from the view "
+                                f"(epoch {self.view.epoch})", epoch=self.view.epoch)
+                    return
+                replicas = where.placement.replicas_of(where.index)
+                first = self.view.primary([where.seg.servers[s] for s in replicas])
+                if first is None or (first.server, first.slot) != (self.me, where.seg.servers[where.seg.index]):
+                    self.answer(entry, ErrorCode.STALE_EPOCH, f"server {self.me} is no longer the primary of "
+                                f"the stripe (epoch {self.view.epoch})", epoch=self.view.epoch)
+                    return
+                missing = [b for b in self.backups_of(where.seg, replicas, self.me) if b.server not in entry.acked]
+                failed = await self.push_stripes(where.seg, [where.index], missing, pace=False) if missing else {}
+                dead = [b for b in failed if b in self.view.members]
+                if dead:
+                    self.answer(entry, ErrorCode.BACKUP_FAILED, f"backup {dead[0]} of buffer "
+                                f"{where.seg.name!r} failed ({failed[dead[0]]})", backup=dead[0])
+                    return
+                entry.acked = entry.acked | frozenset(b.server for b in missing if b.server not in failed)
+                if self.leased():
+                    # still within the lease of the read above (the copies
+                    # may have taken longer: then read the view again)
+                    self.answer(entry)
+                    return
         except Exception as exc:
             self.answer(entry, ErrorCode.NOT_MEMBER, f"server {self.me} cannot confirm the op under the "
                         f"current view: {exc}", epoch=self.view.epoch)
@@ -705,12 +929,13 @@ class Replication:
                 log.warning("removed joining server %s from the view: it missed a forwarded update", backup)
 
     # -- stripe copies (repair, rejoin) -------------------------------------
-    async def push_stripes(self, seg: Segment, stripes: Sequence[int], targets: Sequence[str],
+    async def push_stripes(self, seg: Segment, stripes: Sequence[int], targets: Sequence[Holder],
                            *, pace: bool = True) -> dict[str, str]:
-        """Copy stripes of ``seg`` to ``targets`` through their ordered
-        outboxes (each piece is copied when it is queued, so no update that
-        follows it is overwritten); paced at ``--repair-rate`` when ``pace``.
-        Returns the targets that failed, with why."""
+        """Copy stripes of ``seg`` (this server's copy) to the copies
+        ``targets`` through their servers' ordered outboxes (each piece is
+        copied when it is queued, so no update that follows it is
+        overwritten); paced at ``--repair-rate`` when ``pace``.  Returns the
+        target servers that failed, with why."""
         placement = self.placement(seg)
         loop = asyncio.get_running_loop()
         futures: list[tuple[str, asyncio.Future[tuple[int, bytes]]]] = []
@@ -724,59 +949,71 @@ class Replication:
                 # and copied: the socket may hold it by reference while they land
                 piece = bytes(seg.view[base + lo:base + lo + n])
                 for t in targets:
-                    if t in failed:
+                    if t.server in failed:
                         continue
                     fut: asyncio.Future[tuple[int, bytes]] = loop.create_future()
                     self._copy_seq += 1
-                    off = placement.offset_on(seg.servers.index(t), i) + lo
-                    self.outbox(t).forward(
-                        (seg.name, seg.buffer_id), Op.WRITE, FLAG_FORWARDED, off,
+                    off = placement.offset_on(seg.servers.index(t.slot), i) + lo
+                    self.outbox(t.server).forward(
+                        _key(seg, t), Op.WRITE, FLAG_FORWARDED, off,
                         (prefix(self.view.epoch, self.copy_id, self._copy_seq), piece),
                         _resolver(fut))
-                    futures.append((t, fut))
+                    futures.append((t.server, fut))
                     sent += n
                 self.copied_bytes += n * len(targets)
                 for t in targets:
                     # a slow link: no more than OUTBOX_HIGH queued for it
-                    await self.outbox(t).room()
+                    await self.outbox(t.server).room()
                 rate = self.server.repair_rate
                 if pace and rate:
                     ahead = t0 + sent / rate - loop.time()
                     if ahead > 0:
                         await asyncio.sleep(ahead)
-        for t, fut in futures:
+        for addr, fut in futures:
             try:
                 status, payload = await asyncio.wait_for(fut, FORWARD_TIMEOUT + 1)
             except TimeoutError:
                 status, payload = LINK_FAILED, b"no answer"
-            if status and t not in failed:
-                failed[t] = error_message(payload) or payload.decode(errors="replace")
-                self.outbox(t).fail(failed[t])
+            if status and addr not in failed:
+                failed[addr] = error_message(payload) or payload.decode(errors="replace")
+                self.outbox(addr).fail(failed[addr])
         return failed
 
     async def serve_sync(self, joiner: str, name: str, epoch: int) -> dict[str, Any]:
-        """A joining server asks for its copies of the stripes of ``name``
+        """A server catching up (joining, or holding copies moved to it that
+        are not ready yet) asks for its copies of the stripes of ``name``
         that this server is the primary of."""
         if epoch > self.view.epoch:
             await self.refresh()
-        if joiner not in self.view.joining:
-            raise Refused(ErrorCode.NOT_MEMBER, f"server {joiner} is not joining in view epoch "
-                          f"{self.view.epoch}: add it to joining first")
+        view = self.view
+        if joiner not in view.joining and not any(s.by == joiner and not s.ready for s in view.replaced):
+            raise Refused(ErrorCode.NOT_MEMBER, f"server {joiner} is not catching up in view epoch "
+                          f"{view.epoch}: add it to joining (or claim a lost server's copies) first")
         if self.state != "member":
             raise Refused(ErrorCode.NOT_MEMBER, f"server {self.me} is not a member: ask a member")
-        seg = self.server.by_name.get(name)
-        if seg is None or seg.replicas < 2:
+        own = self.server.by_name.get(name)
+        if own is None or own.replicas < 2:
             raise Refused(ErrorCode.NO_SUCH_BUFFER, f"no replicated buffer named {name!r} here")
-        placement = self.placement(seg)
-        j = seg.servers.index(joiner)
-        mine = [i for i in range(placement.nstripes)
-                if j in (rs := placement.replicas_of(i)) and self.primary_of(seg, rs) == self.me]
+        placement = self.placement(own)
+        # (this server's copy, the joiner's copy) -> stripes
+        plan: dict[tuple[str, Holder], list[int]] = {}
+        for i in range(placement.nstripes):
+            holders = self.holders_of(own, placement.replicas_of(i))
+            first = next((h for h in holders if h.state == "member"), None)
+            if first is None or first.server != self.me:
+                continue
+            for h in holders:
+                if h.server == joiner and h.state == "joining":
+                    plan.setdefault((first.slot, h), []).append(i)
         t0 = time.monotonic()
-        failed = await self.push_stripes(seg, mine, [joiner])
-        if failed:
-            raise Refused(ErrorCode.BACKUP_FAILED, f"copying to {joiner} failed: {failed[joiner]}")
+        for (slot, target), stripes in plan.items():
+            seg = self.lookup_copy(name, slot)
+            failed = await self.push_stripes(seg, stripes, [target])
+            if failed:
+                raise Refused(ErrorCode.BACKUP_FAILED, f"copying to {joiner} failed: {failed[joiner]}")
         took = time.monotonic() - t0
-        return {"stripes": len(mine), "bytes": len(mine) * seg.stripe, "seconds": round(took, 3)}
+        n = sum(len(v) for v in plan.values())
+        return {"stripes": n, "bytes": n * own.stripe, "seconds": round(took, 3)}
 
     # -- joining ------------------------------------------------------------
     async def join(self) -> None:
@@ -805,6 +1042,8 @@ class Replication:
         # 1. make (or check) every segment this server should hold, before
         #    joining: a primary's forwards to us then find them
         buffers, unreachable = await self._buffers_of(others)
+        # and the copies of lost servers' parts this server holds in their stead
+        self._copies_for(view)
         if self.me in view.members and not buffers and not unreachable:
             # every other member answered and none places a stripe here:
             # nothing can be stale (a new cluster)
@@ -824,13 +1063,34 @@ class Replication:
         self.state = "joining"
         t0 = time.monotonic()
         # 2. a copy of each stripe from its primary (in the ordered stream)
-        for name in buffers:
+        if not await self._catch_up(view, buffers):
+            return False
+        # 3. a member again, if nothing changed meanwhile (with the copies it
+        #    holds for lost servers, caught up too, ready)
+        current = await self.refresh()
+        if current.epoch != view.epoch or self.me not in current.joining:
+            return False
+        members = [*current.members, self.me]
+        view = await self.change(current, members, [j for j in current.joining if j != self.me],
+                                 [dataclasses.replace(r, ready=True) if r.by == self.me else r
+                                  for r in current.replaced])
+        return self._became_member(view, len(buffers), time.monotonic() - t0)
+
+    async def _catch_up(self, view: View, names: Iterable[str]) -> bool:
+        """Ask the primaries for a copy of every stripe of buffers ``names``
+        this server holds a catching-up copy of in ``view`` (its own part
+        while it joins, or a lost server's part it claimed); False where a
+        buffer is gone or a stripe has no member copy left."""
+        for name in names:
             seg = self.server.by_name.get(name)
             if seg is None:
                 return False
             placement = self.placement(seg)
-            mine = [i for i in range(placement.nstripes) if seg.index in placement.replicas_of(i)]
-            primaries = {i: self.primary_of(seg, placement.replicas_of(i)) for i in mine}
+            primaries: dict[int, str | None] = {}
+            for i in range(placement.nstripes):
+                holders = view.holders([seg.servers[s] for s in placement.replicas_of(i)])
+                if any(h.server == self.me and h.state == "joining" for h in holders):
+                    primaries[i] = next((h.server for h in holders if h.state == "member"), None)
             lost = [i for i, p in primaries.items() if p is None]
             if lost:
                 # no member holds a copy: becoming a member with ours (empty,
@@ -840,18 +1100,12 @@ class Replication:
                           lost[:8], name)
                 return False
             for p in sorted({p for p in primaries.values() if p is not None and p != self.me}):
-                link = await PeerLink.open(p, self.me, self.server.token)
+                link = await PeerLink.open(p, self.me, self.server.token, self.server.peer_token)
                 try:
                     await link.control({"cmd": "repl_sync", "name": name, "epoch": view.epoch})
                 finally:
                     link.close("done")
-        # 3. a member again, if nothing changed meanwhile
-        current = await self.refresh()
-        if current.epoch != view.epoch or self.me not in current.joining:
-            return False
-        members = [*current.members, self.me]
-        view = await self.change(current, members, [j for j in current.joining if j != self.me])
-        return self._became_member(view, len(buffers), time.monotonic() - t0)
+        return True
 
     def _became_member(self, view: View, buffers: int, took: float = 0.0) -> bool:
         if self.me not in view.members:
@@ -871,7 +1125,7 @@ class Replication:
         unreachable = []
         for m in others:
             try:
-                link = await PeerLink.open(m, self.me, self.server.token)
+                link = await PeerLink.open(m, self.me, self.server.token, self.server.peer_token)
             except Exception as exc:
                 log.info("member %s is not reachable: %s", m, exc)
                 unreachable.append(m)
@@ -911,15 +1165,33 @@ class Replication:
 
     # -- reporting ------------------------------------------------------------
     def degraded(self, seg: Segment) -> bool:
-        """Some stripe of ``seg`` has fewer member replicas than it should."""
-        members = set(self.view.members)
-        return self.state != "member" or any(s not in members for s in seg.servers)
+        """Some stripe of ``seg`` has fewer member copies than it should
+        (counting copies moved off lost servers once they are ready)."""
+        if self.state != "member":
+            return True
+        p = self.placement(seg)
+        return any(sum(h.state == "member" for h in self.holders_of(seg, p.replicas_of(i))) < seg.replicas
+                   for i in range(min(p.nstripes, p.nservers)))
 
     def stat(self) -> dict[str, Any]:
         return {"membership": self.url, "server": self.me, "state": self.state, "epoch": self.view.epoch,
                 "members": list(self.view.members), "joining": list(self.view.joining),
                 "degraded": sorted(s.name for s in self.server.by_name.values()
                                    if s.replicas > 1 and self.degraded(s)),
+                "replaced": [r.to_obj() for r in self.view.replaced],
+                "copies_held": sorted(f"{name} ({slot})" for name, slot in self.copies),
+                "replacements": self.replacements,
                 "copied_bytes": self.copied_bytes, "diverged": self.diverged,
-                "dedup_entries": len(self.dedup.entries), "joins": self.joins}
+                "dedup_entries": len(self.dedup.entries), "joins": self.joins,
+                "lease_age": round(time.monotonic() - self.confirmed_at, 3), "lease_waits": self.lease_waits}
 
+
+def _key(seg: Segment, copy: Holder) -> BufferKey:
+    """Where a forward to ``copy`` of ``seg``'s buffer lands on its server."""
+    return (seg.name, seg.buffer_id, "" if copy.slot == copy.server else copy.slot)
+
+
+def _groups(seg: Segment) -> set[tuple[str, ...]]:
+    """The replica groups (sorted server names) of ``seg``'s buffer's stripes."""
+    p = Replication.placement(seg)
+    return {tuple(sorted(seg.servers[s] for s in p.replicas_of(i))) for i in range(min(p.nstripes, p.nservers))}

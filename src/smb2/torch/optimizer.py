@@ -54,8 +54,9 @@ as W single processes, and can collapse under uneven load).
 * ``diloco``: the user's optimizer is the inner optimizer: it trains the
   local copy for ``local_steps`` steps (a round); then the round's
   pseudo-gradient ``w_start - w_local`` goes out (bfloat16 by default), an
-  outer Nesterov step (``outer_lr``, ``outer_momentum``) applies it to the
-  shared weights, and the worker continues from the fresh shared weights (the
+  outer Nesterov step (``outer_lr``, ``outer_momentum``; its momentum step
+  once per W pseudo-gradients) applies it to the shared weights, and the
+  worker continues from the fresh shared weights (the
   steps it made while the exchange travelled are kept on top).  ``close()``
   pushes the last, shorter round.  Lag scaling is on by default for it.
 

@@ -18,9 +18,11 @@
   changes, not gradients (see :class:`smb2.torch.AsyncOptimizer`).
 * ``"diloco"`` (DiLoCo, Douillard et al. 2023, made asynchronous): the worker
   trains its own copy for ``local_steps`` inner steps, then pushes its
-  pseudo-gradient ``D = w_start - w_local``; each pseudo-gradient gets its own
-  outer Nesterov step on the shared weights, whose momentum lives beside the
-  store (``<store>/outer``), by server-side accumulates; the worker starts its
+  pseudo-gradient ``D = w_start - w_local``; an outer Nesterov step on the
+  shared weights with delayed momentum (Liu et al. 2024): each
+  pseudo-gradient's plain part at once, the momentum step once per W of
+  them, the momentum and the pseudo-gradients waiting for it beside the store
+  (``<store>/outer``), all by server-side accumulates; the worker starts its
   next round from the fresh shared weights.
 
 ``wire`` (an attribute of every rule, default None) names the type a pushed
@@ -65,6 +67,8 @@ class BoundStore(Protocol):
     workers: int
     dropping: LayerDropping | None
     stats: dict[str, int]
+    #: the updates applied in all, as of this worker's last push or pull
+    version: int
 
     name: str
 
@@ -417,23 +421,27 @@ def outer_momentum_name(store: str) -> str:
 
 
 class DiLoCo(UpdateRule):
-    """DiLoCo's outer Nesterov step, once per pseudo-gradient, asynchronously.
+    """DiLoCo's outer Nesterov step, asynchronously, with delayed momentum.
 
     A round: the worker takes the shared weights ``w_start``, trains its own
     copy for ``local_steps`` inner steps (its optimizer; in this numpy API
     :meth:`push` is an SGD step with ``lr``), then pushes its pseudo-gradient
     ``D = w_start - w_local`` (:meth:`exchange`).  The store's guard sees
     ``D`` and lag-scales it (lag: the other workers' pseudo-gradients since
-    the worker's pull); :meth:`push_region` then applies the outer step with
-    the momentum ``M`` kept beside the store (:func:`outer_momentum_name`):
-    it reads ``M`` (one-sided), computes ``m = mu M + s D`` (``s``: the lag
-    scale over the workers, so W pseudo-gradients of a round make one
-    averaged outer step, as in synchronous DiLoCo) and adds ``m - M`` to ``M``
-    and ``-lr_out (s D + mu m)`` to the weights, both by server-side
-    accumulate (``wire``, bfloat16 by default).  Pushes one after the other
-    are torch's ``SGD(nesterov=True)`` step; ``k`` pushes that read the same
-    ``M`` decay it by ``1 - k (1 - mu)`` instead of ``mu^k`` (right to first
-    order), and no push is lost.  Then the worker pulls the shared weights
+    the worker's pull); ``s`` is that scale over the workers, so W
+    pseudo-gradients make one averaged outer step, as in synchronous DiLoCo.
+
+    Synchronous DiLoCo's outer step on the mean ``g`` of W pseudo-gradients,
+    ``m = mu M + g``, ``w -= lr_out (g + mu m)``, is split as Liu et al.
+    (2024, "delayed Nesterov") do: each push moves the weights by the plain
+    part ``-lr_out s D`` and adds ``s D`` to a buffer ``B`` beside the
+    momentum ``M`` (:func:`outer_momentum_name`), by server-side accumulates
+    (``wire``, bfloat16 by default); the push that brings the store's
+    version to a multiple of W then makes the momentum step once for them
+    all (:meth:`momentum_step`): ``m = mu M + B``, ``w -= lr_out mu m``,
+    ``M += m - M``, ``B -= B``.  With one worker every push completes its
+    group, and both parts go in one accumulate: torch's
+    ``SGD(nesterov=True)`` step.  Then the worker pulls the shared weights
     and starts its next round from them."""
 
     name = "diloco"
@@ -476,9 +484,11 @@ class DiLoCo(UpdateRule):
 
     def bind(self, store: BoundStore) -> None:
         super().bind(store)
-        #: the shared weights this round started from, and the momentum as read, then as written
+        #: the shared weights this round started from; the momentum and the buffer (M | B) as read,
+        #: then their changes; the new momentum
         self._start = np.zeros_like(store.flat())
-        self._read = np.zeros_like(store.flat())
+        self._both = np.zeros(2 * store.flat().size, store.flat().dtype)
+        self._read = self._both[:store.flat().size]
         self._momentum = np.zeros_like(store.flat())
         unknown = [n for n in self.buffer_names if n not in store.params]
         if unknown:
@@ -491,10 +501,11 @@ class DiLoCo(UpdateRule):
         self.steps = 0
 
     async def open_run(self, fresh: bool) -> None:
-        """The outer momentum: zero in a fresh run, kept in a resumed one."""
+        """The outer momentum and the pseudo-gradients since its last step
+        (``M | B``): zero in a fresh run, kept in a resumed one."""
         st = self.store
         name = outer_momentum_name(st.buf.name)
-        nbytes = st.flat().nbytes
+        nbytes = 2 * st.flat().nbytes
         try:
             buf = await st.client.attach(name)
         except NoSuchBuffer:
@@ -522,22 +533,49 @@ class DiLoCo(UpdateRule):
 
     async def exchange(self, step: int | None = None) -> None:
         """Push the round's pseudo-gradient (through the store: guard, lag,
-        version), then start the next round from the shared weights."""
+        version), the momentum step if the push completed a group of W, then
+        start the next round from the shared weights."""
         st = self.store
         np.subtract(self._start, st.flat(), out=self._stage)
-        await st.push_region(self._stage, step=step)
+        pushed = await st.push_region(self._stage, step=step)
+        if pushed and st.workers > 1 and st.version % st.workers == 0:
+            await self.momentum_step()
         await st.pull()
 
-    async def push_region(self, region: np.ndarray, *, scale: float = 1.0) -> int:
-        """The outer Nesterov step on the pseudo-gradient ``region`` (laid
-        out like the data region; overwritten), times ``scale`` / workers."""
-        st = self.store
+    async def _attach_outer(self) -> Buffer:
         if self._outer is None:
-            self._outer = await st.client.attach(outer_momentum_name(st.buf.name))
-        mu = self.outer_momentum
-        await self._outer.read_into(self._read, 0)
-        st.count_pull(self._read.nbytes)
+            self._outer = await self.store.client.attach(outer_momentum_name(self.store.buf.name))
+        return self._outer
+
+    async def push_region(self, region: np.ndarray, *, scale: float = 1.0) -> int:
+        """The pseudo-gradient ``region`` (laid out like the data region;
+        overwritten), times ``scale`` / workers: the plain part of the outer
+        step, and its share of the next momentum step into ``B``; with one
+        worker the whole Nesterov step."""
+        st = self.store
+        outer = await self._attach_outer()
         region *= scale / st.workers                    # s D
+        if st.workers == 1:
+            return await self._nesterov(outer, region)
+        averaged = [region[b].copy() for b in self._buffers]
+        self._read[...] = region                        # its share of the next momentum step: B += s D
+        region *= -self.outer_lr                        # the plain part: -lr_out s D
+        for b, d in zip(self._buffers, averaged):
+            # a running statistic takes the workers' mean change, no momentum
+            # (a momentum step could overshoot it, a variance below zero)
+            np.negative(d, out=region[b])
+            self._read[b] = 0.0
+        await asyncio.gather(outer.accumulate(self._read.nbytes, self._read, wire=self.wire),
+                             st.buf.accumulate(st.data_off, region, wire=self.wire))
+        return int(2 * region.nbytes * _wire_fraction(region.dtype, self.wire))
+
+    async def _nesterov(self, outer: Buffer, region: np.ndarray) -> int:
+        """One worker: the plain part and the momentum step in one, as torch's
+        ``SGD(nesterov=True)`` computes them (``B`` stays zero)."""
+        st = self.store
+        mu = self.outer_momentum
+        await outer.read_into(self._read, 0)
+        st.count_pull(self._read.nbytes)
         averaged = [region[b].copy() for b in self._buffers]
         m = self._momentum
         np.multiply(self._read, mu, out=m)
@@ -547,13 +585,34 @@ class DiLoCo(UpdateRule):
         self._read -= m
         self._read *= -1.0                              # m - M
         for b, d in zip(self._buffers, averaged):
-            # a running statistic takes the workers' mean change (a momentum
-            # step could overshoot it, a variance below zero)
-            np.negative(d, out=region[b])
+            np.negative(d, out=region[b])               # (the buffers' mean change, no momentum)
             self._read[b] = 0.0
-        await asyncio.gather(self._outer.accumulate(0, self._read, wire=self.wire),
+        await asyncio.gather(outer.accumulate(0, self._read, wire=self.wire),
                              st.buf.accumulate(st.data_off, region, wire=self.wire))
         return int(2 * region.nbytes * _wire_fraction(region.dtype, self.wire))
+
+    async def momentum_step(self) -> None:
+        """The momentum step of a group of W pseudo-gradients: read ``M | B``,
+        ``m = mu M + B``, add ``-lr_out mu m`` to the weights and
+        ``m - M | -B`` beside them (pushes that land meanwhile stay in ``B``
+        for the next step: none is lost)."""
+        st = self.store
+        outer = await self._attach_outer()
+        mu = self.outer_momentum
+        n = self._read.size
+        await outer.read_into(self._both, 0)
+        st.count_pull(self._both.nbytes)
+        moment, pending = self._both[:n], self._both[n:]
+        m = self._momentum
+        np.multiply(moment, mu, out=m)
+        m += pending                                    # m = mu M + B (buffers: both zero)
+        np.multiply(m, -self.outer_lr * mu, out=self._stage)
+        np.subtract(m, moment, out=moment)              # m - M
+        np.negative(pending, out=pending)               # -B
+        await asyncio.gather(outer.accumulate(0, self._both, wire=self.wire),
+                             st.buf.accumulate(st.data_off, self._stage, wire=self.wire))
+        await st.count_push(int(3 * self._stage.nbytes * _wire_fraction(self._stage.dtype, self.wire)),
+                            update=False)
 
 
 RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "locked": Locked, "easgd": EASGD, "delta": Delta,

@@ -51,7 +51,7 @@ from typing import Any
 
 from .. import _core
 from ..errors import ErrorCode, OutOfMemory, TransportError, Unsupported, server_error
-from ..host import boot_id
+from ..host import boot_id, writable_by_clients
 from ..protocol import FENCE_SIZE, LOCK_SEGMENT, MASK64, unpack
 from .base import LockCapable, Transport
 from .tcp import TcpTransport
@@ -182,7 +182,10 @@ class ShmTransport(Transport, LockCapable):
                 if os.fstat(fd).st_size < state + 8:
                     raise TransportError(f"{self.label}: segment {sid} is shorter than announced",
                                          server=self.label)
-                mm = mmap.mmap(fd, state + 8, flags=mmap.MAP_SHARED)
+                # a replicated buffer's segment is sealed against writes
+                # from here: its copies change only through the primary
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable_by_clients(fd) else 0)
+                mm = mmap.mmap(fd, state + 8, flags=mmap.MAP_SHARED, prot=prot)
                 whole = memoryview(mm)
                 self._maps[sid] = _Mapping(mm, whole, whole[:size], state)
         finally:
