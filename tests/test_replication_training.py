@@ -122,3 +122,55 @@ def test_training_goes_on_through_a_lost_server_with_two_replicas_and_ends_clear
     assert jobs[1].returncode != 0
     assert f"lost memory server {victim} at step" in err and "of store 't-single'" in err, err[-5000:]
     assert "replicas=2" in err, err[-5000:]
+
+
+@pytest.mark.slow
+def test_the_optimizer_state_is_saved_when_a_server_was_lost_before_the_first_save(
+        cluster: tuple[LoopThread, smb2.LocalCluster]) -> None:
+    # the state's save slots (<store>/optim/<rank>, replicas=2) are first made after the kill: made on
+    # the servers left; training goes on, and once the server rejoined (and made its parts of the
+    # slots, caught up) a resume loads exactly the state saved
+    import torch
+
+    import smb2.torch as st
+    loop, c = cluster
+    servers = ",".join(c.addresses)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    x, y = torch.randn(32, 16), torch.randn(32, 8)
+
+    def port(model: torch.nn.Module, **kw: Any) -> Any:
+        return st.AsyncOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, name="t-state-after-kill",
+                                 servers=servers, rank=0, world_size=1, replicas=2, state_every=1e9, **kw)
+
+    opt = port(model, resume=False)
+    assert opt._saved.slots is not None and opt._saved.slots.buf is None      # no save made yet
+    loop.run(c.kill(1))
+    for _ in range(5):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.close()         # the last save is written here, on the two servers left
+    assert opt.steps == 5
+    saved = opt.state_dict()
+    # the lost server back, a member again, caught up on the slots made while it was away
+    loop.run(c.restart(1))
+
+    async def whole() -> bool:
+        async with await smb2.connect([c.addresses[1]], transport="tcp") as one:
+            st = (await one.stat())[0].get("replication", {})
+        return st.get("state") == "member" and not st.get("degraded")
+    t0 = time.monotonic()
+    while not loop.run(whole()):
+        assert time.monotonic() - t0 < 20, "the restarted server did not rejoin"
+        time.sleep(0.2)
+    again = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    opt2 = port(again, resume=True)
+    try:
+        got = opt2.state_dict()
+        assert saved["state"].keys() == got["state"].keys() and saved["state"]
+        for i in saved["state"]:
+            for k, v in saved["state"][i].items():
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(got["state"][i][k])), (i, k)
+    finally:
+        opt2.close()

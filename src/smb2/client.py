@@ -243,11 +243,19 @@ class Client:
         replicas = check_replicas(replicas, n)
         deadline = self.deadline(timeout)
         layout: dict[str, Any] = {}
+        # parts left out of a replicated buffer: on servers out of the view, or not answering (they make
+        # theirs when they rejoin, as the members describe the buffer, and catch up)
+        away: dict[int, str] = {}
         if replicas > 1:
-            await self.views()      # refused here where the servers keep no view
+            views = await self.views()      # refused here where the servers keep no view
+            view = await views.current()
             zones = [link.transport.server_info.get("zone") if link.transport is not None else None
                      for link in self._links]
             layout = {"replicas": replicas, "servers": self.servers, "zones": zones}
+            placement = Placement(n, nbytes, stripe, _core.name_hash(name) % n, replicas, zones)
+            away = {k: "out of the view" for k, s in enumerate(self.servers)
+                    if s not in view.members and s not in view.joining}
+            replication.check_creatable(name, placement, self.servers, view, away)
 
         async def make(index: int, buffer_id: str | None, seal: bool = False) -> dict[str, Any]:
             msg = {"cmd": "create", "name": name, "nbytes": nbytes, "stripe": stripe,
@@ -259,20 +267,39 @@ class Client:
         infos: list[dict[str, Any] | None] = [None] * n
         made: list[int] = []        # parts this call made: undone if it fails
         try:
-            anchor = infos[0] = await make(0, os.urandom(8).hex(), seal=n == 1)
+            # part 0 first (a replicated buffer's first part that can be made, where part 0's server is away)
+            rest = [k for k in range(n) if k not in away]
+            failed: dict[int, TransportError] = {}
+            while True:
+                first = rest.pop(0)
+                try:
+                    anchor = infos[first] = await make(first, os.urandom(8).hex(), seal=n == 1)
+                    break
+                except TransportError as exc:
+                    if replicas == 1 or not rest:
+                        raise
+                    failed[first] = exc
             if anchor["created"]:
-                made.append(0)
-            results = await asyncio.gather(*(make(k, anchor.get("buffer_id")) for k in range(1, n)),
+                made.append(first)
+            results = await asyncio.gather(*(make(k, anchor.get("buffer_id")) for k in rest),
                                            return_exceptions=True)
-            for k, r in enumerate(results, 1):
+            for k, r in zip(rest, results):
                 if isinstance(r, dict):
                     infos[k] = r
                     if r["created"]:
                         made.append(k)
             errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
+            if (errors or failed) and replicas > 1 and all(isinstance(e, TransportError) for e in errors):
+                # a replicated buffer goes on without the servers it cannot reach, as attach does
+                failed.update((k, r) for k, r in zip(rest, results) if isinstance(r, TransportError))
+                replication.check_creatable(name, placement, self.servers, view, {*away, *failed})
+                for k, err in failed.items():
+                    view = await views.stop_using(self.servers[k], view, err.message)
+                    away[k] = "unreachable"
+            elif errors:
                 raise _first_error(errors)
             identity, lost = parts.judge(infos, created_now=[k in made for k in range(n)])
+            lost = {k: why for k, why in lost.items() if k not in away}
             if lost:
                 if not recreate_lost:
                     raise parts.damaged(name, lost, self.servers, nbytes, stripe)
@@ -292,6 +319,11 @@ class Client:
                                             idempotent=False) for k in made),
                                  return_exceptions=True)
             raise
+        if away:
+            log.warning("buffer %r made without its parts on servers %s (%s): degraded until they rejoin",
+                        name, ", ".join(self.servers[k] for k in sorted(away)),
+                        ", ".join(sorted(set(away.values()))))
+            return Buffer(self, name, parts.remains(infos, identity, away))
         return Buffer(self, name, [i for i in infos if i is not None])
 
     async def attach(self, name: str, *, timeout: float | None = None) -> Buffer:
@@ -314,6 +346,16 @@ class Client:
         if errors and len(unreachable) == len(errors) and any((i.get("replicas") or 1) > 1 for i in found):
             # a replicated buffer goes on without the servers it cannot reach
             return await self._attach_without(name, infos, {k: results[k] for k in unreachable})
+        if errors and len(unreachable) == len(errors) and not found and self._replicated_cluster():
+            # every server that answered has no part, and a buffer has a part on every server: it does not
+            # exist (so a replicated one can be created without the servers that are down)
+            views = await self.views()
+            view = await views.current()
+            for k in unreachable:
+                err = results[k]
+                assert isinstance(err, TransportError)
+                view = await views.stop_using(self.servers[k], view, err.message)
+            raise next(r for r in results if isinstance(r, NoSuchBuffer))
         if errors:
             raise _first_error(errors)
         if found:
@@ -327,6 +369,11 @@ class Client:
         if len(found) < len(infos):
             raise next(r for r in results if isinstance(r, NoSuchBuffer))
         return Buffer(self, name, found)
+
+    def _replicated_cluster(self) -> bool:
+        """Whether the servers keep a membership view (said at hello)."""
+        return any(link.transport is not None and link.transport.server_info.get("membership")
+                   for link in self._links)
 
     async def _attach_without(self, name: str, infos: list[dict[str, Any] | None],
                               failed: dict[int, Any]) -> Buffer:
@@ -358,12 +405,28 @@ class Client:
         return buf
 
     async def destroy(self, name: str, *, timeout: float | None = None) -> bool:
-        """Destroy the buffer on every server; True if any server had it."""
+        """Destroy the buffer on every server; True if any server had it.  A
+        replicated buffer is destroyed on the servers that are up while the
+        others are out of the membership view: those drop their parts when
+        they rejoin (no member has the buffer any more)."""
         self.ensure_open()
         _check_name(name)
-        results = await self._each(({"cmd": "destroy", "name": name} for _ in self._links), timeout,
-                                   idempotent=False)
-        return any(r.get("destroyed") for r in results)
+        t = self.deadline(timeout)
+        results = await asyncio.gather(*(_control(link, {"cmd": "destroy", "name": name}, t, idempotent=False)
+                                         for link in self._links), return_exceptions=True)
+        done = [r for r in results if isinstance(r, dict)]
+        failed = [k for k, r in enumerate(results) if not isinstance(r, dict)]
+        if failed and all(isinstance(results[k], TransportError) for k in failed) and any(
+                (r.get("replicas") or 1) > 1 for r in done):
+            view = await (await self.views()).current()
+            away = [self.servers[k] for k in failed]
+            if not any(s in view.members or s in view.joining for s in away):
+                log.warning("buffer %r destroyed on the servers that are up; %s, out of the view, drop their "
+                            "parts when they rejoin", name, ", ".join(away))
+                return True
+        if failed:
+            raise _first_error([r for r in results if isinstance(r, BaseException)])
+        return any(r.get("destroyed") for r in done)
 
     async def buffers(self, *, timeout: float | None = None) -> list[str]:
         """Names of the buffers that exist on the cluster."""

@@ -34,6 +34,14 @@ SCHEME = "etcd"
 # one request to etcd, connection included; a partitioned endpoint is given up
 # after this and the next one is tried
 REQUEST_TIMEOUT = 2.0
+# seconds a request goes on being tried, with backoff, while etcd is slow (a request
+# timed out, or etcd answered it has no leader): a busy etcd pauses the callers instead
+# of failing their operations.  Not while every endpoint refuses the connection (no
+# etcd runs there: said at once).  Waiting is safe: nothing acts on a view until a read
+# of it answered (the client's view lease counts from the first try's start).
+PATIENCE = 10.0
+# the first wait between tries, doubling up to the last
+BACKOFF = (0.1, 1.0)
 # the largest reply read from etcd (a view is a few hundred bytes)
 MAX_REPLY = 1 << 20
 
@@ -189,8 +197,9 @@ class EtcdMembership(Membership):
     """The view in etcd 3.4+, through its JSON gateway (``/v3/kv/range``, ``/v3/kv/txn``)."""
 
     def __init__(self, url: str, endpoints: list[tuple[str, int]], name: str,
-                 timeout: float = REQUEST_TIMEOUT) -> None:
+                 timeout: float = REQUEST_TIMEOUT, patience: float = PATIENCE) -> None:
         self.url = url
+        self.patience = patience
         self.endpoints = endpoints
         self.name = name
         self.key = f"smb2/{name}/view".encode()
@@ -246,28 +255,58 @@ class EtcdMembership(Membership):
 
     # -- HTTP ----------------------------------------------------------------
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST to the first endpoint that answers, starting with the last one that did."""
+        """POST to the first endpoint that answers, starting with the last one that did;
+        every endpoint again, with backoff, while etcd is slow (:data:`PATIENCE`)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.patience
+        pause = BACKOFF[0]
+        tries = 0
+        while True:
+            tries += 1
+            reply, failures, slow = await self._post_once(path, body)
+            if reply is not None:
+                if tries > 1:
+                    log.info("membership %s: etcd answered at try %d", self.name, tries)
+                return reply
+            if not slow or loop.time() + pause >= give_up:
+                break
+            log.warning("membership %s: etcd is slow (%s): trying again in %.1f s", self.name,
+                        "; ".join(failures), pause)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, BACKOFF[1])
+        raise MembershipError(
+            f"the membership service {self.url} did not answer: etcd unreachable"
+            + (f" (tried {tries} times in {self.patience:g} s)" if tries > 1 else ""),
+            detail="; ".join(failures),
+            hint="check that etcd runs at those addresses and that this host can reach them "
+                 "(etcdctl --endpoints=HOST:PORT endpoint health); for a test cluster "
+                 "LocalCluster(replicated=True) starts its own")
+
+    async def _post_once(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str], bool]:
+        """One round over the endpoints: the reply, or None, what each said, and whether
+        one was slow (timed out, or had no leader) rather than refused."""
         failures = []
+        slow = False
         n = len(self.endpoints)
         for k in range(n):
             i = (self._preferred + k) % n
             host, port = self.endpoints[i]
             try:
                 status, reply = await asyncio.wait_for(http_post(host, port, path, body), self.timeout)
-            except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            except TimeoutError:
+                slow = True
+                failures.append(f"{host}:{port}: no answer within {self.timeout:g} s")
+                continue
+            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
                 failures.append(f"{host}:{port}: {exc!r}")
                 continue
             if status == 200:
                 self._preferred = i
-                return reply
+                return reply, failures, slow
             # etcd's own refusal (no leader: 503 "etcdserver: no leader") -- try the next one
+            slow = slow or status == 503
             failures.append(f"{host}:{port}: HTTP {status} {reply.get('message') or reply.get('error')}")
-        raise MembershipError(
-            f"the membership service {self.url} did not answer: etcd unreachable",
-            detail="; ".join(failures),
-            hint="check that etcd runs at those addresses and that this host can reach them "
-                 "(etcdctl --endpoints=HOST:PORT endpoint health); for a test cluster "
-                 "LocalCluster(replicated=True) starts its own")
+        return None, failures, slow
 
 
 async def http_post(host: str, port: int, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

@@ -48,8 +48,12 @@ def judge(infos: Sequence[dict[str, Any] | None], *,
         truth = anchor.get("buffer_id")
     elif older:
         truth = older.most_common(1)[0][0]
+    elif anchor is not None:
+        truth = anchor.get("buffer_id")
     else:
-        truth = None if anchor is None else anchor.get("buffer_id")
+        # a replicated buffer made while part 0's server was away: the identity its parts were made with
+        newer = Counter(i.get("buffer_id") for i in infos if i is not None)
+        truth = newer.most_common(1)[0][0] if newer else None
     complete = anchor is not None and not made[0] and bool(anchor.get("sealed"))
     if anchor is None and older:
         complete = True     # the other parts exist: part 0, made first, was lost

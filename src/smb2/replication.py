@@ -28,11 +28,12 @@ most :data:`MAX_ATTEMPTS` times.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from . import _core
@@ -74,6 +75,10 @@ WINDOW = 4
 #: stops), and uses a view of a new epoch only this long after it learned it
 #: (so every client still on the old view has stopped using it by then)
 VIEW_LEASE = 1.0
+#: seconds a read of the view may take before etcd counts as slow: a primary
+#: that did not answer meanwhile is asked again rather than taken out of the
+#: view (its own lease on the view waits for etcd too)
+SLOW_ETCD = 0.5
 #: the largest request of a replicated mutation: a TCP frame, with room
 #: for the prefix and a fence
 _PREFIX = struct.Struct("<QQQ")
@@ -183,14 +188,19 @@ class Views:
         self._confirmed_at = max(self._confirmed_at, started)
         return self._adopt(view, "it is not a member of the current view")
 
-    async def stop_using(self, server: str, seen: View, why: str) -> View:
+    async def stop_using(self, server: str, seen: View, why: str,
+                         keeping: Callable[[View], object] | None = None) -> View:
         """Remove ``server`` from the view ``seen`` (compare-and-set): the
         view current afterwards.  Concurrent callers wait for each other,
-        and one that finds the server already gone changes nothing."""
+        and one that finds the server already gone changes nothing.
+        ``keeping(view)`` raises where removing it from the view it is
+        removed from (``seen`` or a newer one) would lose a last copy."""
         async with self._lock:
             base = self.view if self.view is not None and self.view.epoch > seen.epoch else seen
             if server not in base.members and server not in base.joining:
                 return base
+            if keeping is not None:
+                keeping(base)
             members = tuple(m for m in base.members if m != server)
             if not members:
                 raise TransportError(
@@ -247,6 +257,36 @@ def degraded(placement: Placement, labels: Sequence[str], view: View) -> bool:
                < placement.replicas for i in range(min(placement.nstripes, placement.nservers)))
 
 
+def without_copy(placement: Placement, labels: Sequence[str], view: View, away: Collection[str], *,
+                 moved: bool = True) -> int | None:
+    """The first stripe with no member copy in ``view`` on a server not in
+    ``away`` (None: every stripe has one).  ``moved``: a copy moved off a
+    lost server counts (a new buffer has none: only its own parts are made)."""
+    for i in range(min(placement.nstripes, placement.nservers)):
+        if not any(h.state == "member" and h.server not in away and (moved or h.server == h.slot)
+                   for h in view.holders([labels[s] for s in placement.replicas_of(i)])):
+            return i
+    return None
+
+
+def check_creatable(name: str, placement: Placement, labels: Sequence[str], view: View,
+                    away: Collection[int]) -> None:
+    """Refuse to create the buffer ``name`` when a stripe would have no copy
+    on a member server once the servers ``away`` (indices: out of ``view``,
+    or not answering) are left out; their parts are made when they rejoin."""
+    i = without_copy(placement, labels, view, {labels[k] for k in away}, moved=False)
+    if i is None:
+        return
+    down = ", ".join(labels[k] for k in sorted(away))
+    raise TransportError(
+        f"buffer {name!r} cannot be created with replicas={placement.replicas} now: servers {down} are down or "
+        f"out of the membership view (epoch {view.epoch}), and they would hold every copy of bytes "
+        f"{i * placement.stripe}-{min((i + 1) * placement.stripe, placement.nbytes)}",
+        server=labels[min(away)] if away else None,
+        hint="restart those servers (they rejoin by themselves: `smb2 stat` shows them as members again), "
+             "then create it; or create it with more replicas")
+
+
 def _pieces(placement: Placement, offset: int, length: int, limit: int) -> list[tuple[int, int, int]]:
     """``(stripe, buffer offset, bytes)`` of ``[offset, offset+length)``,
     each within one stripe and at most ``limit`` bytes."""
@@ -288,7 +328,8 @@ async def _attempts(buf: ReplicatedBuffer, i: int, within: int, nbytes: int, wha
             backup = next((other.label for other in buf.links
                            if other is not link and other.label in exc.message), None)
             if backup is not None:
-                await views.stop_using(_keeping_a_copy(buf, backup, seen, exc), seen, exc.message)
+                await views.stop_using(backup, seen, exc.message,
+                                       functools.partial(_keeping_a_copy, buf, backup, exc=exc))
             else:
                 await views.refresh()
         except (StaleEpoch, NotMember) as exc:
@@ -304,7 +345,18 @@ async def _attempts(buf: ReplicatedBuffer, i: int, within: int, nbytes: int, wha
                 "been applied", server=exc.server, hint=exc.hint) from None
         except TransportError as exc:       # refused, reset, timed out (OperationTimeout)
             last = exc
-            await views.stop_using(_keeping_a_copy(buf, link.label, seen, exc), seen, exc.message)
+            if isinstance(exc, OperationTimeout):
+                # a primary holds its answers while it cannot confirm its view with etcd: where etcd is
+                # slow for this client too, the silence is etcd's, so the same primary is asked again
+                t0 = time.monotonic()
+                await views.refresh()
+                if time.monotonic() - t0 > SLOW_ETCD:
+                    log.info("%s of buffer %r: server %s did not answer while etcd was slow (%.1f s): "
+                             "asking it again", what, buf.name, link.label, time.monotonic() - t0)
+                    view = await views.current()
+                    continue
+            await views.stop_using(link.label, seen, exc.message,
+                                   functools.partial(_keeping_a_copy, buf, link.label, exc=exc))
         view = await views.current()
     raise TransportError(f"{what} of buffer {buf.name!r} failed {MAX_ATTEMPTS} times on the primaries of its "
                          f"stripe {i}; the last: {last}", server=getattr(last, "server", None),
@@ -317,14 +369,13 @@ def _keeping_a_copy(buf: ReplicatedBuffer, server: str, view: View, exc: Smb2Err
     buffer a member copy; else the error is raised (a stripe without a
     member copy could never be caught up again)."""
     p = _layout(buf)
-    for i in range(min(p.nstripes, p.nservers)):
-        holders = view.holders([buf.links[s].label for s in p.replicas_of(i)])
-        if not any(h.state == "member" and h.server != server for h in holders):
-            raise TransportError(
-                f"buffer {buf.name!r}: server {server} failed ({exc.message}), and it holds the last member copy "
-                f"of bytes {i * p.stripe}-{min((i + 1) * p.stripe, buf.nbytes)}: it stays in the view",
-                server=server, hint="restart the lost servers (with their --data-dir): the buffer goes on once "
-                                    "they are back") from None
+    i = without_copy(p, [link.label for link in buf.links], view, {server})
+    if i is not None:
+        raise TransportError(
+            f"buffer {buf.name!r}: server {server} failed ({exc.message}), and it holds the last member copy "
+            f"of bytes {i * p.stripe}-{min((i + 1) * p.stripe, buf.nbytes)}: it stays in the view",
+            server=server, hint="restart the lost servers (with their --data-dir): the buffer goes on once "
+                                "they are back") from None
     return server
 
 

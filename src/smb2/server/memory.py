@@ -487,7 +487,7 @@ class MemoryServer:
         mark_gone(seg.view)
         # The memory is released when the last view of it is gone (a reply
         # still being sent may hold one).
-        return {"destroyed": True}
+        return {"destroyed": True, "replicas": seg.replicas}
 
     @property
     def ops(self) -> dict[str, dict[str, int]]:
