@@ -78,7 +78,7 @@ def test_frozen_parameters_are_rank_0s_on_every_rank(servers: str) -> None:
         t.start()
     for t in threads:
         t.join(120)
-    assert not errors, errors
+    assert not errors, [str(e) for e in errors]     # str: the message, DETAIL (which buffer) and HINT
     assert ends[0].frozen_changed == [] and ends[1].frozen_changed == ["0.weight"]
     assert ends[0].complete and ends[0].finished == [0, 1]
 
