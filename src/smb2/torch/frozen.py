@@ -4,8 +4,13 @@ with ``requires_grad=False`` and the buffers the store does not average
 
 DDP broadcasts them from rank 0 when it wraps the model; so does this.  Rank
 0 writes their bytes into a small buffer beside the store (``<store>/frozen``)
-before it joins the run, and every other rank copies them into its tensors
-after the start barrier (by then rank 0 has written).  A worker whose frozen
+and then, last, the run's generation into its first word; every other rank
+waits after the start barrier until that word names its run, and only then
+copies the bytes into its tensors.  The barrier alone does not order them:
+rank 0 counts as joined from the moment it opens the run, before it writes,
+and a buffer left by an earlier run holds an earlier generation, so a rank
+never takes half-written or stale values (it waited, or it times out with an
+error naming the store).  A worker whose frozen
 *parameters* later differ from what rank 0 handed out (a frozen layer
 unfrozen, or changed by hand) would train against a model the others do not
 have: :meth:`FrozenTensors.changed` names them, and ``close()`` reports it.
@@ -13,14 +18,19 @@ have: :meth:`FrozenTensors.changed` names them, and ``close()`` reports it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import time
 from typing import Any
 
 import numpy as np
 
 from ..client import Client
-from ..errors import BufferConflict
+from ..errors import BufferConflict, NoSuchBuffer, NotifyTimeout
 from ..train.store import frozen_state_name
+
+#: the first word of ``<store>/frozen``: the generation of the run whose values follow
+_STAMP = 8
 
 
 class FrozenTensors:
@@ -61,31 +71,54 @@ class FrozenTensors:
         self._digests = {n: hashlib.blake2b(self._bytes_of(t).tobytes(), digest_size=16).hexdigest()
                          for n, t, param in self.tensors if param}
 
-    async def publish(self, client: Client, store: str, replicas: int = 1) -> None:
-        """Rank 0: write its values beside the store (with the store's ``replicas``)."""
+    async def publish(self, client: Client, store: str, generation: int, replicas: int = 1) -> None:
+        """Rank 0: write its values beside the store (with the store's
+        ``replicas``), then the run's ``generation`` in the first word, last:
+        the word says the bytes after it are this run's and whole."""
         self._remember()
         if not self.tensors:
             return
         raw = self._pack()
         name = frozen_state_name(store)
         try:
-            buf = await client.create(name, raw.size, replicas=replicas)
+            buf = await client.create(name, _STAMP + raw.size, replicas=replicas)
         except BufferConflict:          # an earlier run's, of another model: replace it
             await client.destroy(name)
-            buf = await client.create(name, raw.size, replicas=replicas)
-        await buf.write(0, raw)
+            buf = await client.create(name, _STAMP + raw.size, replicas=replicas)
+        await buf.write(0, np.zeros(1, np.int64))          # not whole while it is being written
+        await buf.write(_STAMP, raw)
+        await buf.write(0, np.array([generation], np.int64))
 
-    async def adopt(self, client: Client, store: str) -> None:
-        """Every other rank, after the start barrier: take rank 0's values."""
+    async def adopt(self, client: Client, store: str, generation: int, timeout: float) -> None:
+        """Every other rank, after the start barrier: take rank 0's values
+        once rank 0 has written them for run ``generation``."""
         if self.tensors:
-            buf = await client.attach(frozen_state_name(store))
+            name = frozen_state_name(store)
+            deadline = time.monotonic() + timeout
+            delay = 0.005
+            while True:
+                try:
+                    buf = await client.attach(name)
+                    stamp = np.empty(1, np.int64)
+                    await buf.read_into(stamp, 0)
+                    if int(stamp[0]) == generation:
+                        break
+                except NoSuchBuffer:
+                    pass                # rank 0 is making it (or replacing an earlier run's)
+                if time.monotonic() >= deadline:
+                    raise NotifyTimeout(
+                        f"rank 0 did not hand out the frozen tensors of store {store!r} (run {generation}) "
+                        f"within {timeout:g} s ({', '.join(self.names())})",
+                        hint="check that rank 0 is running and reached its first step; raise timeout=")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.1)
             raw = np.empty(max(8, self.nbytes), dtype=np.uint8)
-            if buf.nbytes != raw.size:
+            if buf.nbytes != _STAMP + raw.size:
                 raise BufferConflict(
-                    f"rank 0 of store {store!r} handed out {buf.nbytes} bytes of frozen tensors, this rank's "
-                    f"model has {raw.size} ({', '.join(self.names())})",
+                    f"rank 0 of store {store!r} handed out {buf.nbytes - _STAMP} bytes of frozen tensors, this "
+                    f"rank's model has {raw.size} ({', '.join(self.names())})",
                     hint="every rank must build the same model (the same layers frozen)")
-            await buf.read_into(raw, 0)
+            await buf.read_into(raw, _STAMP)
             self._unpack(raw)
         self._remember()
 

@@ -354,14 +354,14 @@ class AsyncOptimizer(torch.optim.Optimizer):
             raise InvalidArgumentError(f"store {name!r} was made for {store.workers} workers; this job has "
                                        f"{self.world} (WORLD_SIZE)", hint="use another name, or the same WORLD_SIZE")
         # frozen parameters and the buffers the store does not hold: rank 0's
-        # for everyone, as DDP broadcasts them (written before rank 0 joins,
-        # so they are there once the start barrier lets the others through)
+        # for everyone, as DDP broadcasts them (stamped with the run, which
+        # the others wait for: frozen.py says why the barrier is not enough)
         opened_the_run = self.rank == 0 and not store.rejoined
         if opened_the_run:
-            await self.frozen.publish(self._client, name, store.buf.replicas)
+            await self.frozen.publish(self._client, name, store.generation, store.buf.replicas)
         await store.join(timeout)
         if not opened_the_run:
-            await self.frozen.adopt(self._client, name)
+            await self.frozen.adopt(self._client, name, store.generation, timeout)
         return store
 
     @property
