@@ -564,6 +564,8 @@ def _quadratic_steps(opt: torch.optim.Optimizer, model: Quadratic, steps: int,
 # 0.61 of the initial distance away from the single optimizer after 10 steps (numpy, in lock-step).
 # Staleness 0: with staleness 1 each gradient is also a step late, which changes the trajectory of
 # any optimizer (measured 0.17 of the distance here), whatever the number of workers.
+# alone: four workers in step with a tolerance; a worker starved by the parallel pass fell 2 steps behind
+@pytest.mark.alone
 def test_four_workers_with_momentum_move_the_model_as_one_optimizer(servers: str) -> None:
     # W = 4 workers, SGD lr 0.1 momentum 0.9, in step with each other (a barrier after every step),
     # each pushing delta: the shared model follows one momentum-0.9 optimizer's 10 steps within

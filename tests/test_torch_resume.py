@@ -314,6 +314,9 @@ def test_a_save_of_another_optimizer_is_not_loaded(servers: str, caplog: pytest.
         opt2.close()
 
 
+# alone: the background copy beside the step-40 checkpoint must run before step 45
+# (it ran after, once, under the parallel pass)
+@pytest.mark.alone
 @pytest.mark.parametrize("into", ["another store", "the same store"])
 def test_a_run_from_a_checkpoint_continues_its_moments_schedule_and_loss(
         servers: str, tmp_path: Any, caplog: pytest.LogCaptureFixture, into: str) -> None:

@@ -59,6 +59,9 @@ def _baseline(cfg: JobConfig, path: Path) -> float:
 
 # (locked with per_layer=True locks each tensor instead of the whole model: the same arithmetic,
 # which test_torch_optimizer.py's concurrent workers check loses no update; not trained again here)
+# alone: asynchronous workers whose accuracy depends on being scheduled alike (easgd ended 2 points low once
+# beside the parallel pass, 96.7-97.2 % in 7 runs alone or beside two busy loops)
+@pytest.mark.alone
 @pytest.mark.parametrize("rule,extra", [
     ("accumulate", {}),
     ("locked", {}),
