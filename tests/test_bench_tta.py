@@ -2,7 +2,7 @@
 bookkeeping, not its speed.
 
 Two memory-server hosts and two worker hosts, each a network namespace behind a 1 Gbit/s
-link; torch DDP and issue 21's systems (the default port, diloco, easgd) train the small
+link; torch DDP and the compared systems (the default port, diloco, easgd) train the small
 model on the same worker hosts in one run.  Checked: every system trained and learned
 something and no curve ended at chance, the bytes that crossed each worker's link per step
 match the model's size and the rule, the summary and the targets table are filled in, and
@@ -43,7 +43,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_every_system_trained(result: dict) -> None:
     rows = {r["system"]: r for r in result["rows"]}
-    # issue 21's systems, every one (diloco where this smb2 has the rule)
+    # the compared systems, every one (diloco where this smb2 has the rule)
     assert set(rows) == {s for s in bench_tta.SYSTEMS if bench_tta.available(s)} and "default" in rows
     assert result["runs"] == 1 and all(r["run"] == 0 for r in result["rows"])
     for name, r in rows.items():
@@ -63,7 +63,7 @@ def test_every_system_trained(result: dict) -> None:
         assert r["collapse_warnings"] == 0, name
         assert 1 < r["rtt_us"] < 5000, name        # the round trip beside each row, in µs
     assert all(r["ddp_ratio"] is not None for r in rows.values())
-    # the summary (medians of one run: the run) and issue 21's targets, each judged
+    # the summary (medians of one run: the run) and the stability targets, each judged
     summary = {s["system"]: s for s in result["summary"]}
     assert set(summary) == set(rows)
     for name, s in summary.items():

@@ -129,7 +129,7 @@ def test_subset_sums() -> None:
 
 @pytest.mark.server_process_only
 async def test_replicas_1_kill_without_data_dir_loses_acknowledged_increments() -> None:
-    """Today's picture (issue 23): a server SIGKILLed and restarted without --data-dir comes back
+    """Today's picture without replicas: a server SIGKILLed and restarted without --data-dir comes back
     empty, and the checker reports the acknowledged increments it held as lost."""
     s = jepsen.Settings(seed=2, duration=3.0, servers=3, replicas=1, processes=3, nemesis=("kill",),
                         interval=1.0, fault_time=(0.3, 1.0), settle=3.0, data_dir=False)

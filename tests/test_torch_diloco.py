@@ -309,7 +309,7 @@ def test_bad_options_are_refused(servers: str, options: dict[str, Any], match: s
         _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-bad", **options)
 
 
-#: how far below the single process 4 diloco workers may end (points): issue 21's 2.  Each round
+#: how far below the single process 4 diloco workers may end (points): the 2 asked of it.  Each round
 #: counts 1/W, so the shared model learns as DDP does at W times the batch; the example scales its
 #: inner lr by W for diloco, as DDP users scale theirs (the linear scaling rule).  Measured: 96.47-
 #: 97.77 % in seven runs against the single process's 97.22 %; unscaled, 90.9-94.6 %, where DDP's own

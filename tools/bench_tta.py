@@ -40,12 +40,12 @@ Every row says whether the run **collapsed**: rank 0's last evaluation or the de
 accuracy below twice chance (0.2 for 10 classes); smb2's rows also count the collapse watch's
 reports on any rank (``collapse_warnings``).
 
-Systems (issue 21's): ``ddp`` (DistributedDataParallel, gloo ring all-reduce); ``default``, the
+Systems (those the targets below compare): ``ddp`` (DistributedDataParallel, gloo ring all-reduce); ``default``, the
 porting recipe's one line ``AsyncOptimizer(opt, model, name=..., staleness=1)`` and nothing else
 (whatever AsyncOptimizer's defaults are); ``diloco`` (``rule="diloco", local_steps=8`` and
 the rule's defaults, outer lr 0.7 and Nesterov momentum 0.5 -- the paper's 0.9 collapses
 asynchronously, docs/training.md -- the user's SGD is the inner optimizer); ``easgd`` (tau 4).
-``--systems`` also takes the variants docs/training.md cites from before issue 21: ``delta``
+``--systems`` also takes the variants docs/training.md cites from before the stable default: ``delta``
 (every change counted whole, no lag scaling: that time's default port), ``delta/bf16``,
 ``delta/drop`` (layer dropping 0.7), ``accumulate``, ``accumulate/drop``.  A system whose rule
 this smb2 lacks is left out, with a line saying so.
@@ -55,7 +55,7 @@ Runs: every system runs ``--runs`` (3) times in every scenario, the default port
 to target, its ratio to DDP's time to target in the same run, the delivered model's final
 accuracy on the big held-out set, collapsed or not, and the raw 64 B loopback round trip
 measured just before the run.  The summary gives medians over the runs (a missed target counts
-as slower than any time) and the count of collapsed runs, then issue 21's targets, each met or
+as slower than any time) and the count of collapsed runs, then the stability targets, each met or
 not.
 
 "r0 cpu" and "r0 rdy": rank 0's thread-seconds on a CPU and runnable but waiting for one
@@ -106,7 +106,7 @@ DDP_PORT = 29500
 SERVER_PORT = netns_cluster.DEFAULT_PORT
 #: DiLoCo's local steps between pushes of a pseudo-gradient (H)
 DILOCO_H = 8
-#: system name -> AsyncOptimizer keywords (None: torch DDP): the systems of issue 21's targets
+#: system name -> AsyncOptimizer keywords (None: torch DDP): the systems the targets compare
 SYSTEMS: dict[str, dict[str, Any] | None] = {
     "ddp": None,
     # the porting recipe's one line, nothing else: whatever AsyncOptimizer's defaults are
@@ -114,7 +114,7 @@ SYSTEMS: dict[str, dict[str, Any] | None] = {
     "diloco": {"rule": "diloco", "local_steps": DILOCO_H},
     "easgd": {"rule": "easgd", "tau": 4},
 }
-#: more systems, by --systems only: the rows docs/training.md cites from before issue 21 ("delta"
+#: more systems, by --systems only: the rows docs/training.md cites from before the stable default ("delta"
 #: is that time's default port, every change counted whole and no lag scaling)
 EXTRA: dict[str, dict[str, Any]] = {
     "delta": {"rule": "delta", "staleness": 1, "average": False, "lag_scaling": False},
@@ -595,7 +595,8 @@ def summarize_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-#: issue 21's targets: (a) homogeneous, (b) straggler, (c) comm-bound, (d) overloaded
+#: the stability targets (default port and best configuration against DDP):
+#: (a) homogeneous, (b) straggler, (c) comm-bound, (d) overloaded
 DEFAULT_RATIO = {"homogeneous": 1.0, "straggler": 1.3, "comm-bound": 1.3, "overloaded": 1.3}
 BEST_RATIO = {"homogeneous": 1.5, "straggler": 2.0, "comm-bound": 1.5, "overloaded": 2.0}
 
@@ -663,7 +664,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def summary_table(result: dict[str, Any]) -> str:
-    """Medians over the runs, and issue 21's targets, met or not."""
+    """Medians over the runs, and the stability targets, met or not."""
     lines = [f"{'scenario':>11} {'system':>15} {'runs':>4} {'to tgt s':>8} {'x DDP':>8} {'final':>6} "
              f"{'vs DDP':>7} {'collapsed':>9} {'64 B rtt':>9}"]
     for s in result["summary"]:
