@@ -101,7 +101,7 @@ def test_server_refuses_a_bad_membership_url(capsys: pytest.CaptureFixture[str])
 async def test_replicated_local_cluster(replicated_cluster: smb2.LocalCluster) -> None:
     cluster = replicated_cluster
     assert cluster.etcd is not None and cluster.membership_url is not None
-    async with open_membership(cluster.membership_url) as m:
+    async with cluster.membership() as m:
         assert await m.view() == View(1, tuple(cluster.addresses))
     for i in range(cluster.nservers):
         argv = _argv(cluster.pid(i))

@@ -17,7 +17,6 @@ import pytest
 
 import smb2
 from smb2 import _core, cli
-from smb2.membership import open_membership
 from smb2.placement import Placement
 
 MiB = 1 << 20
@@ -308,5 +307,5 @@ async def test_connect_goes_on_with_a_replicated_clusters_server_down(replicated
     async with await smb2.connect(replicated.addresses, transport="tcp") as last:
         with pytest.raises(smb2.TransportError, match="do not answer"):
             await last.attach("on")
-        async with open_membership(replicated.membership_url) as m:
+        async with replicated.membership() as m:
             assert replicated.addresses[2] in (await m.view()).members

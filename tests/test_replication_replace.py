@@ -12,7 +12,7 @@ import pytest
 
 import smb2
 from smb2 import _core, cli
-from smb2.membership import Holder, Substitute, View, open_membership
+from smb2.membership import Holder, Substitute, View
 from smb2.placement import Placement
 from test_replication_server import Increments, Raw, server_stat
 
@@ -141,7 +141,7 @@ async def check_copies(cluster: smb2.LocalCluster, servers: list[str], name: str
     """Every stripe of ``name`` has two member copies, on servers ``live``,
     equal to ``whole``; those servers say it is not degraded.  The view."""
     assert cluster.membership_url is not None
-    async with open_membership(cluster.membership_url) as m:
+    async with cluster.membership() as m:
         view = await m.view()
     p = Placement(3, whole.nbytes, MiB, _core.name_hash(name) % 3, 2)
     for i in range(p.nstripes):

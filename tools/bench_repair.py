@@ -42,7 +42,6 @@ import numpy as np
 
 import smb2
 from smb2 import _core
-from smb2.membership import open_membership
 from smb2.placement import Placement
 from smb2.protocol import parse_size
 
@@ -72,7 +71,7 @@ async def _filled(cluster: smb2.LocalCluster, size: int) -> tuple[smb2.Client, s
 async def _remove(cluster: smb2.LocalCluster, index: int) -> None:
     """Take server ``index`` out of the view, as a client that found it dead does."""
     assert cluster.membership_url is not None
-    async with open_membership(cluster.membership_url) as m:
+    async with cluster.membership() as m:
         v = await m.view()
         await m.change(v, members=[a for a in v.members if a != cluster.addresses[index]],
                        joining=[a for a in v.joining if a != cluster.addresses[index]])
@@ -83,7 +82,7 @@ async def _check(cluster: smb2.LocalCluster, data: np.ndarray) -> list[tuple[int
     moved) against ``data``: the differing ones (stripe, server, bytes read,
     bytes wrong)."""
     assert cluster.membership_url is not None
-    async with open_membership(cluster.membership_url) as m:
+    async with cluster.membership() as m:
         view = await m.view()
     servers = list(cluster.addresses)
     p = Placement(3, len(data), MiB, _core.name_hash("repair") % 3, 2)

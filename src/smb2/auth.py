@@ -47,6 +47,7 @@ MAX_TOKEN_FILE: Final = 64 << 10
 _CLIENT_LABEL: Final = b"smb2 client\0"
 _SERVER_LABEL: Final = b"smb2 server\0"
 _PEER_LABEL: Final = b"smb2 peer\0"
+_ETCD_LABEL: Final = b"smb2 etcd\0"
 
 
 def as_token(token: str | bytes | None) -> bytes | None:
@@ -107,6 +108,14 @@ def peer_proof(peer_token: bytes, server_nonce: bytes, peer_nonce: bytes, name: 
     only the servers hold: the clients' token cannot forge it, so a client
     cannot send a forward that changes one copy of a replicated stripe."""
     return hmac.new(peer_token, _PEER_LABEL + server_nonce + peer_nonce + name.encode(), hashlib.sha256).digest()
+
+
+def etcd_password(peer_token: bytes, cluster: str) -> str:
+    """The password of the servers' etcd user for ``cluster``
+    (:func:`smb2.membership.etcd_user`): derived from the peer token, which
+    only the servers hold, so no client can read or change the view in etcd
+    itself, and one secret is all an operator hands the servers."""
+    return hmac.new(peer_token, _ETCD_LABEL + cluster.encode(), hashlib.sha256).hexdigest()
 
 
 def check(expected: bytes, got: Any) -> bool:

@@ -19,9 +19,12 @@ from typing import Any
 
 from . import _core
 from .client import connect
-from .errors import InterfaceError, NoSuchBuffer, Smb2Error, TransportError
+from .errors import InterfaceError, InvalidArgumentError, NoSuchBuffer, Smb2Error, TransportError
 from .protocol import DEFAULT_PORT
 from .version import __version__
+
+# etcd's root password for smb2 etcd-setup, where no --root-password-file is given
+ROOT_PASSWORD_ENV = "SMB2_ETCD_ROOT_PASSWORD"
 
 
 async def _stat(client: Any, args: argparse.Namespace) -> int:
@@ -267,6 +270,38 @@ def _add_servers_parser(sub: Any) -> None:
                     help=f"the servers' port (default {DEFAULT_PORT})")
 
 
+def _etcd_setup(args: argparse.Namespace) -> int:
+    from . import auth, membership
+
+    peer_token = (auth.token_from_file(args.peer_token_file) if args.peer_token_file
+                  else auth.as_token(os.environ.get(auth.PEER_ENV) or None))
+    if peer_token is None:
+        raise InvalidArgumentError("smb2 etcd-setup needs the servers' peer token: --peer-token-file FILE "
+                                   f"(the file the servers get) or {auth.PEER_ENV}")
+    root = (auth.token_from_file(args.root_password_file) if args.root_password_file
+            else auth.as_token(os.environ.get(ROOT_PASSWORD_ENV) or None))
+    if root is None:
+        raise InvalidArgumentError(f"smb2 etcd-setup needs a password for etcd's root user: "
+                                   f"--root-password-file FILE or {ROOT_PASSWORD_ENV} (keep it: only an operator "
+                                   "needs it, to change etcd's users)")
+    cluster = membership.parse_url(args.url)[1]
+    asyncio.run(membership.setup_auth(args.url, auth.etcd_password(peer_token, cluster), root.decode()))
+    print(f"etcd {args.url}: authentication on; the servers of cluster {cluster!r} use etcd user "
+          f"{membership.etcd_user(cluster)} (password from their peer token)")
+    return 0
+
+
+def _add_etcd_setup_parser(sub: Any) -> None:
+    es = sub.add_parser("etcd-setup", help="turn on etcd's authentication for a replicated cluster: only its "
+                        "servers may then read or change the view",
+                        description="Make the etcd user and role of a replicated cluster (read and write under "
+                        "smb2/NAME/ only; password derived from the servers' peer token), a root user, and turn "
+                        "etcd's authentication on.  Run once per etcd, before the servers start.")
+    es.add_argument("url", help="the servers' --membership URL, etcd://HOST:PORT[,HOST:PORT]/NAME")
+    es.add_argument("--peer-token-file", help="the servers' peer token (default: SMB2_PEER_TOKEN)")
+    es.add_argument("--root-password-file", help=f"etcd's root password (default: {ROOT_PASSWORD_ENV})")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="smb2", description="smb2 tools")
@@ -288,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd.add_argument("--transport", default="tcp", help="transport for the query (default tcp)")
         cmd.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to reach a server")
     _add_servers_parser(sub)
+    _add_etcd_setup_parser(sub)
     sub.add_parser("doctor", help="preflight: RDMA, memlock, token, each server's transport and clock "
                    "(smb2 doctor --help)", add_help=False)
     sub.add_parser("bench", help="bandwidth benchmark (smb2 bench --help)", add_help=False)
@@ -303,14 +339,14 @@ def main(argv: list[str] | None = None) -> int:
         from . import demo
         return demo.main(argv[1:])
     args = p.parse_args(argv)
-    if args.cmd == "servers":
-        if args.from_statefulset and args.replicas is None:
+    if args.cmd in ("servers", "etcd-setup"):
+        if args.cmd == "servers" and args.from_statefulset and args.replicas is None:
             p.error("smb2 servers --from-statefulset needs --replicas N")
         try:
-            return _servers(args)
-        except Smb2Error as exc:
-            hint = f" ({exc.hint})" if exc.hint else ""
-            print(f"smb2 servers: {exc}{hint}", file=sys.stderr)
+            return _servers(args) if args.cmd == "servers" else _etcd_setup(args)
+        except (Smb2Error, OSError) as exc:
+            hint = f" ({exc.hint})" if isinstance(exc, Smb2Error) and exc.hint else ""
+            print(f"smb2 {args.cmd}: {exc}{hint}", file=sys.stderr)
             return 1
     run = {"stat": _stat, "ls": _ls, "rm": _rm}[args.cmd]
     servers = [s for group in args.server_list for s in group.split(",") if s.strip()]

@@ -199,7 +199,8 @@ class Client:
             # what each server said at hello (every link that connected once,
             # in connect: a replicated cluster's down servers did not)
             said = [(link.transport.server_info, link.label) for link in self._links if link.transport is not None]
-            self._views = replication.Views.of_servers([i for i, _ in said], [label for _, label in said])
+            self._views = replication.Views.of_servers([i for i, _ in said], [label for _, label in said],
+                                                       lambda: self.links)
         return self._views
 
     async def _each(self, msgs: Iterable[dict[str, Any]], timeout: float | None, *,

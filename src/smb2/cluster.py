@@ -27,7 +27,7 @@ from . import auth
 from .client import Client, connect
 from .errors import InterfaceError
 from .local_etcd import LocalEtcd, free_port
-from .membership import NO_VIEW, open_membership
+from .membership import NO_VIEW, Credentials, Membership, etcd_user, open_membership, setup_auth
 from .server import MemoryServer, start_server
 
 log = logging.getLogger("smb2.cluster")
@@ -119,6 +119,8 @@ class LocalCluster:
         self.peer_token = os.urandom(32).hex().encode() if replicated else None
         self.name = f"local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.etcd: LocalEtcd | None = None
+        # etcd's root user, which only this object knows
+        self.etcd_root_password = os.urandom(16).hex()
         # server i says it is in zones[i] (smb2-server --zone)
         if zones is not None and len(zones) != servers:
             raise InterfaceError(f"zones names {len(zones)} zones for {servers} servers: name one per server")
@@ -169,6 +171,20 @@ class LocalCluster:
             view = await membership.change(NO_VIEW, members=members)
         if view.epoch != 1 or list(view.members) != members:
             raise InterfaceError(f"a fresh etcd at {url} already held a view: {view}")
+        # only the servers may read or change the view from now on (docs/reliability.md)
+        assert self.peer_token is not None
+        await setup_auth(url, auth.etcd_password(self.peer_token, self.name), self.etcd_root_password)
+
+    def etcd_credentials(self) -> Credentials:
+        """The servers' etcd user (a test may play a thief of it)."""
+        assert self.peer_token is not None
+        return Credentials(etcd_user(self.name), auth.etcd_password(self.peer_token, self.name))
+
+    def membership(self) -> Membership:
+        """The cluster's view in its private etcd, as the servers' etcd user."""
+        if self.membership_url is None:
+            raise InterfaceError("only a LocalCluster(replicated=True) has a membership view")
+        return open_membership(self.membership_url, self.etcd_credentials())
 
     def _data_dir(self, index: int) -> str | None:
         return None if self.data_dir is None else os.path.join(self.data_dir, f"server-{index}")

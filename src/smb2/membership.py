@@ -13,6 +13,12 @@ view of the cluster named ``cluster-name``, kept at the etcd key
 (the gRPC gateway); a small HTTP/1.1 client over ``asyncio.open_connection``
 talks to it, so no gRPC stack is needed.  Every request goes to the first
 endpoint that answers; a read is linearizable (etcd's default).
+
+Only the servers talk to etcd, as the etcd user ``smb2-<cluster-name>``
+(:func:`etcd_user`) whose password they derive from the cluster's peer
+token (:func:`smb2.auth.etcd_password`); :func:`setup_auth` makes that user
+and role and turns etcd's authentication on.  Clients read and change the
+view through a server (docs/reliability.md, "Who can change the view").
 """
 
 from __future__ import annotations
@@ -133,6 +139,19 @@ class View:
 NO_VIEW = View(0, ())
 
 
+class Credentials(NamedTuple):
+    """An etcd user and its password (etcd's own authentication)."""
+
+    user: str
+    password: str
+
+
+def etcd_user(cluster: str) -> str:
+    """The etcd user (and role) of the servers of ``cluster``: it may read and
+    write the keys under ``smb2/<cluster>/`` and nothing else."""
+    return f"smb2-{cluster}"
+
+
 class Membership(abc.ABC):
     """The current view of one replicated cluster, in a coordination service."""
 
@@ -182,11 +201,12 @@ def parse_url(url: str) -> tuple[list[tuple[str, int]], str]:
     return endpoints, name
 
 
-def open_membership(url: str) -> Membership:
-    """The membership service ``url`` names (only ``etcd://`` for now).  Nothing is
+def open_membership(url: str, credentials: Credentials | None = None) -> Membership:
+    """The membership service ``url`` names (only ``etcd://`` for now), used as
+    the etcd user ``credentials`` (None: no etcd authentication).  Nothing is
     connected yet: the first :meth:`Membership.view` does that."""
     endpoints, name = parse_url(url)
-    return EtcdMembership(url, endpoints, name)
+    return EtcdMembership(url, endpoints, name, credentials=credentials)
 
 
 def _b64(data: bytes) -> str:
@@ -197,8 +217,13 @@ class EtcdMembership(Membership):
     """The view in etcd 3.4+, through its JSON gateway (``/v3/kv/range``, ``/v3/kv/txn``)."""
 
     def __init__(self, url: str, endpoints: list[tuple[str, int]], name: str,
-                 timeout: float = REQUEST_TIMEOUT, patience: float = PATIENCE) -> None:
+                 timeout: float = REQUEST_TIMEOUT, patience: float = PATIENCE,
+                 credentials: Credentials | None = None) -> None:
         self.url = url
+        self.credentials = credentials
+        # etcd's token for our user (None: not asked yet, or etcd runs without authentication)
+        self._auth_token: str | None = None
+        self._auth_off_said = False
         self.patience = patience
         self.endpoints = endpoints
         self.name = name
@@ -292,7 +317,8 @@ class EtcdMembership(Membership):
             i = (self._preferred + k) % n
             host, port = self.endpoints[i]
             try:
-                status, reply = await asyncio.wait_for(http_post(host, port, path, body), self.timeout)
+                status, reply = await asyncio.wait_for(self._authorized_post(host, port, path, body),
+                                                       self.timeout)
             except TimeoutError:
                 slow = True
                 failures.append(f"{host}:{port}: no answer within {self.timeout:g} s")
@@ -303,19 +329,112 @@ class EtcdMembership(Membership):
             if status == 200:
                 self._preferred = i
                 return reply, failures, slow
+            refusal = str(reply.get("message") or "")
+            if any(why in refusal for why in ("permission denied", "user name is empty", "invalid auth token")):
+                who = f"etcd user {self.credentials.user}" if self.credentials else "a caller without credentials"
+                raise MembershipError(
+                    f"etcd at {host}:{port} refused {who} the view of cluster {self.name!r}: {refusal}",
+                    hint="only the cluster's servers may read or change its view: start every smb2-server "
+                         "with the cluster's --peer-token-file, and run `smb2 etcd-setup` for this cluster "
+                         "with that token")
             # etcd's own refusal (no leader: 503 "etcdserver: no leader") -- try the next one
             slow = slow or status == 503
             failures.append(f"{host}:{port}: HTTP {status} {reply.get('message') or reply.get('error')}")
         return None, failures, slow
 
 
-async def http_post(host: str, port: int, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """One HTTP/1.1 POST of a JSON body; the status and the JSON reply."""
+    async def _authorized_post(self, host: str, port: int, path: str,
+                               body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """A POST as our etcd user: authenticated first (again when etcd says the
+        token expired, which simple tokens do after --auth-token-ttl)."""
+        if self.credentials is None:
+            return await http_post(host, port, path, body)
+        for _ in range(2):
+            if self._auth_token is None:
+                await self._authenticate(host, port)
+            status, reply = await http_post(host, port, path, body, token=self._auth_token)
+            if status != 401 or self._auth_token is None:
+                return status, reply
+            self._auth_token = None         # expired or from a restarted etcd: once more
+        return status, reply
+
+    async def _authenticate(self, host: str, port: int) -> None:
+        assert self.credentials is not None
+        status, reply = await http_post(host, port, "/v3/auth/authenticate",
+                                        {"name": self.credentials.user, "password": self.credentials.password})
+        if status == 200 and isinstance(reply.get("token"), str):
+            self._auth_token = reply["token"]
+            return
+        message = str(reply.get("message") or reply.get("error") or "")
+        if "not enabled" in message:
+            # an etcd set up before smb2 asked for authentication: works, but anyone who
+            # reaches it can change the view (smb2 doctor says so too)
+            if not self._auth_off_said:
+                self._auth_off_said = True
+                log.warning("membership %s: etcd at %s:%d runs without authentication: anyone who reaches "
+                            "it can change the view; turn it on with `smb2 etcd-setup`", self.name, host, port)
+            return
+        raise MembershipError(
+            f"etcd at {host}:{port} refused the servers' credentials for cluster {self.name!r} "
+            f"(user {self.credentials.user}): {message or f'HTTP {status}'}",
+            hint="the password is derived from the servers' peer token: run `smb2 etcd-setup` with the "
+                 "token the servers now use, and give every server the same --peer-token-file")
+
+
+async def setup_auth(url: str, password: str, root_password: str) -> None:
+    """Make etcd at ``url`` require authentication, with the user and role
+    :func:`etcd_user` of its cluster (read and write under ``smb2/<cluster>/``
+    only, with ``password``) and a ``root`` user (``root_password``, which
+    only the operator keeps).  Run once per etcd, before its servers start;
+    an etcd whose authentication is already on is left as it is."""
+    endpoints, name = parse_url(url)
+    host, port = endpoints[0]
+    user = etcd_user(name)
+    prefix = f"smb2/{name}/".encode()
+    steps: list[tuple[str, dict[str, Any]]] = [
+        ("/v3/auth/user/add", {"name": "root", "password": root_password}),
+        ("/v3/auth/role/add", {"name": "root"}),
+        ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+        ("/v3/auth/role/add", {"name": user}),
+        # the keys of this cluster: [prefix, prefix with its last byte + 1)
+        ("/v3/auth/role/grant", {"name": user, "perm": {"permType": "READWRITE", "key": _b64(prefix),
+                                                         "range_end": _b64(prefix[:-1] + b"0")}}),
+        ("/v3/auth/user/add", {"name": user, "password": password}),
+        ("/v3/auth/user/grant", {"user": user, "role": user}),
+        ("/v3/auth/enable", {}),
+    ]
+    for path, body in steps:
+        status, reply = await http_post(host, port, path, body)
+        if status != 200:
+            message = str(reply.get("message") or reply.get("error") or f"HTTP {status}")
+            if "user name is empty" in message or "permission denied" in message:
+                log.info("etcd at %s:%d already requires authentication: left as it is", host, port)
+                return
+            raise MembershipError(f"could not set up etcd's authentication at {host}:{port} ({path}): {message}",
+                                  hint="give etcd a fresh data directory, or turn its authentication off "
+                                       "(etcdctl --user root auth disable) and run this again")
+    log.info("etcd at %s:%d: authentication on, user %s for cluster %s", host, port, user, name)
+
+
+async def answers_without_credentials(url: str) -> bool:
+    """Whether etcd at ``url`` lets anyone read the cluster's view (its
+    authentication is off): what ``smb2 doctor`` warns about."""
+    endpoints, name = parse_url(url)
+    host, port = endpoints[0]
+    status, _ = await http_post(host, port, "/v3/kv/range", {"key": _b64(f"smb2/{name}/view".encode())})
+    return status == 200
+
+
+async def http_post(host: str, port: int, path: str, body: dict[str, Any],
+                    token: str | None = None) -> tuple[int, dict[str, Any]]:
+    """One HTTP/1.1 POST of a JSON body (as the etcd user whose token is
+    ``token``); the status and the JSON reply."""
     data = json.dumps(body).encode()
     reader, writer = await asyncio.open_connection(host, port)
     try:
+        authorization = f"Authorization: {token}\r\n" if token else ""
         writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+                     f"{authorization}Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
         await writer.drain()
         status_line = await reader.readuntil(b"\r\n")
         parts = status_line.split(None, 2)

@@ -17,7 +17,8 @@ etcd), the first is the stripe's **primary**:
 When the primary refuses the connection, loses it or does not answer within
 :data:`FAILOVER_AFTER` s (plus the time its bytes need), or answers
 ``BACKUP_FAILED`` naming a backup, the client removes that server from the
-view (a compare-and-set in etcd: :meth:`Views.stop_using`), logs
+view (a compare-and-set in etcd, made by a server on the client's behalf:
+:class:`ServedMembership`, :meth:`Views.stop_using`), logs
 ``stopped using server X (epoch e): why`` on ``smb2.client`` once, and sends
 the SAME request (same client id and sequence number: the servers apply it
 once) to the stripe's primary in the new view.  ``STALE_EPOCH`` and
@@ -39,7 +40,9 @@ from typing import Any, Protocol
 from . import _core
 from .errors import (
     BackupFailed,
+    BufferConflict,
     InterfaceError,
+    MembershipError,
     NotMember,
     OperationTimeout,
     Smb2Error,
@@ -47,7 +50,7 @@ from .errors import (
     StaleHandle,
     TransportError,
 )
-from .membership import Membership, View, open_membership
+from .membership import PATIENCE, REQUEST_TIMEOUT, Membership, Substitute, View
 from .placement import Placement
 from .protocol import DEFAULT_MAX_REQUEST, FENCE_SIZE, FLAG_FENCED, MASK64, REPL_PREFIX_SIZE, Op
 from .transport import Link, Transport
@@ -82,6 +85,63 @@ SLOW_ETCD = 0.5
 #: the largest request of a replicated mutation: a TCP frame, with room
 #: for the prefix and a fence
 _PREFIX = struct.Struct("<QQQ")
+
+
+class ServedMembership(Membership):
+    """The view, read and changed through the cluster's servers: only they
+    hold etcd credentials (docs/reliability.md, "Who can change the view"),
+    and they refuse a change that would leave a stripe of any buffer without
+    a member copy, which a client, knowing only its own buffers, cannot
+    check.  Each request goes to the server that answered last, then to the
+    others: first with :data:`FAILOVER_AFTER` s each (a stopped server is
+    passed over quickly), then with etcd's whole patience (etcd is slow)."""
+
+    def __init__(self, url: str, links: Callable[[], Sequence[Link]]) -> None:
+        self.url = url
+        self._links = links
+        self._preferred = 0
+
+    async def view(self) -> View:
+        return await self._ask({"cmd": "view"}, "reading the membership view")
+
+    async def change(self, expected: View, *, members: Sequence[str],
+                     joining: Sequence[str] = (), replaced: Sequence[Substitute] | None = None) -> View:
+        if replaced is not None:
+            raise InterfaceError("clients never move copies: the servers do (smb2-server --replace-after)")
+        away = set(expected.members + expected.joining) - set(members) - set(joining)
+        try:
+            return await self._ask({"cmd": "view_change", "epoch": expected.epoch, "members": list(members),
+                                    "joining": list(joining)}, "changing the membership view", avoid=away)
+        except BufferConflict as exc:
+            # a server found a buffer (maybe one this client never opened) whose last copy that is
+            raise TransportError(exc.message, server=", ".join(sorted(away)),
+                                 hint="restart the lost servers (with their --data-dir): the buffers go on "
+                                      "once they are back") from None
+
+    async def _ask(self, msg: dict[str, Any], what: str, avoid: Collection[str] = ()) -> View:
+        links = list(self._links())
+        order = [(self._preferred + k) % len(links) for k in range(len(links))]
+        order = [i for i in order if links[i].label not in avoid] + [i for i in order if links[i].label in avoid]
+        failures: list[str] = []
+        for timeout in (FAILOVER_AFTER, PATIENCE + REQUEST_TIMEOUT):
+            for i in order:
+                link = links[i]
+                try:
+                    reply = await link.call(lambda t: t.control(msg), timeout, idempotent=True, what=what)
+                    view = View.from_json(reply["view"], where=f"server {link.label}")
+                except BufferConflict:
+                    raise
+                except (Smb2Error, KeyError, TypeError) as exc:
+                    failures.append(f"{link.label}: {exc}")
+                    continue
+                self._preferred = i
+                return view
+        raise MembershipError(f"no server answered for the membership view ({what})", detail="; ".join(failures),
+                              hint="check that the servers and their membership service (etcd) are up "
+                                   "(smb2 doctor)")
+
+    async def close(self) -> None:
+        pass                        # the links are the client's
 
 
 class ReplicatedBuffer(Protocol):
@@ -124,8 +184,10 @@ class Views:
         self._copies: dict[tuple[Any, str, str, str], int] = {}
 
     @classmethod
-    def of_servers(cls, infos: Sequence[dict[str, Any]], labels: Sequence[str]) -> Views:
-        """The views of the cluster whose servers said ``infos`` at hello."""
+    def of_servers(cls, infos: Sequence[dict[str, Any]], labels: Sequence[str],
+                   links: Callable[[], Sequence[Link]]) -> Views:
+        """The views of the cluster whose servers said ``infos`` at hello,
+        read and changed through ``links`` (:class:`ServedMembership`)."""
         urls = {info.get("membership") for info in infos}
         if None in urls or len(urls) != 1:
             told = ", ".join(f"{label}: {info.get('membership') or 'none'}" for label, info in zip(labels, infos))
@@ -134,7 +196,7 @@ class Views:
                 f"name {told}",
                 hint="start every smb2-server with the same --membership etcd://HOST:PORT/CLUSTER "
                      "(LocalCluster(..., replicated=True) does), or use replicas=1")
-        return cls(open_membership(str(urls.pop())))
+        return cls(ServedMembership(str(urls.pop()), links))
 
     def window(self, server: str) -> asyncio.Semaphore:
         """The :data:`WINDOW` of requests in flight to ``server``."""

@@ -18,12 +18,13 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, cast
 
 from .. import _core, auth
 from ..checks import is_int
 from ..errors import ErrorCode, PersistenceError, TransportError
+from ..membership import View
 from ..placement import Placement
 from ..protocol import (
     CLOSED,
@@ -1244,21 +1245,17 @@ class Connection(FrameReceiver):
             else:
                 # taken as that server once it proves the peer token
                 self._peer_claim, self._peer_nonce = peer, auth.new_nonce()
-        repl = srv.replication
         result: dict[str, Any] = {
             "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
             "max_frame": srv.max_frame,
-            "transports": srv.transports(),
-            "membership": repl.url if repl is not None else None,
-            "server": repl.me if repl is not None else None,
-            "zone": srv.options.zone,
-            "epoch": repl.view.epoch if repl is not None else 0}
+            "transports": srv.transports()}
         if srv.rdma is None:
             result["rdma_off"] = srv.rdma_reason
         if srv.shm is None:
             result["shm_off"] = srv.shm_reason
         if srv.token is None:
             self._authenticated()
+            result.update(self._cluster_facts())
         elif not self.authed:
             self._nonce = auth.new_nonce()
             result.update(auth=auth.MECH, nonce=self._nonce)
@@ -1422,7 +1419,45 @@ class Connection(FrameReceiver):
         assert isinstance(nonce, bytes)
         self._authenticated()
         log.debug("%s authenticated", self.peer)
-        return {"proof": auth.server_proof(srv.token, self._nonce, nonce)}
+        return {"proof": auth.server_proof(srv.token, self._nonce, nonce), **self._cluster_facts()}
+
+    def _cluster_facts(self) -> dict[str, Any]:
+        """Where this server stands in its replicated cluster: told after
+        authentication only (hello to the unauthenticated says nothing of it)."""
+        repl = self.server.replication
+        return {"membership": repl.url if repl is not None else None,
+                "server": repl.me if repl is not None else None,
+                "zone": self.server.options.zone,
+                "epoch": repl.view.epoch if repl is not None else 0}
+
+    def _cmd_view(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
+        # clients hold no etcd credentials: they read the view through a server
+        self._view_reply(hdr, lambda repl: repl.serve_view())
+        return None
+
+    def _cmd_view_change(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
+        members, joining = msg.get("members"), msg.get("joining", [])
+        if not (isinstance(members, list) and isinstance(joining, list)
+                and all(isinstance(m, str) for m in members + joining)):
+            raise Refused(ErrorCode.BAD_REQUEST, "view_change takes members and joining as lists of host:port")
+        epoch = _uint(msg, "epoch")
+        self._view_reply(hdr, lambda repl: repl.serve_change(epoch, members, joining))
+        return None
+
+    def _view_reply(self, hdr: Header, work: Callable[[Replication], Awaitable[View]]) -> None:
+        repl = self.server.replication
+        if repl is None:
+            raise Refused(ErrorCode.BAD_REQUEST, "this server is not part of a replicated cluster "
+                          "(start it with --membership)")
+
+        async def run() -> None:
+            try:
+                self.reply(hdr, pack({"view": (await work(repl)).to_json()}))
+            except Refused as exc:
+                self.refuse(hdr, exc.code, str(exc), **exc.extra)
+            except Exception as exc:
+                self.refuse(hdr, ErrorCode.INTERNAL, f"the membership service did not answer: {exc}")
+        repl.spawn(run())
 
     def _authenticated(self) -> None:
         self.authed = True
@@ -1443,7 +1478,8 @@ class Connection(FrameReceiver):
         "rdma_segment": _cmd_rdma_segment, "rdma_connect": _cmd_rdma_connect, "destroy": _cmd_destroy,
         "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon,
         "shm_grant": _cmd_shm_grant, "lock_close": _cmd_lock_close,
-        "lock_records": _cmd_lock_records, "repl_sync": _cmd_repl_sync, "peer_auth": _cmd_peer_auth}
+        "lock_records": _cmd_lock_records, "repl_sync": _cmd_repl_sync, "peer_auth": _cmd_peer_auth,
+        "view": _cmd_view, "view_change": _cmd_view_change}
 
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT,

@@ -42,9 +42,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from .. import _core
+from .. import _core, auth
 from ..errors import ErrorCode
-from ..membership import Holder, Membership, Substitute, View, open_membership
+from ..membership import Credentials, Holder, Membership, Substitute, View, etcd_user, open_membership, parse_url
 from ..placement import Placement
 from ..protocol import (
     DTYPE_MASK,
@@ -64,6 +64,7 @@ from ..protocol import (
 )
 from .peers import LINK_FAILED, PeerLink, error_message
 from .segment import Refused, Segment
+from .viewcheck import lost_copies, placement, stripe_groups
 
 log = logging.getLogger("smb2.server.replication")
 
@@ -462,10 +463,14 @@ class Replication:
         self._out_since: dict[tuple[str, tuple[str, ...], str], float] = {}
         self.replacements = 0
         self._replacing: asyncio.Task[None] | None = None
+        # views read from etcd that would have left a stripe without a member
+        # copy, refused (viewcheck.py); and how many of them this server undid
+        self.refused_views = 0
+        self.restored_views = 0
 
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
-        self.membership = open_membership(self.url)
+        self.membership = open_membership(self.url, self.credentials())
         self.started = time.monotonic()
         self.spawn(self._refresh_loop())
         joined = self.spawn(self.join())
@@ -484,6 +489,14 @@ class Replication:
             await box.close()
         if self.membership is not None:
             await self.membership.close()
+
+    def credentials(self) -> Credentials | None:
+        """The servers' etcd user (None: a cluster without a peer token, whose
+        etcd must then run without authentication)."""
+        if self.server.peer_token is None:
+            return None
+        cluster = parse_url(self.url)[1]
+        return Credentials(etcd_user(cluster), auth.etcd_password(self.server.peer_token, cluster))
 
     def spawn(self, work: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(work)
@@ -646,7 +659,13 @@ class Replication:
     def install(self, view: View, started: float) -> None:
         """Take ``view``, read from the membership service by a request that
         started at ``started`` (monotonic), if it is newer; a read that
-        returns the epoch held renews the lease."""
+        returns the epoch held renews the lease.  A newer view that would
+        leave a stripe without a member copy is refused (viewcheck.py)."""
+        if view.epoch > self.view.epoch and self.view.epoch > 0:
+            lost = lost_copies(list(self.server.by_name.values()), self.view, view)
+            if lost:
+                self._refuse(view, lost)
+                return
         if view.epoch > self.view.epoch:
             log.info("view epoch %d: members %s, joining %s", view.epoch, ",".join(view.members),
                      ",".join(view.joining) or "none")
@@ -655,6 +674,57 @@ class Replication:
             # the view was current at some moment after ``started``: no newer
             # one was written before then
             self.confirmed_at = max(self.confirmed_at, started)
+
+    def _refuse(self, view: View, lost: list[str]) -> None:
+        self.refused_views += 1
+        held = self.view
+        log.error("refused view epoch %d (members %s, joining %s), written outside the servers: it would leave "
+                  "%s without a member copy; this server keeps epoch %d%s", view.epoch, ",".join(view.members),
+                  ",".join(view.joining) or "none", "; ".join(lost), held.epoch,
+                  ", and writes it back" if view.epoch == held.epoch + 1 else
+                  "; epochs between were missed here, so it cannot tell what the others saw: put the view back "
+                  "by hand (docs/reliability.md)")
+        if view.epoch == held.epoch + 1:
+            self.spawn(self._restore(held, view))
+
+    async def _restore(self, held: View, refused: View) -> None:
+        """Write ``held`` again, as the epoch after ``refused``: nobody used
+        ``refused`` (module doc of viewcheck.py), so its servers missed nothing."""
+        assert self.membership is not None
+        started = time.monotonic()
+        try:
+            view = await self.membership.change(refused, members=held.members, joining=held.joining,
+                                                replaced=held.replaced)
+        except Exception as exc:
+            log.error("could not write back the view of epoch %d: %s", held.epoch, exc)
+            return
+        if view.epoch == refused.epoch + 1 and view.members == held.members:
+            self.restored_views += 1
+            log.warning("wrote back the view of epoch %d as epoch %d", held.epoch, view.epoch)
+        self.install(view, started)
+
+    async def serve_view(self) -> View:
+        """A client's read of the view (clients hold no etcd credentials): read
+        from etcd now, so the client's lease may count from its request."""
+        return await self.refresh()
+
+    async def serve_change(self, epoch: int, members: Sequence[str], joining: Sequence[str]) -> View:
+        """A client's change of the view from ``epoch`` (it takes out servers it
+        found failed): refused (CONFLICT) where it would leave a stripe of a
+        buffer this server knows without a member copy; else a compare-and-set
+        whose result, ours or another writer's, is returned."""
+        current = await self.refresh()
+        if current.epoch != epoch:
+            return current
+        new = View(epoch + 1, tuple(members), tuple(joining), current.replaced)
+        if not new.members:
+            raise Refused(ErrorCode.BAD_REQUEST, "a view needs at least one member")
+        lost = lost_copies(list(self.server.by_name.values()), current, new)
+        if lost:
+            away = sorted(set(current.members + current.joining) - set(new.members + new.joining))
+            raise Refused(ErrorCode.CONFLICT, f"taking {', '.join(away)} out of the view would leave "
+                          f"{'; '.join(lost)} without a member copy: they stay in the view")
+        return await self.change(current, new.members, new.joining)
 
     def leased(self) -> bool:
         """Whether this server's view was confirmed within SERVER_LEASE."""
@@ -667,13 +737,12 @@ class Replication:
         view = await self.membership.change(expected, members=tuple(members), joining=tuple(joining),
                                             replaced=replaced)
         self.install(view, started)
-        return view
+        return self.view
 
     # -- placement ----------------------------------------------------------
     @staticmethod
     def placement(seg: Segment) -> Placement:
-        return Placement(seg.nservers, seg.nbytes, seg.stripe, _core.name_hash(seg.name) % seg.nservers,
-                         seg.replicas, seg.zones)
+        return placement(seg)
 
     def holders_of(self, seg: Segment, replicas: Sequence[int]) -> list[Holder]:
         """Where the copies of a stripe (placed on ``replicas``) are in the
@@ -1180,7 +1249,8 @@ class Replication:
                                    if s.replicas > 1 and self.degraded(s)),
                 "replaced": [r.to_obj() for r in self.view.replaced],
                 "copies_held": sorted(f"{name} ({slot})" for name, slot in self.copies),
-                "replacements": self.replacements,
+                "replacements": self.replacements, "refused_views": self.refused_views,
+                "restored_views": self.restored_views,
                 "copied_bytes": self.copied_bytes, "diverged": self.diverged,
                 "dedup_entries": len(self.dedup.entries), "joins": self.joins,
                 "lease_age": round(time.monotonic() - self.confirmed_at, 3), "lease_waits": self.lease_waits}
@@ -1193,5 +1263,4 @@ def _key(seg: Segment, copy: Holder) -> BufferKey:
 
 def _groups(seg: Segment) -> set[tuple[str, ...]]:
     """The replica groups (sorted server names) of ``seg``'s buffer's stripes."""
-    p = Replication.placement(seg)
-    return {tuple(sorted(seg.servers[s] for s in p.replicas_of(i))) for i in range(min(p.nstripes, p.nservers))}
+    return {tuple(sorted(group)) for group in stripe_groups(seg)}
