@@ -163,3 +163,37 @@ async def test_etcd_setup_turns_on_etcds_authentication(tmp_path, capsys) -> Non
         async with open_membership(etcd.url("c2"), servers) as other:
             with pytest.raises(smb2.MembershipError, match="refused etcd user smb2-c1"):
                 await other.view()
+
+
+async def test_a_restarted_server_with_a_stripes_last_copy_is_held_back_and_the_view_stays(tmp_path) -> None:
+    """A server that comes back holding a stripe's last member copy from its
+    data directory cannot vouch for it (updates may have been acknowledged
+    after it was saved), and cannot leave the members either (the stripe
+    could never be caught up): it stays, serves none of it, and says so --
+    the view does not flap between it and the servers' check."""
+    import signal
+
+    async with smb2.LocalCluster(servers=3, processes=True, replicated=True, data_dir=tmp_path) as cluster:
+        async with await smb2.connect(cluster.addresses, transport="tcp") as client:
+            [(buf, _)] = await _filled(client, 1)
+            first, second = buf.placement.replicas_of(0)
+            views = await client.views()
+            await cluster.kill(second)
+            after = await views.stop_using(cluster.addresses[second], await views.current(), "a test killed it")
+            assert cluster.addresses[second] not in after.members
+            await cluster.kill(first, signal.SIGTERM)       # a planned stop: its data directory is saved
+            await cluster.restart(first)
+            said = {}
+            async with await smb2.connect([cluster.addresses[first]], transport="tcp") as one:
+                for _ in range(150):
+                    said = (await one.stat(timeout=10))[0]["replication"]
+                    if said["held_back"]:
+                        break
+                    await asyncio.sleep(0.2)
+            assert said["held_back"] and "'g0'" in said["held_back"][0], said
+            assert said["state"] != "member"
+            async with cluster.membership() as m:
+                settled = await m.view()
+                await asyncio.sleep(3.0)          # six of the servers' reads of the view
+                assert await m.view() == settled
+            assert cluster.addresses[first] in settled.members

@@ -467,6 +467,9 @@ class Replication:
         # copy, refused (viewcheck.py); and how many of them this server undid
         self.refused_views = 0
         self.restored_views = 0
+        # buffers whose stripes this restarted member holds the last member
+        # copy of, which it cannot vouch for (_join_once), in words
+        self.held_back: list[str] = []
 
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
@@ -1125,7 +1128,23 @@ class Replication:
             log.warning("this server is the only member of the view: it serves what it holds")
             return self._became_member(view, 0)
         if self.me not in view.joining:
-            # a restarted member may hold stale data: out of members first
+            # a restarted member may hold stale data: out of members first --
+            # unless it holds a stripe's last member copy: out, that stripe
+            # could never be caught up again (and the servers refuse such a
+            # view), so it stays in and serves nothing until one of the
+            # stripe's other servers is back (stat: held_back)
+            out = View(view.epoch + 1, tuple(m for m in view.members if m != self.me),
+                       (*view.joining, self.me), view.replaced)
+            lost = lost_copies(list(self.server.by_name.values()), view, out)
+            if lost != self.held_back:
+                self.held_back = lost
+                if lost:
+                    log.error("this server restarted holding the last member copy of %s, and its copy may "
+                              "miss updates acknowledged after it was saved: it serves none of it until the "
+                              "other servers of those stripes are back (start them with their --data-dir)",
+                              "; ".join(lost))
+            if lost:
+                return False
             view = await self.change(view, [m for m in view.members if m != self.me], [*view.joining, self.me])
             if self.me not in view.joining:
                 return False
@@ -1250,7 +1269,7 @@ class Replication:
                 "replaced": [r.to_obj() for r in self.view.replaced],
                 "copies_held": sorted(f"{name} ({slot})" for name, slot in self.copies),
                 "replacements": self.replacements, "refused_views": self.refused_views,
-                "restored_views": self.restored_views,
+                "restored_views": self.restored_views, "held_back": self.held_back,
                 "copied_bytes": self.copied_bytes, "diverged": self.diverged,
                 "dedup_entries": len(self.dedup.entries), "joins": self.joins,
                 "lease_age": round(time.monotonic() - self.confirmed_at, 3), "lease_waits": self.lease_waits}
