@@ -119,7 +119,9 @@ async def test_a_save_that_fails_leaves_the_previous_state(tmp_path: Path,
     # the failed save removed its own files; the server still serves (it
     # stops only once a save succeeds, or when told not to save)
     gen1 = json.loads((tmp_path / "manifest.json").read_text())
-    assert sorted(os.listdir(tmp_path)) == sorted([".lock", "manifest.json"] + [e["file"] for e in gen1["segments"]])
+    # ("running": the run goes on, so a crash now would restart from an older save)
+    assert sorted(os.listdir(tmp_path)) == sorted([".lock", "manifest.json", "running"]
+                                                  + [e["file"] for e in gen1["segments"]])
     async with await smb2.connect([s.address]) as c:
         assert bytes(await (await c.attach("x")).read(0, 3)) == b"new"
     await s.close(save=False)
@@ -265,3 +267,21 @@ async def test_checkpoint_memory_is_two_chunks(cluster: smb2.LocalCluster, tmp_p
     # the in-process servers are in this process too: they allocate nothing per byte either
     assert peak < 3 * checkpoint.CHUNK + 4 * MiB, peak
     assert bytes(await buf.read(50 * MiB, 4)) == b"mark"
+
+
+async def test_a_start_after_a_crash_knows_its_save_is_older_than_the_last_run(tmp_path) -> None:
+    """What recovery by rule reads (docs/reliability.md): restored segments
+    are the state the last run ended with only when that run ended with a save."""
+    s = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", data_dir=tmp_path)
+    async with await smb2.connect([s.address]) as c:
+        await c.create("x", 10)
+    await s.close()
+    s = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", data_dir=tmp_path)
+    assert s.restored_clean                     # a planned stop saved it
+    # a crash: the run ends without a save (close(save=False) leaves it as a kill does)
+    await s.close(save=False)
+    s = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", data_dir=tmp_path)
+    try:
+        assert s.restored and not s.restored_clean
+    finally:
+        await s.close()

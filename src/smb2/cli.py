@@ -326,13 +326,18 @@ def main(argv: list[str] | None = None) -> int:
     _add_etcd_setup_parser(sub)
     sub.add_parser("doctor", help="preflight: RDMA, memlock, token, each server's transport and clock "
                    "(smb2 doctor --help)", add_help=False)
+    sub.add_parser("repair", help="what a replicated cluster cannot serve, and serving a server's copies on "
+                   "your word (smb2 repair --help)", add_help=False)
     sub.add_parser("bench", help="bandwidth benchmark (smb2 bench --help)", add_help=False)
     sub.add_parser("demo", help="a local cluster, clients and what they measured", add_help=False)
-    if argv and argv[0] in ("bench", "demo", "doctor"):
+    if argv and argv[0] in ("bench", "demo", "doctor", "repair"):
         # these own their flags
         if argv[0] == "doctor":
             from . import doctor
             return doctor.main(argv[1:])
+        if argv[0] == "repair":
+            from . import repair
+            return repair.main(argv[1:])
         if argv[0] == "bench":
             from . import bench
             return bench.main(argv[1:])

@@ -50,6 +50,10 @@ log = logging.getLogger("smb2.persist")
 
 MANIFEST: Final = "manifest.json"
 LOCKFILE: Final = ".lock"
+# present while a server runs on segments restored from this directory: a
+# start that finds it knows the last run ended without a save (a crash), so
+# the saved state may be older than what that run acknowledged
+RUNNING: Final = "running"
 FORMAT: Final = 1
 
 
@@ -90,6 +94,9 @@ class DataDir:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._lock: int | None = None
+        #: whether what load() restored is the state of the last run's end (a
+        #: planned stop saved it), rather than of an earlier save (a crash since)
+        self.clean = False
 
     def acquire(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -144,7 +151,7 @@ class DataDir:
 
     def _remove(self, keep: set[str]) -> None:
         """Remove segment files not in ``keep`` and every temporary file."""
-        keep = keep | {MANIFEST, LOCKFILE}
+        keep = keep | {MANIFEST, LOCKFILE, RUNNING}
         for p in self.path.iterdir():
             if p.name not in keep and (p.name.startswith("seg-") or p.name.endswith(".tmp")):
                 with contextlib.suppress(OSError):
@@ -181,9 +188,20 @@ class DataDir:
                  time.monotonic() - t0)
         return total
 
+    def stopped(self) -> None:
+        """The run ends with a save of all it acknowledged (a planned stop)."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.path / RUNNING).unlink()
+        fsync_dir(self.path)
+
     def load(self, capacity: int, taken: Container[int]) -> tuple[list[Segment], int]:
         """The saved segments, read back (same ids), and the next free id.
-        Their total size must fit in ``capacity``, and no id may be ``taken``."""
+        Their total size must fit in ``capacity``, and no id may be ``taken``.
+        Marks the directory running until :meth:`stopped` (``clean``)."""
+        self.clean = not (self.path / RUNNING).exists()
+        with open(self.path / RUNNING, "w"):
+            pass
+        fsync_dir(self.path)
         m = self.manifest()
         if m is None:
             return [], 1

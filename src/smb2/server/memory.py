@@ -138,6 +138,9 @@ class MemoryServer:
         # segments restored from the data directory at start: a client's
         # handle from before the restart may go on using them (lookup says so)
         self.restored: set[int] = set()
+        # they are the state the last run ended with (a planned stop saved
+        # it), not an older save (datadir.RUNNING): replication.py vouches
+        self.restored_clean = False
         self.connections: set[Connection] = set()
         self.started = time.time()
         # data operations this server's CPU executed, per transport: per op
@@ -202,6 +205,7 @@ class MemoryServer:
             for seg in restored:
                 self._add(seg)
                 self.restored.add(seg.id)
+            self.restored_clean = bool(restored) and self.data_dir.clean
             self._ids = itertools.count(next_id)
         if self.rdma is not None:
             # segments made before RDMA was open (the lock segment, restored
@@ -293,6 +297,8 @@ class MemoryServer:
         if self._server is not None:
             if self.data_dir is not None and save:
                 self.save()
+                # nothing more is applied: the save holds all this run acknowledged
+                self.data_dir.stopped()
             self._server.close()
             for conn in list(self.connections):
                 conn.abort("server shutting down")
@@ -1430,6 +1436,17 @@ class Connection(FrameReceiver):
                 "zone": self.server.options.zone,
                 "epoch": repl.view.epoch if repl is not None else 0}
 
+    def _cmd_repl_accept(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+        # the operator's word (smb2 repair --accept): this server's copies of
+        # stripes no member copy is left of are taken as they are
+        repl = self.server.replication
+        if repl is None:
+            raise Refused(ErrorCode.BAD_REQUEST, "this server is not part of a replicated cluster")
+        repl.accept_as_is = True
+        log.warning("%s: the operator takes this server's copies of stripes without a member copy as they are",
+                    self.peer)
+        return {"accepted": True, "stuck": repl.stuck}
+
     def _cmd_view(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any] | None:
         # clients hold no etcd credentials: they read the view through a server
         self._view_reply(hdr, lambda repl: repl.serve_view())
@@ -1479,7 +1496,7 @@ class Connection(FrameReceiver):
         "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon,
         "shm_grant": _cmd_shm_grant, "lock_close": _cmd_lock_close,
         "lock_records": _cmd_lock_records, "repl_sync": _cmd_repl_sync, "peer_auth": _cmd_peer_auth,
-        "view": _cmd_view, "view_change": _cmd_view_change}
+        "view": _cmd_view, "view_change": _cmd_view_change, "repl_accept": _cmd_repl_accept}
 
 
 async def start_server(host: str = "127.0.0.1", port: int = DEFAULT_PORT,

@@ -85,6 +85,9 @@ SERVER_LEASE: Final = 0.8
 # pairs, about DEDUP_ENTRY_BYTES each (see Dedup)
 DEDUP_ENTRIES: Final = 65536
 DEDUP_ENTRY_BYTES: Final = 400
+# views followed after a server was taken out of the members before it can no
+# longer vouch for its copies (recovery by rule, Replication.vouches_for)
+MAX_VOUCH_CHAIN: Final = 1000
 # clients whose oldest forgotten sequence number is remembered (see Dedup)
 DEDUP_CLIENTS: Final = 65536
 # start() waits this long for the server to be a member before it lets
@@ -120,6 +123,7 @@ class Server(Protocol):
     segments: dict[int, Segment]
     by_name: dict[str, Segment]
     restored: set[int]
+    restored_clean: bool
     token: bytes | None
     peer_token: bytes | None
     locks: Any
@@ -467,9 +471,19 @@ class Replication:
         # copy, refused (viewcheck.py); and how many of them this server undid
         self.refused_views = 0
         self.restored_views = 0
-        # buffers whose stripes this restarted member holds the last member
-        # copy of, which it cannot vouch for (_join_once), in words
-        self.held_back: list[str] = []
+        # Recovery by rule (_catch_up): the last epoch at which this server's
+        # own copies held every acknowledged update (it was a member then, or
+        # restarted from the save that ended its last run, never taken out),
+        # the views it installed since (None: a gap, some epoch unseen)
+        self.vouch_epoch: int | None = None
+        self.since_vouch: list[View] | None = []
+        # the operator's word (smb2 repair --accept): take this server's copies
+        # of stripes no member holds as they are
+        self.accept_as_is = False
+        # stripes without a member copy this server could not recover, in
+        # the words of smb2 repair; and the stripes it recovered by rule
+        self.stuck: list[dict[str, Any]] = []
+        self.recovered = 0
 
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
@@ -672,11 +686,50 @@ class Replication:
         if view.epoch > self.view.epoch:
             log.info("view epoch %d: members %s, joining %s", view.epoch, ",".join(view.members),
                      ",".join(view.joining) or "none")
+            self._follow(self.view, view)
             self.view = view
         if view.epoch == self.view.epoch:
             # the view was current at some moment after ``started``: no newer
             # one was written before then
             self.confirmed_at = max(self.confirmed_at, started)
+
+    def _follow(self, held: View, view: View) -> None:
+        """Keep what recovery by rule needs to know of ``view``, installed after ``held``."""
+        if held.epoch == 0:
+            # the first view after a start: the restored copies are whole if the
+            # last run ended with a save and nobody took this server out since
+            # (an update acknowledged without it needed it out of the members)
+            if self.server.restored_clean and self.me in view.members:
+                self._vouch(view.epoch)
+        elif self.state == "member" and self.me in view.members:
+            self._vouch(view.epoch)
+        elif self.since_vouch is not None:
+            if view.epoch != held.epoch + 1 or len(self.since_vouch) >= MAX_VOUCH_CHAIN:
+                self.since_vouch = None
+            else:
+                self.since_vouch.append(view)
+
+    def _vouch(self, epoch: int) -> None:
+        self.vouch_epoch, self.since_vouch = epoch, []
+
+    def vouches_for(self, group: Sequence[str]) -> str | None:
+        """None if this server's own copy of the stripe on ``group`` holds every
+        acknowledged update; else why not, in words.  It does when the copy was
+        whole at ``vouch_epoch`` and no view since gave the stripe a member
+        copy (no update of it could be acknowledged: that needs a member
+        primary), with every epoch since seen here (docs/reliability.md)."""
+        if self.accept_as_is:
+            return None
+        if self.vouch_epoch is None:
+            if self.server.restored:
+                return ("it restarted from a save older than its last run (that run ended without one): "
+                        "updates acknowledged after the save may be missing")
+            return "it never held the stripe as a member copy since it started"
+        if self.since_vouch is None:
+            return f"views changed more than once between two of its reads after epoch {self.vouch_epoch}"
+        if any(v.primary(group) is not None for v in self.since_vouch):
+            return "another copy was a member after this one was taken out"
+        return None
 
     def _refuse(self, view: View, lost: list[str]) -> None:
         self.refused_views += 1
@@ -1128,23 +1181,7 @@ class Replication:
             log.warning("this server is the only member of the view: it serves what it holds")
             return self._became_member(view, 0)
         if self.me not in view.joining:
-            # a restarted member may hold stale data: out of members first --
-            # unless it holds a stripe's last member copy: out, that stripe
-            # could never be caught up again (and the servers refuse such a
-            # view), so it stays in and serves nothing until one of the
-            # stripe's other servers is back (stat: held_back)
-            out = View(view.epoch + 1, tuple(m for m in view.members if m != self.me),
-                       (*view.joining, self.me), view.replaced)
-            lost = lost_copies(list(self.server.by_name.values()), view, out)
-            if lost != self.held_back:
-                self.held_back = lost
-                if lost:
-                    log.error("this server restarted holding the last member copy of %s, and its copy may "
-                              "miss updates acknowledged after it was saved: it serves none of it until the "
-                              "other servers of those stripes are back (start them with their --data-dir)",
-                              "; ".join(lost))
-            if lost:
-                return False
+            # a restarted member may hold stale data: out of members first
             view = await self.change(view, [m for m in view.members if m != self.me], [*view.joining, self.me])
             if self.me not in view.joining:
                 return False
@@ -1181,12 +1218,19 @@ class Replication:
                     primaries[i] = next((h.server for h in holders if h.state == "member"), None)
             lost = [i for i, p in primaries.items() if p is None]
             if lost:
-                # no member holds a copy: becoming a member with ours (empty,
-                # or stale) would serve it as if nothing were lost
-                log.error("stripes %s of buffer %r have no member copy to catch up from: their data is lost "
-                          "unless a server that held them comes back; this server stays out of the members",
-                          lost[:8], name)
-                return False
+                # no member holds a copy: becoming a member with ours serves
+                # it as the stripe's, so ours must provably hold every
+                # acknowledged update (recovery by rule), or the operator
+                # must say so (smb2 repair --accept)
+                stuck = self._recoverable(seg, view, lost)
+                if stuck:
+                    if stuck != self.stuck:
+                        for s in stuck:
+                            log.error("buffer %r: the stripes on %s have no member copy; this server's copy "
+                                      "cannot be vouched for (%s): it stays out of the members (smb2 repair "
+                                      "shows what is recoverable)", s["buffer"], "+".join(s["servers"]), s["why"])
+                    self.stuck = stuck
+                    return False
             for p in sorted({p for p in primaries.values() if p is not None and p != self.me}):
                 link = await PeerLink.open(p, self.me, self.server.token, self.server.peer_token)
                 try:
@@ -1195,9 +1239,39 @@ class Replication:
                     link.close("done")
         return True
 
+    def _recoverable(self, seg: Segment, view: View, lost: Sequence[int]) -> list[dict[str, Any]]:
+        """Of the stripes ``lost`` of ``seg``'s buffer (no member copy in
+        ``view``), those this server cannot take its own copy of as the
+        stripe's, each with why; the first joining copy in replica order
+        recovers a stripe (the others then catch up from it)."""
+        placement = self.placement(seg)
+        stuck: dict[tuple[str, ...], dict[str, Any]] = {}
+        for i in lost:
+            group = [seg.servers[s] for s in placement.replicas_of(i)]
+            holders = view.holders(group)
+            first = next((h for h in holders if h.state == "joining"), None)
+            if first is not None and first.server == self.me and first.slot == self.me:
+                why = self.vouches_for(group)
+            else:
+                why = f"its copy comes after {first.server}'s, which recovers it" if first is not None \
+                    else "no copy is held"
+            if why is not None:
+                entry = stuck.setdefault(tuple(group), {"buffer": seg.name, "servers": group, "stripes": [],
+                                                         "why": why})
+                entry["stripes"].append(i)
+        if not stuck:
+            self.recovered += len(lost)
+            log.warning("buffer %r: took this server's copy of stripes %s, which no member held, as theirs "
+                        "(%s)", seg.name, list(lost)[:8], "the operator's word" if self.accept_as_is else
+                        "it holds every acknowledged update")
+        return list(stuck.values())
+
     def _became_member(self, view: View, buffers: int, took: float = 0.0) -> bool:
         if self.me not in view.members:
             return False
+        self.stuck = []
+        self.accept_as_is = False
+        self._vouch(view.epoch)
         self.state = "member"
         self.caught_up_at = time.time()
         self.catch_up_seconds = took
@@ -1269,7 +1343,8 @@ class Replication:
                 "replaced": [r.to_obj() for r in self.view.replaced],
                 "copies_held": sorted(f"{name} ({slot})" for name, slot in self.copies),
                 "replacements": self.replacements, "refused_views": self.refused_views,
-                "restored_views": self.restored_views, "held_back": self.held_back,
+                "restored_views": self.restored_views, "stuck": self.stuck, "recovered": self.recovered,
+                "accept_as_is": self.accept_as_is,
                 "copied_bytes": self.copied_bytes, "diverged": self.diverged,
                 "dedup_entries": len(self.dedup.entries), "joins": self.joins,
                 "lease_age": round(time.monotonic() - self.confirmed_at, 3), "lease_waits": self.lease_waits}
