@@ -6,7 +6,7 @@ on scikit-learn's digits, an ordinary torch loop with
 with the recommended rule, beside the same script in one process; then
 ``smb2 ls`` of the store the workers shared, as a user would look at it.
 
-    python examples/torch_demo.py [--epochs 4] [--workers 4]
+    python examples/torch_demo.py [--epochs 8] [--workers 4]
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ async def main(epochs: int, workers: int) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--workers", type=int, default=4)
     a = p.parse_args()
     asyncio.run(main(a.epochs, a.workers))
