@@ -59,6 +59,9 @@ def test_a_live_server_passes_with_its_transport_clock_and_versions(live: Server
     # what auto would take here, and why, as the client itself decides
     # a server on this host: a client's auto takes shm, and the doctor says so
     assert server["transport"] == "shm" and server["why"].startswith("same host: segments mapped from ")
+    # a job that asks for TCP (SMB2_TRANSPORT, as a client reads it) gets TCP
+    asked = json.loads(doctor(address, "--json", env={"SMB2_TRANSPORT": "tcp"}).stdout)
+    assert asked["servers"][0]["transport"] == "tcp" and asked["problems"] == []
     local = rdma_unavailable_reason()
     if local is not None:
         assert report["rdma"]["usable"] is False

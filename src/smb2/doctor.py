@@ -202,6 +202,8 @@ async def transport_taken(transport: TcpTransport, kind: str, rdma_reason: str |
         shm = await ShmTransport.upgrade(transport, timeout=timeout)
     except TransportError as exc:
         shm_reason = exc.message
+        if kind == "shm":
+            return "none", f"no shm: {shm_reason}"
     else:
         # the hand-out worked; the caller closes the connection under it
         return "shm", f"same host: segments mapped from {shm.socket_path}"
@@ -231,6 +233,8 @@ async def diagnose(servers: list[str], *, transport: str = "auto", token: bytes 
             continue
         if transport == "rdma" and rep.transport == "tcp":
             report.problems.append(f"{rep.address}: --transport rdma, but it would get TCP: {rep.why}")
+        if transport == "shm" and rep.transport != "shm":
+            report.problems.append(f"{rep.address}: --transport shm, but {rep.why}")
         if rep.clock_offset_s is not None and abs(rep.clock_offset_s) > CLOCK_TOLERANCE:
             report.problems.append(f"{rep.address}: its clock is {rep.clock_offset_s:+.3f} s off this "
                                    "machine's (run NTP/chrony on both)")
@@ -281,8 +285,10 @@ def main(argv: list[str]) -> int:
                                 "before a job; exit 1 on a problem it can name")
     serverlist.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto",
-                   help="what the job will ask for: with rdma, no RDMA is a problem (default auto)")
+    p.add_argument("--transport", choices=("auto", "tcp", "rdma", "shm"),
+                   default=os.environ.get("SMB2_TRANSPORT", "").strip() or "auto",
+                   help="what the job will ask for: with rdma (or shm), a server it cannot be had with is a "
+                   "problem (default: $SMB2_TRANSPORT, as a client reads it, else auto)")
     p.add_argument("--auth-token-file", metavar="FILE", help=f"the token (default: ${auth.ENV})")
     p.add_argument("--capacity", help="memory RDMA will register here, e.g. 8GiB (default: the "
                    "largest server's capacity)")
