@@ -1029,8 +1029,6 @@ async def _gather(coros: list[Any]) -> None:
             raise r
 
 
-
-
 async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, *,
                   transport: str | None = None, timeout: float = 10.0,
                   token: str | bytes | None = None, rdma_device: str | None = None,

@@ -8,6 +8,12 @@ allocation (``SLURM_JOB_NODELIST``), on Kubernetes from a StatefulSet's pods
 before ``node10``, ``pod-9`` before ``pod-10``), whatever order they were
 given in, so that every process that asks gets the same list.
 ``smb2 servers`` prints it.
+
+It is also where a command reads the list it was given (:func:`from_args`:
+the same sources and precedence for ``smb2 ls``, ``stat``, ``rm``,
+``doctor`` and ``servers``; :func:`from_environment` for ``connect``), and
+where a list that names one server process twice is refused
+(:func:`listed_twice`, by the ``server_id`` each server says at hello).
 """
 
 from __future__ import annotations
