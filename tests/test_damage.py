@@ -23,6 +23,7 @@ import pytest
 
 import smb2
 from smb2 import _core, cli
+from smb2.parts import damaged
 from smb2.train.store import PREAMBLE, ParameterStore
 
 MiB = 1 << 20
@@ -299,3 +300,15 @@ async def test_async_optimizer_refuses_a_damaged_store() -> None:
         msg = err.value.message
         assert msg.startswith(f"store {name!r} is damaged: its part on server {cluster.addresses[1]} is gone")
         assert "1.weight (100 %), 1.bias (100 %) are lost; its run 1 was at step 1" in msg, msg
+
+
+def test_a_damage_report_names_figures_also_for_a_part_that_held_nothing() -> None:
+    """A buffer smaller than one stripe lives on one server: losing the other
+    server's part loses no data, and the report says so in words (not
+    "bytes  of it are lost (0 of 224 bytes)")."""
+    messages = [damaged("side", {k: "missing"}, ["a:1", "b:2"], 224, 4096).message for k in (0, 1)]
+    for m in messages:
+        assert "bytes  " not in m and " 0 of " not in m, m
+    assert sorted("so no data is lost" in m for m in messages) == [False, True], messages
+    assert sum("of it are lost (224 of 224 bytes)" in m for m in messages) == 1, messages
+    assert any("which held none of its 224 bytes" in m for m in messages), messages

@@ -181,6 +181,19 @@ def test_the_job_derives_its_server_list_from_the_statefulset_and_service(
     assert "job-completion-index" in env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
 
 
+def test_the_job_checks_the_servers_it_trains_on_and_runs_one_process_per_rank() -> None:
+    """The doctor checks the list the workers use (it reads SMB2_SERVERS, set
+    just before), and each pod runs one rank (no torchrun over several
+    workers, which would end them all when one dies)."""
+    (container,) = one("Job")["spec"]["template"]["spec"]["containers"]
+    script = "\n".join(container["args"])
+    lines = script.splitlines()
+    exported = next(i for i, ln in enumerate(lines) if ln.strip() == "export SMB2_SERVERS")
+    (doctor,) = [i for i, ln in enumerate(lines) if "smb2 doctor" in ln]
+    assert doctor > exported and shlex.split(lines[doctor]) == ["smb2", "doctor", "--wait", "300"]
+    assert "--nproc-per-node" not in script and "torchrun" not in script
+
+
 def test_the_servers_token_metrics_resources_and_budget() -> None:
     sts, pdb = one("StatefulSet"), one("PodDisruptionBudget")
     pod = sts["spec"]["template"]

@@ -3,6 +3,7 @@ one, one that wants a token; the exit status and the JSON fields."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import smb2
 from smb2 import auth
 from smb2.protocol import VERSION
 from smb2.transport.choose import rdma_unavailable_reason
@@ -55,9 +57,13 @@ def test_a_live_server_passes_with_its_transport_clock_and_versions(live: Server
     assert abs(server["clock_offset_s"]) <= server["round_trip_s"] + 0.05
     assert 0 < server["round_trip_s"] < time.time() - t0
     # what auto would take here, and why, as the client itself decides
+    # a server on this host: a client's auto takes shm, and the doctor says so
+    assert server["transport"] == "shm" and server["why"].startswith("same host: segments mapped from ")
+    # a job that asks for TCP (SMB2_TRANSPORT, as a client reads it) gets TCP
+    asked = json.loads(doctor(address, "--json", env={"SMB2_TRANSPORT": "tcp"}).stdout)
+    assert asked["servers"][0]["transport"] == "tcp" and asked["problems"] == []
     local = rdma_unavailable_reason()
     if local is not None:
-        assert server["transport"] == "tcp" and server["why"] == local
         assert report["rdma"]["usable"] is False
         assert report["rdma"]["reason"] == f"no RDMA device: {local}"
         assert report["memlock"]["note"] == "not needed: no RDMA here"
@@ -155,3 +161,63 @@ def test_wait_keeps_trying_a_server_still_starting_but_not_a_wrong_token(tmp_pat
     finally:
         server.stop()
     assert doctor(address, "--wait", "1").returncode == 1      # gone again: reported after the wait
+
+
+def test_the_servers_come_from_where_every_command_reads_them(live: ServerProcess) -> None:
+    """SMB2_SERVERS (as `smb2 ls` and smb2.connect read it), --servers, and a
+    Slurm allocation's hosts (--from-slurm): the same list as everywhere."""
+    address = f"127.0.0.1:{live.port}"
+    for args, env in (((), {"SMB2_SERVERS": address}), (("--servers", address), {}),
+                      (("--from-slurm", "--port", str(live.port)), {"SLURM_JOB_NODELIST": "127.0.0.1"})):
+        run = doctor(*args, "--json", env=env)
+        assert run.returncode == 0, (args, run.stdout + run.stderr)
+        (server,) = json.loads(run.stdout)["servers"]
+        assert server["address"] == address and server["reachable"], args
+
+
+def test_a_doctor_that_checked_no_server_fails() -> None:
+    base = {k: v for k, v in os.environ.items() if k not in ("SMB2_SERVERS", "SLURM_JOB_NODELIST")}
+    run = subprocess.run([sys.executable, "-m", "smb2.cli", "doctor"], capture_output=True, text=True,
+                         timeout=90, env=base)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "no server to check" in run.stderr and "no problems found" in run.stdout
+    assert "HINT: give the servers" in run.stderr
+
+
+def test_one_server_under_two_names_is_refused(live: ServerProcess) -> None:
+    """Two names that reach one process (two nodes' names where one server
+    listens on every interface) would count its stripes twice: the doctor
+    and connect refuse the list, naming both."""
+    one, other = f"127.0.0.1:{live.port}", f"localhost:{live.port}"
+    run = doctor(one, other)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"PROBLEM: server listed twice: {one} and {other} are the same process" in run.stdout, run.stdout
+
+    async def connect() -> None:
+        client = await smb2.connect([one, other], transport="tcp")
+        await client.close()
+    with pytest.raises(smb2.InvalidArgumentError, match=f"server listed twice: {one} and {other} are the same"):
+        asyncio.run(connect())
+
+
+async def test_an_etcd_open_to_all_is_a_problem_and_one_with_authentication_is_not() -> None:
+    import uuid
+
+    import smb2
+    from smb2 import doctor as doctor_module
+    from smb2.local_etcd import LocalEtcd
+    from smb2.membership import NO_VIEW, open_membership
+
+    async with LocalEtcd() as etcd:
+        url = etcd.url(f"d-{uuid.uuid4().hex[:6]}")
+        server = await smb2.start_server("127.0.0.1", 0, membership=url, shm="off", rdma="off")
+        try:
+            async with open_membership(url) as m:
+                await m.change(NO_VIEW, members=[f"127.0.0.1:{server.address[1]}"])
+            report = await doctor_module.diagnose([f"127.0.0.1:{server.address[1]}"], transport="tcp")
+        finally:
+            await server.close()
+    assert any("answers without credentials" in p and url in p for p in report.problems), report.problems
+    async with smb2.LocalCluster(servers=1, processes=True, replicated=True) as guarded:
+        report = await doctor_module.diagnose(guarded.addresses, transport="tcp")
+    assert not any("etcd" in p for p in report.problems), report.problems

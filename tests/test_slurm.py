@@ -1,21 +1,26 @@
 """examples/slurm/smb2_train.sbatch on a real Slurm: Debian's slurmctld,
 slurmd and munge, installed and started by tools/slurm_cluster.sh (a
-single-host cluster of two nodes, each with a loopback address of its own).  The job starts a memory server per node,
-derives the server list with ``smb2 servers --from-slurm``, waits with
-``smb2 doctor --wait``, trains examples/torch_train.py under torchrun with a
-token from a file, and stops the servers; the test checks the accuracy it
-reached and that no server is left.  Where Slurm cannot be had (not root, no
-apt) it skips and says why."""
+single-host cluster of two nodes, each with a loopback address of its own:
+two servers on one host, as two GPUs' worth of memory or a packed job meet
+it).  The job starts a memory server per node, derives the server list with
+``smb2 servers --from-slurm``, waits with ``smb2 doctor --wait``, trains
+examples/torch_train.py with one torchrun per worker and a token from a
+file, and stops the servers; the tests check the accuracy it reached with
+the script's default settings, that no server is left, that a server that
+could not listen stops the job before the training, and that a worker
+killed mid-run is restarted alone while the others train on.  Where Slurm
+cannot be had (not root, no apt) it skips and says why."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,24 +86,31 @@ def test_host_lists_expand_as_scontrol_expands_them(slurm_env: dict[str, str]) -
 
 
 def submit(slurm_env: dict[str, str], tmp_path: Path, *args: str, nodes: int = 1,
-           **settings: str) -> tuple[int, str, int]:
-    """Submit the script on ``nodes`` nodes with a fresh token file and free
-    ports, wait for the job; its exit status, its output and the servers' port."""
+           meanwhile: threading.Thread | None = None, **settings: str) -> tuple[int, str, int]:
+    """Submit the script on ``nodes`` nodes with a fresh token file and a
+    free port (written to tmp_path/port before the job starts: ``meanwhile``,
+    a thread started once the job is submitted, reads it), wait for the job;
+    its exit status, its output and the servers' port."""
     token = tmp_path / "token"
     token.write_text(os.urandom(16).hex() + "\n")
     token.chmod(0o600)
     port = free_port()
+    (tmp_path / "port").write_text(str(port))
     out = tmp_path / "job.out"
     env = {**slurm_env,
            # the job finds smb2, smb2-server and torchrun of this venv (sbatch passes the environment on)
            "PATH": f"{Path(sys.executable).parent}:{slurm_env['PATH']}",
-           "SMB2_TOKEN_FILE": str(token), "SMB2_PORT": str(port), "SMB2_RDZV_PORT": str(free_port()),
-           "SMB2_CAPACITY": "64MiB", **settings}
-    env.pop("SMB2_SERVERS", None)
-    env.pop("SMB2_AUTH_TOKEN", None)
+           "SMB2_TOKEN_FILE": str(token), "SMB2_PORT": str(port), "SMB2_CAPACITY": "64MiB", **settings}
+    for name in ("SMB2_SERVERS", "SMB2_AUTH_TOKEN", "SMB2_BIND", "SMB2_WORKERS_PER_NODE", "SMB2_MAX_RESTARTS"):
+        if name not in settings:
+            env.pop(name, None)     # the script's defaults, unless the test sets them
     job = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", f"--output={out}", f"--chdir={ROOT}", "--time=10",
                           str(SBATCH), *args], capture_output=True, text=True, env=env, timeout=60, check=True)
+    if meanwhile is not None:
+        meanwhile.start()
     state, code = wait_for_job(job.stdout.strip().split(";")[0], env)
+    if meanwhile is not None:
+        meanwhile.join(timeout=60)
     log = out.read_text() if out.exists() else "(no job output)"
     return code, f"job {state}, exit {code}\n{log}", port
 
@@ -118,14 +130,23 @@ def wait_for_job(job_id: str, env: dict[str, str], timeout: float = 280) -> tupl
     raise AssertionError(f"Slurm job {job_id} still running after {timeout} s: cancelled")
 
 
-def test_sbatch_starts_servers_trains_to_target_and_stops_them(slurm_env: dict[str, str], tmp_path: Path) -> None:
+def need_torchrun() -> None:
     if shutil.which("torchrun", path=f"{Path(sys.executable).parent}") is None:
         pytest.skip("torchrun is not installed (make installs torch into .venv where it can)")
-    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, env=slurm_env,
-                           timeout=30, check=True).stdout.split()
-    # every node a host of its own (its own address), a server and a torchrun on each
+
+
+def node_names(slurm_env: dict[str, str]) -> list[str]:
+    return subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, env=slurm_env,
+                          timeout=30, check=True).stdout.split()
+
+
+def test_sbatch_starts_servers_trains_to_target_and_stops_them(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """The script's defaults (its bind, one worker per node) on two nodes of
+    one host: both servers listen on the one port, each on its node's address."""
+    need_torchrun()
+    nodes = node_names(slurm_env)
     code, log, port = submit(slurm_env, tmp_path, "examples/torch_train.py", "--epochs", "3", "--name", "slurm-test",
-                             nodes=len(nodes), SMB2_BIND="node", SMB2_WORKERS_PER_NODE="1", SMB2_WAIT="60")
+                             nodes=len(nodes), SMB2_WAIT="60")
     assert code == 0, log
     # the list came from the allocation, one server per node in the natural order,
     # and the doctor saw each one answer with our token
@@ -144,9 +165,84 @@ def test_sbatch_starts_servers_trains_to_target_and_stops_them(slurm_env: dict[s
 def test_a_server_that_does_not_start_fails_the_job_named(slurm_env: dict[str, str], tmp_path: Path) -> None:
     """No training on a partial server list: the doctor names the server and
     the job fails (the training is never started)."""
-    code, log, port = submit(slurm_env, tmp_path, SMB2_SERVER_ARGS="--capacity lots", SMB2_WAIT="3")
+    code, log, port = submit(slurm_env, tmp_path, SMB2_SERVER_ARGS="--capacity lots", SMB2_WAIT="30")
     assert code != 0
     assert "smb2-server: not a size: 'lots'" in log, log
-    assert re.search(rf"^PROBLEM: [\w.-]+:{port}: cannot connect", log, re.M), log
+    # the servers' step ended: the job stops at once, not after the doctor's wait
+    assert "smb2: the memory servers stopped before the training started" in log, log
     assert "smb2: training exit" not in log, log
     assert servers_on(port) == []
+
+
+def test_a_server_that_cannot_listen_stops_the_job_before_the_training(slurm_env: dict[str, str],
+                                                                      tmp_path: Path) -> None:
+    """SMB2_BIND=all on two nodes of one host: the second server cannot
+    listen, and the first answers for both names.  The doctor sees one
+    process under two names and the job stops with the server's message."""
+    nodes = node_names(slurm_env)
+    code, log, port = submit(slurm_env, tmp_path, nodes=len(nodes), SMB2_BIND="all", SMB2_WAIT="60")
+    assert code != 0, log
+    assert f"cannot listen on 0.0.0.0:{port}" in log, log
+    assert f"PROBLEM: server listed twice: {nodes[0]}:{port} and {nodes[1]}:{port} are the same process" in log, log
+    assert "smb2: the memory servers are not all up" in log, log
+    assert "smb2: training exit" not in log, log
+    assert servers_on(port) == []
+
+
+def workers_of_rank(rank: int) -> list[int]:
+    """The pids of training processes (not their torchrun) told SMB2_RANK=rank."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (any(a.endswith(b"torch_train.py") for a in argv) and not any(a.endswith(b"torchrun") for a in argv)
+                and f"SMB2_RANK={rank}".encode() in environ):
+            found.append(int(pid))
+    return found
+
+
+def test_a_worker_killed_is_restarted_alone_while_the_others_train_on(slurm_env: dict[str, str],
+                                                                      tmp_path: Path) -> None:
+    """Two workers per node, one torchrun each: rank 1 is killed (SIGKILL)
+    once it has trained some steps.  Only its torchrun restarts it; it
+    rejoins the run, and every rank finishes and reports (one torchrun for
+    all workers would have ended them all)."""
+    need_torchrun()
+    nodes = node_names(slurm_env)
+    killed: list[int] = []
+    errors: list[str] = []
+
+    def kill_rank_1_midway() -> None:
+        port = (tmp_path / "port").read_text()
+        token = (tmp_path / "token").read_text().strip()
+        env = {**os.environ, "SMB2_AUTH_TOKEN": token,
+               "SMB2_SERVERS": ",".join(f"{n}:{port}" for n in nodes)}
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and not killed:
+            ls = subprocess.run([sys.executable, "-m", "smb2.cli", "ls", "--json"], capture_output=True, text=True,
+                                env=env, timeout=60)
+            rows = json.loads(ls.stdout) if ls.returncode == 0 else []
+            steps = next((r.get("steps") for r in rows if r["name"] == "slurm-kill"), None)
+            if steps and len(steps) == 4 and steps[1] >= 20:
+                for pid in workers_of_rank(1):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.2)
+        if not killed:
+            errors.append("rank 1 was never seen training")
+
+    code, log, port = submit(slurm_env, tmp_path, "examples/torch_train.py", "--epochs", "40", "--name", "slurm-kill",
+                             nodes=len(nodes), meanwhile=threading.Thread(target=kill_rank_1_midway),
+                             SMB2_WORKERS_PER_NODE="2", SMB2_WAIT="60")
+    assert killed and not errors, errors + [log]
+    assert code == 0, log
+    reports = [json.loads(line) for line in log.splitlines() if line.startswith('{"rank"')]
+    assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3], log
+    for r in reports:
+        assert r["world"] == 4 and r["steps"] > 0 and r["accuracy"] >= TARGET_ACCURACY, log
+    # rank 1 alone was restarted (the others' steps went on) and rejoined the run
+    assert "rank 1 rejoins run 1" in log, log
+    assert "smb2: training exit 0" in log and servers_on(port) == [], log

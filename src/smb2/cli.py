@@ -15,11 +15,12 @@ import asyncio
 import json
 import os
 import sys
+import traceback
 from typing import Any
 
-from . import _core
+from . import _core, serverlist
 from .client import connect
-from .errors import InterfaceError, InvalidArgumentError, NoSuchBuffer, Smb2Error, TransportError
+from .errors import InterfaceError, InvalidArgumentError, NoSuchBuffer, Smb2Error, TransportError, debug_wanted
 from .protocol import DEFAULT_PORT
 from .version import __version__
 
@@ -231,24 +232,13 @@ async def _refuse_live(client: Any, name: str, stale_after: float) -> None:
             hint=f"stop the job first, or remove the store anyway with `smb2 rm --force {name}`")
 
 
-def _servers_from_env() -> list[str]:
-    return [s.strip() for s in os.environ.get("SMB2_SERVERS", "").split(",") if s.strip()]
-
-
 def _looks_like_address(name: str) -> bool:
     host, sep, port = name.rpartition(":")
     return bool(sep and host and port.isdigit())
 
 
 def _servers(args: argparse.Namespace) -> int:
-    from . import serverlist
-
-    if args.from_slurm:
-        hosts = serverlist.slurm_hosts()
-    else:
-        name, service = args.from_statefulset, args.service or args.from_statefulset
-        hosts = serverlist.statefulset_hosts(name, args.replicas, service, args.namespace)
-    print(",".join(serverlist.server_list(hosts, args.port)))
+    print(",".join(serverlist.from_args(args)))
     return 0
 
 
@@ -307,19 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="smb2", description="smb2 tools")
     p.add_argument("--version", action="version", version=f"smb2 {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    servers_help = "HOST:PORT of each server (or --servers; default: SMB2_SERVERS)"
     st = sub.add_parser("stat", help="print servers' statistics as JSON")
-    st.add_argument("servers", nargs="*", help=servers_help)
+    serverlist.add_arguments(st)
     ls = sub.add_parser("ls", help="list buffers and parameter stores (runs, steps, finished or not, damaged)")
-    ls.add_argument("servers", nargs="*", help=servers_help)
+    serverlist.add_arguments(ls)
     ls.add_argument("--json", action="store_true", help="print JSON")
     rm = sub.add_parser("rm", help="remove buffers or parameter stores (not a store in use, unless --force)")
     rm.add_argument("names", nargs="+", metavar="NAME", help="the buffers' names")
+    serverlist.add_arguments(rm, positional=False)
     rm.add_argument("--force", action="store_true",
                     help="remove a store even while its run is live (a worker's heartbeat is recent)")
     for cmd in (st, ls, rm):
-        cmd.add_argument("--servers", "-s", dest="server_list", action="append", default=[],
-                         metavar="HOST:PORT,...", help="the servers, comma-separated (default: SMB2_SERVERS)")
         cmd.add_argument("--transport", default="tcp", help="transport for the query (default tcp)")
         cmd.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to reach a server")
     _add_servers_parser(sub)
@@ -349,37 +337,44 @@ def main(argv: list[str] | None = None) -> int:
             p.error("smb2 servers --from-statefulset needs --replicas N")
         try:
             return _servers(args) if args.cmd == "servers" else _etcd_setup(args)
-        except (Smb2Error, OSError) as exc:
-            hint = f" ({exc.hint})" if isinstance(exc, Smb2Error) and exc.hint else ""
-            print(f"smb2 {args.cmd}: {exc}{hint}", file=sys.stderr)
+        except Smb2Error as exc:
+            return _failed(args.cmd, exc)
+        except OSError as exc:          # a token or password file that cannot be read
+            print(f"smb2 {args.cmd}: {exc}", file=sys.stderr)
             return 1
     run = {"stat": _stat, "ls": _ls, "rm": _rm}[args.cmd]
-    servers = [s for group in args.server_list for s in group.split(",") if s.strip()]
-    servers += getattr(args, "servers", [])
 
     async def go() -> int:
+        servers = serverlist.from_args(args)
         try:
             client = await connect(servers or None, transport=args.transport, timeout=args.connect_timeout)
         except TransportError:
             if args.cmd == "stat":
-                return await _stat_partial(servers or _servers_from_env(), args)
+                return await _stat_partial(servers, args)
             if args.cmd != "ls":
                 raise
-            return await _ls_partial(servers or _servers_from_env(), args)
+            return await _ls_partial(servers, args)
         if args.cmd in ("stat", "ls") and "-" in client.transports:
             # a replicated cluster's client went on without a server: say
             # server by server what is there and what is not
             await client.close()
             partial = _stat_partial if args.cmd == "stat" else _ls_partial
-            return await partial(servers or _servers_from_env(), args)
+            return await partial(servers, args)
         async with client:
             return await run(client, args)
     try:
         return asyncio.run(go())
     except Smb2Error as exc:
-        # the message and its hint, as the library words them; no traceback
-        print(f"smb2 {args.cmd}: {exc}", file=sys.stderr)
-        return 1
+        return _failed(args.cmd, exc)
+
+
+def _failed(cmd: str, exc: Smb2Error) -> int:
+    """The message and its hint, as the library words them; the traceback
+    only for who asked for it (SMB2_DEBUG=1, or the smb2 logger at DEBUG)."""
+    if debug_wanted():
+        traceback.print_exception(exc)
+    print(f"smb2 {cmd}: {exc}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

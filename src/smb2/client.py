@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _core, auth, checkpoint, parts, replication
+from . import _core, auth, checkpoint, parts, replication, serverlist
 from . import notify as _notify
 from .checks import check_int, check_word, to_signed
 from .errors import (
@@ -1030,11 +1030,6 @@ async def _gather(coros: list[Any]) -> None:
             raise r
 
 
-def _servers_from_env() -> list[str]:
-    env = os.environ.get("SMB2_SERVERS", "")
-    return [s for s in (p.strip() for p in env.split(",")) if s]
-
-
 async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, *,
                   transport: str | None = None, timeout: float = 10.0,
                   token: str | bytes | None = None, rdma_device: str | None = None,
@@ -1073,7 +1068,7 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     if isinstance(servers, str):
         servers = [s for s in (p.strip() for p in servers.split(",")) if s]
     if servers is None:
-        servers = _servers_from_env()
+        servers = serverlist.from_environment()
         if not servers:
             raise InterfaceError("no servers given: pass a list or set SMB2_SERVERS=host:port,...")
     if not servers:
@@ -1101,6 +1096,10 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
         down = {k: r for k, r in enumerate(got) if isinstance(r, BaseException)}
         if down:
             await _go_on_without(client, down)
+        twice = serverlist.listed_twice((client.servers[k], link.transport.server_info.get("server_id"))
+                                        for k, link in enumerate(links) if link.transport is not None)
+        if twice is not None:
+            raise twice
     except BaseException:
         await client.close()
         raise

@@ -4,8 +4,12 @@ It looks at this machine (RDMA devices and their ports, the RoCE v2 GID a
 queue pair would use, the memlock limit against the memory RDMA must
 register, the token, versions) and at each server (reachable, the transport
 ``auto`` would take and why, its clock against ours, its version), and names
-every problem it finds: the exit status is 1 when it found one.  It is the
-place that says why RDMA is not used, where a job would fall back quietly.
+every problem it finds: the exit status is 1 when it found one, and 2 when
+it was given no server to check (a preflight that checked nothing must not
+pass).  It is the place that says why RDMA is not used, where a job would
+fall back quietly.  It reads its servers as every command does
+(:func:`smb2.serverlist.from_args`), and refuses a list that names one
+server process twice (two names reaching one process).
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import auth, rdma_device
+from . import auth, rdma_device, serverlist
 from .errors import Smb2Error, TransportError
+from .membership import answers_without_credentials
 from .protocol import VERSION, parse_address, parse_size
 from .transport.choose import rdma_unavailable_reason, why_tcp
+from .transport.shm import ShmTransport
 from .transport.tcp import TcpTransport
 
 SYSFS = "/sys/class/infiniband"
@@ -51,6 +57,7 @@ class ServerReport:
     auth: str | None = None
     clock_offset_s: float | None = None
     round_trip_s: float | None = None
+    membership: str | None = None
 
 
 @dataclass
@@ -138,8 +145,8 @@ def check_memlock(report: Report, capacity: int | None, rdma_reason: str | None)
 
 
 async def check_server(address: str, token: bytes | None, rdma_reason: str | None,
-                       timeout: float, wait: float = 0.0) -> ServerReport:
-    """Connect over TCP, say which transport ``auto`` would take, read the
+                       timeout: float, wait: float = 0.0, kind: str = "auto") -> ServerReport:
+    """Connect over TCP, say which transport ``kind`` would take, read the
     server's stat and its clock.  A server that cannot be reached yet is
     tried again for up to ``wait`` seconds (a job's servers still starting);
     one that refuses the token is not."""
@@ -160,11 +167,10 @@ async def check_server(address: str, token: bytes | None, rdma_reason: str | Non
     try:
         rep.reachable = True
         info = transport.server_info
-        rep.why = why_tcp(rdma_reason, info)
-        rep.transport = "tcp" if rep.why is not None else "rdma"
         t0 = time.time()
         stat = await asyncio.wait_for(transport.control({"cmd": "stat"}), timeout)
         t1 = time.time()
+        rep.transport, rep.why = await transport_taken(transport, kind, rdma_reason, timeout)
     except (Smb2Error, TimeoutError) as exc:
         rep.error = f"stat failed: {exc.message if isinstance(exc, Smb2Error) else exc}"
         return rep
@@ -180,7 +186,50 @@ async def check_server(address: str, token: bytes | None, rdma_reason: str | Non
     rep.capacity = stat.get("capacity")
     rep.used = stat.get("used")
     rep.auth = stat.get("auth")
+    rep.membership = info.get("membership")
     return rep
+
+
+async def check_etcd(report: Report, timeout: float) -> None:
+    """A replicated cluster's etcd must refuse whoever lacks the servers'
+    credentials (docs/reliability.md, "Who can change the view").  One that
+    this host cannot reach is not a problem: only the servers talk to it."""
+    for url in sorted({r.membership for r in report.servers if r.membership}):
+        try:
+            open_to_all = await asyncio.wait_for(answers_without_credentials(url), timeout)
+        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, Smb2Error):
+            continue
+        if open_to_all:
+            report.problems.append(
+                f"the cluster's etcd ({url}) answers without credentials: anyone who reaches it can change "
+                "the membership view and make replicated buffers unreadable; turn its authentication on with "
+                "`smb2 etcd-setup URL --peer-token-file FILE` (the servers' peer token) before the servers start")
+
+
+async def transport_taken(transport: TcpTransport, kind: str, rdma_reason: str | None,
+                          timeout: float) -> tuple[str, str | None]:
+    """The transport a client asking for ``kind`` would take to this
+    server, as open_transport chooses it (``auto``: shm where the server is
+    on this host and hands us its segments, else RDMA, else TCP), and why
+    not a faster one (None: nothing to say)."""
+    if kind == "tcp":
+        return "tcp", "asked for"
+    if kind == "rdma":
+        why = why_tcp(rdma_reason, transport.server_info)
+        return ("tcp", why) if why is not None else ("rdma", None)
+    try:
+        shm = await ShmTransport.upgrade(transport, timeout=timeout)
+    except TransportError as exc:
+        shm_reason = exc.message
+        if kind == "shm":
+            return "none", f"no shm: {shm_reason}"
+    else:
+        # the hand-out worked; the caller closes the connection under it
+        return "shm", f"same host: segments mapped from {shm.socket_path}"
+    why = why_tcp(rdma_reason, transport.server_info)
+    if why is None:
+        return "rdma", None
+    return "tcp", f"no shm: {shm_reason}; no RDMA: {why}"
 
 
 async def diagnose(servers: list[str], *, transport: str = "auto", token: bytes | None = None,
@@ -193,18 +242,24 @@ async def diagnose(servers: list[str], *, transport: str = "auto", token: bytes 
                        **{p: _version(p) for p in ("numpy", "uvloop", "msgpack", "torch")}}
     rdma_reason = check_rdma(report, want_rdma=transport == "rdma")
     report.servers = list(await asyncio.gather(
-        *(check_server(s, token, rdma_reason, timeout, wait) for s in servers)))
+        *(check_server(s, token, rdma_reason, timeout, wait, transport) for s in servers)))
+    twice = serverlist.listed_twice((r.address, r.server_id) for r in report.servers if r.reachable)
+    if twice is not None:
+        report.problems.append(twice.message)
     for rep in report.servers:
         if not rep.reachable or rep.error:
             report.problems.append(f"{rep.address}: {rep.error}")
             continue
-        if transport == "rdma" and rep.transport != "rdma":
+        if transport == "rdma" and rep.transport == "tcp":
             report.problems.append(f"{rep.address}: --transport rdma, but it would get TCP: {rep.why}")
+        if transport == "shm" and rep.transport != "shm":
+            report.problems.append(f"{rep.address}: --transport shm, but {rep.why}")
         if rep.clock_offset_s is not None and abs(rep.clock_offset_s) > CLOCK_TOLERANCE:
             report.problems.append(f"{rep.address}: its clock is {rep.clock_offset_s:+.3f} s off this "
                                    "machine's (run NTP/chrony on both)")
         if rep.protocol_version != VERSION:
             report.problems.append(f"{rep.address}: speaks protocol {rep.protocol_version}, this smb2 {VERSION}")
+    await check_etcd(report, timeout)
     if capacity is None:
         # a server on this machine registers its capacity; a client what it
         # reads into: the largest server is the bound to check
@@ -248,10 +303,12 @@ def as_table(report: Report) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="smb2 doctor", description="check this machine and the servers "
                                 "before a job; exit 1 on a problem it can name")
-    p.add_argument("servers", nargs="*", help="HOST:PORT of each server")
+    serverlist.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto",
-                   help="what the job will ask for: with rdma, no RDMA is a problem (default auto)")
+    p.add_argument("--transport", choices=("auto", "tcp", "rdma", "shm"),
+                   default=os.environ.get("SMB2_TRANSPORT", "").strip() or "auto",
+                   help="what the job will ask for: with rdma (or shm), a server it cannot be had with is a "
+                   "problem (default: $SMB2_TRANSPORT, as a client reads it, else auto)")
     p.add_argument("--auth-token-file", metavar="FILE", help=f"the token (default: ${auth.ENV})")
     p.add_argument("--capacity", help="memory RDMA will register here, e.g. 8GiB (default: the "
                    "largest server's capacity)")
@@ -268,13 +325,19 @@ def main(argv: list[str]) -> int:
             token = auth.token_from_env()
             source = f"found in ${auth.ENV}" if token else f"none (${auth.ENV} unset)"
         capacity = parse_size(args.capacity) if args.capacity else None
+        servers = serverlist.from_args(args)
     except (Smb2Error, OSError) as exc:
         print(f"smb2 doctor: {exc}", file=sys.stderr)
         return 2
-    report = asyncio.run(diagnose(args.servers, transport=args.transport, token=token, token_source=source,
+    report = asyncio.run(diagnose(servers, transport=args.transport, token=token, token_source=source,
                                   capacity=capacity, timeout=args.timeout, wait=args.wait))
     if args.json:
         print(json.dumps(asdict(report), indent=2, sort_keys=True))
     else:
         print(as_table(report))
+    if not servers:
+        print("smb2 doctor: no server to check: checked this machine only\n"
+              "HINT: give the servers (HOST:PORT ..., --servers, --from-slurm, --from-statefulset) or set "
+              "SMB2_SERVERS", file=sys.stderr)
+        return 2
     return 1 if report.problems else 0

@@ -10,6 +10,8 @@ frames (:class:`ProtocolError`) sit beside them.
 from __future__ import annotations
 
 import enum
+import logging
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,6 +41,12 @@ class Smb2Error(Exception):
         if self.hint:
             lines.append(f"HINT: {self.hint}")
         return "\n".join(lines)
+
+
+def debug_wanted() -> bool:
+    """Whether a program that reports an error in a line or two should show
+    its traceback too: ``SMB2_DEBUG=1``, or the ``smb2`` logger at DEBUG."""
+    return os.environ.get("SMB2_DEBUG", "") not in ("", "0") or logging.getLogger("smb2").isEnabledFor(logging.DEBUG)
 
 
 class InterfaceError(Smb2Error):

@@ -97,6 +97,10 @@ def damaged(name: str, lost: dict[int, str], servers: Sequence[str], nbytes: int
             break
         ranges.append(f"{lo}-{hi}")
     whose = "; ".join(f"part {k} on server {servers[k]} is {why}" for k, why in sorted(lost.items()))
-    err.args = (f"buffer {name!r} is damaged: {whose}, so bytes {', '.join(ranges)} of it are lost "
-                f"({err.lost_bytes} of {nbytes} bytes)",)
+    if ranges:
+        lost_text = f"so bytes {', '.join(ranges)} of it are lost ({err.lost_bytes} of {nbytes} bytes)"
+    else:
+        # a buffer smaller than its stripes' round leaves some parts empty
+        lost_text = f"which held none of its {nbytes} bytes, so no data is lost"
+    err.args = (f"buffer {name!r} is damaged: {whose}, {lost_text}",)
     return err

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from typing import Any
 
+from . import serverlist
 from .client import connect
 from .errors import Smb2Error
 
@@ -64,15 +64,17 @@ def report(servers: list[str], answers: list[dict[str, Any] | BaseException]) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="smb2 repair", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("servers", nargs="*", help="HOST:PORT of each server (default: SMB2_SERVERS)")
-    p.add_argument("--servers", "-s", dest="server_list", action="append", default=[], metavar="HOST:PORT,...")
+    serverlist.add_arguments(p)
     p.add_argument("--accept", metavar="HOST:PORT",
                    help="take this server's copies of stripes no member holds as they are")
     p.add_argument("--transport", default="tcp")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to reach each server")
     args = p.parse_args(argv)
-    servers = [s for group in args.server_list for s in group.split(",") if s.strip()] + args.servers
-    servers = servers or [s.strip() for s in os.environ.get("SMB2_SERVERS", "").split(",") if s.strip()]
+    try:
+        servers = serverlist.from_args(args)
+    except Smb2Error as exc:
+        print(f"smb2 repair: {exc}", file=sys.stderr)
+        return 2
     if not servers and not args.accept:
         print("smb2 repair: no server to check: give HOST:PORT,... or set SMB2_SERVERS", file=sys.stderr)
         return 2

@@ -8,10 +8,17 @@ allocation (``SLURM_JOB_NODELIST``), on Kubernetes from a StatefulSet's pods
 before ``node10``, ``pod-9`` before ``pod-10``), whatever order they were
 given in, so that every process that asks gets the same list.
 ``smb2 servers`` prints it.
+
+It is also where a command reads the list it was given (:func:`from_args`:
+the same sources and precedence for ``smb2 ls``, ``stat``, ``rm``,
+``doctor`` and ``servers``; :func:`from_environment` for ``connect``), and
+where a list that names one server process twice is refused
+(:func:`listed_twice`, by the ``server_id`` each server says at hello).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -118,3 +125,71 @@ def statefulset_hosts(name: str, replicas: int, service: str, namespace: str | N
         raise InvalidArgumentError(f"a StatefulSet of memory servers needs at least 1 replica, not {replicas}")
     domain = f".{namespace}.svc" if namespace else ""
     return [f"{name}-{i}.{service}{domain}" for i in range(replicas)]
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, positional: bool = True) -> None:
+    """The ways a command is told its servers, the same for every command
+    (``smb2 ls``, ``stat``, ``rm``, ``doctor``): resolved by :func:`from_args`."""
+    if positional:
+        parser.add_argument("servers", nargs="*", help="HOST:PORT of each server (or --servers; default: "
+                            "SMB2_SERVERS)")
+    parser.add_argument("--servers", "-s", dest="server_list", action="append", default=[],
+                        metavar="HOST:PORT,...", help="the servers, comma-separated (default: SMB2_SERVERS)")
+    parser.add_argument("--from-slurm", action="store_true",
+                        help="one server on each host of this Slurm job (as `smb2 servers --from-slurm`)")
+    parser.add_argument("--from-statefulset", metavar="NAME",
+                        help="the pods of a StatefulSet (as `smb2 servers --from-statefulset`; "
+                        "with --replicas, --service, --namespace)")
+    parser.add_argument("--replicas", type=int, help="--from-statefulset: the StatefulSet's replicas")
+    parser.add_argument("--service", help="--from-statefulset: its headless Service (default: NAME)")
+    parser.add_argument("--namespace", help="--from-statefulset: its namespace (default: the client's own)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help=f"--from-slurm, --from-statefulset: the servers' port (default {DEFAULT_PORT})")
+
+
+def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The servers a command was given (see :func:`add_arguments`), in this
+    order of precedence: listed (arguments and ``--servers``), derived
+    (``--from-slurm``, ``--from-statefulset``), else ``SMB2_SERVERS``; an
+    empty list where none of them names a server."""
+    listed = [s.strip() for group in getattr(args, "server_list", []) for s in group.split(",") if s.strip()]
+    listed += getattr(args, "servers", None) or []
+    derived = bool(getattr(args, "from_slurm", False)) + bool(getattr(args, "from_statefulset", None))
+    if derived + bool(listed) > 1:
+        raise InvalidArgumentError("give the servers one way: a list, --from-slurm or --from-statefulset")
+    if listed:
+        return listed
+    port = getattr(args, "port", DEFAULT_PORT)
+    if getattr(args, "from_slurm", False):
+        return server_list(slurm_hosts(environ), port)
+    if getattr(args, "from_statefulset", None):
+        name = args.from_statefulset
+        if args.replicas is None:
+            raise InvalidArgumentError("--from-statefulset needs --replicas N")
+        return server_list(statefulset_hosts(name, args.replicas, args.service or name, args.namespace), port)
+    return from_environment(environ)
+
+
+def from_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``SMB2_SERVERS`` as a list (empty where it is unset)."""
+    env = os.environ if environ is None else environ
+    return [s.strip() for s in env.get("SMB2_SERVERS", "").split(",") if s.strip()]
+
+
+def listed_twice(identities: Iterable[tuple[str, str | None]]) -> InvalidArgumentError | None:
+    """The error for a list that names one server process twice, or None.
+    ``identities``: (address, server_id) of each server reached, in list
+    order.  Two names of one host (``node1`` and its address, or two nodes'
+    names where a server on all interfaces answers for both) reach the same
+    process: its stripes would be counted twice, so the list is refused."""
+    first: dict[str, str] = {}
+    for address, server_id in identities:
+        if not server_id:
+            continue
+        if server_id in first:
+            return InvalidArgumentError(
+                f"server listed twice: {first[server_id]} and {address} are the same process",
+                hint="list each memory server once; where servers share a host, give each its own port or "
+                     "address (smb2-server --host)")
+        first[server_id] = address
+    return None

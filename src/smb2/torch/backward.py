@@ -68,7 +68,12 @@ async def wait_for(fut: concurrent.futures.Future[Any] | None) -> None:
     """Wait until ``fut`` is done, whatever its outcome (its error is raised
     where its owner collects it)."""
     if fut is not None and not fut.done():
-        await asyncio.wait([asyncio.wrap_future(fut)])
+        waited = asyncio.wrap_future(fut)
+        await asyncio.wait([waited])
+        # this copy's error is seen: the owner's future reports it (else asyncio
+        # prints "Future exception was never retrieved" with a traceback at exit)
+        if not waited.cancelled():
+            waited.exception()
 
 
 class BackwardPushes:

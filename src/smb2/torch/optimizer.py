@@ -87,7 +87,7 @@ import torch
 from ..client import Client, connect
 from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout, Smb2Error
 from ..train.dropping import LayerDropping
-from ..train.faults import in_training_terms
+from ..train.faults import end_ranks_briefly, in_training_terms
 from ..train.lifecycle import RunEnd
 from ..train.rules import UpdateRule
 from ..train.stability import LagScaling, TrainingDiverged
@@ -212,6 +212,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.model = model
         self.staleness = staleness
+        # a rank that ends with a fault in training terms says it in its lines, not a traceback
+        end_ranks_briefly()
         self.log_every = log_every
         #: this worker's rank and the job's number of workers (:func:`resolve_rank`): shard the data by them
         self.rank, self.world = resolve_rank(rank, world_size)

@@ -9,11 +9,25 @@ step and the server, with the remedy as the hint; anything else passes
 unchanged.  The original message is kept in ``err.detail``, and the new
 error keeps the original's type, so code that catches ``TransportError``
 or ``NoSuchBuffer`` still does.
+
+A worker that does not catch such a fault ends with it: :func:`end_ranks_briefly`
+(which the torch optimizer calls) makes that end the fault's own lines on
+stderr (message, DETAIL, HINT), not 20 lines of traceback repeated by every
+rank; the traceback is still there for who asks (``SMB2_DEBUG=1``, or the
+``smb2`` logger at DEBUG).
 """
 
 from __future__ import annotations
 
-from ..errors import NoSuchBuffer, Smb2Error, TransportError
+import sys
+import threading
+from types import TracebackType
+
+from ..errors import NoSuchBuffer, Smb2Error, TransportError, debug_wanted
+
+# the hook end_ranks_briefly replaced (every other exception goes to it)
+_previous_hook = sys.excepthook
+_installed = threading.Lock()
 
 
 def in_training_terms(err: BaseException, *, store: str, rank: int, step: int) -> BaseException:
@@ -41,3 +55,20 @@ def in_training_terms(err: BaseException, *, store: str, rank: int, step: int) -
         return err
     setattr(out, "in_training_terms", True)     # noqa: B010 (worded once, not again by an outer layer)
     return out
+
+
+def end_ranks_briefly() -> None:
+    """Report a fault in training terms that ends this process (uncaught)
+    as its message and hint, without the traceback; idempotent."""
+    global _previous_hook
+    with _installed:
+        if sys.excepthook is not _brief_report:
+            _previous_hook = sys.excepthook
+            sys.excepthook = _brief_report
+
+
+def _brief_report(kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
+    if not getattr(err, "in_training_terms", False) or debug_wanted():
+        _previous_hook(kind, err, tb)
+        return
+    print(f"smb2: {err}\n(the traceback: run with SMB2_DEBUG=1)", file=sys.stderr, flush=True)

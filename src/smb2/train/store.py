@@ -1054,7 +1054,7 @@ def store_damage(err: BufferDamaged, layout: Layout | None, progress: str = "") 
             f"{'are' if len(lost) > 1 else 'is'} lost" if lost
             else f"{err.lost_bytes} of its {err.geometry[0]} bytes are lost")
     name = err.name
-    return BufferDamaged(
+    out = BufferDamaged(
         f"store {name!r} is damaged: its part on server{'s' if len(err.servers) > 1 else ''} "
         f"{', '.join(err.servers)} is gone (a restart without its data), so {what}"
         f"{progress}; resuming would train from zeros there, so this job stops",
@@ -1063,6 +1063,8 @@ def store_damage(err: BufferDamaged, layout: Layout | None, progress: str = "") 
               "else start over: resume=False (from the job's own initial weights) or init_from=CHECKPOINT "
               f"(from a saved checkpoint) removes the damaged store and makes it anew; `smb2 rm {name}` "
               "removes it by hand"))
+    setattr(out, "in_training_terms", True)     # noqa: B010 (a rank that ends with it says it in its lines)
+    return out
 
 
 async def _last_progress(err: BufferDamaged, layout: Layout) -> str:
