@@ -296,7 +296,8 @@ def as_table(report: Report) -> str:
                        f"{s.used}/{s.capacity} bytes used; auth {s.auth or 'none'}"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
-    lines += [f"PROBLEM: {p}" for p in report.problems] or ["no problems found"]
+    lines += [f"PROBLEM: {p}" for p in report.problems] or [
+        "no problems found on this machine; no server was checked" if not report.servers else "no problems found"]
     return "\n".join(lines)
 
 
