@@ -172,6 +172,7 @@ class MemoryServer:
         self.replication: Replication | None = None
         self.repair_rate = parse_size(options.repair_rate)
         self.replace_after = float(options.replace_after)
+        self.dedup_clients = options.dedup_clients
 
     def __repr__(self) -> str:
         host, port = self.address

@@ -19,6 +19,7 @@ from ..protocol import DEFAULT_MAX_FRAME, MAX_ACCUMULATE, parse_size
 from .locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_LEASE, MAX_SLOTS, MAX_SPIN
 from .metrics import parse_address as parse_metrics_address
 from .metrics import prometheus
+from .replication import DEDUP_CLIENTS, DEDUP_ENTRY_BYTES, DEDUP_IDLE, DEDUP_PER_CLIENT
 
 DEFAULT_WRITE_TIMEOUT = 30.0
 # the smallest pool of payload memory: one accumulate of the largest size
@@ -119,6 +120,13 @@ class ServerOptions:
     replace_after: float = _option(
         30.0, "seconds a server may be out of the replicated cluster's view before the copies it held are "
         "made again on other servers (default 30; 0 = only when it comes back)", type=float, metavar="SECONDS")
+    dedup_clients: int = _option(
+        DEDUP_CLIENTS, f"clients whose last {DEDUP_PER_CLIENT} replicated ops this server remembers, so that a "
+        f"retry is answered, not applied twice (about {DEDUP_ENTRY_BYTES} bytes an op: "
+        f"{DEDUP_CLIENTS * DEDUP_PER_CLIENT * DEDUP_ENTRY_BYTES >> 20} MiB at the default, as much again for "
+        f"each primary that forwards to this server); a client's record goes only after {DEDUP_IDLE:g} s "
+        "without a word from it, and a new client is refused while every record is younger "
+        "(default %(default)s)", type=int, metavar="CLIENTS")
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes", "repair_rate"):
@@ -131,7 +139,7 @@ class ServerOptions:
                 raise InvalidArgumentError(f"{name.replace('_', ' ')} must be >= 0 s (0 = never), "
                                            f"not {getattr(self, name)}")
         for name in ("max_connections", "max_connections_per_host", "max_inflight", "max_buffers",
-                     "max_rdma_connections"):
+                     "max_rdma_connections", "dedup_clients"):
             if not getattr(self, name) >= 1:
                 raise InvalidArgumentError(f"{name.replace('_', ' ')} must be at least 1, "
                                            f"not {getattr(self, name)}")
