@@ -260,6 +260,27 @@ async def test_smb2_ls_lists_the_rest_when_a_store_table_is_corrupt(cluster: smb
     assert "parameter store: 2 tensors" in rows["ls-healthy"]
 
 
+@pytest.mark.parametrize("word", ["table length", "control area"])
+async def test_smb2_ls_lists_the_rest_when_a_store_header_word_is_garbage(cluster: smb2.LocalCluster,
+                                                                          word: str) -> None:
+    """A header word that says where the table ends, or where the control
+    words are, holding garbage (2^40): the store is reported damaged, the
+    healthy one listed, and nothing of that size is read."""
+    client = await cluster.connect()
+    store = await ParameterStore.open(client, "ls-garbage", _model(), workers=1, rank=0, timeout=10)
+    await store.finish()
+    await ParameterStore.open(client, "ls-fine", _model(), workers=1, rank=0, timeout=10)
+    # the preamble's words (smb2.train.store's docstring): 3 is the table's
+    # bytes, 7 the control words'
+    at = {"table length": 3 * 8, "control area": 7 * 8}[word]
+    await store.buf.write(at, np.array([1 << 40], np.int64))
+    rc, out, err = await _cli_here("ls", *cluster.addresses)
+    assert rc == 0 and "Traceback" not in err, err
+    rows = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
+    assert "DAMAGED: store 'ls-garbage' is damaged: its header" in rows["ls-garbage"], out
+    assert "parameter store: 2 tensors" in rows["ls-fine"]
+
+
 async def test_clients_creating_one_buffer_at_once_agree(cluster: smb2.LocalCluster) -> None:
     """Part 0 is made first and its identity taken by every creator, so a
     race of creators is never mistaken for damage."""

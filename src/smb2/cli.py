@@ -79,6 +79,8 @@ async def _ls(client: Any, args: argparse.Namespace) -> int:
             rows.append(await describe(client, name))
         except Smb2Error as exc:        # removed meanwhile, or not on every server
             rows.append({"name": name, "error": exc.message})
+        except Exception as exc:        # whatever one buffer holds, the others are listed
+            rows.append({"name": name, "error": f"{type(exc).__name__}: {exc}"})
     _print_rows(rows, args.json)
     return 0
 

@@ -1253,13 +1253,27 @@ async def _read_layout(buf: Buffer) -> tuple[Layout, int]:
     if int(pre[_FORMAT // 8]) != FORMAT:
         raise InterfaceError(f"store {buf.name!r} has format {int(pre[_FORMAT // 8])}, this smb2 reads {FORMAT}; "
                              f"remove it with `smb2 rm {buf.name}` or pick another name")
-    table = await buf.read(PREAMBLE, int(pre[_TABLE // 8]))
+    hint = (f"remove it with `smb2 rm {buf.name}` and start again (from a checkpoint with init_from=, if there "
+            "is one)")
+    # the header's words are checked before they size a read: garbage there
+    # must not become a read (an allocation) of terabytes
+    table_len = int(pre[_TABLE // 8])
+    if not 0 < table_len <= buf.nbytes - PREAMBLE:
+        raise InterfaceError(f"store {buf.name!r} is damaged: its header says its layout table is {table_len} "
+                             f"bytes long, and the store is {buf.nbytes} bytes", hint=hint)
+    table = await buf.read(PREAMBLE, table_len)
     try:
         layout = Layout.from_table(table.tobytes())
     except (ValueError, KeyError, TypeError, IndexError, msgpack.UnpackException) as exc:
         raise InterfaceError(f"store {buf.name!r} is damaged: its layout table is unreadable ({exc})",
-                             hint=f"remove it with `smb2 rm {buf.name}` and start again (from a checkpoint "
-                             "with init_from=, if there is one)") from None
-    buf.set_notify_area(int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8]))
-    return layout, int(pre[_DATA_OFF // 8])
+                             hint=hint) from None
+    note_off, slots, data_off, total = layout.geometry()
+    said = (int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8]), int(pre[_DATA_OFF // 8]))
+    if said != (note_off, slots, data_off) or total > buf.nbytes:
+        raise InterfaceError(f"store {buf.name!r} is damaged: its header places the control words and data at "
+                             f"{said[0]}, {said[1]} words, {said[2]} where its layout table puts them at "
+                             f"{note_off}, {slots} words, {data_off} (of {total} bytes; the store is "
+                             f"{buf.nbytes})", hint=hint)
+    buf.set_notify_area(note_off, slots)
+    return layout, data_off
 
