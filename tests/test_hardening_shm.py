@@ -347,8 +347,10 @@ async def test_next_ticket_moved_and_put_back_strands_no_shm_waiter(moved_by: in
             # LockTimeout would fail the test: 60 s is far more than the 1 s
             # lease the TCP waiter waits for the one ticket nobody holds
             shm_waiter = asyncio.ensure_future(shm_lock.acquire(timeout=60))
-            while await tr.fetch_add(LOCK_SEGMENT, off, 0) == before + moved_by:
-                await asyncio.sleep(0)          # until the shm waiter drew
+            for _ in range(1_000_000):         # until the shm waiter drew
+                if await tr.fetch_add(LOCK_SEGMENT, off, 0) != before + moved_by:
+                    break
+                await asyncio.sleep(0)
             await tr.fetch_add(LOCK_SEGMENT, off, (1 << 64) - moved_by)
             await tcp_lock.acquire(timeout=60)
             await tcp_lock.release()
