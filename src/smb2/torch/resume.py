@@ -220,6 +220,42 @@ def _unframe(data: bytes) -> tuple[dict[str, Any], dict[Any, Any]]:
     return _load(data[start:start + n]), _load(data[start + n:])
 
 
+def check_state(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], state: dict[Any, Any]) -> None:
+    """Raise ValueError, saying what, unless a saved state fits
+    ``optimizer``'s parameters: as many groups and parameters, every
+    per-parameter tensor of its parameter's shape and of a floating dtype
+    (a step count may be an integer), every value and learning rate
+    finite.  Torch would load a wrong shape and fail only at the first
+    step, naming neither the store nor the save; a NaN moment or an
+    infinite learning rate would load silently."""
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"it has {len(groups)} parameter group(s), this optimizer {len(optimizer.param_groups)}")
+    params: dict[Any, torch.Tensor] = {}
+    for g, (saved, live) in enumerate(zip(groups, optimizer.param_groups)):
+        if len(saved["params"]) != len(live["params"]):
+            raise ValueError(f"its parameter group {g} has {len(saved['params'])} parameters, this optimizer's "
+                             f"{len(live['params'])}")
+        lr = saved.get("lr")
+        lr = float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None
+        if lr is not None and not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"its learning rate in group {g} is {lr}")
+        params.update(zip(saved["params"], live["params"]))
+    for index, entries in state.items():
+        p = params.get(index)
+        if p is None:
+            raise ValueError(f"it holds state for parameter {index!r}, which no group names")
+        for key, t in entries.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            what = f"{key} of parameter {index} (shape {tuple(p.shape)})"
+            if t.dim() > 0 and t.shape != p.shape:
+                raise ValueError(f"its {what} has shape {tuple(t.shape)}")
+            if not (t.is_floating_point() or (key == "step" and not t.is_complex() and t.dtype != torch.bool)):
+                raise ValueError(f"its {what} is of dtype {t.dtype}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"its {what} holds non-finite values (NaN or infinity)")
+
+
 def schedulers_on(*optimizers: object) -> list[Any]:
     """The LR schedulers that hold one of ``optimizers`` (found through the
     garbage collector's referrers: a scheduler refers to its optimizer,
@@ -308,12 +344,17 @@ class SavedState:
             if light["optimizer"] != type(self.optimizer).__name__:
                 raise InvalidArgumentError(f"it is {light['optimizer']}'s, this job's optimizer is "
                                            f"{type(self.optimizer).__name__}")
+            check_state(self.optimizer, light["param_groups"], tensors)
             self.optimizer.load_state_dict({"state": tensors, "param_groups": light["param_groups"]})
         except Exception as exc:        # a save this job cannot use: say so, train on
-            log.warning("store %r: rank %d's saved optimizer state (step %d) is not loaded (%s): it continues at "
-                        "step %d with a fresh %s state", st.name, rank, int(header[_STEP]), exc, st.start_step,
-                        type(self.optimizer).__name__)
+            log.warning("store %r: rank %d's saved optimizer state (step %d, in side buffer %r) is not loaded "
+                        "(%s): it continues at step %d with a fresh %s state", st.name, rank, int(header[_STEP]),
+                        optimizer_state_name(st.name, rank), exc, st.start_step, type(self.optimizer).__name__)
             return
+        # the guard names a state loaded just before an update went wrong
+        side = optimizer_state_name(st.name, rank)
+        st.guard.loaded(int(header[_STEP]), f"rank {rank}'s optimizer state from side buffer {side!r} of store "
+                        f"{st.name!r}", side)
         self._to_restore = light
         self.start_step = int(header[_STEP])
         log.info("store %r: rank %d resumes its %s state and %d LR schedule(s) at step %d (the store's step "
