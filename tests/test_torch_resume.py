@@ -212,9 +212,10 @@ def test_two_slots_keep_the_last_whole_save(servers: str) -> None:
     """A save torn by a crash (its data half written) leaves the previous one;
     a save larger than the buffer makes it again."""
     name = "t-slots/optim/0"
+    store, what = name.split("/", 1)
 
     async def go(c: smb2.Client) -> tuple[Any, ...]:
-        slots = await resume.StateSlots.open(c, name)
+        slots = await resume.StateSlots.open(c, store, what)
         assert await slots.newest(7) is None
         await slots.write(b"a" * 100, step=1, origin=7, run=1)
         await slots.write(b"b" * 100, step=2, origin=7, run=1)
@@ -222,15 +223,15 @@ def test_two_slots_keep_the_last_whole_save(servers: str) -> None:
         # a third save dies halfway through its data: it overwrites the older slot (a's)
         assert slots.buf is not None
         await slots.buf.write(resume.HEADER, b"c" * 50)
-        halfway = await (await resume.StateSlots.open(c, name)).newest(7)
+        halfway = await (await resume.StateSlots.open(c, store, what)).newest(7)
         # a whole third save, then its data is damaged: the reader falls back to b
         await slots.write(b"c" * 100, step=3, origin=7, run=1)
         await slots.buf.write(resume.HEADER, b"x" * 50)
-        reopened = await resume.StateSlots.open(c, name)
+        reopened = await resume.StateSlots.open(c, store, what)
         torn = await reopened.newest(7)
         other_lineage = await reopened.newest(8)
         await reopened.write(b"d" * (reopened.capacity + 1), step=4, origin=7, run=2)
-        grown = await (await resume.StateSlots.open(c, name)).newest(7)
+        grown = await (await resume.StateSlots.open(c, store, what)).newest(7)
         await c.destroy(name)
         return first, halfway, torn, other_lineage, grown
 
@@ -385,7 +386,7 @@ def _tamper(servers: str, name: str, how: str) -> None:
     save whose content is wrong: ``how`` is "shape" (the first momentum
     tensor of another shape), "nan" (NaN second moments) or "lr" (lr=1e6)."""
     async def go(c: smb2.Client) -> None:
-        slots = await resume.StateSlots.open(c, optimizer_state_name(name, 0))
+        slots = await resume.StateSlots.open(c, name, "optim/0")
         header = next(h for h in slots.headers if h[resume._STEP] == slots.headers[:, resume._STEP].max())
         found = await slots.newest(int(header[resume._ORIGIN]))
         assert found is not None

@@ -45,7 +45,7 @@ from .errors import (
     StaleHandle,
     TransportError,
 )
-from .lock import REPLICATED_LOCK_BYTES, Fence, Lock, ReplicatedLock, fence_of
+from .lock import REPLICATED_LOCK_BYTES, Fence, Lock, ReplicatedLock, fence_of, replicated_lock_buffer
 from .placement import Placement, check_replicas
 from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, MASK64, WIRE_CODES, parse_address
 from .transport import KINDS, Link, MemoryDomain, ShmTransport, Transport
@@ -471,7 +471,7 @@ class Client:
         with :meth:`lock`, never both."""
         self.ensure_open()
         replicas = check_replicas(replicas, len(self._links))
-        words = "lock:" + name
+        words = replicated_lock_buffer(name)
 
         async def open_words() -> Buffer:
             try:

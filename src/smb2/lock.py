@@ -891,6 +891,11 @@ def fence_of(fence: Lock | ReplicatedLock | Fence) -> tuple[int, int]:
 _R_BASE, _R_NEXT, _R_SERVING, _R_HEARTBEAT = 0, 8, 16, 24
 #: the size (and stripe: one stripe, so one replica group) of that buffer
 REPLICATED_LOCK_BYTES = 32
+
+
+def replicated_lock_buffer(name: str) -> str:
+    """The replicated buffer that holds the words of replicated lock ``name``."""
+    return "lock:" + name
 #: the lease of a replicated lock when none is asked for (as --lock-lease's)
 REPLICATED_LEASE = 5.0
 _R_MASK62 = (1 << 62) - 1

@@ -82,7 +82,8 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from ..client import Buffer, Client
 from ..errors import InvalidArgumentError, NoSuchBuffer, OutOfMemory
-from ..train.store import ParameterStore, choose_stripe, optimizer_state_name
+from ..train import beside
+from ..train.store import ParameterStore, choose_stripe, optimizer_state_name, optimizer_state_what
 from .loop_thread import LoopThread
 
 log = logging.getLogger("smb2.torch")
@@ -112,10 +113,11 @@ def _round_up(n: int, to: int) -> int:
 class StateSlots:
     """One rank's buffer of saves: two slots, the newer whole one wins."""
 
-    def __init__(self, client: Client, name: str, buf: Buffer | None, headers: np.ndarray,
+    def __init__(self, client: Client, parent: str, what: str, buf: Buffer | None, headers: np.ndarray,
                  replicas: int = 1) -> None:
         self.client = client
-        self.name = name
+        self.parent, self.what = parent, what
+        self.name = beside.name_of(parent, what)
         self.buf = buf
         #: the copies a buffer made again gets (the store's)
         self.replicas = replicas
@@ -123,16 +125,18 @@ class StateSlots:
         self.headers = headers
 
     @classmethod
-    async def open(cls, client: Client, name: str, replicas: int = 1) -> StateSlots:
+    async def open(cls, client: Client, parent: str, what: str, replicas: int = 1) -> StateSlots:
+        """The side buffer ``what`` of store ``parent`` (made with the
+        store's ``replicas`` at the first save)."""
         try:
-            buf = await client.attach(name)
+            buf = await beside.find(client, parent, what)
         except NoSuchBuffer:
-            return cls(client, name, None, np.zeros((2, HEADER // 8), np.int64), replicas)
+            return cls(client, parent, what, None, np.zeros((2, HEADER // 8), np.int64), replicas)
         headers = np.zeros((2, HEADER // 8), np.int64)
         if buf.nbytes >= 2 * HEADER and buf.nbytes % 2 == 0:
             for k in range(2):
                 await buf.read_into(headers[k], k * (buf.nbytes // 2))
-        return cls(client, name, buf, headers, replicas)
+        return cls(client, parent, what, buf, headers, replicas)
 
     @property
     def capacity(self) -> int:
@@ -180,11 +184,8 @@ class StateSlots:
         """Make the buffer again with room for ``need`` bytes per slot (the
         saves it held go: this one replaces them)."""
         slot = _round_up(HEADER + math.ceil(need * HEADROOM), SLOT_ALIGN)
-        if self.buf is not None:
-            await self.client.destroy(self.name)
-        nservers = len(self.client.servers)
-        self.buf = await self.client.create(self.name, 2 * slot, stripe=choose_stripe(2 * slot, nservers),
-                                            replicas=self.replicas)
+        self.buf = await beside.make(self.client, self.parent, self.what, 2 * slot, replicas=self.replicas,
+                                     stripe=choose_stripe(2 * slot, len(self.client.servers)))
         self.headers[...] = 0
         log.debug("buffer %r: %d bytes per slot", self.name, slot)
 
@@ -322,7 +323,7 @@ class SavedState:
                                        hint="state_every=None neither saves nor loads the optimizer's state")
         if every is None:
             return cls(optimizer, owners, store, loop, None, None)
-        slots = loop.run(StateSlots.open(store.client, optimizer_state_name(store.name, store.rank),
+        slots = loop.run(StateSlots.open(store.client, store.name, optimizer_state_what(store.rank),
                                          store.buf.replicas))
         saved = cls(optimizer, owners, store, loop, slots, float(every))
         if store.resumed:

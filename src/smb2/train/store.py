@@ -105,17 +105,19 @@ from ..errors import (
     Smb2Error,
 )
 from ..lock import Lock, ReplicatedLock
+from . import beside
 from . import lifecycle as lc
 from .counts import CountsBoard, read_counts
 from .dropping import LayerDropping
 from .lifecycle import Control, check_rank, resolve_rank
-from .rules import UpdateRule, lock_of, make_rule
+from .rules import UpdateRule, make_rule
 from .stability import CollapseWatch, DivergenceGuard, LagScaling, TrainingDiverged
 
 log = logging.getLogger("smb2.train")
 
-__all__ = ["FORMAT", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe", "frozen_state_name",
-           "optimizer_state_name", "remove", "resolve_rank", "store_damage"]
+__all__ = ["FORMAT", "FROZEN", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe",
+           "frozen_state_name", "optimizer_state_name", "optimizer_state_what", "remove", "resolve_rank",
+           "store_damage"]
 
 MAGIC = int.from_bytes(b"SMB2PSTR", "little")
 FORMAT = 2
@@ -265,7 +267,7 @@ class ParameterStore:
         #: watches the shared weights this rank pulls for a collapse (reported, not delivered)
         self.watch = CollapseWatch(rank, buf.name)
         #: this rank's row of the counts beside the store (``smb2 ls`` shows them)
-        self.board = CountsBoard(client, buf.name, rank, layout.workers)
+        self.board = CountsBoard(client, buf.name, rank, layout.workers, buf.replicas)
         #: the run (generation) this rank is in; 0 for an observer
         self.generation = 0
         #: did this rank's run continue an earlier one's weights and steps?
@@ -367,7 +369,7 @@ class ParameterStore:
         # a damaged store is resumed never; started over only when asked to
         start_over = resume is False or image is not None
         buf = await _attach_or_create(client, name, total, stripe, replicas, layout if start_over else None)
-        lock = lock_of(client, "buffer:" + name, buf)       # the buffer's own lock, replicated with it
+        lock = beside.lock(client, buf)       # the buffer's own lock, replicated with it
         await lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         try:
             state = await buf.fetch_add(_STATE, 0)
@@ -1134,27 +1136,34 @@ def _finite(x: float) -> float | None:
 def optimizer_state_name(store: str, rank: int) -> str:
     """The buffer where ``rank`` keeps its optimizer's state, step and LR
     schedules for ``store`` (written and read by :mod:`smb2.torch.resume`)."""
-    return f"{_optim_prefix(store)}{rank}"
+    return beside.name_of(store, optimizer_state_what(rank))
+
+
+def optimizer_state_what(rank: int) -> str:
+    """:func:`optimizer_state_name` as a side buffer of the store (smb2.train.beside)."""
+    return f"optim/{rank}"
 
 
 def _optim_prefix(store: str) -> str:
-    return f"{store}/optim/"
+    return beside.name_of(store, "optim/")
 
 
 def frozen_state_name(store: str) -> str:
     """The buffer where rank 0 hands its frozen parameters and unaveraged
     buffers to the other ranks (:mod:`smb2.torch.frozen`)."""
-    return f"{store}/frozen"
+    return beside.name_of(store, FROZEN)
+
+
+#: rank 0's frozen tensors' side buffer (smb2.train.beside)
+FROZEN = "frozen"
 
 
 async def remove(client: Client, name: str) -> bool:
-    """Destroy buffer ``name`` and the buffers kept beside it (``name/...``:
-    a store's optimizer states, frozen tensors and outer momentum); True if
+    """Destroy buffer ``name`` and the buffers kept beside it (a store's
+    optimizer states, frozen tensors, outer momentum, counts and the words
+    of its replicated locks: :func:`smb2.train.beside.remove`); True if
     ``name`` existed."""
-    companions = [b for b in await client.buffers() if b.startswith(f"{name}/")]
-    existed = await client.destroy(name)
-    await asyncio.gather(*(client.destroy(b) for b in companions))
-    return existed
+    return await beside.remove(client, name)
 
 
 # -- the buffer ---------------------------------------------------------------------
