@@ -181,9 +181,10 @@ class DataDir:
                  time.monotonic() - t0)
         return total
 
-    def load(self, capacity: int, taken: Container[int]) -> tuple[list[Segment], int]:
+    def load(self, capacity: int, taken: Container[int], *, shared: bool = True) -> tuple[list[Segment], int]:
         """The saved segments, read back (same ids), and the next free id.
-        Their total size must fit in ``capacity``, and no id may be ``taken``."""
+        Their total size must fit in ``capacity``, and no id may be ``taken``;
+        ``shared``: memfds (see segment.alloc)."""
         m = self.manifest()
         if m is None:
             return [], 1
@@ -213,7 +214,7 @@ class DataDir:
                 raise PersistenceError(f"the saved segments in {self.path} need more than this "
                                        f"server's capacity of {capacity} bytes")
             path = self.path / fname
-            mem, view = alloc(size, clients_write=replicas == 1)
+            mem, view = alloc(size, clients_write=replicas == 1, shared=shared)
             h = hashlib.sha256()
             try:
                 with open(path, "rb") as f:

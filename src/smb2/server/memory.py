@@ -155,7 +155,9 @@ class MemoryServer:
         self.server_id = os.urandom(8).hex()
         # the lock segment: lock words in memory an RDMA transport registers
         # like a buffer's segment (locks.py)
-        mem, view = alloc(options.lock_slots * _core.LOCK_SLOT_SIZE)
+        # memfds (2 fds each) only where the shm hand-out may pass them on
+        self.shared_memory = options.shm != "off"
+        mem, view = alloc(options.lock_slots * _core.LOCK_SLOT_SIZE, shared=self.shared_memory)
         self.segments[LOCK_SEGMENT] = Segment(LOCK_SEGMENT, "", 0, 8, 1, 0, len(view), mem, view)
         self.locks = LockService(mem, view, slots=options.lock_slots, lease=options.lock_lease,
                                  max_lease=options.lock_max_lease,
@@ -195,7 +197,8 @@ class MemoryServer:
             # restored before listening: no client ever sees the server empty
             self.data_dir.acquire()
             try:
-                restored, next_id = self.data_dir.load(self.capacity, taken=self.segments)
+                restored, next_id = self.data_dir.load(self.capacity, taken=self.segments,
+                                                             shared=self.shared_memory)
             except BaseException:
                 self.data_dir.release()
                 raise
@@ -402,7 +405,7 @@ class MemoryServer:
                           f"{self.capacity - self.used} of {self.capacity} are free")
         try:
             # a replicated buffer's copies change only through its primary
-            mem, view = alloc(size, clients_write=replicas == 1)
+            mem, view = alloc(size, clients_write=replicas == 1, shared=self.shared_memory)
         except (OSError, MemoryError, OverflowError) as exc:
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"cannot map {size} bytes: {exc}") from None
         seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view,
@@ -455,7 +458,7 @@ class MemoryServer:
         if self.used + of.size > self.capacity:
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"a copy of part {index} of buffer {of.name!r} needs {of.size} "
                           f"bytes on this server; {self.capacity - self.used} of {self.capacity} are free")
-        mem, view = alloc(of.size)
+        mem, view = alloc(of.size, shared=self.shared_memory)
         seg = dataclasses.replace(of, id=next(self._ids), index=index, mem=mem, view=view, inflight=[],
                                   deferred=collections.deque(), created=time.time())
         if self.rdma is not None:
