@@ -281,6 +281,36 @@ async def test_smb2_ls_lists_the_rest_when_a_store_header_word_is_garbage(cluste
     assert "parameter store: 2 tensors" in rows["ls-fine"]
 
 
+async def _requests(client: smb2.Client) -> int:
+    """Control commands and data operations the servers answered so far."""
+    return sum(sum(st.get("controls", {}).values()) + sum(sum(ops.values()) for ops in st["ops"].values())
+               for st in await client.stat())
+
+
+async def test_smb2_ls_asks_each_server_a_few_times_whatever_the_number_of_buffers(
+        cluster: smb2.LocalCluster) -> None:
+    """200 plain buffers and 2 stores on 4 servers: the listing's requests
+    grow with the servers and the stores, not the buffers (each buffer
+    described one by one took one lookup per server and a read: 1,000 here)."""
+    client = await cluster.connect()
+    plain = 200
+    await asyncio.gather(*(client.create(f"plain-{i:03}", 4096 + 8 * i, stripe=1024) for i in range(plain)))
+    for name in ("store-a", "store-b"):
+        await ParameterStore.open(client, name, _model(), workers=1, rank=0, timeout=10)
+    before = await _requests(client)
+    rc, out, err = await _cli_here("ls", "--json", *cluster.addresses)
+    asked = await _requests(client) - before
+    assert rc == 0, err
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert len(rows) == plain + 2
+    assert rows["plain-007"] == {"name": "plain-007", "bytes": 4096 + 56, "stripe": 1024, "store": False,
+                                 "replicas": 1}
+    assert rows["store-a"]["store"] and rows["store-b"]["tensors"] == 2
+    servers = len(cluster.addresses)
+    # per server: hello, stat, peek, and our own stat; per store: its description (lookups, reads)
+    assert asked <= 6 * servers + 2 * 8 * servers, asked
+
+
 async def test_clients_creating_one_buffer_at_once_agree(cluster: smb2.LocalCluster) -> None:
     """Part 0 is made first and its identity taken by every creator, so a
     race of creators is never mistaken for damage."""

@@ -48,6 +48,8 @@ from ..protocol import (
     LOCK_SEGMENT,
     MAX_ACCUMULATE,
     MAX_CONTROL,
+    PEEK_BYTES,
+    PEEK_READS,
     REPL_FLAGS,
     REPL_PREFIX_SIZE,
     REPLICATED_OPS,
@@ -144,6 +146,8 @@ class MemoryServer:
         self.requests: dict[str, RequestCounts] = collections.defaultdict(RequestCounts)
         self.bytes_in = 0
         self.bytes_out = 0
+        # control commands answered, by command (stat's "controls")
+        self.controls: collections.Counter[str] = collections.Counter()
         # what was refused, by why: an error code's name in lower case, or
         # connection_limit / auth_failed (--metrics)
         self.refusals: collections.Counter[str] = collections.Counter()
@@ -520,6 +524,7 @@ class MemoryServer:
                         for s in self.by_name.values()},
             "connections": len(self.connections),
             "ops": self.ops,
+            "controls": dict(self.controls),
             "transports": self.transports(),
             "rdma": self.rdma.describe() if self.rdma else {"off": self.rdma_reason},
             "shm": ({"socket": self.shm.path, "fds_handed_out": self.shm.handed_out,
@@ -1223,6 +1228,7 @@ class Connection(FrameReceiver):
         handler = self._CONTROL.get(cmd) if isinstance(cmd, str) else None
         if handler is None:
             raise Refused(ErrorCode.BAD_REQUEST, f"unknown control command {cmd!r}")
+        self.server.controls[str(cmd)] += 1
         result = handler(self, hdr, msg)
         if result is not None:      # None: the handler closed the connection
             self.reply(hdr, pack(result))
@@ -1387,6 +1393,24 @@ class Connection(FrameReceiver):
     def _cmd_stat(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.stat()
 
+    def _cmd_peek(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+        """A few bytes of many buffers' parts here, in one request (``smb2
+        ls`` reads every buffer's first bytes to tell the stores: one request
+        per server, not one per buffer): ``reads`` is [[name, segment
+        offset, length], ...]; ``data`` the bytes of each, None where this
+        server holds no part of that name or the range is outside it."""
+        reads = msg.get("reads")
+        if not isinstance(reads, list) or len(reads) > PEEK_READS:
+            raise Refused(ErrorCode.BAD_REQUEST, f"peek takes a list of at most {PEEK_READS} reads")
+        out: list[bytes | None] = []
+        for r in reads:
+            if not (isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and is_int(r[1])
+                    and is_int(r[2]) and 0 <= r[1] and 0 <= r[2] <= PEEK_BYTES):
+                raise Refused(ErrorCode.BAD_REQUEST, f"a peek read is [name, offset, length <= {PEEK_BYTES}]")
+            seg = self.server.by_name.get(r[0])
+            out.append(None if seg is None or r[1] + r[2] > seg.size else bytes(seg.view[r[1]:r[1] + r[2]]))
+        return {"data": out}
+
     def _cmd_lock_open(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.locks.open(_str(msg, "name"), msg.get("lease"), self)
 
@@ -1445,8 +1469,8 @@ class Connection(FrameReceiver):
     _CONTROL: ClassVar[dict[str, Callable[[Connection, Header, dict[str, Any]], dict[str, Any] | None]]] = {
         "hello": _cmd_hello, "auth": _cmd_auth, "create": _cmd_create, "lookup": _cmd_lookup,
         "rdma_segment": _cmd_rdma_segment, "rdma_connect": _cmd_rdma_connect, "destroy": _cmd_destroy,
-        "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon,
-        "shm_grant": _cmd_shm_grant, "lock_close": _cmd_lock_close,
+        "list": _cmd_list, "stat": _cmd_stat, "peek": _cmd_peek, "lock_open": _cmd_lock_open,
+        "lock_abandon": _cmd_lock_abandon, "shm_grant": _cmd_shm_grant, "lock_close": _cmd_lock_close,
         "lock_records": _cmd_lock_records, "repl_sync": _cmd_repl_sync, "peer_auth": _cmd_peer_auth}
 
 

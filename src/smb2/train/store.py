@@ -91,6 +91,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .. import _core
 from ..checkpoint import read_checkpoint_header
 from ..checkpoint import restore as checkpoint_restore
 from ..client import DEFAULT_STRIPE, Buffer, Client
@@ -105,6 +106,7 @@ from ..errors import (
     Smb2Error,
 )
 from ..lock import Lock, ReplicatedLock
+from ..placement import Placement
 from . import beside
 from . import lifecycle as lc
 from .counts import CountsBoard, read_counts
@@ -115,7 +117,7 @@ from .stability import CollapseWatch, DivergenceGuard, LagScaling, TrainingDiver
 
 log = logging.getLogger("smb2.train")
 
-__all__ = ["FORMAT", "FROZEN", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe",
+__all__ = ["FORMAT", "FROZEN", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe", "describe_all",
            "frozen_state_name", "optimizer_state_name", "optimizer_state_what", "remove", "resolve_rank",
            "store_damage"]
 
@@ -1127,6 +1129,62 @@ async def describe(client: Client, name: str) -> dict[str, Any]:
                last_heartbeat_s=_finite(min(control.age(r) for r in range(layout.workers))),
                counts=await read_counts(client, name, control.generation))
     return out
+
+
+async def describe_all(client: Client) -> list[dict[str, Any]]:
+    """:func:`describe` of every buffer, by name, in a number of requests
+    that grows with the servers, not the buffers: each server's ``stat``
+    (sizes, parts, replicas), then one ``peek`` per server at the first
+    bytes of every buffer whose first stripe it holds, which tells the
+    parameter stores; only those, and a buffer whose parts do not add up (a
+    lost or foreign part, a replicated one that is degraded), are described
+    one by one."""
+    stats = await client.stat()
+    parts: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for s, st in enumerate(stats):
+        for name, info in st.get("buffers", {}).items():
+            parts.setdefault(name, []).append((s, info))
+    reads: list[list[tuple[str, int, int]]] = [[] for _ in stats]
+    at: dict[str, tuple[int, int]] = {}         # name -> (server, position in its reads)
+    rows: dict[str, dict[str, Any]] = {}
+    one_by_one: list[str] = []
+    for name, held in parts.items():
+        info = held[0][1]
+        n, replicas = int(info["nservers"]), int(info.get("replicas", 1))
+        if (n != len(stats) or len({i["buffer_id"] for _, i in held}) != 1
+                or sorted(i["index"] for _, i in held) != list(range(n)) or any(i.get("degraded") for _, i in held)):
+            one_by_one.append(name)
+            continue
+        rows[name] = {"name": name, "bytes": info["nbytes"], "stripe": info["stripe"], "store": False,
+                      "replicas": replicas, **({"degraded": False} if replicas > 1 else {})}
+        if info["nbytes"] < PREAMBLE:
+            continue
+        if info["stripe"] < PREAMBLE:
+            one_by_one.append(name)             # the preamble spans stripes: read it whole
+            continue
+        placement = Placement(n, info["nbytes"], info["stripe"], _core.name_hash(name) % n, replicas,
+                              info.get("zones"))
+        first = placement.replicas_of(0)[0]
+        server = next(s for s, i in held if i["index"] == first)
+        at[name] = (server, len(reads[server]))
+        reads[server].append((name, placement.offset_on(first, 0), PREAMBLE))
+    seen = await client.peek(reads)
+    for name, (server, k) in at.items():
+        head = seen[server][k]
+        if head is None:
+            one_by_one.append(name)             # destroyed or made again meanwhile
+            continue
+        pre = np.frombuffer(head, np.int64)
+        if int(pre[_MAGIC // 8]) == MAGIC and int(pre[_STATE // 8]) == READY:
+            one_by_one.append(name)
+    for name in one_by_one:
+        try:
+            rows[name] = await describe(client, name)
+        except Smb2Error as exc:        # removed meanwhile, or not on every server
+            rows[name] = {"name": name, "error": exc.message}
+        except Exception as exc:        # whatever one buffer holds, the others are listed
+            rows[name] = {"name": name, "error": f"{type(exc).__name__}: {exc}"}
+    return [rows[n] for n in sorted(rows)]
 
 
 def _finite(x: float) -> float | None:
