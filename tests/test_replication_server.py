@@ -26,7 +26,7 @@ from smb2.membership import NO_VIEW, View, open_membership
 from smb2.placement import Placement
 from smb2.protocol import DTYPE_SHIFT, FLAG_FORWARDED, FLAG_REPLICATED, VERSION, Op
 from smb2.server import start_server
-from smb2.server.replication import DEDUP_PER_CLIENT, Dedup, TooManyClients
+from smb2.server.replication import DEDUP_PER_CLIENT, Dedup, Entry, TooManyClients
 from wire import control, frame, reply
 
 try:
@@ -738,24 +738,47 @@ async def test_a_flood_under_fresh_client_ids_cannot_make_a_retry_apply_twice(et
         await c.close()
 
 
-async def test_a_retry_older_than_its_clients_remembered_ops_is_refused(cluster):
-    """A client's own later ops push its oldest out of its record: a retry
-    of that one is refused (CONFLICT, "may have been applied"), not applied."""
-    c = cluster
-    p, segs = await create(c, "own")
-    primary = p.replicas_of(0)[0]
-    word = p.offset_on(primary, 0)
-    raw = await Raw.open(c.addresses[primary])
-    for seq in range(1, DEDUP_PER_CLIENT + 2):
-        st, _ = await raw.op(Op.FETCH_ADD, segs[primary], word, prefix(1, 42, seq) + _core.pack_u64(1),
-                             FLAG_REPLICATED)
-        assert st == 0
-    st, msg = await raw.op(Op.FETCH_ADD, segs[primary], word, prefix(1, 42, 1) + _core.pack_u64(1),
-                           FLAG_REPLICATED)
-    raw.close()
-    assert st == ErrorCode.CONFLICT and "not applied again" in msg["message"]
-    for copy in await replica_bytes(c, p, segs, 0):
-        assert _core.unpack_u64(copy[:8]) == DEDUP_PER_CLIENT + 1
+async def test_a_retry_older_than_its_clients_remembered_ops_is_refused(etcd):
+    """A client alone fills the whole table (its share and what the others
+    leave): its next op pushes its own oldest out, and a retry of that one is
+    refused (CONFLICT, "may have been applied"), not applied."""
+    c = await flood_cluster(etcd)
+    try:
+        p, segs = await create(c, "own")
+        primary = p.replicas_of(0)[0]
+        word = p.offset_on(primary, 0)
+        raw = await Raw.open(c.addresses[primary])
+        ops = FLOOD_CLIENTS * DEDUP_PER_CLIENT + 1
+        for seq in range(1, ops + 1):
+            st, _ = await raw.op(Op.FETCH_ADD, segs[primary], word, prefix(1, 42, seq) + _core.pack_u64(1),
+                                 FLAG_REPLICATED)
+            assert st == 0
+        st, again = await raw.op(Op.FETCH_ADD, segs[primary], word, prefix(1, 42, 2) + _core.pack_u64(1),
+                                 FLAG_REPLICATED)
+        assert st == 0 and _core.unpack_u64(again) == 1     # still remembered: answered, not applied
+        st, msg = await raw.op(Op.FETCH_ADD, segs[primary], word, prefix(1, 42, 1) + _core.pack_u64(1),
+                               FLAG_REPLICATED)
+        raw.close()
+        assert st == ErrorCode.CONFLICT and "not applied again" in msg["message"]
+        for copy in await replica_bytes(c, p, segs, 0):
+            assert _core.unpack_u64(copy[:8]) == ops
+    finally:
+        await c.close()
+
+
+def test_a_busy_client_uses_the_room_others_leave_but_never_their_share():
+    d = Dedup(clients=4, per_client=2, idle=600.0)
+    a = d.record(1, now=0.0)
+    for seq in range(1, 7):
+        d.put(a, seq, Entry(b""))            # 6: over its share of 2, while the table (8) has room
+    others = [d.record(c, now=1.0) for c in (2, 3, 4)]
+    for rec in others:
+        d.put(rec, 1, Entry(b""))            # the table is over: the busy client gives up its oldest
+    assert list(a.entries) == [2, 3, 4, 5, 6] and a.floor == 1
+    for seq in range(2, 6):
+        d.put(others[0], seq, Entry(b""))    # client 2 grows: first from the busy client, then itself
+    assert len(a.entries) >= 2 and all(len(r.entries) >= 1 for r in others)
+    assert d.entries <= 8 and others[0].floor >= 1
 
 
 def test_a_clients_record_goes_only_after_it_was_idle():

@@ -129,8 +129,9 @@ class ServerOptions:
         30.0, "seconds a server may be out of the replicated cluster's view before the copies it held are "
         "made again on other servers (default 30; 0 = only when it comes back)", type=float, metavar="SECONDS")
     dedup_clients: int = _option(
-        DEDUP_CLIENTS, f"clients whose last {DEDUP_PER_CLIENT} replicated ops this server remembers, so that a "
-        f"retry is answered, not applied twice (about {DEDUP_ENTRY_BYTES} bytes an op: "
+        DEDUP_CLIENTS, f"clients whose recent replicated ops this server remembers, so that a retry is answered, "
+        f"not applied twice: {DEDUP_PER_CLIENT} ops each at least, more while others leave room (about "
+        f"{DEDUP_ENTRY_BYTES} bytes an op: "
         f"{DEDUP_CLIENTS * DEDUP_PER_CLIENT * DEDUP_ENTRY_BYTES >> 20} MiB at the default, as much again for "
         f"each primary that forwards to this server); a client's record goes only after {DEDUP_IDLE:g} s "
         "without a word from it, and a new client is refused while every record is younger "

@@ -81,8 +81,9 @@ REFRESH_EVERY: Final = 0.5
 # read keeps it fresh and an acknowledgement waits for no read of its own.
 SERVER_LEASE: Final = 0.8
 # duplicate detection (see Dedup): each client's last DEDUP_PER_CLIENT ops
-# are remembered, about DEDUP_ENTRY_BYTES each, for at most --dedup-clients
-# clients (ServerOptions.dedup_clients) at once
+# at least (more while the table has room) are remembered, about
+# DEDUP_ENTRY_BYTES each, for at most --dedup-clients clients
+# (ServerOptions.dedup_clients) at once
 DEDUP_PER_CLIENT: Final = 64
 DEDUP_ENTRY_BYTES: Final = 300
 DEDUP_CLIENTS: Final = 4096
@@ -177,13 +178,14 @@ class Entry:
 
 
 class Record:
-    """One client's part of the duplicate table: its last ops' results by
-    sequence number, the highest sequence number it forgot, and when it was
-    last heard of (time.monotonic())."""
+    """One client's part of the duplicate table: its recent ops' results by
+    sequence number (oldest first), the highest sequence number it forgot,
+    and when it was last heard of (time.monotonic())."""
 
-    __slots__ = ("entries", "floor", "seen")
+    __slots__ = ("client", "entries", "floor", "seen")
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, client: int, now: float) -> None:
+        self.client = client
         self.entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()
         self.floor = -1     # none dropped yet (0 is a sequence number too)
         self.seen = now
@@ -198,18 +200,23 @@ class Dedup:
     """Results of replicated ops by (client id, sequence), so that a retry is
     answered, not applied again.
 
-    Bounded per client, so that no client's ops push out another's: a
-    client's record holds its last ``per_client`` results, and the highest
-    sequence number it dropped (``floor``: an op at or below it is refused,
-    ``too_old``, never applied a second time on a guess).  At most
-    ``clients`` records: a new client finds room only where a record was
-    idle for ``idle`` seconds (a retry never comes that late), else it is
-    refused (``TooManyClients``) while every other record stays.  Ops
-    forwarded by a primary, which already took them, are always recorded.
+    Kept per client, so that no client's ops push out another's: each
+    client's record holds at least its last ``per_client`` results (its
+    share), more while the table has room (``clients`` x ``per_client``
+    results in all: a busy client may use what idle ones leave); past that,
+    results go oldest first from a client over its share, never from one
+    within it.  A client's highest dropped sequence number is kept
+    (``floor``: an op at or below it is refused, never applied a second
+    time on a guess).  At most ``clients`` records: a new client finds room
+    only where a record was idle for ``idle`` seconds (a retry never comes
+    that late), else it is refused (``TooManyClients``) while every other
+    record stays.  Ops forwarded by a primary, which already took them, are
+    always recorded.
 
     Memory: ``clients`` x ``per_client`` x about DEDUP_ENTRY_BYTES (4096 x 64
     x 300 B, 75 MiB, at the defaults) for the clients this server admits as
-    a primary, and as much again for each primary that forwards to it."""
+    a primary, and ``per_client`` results more for each client a primary
+    forwarded past that."""
 
     def __init__(self, clients: int = DEDUP_CLIENTS, per_client: int = DEDUP_PER_CLIENT,
                  idle: float = DEDUP_IDLE) -> None:
@@ -218,7 +225,10 @@ class Dedup:
         self.clients = clients
         self.per_client = per_client
         self.idle = idle
+        self.budget = clients * per_client
         self.entries = 0
+        # the clients holding more than their share
+        self._over: set[int] = set()
 
     def record(self, client: int, *, overfull: bool = False, now: float | None = None) -> Record:
         """``client``'s record, heard of now; made for a new client, which
@@ -236,18 +246,25 @@ class Dedup:
                 break
             self.records.popitem(last=False)
             self.entries -= len(oldest.entries)
+            self._over.discard(oldest.client)
         if len(self.records) >= self.clients and not overfull:
             raise TooManyClients
-        rec = self.records[client] = Record(now)
+        rec = self.records[client] = Record(client, now)
         return rec
 
     def put(self, rec: Record, seq: int, entry: Entry) -> None:
         rec.entries[seq] = entry
         self.entries += 1
-        while len(rec.entries) > self.per_client:
-            s, _ = rec.entries.popitem(last=False)
-            rec.floor = max(rec.floor, s)
+        if len(rec.entries) > self.per_client:
+            self._over.add(rec.client)
+        while self.entries > self.budget and self._over:
+            # the client itself where it is over its share, else another that is
+            victim = rec if rec.client in self._over else self.records[next(iter(self._over))]
+            s, _ = victim.entries.popitem(last=False)
+            victim.floor = max(victim.floor, s)
             self.entries -= 1
+            if len(victim.entries) <= self.per_client:
+                self._over.discard(victim.client)
 
 
 class Outbox:
@@ -857,9 +874,8 @@ class Replication:
                 self.spawn(self.settle(where, entry, {}))
             return
         if seq <= rec.floor:
-            raise Refused(ErrorCode.CONFLICT, f"op {seq} of client {client:016x} is older than the last "
-                          f"{self.dedup.per_client} ops of that client this server remembers: it may have been "
-                          "applied; not applied again")
+            raise Refused(ErrorCode.CONFLICT, f"op {seq} of client {client:016x} is older than the ops of "
+                          "that client this server remembers: it may have been applied; not applied again")
         body = REPL_PREFIX_SIZE
         fence = b""
         if flags & FLAG_FENCED:
