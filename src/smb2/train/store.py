@@ -418,7 +418,7 @@ class ParameterStore:
             steps = words[lc.RANK_BASE + lc.STEP::lc.RANK_WORDS]
             if image is not None:
                 if image.control.workers == self.workers:
-                    restored = await image.restore_optimizer_states(self.client, self.name)
+                    restored = await image.restore_optimizer_states(self.client, self.name, self.buf.replicas)
                 else:
                     log.warning("store %r: checkpoint %s is of %d workers, this job has %d: its steps and "
                                 "optimizer states are not used (every rank starts at step 0 with a fresh optimizer "
@@ -984,11 +984,12 @@ class StoreImage:
         self.path = path
         self.name = name
 
-    async def restore_optimizer_states(self, client: Client, name: str) -> int:
+    async def restore_optimizer_states(self, client: Client, name: str, replicas: int = 1) -> int:
         """Rank 0 of a fresh run from this image: put the optimizer states
-        saved beside it into store ``name``'s state buffers, in place of any
-        there (an earlier run's, which must not be loaded with these
-        weights).  Returns how many ranks' states were restored."""
+        saved beside it into store ``name``'s state buffers (side buffers
+        with the store's ``replicas``), in place of any there (an earlier
+        run's, which must not be loaded with these weights).  Returns how
+        many ranks' states were restored."""
         prefix = _optim_prefix(name)
         await asyncio.gather(*(client.destroy(b) for b in await client.buffers() if b.startswith(prefix)))
         saved_prefix = _optim_prefix(self.name)
@@ -997,6 +998,10 @@ class StoreImage:
         restored = 0
         for f in files:
             try:
+                header = await asyncio.to_thread(_checkpoint_header, f)
+                # made here, like every side buffer; the restore fills it
+                await beside.make(client, name, optimizer_state_what(int(f.name)), header["nbytes"],
+                                  replicas=replicas, stripe=header["stripe"])
                 await checkpoint_restore(client, optimizer_state_name(name, int(f.name)), f,
                                          saved_as=saved_prefix + f.name)
                 restored += 1
@@ -1037,6 +1042,14 @@ class StoreImage:
         control = Control.parse(np.frombuffer(raw, np.int64, slots, note_off), layout.workers)
         data = np.frombuffer(raw, np.uint8, layout.data_len, data_off).copy()
         return cls(layout, data, control, path, header["name"])
+
+
+def _checkpoint_header(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return read_checkpoint_header(f, str(path))[0]
+    except OSError as exc:
+        raise PersistenceError(f"cannot read {path}: {exc}") from None
 
 
 def store_damage(err: BufferDamaged, layout: Layout | None, progress: str = "") -> BufferDamaged:
