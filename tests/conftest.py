@@ -62,9 +62,17 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import uvloop
+from hypothesis import HealthCheck, settings
 
 import smb2
 from smb2.torch.loop_thread import LoopThread
+
+# No hypothesis check is tied to wall time (the suite runs on loaded
+# machines): no deadline, and no "input generation is slow" health check.
+# A test's own @settings keeps these unless it says otherwise
+# (test_core.test_no_hypothesis_check_is_tied_to_wall_time looks).
+settings.register_profile("smb2", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("smb2")
 
 TRANSPORTS = [t for t in os.environ.get("SMB2_TEST_TRANSPORTS", "tcp,shm").split(",") if t]
 

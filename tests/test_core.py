@@ -310,3 +310,21 @@ def test_segment_size_holds_every_stripe(nbytes: int, stripe: int, n: int) -> No
     # the server holding the most stripes still fits them
     assert size == -(-nstripes // n) * stripe
     assert size * n >= nbytes
+
+
+def test_no_hypothesis_check_is_tied_to_wall_time() -> None:
+    """conftest's profile: no deadline, no "too slow" health check; and no
+    test of the suite sets either back (a loaded machine failed
+    test_header_roundtrip with FailedHealthCheck)."""
+    import pathlib
+    import re
+
+    from hypothesis import HealthCheck
+    assert settings.default.deadline is None
+    assert HealthCheck.too_slow in settings.default.suppress_health_check
+    for path in pathlib.Path(__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"(?:settings|profile|dict)\([^)]*\bdeadline\s*=\s*(?!None)", text), \
+            f"{path.name} sets a hypothesis deadline"
+        for m in re.finditer(r"suppress_health_check\s*=\s*\[([^\]]*)\]", text):
+            assert "too_slow" in m.group(1), f"{path.name} turns the too_slow health check back on"

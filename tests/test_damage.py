@@ -261,6 +261,57 @@ async def test_smb2_ls_lists_the_rest_when_a_store_table_is_corrupt(cluster: smb
     assert "parameter store: 2 tensors" in rows["ls-healthy"]
 
 
+@pytest.mark.parametrize("word", ["table length", "control area"])
+async def test_smb2_ls_lists_the_rest_when_a_store_header_word_is_garbage(cluster: smb2.LocalCluster,
+                                                                          word: str) -> None:
+    """A header word that says where the table ends, or where the control
+    words are, holding garbage (2^40): the store is reported damaged, the
+    healthy one listed, and nothing of that size is read."""
+    client = await cluster.connect()
+    store = await ParameterStore.open(client, "ls-garbage", _model(), workers=1, rank=0, timeout=10)
+    await store.finish()
+    await ParameterStore.open(client, "ls-fine", _model(), workers=1, rank=0, timeout=10)
+    # the preamble's words (smb2.train.store's docstring): 3 is the table's
+    # bytes, 7 the control words'
+    at = {"table length": 3 * 8, "control area": 7 * 8}[word]
+    await store.buf.write(at, np.array([1 << 40], np.int64))
+    rc, out, err = await _cli_here("ls", *cluster.addresses)
+    assert rc == 0 and "Traceback" not in err, err
+    rows = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
+    assert "DAMAGED: store 'ls-garbage' is damaged: its header" in rows["ls-garbage"], out
+    assert "parameter store: 2 tensors" in rows["ls-fine"]
+
+
+async def _requests(client: smb2.Client) -> int:
+    """Control commands and data operations the servers answered so far."""
+    return sum(sum(st.get("controls", {}).values()) + sum(sum(ops.values()) for ops in st["ops"].values())
+               for st in await client.stat())
+
+
+async def test_smb2_ls_asks_each_server_a_few_times_whatever_the_number_of_buffers(
+        cluster: smb2.LocalCluster) -> None:
+    """200 plain buffers and 2 stores on 4 servers: the listing's requests
+    grow with the servers and the stores, not the buffers (each buffer
+    described one by one took one lookup per server and a read: 1,000 here)."""
+    client = await cluster.connect()
+    plain = 200
+    await asyncio.gather(*(client.create(f"plain-{i:03}", 4096 + 8 * i, stripe=1024) for i in range(plain)))
+    for name in ("store-a", "store-b"):
+        await ParameterStore.open(client, name, _model(), workers=1, rank=0, timeout=10)
+    before = await _requests(client)
+    rc, out, err = await _cli_here("ls", "--json", *cluster.addresses)
+    asked = await _requests(client) - before
+    assert rc == 0, err
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert len(rows) == plain + 2
+    assert rows["plain-007"] == {"name": "plain-007", "bytes": 4096 + 56, "stripe": 1024, "store": False,
+                                 "replicas": 1}
+    assert rows["store-a"]["store"] and rows["store-b"]["tensors"] == 2
+    servers = len(cluster.addresses)
+    # per server: hello, stat, peek, and our own stat; per store: its description (lookups, reads)
+    assert asked <= 6 * servers + 2 * 8 * servers, asked
+
+
 async def test_clients_creating_one_buffer_at_once_agree(cluster: smb2.LocalCluster) -> None:
     """Part 0 is made first and its identity taken by every creator, so a
     race of creators is never mistaken for damage."""

@@ -325,6 +325,45 @@ async def test_a_huge_next_ticket_over_tcp_is_reset_and_the_sender_named() -> No
 
 
 @pytest.mark.server_process_only
+@pytest.mark.parametrize("moved_by", [1 << 40, 100_000])
+async def test_next_ticket_moved_and_put_back_strands_no_shm_waiter(moved_by: int) -> None:
+    """A client adds to next_ticket over shm and subtracts it again, and a
+    shm waiter drew its ticket in between: that ticket is of a numbering no
+    one serves.  The shm waiter draws again and is served like the TCP
+    waiter (before, it slept until its timeout).  2^40 is reset by the
+    server if its sweep sees it; 100,000 is within what the connected
+    clients could queue, so only the waiter can tell."""
+    with server_process("--lock-lease", "1") as s:
+        async with await smb2.connect([s.address], transport="shm") as attacker, \
+                await smb2.connect([s.address], transport="shm") as shm_user, \
+                await smb2.connect([s.address], transport="tcp") as tcp_user:
+            off = await lock_offset(attacker, "L")
+            tr = shm_of(attacker)
+            shm_lock, tcp_lock = shm_user.lock("L"), tcp_user.lock("L")
+            for lock in (shm_lock, tcp_lock):       # both know the lock: the shm one has its mapping
+                await lock.acquire(timeout=30)
+                await lock.release()
+            before = await tr.fetch_add(LOCK_SEGMENT, off, moved_by)
+            # LockTimeout would fail the test: 60 s is far more than the 1 s
+            # lease the TCP waiter waits for the one ticket nobody holds
+            shm_waiter = asyncio.ensure_future(shm_lock.acquire(timeout=60))
+            for _ in range(1_000_000):         # until the shm waiter drew
+                if await tr.fetch_add(LOCK_SEGMENT, off, 0) != before + moved_by:
+                    break
+                await asyncio.sleep(0)
+            await tr.fetch_add(LOCK_SEGMENT, off, (1 << 64) - moved_by)
+            await tcp_lock.acquire(timeout=60)
+            await tcp_lock.release()
+            await shm_waiter
+            assert shm_lock.path == "futex"
+            await shm_lock.release()
+            # both are served again at once
+            for lock in (shm_lock, tcp_lock):
+                await lock.acquire(timeout=30)
+                await lock.release()
+
+
+@pytest.mark.server_process_only
 async def test_a_parked_waiter_passed_by_hand_queues_again_instead_of_failing() -> None:
     with server_process() as s:
         async with await smb2.connect([s.address], transport="tcp") as holder, \

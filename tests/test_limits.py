@@ -178,3 +178,29 @@ async def test_a_stalled_write_is_cut_after_the_write_timeout() -> None:
             assert (await buf.read(0, 8000) == 2).all()
     finally:
         await s.close()
+
+
+def test_a_buffer_cap_beyond_the_file_limit_is_refused_at_start() -> None:
+    """Each buffer's segment holds two descriptors (a memfd and its
+    mapping): a cap that the process's file limit cannot hold is refused
+    when the options are made, saying so; with --shm off segments hold none."""
+    from smb2.errors import InvalidArgumentError
+    from smb2.server.memfd import fd_limit
+    from smb2.server.options import ServerOptions
+    too_many = fd_limit() // 2
+    with pytest.raises(InvalidArgumentError, match=r"2 per buffer: its memfd and its mapping") as err:
+        ServerOptions(max_buffers=too_many, shm="auto")
+    assert "ulimit -n" in (err.value.hint or "")
+    assert ServerOptions(max_buffers=too_many, shm="off").max_buffers == too_many
+
+
+def test_the_default_buffer_cap_is_lowered_to_the_file_limit() -> None:
+    # a process allowed 3000 files: the default 4096 buffers do not fit, and are lowered with a WARNING
+    import subprocess
+    import sys
+    script = ("import logging, resource; logging.basicConfig(); resource.setrlimit(resource.RLIMIT_NOFILE, "
+              "(3000, 3000)); from smb2.server.options import ServerOptions; print(ServerOptions().max_buffers)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == (3000 - 1024 - 64) // 2 - 1
+    assert "max buffers lowered from 4096" in out.stderr and "ulimit -n" in out.stderr

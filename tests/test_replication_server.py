@@ -26,6 +26,7 @@ from smb2.membership import NO_VIEW, View, open_membership
 from smb2.placement import Placement
 from smb2.protocol import DTYPE_SHIFT, FLAG_FORWARDED, FLAG_REPLICATED, VERSION, Op
 from smb2.server import start_server
+from smb2.server.replication import DEDUP_PER_CLIENT, Dedup, Entry, TooManyClients
 from wire import control, frame, reply
 
 try:
@@ -676,3 +677,126 @@ async def test_a_client_cannot_forge_a_forward_when_the_servers_share_a_peer_tok
         assert copies[0][:8] == copies[1][:8] == b"t" * 8
     finally:
         await c.close()
+
+
+# the duplicate table's size in the flood tests: small, so that a flood a
+# few times its size is quick; the bound's logic is the same at any size
+FLOOD_CLIENTS = 16
+
+
+async def flood_cluster(etcd) -> Cluster:
+    c = Cluster(etcd, 3)
+    one = c.start_one
+    c.start_one = lambda i, **kw: one(i, dedup_clients=FLOOD_CLIENTS, **kw)    # type: ignore[method-assign]
+    return await c.start()
+
+
+def victim_op(kind: str, seq: int) -> tuple[int, bytes, int]:
+    """(op, payload after the prefix, flags) of the victim's op of ``kind``
+    at its word: +1, +1.0, 0 -> 7, or a ticket drawn (+1 on the lock
+    words' next-ticket word)."""
+    if kind == "accumulate":
+        return Op.ACCUMULATE, np.ones(1, np.float64).tobytes(), FLAG_REPLICATED | (2 << DTYPE_SHIFT)
+    if kind == "compare_swap":
+        return Op.COMPARE_SWAP, _core.pack_u64(0) + _core.pack_u64(7), FLAG_REPLICATED
+    return Op.FETCH_ADD, _core.pack_u64(1), FLAG_REPLICATED
+
+
+@pytest.mark.parametrize("kind", ["fetch_add", "accumulate", "compare_swap", "lock_ticket"])
+async def test_a_flood_under_fresh_client_ids_cannot_make_a_retry_apply_twice(etcd, kind):
+    """The victim's op is applied and acknowledged; another authenticated
+    client then sends fetch_adds to its own buffer under many fresh client
+    ids (ten times the servers' table); the victim's retry, same client id
+    and sequence as after a lost reply, is answered with the first result
+    and leaves the word as one application made it."""
+    c = await flood_cluster(etcd)
+    try:
+        p, segs = await create(c, "lock:t" if kind == "lock_ticket" else "victim")
+        _, flood_segs = await create(c, "flood")
+        primary = p.replicas_of(0)[0]
+        # the lock words: next_ticket is the second word
+        word = p.offset_on(primary, 0) + (8 if kind == "lock_ticket" else 0)
+        raw = await Raw.open(c.addresses[primary])
+        op, body, flags = victim_op(kind, 1)
+        st, first = await raw.op(op, segs[primary], word, prefix(1, 0x51C71, 1) + body, flags)
+        assert st == 0
+        if kind == "compare_swap":
+            # another client puts the word back: a second application would set it again
+            st, old = await raw.op(Op.COMPARE_SWAP, segs[primary], word,
+                                   prefix(1, 0xB0B, 1) + _core.pack_u64(7) + _core.pack_u64(0), FLAG_REPLICATED)
+            assert st == 0 and _core.unpack_u64(old) == 7
+        fp = Placement(3, NBYTES, STRIPE, _core.name_hash("flood") % 3, 2)
+        at = next(i for i in range(fp.nstripes) if fp.replicas_of(i)[0] == primary)
+        refused = 0
+        for fresh in range(10 * FLOOD_CLIENTS):
+            st, _ = await raw.op(Op.FETCH_ADD, flood_segs[primary], fp.offset_on(primary, at),
+                                 prefix(1, 1 << 40 | fresh, 1) + _core.pack_u64(1), FLAG_REPLICATED)
+            refused += st == ErrorCode.CONFLICT
+        assert refused > 0      # the flood found the table full and was refused, not the victim forgotten
+        st, again = await raw.op(op, segs[primary], word, prefix(1, 0x51C71, 1) + body, flags)
+        raw.close()
+        assert st == 0 and again == first
+        expected = {"fetch_add": 1, "lock_ticket": 1, "compare_swap": 0}
+        for copy in await replica_bytes(c, p, segs, 0):
+            at_word = copy[word - p.offset_on(primary, 0):][:8]
+            if kind == "accumulate":
+                assert np.frombuffer(at_word, np.float64).tolist() == [1.0]
+            else:
+                assert _core.unpack_u64(at_word) == expected[kind]
+    finally:
+        await c.close()
+
+
+async def test_a_retry_older_than_its_clients_remembered_ops_is_refused(etcd):
+    """A client alone fills the whole table (its share and what the others
+    leave): its next op pushes its own oldest out, and a retry of that one is
+    refused (CONFLICT, "may have been applied"), not applied."""
+    c = await flood_cluster(etcd)
+    try:
+        p, segs = await create(c, "own")
+        primary = p.replicas_of(0)[0]
+        word = p.offset_on(primary, 0)
+        raw = await Raw.open(c.addresses[primary])
+        ops = FLOOD_CLIENTS * DEDUP_PER_CLIENT + 1
+        for seq in range(1, ops + 1):
+            st, _ = await raw.op(Op.FETCH_ADD, segs[primary], word, prefix(1, 42, seq) + _core.pack_u64(1),
+                                 FLAG_REPLICATED)
+            assert st == 0
+        st, again = await raw.op(Op.FETCH_ADD, segs[primary], word, prefix(1, 42, 2) + _core.pack_u64(1),
+                                 FLAG_REPLICATED)
+        assert st == 0 and _core.unpack_u64(again) == 1     # still remembered: answered, not applied
+        st, msg = await raw.op(Op.FETCH_ADD, segs[primary], word, prefix(1, 42, 1) + _core.pack_u64(1),
+                               FLAG_REPLICATED)
+        raw.close()
+        assert st == ErrorCode.CONFLICT and "not applied again" in msg["message"]
+        for copy in await replica_bytes(c, p, segs, 0):
+            assert _core.unpack_u64(copy[:8]) == ops
+    finally:
+        await c.close()
+
+
+def test_a_busy_client_uses_the_room_others_leave_but_never_their_share():
+    d = Dedup(clients=4, per_client=2, idle=600.0)
+    a = d.record(1, now=0.0)
+    for seq in range(1, 7):
+        d.put(a, seq, Entry(b""))            # 6: over its share of 2, while the table (8) has room
+    others = [d.record(c, now=1.0) for c in (2, 3, 4)]
+    for rec in others:
+        d.put(rec, 1, Entry(b""))            # the table is over: the busy client gives up its oldest
+    assert list(a.entries) == [2, 3, 4, 5, 6] and a.floor == 1
+    for seq in range(2, 6):
+        d.put(others[0], seq, Entry(b""))    # client 2 grows: first from the busy client, then itself
+    assert len(a.entries) >= 2 and all(len(r.entries) >= 1 for r in others)
+    assert d.entries <= 8 and others[0].floor >= 1
+
+
+def test_a_clients_record_goes_only_after_it_was_idle():
+    d = Dedup(clients=2, idle=600.0)
+    d.record(1, now=0.0)
+    d.record(2, now=10.0)
+    with pytest.raises(TooManyClients):
+        d.record(3, now=599.0)          # both heard of within 600 s: neither is forgotten
+    d.record(3, now=601.0)              # client 1 was silent 601 s: its record goes
+    assert sorted(d.records) == [2, 3]
+    d.record(4, now=602.0, overfull=True)   # a forwarded op's client: taken over the limit
+    assert len(d.records) == 3

@@ -174,3 +174,81 @@ def test_the_optimizer_state_is_saved_when_a_server_was_lost_before_the_first_sa
                 assert torch.equal(torch.as_tensor(v), torch.as_tensor(got["state"][i][k])), (i, k)
     finally:
         opt2.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_diloco_goes_on_through_a_kill_of_its_outer_momentums_primary(
+        cluster: tuple[LoopThread, smb2.LocalCluster]) -> None:
+    # the outer momentum (<store>/outer) is made with the store's replicas=2: the kill of the server
+    # of its first stripe's primary loses no part of it, and the outer steps go on (with one copy,
+    # before, its part was gone with the server)
+    import numpy as np
+    import torch
+
+    import smb2.torch as st
+    from smb2.train.rules import outer_momentum_name
+    loop, c = cluster
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    opt = st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, name="t-diloco-kill",
+                            servers=",".join(c.addresses), rank=0, world_size=1, replicas=2, rule="diloco",
+                            local_steps=2, resume=False, state_every=None)
+
+    async def outer() -> tuple[int, int, np.ndarray]:
+        async with await smb2.connect(c.addresses) as client:
+            buf = await client.attach(outer_momentum_name("t-diloco-kill"))
+            return buf.replicas, buf.first, (await buf.read(0, buf.nbytes)).copy()
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    try:
+        steps(6)
+        opt.flush()
+        replicas, first, before = loop.run(outer())
+        assert replicas == 2
+        loop.run(c.kill(first))
+        steps(6)
+        opt.flush()
+        _, _, after = loop.run(outer())
+        assert opt.steps == 12
+        assert (after != before).any()       # the outer steps after the kill reached it
+    finally:
+        opt.close()
+
+
+@pytest.mark.slow
+def test_smb2_rm_of_a_replicated_store_leaves_nothing_behind(cluster: tuple[LoopThread, smb2.LocalCluster]) -> None:
+    import torch
+
+    import smb2.torch as st
+    from smb2 import cli
+    loop, c = cluster
+    servers = ",".join(c.addresses)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    model.add_module("frozen", frozen)
+    # the locked rule: per-tensor replicated locks; diloco would add <store>/outer
+    opt = st.AsyncOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.01), model, name="t-rm-all",
+                            servers=servers, rank=0, world_size=1, replicas=2, rule="locked", resume=False,
+                            state_every=1e-9)
+    try:
+        for _ in range(3):
+            opt.zero_grad()
+            model[0](torch.randn(4, 16)).square().mean().backward()
+            opt.step()
+    finally:
+        opt.close()
+
+    async def names() -> list[str]:
+        async with await smb2.connect(c.addresses) as client:
+            return sorted(await client.buffers())
+    made = loop.run(names())
+    assert "t-rm-all" in made and any(n.startswith("lock:") for n in made), made
+    assert cli.main(["rm", "t-rm-all", "--servers", servers]) == 0
+    assert loop.run(names()) == [], made

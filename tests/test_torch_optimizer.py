@@ -443,20 +443,47 @@ def _constant_steps(opt: torch.optim.Optimizer, model: torch.nn.Module, steps: i
         opt.step()
 
 
-def _workers(n: int, target: Callable[[int], None]) -> None:
-    errors: list[BaseException] = []
+def _workers(n: int, target: Callable[[int], None], barrier: threading.Barrier | None = None) -> None:
+    """``target(rank)`` on ``n`` threads.  The first that fails breaks
+    ``barrier`` (the one the workers step in), so the others stop at once
+    instead of waiting there for a party that is gone, and its error is the
+    one reported."""
+    errors: list[tuple[int, BaseException]] = []
 
     def run(rank: int) -> None:
         try:
             target(rank)
         except BaseException as exc:
-            errors.append(exc)
+            errors.append((rank, exc))
+            if barrier is not None:
+                barrier.abort()
     threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert not errors, errors
+    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    # the cause first: the others' BrokenBarrierError only follows from it
+    causes = [e for e in errors if not isinstance(e[1], threading.BrokenBarrierError)] or errors
+    if causes:
+        rank, exc = causes[0]
+        raise AssertionError(f"worker {rank} failed: {type(exc).__name__}: {exc}") from exc
+    assert not stuck, f"workers {stuck} still running after 120 s"
+
+
+def test_a_worker_that_fails_is_reported_and_stops_the_others() -> None:
+    # rank 1 fails before its first step: the others, at the barrier without a timeout, are
+    # released at once (they waited there until the suite's timeout before), and rank 1's error,
+    # not theirs, is the one reported
+    barrier = threading.Barrier(3)
+
+    def worker(rank: int) -> None:
+        if rank == 1:
+            raise ValueError("rank 1's own error")
+        for _ in range(5):
+            barrier.wait()
+    with pytest.raises(AssertionError, match="worker 1 failed: ValueError: rank 1's own error"):
+        _workers(3, worker, barrier)
 
 
 @pytest.mark.parametrize("rule,options", [("accumulate", {}), ("locked", {}), ("locked", {"per_layer": True})],
@@ -589,7 +616,7 @@ def test_four_workers_with_momentum_move_the_model_as_one_optimizer(servers: str
         finals[rank] = m.w.detach().numpy().copy()
         scaled[rank] = opt.stats()["lag_scaled"]
 
-    _workers(world, worker)
+    _workers(world, worker, barrier)
     d0 = float(np.linalg.norm(Quadratic.TARGET.numpy()))
     moved = float(np.linalg.norm(ref.w.detach().numpy()))
     assert moved > 0.5 * d0                     # the single optimizer got somewhere
@@ -727,7 +754,7 @@ def _digits_in_lockstep(servers: str, name: str, *, average: bool, world: int = 
             end = exc
         out[rank] = (end, opt.stats(), ex.accuracy(m, xte, yte))
 
-    _workers(world, worker)
+    _workers(world, worker, barrier)
     return out
 
 

@@ -5,6 +5,7 @@ memory-server processes, real torch."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Iterator
@@ -211,9 +212,10 @@ def test_two_slots_keep_the_last_whole_save(servers: str) -> None:
     """A save torn by a crash (its data half written) leaves the previous one;
     a save larger than the buffer makes it again."""
     name = "t-slots/optim/0"
+    store, what = name.split("/", 1)
 
     async def go(c: smb2.Client) -> tuple[Any, ...]:
-        slots = await resume.StateSlots.open(c, name)
+        slots = await resume.StateSlots.open(c, store, what)
         assert await slots.newest(7) is None
         await slots.write(b"a" * 100, step=1, origin=7, run=1)
         await slots.write(b"b" * 100, step=2, origin=7, run=1)
@@ -221,15 +223,15 @@ def test_two_slots_keep_the_last_whole_save(servers: str) -> None:
         # a third save dies halfway through its data: it overwrites the older slot (a's)
         assert slots.buf is not None
         await slots.buf.write(resume.HEADER, b"c" * 50)
-        halfway = await (await resume.StateSlots.open(c, name)).newest(7)
+        halfway = await (await resume.StateSlots.open(c, store, what)).newest(7)
         # a whole third save, then its data is damaged: the reader falls back to b
         await slots.write(b"c" * 100, step=3, origin=7, run=1)
         await slots.buf.write(resume.HEADER, b"x" * 50)
-        reopened = await resume.StateSlots.open(c, name)
+        reopened = await resume.StateSlots.open(c, store, what)
         torn = await reopened.newest(7)
         other_lineage = await reopened.newest(8)
         await reopened.write(b"d" * (reopened.capacity + 1), step=4, origin=7, run=2)
-        grown = await (await resume.StateSlots.open(c, name)).newest(7)
+        grown = await (await resume.StateSlots.open(c, store, what)).newest(7)
         await c.destroy(name)
         return first, halfway, torn, other_lineage, grown
 
@@ -377,3 +379,82 @@ def test_a_checkpoint_without_optimizer_states_starts_them_fresh_and_says_so(
         assert sched2.last_epoch == 0 and int(next(iter(opt2.state.values()))["step"]) == 1
     finally:
         opt2.close()
+
+
+def _tamper(servers: str, name: str, how: str) -> None:
+    """Rewrite rank 0's newest save in ``<name>/optim/0`` as a well-formed
+    save whose content is wrong: ``how`` is "shape" (the first momentum
+    tensor of another shape), "nan" (NaN second moments) or "lr" (lr=1e6)."""
+    async def go(c: smb2.Client) -> None:
+        slots = await resume.StateSlots.open(c, name, "optim/0")
+        header = next(h for h in slots.headers if h[resume._STEP] == slots.headers[:, resume._STEP].max())
+        found = await slots.newest(int(header[resume._ORIGIN]))
+        assert found is not None
+        header, data = found
+        light, tensors = resume._unframe(data)
+        first = tensors[0]
+        if how == "shape":
+            first["exp_avg"] = torch.zeros(3, 3)
+        elif how == "nan":
+            first["exp_avg_sq"] = torch.full_like(first["exp_avg_sq"], float("nan"))
+        else:
+            for g in light["param_groups"]:
+                g["lr"] = 1e6
+        await slots.write(*resume._frame(resume._save(light), resume._save(tensors)), step=int(header[resume._STEP]),
+                          origin=int(header[resume._ORIGIN]), run=int(header[resume._RUN]))
+    _client_do(servers, go)
+
+
+@pytest.mark.parametrize("how", ["shape", "nan"])
+def test_a_tampered_optimizer_state_is_refused_by_name_and_training_goes_on(
+        servers: str, caplog: pytest.LogCaptureFixture, how: str) -> None:
+    name = f"t-tamper-{how}"
+    model = _model()
+    opt, sched = _port(model, servers, name, resume=False, state_every=1e-9)
+    _loop(model, opt, sched, 0, 5)
+    opt.flush()
+    opt._saved.close(opt.steps)
+    _crash(opt)
+    _tamper(servers, name, how)
+    model2 = _model()
+    with caplog.at_level(logging.WARNING, logger="smb2.torch"):
+        opt2, sched2 = _port(model2, servers, name, resume=True)
+    try:
+        said = {"shape": "exp_avg of parameter 0 (shape (32, 10)) has shape (3, 3)",
+                "nan": "exp_avg_sq of parameter 0 (shape (32, 10)) holds non-finite values"}[how]
+        assert f"store '{name}': rank 0's saved optimizer state" in caplog.text, caplog.text
+        assert f"side buffer '{optimizer_state_name(name, 0)}') is not loaded" in caplog.text, caplog.text
+        assert said in caplog.text, caplog.text
+        assert not opt2.state           # fresh state, as for any save it cannot use
+        losses = _loop(model2, opt2, sched2, opt2.start_step, opt2.start_step + 3)
+        assert all(torch.isfinite(torch.tensor(list(losses.values()))))
+    finally:
+        opt2.close()
+
+
+def test_a_diverging_step_after_a_loaded_state_names_it_as_a_suspect(servers: str) -> None:
+    """A save with lr=1e6 is well-formed and loads; the step that goes
+    wrong names the loaded state, not only the learning rate."""
+    name = "t-tamper-lr"
+    model = _model()
+    opt, sched = _port(model, servers, name, resume=False, state_every=1e-9)
+    _loop(model, opt, sched, 0, 5)
+    opt.flush()
+    opt._saved.close(opt.steps)
+    _crash(opt)
+    _tamper(servers, name, "lr")
+    model2 = _model()
+    # staleness 0: each step's push lands before the next pull, so the step that goes wrong
+    # is the same on a loaded machine (8 steps after the load, measured)
+    opt2 = st.AsyncOptimizer(torch.optim.AdamW(model2.parameters(), lr=LR, weight_decay=1e-4), model2, name=name,
+                             servers=servers, staleness=0, rank=0, world_size=1, resume=True)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=GAMMA)
+    try:
+        with pytest.raises(smb2.Smb2Error) as info:
+            _loop(model2, opt2, sched2, opt2.start_step, opt2.start_step + 10)
+        text = str(info.value)
+        assert f"rank 0's optimizer state from side buffer '{optimizer_state_name(name, 0)}'" in text, text
+        assert "a suspect" in text and f"smb2 rm {optimizer_state_name(name, 0)}" in text, text
+    finally:
+        with contextlib.suppress(smb2.Smb2Error):      # close() says the step's error again
+            opt2.close()

@@ -2032,6 +2032,11 @@ cdef class MappedLock:
         self._check()
         return smb2_load64(&self.words[1])
 
+    def next_ticket(self):
+        """next_ticket."""
+        self._check()
+        return smb2_load64(&self.words[0])
+
     def wait(self, uint64_t ticket, double timeout):
         """Sleep on the futex until now_serving reaches ``ticket``, at most
         ``timeout`` s, without the GIL; returns now_serving.  Blocks the

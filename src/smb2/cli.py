@@ -75,15 +75,9 @@ async def _add_replication(client: Any, stats: list[dict[str, Any]]) -> None:
 
 
 async def _ls(client: Any, args: argparse.Namespace) -> int:
-    from .train.store import describe
+    from .train.store import describe_all
 
-    rows = []
-    for name in await client.buffers():
-        try:
-            rows.append(await describe(client, name))
-        except Smb2Error as exc:        # removed meanwhile, or not on every server
-            rows.append({"name": name, "error": exc.message})
-    _print_rows(rows, args.json)
+    _print_rows(await describe_all(client), args.json)
     return 0
 
 

@@ -45,9 +45,9 @@ from .errors import (
     StaleHandle,
     TransportError,
 )
-from .lock import REPLICATED_LOCK_BYTES, Fence, Lock, ReplicatedLock, fence_of
+from .lock import REPLICATED_LOCK_BYTES, Fence, Lock, ReplicatedLock, fence_of, replicated_lock_buffer
 from .placement import Placement, check_replicas
-from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, MASK64, WIRE_CODES, parse_address
+from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, MASK64, PEEK_READS, WIRE_CODES, parse_address
 from .transport import KINDS, Link, MemoryDomain, ShmTransport, Transport
 
 log = logging.getLogger("smb2.client")
@@ -443,6 +443,25 @@ class Client:
         self.ensure_open()
         return await self._each(({"cmd": "stat"} for _ in self._links), timeout, idempotent=True)
 
+    async def peek(self, reads: Sequence[Sequence[tuple[str, int, int]]], *,
+                   timeout: float | None = None) -> list[list[bytes | None]]:
+        """A look without attaching, for listings: ``reads[s]`` is
+        ``(buffer name, offset in that server's part, length)`` triples for
+        server ``s``; the bytes of each (None where the server holds no part
+        of that name, or not that range).  One request per server and
+        PEEK_READS triples, whatever the number of buffers."""
+        self.ensure_open()
+        t = self.deadline(timeout)
+
+        async def one(link: Link, triples: Sequence[tuple[str, int, int]]) -> list[bytes | None]:
+            out: list[bytes | None] = []
+            for at in range(0, len(triples), PEEK_READS):
+                chunk = [list(r) for r in triples[at:at + PEEK_READS]]
+                reply = await _control(link, {"cmd": "peek", "reads": chunk}, t, idempotent=True)
+                out.extend(reply["data"])
+            return out
+        return list(await asyncio.gather(*(one(link, r) if r else _nothing() for link, r in zip(self._links, reads))))
+
     # -- checkpoints (checkpoint.py) ------------------------------------------
     async def checkpoint(self, name: str, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Save the whole buffer ``name`` to the file ``path`` (atomically,
@@ -472,7 +491,7 @@ class Client:
         with :meth:`lock`, never both."""
         self.ensure_open()
         replicas = check_replicas(replicas, len(self._links))
-        words = "lock:" + name
+        words = replicated_lock_buffer(name)
 
         async def open_words() -> Buffer:
             try:
@@ -481,6 +500,10 @@ class Client:
                 return await self.create(words, REPLICATED_LOCK_BYTES, stripe=REPLICATED_LOCK_BYTES,
                                          replicas=replicas)
         return ReplicatedLock(self, name, open_words, replicas=replicas, lease=lease)
+
+
+async def _nothing() -> list[bytes | None]:
+    return []
 
 
 async def _control(link: Link, msg: dict[str, Any], timeout: float | None, *, idempotent: bool,

@@ -118,6 +118,12 @@ async def _after_lapse(lapses: int) -> None:
     await asyncio.sleep(0 if lapses <= 1 else min(_LAPSE_BACKOFF, 1e-4 * (1 << min(lapses, 16))))
 
 
+def _not_drawn(next_ticket: int, ticket: int) -> bool:
+    """True if ``ticket`` is not below ``next_ticket`` (modulo 2**64): no
+    client following the rules drew it."""
+    return not 0 < (next_ticket - ticket) % (1 << 64) < 1 << 63
+
+
 def _default_futex_spin() -> float:
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -656,6 +662,12 @@ class Lock:
                         _count_in_use(loop, -1)
                     self._yielded = now()
                 code = st.observe(serving, now())[0]
+                if code == _core.OBSERVE_WAIT and _not_drawn(ml.next_ticket(), st.ticket):
+                    # next_ticket is at or below our ticket: a client wrote
+                    # the words by hand (moved next_ticket and back), and our
+                    # ticket is of a numbering nobody will serve: draw again
+                    st.released()
+                    code = _core.OBSERVE_LAPSED
         except ConnectionError:
             st.released()
             raise await self._connection_gone(tr, seg, off) from None
@@ -879,6 +891,11 @@ def fence_of(fence: Lock | ReplicatedLock | Fence) -> tuple[int, int]:
 _R_BASE, _R_NEXT, _R_SERVING, _R_HEARTBEAT = 0, 8, 16, 24
 #: the size (and stripe: one stripe, so one replica group) of that buffer
 REPLICATED_LOCK_BYTES = 32
+
+
+def replicated_lock_buffer(name: str) -> str:
+    """The replicated buffer that holds the words of replicated lock ``name``."""
+    return "lock:" + name
 #: the lease of a replicated lock when none is asked for (as --lock-lease's)
 REPLICATED_LEASE = 5.0
 _R_MASK62 = (1 << 62) - 1

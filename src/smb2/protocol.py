@@ -134,6 +134,10 @@ def accumulate_span(flags: int, offset: int, length: int) -> int:
 # Limits a server applies unless configured otherwise.
 DEFAULT_MAX_FRAME: Final = 64 << 20      # largest payload of one frame
 MAX_CONTROL: Final = 1 << 20             # largest control message
+# a peek control command reads at most this many ranges, each at most
+# PEEK_BYTES: its request and reply stay well within MAX_CONTROL
+PEEK_READS: Final = 4096
+PEEK_BYTES: Final = 128
 # Clients cut operations into requests of at most this many bytes: several
 # requests per server stay in flight (pipelining), and a server never needs
 # more than this much scratch for an accumulate.

@@ -67,6 +67,11 @@ FAILOVER_AFTER = 1.5
 SECONDS_PER_BYTE = 1 / 50e6
 #: attempts of one request before the error is raised
 MAX_ATTEMPTS = 6
+#: seconds after its first send past which a mutation is not sent again (it
+#: fails, "may or may not have been applied"): the servers forget a client
+#: only after it was silent far longer (smb2.server.replication.DEDUP_IDLE),
+#: so a retry always finds the record of its first send
+RETRY_SPAN = 120.0
 #: requests of replicated buffers a client has in flight to one server: an
 #: attempt's wait starts when it is sent, so a large operation's later
 #: pieces do not run out of time queued behind its earlier ones (which would
@@ -371,7 +376,13 @@ async def _attempts(buf: ReplicatedBuffer, i: int, within: int, nbytes: int, wha
     view = await views.current()
     patience = FAILOVER_AFTER + nbytes * SECONDS_PER_BYTE
     last: BaseException | None = None
+    started = time.monotonic()
     for attempt in range(MAX_ATTEMPTS):
+        if attempt and what != "read" and time.monotonic() - started > RETRY_SPAN:
+            raise TransportError(
+                f"{what} of buffer {buf.name!r} was sent {RETRY_SPAN:g} s ago and not acknowledged ({last}): it may "
+                "or may not have been applied, and it is not sent again", server=getattr(last, "server", None),
+                hint="check that the servers and the membership service (etcd) are up: `smb2 stat`")
         server, part = primary(buf, i, view)
         link = buf.links[server]
         seg_off = _layout(buf).offset_on(part, i) + within

@@ -194,10 +194,11 @@ class DataDir:
             (self.path / RUNNING).unlink()
         fsync_dir(self.path)
 
-    def load(self, capacity: int, taken: Container[int]) -> tuple[list[Segment], int]:
+    def load(self, capacity: int, taken: Container[int], *, shared: bool = True) -> tuple[list[Segment], int]:
         """The saved segments, read back (same ids), and the next free id.
-        Their total size must fit in ``capacity``, and no id may be ``taken``.
-        Marks the directory running until :meth:`stopped` (``clean``)."""
+        Their total size must fit in ``capacity``, and no id may be ``taken``;
+        ``shared``: memfds (see segment.alloc).  Marks the directory running
+        until :meth:`stopped` (``clean``)."""
         self.clean = not (self.path / RUNNING).exists()
         with open(self.path / RUNNING, "w"):
             pass
@@ -231,7 +232,7 @@ class DataDir:
                 raise PersistenceError(f"the saved segments in {self.path} need more than this "
                                        f"server's capacity of {capacity} bytes")
             path = self.path / fname
-            mem, view = alloc(size, clients_write=replicas == 1)
+            mem, view = alloc(size, clients_write=replicas == 1, shared=shared)
             h = hashlib.sha256()
             try:
                 with open(path, "rb") as f:

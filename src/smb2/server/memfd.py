@@ -61,10 +61,30 @@ def state_offset(size: int) -> int:
     return -(-size // _STATE_ALIGN) * _STATE_ALIGN
 
 
+#: file descriptors a segment holds open: its memfd and its mapping's own
+FDS_PER_SEGMENT = 2
+# descriptors kept for everything else a server opens besides its
+# connections (sockets it listens on, the data directory, etcd, logs)
+FDS_SPARE = 64
+
+
+def fd_limit() -> int:
+    """The file descriptors this process may open once the soft limit is
+    raised to the hard one (as the first segment does)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(soft, 1 << 20) if hard == resource.RLIM_INFINITY else max(soft, hard)
+
+
+def buffers_within_fd_limit(connections: int) -> int:
+    """How many buffers' segments fit in :func:`fd_limit` beside
+    ``connections`` connections (and the lock segment)."""
+    return max(0, (fd_limit() - connections - FDS_SPARE) // FDS_PER_SEGMENT - 1)
+
+
 def _raise_fd_limit() -> None:
-    # Each segment holds two fds (ours and the mapping's own), so a server
-    # with thousands of buffers needs more than the usual soft limit of 1024:
-    # take what the hard limit allows, once.
+    # Each segment holds FDS_PER_SEGMENT fds, so a server with thousands of
+    # buffers needs more than the usual soft limit of 1024: take what the
+    # hard limit allows, once.
     global _fd_limit_raised
     _fd_limit_raised = True
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

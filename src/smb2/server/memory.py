@@ -49,6 +49,8 @@ from ..protocol import (
     LOCK_SEGMENT,
     MAX_ACCUMULATE,
     MAX_CONTROL,
+    PEEK_BYTES,
+    PEEK_READS,
     REPL_FLAGS,
     REPL_PREFIX_SIZE,
     REPLICATED_OPS,
@@ -148,6 +150,8 @@ class MemoryServer:
         self.requests: dict[str, RequestCounts] = collections.defaultdict(RequestCounts)
         self.bytes_in = 0
         self.bytes_out = 0
+        # control commands answered, by command (stat's "controls")
+        self.controls: collections.Counter[str] = collections.Counter()
         # what was refused, by why: an error code's name in lower case, or
         # connection_limit / auth_failed (--metrics)
         self.refusals: collections.Counter[str] = collections.Counter()
@@ -159,7 +163,9 @@ class MemoryServer:
         self.server_id = os.urandom(8).hex()
         # the lock segment: lock words in memory an RDMA transport registers
         # like a buffer's segment (locks.py)
-        mem, view = alloc(options.lock_slots * _core.LOCK_SLOT_SIZE)
+        # memfds (2 fds each) only where the shm hand-out may pass them on
+        self.shared_memory = options.shm != "off"
+        mem, view = alloc(options.lock_slots * _core.LOCK_SLOT_SIZE, shared=self.shared_memory)
         self.segments[LOCK_SEGMENT] = Segment(LOCK_SEGMENT, "", 0, 8, 1, 0, len(view), mem, view)
         self.locks = LockService(mem, view, slots=options.lock_slots, lease=options.lock_lease,
                                  max_lease=options.lock_max_lease,
@@ -176,6 +182,7 @@ class MemoryServer:
         self.replication: Replication | None = None
         self.repair_rate = parse_size(options.repair_rate)
         self.replace_after = float(options.replace_after)
+        self.dedup_clients = options.dedup_clients
 
     def __repr__(self) -> str:
         host, port = self.address
@@ -198,7 +205,8 @@ class MemoryServer:
             # restored before listening: no client ever sees the server empty
             self.data_dir.acquire()
             try:
-                restored, next_id = self.data_dir.load(self.capacity, taken=self.segments)
+                restored, next_id = self.data_dir.load(self.capacity, taken=self.segments,
+                                                             shared=self.shared_memory)
             except BaseException:
                 self.data_dir.release()
                 raise
@@ -408,7 +416,7 @@ class MemoryServer:
                           f"{self.capacity - self.used} of {self.capacity} are free")
         try:
             # a replicated buffer's copies change only through its primary
-            mem, view = alloc(size, clients_write=replicas == 1)
+            mem, view = alloc(size, clients_write=replicas == 1, shared=self.shared_memory)
         except (OSError, MemoryError, OverflowError) as exc:
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"cannot map {size} bytes: {exc}") from None
         seg = Segment(next(self._ids), name, nbytes, stripe, nservers, index, size, mem, view,
@@ -461,7 +469,7 @@ class MemoryServer:
         if self.used + of.size > self.capacity:
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"a copy of part {index} of buffer {of.name!r} needs {of.size} "
                           f"bytes on this server; {self.capacity - self.used} of {self.capacity} are free")
-        mem, view = alloc(of.size)
+        mem, view = alloc(of.size, shared=self.shared_memory)
         seg = dataclasses.replace(of, id=next(self._ids), index=index, mem=mem, view=view, inflight=[],
                                   deferred=collections.deque(), created=time.time())
         if self.rdma is not None:
@@ -523,6 +531,7 @@ class MemoryServer:
                         for s in self.by_name.values()},
             "connections": len(self.connections),
             "ops": self.ops,
+            "controls": dict(self.controls),
             "transports": self.transports(),
             "rdma": self.rdma.describe() if self.rdma else {"off": self.rdma_reason},
             "shm": ({"socket": self.shm.path, "fds_handed_out": self.shm.handed_out,
@@ -1226,6 +1235,7 @@ class Connection(FrameReceiver):
         handler = self._CONTROL.get(cmd) if isinstance(cmd, str) else None
         if handler is None:
             raise Refused(ErrorCode.BAD_REQUEST, f"unknown control command {cmd!r}")
+        self.server.controls[str(cmd)] += 1
         result = handler(self, hdr, msg)
         if result is not None:      # None: the handler closed the connection
             self.reply(hdr, pack(result))
@@ -1386,6 +1396,24 @@ class Connection(FrameReceiver):
     def _cmd_stat(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.stat()
 
+    def _cmd_peek(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
+        """A few bytes of many buffers' parts here, in one request (``smb2
+        ls`` reads every buffer's first bytes to tell the stores: one request
+        per server, not one per buffer): ``reads`` is [[name, segment
+        offset, length], ...]; ``data`` the bytes of each, None where this
+        server holds no part of that name or the range is outside it."""
+        reads = msg.get("reads")
+        if not isinstance(reads, list) or len(reads) > PEEK_READS:
+            raise Refused(ErrorCode.BAD_REQUEST, f"peek takes a list of at most {PEEK_READS} reads")
+        out: list[bytes | None] = []
+        for r in reads:
+            if not (isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and is_int(r[1])
+                    and is_int(r[2]) and 0 <= r[1] and 0 <= r[2] <= PEEK_BYTES):
+                raise Refused(ErrorCode.BAD_REQUEST, f"a peek read is [name, offset, length <= {PEEK_BYTES}]")
+            seg = self.server.by_name.get(r[0])
+            out.append(None if seg is None or r[1] + r[2] > seg.size else bytes(seg.view[r[1]:r[1] + r[2]]))
+        return {"data": out}
+
     def _cmd_lock_open(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:
         return self.server.locks.open(_str(msg, "name"), msg.get("lease"), self)
 
@@ -1493,8 +1521,8 @@ class Connection(FrameReceiver):
     _CONTROL: ClassVar[dict[str, Callable[[Connection, Header, dict[str, Any]], dict[str, Any] | None]]] = {
         "hello": _cmd_hello, "auth": _cmd_auth, "create": _cmd_create, "lookup": _cmd_lookup,
         "rdma_segment": _cmd_rdma_segment, "rdma_connect": _cmd_rdma_connect, "destroy": _cmd_destroy,
-        "list": _cmd_list, "stat": _cmd_stat, "lock_open": _cmd_lock_open, "lock_abandon": _cmd_lock_abandon,
-        "shm_grant": _cmd_shm_grant, "lock_close": _cmd_lock_close,
+        "list": _cmd_list, "stat": _cmd_stat, "peek": _cmd_peek, "lock_open": _cmd_lock_open,
+        "lock_abandon": _cmd_lock_abandon, "shm_grant": _cmd_shm_grant, "lock_close": _cmd_lock_close,
         "lock_records": _cmd_lock_records, "repl_sync": _cmd_repl_sync, "peer_auth": _cmd_peer_auth,
         "view": _cmd_view, "view_change": _cmd_view_change, "repl_accept": _cmd_repl_accept}
 

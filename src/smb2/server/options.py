@@ -9,6 +9,7 @@ made: a bad one is an :class:`InvalidArgumentError` before anything starts.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,10 +18,15 @@ from ..errors import InvalidArgumentError
 from ..membership import parse_url as parse_membership_url
 from ..protocol import DEFAULT_MAX_FRAME, MAX_ACCUMULATE, parse_size
 from .locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_LEASE, MAX_SLOTS, MAX_SPIN
+from .memfd import FDS_PER_SEGMENT, FDS_SPARE, buffers_within_fd_limit, fd_limit
 from .metrics import parse_address as parse_metrics_address
 from .metrics import prometheus
+from .replication import DEDUP_CLIENTS, DEDUP_ENTRY_BYTES, DEDUP_IDLE, DEDUP_PER_CLIENT
+
+log = logging.getLogger("smb2.server")
 
 DEFAULT_WRITE_TIMEOUT = 30.0
+DEFAULT_MAX_BUFFERS = 4096
 # the smallest pool of payload memory: one accumulate of the largest size
 # must fit, or it would wait for ever
 MIN_RECEIVE_MEMORY = MAX_ACCUMULATE
@@ -42,7 +48,10 @@ class ServerOptions:
 
     capacity: int | str = _option("1GiB", "memory to serve, e.g. 512MiB, 8GiB (default %(default)s)", type=str)
     max_frame: int | str = _option(DEFAULT_MAX_FRAME, "largest payload of one request (default 64MiB)", type=str)
-    max_buffers: int = _option(4096, "buffers this server holds at most (default %(default)s)", type=int)
+    max_buffers: int = _option(
+        DEFAULT_MAX_BUFFERS, f"buffers this server holds at most; each holds {FDS_PER_SEGMENT} file descriptors (its "
+        "memfd and its mapping; none with --shm off), so the cap must fit the process's file limit (ulimit -n) "
+        "beside --max-connections: checked at start (default %(default)s, lowered to what fits)", type=int)
     # the shared secret clients must prove they know (None: no authentication);
     # smb2-server reads it from --auth-token-file or the environment instead
     token: str | bytes | None = _option(None, "", flag=False)
@@ -119,6 +128,14 @@ class ServerOptions:
     replace_after: float = _option(
         30.0, "seconds a server may be out of the replicated cluster's view before the copies it held are "
         "made again on other servers (default 30; 0 = only when it comes back)", type=float, metavar="SECONDS")
+    dedup_clients: int = _option(
+        DEDUP_CLIENTS, f"clients whose recent replicated ops this server remembers, so that a retry is answered, "
+        f"not applied twice: {DEDUP_PER_CLIENT} ops each at least, more while others leave room (about "
+        f"{DEDUP_ENTRY_BYTES} bytes an op: "
+        f"{DEDUP_CLIENTS * DEDUP_PER_CLIENT * DEDUP_ENTRY_BYTES >> 20} MiB at the default, as much again for "
+        f"each primary that forwards to this server); a client's record goes only after {DEDUP_IDLE:g} s "
+        "without a word from it, and a new client is refused while every record is younger "
+        "(default %(default)s)", type=int, metavar="CLIENTS")
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes", "repair_rate"):
@@ -131,10 +148,11 @@ class ServerOptions:
                 raise InvalidArgumentError(f"{name.replace('_', ' ')} must be >= 0 s (0 = never), "
                                            f"not {getattr(self, name)}")
         for name in ("max_connections", "max_connections_per_host", "max_inflight", "max_buffers",
-                     "max_rdma_connections"):
+                     "max_rdma_connections", "dedup_clients"):
             if not getattr(self, name) >= 1:
                 raise InvalidArgumentError(f"{name.replace('_', ' ')} must be at least 1, "
                                            f"not {getattr(self, name)}")
+        self._check_fd_room()
         if self.metrics is not None:
             parse_metrics_address(self.metrics)
             prometheus()        # missing: said now, not after the server started
@@ -155,3 +173,29 @@ class ServerOptions:
                                        f"{MAX_LEASE:g}] s, not {self.lock_max_lease:g}")
         if not 0 <= self.lock_spin <= MAX_SPIN:
             raise InvalidArgumentError(f"lock spin must be in [0, {MAX_SPIN:g}] s, not {self.lock_spin:g}")
+
+    def _check_fd_room(self) -> None:
+        """``max_buffers`` against the process's file limit: each buffer's
+        segment holds FDS_PER_SEGMENT descriptors (where segments are
+        memfds), each connection one.  The default is lowered to what fits
+        (a WARNING); a cap asked for that does not fit is refused, before
+        the server starts rather than at the buffer that finds no fd."""
+        if not hasattr(os, "memfd_create") or self.shm == "off":
+            return      # segments are then anonymous memory, without a descriptor
+        room = buffers_within_fd_limit(self.max_connections)
+        if self.max_buffers <= room:
+            return
+        need = (self.max_buffers + 1) * FDS_PER_SEGMENT + self.max_connections + FDS_SPARE
+        if self.max_buffers == DEFAULT_MAX_BUFFERS and room >= 1:
+            log.warning("max buffers lowered from %d to %d: this process may open %d files (ulimit -n), and %d "
+                        "buffers would need %d (%d per buffer, one per connection of --max-connections %d); raise "
+                        "the limit to keep %d", self.max_buffers, room, fd_limit(), self.max_buffers, need,
+                        FDS_PER_SEGMENT, self.max_connections, self.max_buffers)
+            self.max_buffers = room
+            return
+        raise InvalidArgumentError(
+            f"--max-buffers {self.max_buffers} needs {need} file descriptors ({FDS_PER_SEGMENT} per buffer: its memfd "
+            f"and its mapping; one per connection of --max-connections {self.max_connections}; {FDS_SPARE} spare), and "
+            f"this process may open {fd_limit()} (ulimit -n): at most {room} buffers fit",
+            hint=f"lower --max-buffers to {room}, or raise the file limit (ulimit -n, or LimitNOFILE= in a systemd "
+                 "unit) and start again")

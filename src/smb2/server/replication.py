@@ -81,15 +81,21 @@ REFRESH_EVERY: Final = 0.5
 # clock-rate margin stated there, and above REFRESH_EVERY, so the background
 # read keeps it fresh and an acknowledgement waits for no read of its own.
 SERVER_LEASE: Final = 0.8
-# results kept for duplicate detection: the last this many (client, seq)
-# pairs, about DEDUP_ENTRY_BYTES each (see Dedup)
-DEDUP_ENTRIES: Final = 65536
-DEDUP_ENTRY_BYTES: Final = 400
+# duplicate detection (see Dedup): each client's last DEDUP_PER_CLIENT ops
+# at least (more while the table has room) are remembered, about
+# DEDUP_ENTRY_BYTES each, for at most --dedup-clients clients
+# (ServerOptions.dedup_clients) at once
+DEDUP_PER_CLIENT: Final = 64
+DEDUP_ENTRY_BYTES: Final = 300
+DEDUP_CLIENTS: Final = 4096
+# a client's record is forgotten only after it sent this server nothing for
+# this long: far above smb2.replication.RETRY_SPAN, the longest a client
+# retries one op after its first send, so no retry can come after its record
+# went, whatever the clocks' rates
+DEDUP_IDLE: Final = 600.0
 # views followed after a server was taken out of the members before it can no
 # longer vouch for its copies (recovery by rule, Replication.vouches_for)
 MAX_VOUCH_CHAIN: Final = 1000
-# clients whose oldest forgotten sequence number is remembered (see Dedup)
-DEDUP_CLIENTS: Final = 65536
 # start() waits this long for the server to be a member before it lets
 # clients in (it goes on catching up in the background)
 START_WAIT: Final = 3.0
@@ -130,6 +136,7 @@ class Server(Protocol):
     bytes_in: int
     repair_rate: int
     replace_after: float
+    dedup_clients: int
 
     def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int,
                buffer_id: str | None = None, seal: bool = False, *, replicas: int = 1,
@@ -165,7 +172,7 @@ def prefix(epoch: int, client: int, seq: int) -> bytes:
     return _core.pack_u64(epoch) + _core.pack_u64(client) + _core.pack_u64(seq)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
     """One applied op in the duplicate table: its result, the backups known
     to hold it, and (while its forwards are out) who waits for its reply."""
@@ -175,35 +182,94 @@ class Entry:
     waiters: list[tuple[Client, Header]] | None = None
 
 
-class Dedup:
-    """Results of the last DEDUP_ENTRIES ops, by (client id, sequence).
+class Record:
+    """One client's part of the duplicate table: its recent ops' results by
+    sequence number (oldest first), the highest sequence number it forgot,
+    and when it was last heard of (time.monotonic())."""
 
-    Budget: DEDUP_ENTRIES x about DEDUP_ENTRY_BYTES (26 MiB), plus DEDUP_CLIENTS
-    small ints.  A retry whose entry was already dropped is not applied a
-    second time on a guess: the client's highest dropped sequence number is
-    remembered, and an op at or below it is refused (``too_old``)."""
+    __slots__ = ("client", "entries", "floor", "seen")
 
-    def __init__(self, entries: int = DEDUP_ENTRIES, clients: int = DEDUP_CLIENTS) -> None:
+    def __init__(self, client: int, now: float) -> None:
+        self.client = client
         self.entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()
-        self.limit = entries
-        self.floor: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self.floor = -1     # none dropped yet (0 is a sequence number too)
+        self.seen = now
+
+
+class TooManyClients(Exception):
+    """No room for a new client's record: every record is of a client heard
+    of within DEDUP_IDLE."""
+
+
+class Dedup:
+    """Results of replicated ops by (client id, sequence), so that a retry is
+    answered, not applied again.
+
+    Kept per client, so that no client's ops push out another's: each
+    client's record holds at least its last ``per_client`` results (its
+    share), more while the table has room (``clients`` x ``per_client``
+    results in all: a busy client may use what idle ones leave); past that,
+    results go oldest first from a client over its share, never from one
+    within it.  A client's highest dropped sequence number is kept
+    (``floor``: an op at or below it is refused, never applied a second
+    time on a guess).  At most ``clients`` records: a new client finds room
+    only where a record was idle for ``idle`` seconds (a retry never comes
+    that late), else it is refused (``TooManyClients``) while every other
+    record stays.  Ops forwarded by a primary, which already took them, are
+    always recorded.
+
+    Memory: ``clients`` x ``per_client`` x about DEDUP_ENTRY_BYTES (4096 x 64
+    x 300 B, 75 MiB, at the defaults) for the clients this server admits as
+    a primary, and ``per_client`` results more for each client a primary
+    forwarded past that."""
+
+    def __init__(self, clients: int = DEDUP_CLIENTS, per_client: int = DEDUP_PER_CLIENT,
+                 idle: float = DEDUP_IDLE) -> None:
+        # least recently heard of first
+        self.records: collections.OrderedDict[int, Record] = collections.OrderedDict()
         self.clients = clients
+        self.per_client = per_client
+        self.idle = idle
+        self.budget = clients * per_client
+        self.entries = 0
+        # the clients holding more than their share
+        self._over: set[int] = set()
 
-    def get(self, client: int, seq: int) -> Entry | None:
-        return self.entries.get(client << 64 | seq)
+    def record(self, client: int, *, overfull: bool = False, now: float | None = None) -> Record:
+        """``client``'s record, heard of now; made for a new client, which
+        is refused (``TooManyClients``) where no record was idle long
+        enough to go, unless ``overfull``."""
+        now = time.monotonic() if now is None else now
+        rec = self.records.get(client)
+        if rec is not None:
+            rec.seen = now
+            self.records.move_to_end(client)
+            return rec
+        while self.records:
+            oldest = next(iter(self.records.values()))
+            if now - oldest.seen < self.idle:
+                break
+            self.records.popitem(last=False)
+            self.entries -= len(oldest.entries)
+            self._over.discard(oldest.client)
+        if len(self.records) >= self.clients and not overfull:
+            raise TooManyClients
+        rec = self.records[client] = Record(client, now)
+        return rec
 
-    def too_old(self, client: int, seq: int) -> bool:
-        f = self.floor.get(client)
-        return f is not None and seq <= f
-
-    def put(self, client: int, seq: int, entry: Entry) -> None:
-        self.entries[client << 64 | seq] = entry
-        while len(self.entries) > self.limit:
-            key, _ = self.entries.popitem(last=False)
-            c, s = key >> 64, key & ((1 << 64) - 1)
-            self.floor[c] = max(self.floor.pop(c, 0), s)
-            while len(self.floor) > self.clients:
-                self.floor.popitem(last=False)
+    def put(self, rec: Record, seq: int, entry: Entry) -> None:
+        rec.entries[seq] = entry
+        self.entries += 1
+        if len(rec.entries) > self.per_client:
+            self._over.add(rec.client)
+        while self.entries > self.budget and self._over:
+            # the client itself where it is over its share, else another that is
+            victim = rec if rec.client in self._over else self.records[next(iter(self._over))]
+            s, _ = victim.entries.popitem(last=False)
+            victim.floor = max(victim.floor, s)
+            self.entries -= 1
+            if len(victim.entries) <= self.per_client:
+                self._over.discard(victim.client)
 
 
 class Outbox:
@@ -447,7 +513,7 @@ class Replication:
         # random per process: the client id of the stripe copies this server sends
         self.copy_id = int.from_bytes(os.urandom(8), "little")
         self._copy_seq = 0
-        self.dedup = Dedup()
+        self.dedup = Dedup(server.dedup_clients)
         self.outboxes: dict[str, Outbox] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refreshing: asyncio.Future[View] | None = None
@@ -914,7 +980,16 @@ class Replication:
             # must name that segment, not this server's own part)
             raise Refused(ErrorCode.NOT_MEMBER, f"server {self.me} is not the primary of stripe {stripe} of "
                            f"{seg.name!r} in view epoch {view.epoch} ({primary} is)", epoch=view.epoch)
-        entry = self.dedup.get(client, seq)
+        try:
+            # a client's first op at this server as its primary makes its
+            # record; a forwarded op always does (its primary took it)
+            rec = self.dedup.record(client, overfull=forwarded)
+        except TooManyClients:
+            raise Refused(ErrorCode.CONFLICT, f"server {self.me} already remembers the recent ops of "
+                          f"{self.dedup.clients} clients, each heard of within {self.dedup.idle:g} s: a new "
+                          "client is refused rather than forget another's (its retry could be applied twice); "
+                          "retry later, or raise --dedup-clients") from None
+        entry = rec.entries.get(seq)
         if entry is not None:
             if forwarded or entry.waiters is not None:
                 self._wait_or_answer(entry, conn, hdr)
@@ -923,10 +998,9 @@ class Replication:
                 entry.waiters = [(conn, hdr)]
                 self.spawn(self.settle(where, entry, {}))
             return
-        if self.dedup.too_old(client, seq):
-            raise Refused(ErrorCode.CONFLICT, f"op {seq} of client {client:016x} is older than the "
-                          f"{DEDUP_ENTRIES} ops this server remembers: it may have been applied; not "
-                          "applied again")
+        if seq <= rec.floor:
+            raise Refused(ErrorCode.CONFLICT, f"op {seq} of client {client:016x} is older than the ops of "
+                          "that client this server remembers: it may have been applied; not applied again")
         body = REPL_PREFIX_SIZE
         fence = b""
         if flags & FLAG_FENCED:
@@ -944,7 +1018,7 @@ class Replication:
         result = apply_op(seg, op, flags, offset, data)
         self.server.bytes_in += len(data)
         entry = Entry(result)
-        self.dedup.put(client, seq, entry)
+        self.dedup.put(rec, seq, entry)
         if forwarded:
             conn.reply(hdr, result)
             return
@@ -1346,7 +1420,7 @@ class Replication:
                 "restored_views": self.restored_views, "stuck": self.stuck, "recovered": self.recovered,
                 "accept_as_is": self.accept_as_is,
                 "copied_bytes": self.copied_bytes, "diverged": self.diverged,
-                "dedup_entries": len(self.dedup.entries), "joins": self.joins,
+                "dedup_entries": self.dedup.entries, "dedup_clients": len(self.dedup.records), "joins": self.joins,
                 "lease_age": round(time.monotonic() - self.confirmed_at, 3), "lease_waits": self.lease_waits}
 
 

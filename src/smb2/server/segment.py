@@ -90,11 +90,13 @@ class Segment:
         self.deferred = waiting
 
 
-def alloc(size: int, *, clients_write: bool = True) -> tuple[np.ndarray, memoryview]:
+def alloc(size: int, *, clients_write: bool = True, shared: bool = True) -> tuple[np.ndarray, memoryview]:
     """``size`` bytes of fresh memory: a uint8 array and a view of the same
     bytes.  ``clients_write=False`` (a replicated buffer's segment): the
-    clients this host hands it to can only read it."""
-    if hasattr(os, "memfd_create"):
+    clients this host hands it to can only read it.  ``shared=False`` (a
+    server with --shm off hands nothing out): not a memfd, so it holds no
+    file descriptor."""
+    if shared and hasattr(os, "memfd_create"):
         # shared with the shm clients of this host (memfd.py)
         return alloc_shared(size, clients_write=clients_write)
     # An anonymous mmap is page aligned (so RDMA can register it) and

@@ -27,7 +27,8 @@ import numpy as np
 
 from ..client import Client
 from ..errors import BufferConflict, NoSuchBuffer, NotifyTimeout
-from ..train.store import frozen_state_name
+from ..train import beside
+from ..train.store import FROZEN
 
 #: the first word of ``<store>/frozen``: the generation of the run whose values follow
 _STAMP = 8
@@ -79,12 +80,8 @@ class FrozenTensors:
         if not self.tensors:
             return
         raw = self._pack()
-        name = frozen_state_name(store)
-        try:
-            buf = await client.create(name, _STAMP + raw.size, replicas=replicas)
-        except BufferConflict:          # an earlier run's, of another model: replace it
-            await client.destroy(name)
-            buf = await client.create(name, _STAMP + raw.size, replicas=replicas)
+        # (an earlier run's, of another model, is made again)
+        buf = await beside.make(client, store, FROZEN, _STAMP + raw.size, replicas=replicas)
         await buf.write(0, np.zeros(1, np.int64))          # not whole while it is being written
         await buf.write(_STAMP, raw)
         await buf.write(0, np.array([generation], np.int64))
@@ -93,12 +90,11 @@ class FrozenTensors:
         """Every other rank, after the start barrier: take rank 0's values
         once rank 0 has written them for run ``generation``."""
         if self.tensors:
-            name = frozen_state_name(store)
             deadline = time.monotonic() + timeout
             delay = 0.005
             while True:
                 try:
-                    buf = await client.attach(name)
+                    buf = await beside.find(client, store, FROZEN)
                     stamp = np.empty(1, np.int64)
                     await buf.read_into(stamp, 0)
                     if int(stamp[0]) == generation:

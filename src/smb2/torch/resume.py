@@ -82,7 +82,8 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from ..client import Buffer, Client
 from ..errors import InvalidArgumentError, NoSuchBuffer, OutOfMemory
-from ..train.store import ParameterStore, choose_stripe, optimizer_state_name
+from ..train import beside
+from ..train.store import ParameterStore, choose_stripe, optimizer_state_name, optimizer_state_what
 from .loop_thread import LoopThread
 
 log = logging.getLogger("smb2.torch")
@@ -112,10 +113,11 @@ def _round_up(n: int, to: int) -> int:
 class StateSlots:
     """One rank's buffer of saves: two slots, the newer whole one wins."""
 
-    def __init__(self, client: Client, name: str, buf: Buffer | None, headers: np.ndarray,
+    def __init__(self, client: Client, parent: str, what: str, buf: Buffer | None, headers: np.ndarray,
                  replicas: int = 1) -> None:
         self.client = client
-        self.name = name
+        self.parent, self.what = parent, what
+        self.name = beside.name_of(parent, what)
         self.buf = buf
         #: the copies a buffer made again gets (the store's)
         self.replicas = replicas
@@ -123,16 +125,18 @@ class StateSlots:
         self.headers = headers
 
     @classmethod
-    async def open(cls, client: Client, name: str, replicas: int = 1) -> StateSlots:
+    async def open(cls, client: Client, parent: str, what: str, replicas: int = 1) -> StateSlots:
+        """The side buffer ``what`` of store ``parent`` (made with the
+        store's ``replicas`` at the first save)."""
         try:
-            buf = await client.attach(name)
+            buf = await beside.find(client, parent, what)
         except NoSuchBuffer:
-            return cls(client, name, None, np.zeros((2, HEADER // 8), np.int64), replicas)
+            return cls(client, parent, what, None, np.zeros((2, HEADER // 8), np.int64), replicas)
         headers = np.zeros((2, HEADER // 8), np.int64)
         if buf.nbytes >= 2 * HEADER and buf.nbytes % 2 == 0:
             for k in range(2):
                 await buf.read_into(headers[k], k * (buf.nbytes // 2))
-        return cls(client, name, buf, headers, replicas)
+        return cls(client, parent, what, buf, headers, replicas)
 
     @property
     def capacity(self) -> int:
@@ -180,11 +184,8 @@ class StateSlots:
         """Make the buffer again with room for ``need`` bytes per slot (the
         saves it held go: this one replaces them)."""
         slot = _round_up(HEADER + math.ceil(need * HEADROOM), SLOT_ALIGN)
-        if self.buf is not None:
-            await self.client.destroy(self.name)
-        nservers = len(self.client.servers)
-        self.buf = await self.client.create(self.name, 2 * slot, stripe=choose_stripe(2 * slot, nservers),
-                                            replicas=self.replicas)
+        self.buf = await beside.make(self.client, self.parent, self.what, 2 * slot, replicas=self.replicas,
+                                     stripe=choose_stripe(2 * slot, len(self.client.servers)))
         self.headers[...] = 0
         log.debug("buffer %r: %d bytes per slot", self.name, slot)
 
@@ -218,6 +219,42 @@ def _unframe(data: bytes) -> tuple[dict[str, Any], dict[Any, Any]]:
     (n,) = _LIGHT_LEN.unpack_from(data)
     start = _LIGHT_LEN.size
     return _load(data[start:start + n]), _load(data[start + n:])
+
+
+def check_state(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], state: dict[Any, Any]) -> None:
+    """Raise ValueError, saying what, unless a saved state fits
+    ``optimizer``'s parameters: as many groups and parameters, every
+    per-parameter tensor of its parameter's shape and of a floating dtype
+    (a step count may be an integer), every value and learning rate
+    finite.  Torch would load a wrong shape and fail only at the first
+    step, naming neither the store nor the save; a NaN moment or an
+    infinite learning rate would load silently."""
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"it has {len(groups)} parameter group(s), this optimizer {len(optimizer.param_groups)}")
+    params: dict[Any, torch.Tensor] = {}
+    for g, (saved, live) in enumerate(zip(groups, optimizer.param_groups)):
+        if len(saved["params"]) != len(live["params"]):
+            raise ValueError(f"its parameter group {g} has {len(saved['params'])} parameters, this optimizer's "
+                             f"{len(live['params'])}")
+        lr = saved.get("lr")
+        lr = float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None
+        if lr is not None and not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"its learning rate in group {g} is {lr}")
+        params.update(zip(saved["params"], live["params"]))
+    for index, entries in state.items():
+        p = params.get(index)
+        if p is None:
+            raise ValueError(f"it holds state for parameter {index!r}, which no group names")
+        for key, t in entries.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            what = f"{key} of parameter {index} (shape {tuple(p.shape)})"
+            if t.dim() > 0 and t.shape != p.shape:
+                raise ValueError(f"its {what} has shape {tuple(t.shape)}")
+            if not (t.is_floating_point() or (key == "step" and not t.is_complex() and t.dtype != torch.bool)):
+                raise ValueError(f"its {what} is of dtype {t.dtype}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"its {what} holds non-finite values (NaN or infinity)")
 
 
 def schedulers_on(*optimizers: object) -> list[Any]:
@@ -286,7 +323,7 @@ class SavedState:
                                        hint="state_every=None neither saves nor loads the optimizer's state")
         if every is None:
             return cls(optimizer, owners, store, loop, None, None)
-        slots = loop.run(StateSlots.open(store.client, optimizer_state_name(store.name, store.rank),
+        slots = loop.run(StateSlots.open(store.client, store.name, optimizer_state_what(store.rank),
                                          store.buf.replicas))
         saved = cls(optimizer, owners, store, loop, slots, float(every))
         if store.resumed:
@@ -308,12 +345,17 @@ class SavedState:
             if light["optimizer"] != type(self.optimizer).__name__:
                 raise InvalidArgumentError(f"it is {light['optimizer']}'s, this job's optimizer is "
                                            f"{type(self.optimizer).__name__}")
+            check_state(self.optimizer, light["param_groups"], tensors)
             self.optimizer.load_state_dict({"state": tensors, "param_groups": light["param_groups"]})
         except Exception as exc:        # a save this job cannot use: say so, train on
-            log.warning("store %r: rank %d's saved optimizer state (step %d) is not loaded (%s): it continues at "
-                        "step %d with a fresh %s state", st.name, rank, int(header[_STEP]), exc, st.start_step,
-                        type(self.optimizer).__name__)
+            log.warning("store %r: rank %d's saved optimizer state (step %d, in side buffer %r) is not loaded "
+                        "(%s): it continues at step %d with a fresh %s state", st.name, rank, int(header[_STEP]),
+                        optimizer_state_name(st.name, rank), exc, st.start_step, type(self.optimizer).__name__)
             return
+        # the guard names a state loaded just before an update went wrong
+        side = optimizer_state_name(st.name, rank)
+        st.guard.loaded(int(header[_STEP]), f"rank {rank}'s optimizer state from side buffer {side!r} of store "
+                        f"{st.name!r}", side)
         self._to_restore = light
         self.start_step = int(header[_STEP])
         log.info("store %r: rank %d resumes its %s state and %d LR schedule(s) at step %d (the store's step "

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..client import Buffer, Client
 from ..errors import BufferConflict, Smb2Error
+from . import beside
 
 log = logging.getLogger("smb2.train")
 
@@ -44,14 +45,20 @@ PUBLISH_EVERY = 2.0
 
 def counts_name(store: str) -> str:
     """The buffer beside ``store`` that holds every rank's counts."""
-    return f"{store}/counts"
+    return beside.name_of(store, COUNTS)
+
+
+#: the counts' side buffer (smb2.train.beside)
+COUNTS = "counts"
 
 
 class CountsBoard:
     """This rank's row of ``<store>/counts``."""
 
-    def __init__(self, client: Client, store: str, rank: int, workers: int) -> None:
+    def __init__(self, client: Client, store: str, rank: int, workers: int, replicas: int = 1) -> None:
         self.client = client
+        self.store = store
+        self.replicas = replicas
         self.name = counts_name(store)
         self.rank = rank
         self.nbytes = 8 * len(FIELDS) * workers
@@ -74,7 +81,8 @@ class CountsBoard:
             return          # nothing counted yet: no board (no board reads as all zero)
         try:
             if self._buf is None:
-                self._buf = await self.client.create(self.name, self.nbytes)
+                self._buf = await beside.make(self.client, self.store, COUNTS, self.nbytes,
+                                              replicas=self.replicas, replace=False)
             await self._buf.write(self.rank * 8 * len(FIELDS), np.array([*row, step], dtype=np.int64))
         except BufferConflict:
             # a board of another job's shape (another world size): leave it, count locally only
@@ -89,7 +97,7 @@ async def read_counts(client: Client, store: str, run: int) -> dict[str, Any] | 
     largest ``max_version_lag``) and ``per_rank`` (rank -> its counts, for the ranks
     that published any); None if no rank published (or the board is gone)."""
     try:
-        buf = await client.attach(counts_name(store))
+        buf = await beside.find(client, store, COUNTS)
         words = np.empty(buf.nbytes // 8, dtype=np.int64)
         await buf.read_into(words, 0)
     except Smb2Error:         # no board (no rank published yet), or gone

@@ -40,18 +40,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..client import Buffer, Client
-from ..errors import InterfaceError, InvalidArgumentError, NoSuchBuffer
+from ..errors import InterfaceError, InvalidArgumentError
 from ..lock import Lock, ReplicatedLock
+from . import beside
 from .dropping import LayerDropping
-
-
-def lock_of(client: Client, name: str, buf: Buffer, lease: float | None = None) -> Lock | ReplicatedLock:
-    """The lock ``name`` that guards (part of) ``buf``, kept like it: on as
-    many servers as the buffer has copies, so that it outlives a lost server
-    as the buffer does."""
-    if buf.replicas > 1:
-        return client.replicated_lock(name, buf.replicas, lease=lease)
-    return client.lock(name) if lease is None else client.lock(name, lease=lease)
 
 
 class BoundStore(Protocol):
@@ -268,10 +260,10 @@ class Locked(UpdateRule):
     def bind(self, store: BoundStore) -> None:
         super().bind(store)
         if self.per_layer:
-            self._locks = {name: lock_of(store.client, f"{store.buf.name}/{name}", store.buf, self.lease)
+            self._locks = {name: beside.lock(store.client, store.buf, name, self.lease)
                            for name in store.params}
         else:
-            self._lock = lock_of(store.client, "buffer:" + store.buf.name, store.buf, self.lease)
+            self._lock = beside.lock(store.client, store.buf, None, self.lease)
 
     async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
         st = self.store
@@ -417,7 +409,11 @@ class Delta(UpdateRule):
 def outer_momentum_name(store: str) -> str:
     """The buffer beside store ``store`` that holds rule ``diloco``'s outer
     momentum (laid out like the store's data region)."""
-    return f"{store}/outer"
+    return beside.name_of(store, OUTER)
+
+
+#: the outer momentum's side buffer (smb2.train.beside)
+OUTER = "outer"
 
 
 class DiLoCo(UpdateRule):
@@ -504,18 +500,12 @@ class DiLoCo(UpdateRule):
         """The outer momentum and the pseudo-gradients since its last step
         (``M | B``): zero in a fresh run, kept in a resumed one."""
         st = self.store
-        name = outer_momentum_name(st.buf.name)
         nbytes = 2 * st.flat().nbytes
-        try:
-            buf = await st.client.attach(name)
-        except NoSuchBuffer:
-            buf = None
-        if buf is not None and buf.nbytes != nbytes:
-            await st.client.destroy(name)      # an earlier store's of another model
-            buf = None
-        if buf is None:
-            buf = await st.client.create(name, nbytes, stripe=st.buf.stripe)
-        elif fresh:
+        # with the store's replicas: a lost server loses it no more than the store
+        # (an earlier store's of another model is made again)
+        buf = await beside.make(st.client, st.buf.name, OUTER, nbytes, replicas=st.buf.replicas,
+                                stripe=st.buf.stripe)
+        if fresh:
             await buf.write(0, np.zeros(nbytes, np.uint8))
         self._outer = buf
 
@@ -544,7 +534,7 @@ class DiLoCo(UpdateRule):
 
     async def _attach_outer(self) -> Buffer:
         if self._outer is None:
-            self._outer = await self.store.client.attach(outer_momentum_name(self.store.buf.name))
+            self._outer = await beside.find(self.store.client, self.store.buf.name, OUTER)
         return self._outer
 
     async def push_region(self, region: np.ndarray, *, scale: float = 1.0) -> int:

@@ -95,6 +95,11 @@ class LagScaling:
         return self.expected / lag
 
 
+#: a state loaded this many steps or fewer before an update the guard
+#: refuses or skips is named in its message as a suspect
+SUSPECT_STEPS = 10
+
+
 class DivergenceGuard:
     """Refuses non-finite changes; skips a change whose norm is more than
     ``multiple`` times the running median of the last ``window`` norms."""
@@ -110,6 +115,23 @@ class DivergenceGuard:
         self.norms: collections.deque[float] = collections.deque(maxlen=window)
         self.skipped = 0
         self._logged = False
+        # (step, what, side buffer) of the last state loaded (see loaded)
+        self._loaded: tuple[int, str, str] | None = None
+
+    def loaded(self, step: int, what: str, buffer: str) -> None:
+        """A state was loaded to continue at ``step`` (``what``, in words,
+        from side buffer ``buffer``): an update that goes wrong within
+        SUSPECT_STEPS of it names it as a suspect."""
+        self._loaded = (step, what, buffer)
+
+    def _suspect(self, step: int) -> tuple[str, str]:
+        """(" and a sentence naming the suspect", a hint's first clause), or ("", "")."""
+        if self._loaded is None or not 0 <= step - self._loaded[0] <= SUSPECT_STEPS:
+            return "", ""
+        at, what, buffer = self._loaded
+        return (f"; {what} was loaded {step - at} step(s) before, at step {at}: a suspect",
+                f"if the loaded state is bad, remove it (`smb2 rm {buffer}`: the rank then starts with a fresh "
+                "optimizer state) and restart; else ")
 
     def check(self, step: int, changes: Mapping[str, np.ndarray]) -> bool:
         """Should ``changes`` (tensor name -> this step's change or
@@ -117,13 +139,15 @@ class DivergenceGuard:
         non-finite one; False (and counted) for one far out of line."""
         if not self.enabled:
             return True
-        norm = math.sqrt(sum(float(np.dot(a.reshape(-1), a.reshape(-1))) for a in changes.values()))
+        with np.errstate(over="ignore", invalid="ignore"):     # an overflow is what is checked for here
+            norm = math.sqrt(sum(float(np.dot(a.reshape(-1), a.reshape(-1))) for a in changes.values()))
         if not math.isfinite(norm):
+            suspect, first = self._suspect(step)
             raise TrainingDiverged(
                 f"rank {self.rank} produced a non-finite update at step {step} (in {_first_bad(changes)}): it was "
-                "not pushed, and the shared model is unchanged",
-                hint="lower the learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), or check the "
-                     "inputs of this rank's batch; then restart the job: the store resumes from the shared model")
+                f"not pushed, and the shared model is unchanged{suspect}",
+                hint=f"{first}lower the learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), or check "
+                     "the inputs of this rank's batch; then restart the job: the store resumes from the shared model")
         ok = True
         if len(self.norms) >= self.warmup:
             median = float(np.median(self.norms))
@@ -134,7 +158,8 @@ class DivergenceGuard:
                     self._logged = True
                     log.warning("rank %d step %d: an update %.3g times the median of the last %d was not pushed "
                                 "(the guard skips updates over %g times the median; counted in stats()['skipped'],"
-                                " logged once)", self.rank, step, norm / median, len(self.norms), self.multiple)
+                                " logged once)%s", self.rank, step, norm / median, len(self.norms), self.multiple,
+                                self._suspect(step)[0])
         self.norms.append(norm)
         return ok
 

@@ -91,6 +91,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .. import _core
 from ..checkpoint import read_checkpoint_header
 from ..checkpoint import restore as checkpoint_restore
 from ..client import DEFAULT_STRIPE, Buffer, Client
@@ -105,17 +106,20 @@ from ..errors import (
     Smb2Error,
 )
 from ..lock import Lock, ReplicatedLock
+from ..placement import Placement
+from . import beside
 from . import lifecycle as lc
 from .counts import CountsBoard, read_counts
 from .dropping import LayerDropping
 from .lifecycle import Control, check_rank, resolve_rank
-from .rules import UpdateRule, lock_of, make_rule
+from .rules import UpdateRule, make_rule
 from .stability import CollapseWatch, DivergenceGuard, LagScaling, TrainingDiverged
 
 log = logging.getLogger("smb2.train")
 
-__all__ = ["FORMAT", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe", "frozen_state_name",
-           "optimizer_state_name", "remove", "resolve_rank", "store_damage"]
+__all__ = ["FORMAT", "FROZEN", "Layout", "ParameterStore", "StoreImage", "choose_stripe", "describe", "describe_all",
+           "frozen_state_name", "optimizer_state_name", "optimizer_state_what", "remove", "resolve_rank",
+           "store_damage"]
 
 MAGIC = int.from_bytes(b"SMB2PSTR", "little")
 FORMAT = 2
@@ -265,7 +269,7 @@ class ParameterStore:
         #: watches the shared weights this rank pulls for a collapse (reported, not delivered)
         self.watch = CollapseWatch(rank, buf.name)
         #: this rank's row of the counts beside the store (``smb2 ls`` shows them)
-        self.board = CountsBoard(client, buf.name, rank, layout.workers)
+        self.board = CountsBoard(client, buf.name, rank, layout.workers, buf.replicas)
         #: the run (generation) this rank is in; 0 for an observer
         self.generation = 0
         #: did this rank's run continue an earlier one's weights and steps?
@@ -367,7 +371,7 @@ class ParameterStore:
         # a damaged store is resumed never; started over only when asked to
         start_over = resume is False or image is not None
         buf = await _attach_or_create(client, name, total, stripe, replicas, layout if start_over else None)
-        lock = lock_of(client, "buffer:" + name, buf)       # the buffer's own lock, replicated with it
+        lock = beside.lock(client, buf)       # the buffer's own lock, replicated with it
         await lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         try:
             state = await buf.fetch_add(_STATE, 0)
@@ -414,7 +418,7 @@ class ParameterStore:
             steps = words[lc.RANK_BASE + lc.STEP::lc.RANK_WORDS]
             if image is not None:
                 if image.control.workers == self.workers:
-                    restored = await image.restore_optimizer_states(self.client, self.name)
+                    restored = await image.restore_optimizer_states(self.client, self.name, self.buf.replicas)
                 else:
                     log.warning("store %r: checkpoint %s is of %d workers, this job has %d: its steps and "
                                 "optimizer states are not used (every rank starts at step 0 with a fresh optimizer "
@@ -980,11 +984,12 @@ class StoreImage:
         self.path = path
         self.name = name
 
-    async def restore_optimizer_states(self, client: Client, name: str) -> int:
+    async def restore_optimizer_states(self, client: Client, name: str, replicas: int = 1) -> int:
         """Rank 0 of a fresh run from this image: put the optimizer states
-        saved beside it into store ``name``'s state buffers, in place of any
-        there (an earlier run's, which must not be loaded with these
-        weights).  Returns how many ranks' states were restored."""
+        saved beside it into store ``name``'s state buffers (side buffers
+        with the store's ``replicas``), in place of any there (an earlier
+        run's, which must not be loaded with these weights).  Returns how
+        many ranks' states were restored."""
         prefix = _optim_prefix(name)
         await asyncio.gather(*(client.destroy(b) for b in await client.buffers() if b.startswith(prefix)))
         saved_prefix = _optim_prefix(self.name)
@@ -993,6 +998,10 @@ class StoreImage:
         restored = 0
         for f in files:
             try:
+                header = await asyncio.to_thread(_checkpoint_header, f)
+                # made here, like every side buffer; the restore fills it
+                await beside.make(client, name, optimizer_state_what(int(f.name)), header["nbytes"],
+                                  replicas=replicas, stripe=header["stripe"])
                 await checkpoint_restore(client, optimizer_state_name(name, int(f.name)), f,
                                          saved_as=saved_prefix + f.name)
                 restored += 1
@@ -1033,6 +1042,14 @@ class StoreImage:
         control = Control.parse(np.frombuffer(raw, np.int64, slots, note_off), layout.workers)
         data = np.frombuffer(raw, np.uint8, layout.data_len, data_off).copy()
         return cls(layout, data, control, path, header["name"])
+
+
+def _checkpoint_header(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return read_checkpoint_header(f, str(path))[0]
+    except OSError as exc:
+        raise PersistenceError(f"cannot read {path}: {exc}") from None
 
 
 def store_damage(err: BufferDamaged, layout: Layout | None, progress: str = "") -> BufferDamaged:
@@ -1129,6 +1146,62 @@ async def describe(client: Client, name: str) -> dict[str, Any]:
     return out
 
 
+async def describe_all(client: Client) -> list[dict[str, Any]]:
+    """:func:`describe` of every buffer, by name, in a number of requests
+    that grows with the servers, not the buffers: each server's ``stat``
+    (sizes, parts, replicas), then one ``peek`` per server at the first
+    bytes of every buffer whose first stripe it holds, which tells the
+    parameter stores; only those, and a buffer whose parts do not add up (a
+    lost or foreign part, a replicated one that is degraded), are described
+    one by one."""
+    stats = await client.stat()
+    parts: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for s, st in enumerate(stats):
+        for name, info in st.get("buffers", {}).items():
+            parts.setdefault(name, []).append((s, info))
+    reads: list[list[tuple[str, int, int]]] = [[] for _ in stats]
+    at: dict[str, tuple[int, int]] = {}         # name -> (server, position in its reads)
+    rows: dict[str, dict[str, Any]] = {}
+    one_by_one: list[str] = []
+    for name, held in parts.items():
+        info = held[0][1]
+        n, replicas = int(info["nservers"]), int(info.get("replicas", 1))
+        if (n != len(stats) or len({i["buffer_id"] for _, i in held}) != 1
+                or sorted(i["index"] for _, i in held) != list(range(n)) or any(i.get("degraded") for _, i in held)):
+            one_by_one.append(name)
+            continue
+        rows[name] = {"name": name, "bytes": info["nbytes"], "stripe": info["stripe"], "store": False,
+                      "replicas": replicas, **({"degraded": False} if replicas > 1 else {})}
+        if info["nbytes"] < PREAMBLE:
+            continue
+        if info["stripe"] < PREAMBLE:
+            one_by_one.append(name)             # the preamble spans stripes: read it whole
+            continue
+        placement = Placement(n, info["nbytes"], info["stripe"], _core.name_hash(name) % n, replicas,
+                              info.get("zones"))
+        first = placement.replicas_of(0)[0]
+        server = next(s for s, i in held if i["index"] == first)
+        at[name] = (server, len(reads[server]))
+        reads[server].append((name, placement.offset_on(first, 0), PREAMBLE))
+    seen = await client.peek(reads)
+    for name, (server, k) in at.items():
+        head = seen[server][k]
+        if head is None:
+            one_by_one.append(name)             # destroyed or made again meanwhile
+            continue
+        pre = np.frombuffer(head, np.int64)
+        if int(pre[_MAGIC // 8]) == MAGIC and int(pre[_STATE // 8]) == READY:
+            one_by_one.append(name)
+    for name in one_by_one:
+        try:
+            rows[name] = await describe(client, name)
+        except Smb2Error as exc:        # removed meanwhile, or not on every server
+            rows[name] = {"name": name, "error": exc.message}
+        except Exception as exc:        # whatever one buffer holds, the others are listed
+            rows[name] = {"name": name, "error": f"{type(exc).__name__}: {exc}"}
+    return [rows[n] for n in sorted(rows)]
+
+
 def _finite(x: float) -> float | None:
     return None if math.isinf(x) else round(x, 3)
 
@@ -1136,27 +1209,34 @@ def _finite(x: float) -> float | None:
 def optimizer_state_name(store: str, rank: int) -> str:
     """The buffer where ``rank`` keeps its optimizer's state, step and LR
     schedules for ``store`` (written and read by :mod:`smb2.torch.resume`)."""
-    return f"{_optim_prefix(store)}{rank}"
+    return beside.name_of(store, optimizer_state_what(rank))
+
+
+def optimizer_state_what(rank: int) -> str:
+    """:func:`optimizer_state_name` as a side buffer of the store (smb2.train.beside)."""
+    return f"optim/{rank}"
 
 
 def _optim_prefix(store: str) -> str:
-    return f"{store}/optim/"
+    return beside.name_of(store, "optim/")
 
 
 def frozen_state_name(store: str) -> str:
     """The buffer where rank 0 hands its frozen parameters and unaveraged
     buffers to the other ranks (:mod:`smb2.torch.frozen`)."""
-    return f"{store}/frozen"
+    return beside.name_of(store, FROZEN)
+
+
+#: rank 0's frozen tensors' side buffer (smb2.train.beside)
+FROZEN = "frozen"
 
 
 async def remove(client: Client, name: str) -> bool:
-    """Destroy buffer ``name`` and the buffers kept beside it (``name/...``:
-    a store's optimizer states, frozen tensors and outer momentum); True if
+    """Destroy buffer ``name`` and the buffers kept beside it (a store's
+    optimizer states, frozen tensors, outer momentum, counts and the words
+    of its replicated locks: :func:`smb2.train.beside.remove`); True if
     ``name`` existed."""
-    companions = [b for b in await client.buffers() if b.startswith(f"{name}/")]
-    existed = await client.destroy(name)
-    await asyncio.gather(*(client.destroy(b) for b in companions))
-    return existed
+    return await beside.remove(client, name)
 
 
 # -- the buffer ---------------------------------------------------------------------
@@ -1255,13 +1335,27 @@ async def _read_layout(buf: Buffer) -> tuple[Layout, int]:
     if int(pre[_FORMAT // 8]) != FORMAT:
         raise InterfaceError(f"store {buf.name!r} has format {int(pre[_FORMAT // 8])}, this smb2 reads {FORMAT}; "
                              f"remove it with `smb2 rm {buf.name}` or pick another name")
-    table = await buf.read(PREAMBLE, int(pre[_TABLE // 8]))
+    hint = (f"remove it with `smb2 rm {buf.name}` and start again (from a checkpoint with init_from=, if there "
+            "is one)")
+    # the header's words are checked before they size a read: garbage there
+    # must not become a read (an allocation) of terabytes
+    table_len = int(pre[_TABLE // 8])
+    if not 0 < table_len <= buf.nbytes - PREAMBLE:
+        raise InterfaceError(f"store {buf.name!r} is damaged: its header says its layout table is {table_len} "
+                             f"bytes long, and the store is {buf.nbytes} bytes", hint=hint)
+    table = await buf.read(PREAMBLE, table_len)
     try:
         layout = Layout.from_table(table.tobytes())
     except (ValueError, KeyError, TypeError, IndexError, msgpack.UnpackException) as exc:
         raise InterfaceError(f"store {buf.name!r} is damaged: its layout table is unreadable ({exc})",
-                             hint=f"remove it with `smb2 rm {buf.name}` and start again (from a checkpoint "
-                             "with init_from=, if there is one)") from None
-    buf.set_notify_area(int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8]))
-    return layout, int(pre[_DATA_OFF // 8])
+                             hint=hint) from None
+    note_off, slots, data_off, total = layout.geometry()
+    said = (int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8]), int(pre[_DATA_OFF // 8]))
+    if said != (note_off, slots, data_off) or total > buf.nbytes:
+        raise InterfaceError(f"store {buf.name!r} is damaged: its header places the control words and data at "
+                             f"{said[0]}, {said[1]} words, {said[2]} where its layout table puts them at "
+                             f"{note_off}, {slots} words, {data_off} (of {total} bytes; the store is "
+                             f"{buf.nbytes})", hint=hint)
+    buf.set_notify_area(note_off, slots)
+    return layout, data_off
 
