@@ -16,8 +16,9 @@ import pytest
 
 from smb2 import auth
 from smb2.protocol import VERSION
+from smb2.testing.hostile import TOKEN
+from smb2.testing.launch import ServerProcess
 from smb2.transport.choose import rdma_unavailable_reason
-from test_hardening_server import TOKEN, ServerProcess
 
 
 def doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -21,9 +21,7 @@ from pathlib import Path
 import pytest
 
 import smb2
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import netns_cluster  # noqa: E402
+import smb2.testing.netns as netns_cluster
 
 pytestmark = pytest.mark.timeout(60)
 

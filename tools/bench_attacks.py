@@ -12,7 +12,7 @@ It prints the table of the issue's closing note (attack -> bound -> measured
 memory and time) and writes every row to JSON (``--json``, default
 ``bench-results/attacks.json``).  Not a test: the tests that assert these
 bounds are tests/test_hardening_server.py, test_hardening_shm.py,
-test_lock_bounds.py, test_stale.py; this reuses their server-process and raw-frame helpers.
+test_lock_bounds.py, test_stale.py; this uses the same hostile clients (smb2.testing).
 """
 
 from __future__ import annotations
@@ -40,32 +40,27 @@ import numpy as np
 import smb2
 from smb2.protocol import LOCK_SEGMENT, VERSION, Op
 from smb2.server.locks import MAX_TICKETS_PER_CONNECTION
-
-TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path.insert(0, str(TESTS))
-import wire  # noqa: E402
-from lock_worker import reap, spawn  # noqa: E402
-from test_hardening_server import (  # noqa: E402
+from smb2.testing import wire
+from smb2.testing.hostile import (
+    REGION,
     TOKEN,
-    ServerProcess,
+    SlowestRead,
+    acquire_within,
+    claim_fds,
     closed_by_server,
     guess,
     keep_guessing,
+    lock_offset,
+    lock_words,
     open_sockets,
+    shm_of,
+    start_writers,
     trickle,
     unread_reads,
     well_behaved,
 )
-from test_hardening_shm import (  # noqa: E402
-    REGION,
-    acquire_within,
-    claim_fds,
-    lock_offset,
-    lock_words,
-    shm_of,
-    start_writers,
-)
-from test_lock_bounds import SlowestRead  # noqa: E402
+from smb2.testing.launch import ServerProcess
+from smb2.testing.workers import reap, spawn
 
 MiB = 1 << 20
 
@@ -595,7 +590,7 @@ async def client_chosen_lease(quick: bool) -> Row:
 
 async def scrape_flood(quick: bool) -> Row:
     # the flood the test runs: raw HTTP connections, scraping without pause
-    from test_metrics import FLOOD
+    from smb2.testing.metrics import FLOOD
     seconds, locks = (3.0 if quick else 10.0), 2000
     row = Row(24, f"32 connections scraping /metrics without pause for {seconds:g} s, {locks:,} locks open",
               "the numbers read on the loop at most every 0.25 s (waiting scrapes share a reading), rendered "

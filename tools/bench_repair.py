@@ -45,6 +45,7 @@ from smb2 import _core
 from smb2.membership import open_membership
 from smb2.placement import Placement
 from smb2.protocol import parse_size
+from smb2.testing.replicas import read_copy
 
 MiB = 1 << 20
 
@@ -246,30 +247,6 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, object]]:
     if args.mode in ("replace", "both"):
         out.append(await replace(args))
     return out
-
-
-async def read_copy(host: str, port: int, slot: str, offset: int, n: int, name: str = "repair") -> bytes:
-    """One raw READ of server ``slot``'s part of buffer ``name`` as the
-    server at host:port holds it (its own, or a copy moved there): the client
-    reads primaries only; this reads a given copy."""
-    from smb2.protocol import VERSION, Op, pack, unpack
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        async def control(rid: int, msg: dict) -> dict:
-            body = pack(msg)
-            writer.write(_core.encode_header(VERSION, Op.CONTROL, 0, 0, rid, 0, 0, len(body)) + body)
-            hdr = _core.decode_header(await reader.readexactly(32))
-            reply = unpack(await reader.readexactly(hdr[8]))
-            assert hdr[4] == 0, reply
-            return dict(reply)
-        await control(1, {"cmd": "hello", "version": VERSION, "transports": ["tcp"]})
-        info = await control(2, {"cmd": "lookup", "name": name,
-                                 **({} if slot == f"{host}:{port}" else {"copy_of": slot})})
-        writer.write(_core.encode_header(VERSION, Op.READ, 0, 0, 3, int(info["segment"]), offset, n))
-        hdr = _core.decode_header(await reader.readexactly(32))
-        return await reader.readexactly(hdr[8])
-    finally:
-        writer.close()
 
 
 def main() -> int:

@@ -50,11 +50,9 @@ from typing import Any
 
 import numpy as np
 
-TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TOOLS))
-import jepsen  # noqa: E402  (sibling modules in tools/, not a package)
-import netns_cluster  # noqa: E402
-from bench_repair import read_copy  # noqa: E402
+import smb2.testing.netns as netns_cluster  # noqa: E402
+from smb2.testing import jepsen  # noqa: E402
+from smb2.testing.replicas import read_copy  # noqa: E402
 
 log = logging.getLogger("smb2.bench_replicas_netns")
 

@@ -72,9 +72,10 @@ from typing import Any
 
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
-sys.path.insert(0, str(TOOLS))
 
-import netns_cluster  # noqa: E402  (a sibling module in tools/, not a package)
+import smb2.testing.netns as netns_cluster  # noqa: E402
+from smb2.testing.launch import ready_address  # noqa: E402
+from smb2.testing.netns.probe import ProbeConn  # noqa: E402
 
 MiB = 1 << 20
 GB = 1e9
@@ -193,7 +194,7 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
     try:
         # the baseline: one plain blocking socket per server host (a thread each, sendall /
         # recv_into of 1 MiB pieces) to netns_cluster's stand-in server on the same host and link
-        raw_conns = [netns_cluster._ProbeConn(e) for e in raw_endpoints]
+        raw_conns = [ProbeConn(e) for e in raw_endpoints]
 
         def raw_move(op: str, n: int) -> None:
             part = size // n
@@ -555,14 +556,14 @@ def start_stand_ins(cluster: netns_cluster.NetnsCluster) -> tuple[list[str], lis
     port = cluster.port + 1
     procs = []
     for netns, addr in zip(cluster.server_netns, cluster.server_addrs):
-        argv = cluster.exec_prefix(netns) + [sys.executable, str(TOOLS / "netns_cluster.py"), "_standin",
+        argv = cluster.exec_prefix(netns) + [sys.executable, "-m", "smb2.testing.netns.standin",
                                              "--host", addr, "--port", str(port)]
         procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-                                      preexec_fn=netns_cluster._pdeathsig_kill))
+                                      preexec_fn=netns_cluster.die_with_parent))
     for p in procs:
         line = p.stdout.readline() if p.stdout is not None else ""
-        if "listening on" not in line:
+        if ready_address(line) is None:
             raise netns_cluster.NetnsError(f"a stand-in server did not start (exit {p.poll()}): {line!r}")
         assert p.stdout is not None
         p.stdout.close()

@@ -95,11 +95,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import smb2.testing.netns as netns_cluster  # noqa: E402
 from smb2.bench.common import latencies, start_raw_peer, stop_raw_peer
-
-TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TOOLS))
-import netns_cluster  # noqa: E402  (a sibling module in tools/, not a package)
+from smb2.testing.launch import READY  # noqa: E402
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 DDP_PORT = 29500
@@ -362,7 +360,7 @@ def start_servers(cluster: netns_cluster.NetnsCluster, hosts: list[int], capacit
     for i, p in zip(hosts, procs):
         assert p.stdout is not None
         line = p.stdout.readline()
-        if not netns_cluster.READY_RE.search(line):
+        if not READY.search(line):
             raise netns_cluster.ServerStartError(f"smb2-server on host {cluster.server_addrs[i]} did not start "
                                                  f"(exit {p.poll()}): {line!r}")
     return procs

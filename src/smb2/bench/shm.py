@@ -58,7 +58,7 @@ async def _seconds(fn: Callable[[], Awaitable[None] | None], k: int) -> float:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    from ..cluster import LocalCluster
+    from ..testing.cluster import LocalCluster
     largest = max(args.sizes)
     capacity = f"{(largest + 4 * MiB) * 2 // MiB}MiB"
     result: dict[str, Any] = {"started": now(), "machine": describe_machine(asyncio.get_running_loop()),
