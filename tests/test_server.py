@@ -18,7 +18,7 @@ from smb2 import _core
 from smb2.errors import ErrorCode
 from smb2.protocol import FLAG_REPLY, VERSION, Op
 from smb2.testing import wire
-from smb2.testing.launch import ServerProcess
+from smb2.testing.launch import ServerProcess, ready_address
 
 
 async def _raw(server: smb2.Server) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -267,6 +267,13 @@ def test_smb2_server_command_prints_ready_line_and_stops_cleanly() -> None:
                     assert (await c.stat())[0]["buffers"]["cli"]["size"] >= 1000
             asyncio.run(use(port))
             assert srv.stop(timeout=10, sig=sig) == 0
+
+
+def test_the_launcher_reads_the_ready_line_and_says_why_a_server_did_not_start() -> None:
+    assert ready_address(b"smb2-server listening on 10.0.0.2:7420\n") == ("10.0.0.2", 7420)
+    assert ready_address("smb2-server: error: something else") is None
+    with pytest.raises(smb2.InterfaceError, match="(?s)did not start .*not a size"):
+        ServerProcess("--capacity", "lots")
 
 
 def test_smb2_server_command_rejects_bad_options() -> None:

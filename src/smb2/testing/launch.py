@@ -58,20 +58,23 @@ def server_env(env: Mapping[str, str] | None = None, token: bytes | None = None,
 
 class ServerProcess:
     """One ``smb2-server`` process on loopback (``--port 0``: the port it
-    chose is ``self.port``); blocks until its ready line."""
+    chose is ``self.port``); blocks until its ready line (InterfaceError,
+    with the server's stderr, if it exits first)."""
 
     def __init__(self, *flags: str, env: Mapping[str, str] | None = None, python: str = sys.executable,
                  token: bytes | None = None, host: str | None = None,
                  stderr: int | IO[Any] = subprocess.PIPE) -> None:
-        self.proc = subprocess.Popen(server_command(*flags, python=python, host=host), stdout=subprocess.PIPE,
-                                     stderr=stderr, text=True, env=server_env(env, token))
+        cmd = server_command(*flags, python=python, host=host)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                     env=server_env(env, token))
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         found = ready_address(line)
         if found is None:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"smb2-server did not start: {line!r}\n{self.stderr()}")
+            raise InterfaceError(f"smb2-server did not start ({' '.join(cmd)}): "
+                                 f"{line.strip() or 'no ready line'}\n{self.stderr()[-2000:]}")
         self.host, self.port = found
         self.address = ("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host, self.port)
 
