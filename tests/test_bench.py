@@ -18,8 +18,24 @@ def test_python_m_smb2_bench_is_smb2_bench() -> None:
     out = subprocess.run([sys.executable, "-m", "smb2.bench", "--help"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage: smb2 bench")
-    assert "--transport {tcp,rdma,shm,auto}" in out.stdout
+    assert out.stdout.startswith("usage: smb2 bench NAME")
+    listed = [line.split()[0] for line in out.stdout.split("benchmarks:\n")[1].split("\n\n")[0].splitlines()]
+    assert listed == list(bench.BENCHMARKS)
+    assert {"bandwidth", "lock", "scaleout", "replicas", "repair", "resume", "training", "tta",
+            "attacks"} <= set(listed)
+    out = subprocess.run([sys.executable, "-m", "smb2.bench", "bandwidth", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "--transport {tcp,rdma,shm,auto}" in out.stdout, out.stderr
+
+
+def test_every_benchmark_is_a_subcommand_with_its_own_help() -> None:
+    for name in bench.BENCHMARKS:
+        out = subprocess.run([sys.executable, "-m", "smb2.bench", name, "--help"], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, (name, out.stderr[-2000:])
+        assert out.stdout.startswith(f"usage: smb2 bench {name}" if name != "bandwidth" else "usage: smb2 bench"), \
+            (name, out.stdout[:200])
+    assert cli.main(["bench", "sideways"]) == 2
 
 
 def test_each_benchmark_checks_its_own_arguments(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""The quick mode of the time-to-accuracy benchmark (tools/bench_tta.py, issue 13): its
+"""The quick mode of the time-to-accuracy benchmark (smb2 bench tta): its
 bookkeeping, not its speed.
 
 Two memory-server hosts and two worker hosts, each a network namespace behind a 1 Gbit/s
@@ -12,31 +12,14 @@ missing.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-import types
-from pathlib import Path
 
 import pytest
 
 import smb2.testing.netns as netns_cluster
-
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-
-
-def _load_tool(name: str) -> types.ModuleType:
-    """tools/<name>.py as a module (a script, not a package: loaded by its path)."""
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module          # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_tta = _load_tool("bench_tta")
+from smb2.bench import tta as bench_tta
 
 # alone: the benchmark must reach its target within a time budget
 pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
@@ -49,7 +32,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     if not ok:
         pytest.skip(f"no network namespaces here: {why}")
     out = tmp_path_factory.mktemp("tta") / "tta.json"
-    r = subprocess.run([sys.executable, str(TOOLS / "bench_tta.py"), "--quick", "--json", str(out)],
+    r = subprocess.run([sys.executable, "-m", "smb2.bench", "tta", "--quick", "--json", str(out)],
                        capture_output=True, text=True, timeout=110)
     assert r.returncode == 0, f"bench_tta --quick failed (exit {r.returncode}): {r.stderr[-3000:]}"
     return json.loads(out.read_text())

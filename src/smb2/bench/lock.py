@@ -71,7 +71,6 @@ TARGET_SHM = 10.0             # shm futex lock, 4 processes: >= 10x the TCP lock
 SHM_KINDS = ("futex", "futex_anycpu", "shmpoll", "mixed")
 LOCK = "bench-lock"
 SPIN_BUFFER = "bench-spin"
-_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _progress(msg: str) -> None:
@@ -226,11 +225,10 @@ class _Pool:
 
     async def start(self, n: int, servers: list[str], holder_spin: float | None,
                     futex_spin: float | None) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(_ROOT / "src"),
-                                                                          os.environ.get("PYTHONPATH"))))}
+        env = dict(os.environ)
         for _ in range(n):
             p = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, "--worker", ",".join(servers),
+                sys.executable, "-m", "smb2.bench.lock", "--worker", ",".join(servers),
                 *([] if holder_spin is None else ["--holder-spin", str(holder_spin)]),
                 *([] if futex_spin is None else ["--futex-spin", str(futex_spin)]),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
@@ -497,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cs", default="empty,rmw", help="critical sections: empty, rmw (default both)")
     p.add_argument("--reps", type=int, default=5, help="contended runs per kind and process count (default 5)")
     p.add_argument("--duration", type=float, default=1.5, help="seconds per contended run")
-    p.add_argument("--json", default=str(_ROOT / "bench-results" / "lock.json"))
-    p.add_argument("--png", default=str(_ROOT / "bench-results" / "lock.png"), help="where to draw the plot")
+    p.add_argument("--json", default=str(Path("bench-results") / "lock.json"))
+    p.add_argument("--png", default=str(Path("bench-results") / "lock.png"), help="where to draw the plot")
     p.add_argument("--replot", metavar="JSON", help="only draw --png from an earlier run's JSON")
     p.add_argument("--lock-spin", type=float, default=None,
                    help="the server's --lock-spin (default: its default; 0 shows the hand-offs without it)")

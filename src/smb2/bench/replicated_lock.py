@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("-n", type=int, default=100, help="acquire+release per round and kind")
     p.add_argument("--kills", type=int, default=3)
-    p.add_argument("--json", default=str(Path(__file__).resolve().parents[1] / "bench-results" /
+    p.add_argument("--json", default=str(Path("bench-results") /
                                          "replicated_lock.json"))
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)

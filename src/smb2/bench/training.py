@@ -120,7 +120,7 @@ async def spawn_workers(what: str, workers: int, args: list[str], env: dict[str,
     """Run ``workers`` processes of this script (``args`` + ``--rank R --world W``);
     each prints one JSON line, returned in rank order."""
     procs = [await asyncio.create_subprocess_exec(
-        sys.executable, __file__, *args, "--rank", str(r), "--world", str(workers),
+        sys.executable, "-m", "smb2.bench.training", *args, "--rank", str(r), "--world", str(workers),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, **ONE_THREAD, **(env or {})}) for r in range(workers)]
     outs = []

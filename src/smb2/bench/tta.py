@@ -387,7 +387,7 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
     hogs = [subprocess.Popen(cluster.exec_prefix(cluster.server_netns[h]) + [sys.executable, "-c", "while True: pass"])
             for h in workers[:cfg["hogs"]]] if scenario == "overloaded" else []
     procs = [subprocess.Popen(cluster.exec_prefix(cluster.server_netns[h])
-                              + [sys.executable, __file__, "_worker", "--rank", str(r), *common],
+                              + [sys.executable, "-m", "smb2.bench.tta", "_worker", "--rank", str(r), *common],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
              for r, h in enumerate(workers)]
     before = {name: schedstat(p.pid) for name, p in server_procs.items()}
