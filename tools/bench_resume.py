@@ -1,0 +1,9 @@
+#!/usr/bin/env python3
+"""The benchmark moved into the package: ``smb2 bench resume`` (:mod:`smb2.bench.resume`).
+This path keeps working for a release."""
+
+
+from smb2.bench.resume import main
+
+if __name__ == "__main__":
+    main()
