@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_servers_parser(sub)
     sub.add_parser("doctor", help="preflight: RDMA, memlock, token, each server's transport and clock "
                    "(smb2 doctor --help)", add_help=False)
-    sub.add_parser("bench", help="bandwidth benchmark (smb2 bench --help)", add_help=False)
+    sub.add_parser("bench", help="the benchmarks (smb2 bench --help lists them)", add_help=False)
     sub.add_parser("demo", help="a local cluster, clients and what they measured", add_help=False)
     if argv and argv[0] in ("bench", "demo", "doctor"):
         # these own their flags

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import resource
 import signal
@@ -61,6 +60,8 @@ from smb2.testing.hostile import (
 )
 from smb2.testing.launch import ServerProcess
 from smb2.testing.workers import reap, spawn
+
+from . import report
 
 MiB = 1 << 20
 
@@ -790,13 +791,10 @@ ATTACKS.update({12: sigterm_under_shm_writers, 13: resize_memfds, 14: now_servin
 
 
 def table(rows: list[Row]) -> str:
-    out = ["| # | attack | bound | server RSS MiB (before / peak / after) | time | measured | served after |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        rss = f"{r.rss_before >> 20} / {r.rss_peak >> 20} / {r.rss_after >> 20}"
-        out.append(f"| {r.attack} | {r.what} | {r.bound} | {rss} | {r.seconds:.2f} s | {r.result} | "
-                   f"{'yes' if r.served_after else 'NO'} |")
-    return "\n".join(out)
+    return report.table(
+        ["#", "attack", "bound", "server RSS MiB (before / peak / after)", "time", "measured", "served after"],
+        [[r.attack, r.what, r.bound, f"{r.rss_before >> 20} / {r.rss_peak >> 20} / {r.rss_after >> 20}",
+          f"{r.seconds:.2f} s", r.result, "yes" if r.served_after else "NO"] for r in rows], markdown=True)
 
 
 async def run(which: list[int], quick: bool) -> list[Row]:
@@ -823,10 +821,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = asyncio.run(run(which, args.quick))
     print(table(rows))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"version": VERSION, "quick": args.quick, "finished": time.time(),
-                                    "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+        report.write_json(args.json, {"version": VERSION, "quick": args.quick,
+                                      "rows": [dataclasses.asdict(r) for r in rows]})
     return 0 if all(r.served_after for r in rows) else 1
 
 

@@ -64,6 +64,8 @@ import uvloop
 import smb2
 from smb2.bench.common import describe_machine, latencies, now, pct, start_raw_peer, stop_raw_peer
 
+from . import report
+
 TARGET_UNCONTENDED = 3.0      # park p50 <= 3x raw round trip p50
 TARGET_THROUGHPUT = 2.0       # with 4 processes, >= 2x the spin lock
 TARGET_FAIRNESS = 1.1         # max/min acquisitions per client, 4 processes
@@ -449,42 +451,36 @@ def table(result: dict[str, Any]) -> str:
 def plot(path: Path, result: dict[str, Any]) -> str | None:
     """Acquisitions/s against contending processes, one panel per critical
     section.  Returns None once drawn, else why not."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (.venv/bin/pip install matplotlib): no plot drawn"
-    summary = result["contended"]["summary"]
-    kinds = [("park", "ticket lock, parked (TCP default)", "tab:blue", "o"),
-             ("poll", "ticket lock, polling (RDMA's algorithm, here over TCP)", "tab:green", "^"),
-             ("spin", "compare-and-swap spin lock (baseline)", "tab:red", "s")]
-    css = list(dict.fromkeys(s["cs"] for s in summary))
-    fig, axes = plt.subplots(1, len(css), figsize=(6 * len(css), 4.5), squeeze=False)
-    for ax, cs in zip(axes[0], css):
-        rows = [s for s in summary if s["cs"] == cs]
-        procs = [s["procs"] for s in rows]
-        for kind, label, color, marker in kinds:
-            ax.plot(procs, [s[f"{kind}_per_s"] for s in rows], marker=marker, color=color, label=label)
-        for s in rows:
-            ax.annotate(f"{s['park_vs_spin']:.2f}x", (s["procs"], s["park_per_s"]), textcoords="offset points",
-                        xytext=(0, 6), ha="center", fontsize=8, color="tab:blue")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(procs, [str(p) for p in procs])
-        ax.set_ylim(0, 1.12 * max(s[f"{k}_per_s"] for s in rows for k, *_ in kinds))
-        ax.set_xlabel("contending client processes")
-        ax.set_ylabel("acquisitions per second (median)")
-        ax.set_title("empty critical section" if cs == "empty" else "read-modify-write critical section")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    pin = result["machine"].get("pinning")
-    fig.suptitle(f"smb2 lock over TCP loopback, {result['machine'].get('nproc', '?')} CPUs"
-                 f"{', pinned' if pin else ''}; labels: parked / spin lock", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
+    def draw(plt: Any) -> Any:
+        summary = result["contended"]["summary"]
+        kinds = [("park", "ticket lock, parked (TCP default)", "tab:blue", "o"),
+                 ("poll", "ticket lock, polling (RDMA's algorithm, here over TCP)", "tab:green", "^"),
+                 ("spin", "compare-and-swap spin lock (baseline)", "tab:red", "s")]
+        css = list(dict.fromkeys(s["cs"] for s in summary))
+        fig, axes = plt.subplots(1, len(css), figsize=(6 * len(css), 4.5), squeeze=False)
+        for ax, cs in zip(axes[0], css):
+            rows = [s for s in summary if s["cs"] == cs]
+            procs = [s["procs"] for s in rows]
+            for kind, label, color, marker in kinds:
+                ax.plot(procs, [s[f"{kind}_per_s"] for s in rows], marker=marker, color=color, label=label)
+            for s in rows:
+                ax.annotate(f"{s['park_vs_spin']:.2f}x", (s["procs"], s["park_per_s"]), textcoords="offset points",
+                            xytext=(0, 6), ha="center", fontsize=8, color="tab:blue")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(procs, [str(p) for p in procs])
+            ax.set_ylim(0, 1.12 * max(s[f"{k}_per_s"] for s in rows for k, *_ in kinds))
+            ax.set_xlabel("contending client processes")
+            ax.set_ylabel("acquisitions per second (median)")
+            ax.set_title("empty critical section" if cs == "empty" else "read-modify-write critical section")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        pin = result["machine"].get("pinning")
+        fig.suptitle(f"smb2 lock over TCP loopback, {result['machine'].get('nproc', '?')} CPUs"
+                     f"{', pinned' if pin else ''}; labels: parked / spin lock", fontsize=10)
+        fig.tight_layout()
+        return fig
+
+    return report.plot(path, draw)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -525,9 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     result = uvloop.run(bench(args))
     text = table(result)
     print(text)
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**result, "table": text}, indent=1))
+    path = report.write_json(args.json, {**result, "table": text}, quiet=True)
     _progress(f"wrote {path}")
     why_not = plot(Path(args.png), result)
     _progress(f"plot: {why_not}" if why_not else f"plot: {args.png}")

@@ -45,7 +45,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,6 +52,8 @@ import numpy as np
 import smb2.testing.netns as netns_cluster  # noqa: E402
 from smb2.testing import jepsen  # noqa: E402
 from smb2.testing.replicas import read_copy  # noqa: E402
+
+from . import report  # noqa: E402
 
 log = logging.getLogger("smb2.bench_replicas_netns")
 
@@ -530,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+            report.write_json(args.json, result, quiet=True)
     capacity = f"{max(64, 4 * size // MiB // args.servers)}MiB"
     t_start = time.monotonic()
     for shaping, client_rate in shapings.items():

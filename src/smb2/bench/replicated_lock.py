@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import statistics
 import sys
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import smb2
+
+from . import report
 
 
 async def _timed(n: int, op: Any) -> float:
@@ -123,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     res = asyncio.run(bench(a))
     print(table(res))
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(res, indent=1))
+    res["round_trip_64B_us"] = res["median_us"]["rtt64"]
+    report.write_json(a.json, res)
     return 0
 
 

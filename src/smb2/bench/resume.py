@@ -18,7 +18,6 @@ the same round (median over the rounds).  The median round trip of a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
@@ -30,18 +29,7 @@ import smb2.torch
 from smb2.torch.loop_thread import LoopThread
 from smb2.train import store
 
-
-async def read_round_trip(servers: list[str], n: int = 200) -> float:
-    """The median round trip of a 64-byte read from the first server, in µs."""
-    async with await smb2.connect(servers[:1]) as c:
-        buf = await c.create("bench-resume-rtt", 4096)
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await buf.read(0, 64)
-            times.append(time.perf_counter() - t0)
-        await c.destroy("bench-resume-rtt")
-    return statistics.median(times) * 1e6
+from . import report
 
 
 def run(servers: str, widths: list[int], steps: int, every: float | None, name: str) -> dict[str, Any]:
@@ -93,7 +81,7 @@ def main() -> None:
     try:
         servers = ",".join(cluster.addresses)
         for r in range(a.rounds):
-            rtt = loop.run(read_round_trip(cluster.addresses))
+            rtt = loop.run(report.round_trip_us(cluster.addresses))
             base = run(servers, widths, a.steps, None, f"bench-resume-{r}-base")
             saving = run(servers, widths, a.steps, a.every, f"bench-resume-{r}-saves")
             for name in (f"bench-resume-{r}-base", f"bench-resume-{r}-saves"):
@@ -117,8 +105,8 @@ def main() -> None:
           f"x{summary['mean_ratio']:.3f} (mean), medians over {a.rounds} rounds; "
           f"64-byte read {summary['rtt_us']:.0f} us")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": rows, "summary": summary}, f, indent=2)
+        report.write_json(a.json, {"args": vars(a), "rows": rows, "summary": summary,
+                                   "round_trip_64B_us": summary["rtt_us"]})
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ import smb2.testing.netns as netns_cluster
 from smb2.testing.launch import ready_address
 from smb2.testing.netns.probe import ProbeConn
 
+from . import report
+
 MiB = 1 << 20
 GB = 1e9
 SMB2_PUBLISHED = (8, 6.3)  # SMB2 (IEEE Access 2020): 6.3x SMB1's bandwidth with 8 memory servers
@@ -458,66 +460,60 @@ def link_payload_GBps(rate_bits: int | None) -> float | None:
 def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_GBps: float | None,
          training: dict[int, float | None] | None = None) -> str | None:
     """Draw the PNG; returns None on success, else why not."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (.venv/bin/pip install matplotlib): no plot drawn"
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
-    nmax = max(counts)
-    for op, color in (("raw-write", "tab:blue"), ("raw-read", "tab:orange")):
-        ns = [n for n in counts if f"{op}/{n}" in rows]
-        if ns:
-            ax.plot(ns, [rows[f"{op}/{n}"]["GBps_median"] for n in ns], ls="--", color=color, alpha=0.5, lw=1,
-                    label=f"raw sockets, {op[4:]} (baseline)")
-    for op, marker in (("write", "o"), ("read", "s")):
-        ns = [n for n in counts if f"{op}/{n}" in rows]
-        if not ns:
-            continue
-        bw = [rows[f"{op}/{n}"]["GBps_median"] for n in ns]
-        lo = [b - rows[f"{op}/{n}"]["GBps_min"] for b, n in zip(bw, ns)]
-        hi = [rows[f"{op}/{n}"]["GBps_max"] - b for b, n in zip(bw, ns)]
-        ax.errorbar(ns, bw, yerr=[lo, hi], marker=marker, capsize=3, label=f"smb2 {op} (median, min..max)",
-                    color="tab:blue" if op == "write" else "tab:orange")
-        ax2.plot(ns, [rows[f"{op}/{n}"]["speedup"] for n in ns], marker=marker, label=f"smb2 {op}",
-                 color="tab:blue" if op == "write" else "tab:orange")
-        one = rows.get(f"{op}/1")
-        if one is not None and op == "read":
-            ax.plot([1, nmax], [one["GBps_median"], nmax * one["GBps_median"]], "k--", lw=1,
-                    label="ideal (N x one server's read)")
-            ax.plot([SMB2_PUBLISHED[0]], [SMB2_PUBLISHED[1] * one["GBps_median"]], "r*", ms=14,
-                    label=f"SMB2 paper: {SMB2_PUBLISHED[1]}x one server at {SMB2_PUBLISHED[0]}")
-    if link_GBps:
-        ax.plot([1, nmax], [link_GBps, nmax * link_GBps], ":", color="gray", lw=1,
-                label="N links' TCP payload capacity")
-    ax.set_xlabel("memory servers (one 1-link host each)")
-    ax.set_ylabel("aggregate bandwidth, GB/s")
-    ax.set_xticks(counts)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("bandwidth")
-    trained = {n: v for n, v in (training or {}).items() if v is not None}
-    if 1 in trained and len(trained) > 1:
-        ns = sorted(trained)
-        ax2.plot(ns, [trained[n] / trained[1] for n in ns], marker="D", color="tab:green",
-                 label="training samples/s (bench_training.py)")
-    ax2.plot([1, nmax], [1, nmax], "k--", lw=1, label="ideal (N x)")
-    ax2.plot([1, nmax], [TARGET_EFFICIENCY, TARGET_EFFICIENCY * nmax], ":", color="gray", lw=1,
-             label=f"target ({TARGET_EFFICIENCY:.0%} efficiency)")
-    ax2.plot([SMB2_PUBLISHED[0]], [SMB2_PUBLISHED[1]], "r*", ms=14, label="SMB2 paper: 6.3x at 8 servers")
-    ax2.set_xlabel("memory servers")
-    ax2.set_ylabel("speedup over one server")
-    ax2.set_xticks(counts)
-    ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=8)
-    ax2.set_title("scale-out")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
+    def draw(plt: Any) -> Any:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
+        nmax = max(counts)
+        for op, color in (("raw-write", "tab:blue"), ("raw-read", "tab:orange")):
+            ns = [n for n in counts if f"{op}/{n}" in rows]
+            if ns:
+                ax.plot(ns, [rows[f"{op}/{n}"]["GBps_median"] for n in ns], ls="--", color=color, alpha=0.5, lw=1,
+                        label=f"raw sockets, {op[4:]} (baseline)")
+        for op, marker in (("write", "o"), ("read", "s")):
+            ns = [n for n in counts if f"{op}/{n}" in rows]
+            if not ns:
+                continue
+            bw = [rows[f"{op}/{n}"]["GBps_median"] for n in ns]
+            lo = [b - rows[f"{op}/{n}"]["GBps_min"] for b, n in zip(bw, ns)]
+            hi = [rows[f"{op}/{n}"]["GBps_max"] - b for b, n in zip(bw, ns)]
+            ax.errorbar(ns, bw, yerr=[lo, hi], marker=marker, capsize=3, label=f"smb2 {op} (median, min..max)",
+                        color="tab:blue" if op == "write" else "tab:orange")
+            ax2.plot(ns, [rows[f"{op}/{n}"]["speedup"] for n in ns], marker=marker, label=f"smb2 {op}",
+                     color="tab:blue" if op == "write" else "tab:orange")
+            one = rows.get(f"{op}/1")
+            if one is not None and op == "read":
+                ax.plot([1, nmax], [one["GBps_median"], nmax * one["GBps_median"]], "k--", lw=1,
+                        label="ideal (N x one server's read)")
+                ax.plot([SMB2_PUBLISHED[0]], [SMB2_PUBLISHED[1] * one["GBps_median"]], "r*", ms=14,
+                        label=f"SMB2 paper: {SMB2_PUBLISHED[1]}x one server at {SMB2_PUBLISHED[0]}")
+        if link_GBps:
+            ax.plot([1, nmax], [link_GBps, nmax * link_GBps], ":", color="gray", lw=1,
+                    label="N links' TCP payload capacity")
+        ax.set_xlabel("memory servers (one 1-link host each)")
+        ax.set_ylabel("aggregate bandwidth, GB/s")
+        ax.set_xticks(counts)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title("bandwidth")
+        trained = {n: v for n, v in (training or {}).items() if v is not None}
+        if 1 in trained and len(trained) > 1:
+            ns = sorted(trained)
+            ax2.plot(ns, [trained[n] / trained[1] for n in ns], marker="D", color="tab:green",
+                     label="training samples/s (bench_training.py)")
+        ax2.plot([1, nmax], [1, nmax], "k--", lw=1, label="ideal (N x)")
+        ax2.plot([1, nmax], [TARGET_EFFICIENCY, TARGET_EFFICIENCY * nmax], ":", color="gray", lw=1,
+                 label=f"target ({TARGET_EFFICIENCY:.0%} efficiency)")
+        ax2.plot([SMB2_PUBLISHED[0]], [SMB2_PUBLISHED[1]], "r*", ms=14, label="SMB2 paper: 6.3x at 8 servers")
+        ax2.set_xlabel("memory servers")
+        ax2.set_ylabel("speedup over one server")
+        ax2.set_xticks(counts)
+        ax2.grid(alpha=0.3)
+        ax2.legend(fontsize=8)
+        ax2.set_title("scale-out")
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout()
+        return fig
+
+    return report.plot(path, draw)
 
 
 def top_frames(path: Path, limit: int = 25) -> str:
@@ -691,9 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         "smb2_published": {"servers": SMB2_PUBLISHED[0], "speedup": SMB2_PUBLISHED[1]},
         "samples": result["samples"],
     }
-    jpath = Path(args.json)
-    jpath.parent.mkdir(parents=True, exist_ok=True)
-    jpath.write_text(json.dumps(doc, indent=1) + "\n")
+    jpath = report.write_json(args.json, doc, quiet=True)
     print(f"JSON: {jpath}")
     if not args.no_plot:
         why_not = plot(Path(args.png), rows, counts, title, link_payload_GBps(rate_bits), training)

@@ -34,11 +34,11 @@ from .common import (
     latencies,
     now,
     pct,
-    run_and_report,
     size_list,
     start_raw_peer,
     stop_raw_peer,
 )
+from .report import run_and_report
 
 KiB = 1 << 10
 DEFAULT_SIZES = "4KiB,1MiB,64MiB"

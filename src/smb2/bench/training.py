@@ -68,6 +68,8 @@ from smb2.train.example import data
 from smb2.train.example.job import JobConfig, run_job
 from smb2.train.example.mlp import MLP
 
+from . import report
+
 SIZES = [1024, 4096, 2048, 10]
 BATCH = 32
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -417,36 +419,32 @@ def _pct(v: float | None) -> str:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install 'smb2[bench]')")
-        return
-    rows = result["rows"]
-    servers = sorted({r["servers"] for r in rows if r["system"] == "smb2"})
-    fig, axes = plt.subplots(1, len(servers), figsize=(6 * len(servers), 4.5), sharey=True, squeeze=False)
-    for ax, ns in zip(axes[0], servers):
-        for rule, via in dict.fromkeys((r["rule"], r.get("transport")) for r in rows if r["system"] == "smb2"):
-            pts = sorted((r["workers"], r["samples_per_s"]) for r in rows if r["system"] == "smb2"
-                         and r["rule"] == rule and r.get("transport") == via and r["servers"] == ns)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"smb2 {rule}" + (f" over {via}" if via else ""))
-        g = sorted((r["workers"], r["samples_per_s"]) for r in rows if r["system"] == "gloo all-reduce")
-        if g:
-            ax.plot(*zip(*g), marker="s", linestyle="--", color="black", label="torch gloo all-reduce (no servers)")
-        ax.set_title(f"{ns} memory server{'s' if ns > 1 else ''}")
-        ax.set_xlabel("worker processes")
-        ax.set_xticks(sorted({r["workers"] for r in rows}))
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("samples/s")
-    axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"training throughput, MLP of {result['params'] / 1e6:.1f} M parameters, batch {result['batch']} "
-                 f"({os.cpu_count()} cores shared by workers and servers)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    def draw(plt: Any) -> Any:
+        rows = result["rows"]
+        servers = sorted({r["servers"] for r in rows if r["system"] == "smb2"})
+        fig, axes = plt.subplots(1, len(servers), figsize=(6 * len(servers), 4.5), sharey=True, squeeze=False)
+        for ax, ns in zip(axes[0], servers):
+            for rule, via in dict.fromkeys((r["rule"], r.get("transport")) for r in rows if r["system"] == "smb2"):
+                pts = sorted((r["workers"], r["samples_per_s"]) for r in rows if r["system"] == "smb2"
+                             and r["rule"] == rule and r.get("transport") == via and r["servers"] == ns)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"smb2 {rule}" + (f" over {via}" if via else ""))
+            g = sorted((r["workers"], r["samples_per_s"]) for r in rows if r["system"] == "gloo all-reduce")
+            if g:
+                ax.plot(*zip(*g), marker="s", linestyle="--", color="black", label="torch gloo all-reduce (no servers)")
+            ax.set_title(f"{ns} memory server{'s' if ns > 1 else ''}")
+            ax.set_xlabel("worker processes")
+            ax.set_xticks(sorted({r["workers"] for r in rows}))
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("samples/s")
+        axes[0][-1].legend(fontsize=8)
+        fig.suptitle(f"training throughput, MLP of {result['params'] / 1e6:.1f} M parameters, batch {result['batch']} "
+                     f"({os.cpu_count()} cores shared by workers and servers)")
+        fig.tight_layout()
+        return fig
+
+    why = report.plot(path, draw)
+    print(why or f"plot: {path}", file=sys.stderr if why else sys.stdout)
 
 
 def cli() -> int:
@@ -500,7 +498,7 @@ def cli() -> int:
     result = asyncio.run(main(a))
     print()
     print(table(result))
-    Path(a.json).write_text(json.dumps(result, indent=2))
+    report.write_json(a.json, result, quiet=True)
     print(f"json: {a.json}")
     plot(result, a.png)
     return 0

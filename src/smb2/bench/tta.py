@@ -99,6 +99,8 @@ import smb2.testing.netns as netns_cluster  # noqa: E402
 from smb2.bench.common import latencies, start_raw_peer, stop_raw_peer
 from smb2.testing.launch import READY  # noqa: E402
 
+from . import report
+
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 DDP_PORT = 29500
 SERVER_PORT = netns_cluster.DEFAULT_PORT
@@ -679,29 +681,26 @@ def summary_table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("bench_tta: matplotlib is not installed: no plot (pip install 'smb2[bench]')", file=sys.stderr)
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    scenarios = list(dict.fromkeys(r["scenario"] for r in result["rows"]))
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 4), squeeze=False)
-    for ax, sc in zip(axes[0], scenarios):
-        for r in result["rows"]:
-            if r["scenario"] == sc:
-                line, = ax.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], label=r["system"],
-                                ls="--" if r["system"] == "ddp" else "-")
-                # the delivered model at the end (EASGD: the center), on the final test set
-                ax.plot([r["curve"][-1][0]], [r["final_acc"]], "o", color=line.get_color())
-        ax.axhline(result["config"]["target"], color="grey", lw=0.8)
-        rate = next(r["rate"] for r in result["rows"] if r["scenario"] == sc)
-        ax.set(title=f"{sc} ({rate} links)", xlabel="wall time s (eval excluded)",
-               ylabel="held-out accuracy (rank 0; dot: delivered model)")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    def draw(plt: Any) -> Any:
+        scenarios = list(dict.fromkeys(r["scenario"] for r in result["rows"]))
+        fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 4), squeeze=False)
+        for ax, sc in zip(axes[0], scenarios):
+            for r in result["rows"]:
+                if r["scenario"] == sc:
+                    line, = ax.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], label=r["system"],
+                                    ls="--" if r["system"] == "ddp" else "-")
+                    # the delivered model at the end (EASGD: the center), on the final test set
+                    ax.plot([r["curve"][-1][0]], [r["final_acc"]], "o", color=line.get_color())
+            ax.axhline(result["config"]["target"], color="grey", lw=0.8)
+            rate = next(r["rate"] for r in result["rows"] if r["scenario"] == sc)
+            ax.set(title=f"{sc} ({rate} links)", xlabel="wall time s (eval excluded)",
+                   ylabel="held-out accuracy (rank 0; dot: delivered model)")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        return fig
+
+    why = report.plot(path, draw)
+    print(why or f"plot: {path}", file=sys.stderr if why else sys.stdout)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -794,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(summary_table(result))
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        report.write_json(a.json, result, quiet=True)
     if a.png:
         plot(result, a.png)
     return 0
