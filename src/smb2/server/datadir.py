@@ -200,12 +200,13 @@ class DataDir:
         ``shared``: memfds (see segment.alloc).  Marks the directory running
         until :meth:`stopped` (``clean``)."""
         self.clean = not (self.path / RUNNING).exists()
-        with open(self.path / RUNNING, "w"):
-            pass
-        fsync_dir(self.path)
         m = self.manifest()
         if m is None:
             return [], 1
+        # (only where something is restored: an empty directory vouches for nothing)
+        with open(self.path / RUNNING, "w"):
+            pass
+        fsync_dir(self.path)
         segs = []
         used = 0
         for e in m["segments"]:
