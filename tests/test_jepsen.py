@@ -157,6 +157,23 @@ async def test_replicas_2_kill_and_pause_lose_nothing(tmp_path: Path) -> None:
     assert violations == [], _kept(history, violations, tmp_path)
 
 
+@pytest.mark.server_process_only
+async def test_replicas_2_forged_views_and_a_flood_lose_nothing(tmp_path: Path) -> None:
+    """The attacks of docs/reliability.md's threat model as nemeses: views written into etcd with
+    the servers' stolen credentials (one server kept, the others dropped or moved to joining) and
+    an authenticated client flooding a server's duplicate table (64 clients) with fresh client
+    ids; every acknowledged increment is there once, and no fetch_add result is given twice."""
+    s = jepsen.Settings(seed=5, duration=6.0, servers=3, replicas=2, processes=3, nemesis=("forge", "flood"),
+                        interval=1.0, fault_time=(1.0, 2.0), settle=10.0, data_dir=False, dedup_clients=64)
+    history = await jepsen.run_local(s)
+    violations = jepsen.check(history)
+    report = jepsen.report(history, violations)
+    print(report)
+    said = [w for _, w in history.nemesis]
+    assert any(w.startswith("forge server") and "done: epoch" in w for w in said), report
+    assert violations == [], _kept(history, violations, tmp_path)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not REPLICATION, reason="replication (client.create(replicas=...)) is not on this branch yet")
 def test_partition_old_primary_acknowledges_nothing_that_is_lost(tmp_path: Path) -> None:

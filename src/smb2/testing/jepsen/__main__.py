@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=2, help="netns: client hosts (default 2)")
     p.add_argument("--aim-lock", action="store_true",
                    help="the first fault is a SIGKILL of the replicated lock's server (with --replicas 2+)")
+    p.add_argument("--dedup-clients", type=int, metavar="N",
+                   help="the servers' --dedup-clients (a small table makes the flood bite, e.g. 64)")
     p.add_argument("--history", metavar="FILE", help="write the history as JSON lines")
     p.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings(seed=a.seed, duration=a.duration, servers=a.servers, replicas=a.replicas,
                  processes=a.processes, nemesis=choices, interval=a.interval, op_timeout=a.op_timeout,
                  data_dir=not a.no_data_dir, transport=a.transport, clients=a.clients, aim_lock=a.aim_lock,
+                 dedup_clients=a.dedup_clients,
                  fault_time=tuple(float(x) for x in a.fault_time.split(",", 1)))  # type: ignore[arg-type]
     if a.netns:
         history = run_netns(s)

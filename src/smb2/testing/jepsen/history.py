@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 OK, FAIL, UNKNOWN = "ok", "fail", "unknown"
-NEMESES = ("kill", "pause", "restart", "partition")
+NEMESES = ("kill", "pause", "restart", "partition", "forge", "flood")
 BUFFER = "jepsen"
 LOCK = "jepsen-lock"
 STRIPE = 4096

@@ -1,5 +1,10 @@
 """The nemesis: faults on one server at a time (kill, restart, pause, partition) of a
-LocalCluster or a netns cluster, healed after a random while, each noted in the history."""
+LocalCluster or a netns cluster, healed after a random while, each noted in the history; and two
+attacks on a replicated LocalCluster: ``forge`` (a view written into etcd with the servers'
+stolen credentials, keeping server i alone as a member and dropping the others or moving them to
+joining: the servers must write it back or take their copies back by rule) and ``flood`` (an
+authenticated client sending replicated fetch_adds to server i under a fresh client id each, to
+push the others' records out of its duplicate table: a retry must still never apply twice)."""
 
 from __future__ import annotations
 
@@ -14,7 +19,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import smb2
+from smb2 import _core
+from smb2.errors import ErrorCode
+from smb2.membership import open_membership
+from smb2.protocol import FLAG_REPLICATED, Op
+from smb2.server.replication import prefix
 
+from ..replicas import Raw
 from .history import History
 
 log = logging.getLogger("smb2.testing.jepsen.nemesis")
@@ -33,6 +44,12 @@ class Target:
     async def resume(self, i: int) -> None: ...
     async def cut(self, i: int) -> None: ...
     async def mend(self, i: int) -> None: ...
+
+    async def forge(self, i: int, moved: bool) -> str:
+        raise NotImplementedError("forge needs a LocalCluster(replicated=True), whose etcd credentials it steals")
+
+    async def flood(self, i: int, seconds: float) -> str:
+        raise NotImplementedError("flood needs a replicated LocalCluster")
 
 
 class LocalTarget(Target):
@@ -53,6 +70,42 @@ class LocalTarget(Target):
 
     async def resume(self, i: int) -> None:
         os.kill(self.cluster.pid(i), signal.SIGCONT)
+
+    async def forge(self, i: int, moved: bool) -> str:
+        async with open_membership(str(self.cluster.membership_url), self.cluster.etcd_credentials()) as m:
+            view = await m.view()
+            keep = self.cluster.addresses[i]
+            others = [a for a in view.members if a != keep]
+            forged = await m.change(view, members=[keep], joining=others if moved else [])
+        return (f"epoch {forged.epoch}: members {keep}, "
+                f"{'the others joining' if moved else 'the others dropped'}")
+
+    async def flood(self, i: int, seconds: float) -> str:
+        async with await self.cluster.connect(transport="tcp") as client:
+            name = "jepsen-flood"
+            try:
+                buf = await client.create(name, 4096 * self.nservers, stripe=4096, replicas=2)
+            except smb2.BufferConflict:
+                buf = await client.attach(name)
+            p = buf.placement
+            assert p is not None
+            # a stripe whose primary is server i while every server is a member
+            stripe = next(s for s in range(p.nstripes) if p.replicas_of(s)[0] == i)
+            views = await client.views()
+            raw = await Raw.open(self.cluster.addresses[i])
+            sent = refused = 0
+            try:
+                deadline = time.monotonic() + seconds
+                while time.monotonic() < deadline:
+                    view = await views.current()
+                    fresh = int.from_bytes(os.urandom(8), "little")
+                    status, _ = await raw.op(Op.FETCH_ADD, buf.segments[i], p.offset_on(i, stripe),
+                                             prefix(view.epoch, fresh, 1) + _core.pack_u64(1), FLAG_REPLICATED)
+                    sent += 1
+                    refused += status == ErrorCode.CONFLICT
+            finally:
+                raw.close()
+        return f"{sent} fetch_adds under fresh client ids, {refused} refused"
 
 
 class NetnsTarget(Target):
@@ -119,6 +172,11 @@ class Nemesis:
 
     async def fault(self, what: str, i: int, hold: float) -> None:
         t = self.target
+        if what in ("forge", "flood"):
+            self.note(f"{what} server {i}")
+            said = await (t.forge(i, self.rng.random() < 0.5) if what == "forge" else t.flood(i, hold))
+            self.note(f"{what} server {i} done: {said}")
+            return
         start, heal = {"kill": (t.kill, t.restart), "restart": (t.kill, t.restart),
                        "pause": (t.pause, t.resume), "partition": (t.cut, t.mend)}[what]
         self.note(f"{what} server {i}")

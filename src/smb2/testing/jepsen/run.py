@@ -40,6 +40,7 @@ class Settings:
     transport: str = "tcp"
     aim_lock: bool = False          # the first fault kills the lock's server (replicas > 1)
     lock_lease: float | None = None     # the replicated lock's lease (None: its default)
+    dedup_clients: int | None = None    # smb2-server --dedup-clients (small: the flood fills it)
 
 
 def lock_server(servers: int) -> int:
@@ -52,10 +53,13 @@ async def run_local(s: Settings) -> History:
     """One run against a LocalCluster of server processes on this host."""
     if "partition" in s.nemesis:
         raise SystemExit("partitions need the netns harness: add --netns")
+    if {"forge", "flood"} & set(s.nemesis) and s.replicas < 2:
+        raise SystemExit("forge and flood attack replicated buffers: add --replicas 2")
     history = History(s.seed)
     with tempfile.TemporaryDirectory(prefix="smb2-jepsen-") as tmp:
+        args = ["--dedup-clients", str(s.dedup_clients)] if s.dedup_clients else []
         cluster = smb2.LocalCluster(servers=s.servers, processes=True, replicated=s.replicas > 1,
-                                    data_dir=tmp if s.data_dir else None, capacity="64MiB")
+                                    data_dir=tmp if s.data_dir else None, capacity="64MiB", server_args=args)
         async with cluster:
             async def connect() -> smb2.Client:
                 return await cluster.connect(transport=s.transport, timeout=s.op_timeout)
