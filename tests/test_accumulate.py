@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import smb2
-import wire as raw
-from narrow_floats import NARROW, same_floats, widen
 from smb2.errors import ErrorCode
 from smb2.protocol import DTYPE_SHIFT, FLAG_STAGED, WIRE_CODES, Op
+from smb2.testing import wire as raw
+from smb2.testing.floats import NARROW, same_floats, widen
 
 WIRES = sorted(WIRE_CODES)
 STRIPE = 4096

@@ -14,10 +14,11 @@ import msgpack
 import pytest
 
 import smb2
-import wire
 from smb2 import _core, auth
 from smb2.errors import ErrorCode
 from smb2.protocol import FLAG_REPLY, VERSION, Op
+from smb2.testing import wire
+from smb2.testing.launch import ServerProcess
 
 TOKEN = b"correct horse battery staple"
 
@@ -199,12 +200,8 @@ def test_smb2_server_token_file_and_exposed_bind_warning(tmp_path: Path) -> None
     tok = tmp_path / "token"
     tok.write_bytes(TOKEN + b"\n")
     env = {k: v for k, v in os.environ.items() if k != auth.ENV}
-    proc = subprocess.Popen([sys.executable, "-m", "smb2.server", "--port", "0", "--capacity", "4MiB",
-                             "--auth-token-file", str(tok)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline().rsplit(":", 1)[1])
+    with ServerProcess("--capacity", "4MiB", "--auth-token-file", str(tok)) as srv:
+        port = srv.port
 
         async def use() -> None:
             async with await smb2.connect([f"127.0.0.1:{port}"], token=TOKEN) as c:
@@ -212,23 +209,11 @@ def test_smb2_server_token_file_and_exposed_bind_warning(tmp_path: Path) -> None
             with pytest.raises(smb2.AccessDenied):
                 await smb2.connect([f"127.0.0.1:{port}"], token=None)
         asyncio.run(use())
-    finally:
-        proc.terminate()
-        proc.wait(10)
     # binding beyond loopback without a token: a warning on stderr
-    proc = subprocess.Popen([sys.executable, "-m", "smb2.server", "--host", "0.0.0.0", "--port", "0",
-                             "--capacity", "1MiB"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout is not None and proc.stderr is not None
-        assert proc.stdout.readline().startswith("smb2-server listening on 0.0.0.0:")
-        proc.terminate()
-        _, err = proc.communicate(timeout=10)
-        assert "without an authentication token" in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with ServerProcess("--capacity", "1MiB", host="0.0.0.0") as exposed:
+        assert exposed.host == "0.0.0.0"
+        exposed.stop()
+        assert "without an authentication token" in exposed.stderr()
     # an unreadable token file is a usage error
     proc = subprocess.Popen([sys.executable, "-m", "smb2.server", "--auth-token-file",
                              str(tmp_path / "missing")], stderr=subprocess.PIPE, text=True, env=env)

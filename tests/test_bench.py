@@ -4,13 +4,19 @@ RDMA benchmarks, and the raw baseline peer both benchmark programs use.
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import smb2
 from smb2 import bench, cli
+from smb2.bench import report
 from smb2.bench.common import fmt_size, latencies, pct, start_raw_peer, stop_raw_peer
 
 
@@ -18,8 +24,24 @@ def test_python_m_smb2_bench_is_smb2_bench() -> None:
     out = subprocess.run([sys.executable, "-m", "smb2.bench", "--help"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage: smb2 bench")
-    assert "--transport {tcp,rdma,shm,auto}" in out.stdout
+    assert out.stdout.startswith("usage: smb2 bench NAME")
+    listed = [line.split()[0] for line in out.stdout.split("benchmarks:\n")[1].split("\n\n")[0].splitlines()]
+    assert listed == list(bench.BENCHMARKS)
+    assert {"bandwidth", "lock", "scaleout", "replicas", "repair", "resume", "training", "tta",
+            "attacks"} <= set(listed)
+    out = subprocess.run([sys.executable, "-m", "smb2.bench", "bandwidth", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "--transport {tcp,rdma,shm,auto}" in out.stdout, out.stderr
+
+
+def test_every_benchmark_is_a_subcommand_with_its_own_help() -> None:
+    for name in bench.BENCHMARKS:
+        out = subprocess.run([sys.executable, "-m", "smb2.bench", name, "--help"], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, (name, out.stderr[-2000:])
+        assert out.stdout.startswith(f"usage: smb2 bench {name}" if name != "bandwidth" else "usage: smb2 bench"), \
+            (name, out.stdout[:200])
+    assert cli.main(["bench", "sideways"]) == 2
 
 
 def test_each_benchmark_checks_its_own_arguments(capsys: pytest.CaptureFixture[str]) -> None:
@@ -64,3 +86,27 @@ def test_the_shm_benchmark_runs_against_np_copyto(capsys: pytest.CaptureFixture[
     assert {"write", "read", "np.copyto", "fetch_add"} <= rows, out
     assert bench.main(["--transport", "shm", "--sizes", "0"]) == 2
     assert "--sizes must be positive" in capsys.readouterr().err
+
+
+async def test_the_report_writes_the_machine_and_the_round_trip_beside_the_figures(tmp_path: Path) -> None:
+    """What every benchmark's JSON says besides its figures, its tables, and its PNG."""
+    server = await smb2.start_server("127.0.0.1", 0)
+    try:
+        rtt = await report.round_trip_us([f"127.0.0.1:{server.address[1]}"], n=20)
+    finally:
+        await server.close()
+    assert 0 < rtt < 1e6
+    out = report.write_json(tmp_path / "deep" / "run.json", {"rows": [1], "round_trip_64B_us": rtt}, quiet=True)
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == [1] and doc["round_trip_64B_us"] == rtt
+    assert doc["smb2"] == smb2.__version__ and doc["machine"]["nproc"] == os.cpu_count()
+    assert report.table(["name", "GB/s"], [["tcp", 1.5], ["shm", 12.25]]).splitlines() == [
+        "name   GB/s", "tcp     1.5", "shm   12.25"]
+    assert report.table(["a", "b"], [[1, "x"]], markdown=True).splitlines() == ["| a | b |", "| --- | --- |",
+                                                                                "| 1 | x |"]
+    png = tmp_path / "plot.png"
+    why = report.plot(png, lambda plt: plt.subplots()[0])
+    if importlib.util.find_spec("matplotlib") is None:
+        assert why == report.NO_MATPLOTLIB and not png.exists()
+    else:
+        assert why is None and png.read_bytes()[:4] == b"\x89PNG"

@@ -1,4 +1,4 @@
-"""The quick mode of the time-to-accuracy benchmark (tools/bench_tta.py, issue 13): its
+"""The quick mode of the time-to-accuracy benchmark (smb2 bench tta): its
 bookkeeping, not its speed.
 
 Two memory-server hosts and two worker hosts, each a network namespace behind a 1 Gbit/s
@@ -15,14 +15,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
-import bench_tta  # noqa: E402
-import netns_cluster  # noqa: E402
+import smb2.testing.netns as netns_cluster
+from smb2.bench import tta as bench_tta
 
 # alone: the benchmark must reach its target within a time budget
 pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
@@ -35,7 +32,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     if not ok:
         pytest.skip(f"no network namespaces here: {why}")
     out = tmp_path_factory.mktemp("tta") / "tta.json"
-    r = subprocess.run([sys.executable, str(TOOLS / "bench_tta.py"), "--quick", "--json", str(out)],
+    r = subprocess.run([sys.executable, "-m", "smb2.bench", "tta", "--quick", "--json", str(out)],
                        capture_output=True, text=True, timeout=110)
     assert r.returncode == 0, f"bench_tta --quick failed (exit {r.returncode}): {r.stderr[-3000:]}"
     return json.loads(out.read_text())

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from narrow_floats import NARROW, float32_arrays, same_floats, widen
 from smb2 import _core
 from smb2.protocol import DTYPE_CODES, WIRE_CODES
+from smb2.testing.floats import NARROW, float32_arrays, same_floats, widen
 
 U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)

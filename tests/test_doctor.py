@@ -18,8 +18,9 @@ import pytest
 import smb2
 from smb2 import auth
 from smb2.protocol import VERSION
+from smb2.testing.hostile import TOKEN
+from smb2.testing.launch import ServerProcess
 from smb2.transport.choose import rdma_unavailable_reason
-from test_hardening_server import TOKEN, ServerProcess
 
 
 def doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -205,8 +206,8 @@ async def test_an_etcd_open_to_all_is_a_problem_and_one_with_authentication_is_n
 
     import smb2
     from smb2 import doctor as doctor_module
-    from smb2.local_etcd import LocalEtcd
     from smb2.membership import NO_VIEW, open_membership
+    from smb2.testing.etcd import LocalEtcd
 
     async with LocalEtcd() as etcd:
         url = etcd.url(f"d-{uuid.uuid4().hex[:6]}")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import smb2
-from proxy import FaultProxy
+from smb2.testing.proxy import FaultProxy
 
 MiB = 1 << 20
 # counted for the closing report

@@ -16,12 +16,9 @@ import asyncio
 import json
 import os
 import random
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -31,7 +28,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import smb2
-from fuzzing import (
+from smb2 import _core
+from smb2.errors import ErrorCode
+from smb2.protocol import DTYPE_SHIFT, FLAG_STAGED, WIRE_CODES, Op
+from smb2.testing.floats import same_floats, widen
+from smb2.testing.fuzzing import (
     Harness,
     check_replies,
     control,
@@ -42,10 +43,7 @@ from fuzzing import (
     mutate,
     stream,
 )
-from narrow_floats import same_floats, widen
-from smb2 import _core, auth
-from smb2.errors import ErrorCode
-from smb2.protocol import DTYPE_SHIFT, FLAG_STAGED, WIRE_CODES, Op
+from smb2.testing.launch import ServerProcess
 
 SCALE = float(os.environ.get("SMB2_FUZZ_SCALE", "1"))
 TOKEN = b"fuzz-token-0123456789"
@@ -64,45 +62,18 @@ _SETTINGS = dict(deadline=None, derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@dataclass
-class Proc:
-    proc: subprocess.Popen[str]
-    address: tuple[str, int]
-    stderr: Path
-    segment: int = 0
+class Proc(ServerProcess):
+    """A fuzzed server: its log in a file, the segment aimed at, its RSS once warmed up."""
 
-    def rss(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) << 10
-        raise AssertionError("no VmRSS")
+    def __init__(self, tmp: Path, name: str, token: bytes | None) -> None:
+        self.log_path = tmp / f"{name}.stderr"
+        super().__init__("--capacity", "32MiB", "--log-level", "WARNING", token=token,
+                         stderr=self.log_path.open("w"))
+        self.segment = 0
+        self.baseline = 0
 
     def log(self) -> str:
-        return self.stderr.read_text(errors="replace")
-
-
-def _spawn(tmp: Path, name: str, token: bytes | None) -> Proc:
-    env = {k: v for k, v in os.environ.items() if k != auth.ENV}
-    if token:
-        env[auth.ENV] = token.decode()
-    err = tmp / f"{name}.stderr"
-    proc = subprocess.Popen([sys.executable, "-m", "smb2.server", "--port", "0",
-                             "--capacity", "32MiB", "--log-level", "WARNING"],
-                            stdout=subprocess.PIPE, stderr=err.open("w"), text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("smb2-server listening on"), line + err.read_text()
-    host, port = line.split()[-1].rsplit(":", 1)
-    return Proc(proc, (host, int(port)), err)
-
-
-def _stop(p: Proc) -> None:
-    p.proc.terminate()
-    try:
-        p.proc.wait(10)
-    except subprocess.TimeoutExpired:
-        p.proc.kill()
-        p.proc.wait()
+        return self.log_path.read_text(errors="replace")
 
 
 async def _target(p: Proc, token: bytes | None = None) -> int:
@@ -118,7 +89,7 @@ def tmpdir_module() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def srv(tmpdir_module: Path) -> Iterator[Proc]:
-    p = _spawn(tmpdir_module, "open", None)
+    p = Proc(tmpdir_module, "open", None)
     try:
         p.segment = asyncio.run(_target(p))
         # warm up: the allocator's arenas and the server's caches reach their
@@ -126,10 +97,10 @@ def srv(tmpdir_module: Path) -> Iterator[Proc]:
         rng = random.Random(1)
         for _ in range(100):
             exchange(p.address, stream(rng, p.segment, SEG_SIZE)[0])
-        p.baseline = p.rss()  # type: ignore[attr-defined]
+        p.baseline = p.rss
         yield p
     finally:
-        _stop(p)
+        p.stop(10)
         out = os.environ.get("SMB2_FUZZ_STATS")
         if out:
             Path(out).write_text(json.dumps(STATS, indent=2))
@@ -137,12 +108,12 @@ def srv(tmpdir_module: Path) -> Iterator[Proc]:
 
 @pytest.fixture(scope="module")
 def gated(tmpdir_module: Path) -> Iterator[Proc]:
-    p = _spawn(tmpdir_module, "gated", TOKEN)
+    p = Proc(tmpdir_module, "gated", TOKEN)
     try:
         p.segment = asyncio.run(_target(p, TOKEN))
         yield p
     finally:
-        _stop(p)
+        p.stop(10)
 
 
 def _run(p: Proc, data: bytes, nframes: int) -> None:
@@ -260,8 +231,8 @@ def test_after_fuzzing_the_server_serves_and_did_not_grow(srv: Proc) -> None:
     asyncio.run(well_behaved())
     log = srv.log()
     assert "Traceback" not in log and "internal error" not in log, log[-3000:]
-    grown = srv.rss() - srv.baseline  # type: ignore[attr-defined]
-    print(f"\nfuzz: {STATS}; server RSS {srv.baseline >> 10} KiB -> {srv.rss() >> 10} KiB")  # type: ignore[attr-defined]
+    grown = srv.rss - srv.baseline
+    print(f"\nfuzz: {STATS}; server RSS {srv.baseline >> 10} KiB -> {srv.rss >> 10} KiB")
     assert grown < 8 << 20, f"server RSS grew by {grown >> 10} KiB over the fuzzing"
 
 

@@ -11,144 +11,38 @@ budget these check."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
 
 import smb2
-import wire
 from smb2 import auth
 from smb2.errors import ErrorCode
 from smb2.protocol import VERSION, Op
 from smb2.server import guard
 from smb2.server.options import ServerOptions
+from smb2.testing import wire
+from smb2.testing.hostile import (
+    TOKEN,
+    closed_by_server,
+    guess,
+    keep_guessing,
+    open_sockets,
+    rss_over,
+    trickle,
+    unread_reads,
+    well_behaved,
+)
+from smb2.testing.launch import ServerProcess, server_process
 
 MiB = 1 << 20
-TOKEN = b"the right token"
-
-
-class ServerProcess:
-    """One ``smb2-server`` process on loopback."""
-
-    def __init__(self, *flags: str, env: dict[str, str] | None = None, python: str = sys.executable) -> None:
-        self.proc = subprocess.Popen([python, "-m", "smb2.server", "--port", "0", *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={k: v for k, v in (env or os.environ).items() if k != auth.ENV})
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert "listening on" in line, line + self.stderr()
-        self.port = int(line.rsplit(":", 1)[1])
-        self.address = ("127.0.0.1", self.port)
-
-    @property
-    def rss(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) << 10
-        raise AssertionError("no VmRSS")
-
-    def stderr(self) -> str:
-        if self.proc.poll() is None:
-            return ""
-        assert self.proc.stderr is not None
-        return self.proc.stderr.read()
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
-@contextlib.contextmanager
-def server_process(*flags: str) -> Iterator[ServerProcess]:
-    s = ServerProcess(*flags)
-    try:
-        yield s
-    finally:
-        s.stop()
-
-
-async def rss_over(server: ServerProcess, seconds: float) -> int:
-    """The server's largest RSS seen over ``seconds``."""
-    peak = server.rss
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        await asyncio.sleep(0.05)
-        peak = max(peak, server.rss)
-    return peak
-
-
-async def well_behaved(address: tuple[str, int], token: bytes | None = None) -> None:
-    """A client still gets correct answers."""
-    async with await smb2.connect([address], token=token) as c:
-        buf = await c.create(f"ok{os.getpid()}-{time.monotonic_ns()}", MiB)
-        data = np.arange(MiB // 8, dtype=np.int64)
-        await buf.write(0, data)
-        await buf.accumulate(0, np.ones(MiB // 8, np.int64))
-        assert ((await buf.read(0, MiB)).view(np.int64) == data + 1).all()
-        await c.destroy(buf.name)
-
-
-def open_sockets(address: tuple[str, int], n: int, first: bytes = b"",
-                 source: str = "127.0.0.1") -> list[socket.socket]:
-    """``n`` connections that send ``first`` and nothing more."""
-    socks = []
-    for _ in range(n):
-        s = socket.create_connection(address, source_address=(source, 0))
-        if first:
-            s.sendall(first)
-        socks.append(s)
-    return socks
-
-
-async def trickle(writer: asyncio.StreamWriter) -> None:
-    """One byte every 0.1 s into ``writer`` until the server cuts it."""
-    with contextlib.suppress(ConnectionError):
-        while True:
-            writer.write(b"\1")
-            await writer.drain()
-            await asyncio.sleep(0.1)
-
-
-def unread_reads(address: tuple[str, int], segment: int, n: int = 8000) -> socket.socket:
-    """A connection that sends hello and ``n`` pipelined 64 KiB READs of
-    ``segment`` (at least 4 MiB) and reads none of the replies."""
-    reads = b"".join(wire.frame(Op.READ, rid=k + 2, segment=segment, offset=(k % 64) << 16, length=64 << 10)
-                     for k in range(n))
-    s = socket.create_connection(address)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.setblocking(False)
-    with contextlib.suppress(BlockingIOError):
-        s.send(wire.hello() + reads)
-    return s
-
-
-def closed_by_server(s: socket.socket, timeout: float = 10) -> bool:
-    s.settimeout(timeout)
-    try:
-        while s.recv(65536):
-            pass
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        return False
-    return True
 
 
 @pytest.mark.server_process_only
@@ -336,31 +230,6 @@ async def test_requests_waiting_for_replies_are_capped_per_connection() -> None:
         wb.close()
         async with await smb2.connect([srv.address]) as c:
             assert (await (await c.attach("x")).read(0, 8)).view(np.int64)[0] == 20
-
-
-async def guess(address: tuple[str, int], source: str, token: bytes) -> bytes:
-    """One raw handshake; the auth reply's message ('' when accepted)."""
-    reader, writer = await asyncio.open_connection(*address, local_addr=(source, 0))
-    try:
-        writer.write(wire.hello())
-        _, body = await wire.reply(reader)
-        nonce = os.urandom(32)
-        proof = auth.client_proof(token, msgpack.unpackb(body)["nonce"], nonce)
-        writer.write(wire.control({"cmd": "auth", "nonce": nonce, "proof": proof}, 2))
-        hdr, body = await wire.reply(reader)
-        return b"" if hdr[4] == 0 else msgpack.unpackb(body)["message"].encode()
-    finally:
-        writer.close()
-
-
-async def keep_guessing(address: tuple[str, int], stop: asyncio.Event, pause: float) -> int:
-    """Wrong proofs from 127.0.0.1, ``pause`` seconds apart, until ``stop``:
-    how many were refused as wrong."""
-    failed = 0
-    while not stop.is_set():
-        failed += b"authentication failed" in await guess(address, "127.0.0.1", b"guess")
-        await asyncio.sleep(pause)
-    return failed
 
 
 @pytest.mark.server_process_only

@@ -8,81 +8,40 @@ served.  docs/reliability.md states the bounds these check."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import mmap
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
 
 import smb2
 from smb2 import _core
-from smb2.errors import LockTimeout, TransportError
-from smb2.local_etcd import etcd_binary
+from smb2.errors import TransportError
 from smb2.protocol import LOCK_SEGMENT
-from smb2.transport import ShmTransport
-from test_hardening_server import server_process, well_behaved
+from smb2.testing.etcd import etcd_binary
+from smb2.testing.hostile import (
+    REGION,
+    WARM_UP,
+    acquire_within,
+    claim_fds,
+    lock_offset,
+    lock_words,
+    shm_of,
+    start_writers,
+    well_behaved,
+)
+from smb2.testing.launch import server_process
 
 MiB = 1 << 20
 
 
-def shm_of(client: smb2.Client) -> ShmTransport:
-    t = client.links[0].open
-    assert isinstance(t, ShmTransport), t
-    return t
-
-
 # -- 1. a planned restart under shm writers ------------------------------------
-
-REGION = 4 * MiB
-
-
-WARM_UP = 5
-
-
-def fill_region(address: tuple[str, int], name: str, region: int, acked: list[int],
-                stop: threading.Event, going: threading.Semaphore) -> None:
-    """Fill our region with the sequence number, again and again, over shm;
-    ``acked[region]`` is the last one a write returned for.  ``going`` is
-    released after WARM_UP writes."""
-    async def run() -> None:
-        async with await smb2.connect([address], transport="shm") as c:
-            buf = await c.attach(name)
-            seq = 0
-            while not stop.is_set():
-                seq += 1
-                try:
-                    await buf.write(region * REGION, np.full(REGION // 8, seq, np.int64))
-                except (TransportError, smb2.NoSuchBuffer):
-                    return          # the server stopped: this write was not acknowledged
-                acked[region] = seq
-                if seq == WARM_UP:
-                    going.release()
-    try:
-        asyncio.run(run())
-    finally:
-        going.release()     # a writer that failed early must not hold the test up
-
-
-def start_writers(address: tuple[str, int], name: str, n: int, acked: list[int],
-                  stop: threading.Event) -> list[threading.Thread]:
-    """``n`` writer threads (fill_region), once each has written WARM_UP times."""
-    going = threading.Semaphore(0)
-    threads = [threading.Thread(target=fill_region, args=(address, name, r, acked, stop, going))
-               for r in range(n)]
-    for t in threads:
-        t.start()
-    for _ in threads:
-        assert going.acquire(timeout=30)
-    return threads
 
 
 @pytest.mark.server_process_only
@@ -143,16 +102,6 @@ async def test_a_frozen_segment_refuses_shm_writes_and_atomics_and_a_failed_save
 
 
 # -- 2. sealed memory -------------------------------------------------------------
-
-def claim_fds(path: str, ticket: bytes) -> list[int]:
-    """What the shm transport does to get a grant's fds: the ticket in, the
-    fds out (SCM_RIGHTS)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.connect(path)
-        sock.sendall(ticket)
-        msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 64)
-        assert "segments" in msgpack.unpackb(msg), msg
-        return fds
 
 
 @pytest.mark.server_process_only
@@ -257,24 +206,6 @@ async def test_a_same_host_client_cannot_write_one_copy_of_a_replicated_buffer()
 
 
 # -- 3. lock words a client cannot wedge --------------------------------------------
-
-async def lock_offset(c: smb2.Client, name: str) -> int:
-    info = await c.links[0].open.control({"cmd": "lock_open", "name": name})  # type: ignore[union-attr]
-    return int(info["offset"])
-
-
-async def lock_words(c: smb2.Client, name: str) -> tuple[int, int]:
-    lock = (await c.stat())[0]["locks"]["locks"][name]
-    return int(lock["next_ticket"]), int(lock["now_serving"])
-
-
-async def acquire_within(lock: smb2.Lock, timeout: float) -> float:
-    """How long ``acquire(timeout)`` took; LockTimeout is an answer too."""
-    t0 = time.monotonic()
-    with contextlib.suppress(LockTimeout):
-        await lock.acquire(timeout=timeout)
-        await lock.release()
-    return time.monotonic() - t0
 
 
 @pytest.mark.server_process_only

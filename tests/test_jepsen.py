@@ -1,21 +1,19 @@
-"""The Jepsen-style harness (tools/jepsen.py), quick mode: the checker on synthetic histories
+"""The Jepsen-style harness (smb2.testing.jepsen), quick mode: the checker on synthetic histories
 (each violation it must catch), then short runs against real smb2-server processes with a
-nemesis.  The long mode is ``python tools/jepsen.py --duration 600 ...``."""
+nemesis.  The long mode is ``python -m smb2.testing.jepsen --duration 600 ...``."""
 
 from __future__ import annotations
 
 import inspect
-import sys
 from pathlib import Path
 
 import pytest
 
 import smb2
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import jepsen  # noqa: E402
-import netns_cluster  # noqa: E402
-from jepsen import FAIL, OK, UNKNOWN, Final, History, Op  # noqa: E402
+import smb2.testing.netns as netns_cluster
+from smb2.testing import jepsen
+from smb2.testing.jepsen import FAIL, OK, UNKNOWN, Final, History, Op
+from smb2.testing.jepsen.checker import subset_sums
 
 REPLICATION = "replicas" in inspect.signature(smb2.Client.create).parameters
 
@@ -47,7 +45,7 @@ def _consistent() -> History:
 
 
 def _kept(history: History, violations: list[str], where: Path) -> str:
-    """The report, and the history kept as JSON lines to study (tools/jepsen.py --history's format)."""
+    """The report, and the history kept as JSON lines to study (python -m smb2.testing.jepsen --history's format)."""
     path = where / f"jepsen-{history.seed}.jsonl"
     history.dump(path)
     return f"{jepsen.report(history, violations)}\nthe history: {path}"
@@ -123,7 +121,7 @@ def test_checker_reports_an_unreadable_final_state() -> None:
 
 
 def test_subset_sums() -> None:
-    sums = jepsen._subset_sums([3, 5, 9])
+    sums = subset_sums([3, 5, 9])
     assert [s for s in range(20) if sums >> s & 1] == [0, 3, 5, 8, 9, 12, 14, 17]
 
 

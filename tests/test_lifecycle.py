@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import smb2
+from smb2.testing.workers import torchrun as torchrun_command
 from smb2.train import ParameterStore
 from smb2.train import lifecycle as lc
 from smb2.train.store import choose_stripe, resolve_rank
@@ -352,8 +353,7 @@ class Worker:
             cmd = [sys.executable, "-c", WORKER, *args]
         else:
             del env["TORCHELASTIC_RESTART_COUNT"]
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-                   "--nproc-per-node=1", "--max-restarts=1", "--monitor-interval=0.2", str(torchrun), *args]
+            cmd = torchrun_command(str(torchrun), *args, max_restarts=1, monitor_interval=0.2)
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.PIPE, env=env)
         return cls(proc)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import smb2
-import wire
 from smb2.protocol import Op
+from smb2.testing import wire
 
 MiB = 1 << 20
 

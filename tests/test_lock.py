@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 import smb2
-from lock_worker import reap, spawn, start_holder
 from smb2 import _core
 from smb2.protocol import FLAG_FENCED, LOCK_SEGMENT, VERSION, Op, pack
+from smb2.testing.workers import reap, spawn, start_holder
 from smb2.transport import LockCapable, ShmTransport
 
 MODES = ["park", "poll"]

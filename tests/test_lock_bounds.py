@@ -17,13 +17,17 @@ import msgpack
 import pytest
 
 import smb2
-from lock_worker import spawn
 from smb2 import _core
 from smb2.errors import ErrorCode
 from smb2.protocol import LOCK_SEGMENT, Op
 from smb2.server import locks as server_locks
-from test_hardening_server import ServerProcess
-from wire import control, frame, hello, reply
+from smb2.testing.hostile import (
+    LoopWatch,
+    SlowestRead,
+)
+from smb2.testing.launch import ServerProcess
+from smb2.testing.wire import control, frame, hello, reply
+from smb2.testing.workers import spawn
 
 
 async def _pipeline_acquires(server: smb2.Server | ServerProcess, holder: smb2.Lock, n: int, *,
@@ -43,48 +47,6 @@ async def _pipeline_acquires(server: smb2.Server | ServerProcess, holder: smb2.L
                           for i in range(n)))
     await writer.drain()
     return reader, writer
-
-
-class LoopWatch:
-    """The longest the loop went without running a 1 ms ticker."""
-
-    def __init__(self) -> None:
-        self.worst = 0.0
-        self._task = asyncio.get_running_loop().create_task(self._tick())
-
-    async def _tick(self) -> None:
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(0.001)
-            now = time.monotonic()
-            self.worst = max(self.worst, now - last)
-            last = now
-
-    def stop(self) -> float:
-        self._task.cancel()
-        return self.worst
-
-
-class SlowestRead:
-    """Reads 8 bytes of ``buf`` over and over until ``stop()``: ``worst`` is
-    the longest one took (a read's error surfaces at ``stop()``)."""
-
-    def __init__(self, buf: smb2.Buffer) -> None:
-        self.buf = buf
-        self.worst = 0.0
-        self._done = False
-        self._task = asyncio.ensure_future(self._ping())
-
-    async def _ping(self) -> None:
-        while not self._done:
-            t0 = time.monotonic()
-            await self.buf.read(0, 8)
-            self.worst = max(self.worst, time.monotonic() - t0)
-
-    async def stop(self) -> float:
-        self._done = True
-        await self._task
-        return self.worst
 
 
 # -- item 3: many parked waiters ---------------------------------------------------

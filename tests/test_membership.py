@@ -1,5 +1,5 @@
 """The membership view of a replicated cluster, in a private etcd
-(smb2.membership, smb2.local_etcd, LocalCluster(replicated=True))."""
+(smb2.membership, smb2.testing.etcd, LocalCluster(replicated=True))."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 import smb2
 from smb2.errors import InvalidArgumentError, MembershipError
-from smb2.local_etcd import LocalEtcd, free_port
 from smb2.membership import NO_VIEW, View, open_membership
 from smb2.server.cli import main as server_main
+from smb2.testing.etcd import LocalEtcd, free_port
 
 pytestmark = [pytest.mark.server_process_only,
               pytest.mark.skipif(not any(os.access(os.path.join(d, "etcd"), os.X_OK)

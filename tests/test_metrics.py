@@ -20,56 +20,23 @@ import numpy as np
 import pytest
 
 import smb2
-from lock_worker import spawn
 from smb2.protocol import H_STATUS, Op
 from smb2.server.options import ServerOptions
-from test_hardening_server import TOKEN, ServerProcess, closed_by_server
-from wire import closed, frame, hello, reply
+from smb2.testing.hostile import (
+    TOKEN,
+    closed_by_server,
+)
+from smb2.testing.launch import ServerProcess
+from smb2.testing.metrics import FLOOD, MetricsServer, Samples, bucket_counts, moved, scrape, value
+from smb2.testing.wire import closed, frame, hello, reply
+from smb2.testing.workers import spawn
 
 # the soft-RoCE guest has no prometheus-client (tools/rxe_vm_requirements.txt): the
 # metrics are not about a transport, the host runs them
-text_string_to_metric_families = pytest.importorskip(
-    "prometheus_client.parser", reason="smb2-server --metrics needs prometheus-client (pip install 'smb2[metrics]')"
-).text_string_to_metric_families
+pytest.importorskip(
+    "prometheus_client.parser", reason="smb2-server --metrics needs prometheus-client (pip install 'smb2[metrics]')")
 
 MiB = 1 << 20
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(url: str) -> Samples:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        assert resp.status == 200
-        assert resp.headers["Content-Type"].startswith("text/plain")
-        text = resp.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def moved(before: Samples, after: Samples, name: str, **labels: str) -> float:
-    return value(after, name, **labels) - value(before, name, **labels)
-
-
-def bucket_counts(samples: Samples, name: str, **labels: str) -> dict[str, float]:
-    """A histogram's cumulative bucket counts by ``le``."""
-    want = set(labels.items())
-    return {dict(k[1])["le"]: v for k, v in samples.items()
-            if k[0] == f"{name}_bucket" and want <= set(k[1])}
-
-
-class MetricsServer(ServerProcess):
-    def __init__(self, *flags: str) -> None:
-        super().__init__("--metrics", "127.0.0.1:0", *flags)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert "metrics on http://" in line, line
-        self.url = line.split()[-1]
-
-    async def scrape(self) -> Samples:
-        return await asyncio.to_thread(scrape, self.url)
 
 
 @pytest.fixture
@@ -314,32 +281,6 @@ async def test_refusals_by_reason_and_cuts_by_deadline() -> None:
     assert moved(before, after, "smb2_connections_cut_total", reason="hello_timeout") == 1
     # a refused request is not an executed op
     assert value(after, "smb2_ops_total", transport="tcp", op="read") == 0
-
-
-# N connections scraping URL over and over for SECONDS (raw HTTP/1.0, so the
-# flooding process is not what limits the rate); prints how many got a 200,
-# and how many readings of the server those were (a reading's uptime is its own)
-FLOOD = """
-import asyncio, sys, time, urllib.parse
-url, n, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-host, port = urllib.parse.urlsplit(url).netloc.rsplit(":", 1)
-async def scrape(end, ok):
-    while time.monotonic() < end:
-        try:
-            r, w = await asyncio.open_connection(host, int(port))
-            w.write(b"GET /metrics HTTP/1.0\\r\\n\\r\\n")
-            body = await r.read()
-            if body.startswith(b"HTTP/1.1 200"):
-                ok.append(next(ln for ln in body.split(b"\\n") if ln.startswith(b"smb2_uptime_seconds ")))
-            w.close()
-        except OSError:
-            pass
-async def main():
-    ok, end = [], time.monotonic() + seconds
-    await asyncio.wait_for(asyncio.gather(*(scrape(end, ok) for _ in range(n))), seconds + 10)
-    print(len(ok), len(set(ok)))
-asyncio.run(main())
-"""
 
 
 def server_cpu(pid: int) -> float:

@@ -21,9 +21,7 @@ from pathlib import Path
 import pytest
 
 import smb2
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import netns_cluster  # noqa: E402
+import smb2.testing.netns as netns_cluster
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -262,7 +260,7 @@ def test_faults_cut_heal_kill_restart_and_etcd() -> None:
 
 @pytest.mark.slow
 def test_replicated_failover_across_hosts_loses_nothing(tmp_path: Path) -> None:
-    """tools/bench_replicas_netns.py's quick failover phase: a primary SIGKILLed under accumulate
+    """``smb2 bench replicas-netns``'s quick failover phase: a primary SIGKILLed under accumulate
     and fetch_add loops on every stripe (3 servers, etcd and the client each its own host); the
     client goes on within the target (3 s) and the Jepsen checker finds every acknowledged update
     on the copies, none applied twice."""
@@ -270,9 +268,8 @@ def test_replicated_failover_across_hosts_loses_nothing(tmp_path: Path) -> None:
     if not ok:
         pytest.skip(f"no network namespaces here: {why}")
     out = tmp_path / "failover.json"
-    tool = Path(__file__).resolve().parents[1] / "tools" / "bench_replicas_netns.py"
-    r = subprocess.run([sys.executable, str(tool), "--quick", "--phases", "failover", "--kills", "1",
-                        "--json", str(out)], capture_output=True, text=True, timeout=50)
+    r = subprocess.run([sys.executable, "-m", "smb2.bench", "replicas-netns", "--quick", "--phases", "failover",
+                        "--kills", "1", "--json", str(out)], capture_output=True, text=True, timeout=50)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     fo = json.loads(out.read_text())["failover"]
     assert fo["violations"] == [] and len(fo["kills"]) == 1, fo

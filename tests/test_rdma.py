@@ -102,7 +102,7 @@ async def test_a_replicated_buffer_is_registered_without_remote_write_or_atomics
     client of its own that RDMA-writes or does a one-sided atomic on one copy
     gets a remote access error from the NIC, and the copies stay as written;
     RDMA READs of it work."""
-    from smb2.local_etcd import etcd_binary
+    from smb2.testing.etcd import etcd_binary
     try:
         etcd_binary()
     except Exception:

@@ -14,7 +14,7 @@ import smb2
 from smb2 import _core, cli
 from smb2.membership import Holder, Substitute, View
 from smb2.placement import Placement
-from test_replication_server import Increments, Raw, server_stat
+from smb2.testing.replicas import Increments, Raw, server_stat
 
 MiB = 1 << 20
 # --replace-after in these tests

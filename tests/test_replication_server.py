@@ -19,15 +19,16 @@ import msgpack
 import numpy as np
 import pytest
 
-from smb2 import Buffer, _core, auth
+from smb2 import _core
 from smb2.errors import ErrorCode, MembershipError
-from smb2.local_etcd import LocalEtcd, etcd_binary, free_port
 from smb2.membership import NO_VIEW, View, open_membership
 from smb2.placement import Placement
 from smb2.protocol import DTYPE_SHIFT, FLAG_FORWARDED, FLAG_REPLICATED, VERSION, Op
 from smb2.server import start_server
 from smb2.server.replication import DEDUP_PER_CLIENT, Dedup, Entry, TooManyClients
-from wire import control, frame, reply
+from smb2.testing.etcd import LocalEtcd, etcd_binary, free_port
+from smb2.testing.replicas import Increments, Raw, segment_bytes, server_stat
+from smb2.testing.wire import control, frame, reply
 
 try:
     etcd_binary()
@@ -44,58 +45,6 @@ NBYTES = 6 * STRIPE
 
 def prefix(epoch: int, client: int, seq: int) -> bytes:
     return _core.pack_u64(epoch) + _core.pack_u64(client) + _core.pack_u64(seq)
-
-
-class Raw:
-    """One raw connection to a server (hello, then frames)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.rid = 1
-
-    token: bytes | None = None      # set by a test whose servers want one
-
-    @classmethod
-    async def open(cls, address: str, peer: str | None = None) -> Raw:
-        host, port = address.rsplit(":", 1)
-        r, w = await asyncio.open_connection(host, int(port))
-        raw = cls(r, w)
-        msg = {"cmd": "hello", "version": VERSION, "transports": ["tcp"]}
-        if peer is not None:
-            msg["peer"] = peer
-        hdr, body = await raw.call_frame(control(msg))
-        assert hdr[4] == 0, body
-        nonce = msgpack.unpackb(body).get("nonce")
-        if nonce is not None and cls.token is not None:
-            mine = os.urandom(32)
-            await raw.control({"cmd": "auth", "nonce": mine, "proof": auth.client_proof(cls.token, nonce, mine)})
-        return raw
-
-    async def call_frame(self, data: bytes) -> tuple[tuple[int, ...], bytes]:
-        self.writer.write(data)
-        return await reply(self.reader)
-
-    async def control(self, msg: dict) -> dict:
-        self.rid += 1
-        hdr, body = await self.call_frame(control(msg, self.rid))
-        out = msgpack.unpackb(body)
-        assert hdr[4] == 0, out
-        return out
-
-    async def op(self, op: int, segment: int, offset: int, payload: bytes, flags: int) -> tuple[int, dict | bytes]:
-        self.rid += 1
-        hdr, body = await self.call_frame(frame(op, payload, rid=self.rid, segment=segment, offset=offset,
-                                                flags=flags))
-        return hdr[4], (msgpack.unpackb(body) if hdr[4] else body)
-
-    async def read(self, segment: int, offset: int, n: int) -> bytes:
-        self.rid += 1
-        hdr, body = await self.call_frame(frame(Op.READ, rid=self.rid, segment=segment, offset=offset, length=n))
-        assert hdr[4] == 0
-        return body
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 class Cluster:
@@ -373,56 +322,7 @@ async def test_restarted_server_catches_up(cluster, data_dir, tmp_path):
     print(f"caught up in {took:.2f} s")
 
 
-async def segment_bytes(address: str, name: str) -> tuple[dict, bytes]:
-    raw = await Raw.open(address)
-    try:
-        info = await raw.control({"cmd": "lookup", "name": name})
-        return info, await raw.read(info["segment"], 0, info["size"])
-    finally:
-        raw.close()
-
-
-async def server_stat(address: str) -> dict:
-    raw = await Raw.open(address)
-    try:
-        return await raw.control({"cmd": "stat"})
-    finally:
-        raw.close()
-
-
 REPAIR_WITHIN = 10.0
-
-
-class Increments:
-    """Writers accumulating int64 ones at random places of ``buf`` until
-    stopped, recording what each sent and which were acknowledged: the
-    buffer must then hold at least every acknowledged one, at most every
-    one sent."""
-
-    def __init__(self, buf: Buffer, writers: int = 2, most: int = 2048) -> None:
-        self.buf, self.n = buf, buf.nbytes // 8
-        self.acked = np.zeros(self.n, np.int64)
-        self.sent = np.zeros(self.n, np.int64)
-        self._stop = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._writer(k, most)) for k in range(writers)]
-
-    async def _writer(self, k: int, most: int) -> None:
-        rng = np.random.default_rng(k)
-        while not self._stop.is_set():
-            m = int(rng.integers(1, most))
-            at = int(rng.integers(0, self.n - m))
-            self.sent[at:at + m] += 1
-            await self.buf.accumulate(8 * at, np.ones(m, np.int64))
-            self.acked[at:at + m] += 1
-
-    async def stop(self) -> np.ndarray:
-        """Stop the writers; the buffer's contents, checked."""
-        self._stop.set()
-        await asyncio.gather(*self._tasks)
-        whole = np.frombuffer(await self.buf.read(0, self.buf.nbytes), np.int64)
-        assert self.acked.sum() > 0
-        assert np.all(whole >= self.acked) and np.all(whole <= self.sent)
-        return whole
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 import smb2
+from smb2.testing.workers import torchrun
 from smb2.torch.loop_thread import LoopThread
 from smb2.train.store import describe
 
@@ -78,10 +78,10 @@ def test_training_goes_on_through_a_lost_server_with_two_replicas_and_ends_clear
     env = dict(os.environ, SMB2_SERVERS=",".join(c.addresses), OMP_NUM_THREADS="1")
     names = {2: "t-replicated", 1: "t-single"}
     jobs = {r: subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={WORKERS}",
-         # the replicas=1 job runs faster (its writes take the mapped path) and ends at the kill:
-         # it gets more epochs, so that it is still training when the kill comes
-         "--max-restarts=0", str(script), names[r], str(r), str(EPOCHS if r == 2 else 5 * EPOCHS)],
+        # the replicas=1 job runs faster (its writes take the mapped path) and ends at the kill:
+        # it gets more epochs, so that it is still training when the kill comes
+        torchrun(str(script), names[r], str(r), str(EPOCHS if r == 2 else 5 * EPOCHS), nproc=WORKERS,
+                 max_restarts=0),
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in names}
 
     async def first_server(name: str) -> int:

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 import smb2
-import wire
 from smb2 import _core
 from smb2.errors import ErrorCode
 from smb2.protocol import FLAG_REPLY, VERSION, Op
+from smb2.testing import wire
+from smb2.testing.launch import ServerProcess, ready_address
 
 
 async def _raw(server: smb2.Server) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -254,12 +255,10 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
 
 def test_smb2_server_command_prints_ready_line_and_stops_cleanly() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
-        proc = _spawn("--host", "127.0.0.1", "--port", "0", "--capacity", "16MiB")
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            assert line.startswith("smb2-server listening on 127.0.0.1:"), line
-            port = int(line.rsplit(":", 1)[1])
+        # the launcher waits for the ready line and says where it listens
+        with ServerProcess("--capacity", "16MiB", host="127.0.0.1") as srv:
+            assert srv.host == "127.0.0.1"
+            port = srv.port
 
             async def use(port: int) -> None:
                 async with await smb2.connect([f"127.0.0.1:{port}"]) as c:
@@ -267,12 +266,14 @@ def test_smb2_server_command_prints_ready_line_and_stops_cleanly() -> None:
                     await buf.write(0, np.arange(10, dtype=np.int64))
                     assert (await c.stat())[0]["buffers"]["cli"]["size"] >= 1000
             asyncio.run(use(port))
-            proc.send_signal(sig)
-            assert proc.wait(10) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            assert srv.stop(timeout=10, sig=sig) == 0
+
+
+def test_the_launcher_reads_the_ready_line_and_says_why_a_server_did_not_start() -> None:
+    assert ready_address(b"smb2-server listening on 10.0.0.2:7420\n") == ("10.0.0.2", 7420)
+    assert ready_address("smb2-server: error: something else") is None
+    with pytest.raises(smb2.InterfaceError, match="(?s)did not start .*not a size"):
+        ServerProcess("--capacity", "lots")
 
 
 def test_smb2_server_command_rejects_bad_options() -> None:
@@ -287,13 +288,7 @@ def test_smb2_server_command_rejects_bad_options() -> None:
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 2 and words in err and "Traceback" not in err, (option, value, err)
     # a port in use
-    holder = _spawn("--port", "0")
-    try:
-        assert holder.stdout is not None
-        port = holder.stdout.readline().rsplit(":", 1)[1].strip()
-        proc = _spawn("--port", port)
+    with ServerProcess() as holder:
+        proc = _spawn("--port", str(holder.port))
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 1 and "cannot listen" in err
-    finally:
-        holder.terminate()
-        holder.wait(10)

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import smb2
-import wire
 from smb2.errors import ErrorCode
 from smb2.server.shm import MAX_PENDING_PER_OWNER
+from smb2.testing import wire
 from smb2.transport import ShmTransport, TcpTransport
 
 MiB = 1 << 20

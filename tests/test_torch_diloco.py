@@ -20,18 +20,18 @@ from smb2.train.stability import LagScaling, TrainingDiverged
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
 
 import smb2.torch as st  # noqa: E402
-from test_torch_optimizer import (  # noqa: E402
+from smb2.testing.torch_models import (  # noqa: E402
     EXAMPLE,
     GRAD,
     LR,
     TwoHeads,
-    _async,
-    _constant_steps,
-    _json_objects,
-    _model,
-    _shared,
-    _single_process_accuracy,
+    async_optimizer,
+    constant_steps,
+    shared_values,
+    single_process_accuracy,
+    small_model,
 )
+from smb2.testing.workers import json_objects, torchrun  # noqa: E402
 
 
 def _batches(rounds: int, h: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -51,7 +51,7 @@ def _inner_steps(model: torch.nn.Module, opt: torch.optim.Optimizer,
 def _reference(rounds: int, h: int, outer_lr: float, outer_momentum: float) -> dict[str, torch.Tensor]:
     """One process: the inner SGD for ``h`` steps, then torch's outer
     ``SGD(nesterov=True)`` with grad = w_start - w_local; ``rounds`` times."""
-    model = _model()
+    model = small_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     shared = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
     outer = torch.optim.SGD(shared, lr=outer_lr, momentum=outer_momentum, nesterov=True)
@@ -78,17 +78,17 @@ def test_one_worker_is_the_inner_optimizer_then_torch_nesterov(servers: str, out
     # step sees the new shared weights (in training it may start on the old ones, see docs)
     h, rounds = 4, 3
     ref = _reference(rounds, h, outer_lr, outer_momentum)
-    model = _model()
+    model = small_model()
     batches = _batches(rounds, h)
-    with _async(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), servers,
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), servers,
                 f"t-diloco-one-{exact}", rule="diloco", local_steps=h, outer_lr=outer_lr,
                 outer_momentum=outer_momentum, push_dtype="float32") as opt:
         for r in range(rounds):
             _inner_steps(model, opt, batches[r * h:(r + 1) * h])
             opt.flush()
             if r == 0:
-                first = _shared(opt)
-        shared = _shared(opt)
+                first = shared_values(opt)
+        shared = shared_values(opt)
         stats = opt.stats()
     one = _reference(1, h, outer_lr, outer_momentum)
     for n, p in model.named_parameters():
@@ -107,12 +107,12 @@ def test_one_worker_is_the_inner_optimizer_then_torch_nesterov(servers: str, out
 
 def test_the_pseudo_gradient_travels_as_bfloat16_by_default(servers: str) -> None:
     model = TwoHeads()
-    with _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-bf16", rule="diloco",
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-bf16", rule="diloco",
                 local_steps=2, outer_lr=0.5, outer_momentum=0.5) as opt:
         assert opt.push_dtype == "bfloat16"
-        _constant_steps(opt, model, 4)
+        constant_steps(opt, model, 4)
         opt.flush()
-        shared = _shared(opt)
+        shared = shared_values(opt)
         assert opt.stats()["bytes_pushed"] == 2 * opt.store.flat().nbytes      # two rounds, 2 bytes x 2
     for n, g in GRAD.items():
         # D = 2 LR g each round (dyadic: exact in bf16); m1 = D, m2 = D/2 + D; w = -(0.5)(D + m1/2) - 0.5(D + m2/2)
@@ -124,9 +124,9 @@ def test_the_pseudo_gradient_travels_as_bfloat16_by_default(servers: str) -> Non
 
 def test_close_pushes_the_last_shorter_round(servers: str) -> None:
     model = TwoHeads()
-    opt = _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-close", rule="diloco",
+    opt = async_optimizer(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-close", rule="diloco",
                  local_steps=4, outer_lr=0.5, outer_momentum=0.0, push_dtype="float32")
-    _constant_steps(opt, model, 6)      # a round of 4, then 2 steps
+    constant_steps(opt, model, 6)      # a round of 4, then 2 steps
     opt.close(wait_all=30)
     for n, p in model.named_parameters():
         # each round's pseudo-gradient moves the shared model by outer_lr times it: 4 + 2 steps
@@ -233,20 +233,20 @@ def test_a_nan_pseudo_gradient_is_refused_in_training_terms(servers: str) -> Non
     # rank 0's weights turn NaN in its second round (step 6): the round's push at step 8 is refused
     # with the rank and the step; the shared model stays round 1's, finite
     model = TwoHeads()
-    opt = _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-nan", rule="diloco",
+    opt = async_optimizer(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-nan", rule="diloco",
                  local_steps=4)
-    _constant_steps(opt, model, 4)
+    constant_steps(opt, model, 4)
     opt.flush()
-    before = _shared(opt)
-    _constant_steps(opt, model, 1)
+    before = shared_values(opt)
+    constant_steps(opt, model, 1)
     with torch.no_grad():
         model.a.weight[0, 0] = float("nan")
     with pytest.raises(TrainingDiverged) as err:
-        _constant_steps(opt, model, 3)
+        constant_steps(opt, model, 3)
         opt.flush()
     msg = str(err.value)
     assert "rank 0" in msg and "step 8" in msg and "'a.weight'" in msg and "not pushed" in msg, msg
-    after = _shared(opt)
+    after = shared_values(opt)
     for n, v in after.items():
         np.testing.assert_array_equal(v, before[n], err_msg=n)
     with pytest.raises(TrainingDiverged):
@@ -263,7 +263,7 @@ def test_a_resumed_run_keeps_the_outer_momentum(servers: str) -> None:
                                 rank=0, world_size=1, resume=resume, rule="diloco", local_steps=2,
                                 outer_lr=0.5, outer_momentum=0.5, push_dtype="float32")
         assert opt.resumed == resume
-        _constant_steps(opt, model, 2 * rounds)
+        constant_steps(opt, model, 2 * rounds)
         opt.close(wait_all=30)
         return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
@@ -280,9 +280,9 @@ def test_a_resumed_run_keeps_the_outer_momentum(servers: str) -> None:
 
 def test_rm_removes_the_outer_momentum(servers: str) -> None:
     model = TwoHeads()
-    with _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-rm", rule="diloco",
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-rm", rule="diloco",
                 local_steps=2) as opt:
-        _constant_steps(opt, model, 2)
+        constant_steps(opt, model, 2)
         opt.flush()
     out = subprocess.run([sys.executable, "-m", "smb2.cli", "rm", "t-diloco-rm", "--servers", servers],
                          capture_output=True, text=True, timeout=60)
@@ -306,7 +306,7 @@ def test_bad_options_are_refused(servers: str, options: dict[str, Any], match: s
     model = TwoHeads()
     options = {"rule": "diloco", **options}
     with pytest.raises(smb2.InvalidArgumentError, match=match):
-        _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-bad", **options)
+        async_optimizer(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-diloco-bad", **options)
 
 
 #: how far below the single process 4 diloco workers may end (points): the 2 asked of it.  Each round
@@ -324,20 +324,19 @@ GAP_POINTS = 2.0
 def test_torchrun_diloco_workers_train_the_shared_model(servers: str, record_property: Any) -> None:
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
     env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
-    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                            str(EXAMPLE), "--optimizer", "sgd", "--epochs", "12", "--rule", "diloco",
-                            "--name", "t-run-diloco"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+    run = subprocess.Popen(torchrun(str(EXAMPLE), "--optimizer", "sgd", "--epochs", "12", "--rule", "diloco",
+                                    "--name", "t-run-diloco", nproc=4),
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # the same samples in all: 12 epochs of all the data at batch 32, while the workers start up
     try:
-        single = _single_process_accuracy("sgd", 12)
+        single = single_process_accuracy("sgd", 12)
         stdout, stderr = run.communicate(timeout=300)
     finally:
         if run.poll() is None:
             run.kill()
             run.communicate()
     assert run.returncode == 0, stderr[-3000:]
-    ranks = _json_objects(stdout)
+    ranks = json_objects(stdout)
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     assert len({r["accuracy"] for r in ranks}) == 1        # every rank evaluated the same shared model
     record_property("accuracy", {"workers": ranks[0]["accuracy"], "single": single})  # --junitxml (legacy family)

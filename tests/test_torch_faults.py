@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 import smb2
+from smb2.testing.workers import torchrun
 from smb2.torch.loop_thread import LoopThread
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
@@ -137,8 +137,7 @@ def test_a_dead_worker_does_not_fail_the_survivors(servers: str, tmp_path: Path)
     for rank in range(3):
         env = dict(os.environ, SMB2_SERVERS=servers, SMB2_RANK=str(rank), SMB2_WORLD_SIZE="3", OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
-             "--max-restarts=0", str(script), "t-survivors", str(tmp_path)],
+            torchrun(str(script), "t-survivors", str(tmp_path), max_restarts=0),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=200) for p in procs]
     codes = [p.returncode for p in procs]

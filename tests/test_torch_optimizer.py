@@ -3,15 +3,11 @@ memory-server processes; the torchrun tests launch real workers."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import statistics
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,19 +20,23 @@ torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
 
 import smb2.torch as st  # noqa: E402
+from smb2.testing.torch_models import (  # noqa: E402
+    EXAMPLE,
+    GRAD,
+    LR,
+    ONES,
+    TwoHeads,
+    async_optimizer,
+    constant_steps,
+    load_example,
+    shared_values,
+    single_process_accuracy,
+    small_model,
+)
+from smb2.testing.workers import json_objects, torchrun  # noqa: E402
 from smb2.train import lifecycle as lc  # noqa: E402
 from smb2.train.dropping import LayerDropping  # noqa: E402
 from smb2.train.stability import TrainingDiverged  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "torch_train.py"
-
-
-def _model(seed: int = 0, bn: bool = False) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    layers = [torch.nn.Linear(10, 32)] + ([torch.nn.BatchNorm1d(32)] if bn else []) + \
-        [torch.nn.ReLU(), torch.nn.Linear(32, 3)]
-    return torch.nn.Sequential(*layers)
 
 
 def _data(n: int = 256, seed: int = 0, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,29 +58,6 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed:
     return loss.item()
 
 
-def _async(model: torch.nn.Module, opt: torch.optim.Optimizer, servers: str, name: str,
-           **kw: Any) -> st.AsyncOptimizer:
-    kw.setdefault("rank", 0)
-    kw.setdefault("world_size", 1)
-    return st.AsyncOptimizer(opt, model, name=name, servers=servers, resume=False, **kw)
-
-
-def _shared(opt: st.AsyncOptimizer) -> dict[str, np.ndarray]:
-    """The store's current values, read by a separate client."""
-    async def read() -> dict[str, np.ndarray]:
-        async with await smb2.connect(opt.store.client.servers) as c:
-            buf = await c.attach(opt.store.buf.name)
-            flat = np.empty_like(opt.store.flat())
-            await buf.read_into(flat, opt.store.data_off)
-        return {n: flat[opt.store.flat_offset(n):opt.store.flat_offset(n) + v.size].reshape(v.shape).copy()
-                for n, v in opt.store.params.items()}
-    loop = LoopThread("test-read")
-    try:
-        return loop.run(read())
-    finally:
-        loop.stop()
-
-
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -90,12 +67,12 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_the_torch_optimizer_is_applied(servers: str, make: Callable[..., torch.optim.Optimizer]) -> None:
     # one worker, rule delta: exactly the local training the optimizer does alone (so momentum and
     # Adam's moments are never silently ignored: their trajectory is not plain SGD's)
-    ref = _model()
+    ref = small_model()
     _train(ref, make(ref.parameters()), 30)
-    model = _model()
-    with _async(model, make(model.parameters()), servers, "t-applied") as opt:
+    model = small_model()
+    with async_optimizer(model, make(model.parameters()), servers, "t-applied") as opt:
         _train(model, opt, 30)
-        shared = _shared(opt)
+        shared = shared_values(opt)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), _params(ref)[name], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(shared[name], p.detach().numpy(), rtol=1e-4, atol=1e-5)
@@ -104,10 +81,11 @@ def test_the_torch_optimizer_is_applied(servers: str, make: Callable[..., torch.
 def test_plain_sgd_delta_equals_accumulate(servers: str) -> None:
     results = []
     for rule in ("delta", "accumulate"):
-        model = _model()
-        with _async(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, f"t-eq-{rule}", rule=rule) as opt:
+        model = small_model()
+        with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, f"t-eq-{rule}",
+                             rule=rule) as opt:
             _train(model, opt, 20)
-            results.append(_shared(opt))
+            results.append(shared_values(opt))
     for name in results[0]:
         np.testing.assert_allclose(results[0][name], results[1][name], rtol=1e-4, atol=1e-5)
 
@@ -117,37 +95,37 @@ def test_plain_sgd_delta_equals_accumulate(servers: str) -> None:
                                   lambda p: torch.optim.Adam(p)], ids=["momentum", "adam"])
 def test_gradient_rules_refuse_optimizers_they_would_ignore(servers: str, rule: str,
                                                             make: Callable[..., torch.optim.Optimizer]) -> None:
-    model = _model()
+    model = small_model()
     with pytest.raises(smb2.InvalidArgumentError, match="rule='delta'"):
-        _async(model, make(model.parameters()), servers, "t-refuse", rule=rule)
+        async_optimizer(model, make(model.parameters()), servers, "t-refuse", rule=rule)
 
 
 def test_schedulers_on_the_wrapper_or_the_optimizer(servers: str) -> None:
     # a scheduler built on either object drives the learning rate the servers apply
-    ref = _model()
+    ref = small_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
     _train(ref, ref_opt, 1)
     ref_sched.step()
     _train(ref, ref_opt, 1)
     for on_wrapper in (True, False):
-        model = _model()
+        model = small_model()
         inner = torch.optim.SGD(model.parameters(), lr=0.2)
-        with _async(model, inner, servers, f"t-sched-{on_wrapper}", rule="accumulate",
+        with async_optimizer(model, inner, servers, f"t-sched-{on_wrapper}", rule="accumulate",
                     push_in_backward=False) as opt:
             sched = torch.optim.lr_scheduler.StepLR(opt if on_wrapper else inner, step_size=1, gamma=0.5)
             _train(model, opt, 1)
             sched.step()
             _train(model, opt, 1)
             assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
-            shared = _shared(opt)
+            shared = shared_values(opt)
         for n, p in ref.named_parameters():
             np.testing.assert_allclose(shared[n], p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=n)
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 3])
 def test_the_staleness_bound_holds(servers: str, staleness: int) -> None:
-    model = _model()
+    model = small_model()
     lags: list[int] = []
 
     class Recording(st.AsyncOptimizer):       # the lag each step leaves for the next compute
@@ -164,7 +142,7 @@ def test_the_staleness_bound_holds(servers: str, staleness: int) -> None:
         assert opt.stats()["max_lag"] == max(lags)
         if staleness == 0:
             # sequential: after each step the model holds exactly the shared weights
-            shared = _shared(opt)
+            shared = shared_values(opt)
             for name, p in model.named_parameters():
                 np.testing.assert_array_equal(shared[name], p.detach().numpy())
         else:
@@ -173,21 +151,21 @@ def test_the_staleness_bound_holds(servers: str, staleness: int) -> None:
 
 
 def test_frozen_parameters_are_never_pushed(servers: str) -> None:
-    model = _model()
+    model = small_model()
     model[0].weight.requires_grad_(False)
     frozen = model[0].weight.detach().clone()
-    with _async(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+    with async_optimizer(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
                 servers, "t-frozen") as opt:
         assert "0.weight" not in opt.store.params
         _train(model, opt, 5)
         assert torch.equal(model[0].weight.detach(), frozen)
-        assert set(_shared(opt)) == {"0.bias", "2.weight", "2.bias"}
+        assert set(shared_values(opt)) == {"0.bias", "2.weight", "2.bias"}
 
 
 def test_buffers_are_averaged_over_the_workers(servers: str) -> None:
     # two workers whose data have different means: BatchNorm's shared running
     # mean follows the average of the two, and both workers end up with it
-    models = [_model(bn=True), _model(bn=True)]
+    models = [small_model(bn=True), small_model(bn=True)]
     errors: list[BaseException] = []
     # the workers step in turn: the shared copy follows the workers that are
     # training, so a worker that ran all its steps alone would own it
@@ -226,9 +204,9 @@ def test_buffers_are_averaged_over_the_workers(servers: str) -> None:
 
 
 def test_bf16_model_trains_with_bf16_pushes(servers: str) -> None:
-    model = _model().to(torch.bfloat16)
+    model = small_model().to(torch.bfloat16)
     x, y = _data()
-    with _async(model, torch.optim.AdamW(model.parameters(), lr=0.01), servers, "t-bf16") as opt:
+    with async_optimizer(model, torch.optim.AdamW(model.parameters(), lr=0.01), servers, "t-bf16") as opt:
         assert opt.push_dtype == "bfloat16" and opt.store.rule.wire == "bfloat16"
         assert opt.store.layout.dtype == np.float32          # the master copy stays fp32
         first = torch.nn.functional.cross_entropy(model(x.bfloat16()).float(), y).item()
@@ -248,8 +226,8 @@ def test_bf16_model_trains_with_bf16_pushes(servers: str) -> None:
 
 
 def test_errors_of_the_background_loop_surface_with_their_type(servers: str) -> None:
-    model = _model()
-    opt = _async(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-error", staleness=1)
+    model = small_model()
+    opt = async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-error", staleness=1)
     try:
         _train(model, opt, 2)
 
@@ -271,9 +249,9 @@ def test_errors_of_the_background_loop_surface_with_their_type(servers: str) -> 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the staging path "
                     "(pinned host mirrors, side stream) runs on CPU tensors in the other tests")
 def test_a_cuda_model_trains_through_pinned_mirrors(servers: str) -> None:
-    model = _model().cuda()
+    model = small_model().cuda()
     x, y = (t.cuda() for t in _data())
-    with _async(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), servers, "t-cuda",
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), servers, "t-cuda",
                 staleness=1) as opt:
         assert opt.staging.cuda and opt.staging.stream is not None
         first = float(torch.nn.functional.cross_entropy(model(x), y))
@@ -284,7 +262,7 @@ def test_a_cuda_model_trains_through_pinned_mirrors(servers: str) -> None:
             opt.step()
         opt.flush()
         assert float(torch.nn.functional.cross_entropy(model(x), y)) < first * 0.7
-        shared = _shared(opt)
+        shared = shared_values(opt)
     for name, p in model.named_parameters():
         np.testing.assert_allclose(shared[name], p.detach().cpu().numpy(), rtol=1e-4, atol=1e-5)
 
@@ -311,12 +289,12 @@ def test_pushes_in_backward_leave_the_store_as_whole_step_pushes(servers: str, s
     # backward is the store after pushing the whole step after opt.step()
     out, versions, pushed = [], [], []
     for during in (True, False):
-        model = _model(bn=True)
-        with _async(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, f"t-bw-{during}",
+        model = small_model(bn=True)
+        with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, f"t-bw-{during}",
                     rule="accumulate", staleness=staleness, push_in_backward=during) as opt:
             _train(model, opt, 20)
             opt.flush()
-            out.append(_shared(opt))
+            out.append(shared_values(opt))
             versions.append(_store_version(opt))
             stats = opt.stats()
             pushed.append(stats["pushes_in_backward"])
@@ -331,9 +309,9 @@ def test_pushes_in_backward_leave_the_store_as_whole_step_pushes(servers: str, s
 
 
 def test_pushes_in_backward_start_before_backward_ends(servers: str) -> None:
-    model = _model()
+    model = small_model()
     issued_when_first_layer_ran: list[int] = []
-    with _async(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-bw-order",
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-bw-order",
                 rule="accumulate") as opt:
         # the first layer's weight gets its gradient last in backward: what
         # had been issued by then was issued while backward still ran
@@ -351,14 +329,14 @@ def test_pushes_in_backward_start_before_backward_ends(servers: str) -> None:
 
 
 def test_pushes_in_backward_skip_frozen_parameters(servers: str) -> None:
-    model = _model()
+    model = small_model()
     model[0].weight.requires_grad_(False)
     frozen = model[0].weight.detach().clone()
-    with _async(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+    with async_optimizer(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
                 servers, "t-bw-frozen", rule="accumulate", push_in_backward=True) as opt:
         _train(model, opt, 5)
         assert opt.stats()["pushes_in_backward"] == 5 * 3
-        assert set(_shared(opt)) == {"0.bias", "2.weight", "2.bias"}
+        assert set(shared_values(opt)) == {"0.bias", "2.weight", "2.bias"}
         assert torch.equal(model[0].weight.detach(), frozen)
 
 
@@ -367,16 +345,16 @@ def test_clipping_after_backward_corrects_the_pushes_and_stops_them(servers: str
     # the difference (the store is the whole-step push's), and the hooks stop
     out = []
     for during in (True, False):
-        model = _model()
+        model = small_model()
         x, y = _data()
-        with _async(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, f"t-bw-clip-{during}",
+        with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, f"t-bw-clip-{during}",
                     rule="accumulate", push_in_backward=during) as opt:
             for i in range(6):
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(x[i * 32:i * 32 + 32]), y[i * 32:i * 32 + 32]).backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
                 opt.step()
-            out.append(_shared(opt))
+            out.append(shared_values(opt))
             if during:
                 assert opt.stats()["pushes_in_backward"] == 4       # the first step's, then none
                 assert opt.stats()["push_in_backward"] is False
@@ -385,14 +363,14 @@ def test_clipping_after_backward_corrects_the_pushes_and_stops_them(servers: str
 
 
 def test_a_backward_without_its_step_is_taken_back_at_close(servers: str) -> None:
-    model = _model()
+    model = small_model()
     x, y = _data()
-    with _async(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-bw-close",
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-bw-close",
                 rule="accumulate") as opt:
         _train(model, opt, 3)
-        before = _shared(opt)
+        before = shared_values(opt)
         torch.nn.functional.cross_entropy(model(x[:32]), y[:32]).backward()    # pushed, no step follows
-    after = _shared(opt)
+    after = shared_values(opt)
     for name in before:
         np.testing.assert_allclose(after[name], before[name], rtol=1e-6, atol=1e-7, err_msg=name)
 
@@ -405,42 +383,16 @@ def test_a_backward_without_its_step_is_taken_back_at_close(servers: str) -> Non
 ])
 def test_push_in_backward_is_refused_where_the_rule_cannot(servers: str, rule: str, extra: dict[str, Any],
                                                            why: str) -> None:
-    model = _model()
+    model = small_model()
     if extra.get("dropping"):
         extra = {"dropping": LayerDropping(0.5)}
     with pytest.raises(smb2.InvalidArgumentError, match=why) as err:
-        _async(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-bw-refused", rule=rule,
+        async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-bw-refused", rule=rule,
                push_in_backward=True, **extra)
     assert "accumulate" in (err.value.hint or "")
 
 
 # -- the other rules through the wrapper ------------------------------------------------------
-
-class TwoHeads(torch.nn.Module):
-    """Two linear layers whose gradients never change (the loss is linear
-    in the weights): what a step changes is known exactly."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 2)
-        for p in self.parameters():
-            torch.nn.init.zeros_(p)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.a(x).sum() + 0.5 * self.b(x).sum()
-
-
-ONES = torch.ones(8, 4)
-LR = 0.125
-#: every step's gradient of each parameter (8 samples of ones; head b counts half)
-GRAD = {"a.weight": 8.0, "a.bias": 8.0, "b.weight": 4.0, "b.bias": 4.0}
-
-
-def _constant_steps(opt: torch.optim.Optimizer, model: torch.nn.Module, steps: int) -> None:
-    for _ in range(steps):
-        opt.zero_grad()
-        model(ONES).backward()
-        opt.step()
 
 
 def _workers(n: int, target: Callable[[int], None], barrier: threading.Barrier | None = None) -> None:
@@ -500,7 +452,7 @@ def test_gradient_rules_lose_no_update_of_concurrent_workers(servers: str, rule:
         m = models[rank]
         opt = st.AsyncOptimizer(torch.optim.SGD(m.parameters(), lr=LR), m, name=name, servers=servers,
                                 rank=rank, world_size=2, resume=False, rule=rule, lag_scaling=False, **options)
-        _constant_steps(opt, m, 10)
+        constant_steps(opt, m, 10)
         opt.close(wait_all=60)
         finals[rank] = {n: p.detach().numpy().copy() for n, p in m.named_parameters()}
 
@@ -514,11 +466,11 @@ def test_easgd_through_the_wrapper_is_the_elastic_exchange(servers: str) -> None
     # one worker, tau 2, alpha 0.5: local SGD, and every second step
     # d = alpha (w - center), w -= d, center += d; compared with that recurrence
     model = TwoHeads()
-    with _async(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0), servers, "t-easgd",
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0), servers, "t-easgd",
                 rule="easgd", tau=2, alpha=0.5) as opt:
-        _constant_steps(opt, model, 7)
+        constant_steps(opt, model, 7)
         opt.flush()
-        center = _shared(opt)
+        center = shared_values(opt)
         local = _params(model)
     for n, g in GRAD.items():
         w = c = 0.0
@@ -538,12 +490,12 @@ def test_layer_dropping_through_the_wrapper_delays_and_never_loses(servers: str,
     # grows) until max_skips sends it; shared + residual is all the steps' update
     model = TwoHeads()
     dropping = LayerDropping(0.5, max_skips=3)
-    with _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, f"t-drop-{rule}", rule=rule,
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=LR), servers, f"t-drop-{rule}", rule=rule,
                 dropping=dropping) as opt:
         assert opt.stats()["push_in_backward"] is False
-        _constant_steps(opt, model, 6)
+        constant_steps(opt, model, 6)
         opt.flush()
-        shared = _shared(opt)
+        shared = shared_values(opt)
         stats = opt.stats()
     assert dropping.layers_dropped > 0 and dropping.layers_sent > 0
     assert stats["bytes_pushed"] < 6 * opt.store.flat().nbytes
@@ -644,9 +596,9 @@ def test_a_late_push_moves_the_model_by_its_lag_share_by_default(servers: str) -
 
     def step(rank: int, share: float) -> None:
         nonlocal moved
-        _constant_steps(opened[rank], models[rank], 1)
+        constant_steps(opened[rank], models[rank], 1)
         moved += share / world
-        shared = _shared(opened[rank])
+        shared = shared_values(opened[rank])
         for n, g in GRAD.items():
             np.testing.assert_allclose(shared[n], np.full(shared[n].shape, -moved * LR * g, np.float32),
                                        rtol=1e-6, err_msg=f"{n} after rank {rank}'s step")
@@ -671,10 +623,10 @@ def test_a_non_finite_update_is_refused_in_training_terms(servers: str) -> None:
     # rank 0's gradient turns NaN at step 10: the push is refused with an error that names the
     # rank, the step and the tensor and says what to do; the shared model is step 9's, finite
     model = TwoHeads()
-    opt = _async(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-guard-nan")
-    _constant_steps(opt, model, 9)
+    opt = async_optimizer(model, torch.optim.SGD(model.parameters(), lr=LR), servers, "t-guard-nan")
+    constant_steps(opt, model, 9)
     opt.flush()
-    before = _shared(opt)
+    before = shared_values(opt)
     opt.zero_grad()
     model(ONES).backward()
     assert model.a.weight.grad is not None
@@ -686,7 +638,7 @@ def test_a_non_finite_update_is_refused_in_training_terms(servers: str) -> None:
     msg = str(err.value)
     assert "rank 0" in msg and "step 10" in msg and "'a.weight'" in msg and "not pushed" in msg, msg
     assert "learning rate" in (err.value.hint or "")
-    after = _shared(opt)
+    after = shared_values(opt)
     for n, v in after.items():
         assert np.isfinite(v).all(), n
         np.testing.assert_array_equal(v, before[n], err_msg=n)
@@ -701,14 +653,14 @@ def test_an_update_far_out_of_line_is_skipped_and_counted(servers: str, caplog: 
     model = TwoHeads()
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
     with caplog.at_level("WARNING", logger="smb2.train"), \
-            _async(model, sgd, servers, "t-guard-big") as opt:
-        _constant_steps(opt, model, 20)
+            async_optimizer(model, sgd, servers, "t-guard-big") as opt:
+        constant_steps(opt, model, 20)
         sgd.param_groups[0]["lr"] = 1000 * LR
-        _constant_steps(opt, model, 1)
+        constant_steps(opt, model, 1)
         sgd.param_groups[0]["lr"] = LR
-        _constant_steps(opt, model, 5)
+        constant_steps(opt, model, 5)
         opt.flush()
-        shared = _shared(opt)
+        shared = shared_values(opt)
         stats = opt.stats()
     assert stats["skipped"] == 1 and stats["refused"] == 0 and stats["collapses"] == 0
     for n, g in GRAD.items():
@@ -726,7 +678,7 @@ def _digits_in_lockstep(servers: str, name: str, *, average: bool, world: int = 
     model's accuracy).  Rank 0 closes with ``strict=True``: a
     :class:`TrainingDiverged` it raises is its report."""
     from smb2.train.example import data
-    ex = _example()
+    ex = load_example()
     xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
     xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
     barrier = threading.Barrier(world)
@@ -799,7 +751,7 @@ def _digits_with_a_spike(servers: str, name: str, spike: float) -> tuple[float, 
     then 27 at lr 0.1; the delivered model's accuracy and the optimizer's
     stats."""
     from smb2.train.example import data
-    ex = _example()
+    ex = load_example()
     xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
     xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
     torch.manual_seed(1)
@@ -852,64 +804,6 @@ def test_a_half_dead_model_is_reported(servers: str, caplog: pytest.LogCaptureFi
 
 # -- real torchrun workers -----------------------------------------------------------------
 
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("torch_train_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-class _PerRankBatches(torch.nn.Module):
-    """Training forward of a batch of ``world`` ranks' batches one rank's
-    batch at a time (BatchNorm normalizes each by its own statistics, as on
-    DDP's ranks); evaluation forward as the model."""
-
-    def __init__(self, model: torch.nn.Module, world: int) -> None:
-        super().__init__()
-        self.model, self.world = model, world
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return self.model(x)
-        return torch.cat([self.model(part) for part in x.chunk(self.world)])
-
-
-def _single_process_accuracy(kind: str, epochs: int, seed: int = 0, shard: slice = slice(None),
-                             world: int = 1) -> float:
-    """The example's loop in this process, plain torch, no smb2 (on the
-    whole training set, or on one worker's ``shard`` of it alone).
-    ``world=W``: DDP's arithmetic for W ranks of the example's batch 32: one
-    step per batch of W·32, its gradient the mean of the W ranks' (the
-    mean loss over the batch), clipped once, BatchNorm per rank's 32."""
-    from smb2.train.example import data
-    ex = _example()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)            # as the example's workers do (and faster on a busy machine)
-    torch.manual_seed(seed)
-    xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
-    xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
-    model = ex.make_model()
-    opt = ex.make_optimizer(model, kind)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    trained = model if world == 1 else _PerRankBatches(model, world)
-    try:
-        ex.train(trained, opt, sched, xtr, ytr, torch.arange(len(xtr))[shard], epochs, 32 * world)
-    finally:
-        torch.set_num_threads(threads)
-    return float(ex.accuracy(model, xte, yte))
-
-
-def _json_objects(text: str) -> list[dict[str, Any]]:
-    """Every JSON object in ``text`` (the ranks' lines, however torchrun interleaved them)."""
-    decoder = json.JSONDecoder()
-    out, i = [], text.find("{")
-    while i >= 0:
-        obj, end = decoder.raw_decode(text, i)
-        out.append(obj)
-        i = text.find("{", end)
-    return out
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)      # four torch processes start and train; a loaded 2-core machine needs minutes
@@ -931,17 +825,16 @@ def test_torchrun_workers_match_ddp_accuracy(servers: str, kind: str, staleness:
                                              within: float) -> None:
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
     env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                          str(EXAMPLE), "--optimizer", kind, "--epochs", str(epochs), "--staleness", str(staleness),
-                          "--name", f"t-run-{kind}"],
+    out = subprocess.run(torchrun(str(EXAMPLE), "--optimizer", kind, "--epochs", str(epochs), "--staleness",
+                                  str(staleness), "--name", f"t-run-{kind}", nproc=4),
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    ranks = _json_objects(out.stdout)
+    ranks = json_objects(out.stdout)
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     # every rank evaluated the same final shared model
     assert len({r["accuracy"] for r in ranks}) == 1
-    ddp = statistics.median(_single_process_accuracy(kind, epochs, seed, world=4) for seed in range(3))
-    alone = _single_process_accuracy(kind, epochs, shard=slice(0, None, 4))
+    ddp = statistics.median(single_process_accuracy(kind, epochs, seed, world=4) for seed in range(3))
+    alone = single_process_accuracy(kind, epochs, shard=slice(0, None, 4))
     print(f"{kind}: {ranks[0]['accuracy']:.2f} % vs DDP's arithmetic {ddp:.2f} %, one shard alone {alone:.2f} %")
     # the bar must be one that workers which did not share could not clear
     assert alone < ddp - within, (alone, ddp)

@@ -344,9 +344,10 @@ def test_smb2_torch_imports_without_torch(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_a_training_worker_imports_no_server_code() -> None:
     """``import smb2`` and the training front ends load the client side only;
-    the server and the test cluster load when first named."""
+    the server and the test cluster (the lab's, smb2.testing) load when first named."""
     code = ("import sys, smb2, smb2.train, smb2.torch\n"
-            "loaded = sorted(m for m in sys.modules if m.startswith('smb2.server') or m == 'smb2.cluster')\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith(('smb2.server', 'smb2.testing')))\n"
             "assert not loaded, loaded\n"
-            "assert smb2.LocalCluster.__module__ == 'smb2.cluster' and smb2.Server.__name__ == 'MemoryServer'\n")
+            "assert smb2.LocalCluster.__module__ == 'smb2.testing.cluster' and smb2.Server.__name__ == 'MemoryServer'\n"
+            "assert smb2.LocalCluster is __import__('smb2.testing').testing.LocalCluster\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -25,7 +25,7 @@ import pytest
 import smb2
 from smb2.membership import View, http_post, open_membership, parse_url
 from smb2.protocol import VERSION, Op
-from wire import frame, reply
+from smb2.testing.wire import frame, reply
 
 TOKEN = "view-guard-token"
 # generous: the servers read the view every 0.5 s, on a loaded machine
@@ -141,8 +141,8 @@ async def test_a_client_cannot_take_out_the_last_copy_of_a_buffer_it_never_opene
 
 async def test_etcd_setup_turns_on_etcds_authentication(tmp_path, capsys) -> None:
     from smb2 import auth, cli
-    from smb2.local_etcd import LocalEtcd
     from smb2.membership import NO_VIEW, Credentials, answers_without_credentials, etcd_user
+    from smb2.testing.etcd import LocalEtcd
 
     peer, root = tmp_path / "peer", tmp_path / "root"
     peer.write_text("peer-secret\n")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from test_hardening_server import ServerProcess
+from smb2.testing.launch import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "examples" / "quickstart.py"
@@ -87,6 +87,9 @@ def test_wheel_contents(install: Install) -> None:
         assert any(n.startswith("smb2/_verbs.") and n.endswith(".so") for n in names)
     assert not [n for n in names if "libibverbs" in n]
     assert not [n for n in names if n.endswith(".c")], "Cython's C belongs in the sdist"
+    # the lab ships: the pytest plugin's cluster and smb2.LocalCluster live in it
+    assert {"smb2/testing/cluster.py", "smb2/testing/launch.py", "smb2/testing/netns/__main__.py",
+            "smb2/testing/jepsen/__main__.py"} <= set(names)
 
 
 def test_wheel_versions_agree(install: Install) -> None:
@@ -94,6 +97,8 @@ def test_wheel_versions_agree(install: Install) -> None:
                        "print(m.version('smb2'), smb2.__version__, smb2.__file__)").stdout.split()
     assert meta[0] == meta[1]
     assert meta[2].startswith(str(install.root)), "smb2 came from somewhere else than the wheel"
+    lab = install.run(install.python, "-c", "import smb2; print(smb2.LocalCluster.__module__)").stdout.strip()
+    assert lab == "smb2.testing.cluster", lab
     for cmd in ("smb2", "smb2-server"):
         said = install.run(str(install.bin / cmd), "--version").stdout.split()
         assert said[:2] == [cmd, meta[0]], said

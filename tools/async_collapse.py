@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from smb2.testing.workers import json_objects
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torch_train.py"
 CHANCE = 20.0       # digits has 10 classes: a collapsed model scores about 9-10 %
@@ -197,7 +199,7 @@ def run_job(servers: str, *, runs: int, hogs: int = 3, slow_ms: float = 30.0, bu
                     p.kill()
                     p.wait()
         out = subprocess.CompletedProcess(cmd, job.returncode, stdout, stderr)
-    ranks = _json_objects(out.stdout)
+    ranks = json_objects(out.stdout)
     rows = []
     for i in range(runs):
         r0 = next((dict(r) for r in ranks if r["rank"] == 0 and r["run"] == i), None)
@@ -210,16 +212,6 @@ def run_job(servers: str, *, runs: int, hogs: int = 3, slow_ms: float = 30.0, bu
         errors = [line for line in out.stderr.splitlines() if "Error" in line and "ChildFailed" not in line]
         rows.append({"error": f"torchrun exited {out.returncode}: {' | '.join(errors[-5:])}", "ranks": ranks})
     return rows
-
-
-def _json_objects(text: str) -> list[dict[str, Any]]:
-    decoder = json.JSONDecoder()
-    out, i = [], text.find("{")
-    while i >= 0:
-        obj, end = decoder.raw_decode(text, i)
-        out.append(obj)
-        i = text.find("{", end)
-    return out
 
 
 def main() -> None:

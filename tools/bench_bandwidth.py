@@ -1,6 +1,6 @@
-"""smb2 against a raw uvloop TCP baseline (see ``python tools/bench_bandwidth.py --help``)."""
+"""smb2 against a raw baseline, per transport: ``smb2 bench bandwidth`` (see its ``--help``)."""
 import sys
 
-from smb2.bench import main
+from smb2.bench import bandwidth
 
-sys.exit(main())
+sys.exit(bandwidth())

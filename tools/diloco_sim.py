@@ -31,13 +31,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import random
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -45,17 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smb2.testing.torch_models import load_example
 from smb2.train.example import data
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torch_train.py"
-
-
-def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("torch_train", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _steps(ex: ModuleType, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, x: torch.Tensor,
@@ -124,7 +113,7 @@ class Shared:
 def run(outer: str, workers: int, local_steps: int, epochs: int, outer_lr: float, outer_momentum: float,
         inner_lr_scale: float, seed: int) -> float:
     """The shared model's test accuracy (%) after ``epochs`` of each worker."""
-    ex = _example()
+    ex = load_example()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())

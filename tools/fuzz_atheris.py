@@ -2,7 +2,7 @@
 """Coverage-guided fuzzing of the server's frame handling with atheris
 (``pip install atheris``), in process and without sockets: the input is a byte
 stream plus the points where recv() splits it, fed to a server connection by
-the harness in tests/fuzzing.py, which checks after every input that the
+the harness in smb2.testing.fuzzing, which checks after every input that the
 server sent only whole well-formed replies and that a dropped connection left
 nothing behind.  A crash or a broken invariant stops the run with the input
 saved by libFuzzer.
@@ -18,14 +18,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import atheris  # noqa: E402
+import atheris
 
 with atheris.instrument_imports():
-    import fuzzing  # noqa: E402
-    import smb2.protocol  # noqa: E402, F401
-    import smb2.server  # noqa: E402, F401
+    import smb2.protocol  # noqa: F401
+    import smb2.server  # noqa: F401
+    from smb2.testing import fuzzing
 
 _harness: fuzzing.Harness | None = None
 _frames = 0

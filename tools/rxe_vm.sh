@@ -253,7 +253,7 @@ echo rxevm > "$1/etc/hostname"; echo "127.0.1.1 rxevm" >> "$1/etc/hosts"
 EOF
   # Offline install with the GUEST's pip: it checks the wheel tags against the
   # real guest interpreter and writes proper dist-info/entry points to
-  # /usr/local (ahead of /usr/lib/python3/dist-packages on sys.path). env -i:
+  # /usr/local (found before /usr/lib/python3/dist-packages on import). env -i:
   # the host's PIP_* variables name files that do not exist in the chroot.
   cat >"$b/hook-pip.sh" <<'EOF'
 set -e

@@ -7,8 +7,9 @@ servers, for distributed deep-learning training.
         await buf.write(0, b"hello")
 
 Importing smb2 loads the client side only.  The server side (``smb2.Server``,
-``smb2.start_server``) and the in-process test cluster (``smb2.LocalCluster``)
-are loaded on first use, so a training worker never imports server code.
+``smb2.start_server``) and the test cluster (``smb2.LocalCluster``, which
+lives in the lab, :mod:`smb2.testing`) are loaded on first use, so a training
+worker never imports server code and the library never imports the lab.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -45,12 +46,12 @@ from .lock import Fence, Lock, ReplicatedLock
 from .version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from .cluster import LocalCluster
     from .server import MemoryServer as Server
     from .server import start_server
+    from .testing import LocalCluster
 
 #: names loaded on first use: (module, attribute)
-_LAZY = {"LocalCluster": ("cluster", "LocalCluster"), "Server": ("server", "MemoryServer"),
+_LAZY = {"LocalCluster": ("testing.cluster", "LocalCluster"), "Server": ("server", "MemoryServer"),
          "start_server": ("server", "start_server")}
 
 

@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(smb2 doctor --help)", add_help=False)
     sub.add_parser("repair", help="what a replicated cluster cannot serve, and serving a server's copies on "
                    "your word (smb2 repair --help)", add_help=False)
-    sub.add_parser("bench", help="bandwidth benchmark (smb2 bench --help)", add_help=False)
+    sub.add_parser("bench", help="the benchmarks (smb2 bench --help lists them)", add_help=False)
     sub.add_parser("demo", help="a local cluster, clients and what they measured", add_help=False)
     if argv and argv[0] in ("bench", "demo", "doctor", "repair"):
         # these own their flags

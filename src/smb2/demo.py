@@ -15,7 +15,6 @@ import time
 import numpy as np
 
 from .client import Buffer, Client
-from .cluster import LocalCluster
 
 MiB = 1 << 20
 
@@ -25,6 +24,9 @@ def _gbps(nbytes: int, seconds: float) -> str:
 
 
 async def _run(servers: int, clients: int, mib: int) -> int:
+    # the lab (smb2.testing) is imported by the command that uses it, never by the library's import
+    from .testing.cluster import LocalCluster
+
     say = print
     say(f"smb2 demo: starting {servers} memory servers (smb2-server processes) ...")
     async with LocalCluster(servers=servers, processes=True, capacity=f"{2 * mib}MiB") as cluster:

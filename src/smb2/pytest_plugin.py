@@ -20,7 +20,7 @@ except ImportError:  # smb2 installed without its test extras: no fixture
 if HAVE_PYTEST_ASYNCIO:
     @pytest_asyncio.fixture
     async def smb2_cluster() -> AsyncIterator[Any]:
-        from .cluster import ExternalCluster, LocalCluster, external_servers
+        from .testing.cluster import ExternalCluster, LocalCluster, external_servers
 
         external = external_servers()
         if external:

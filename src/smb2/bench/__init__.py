@@ -1,5 +1,9 @@
-"""``smb2 bench`` (and ``python -m smb2.bench``): which benchmark a command
-line asks for.
+"""``smb2 bench NAME`` (and ``python -m smb2.bench NAME``): the benchmarks,
+one subcommand each (``smb2 bench --help`` lists them), each dispatching to
+its module here; ``tools/bench_NAME.py`` runs the same.
+
+``bandwidth`` (also what ``smb2 bench`` runs without a name) picks its
+program by transport:
 
 * ``--transport tcp`` / ``auto`` (the default): smb2 against a raw uvloop TCP
   baseline (:mod:`smb2.bench.tcp`);
@@ -30,7 +34,33 @@ def _dispatch_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+#: the benchmarks: name -> (module, its entry point, what it measures)
+BENCHMARKS = {
+    "bandwidth": ("", "bandwidth", "read/write/accumulate bandwidth and latency against a raw baseline, "
+                  "per transport"),
+    "lock": ("lock", "main", "the ticket lock's hand-off and throughput against raw baselines"),
+    "replicated-lock": ("replicated_lock", "main", "the replicated lock against the plain one, kills included"),
+    "scaleout": ("scaleout", "main", "bandwidth over 1, 2, 4, 8 server hosts behind rate-limited links (netns)"),
+    "replicas": ("replicas", "main", "what replication costs, on this machine"),
+    "replicas-netns": ("replicas_netns", "main", "replication across hosts: throughput, failover, repair (netns)"),
+    "repair": ("repair", "main", "how fast a restarted or replaced server is whole again"),
+    "resume": ("resume", "main", "how long a training job takes to resume"),
+    "training": ("training", "cli", "samples/s of asynchronous training over the parameter store"),
+    "tta": ("tta", "main", "time to accuracy against DDP across hosts (netns)"),
+    "attacks": ("attacks", "main", "what each hostile client costs a server, and that it still serves"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = ["usage: smb2 bench NAME [options]   (smb2 bench NAME --help: its options)", "", "benchmarks:"]
+    lines += [f"  {name:<{width}}  {what}" for name, (_, _, what) in BENCHMARKS.items()]
+    lines += ["", "Without a NAME, smb2 bench [options] is smb2 bench bandwidth [options]."]
+    return "\n".join(lines)
+
+
+def bandwidth(argv: list[str] | None = None) -> int:
+    """``smb2 bench bandwidth``: the transport's benchmark (tcp, rdma or shm) or the raw peer."""
     argv = list(sys.argv[1:] if argv is None else argv)
     picked, _ = _dispatch_parser().parse_known_args(argv)
     if picked.raw_peer:
@@ -45,4 +75,26 @@ def main(argv: list[str] | None = None) -> int:
     return tcp.main(argv)
 
 
-__all__ = ["main"]
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(_usage())
+        return 0
+    if not argv or argv[0].startswith("-"):
+        return bandwidth(argv)
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        print(f"smb2 bench: no benchmark {name!r}\n{_usage()}", file=sys.stderr)
+        return 2
+    module, entry, _ = BENCHMARKS[name]
+    if not module:
+        return bandwidth(rest)
+    import importlib
+    run = getattr(importlib.import_module(f".{module}", __name__), entry)
+    # each benchmark parses sys.argv (some take no argv argument): its own command line
+    sys.argv = [f"smb2 bench {name}", *rest]
+    code = run()
+    return 0 if code is None else int(code)
+
+
+__all__ = ["BENCHMARKS", "bandwidth", "main"]

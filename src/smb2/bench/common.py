@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import json
 import mmap
 import os
 import platform
@@ -21,7 +20,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import numpy as np
@@ -262,23 +261,12 @@ def fmt_size(n: int, sep: str = " ") -> str:
     return f"{n}{sep}B"
 
 
-
-def write_json(path: str, result: dict[str, Any]) -> None:
-    """Write a run's result where ``--json`` says, making the directory."""
-    d = os.path.dirname(path)
-    if d:
-        os.makedirs(d, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}", file=sys.stderr)
-
-
 def now() -> str:
     """The time in UTC, ISO 8601, to the second."""
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
-def describe_machine(loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
+def describe_machine(loop: asyncio.AbstractEventLoop | None = None) -> dict[str, Any]:
     """This machine, its load and the versions in use, for a result file."""
     import uvloop
 
@@ -289,7 +277,7 @@ def describe_machine(loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
         "implementation": platform.python_implementation(),
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
-        "loop": f"{type(loop).__module__}.{type(loop).__name__}",
+        "loop": None if loop is None else f"{type(loop).__module__}.{type(loop).__name__}",
         "uvloop": uvloop.__version__,
         "numpy": np.__version__,
         "loadavg_start": list(os.getloadavg()),
@@ -334,7 +322,6 @@ async def latencies(fn: Callable[[], Awaitable[object]], n: int) -> list[float]:
     return out
 
 
-
 def size_list(text: str) -> list[int] | None:
     """``--sizes`` (``4KiB,64MiB``) as byte counts, or None after saying
     on stderr what is wrong with it."""
@@ -346,26 +333,3 @@ def size_list(text: str) -> list[int] | None:
         return None
 
 
-def run_and_report(benchmark: Callable[[], Coroutine[Any, Any, dict[str, Any]]],
-                   summarize: Callable[[dict[str, Any]], Any], table: Callable[[Any], str],
-                   json_path: str) -> int:
-    """Run ``benchmark`` on uvloop, store its summary in the result, print
-    the table, write every sample to ``json_path`` ('' for none): the exit
-    status (1 when smb2 or the system failed it)."""
-    import uvloop
-
-    from ..errors import Smb2Error
-    try:
-        result = uvloop.run(benchmark())
-    except (Smb2Error, OSError, RuntimeError) as exc:
-        print(f"smb2 bench: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("smb2 bench: interrupted", file=sys.stderr)
-        return 130
-    summary = summarize(result)
-    result["summary"] = summary
-    print(table(summary))
-    if json_path:
-        write_json(json_path, result)
-    return 0

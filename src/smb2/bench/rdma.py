@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from .common import MiB, fmt_size, run_and_report, size_list
+from .common import MiB, fmt_size, size_list
+from .report import run_and_report
 
 KiB = 1 << 10
 DEFAULT_SIZES = "4KiB,64KiB"

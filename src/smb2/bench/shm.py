@@ -34,11 +34,11 @@ from .common import (
     latencies,
     now,
     pct,
-    run_and_report,
     size_list,
     start_raw_peer,
     stop_raw_peer,
 )
+from .report import run_and_report
 
 KiB = 1 << 10
 DEFAULT_SIZES = "4KiB,1MiB,64MiB"
@@ -58,7 +58,7 @@ async def _seconds(fn: Callable[[], Awaitable[None] | None], k: int) -> float:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    from ..cluster import LocalCluster
+    from ..testing.cluster import LocalCluster
     largest = max(args.sizes)
     capacity = f"{(largest + 4 * MiB) * 2 // MiB}MiB"
     result: dict[str, Any] = {"started": now(), "machine": describe_machine(asyncio.get_running_loop()),

@@ -46,11 +46,11 @@ from .common import (
     latencies,
     now,
     pct,
-    run_and_report,
     start_raw_peer,
     stop_raw_peer,
     timed,
 )
+from .report import run_and_report
 
 DEFAULT_SIZES = "1MiB,16MiB,64MiB"
 

@@ -17,80 +17,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import signal
-import sys
 import uuid
 from typing import Any
 
-from . import auth
-from .client import Client, connect
-from .errors import InterfaceError
-from .local_etcd import LocalEtcd, free_port
-from .membership import NO_VIEW, Credentials, Membership, etcd_user, open_membership, setup_auth
-from .server import MemoryServer, start_server
+from .. import auth
+from ..client import Client, connect
+from ..errors import InterfaceError
+from ..membership import NO_VIEW, Credentials, Membership, etcd_user, open_membership, setup_auth
+from ..server import MemoryServer, start_server
+from .etcd import LocalEtcd, free_port
+from .launch import AsyncServerProcess
 
-log = logging.getLogger("smb2.cluster")
-
-_READY = re.compile(rb"^smb2-server listening on (\S+):(\d+)\s*$")
-
-
-class _Process:
-    """One ``smb2-server`` subprocess."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, host: str, port: int) -> None:
-        self.proc = proc
-        self.host = host
-        self.port = port
-
-    @classmethod
-    async def spawn(cls, host: str, port: int, args: list[str], timeout: float,
-                    token: bytes | None = None, peer_token: bytes | None = None) -> _Process:
-        cmd = [sys.executable, "-m", "smb2.server", "--host", host, "--port", str(port), *args]
-        # the tokens go by environment, not argv: argv is visible to every user in ps
-        env = {k: v for k, v in os.environ.items() if k not in (auth.ENV, auth.PEER_ENV)}
-        if token is not None:
-            env[auth.ENV] = token.decode("utf-8", "surrogateescape")
-        if peer_token is not None:
-            env[auth.PEER_ENV] = peer_token.decode("utf-8", "surrogateescape")
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, env=env)
-        assert proc.stdout is not None and proc.stderr is not None
-        try:
-            line = await asyncio.wait_for(proc.stdout.readline(), timeout)
-        except TimeoutError:
-            line = b""
-        m = _READY.match(line)
-        if not m:
-            if proc.returncode is None:
-                proc.kill()
-            err = (await proc.stderr.read())[-2000:].decode(errors="replace")
-            await proc.wait()
-            raise InterfaceError(f"smb2-server did not start ({' '.join(cmd)}): "
-                                 f"{line.decode(errors='replace').strip() or 'no ready line'}\n{err}")
-        # stderr keeps flowing; drain it so the child never blocks on a full pipe
-        asyncio.ensure_future(_drain(proc.stderr))
-        return cls(proc, m.group(1).decode(), int(m.group(2)))
-
-    async def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
-        if self.proc.returncode is None:
-            try:
-                self.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
-            try:
-                await asyncio.wait_for(self.proc.wait(), timeout)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-        return self.proc.returncode
-
-
-async def _drain(stream: asyncio.StreamReader) -> None:
-    while await stream.read(65536):
-        pass
-
+log = logging.getLogger("smb2.testing.cluster")
 
 class LocalCluster:
     """``async with LocalCluster(servers=4) as cluster: client = await cluster.connect()``"""
@@ -126,7 +65,7 @@ class LocalCluster:
             raise InterfaceError(f"zones names {len(zones)} zones for {servers} servers: name one per server")
         self.zones = zones
         self.servers: list[MemoryServer] = []          # in-process mode
-        self.procs: list[_Process | None] = []           # processes mode
+        self.procs: list[AsyncServerProcess | None] = []           # processes mode
         self._addresses: list[tuple[str, int]] = []
         self._clients: list[Client] = []
 
@@ -189,7 +128,7 @@ class LocalCluster:
     def _data_dir(self, index: int) -> str | None:
         return None if self.data_dir is None else os.path.join(self.data_dir, f"server-{index}")
 
-    async def _spawn(self, host: str, port: int, index: int) -> _Process:
+    async def _spawn(self, host: str, port: int, index: int) -> AsyncServerProcess:
         args = ["--capacity", str(self.capacity), *self.server_args]
         if self.data_dir is not None:
             args += ["--data-dir", str(self._data_dir(index))]
@@ -197,7 +136,7 @@ class LocalCluster:
             args += ["--membership", self.membership_url]
         if self.zones is not None:
             args += ["--zone", self.zones[index]]
-        return await _Process.spawn(host, port, args, self.start_timeout, self.token, self.peer_token)
+        return await AsyncServerProcess.spawn(host, port, args, self.start_timeout, self.token, self.peer_token)
 
     async def connect(self, **kwargs: Any) -> Client:
         """A client of all servers (closed with the cluster if still open)."""
@@ -220,7 +159,7 @@ class LocalCluster:
             await old.stop()
         self.procs[index] = await self._spawn(old.host, old.port, index)
 
-    def _proc(self, index: int) -> _Process:
+    def _proc(self, index: int) -> AsyncServerProcess:
         if not self.processes:
             raise InterfaceError("kill/restart need LocalCluster(processes=True)")
         proc = self.procs[index]

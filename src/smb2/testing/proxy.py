@@ -90,13 +90,14 @@ class FaultProxy:
         self._pairs: set[_Pair] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.Server | None = None
 
     # -- control from the test's thread -----------------------------------
     def start(self) -> FaultProxy:
         self._thread.start()
-        self._server = self._call(asyncio.start_server(self._accept, self.host, 0))
-        port = self._server.sockets[0].getsockname()[1]
+        server: asyncio.Server = self._call(asyncio.start_server(self._accept, self.host, 0))
+        self._server = server
+        port = server.sockets[0].getsockname()[1]
         self.address = f"{self.host}:{port}"
         return self
 

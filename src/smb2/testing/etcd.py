@@ -1,7 +1,7 @@
 """A private single-node etcd for a replicated test cluster on this machine.
 
 ``LocalCluster(replicated=True)`` starts one (its own data directory, free
-ports) and stops it with the cluster; ``tools/netns_cluster.py`` starts one
+ports) and stops it with the cluster; the netns harness (``smb2.testing.netns``) starts one
 inside a namespace host through :meth:`LocalEtcd.command`.  In production
 run a real etcd cluster (three nodes; docs/reliability.md "Replication").
 """
@@ -18,10 +18,10 @@ import tempfile
 import time
 from typing import IO, Any
 
-from .errors import InterfaceError, MembershipError
-from .membership import http_post
+from ..errors import InterfaceError, MembershipError
+from ..membership import http_post
 
-log = logging.getLogger("smb2.local_etcd")
+log = logging.getLogger("smb2.testing.etcd")
 
 ETCD = "etcd"
 

@@ -1,6 +1,7 @@
-"""A lock client in its own process, for tests/test_lock.py.
+"""Worker processes for tests and benchmarks: a lock client in its own
+process, and torchrun's command line and output.
 
-    python lock_worker.py '{"servers": [...], "action": "count", ...}'
+    python -m smb2.testing.workers '{"servers": [...], "action": "count", ...}'
 
 Actions:
   count  M times: acquire, read the u64 counter at offset 0 of the buffer,
@@ -20,18 +21,43 @@ import os
 import signal
 import struct
 import sys
+from typing import Any
 
 import smb2
 
 
-async def spawn(cfg: dict) -> asyncio.subprocess.Process:
-    """This worker in a process of its own, with ``cfg``; stdout piped."""
+def torchrun(script: str, *args: str, nproc: int = 1, max_restarts: int | None = None,
+             monitor_interval: float | None = None) -> list[str]:
+    """The argv of one single-node torchrun job of ``nproc`` workers running
+    ``script`` (torch.distributed.run of this interpreter, so the workers
+    import this smb2)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}"]
+    if max_restarts is not None:
+        cmd.append(f"--max-restarts={max_restarts}")
+    if monitor_interval is not None:
+        cmd.append(f"--monitor-interval={monitor_interval:g}")
+    return [*cmd, script, *args]
+
+
+def json_objects(text: str) -> list[dict[str, Any]]:
+    """Every JSON object in ``text`` (the ranks' lines, however torchrun interleaved them)."""
+    decoder = json.JSONDecoder()
+    out, i = [], text.find("{")
+    while i >= 0:
+        obj, end = decoder.raw_decode(text, i)
+        out.append(obj)
+        i = text.find("{", end)
+    return out
+
+
+async def spawn(cfg: dict[str, Any]) -> asyncio.subprocess.Process:
+    """The lock worker in a process of its own, with ``cfg``; stdout piped.
+    It inherits this process's environment (PYTHONPATH included)."""
     return await asyncio.create_subprocess_exec(
-        sys.executable, __file__, json.dumps(cfg), stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        sys.executable, "-m", __name__, json.dumps(cfg), stdout=asyncio.subprocess.PIPE)
 
 
-async def start_holder(cfg: dict) -> tuple[asyncio.subprocess.Process, int]:
+async def start_holder(cfg: dict[str, Any]) -> tuple[asyncio.subprocess.Process, int]:
     """A worker that holds the lock (action "hold"): the process and its token."""
     proc = await spawn({**cfg, "action": "hold"})
     try:
@@ -54,7 +80,7 @@ async def reap(proc: asyncio.subprocess.Process) -> None:
     await proc.wait()
 
 
-async def main(cfg: dict) -> None:
+async def main(cfg: dict[str, Any]) -> None:
     client = await smb2.connect(cfg["servers"], transport=cfg.get("transport", "auto"))
     try:
         buf = await client.attach(cfg["buffer"])

@@ -23,7 +23,8 @@ import msgpack
 from smb2 import _core
 from smb2.errors import ErrorCode
 from smb2.protocol import FLAG_REPLY, MAGIC, VERSION, Op
-from wire import control, frame, hello
+
+from .wire import control, frame, hello
 
 HEADER = 32
 # header layout (docs/protocol.md): field -> (offset, struct format)

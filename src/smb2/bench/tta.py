@@ -1,0 +1,803 @@
+"""Time to accuracy: torch DDP (gloo) against smb2's AsyncOptimizer on a simulated cluster.
+
+Every worker and every memory server is its own host: a network namespace of
+``tools/netns_cluster.py`` behind a veth link rate limited (tc tbf) in both
+directions.  torch DDP runs on the same worker hosts over the same links in
+the same run, so both sides pay the same network.  Each worker reads its own
+link's byte counters (``/sys/class/net/eth0/statistics`` inside its
+namespace), so "bytes per step" is what crossed the wire, headers included.
+
+The task can be learned and downloads nothing: a fixed random teacher (a
+linear map, seed 1234) labels Gaussian inputs by its argmax over 10 classes;
+the student is an MLP (full: 16-4500-4500-10, 20.4 M parameters; --quick:
+64-128-10).  Every worker draws its own batches from its own seed; all
+workers evaluate on the same held-out set every ``--eval-every`` steps (the
+same work on both sides), and the time axis excludes that evaluation.
+Rank 0's accuracy is the curve and its first evaluation at or past the
+target the time to target.  A run trains the whole time budget (``--stop
+budget``, the default) or ends at the target (``--stop target``, --quick's:
+DDP's ranks agree by an all-reduce; smb2's rank 0 leaves a stop file the
+others read at their next evaluation).  "final" is then the accuracy of the
+model the system delivers, on a test set of ``--final-n`` samples drawn
+apart, off the clock: DDP's model; smb2's shared weights once every worker
+finished (EASGD: the center, not rank 0's own copy, which the curve shows).
+
+Scenarios (state the rates with --rate/--slow-rate):
+
+* ``homogeneous``: W equal workers, every link at ``--rate``;
+* ``straggler``: as homogeneous, but the last rank sleeps after every step
+  as long as that step's computing took (measured each step): it is 2x slower;
+* ``comm-bound``: every link at ``--slow-rate``, where moving the model costs
+  more than computing a step;
+* ``overloaded``: as straggler (the last rank 2x slower: it sleeps after every step as long as
+  that step's computing took), and the worker hosts share the CPUs with busy processes
+  (``while True: pass``): ``--hogs`` (default W, one per worker host), each started in its
+  host's namespace and **unpinned** (a namespace does not confine CPU, and a 2-core machine has
+  no core per host to pin to; no cgroup ``cpu.max`` either): they compete with every worker and
+  server for the machine's cores.
+
+Every row says whether the run **collapsed**: rank 0's last evaluation or the delivered model's
+accuracy below twice chance (0.2 for 10 classes); smb2's rows also count the collapse watch's
+reports on any rank (``collapse_warnings``).
+
+Systems (those the targets below compare): ``ddp`` (DistributedDataParallel, gloo ring all-reduce); ``default``, the
+porting recipe's one line ``AsyncOptimizer(opt, model, name=..., staleness=1)`` and nothing else
+(whatever AsyncOptimizer's defaults are); ``diloco`` (``rule="diloco", local_steps=8`` and
+the rule's defaults, outer lr 0.7 and Nesterov momentum 0.5 -- the paper's 0.9 collapses
+asynchronously, docs/training.md -- the user's SGD is the inner optimizer); ``easgd`` (tau 4).
+``--systems`` also takes the variants docs/training.md cites from before the stable default: ``delta``
+(every change counted whole, no lag scaling: that time's default port), ``delta/bf16``,
+``delta/drop`` (layer dropping 0.7), ``accumulate``, ``accumulate/drop``.  A system whose rule
+this smb2 lacks is left out, with a line saying so.
+
+Runs: every system runs ``--runs`` (3) times in every scenario, the default port
+``--default-runs`` (10) times in (d), one after another on the same hosts; every row gives time
+to target, its ratio to DDP's time to target in the same run, the delivered model's final
+accuracy on the big held-out set, collapsed or not, and the raw 64 B loopback round trip
+measured just before the run.  The summary gives medians over the runs (a missed target counts
+as slower than any time) and the count of collapsed runs, then the stability targets, each met or
+not.
+
+"r0 cpu" and "r0 rdy": rank 0's thread-seconds on a CPU and runnable but waiting for one
+(/proc schedstat), over its wall time: where the CPU, not the network, is the bottleneck the
+second is large.  The servers' shares are in the JSON (``servers_time``).
+
+"not computing" is the share of rank 0's training time spent not computing:
+smb2: AsyncOptimizer's measured wait on communication; DDP (whose all-reduce
+hides inside backward): 1 - the time of as many steps under ``no_sync()``
+(measured after the run) over the time of the synchronized ones.
+
+    python tools/bench_tta.py [--quick] [--scenarios homogeneous,straggler,comm-bound,overloaded]
+        [--systems ddp,default,diloco,easgd] [--runs 3] [--default-runs 10] [--hogs W]
+        [--budget S] [--stop budget|target] [--json out.json] [--png out.png]
+        [--replicas 2 [--kill-at 0.5]]
+
+``--replicas 2`` keeps the stores on two servers each (a private etcd on a host of its own);
+``--kill-at F`` SIGKILLs the first server at that fraction of the budget of rank 0's training
+clock: the same run with and without it is what a lost server costs the training.
+
+Needs root, ``ip netns`` and ``tc`` (see netns_cluster.py); otherwise it says
+why and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import smb2.testing.netns as netns_cluster  # noqa: E402
+from smb2.bench.common import latencies, start_raw_peer, stop_raw_peer
+from smb2.testing.launch import READY  # noqa: E402
+
+from . import report
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+DDP_PORT = 29500
+SERVER_PORT = netns_cluster.DEFAULT_PORT
+#: DiLoCo's local steps between pushes of a pseudo-gradient (H)
+DILOCO_H = 8
+#: system name -> AsyncOptimizer keywords (None: torch DDP): the systems the targets compare
+SYSTEMS: dict[str, dict[str, Any] | None] = {
+    "ddp": None,
+    # the porting recipe's one line, nothing else: whatever AsyncOptimizer's defaults are
+    "default": {"staleness": 1},
+    "diloco": {"rule": "diloco", "local_steps": DILOCO_H},
+    "easgd": {"rule": "easgd", "tau": 4},
+}
+#: more systems, by --systems only: the rows docs/training.md cites from before the stable default ("delta"
+#: is that time's default port, every change counted whole and no lag scaling)
+EXTRA: dict[str, dict[str, Any]] = {
+    "delta": {"rule": "delta", "staleness": 1, "average": False, "lag_scaling": False},
+    "delta/bf16": {"rule": "delta", "staleness": 1, "push_dtype": "bfloat16"},
+    "delta/drop": {"rule": "delta", "staleness": 1, "dropping": 0.7},
+    "accumulate": {"rule": "accumulate", "staleness": 1},
+    "accumulate/drop": {"rule": "accumulate", "staleness": 1, "dropping": 0.7},
+}
+ALL_SYSTEMS: dict[str, dict[str, Any] | None] = {**SYSTEMS, **EXTRA}
+SCENARIOS = ("homogeneous", "straggler", "comm-bound", "overloaded")
+#: seconds of training per run where --budget is not given: long enough for DDP to reach the
+#: target, or every ratio is only a lower bound.  DDP reaches 0.75 at about step 25; at 200 Mbit/s
+#: its all-reduce alone (3 model sizes a step) takes about 5 s a step, 122 s for 25 steps, so
+#: (c) at the earlier 60 s could never give a ratio; with the straggler (b) DDP needed 92 s on the
+#: loaded 2-core machine (64 s on a quiet one); (d) adds busy processes to (b)
+BUDGETS = {"homogeneous": 60.0, "straggler": 120.0, "comm-bound": 200.0, "overloaded": 150.0}
+#: ten classes: chance is 0.1; a curve or a delivered model below twice that collapsed
+COLLAPSED_BELOW = 0.2
+FULL: dict[str, Any] = {"sizes": [16, 4500, 4500, 10], "workers": 4, "servers": 4, "batch": 32, "lr": 0.05,
+        "target": 0.75, "eval_every": 5, "eval_n": 512, "final_n": 4096, "stop": "budget"}
+QUICK: dict[str, Any] = {"sizes": [64, 128, 10], "workers": 2, "servers": 2, "batch": 32, "lr": 0.05,
+         "target": 0.5, "eval_every": 10, "eval_n": 256, "final_n": 1024, "stop": "target"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker (runs in a worker host's namespace)
+
+
+def link_bytes() -> int:
+    """Bytes this host's link carried so far, both directions (its namespace's eth0)."""
+    stats = Path("/sys/class/net/eth0/statistics")
+    return int((stats / "tx_bytes").read_text()) + int((stats / "rx_bytes").read_text())
+
+
+def link_rate() -> int | None:
+    """This host's egress rate limit in bits/s (its eth0 tbf qdisc), None if unlimited."""
+    qdiscs = json.loads(subprocess.run(["tc", "-j", "qdisc", "show", "dev", "eth0"], capture_output=True,
+                                       text=True, check=True).stdout)
+    return next((8 * q["options"]["rate"] for q in qdiscs if q.get("kind") == "tbf"), None)
+
+
+def worker(a: argparse.Namespace) -> None:
+    """Train every system of ``--systems`` in turn (one process per host: torch is imported once);
+    one JSON line per system on stdout."""
+    for n, system in enumerate(a.systems.split(",")):
+        print(json.dumps(train(a, system, f"{a.tag}-{n}", DDP_PORT + n)), flush=True)
+
+
+def train(a: argparse.Namespace, system: str, tag: str, ddp_port: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    sizes = json.loads(a.sizes)
+    teacher = torch.randn(sizes[0], sizes[-1], generator=torch.Generator().manual_seed(1234))
+    held = torch.randn(a.eval_n, sizes[0], generator=torch.Generator().manual_seed(99))
+    held_y = (held @ teacher).argmax(1)
+    # the final test set: drawn apart from the curve's, which decides when a run stops
+    final_x = torch.randn(a.final_n, sizes[0], generator=torch.Generator().manual_seed(7))
+    final_y = (final_x @ teacher).argmax(1)
+    gen = torch.Generator().manual_seed(1000 + a.rank)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(a.batch, sizes[0], generator=gen)
+        return x, (x @ teacher).argmax(1)
+
+    torch.manual_seed(0)                      # every rank builds the same initial model
+    layers: list[nn.Module] = []
+    for i, (m, n) in enumerate(zip(sizes, sizes[1:])):
+        layers += [nn.Linear(m, n)] + ([nn.ReLU()] if i < len(sizes) - 2 else [])
+    model = nn.Sequential(*layers)
+    nparams = sum(p.numel() for p in model.parameters())
+    slow = a.straggler and a.rank == a.world - 1
+
+    def one_step(opt: torch.optim.Optimizer, net: nn.Module) -> None:
+        x, y = batch()
+        t = time.perf_counter()
+        loss = nn.functional.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if slow:    # the straggler: its computing takes twice as long (forward+backward, slept again)
+            time.sleep(time.perf_counter() - t)
+        opt.step()
+
+    def accuracy(net: nn.Module, x: torch.Tensor = held, y: torch.Tensor = held_y) -> float:
+        with torch.no_grad():
+            right = sum(int((net(xs).argmax(1) == ys).sum()) for xs, ys in zip(x.split(512), y.split(512)))
+        return right / len(y)
+
+    spec = ALL_SYSTEMS[system]
+    stop_file = Path(f"{a.stop_file}.{tag}")
+    if spec is None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+        dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{ddp_port}", rank=a.rank,
+                                world_size=a.world)
+        net: nn.Module = nn.parallel.DistributedDataParallel(model)
+        opt: torch.optim.Optimizer = torch.optim.SGD(net.parameters(), lr=a.lr)
+        aopt = None
+    else:
+        import smb2.torch
+        from smb2.train.dropping import LayerDropping
+        options = dict(spec)
+        ratio = options.pop("dropping", None)
+        lr = a.lr
+        net = model
+        aopt = smb2.torch.AsyncOptimizer(
+            torch.optim.SGD(model.parameters(), lr=lr), model, name=f"tta-{tag}", rank=a.rank,
+            world_size=a.world, resume=False, servers=a.servers,
+            dropping=LayerDropping(ratio) if ratio else None,
+            **({"replicas": a.replicas} if a.replicas > 1 else {}), **options)
+        opt = aopt
+    bytes0 = link_bytes()
+    cpu0 = schedstat(os.getpid())
+    curve: list[tuple[float, int, float]] = [(0.0, 0, accuracy(net))]
+    if a.rank == 0:     # the driver times a --kill-at from here: rank 0's clock starts now
+        Path(f"{a.stop_file}.{tag}.started").touch()
+    t0 = time.perf_counter()
+    evaluating = 0.0
+    steps = 0
+    reached: float | None = None
+    while True:
+        one_step(opt, net)
+        steps += 1
+        if steps % a.eval_every:
+            continue
+        te = time.perf_counter()
+        acc = accuracy(net)
+        clock = te - t0 - evaluating
+        curve.append((clock, steps, acc))
+        hit = acc >= a.target
+        if reached is None and hit:
+            reached = clock
+        done = clock >= a.budget
+        if spec is None:     # DDP: stop together (every rank's model is the same one)
+            flag = torch.tensor([1.0 if (hit and a.rank == 0 and a.stop == "target") or done else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            done = bool(flag.item())
+        else:
+            if hit and a.rank == 0 and a.stop == "target":
+                stop_file.touch()
+            done = done or stop_file.exists()
+        evaluating += time.perf_counter() - te
+        if done:
+            break
+    wall = time.perf_counter() - t0
+    seconds = wall - evaluating
+    moved = link_bytes() - bytes0
+    cpu1 = schedstat(os.getpid())
+    out: dict[str, Any] = {"rank": a.rank, "steps": steps, "seconds": seconds, "samples": steps * a.batch,
+                           "link_bytes": moved, "params": nparams, "curve": curve, "reached_s": reached,
+                           "last_eval_acc": curve[-1][2], "link_rate": link_rate(),
+                           "time": time_shares(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], wall)}
+    # The final accuracy is the delivered model's, the one a user keeps, on the final test set
+    # (off the clock): DDP's model; smb2's shared weights once every worker finished (EASGD: the
+    # center, not rank 0's own copy, which swings from one evaluation to the next).
+    if aopt is not None:
+        aopt.flush()
+        st = aopt.stats()
+        out.update(wait_s=st["wait_s"], bytes_pushed=st["bytes_pushed"], bytes_pulled=st["bytes_pulled"],
+                   exchanges=st["exchanges"], not_computing=st["wait_s"] / seconds if seconds else None)
+        aopt.close(wait_all=a.budget + 120)
+        out["final_model"] = "the center" if options.get("rule") == "easgd" else "the shared weights"
+        out["collapses"] = st.get("collapses", 0)
+    else:
+        out["final_model"] = "DDP's model"
+    # rank 0's alone: the row reports rank 0, and the others' would only hold their hosts longer
+    out["final_acc"] = accuracy(net, final_x, final_y) if a.rank == 0 else None
+    if aopt is None:
+        dist.barrier()
+        with net.no_sync():   # type: ignore[operator]
+            tc = time.perf_counter()
+            for _ in range(min(steps, 10)):
+                one_step(opt, net)
+            per_step = (time.perf_counter() - tc) / min(steps, 10)
+        out["not_computing"] = max(0.0, 1 - per_step * steps / seconds)
+        dist.destroy_process_group()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver (runs in the root namespace; builds the hosts, starts servers and workers)
+
+
+def schedstat(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of all of ``pid``'s threads so far."""
+    on = wait = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except OSError:          # the thread ended meanwhile
+            continue
+        on += int(fields[0])
+        wait += int(fields[1])
+    return on / 1e9, wait / 1e9
+
+
+def time_shares(on: float, wait: float, seconds: float) -> dict[str, float]:
+    """Shares of ``seconds``: on a CPU, waiting for a CPU, blocked (on the network, peers, the straggler's sleep).
+    Summed over a process's threads: a share above 100 % means several threads at once (the
+    AsyncOptimizer's exchange thread beside the training thread)."""
+    return {"on_cpu": on / seconds, "waiting_for_cpu": wait / seconds, "blocked": max(0.0, 1 - (on + wait) / seconds)}
+
+
+def where_time_went(procs: dict[str, subprocess.Popen], before: dict[str, tuple[float, float]],
+                    seconds: float) -> dict[str, dict[str, float]]:
+    """:func:`time_shares` of each of ``procs`` since ``before``."""
+    out = {}
+    for name, p in procs.items():
+        on, wait = schedstat(p.pid)
+        out[name] = time_shares(on - before[name][0], wait - before[name][1], seconds)
+    return out
+
+
+def loopback_rtt_us() -> float:
+    """The median raw 64-byte round trip between two processes on loopback (smb2.bench's raw
+    peer, no smb2 code on either side), in µs: recorded beside each scenario because this
+    machine has a slow mode that moves every figure."""
+    async def measure() -> float:
+        peer, raw = await start_raw_peer(64)
+        try:
+            return statistics.median(await latencies(raw.ping, 300))
+        finally:
+            await stop_raw_peer(peer, raw)
+    return asyncio.run(measure())
+
+
+def start_servers(cluster: netns_cluster.NetnsCluster, hosts: list[int], capacity: str) -> list[subprocess.Popen]:
+    """smb2-server on each of ``hosts`` (indexes of the cluster's hosts); waits for the ready lines."""
+    binary = netns_cluster.default_server_binary()
+    if binary is None:
+        raise netns_cluster.NetnsError("smb2-server not found: build the project first (make .venv/.installed-test)")
+    procs = []
+    for i in hosts:
+        # --shm off, as netns_cluster's own servers: the namespaces share this kernel and file
+        # system, so a worker would map a server's memory and its pulls would bypass the links
+        # --lock-lease 30: rank 0 holds the store's lock while it writes the first 81 MB; on the
+        # loaded 2-core machine its renewals (every lease/3) starved past the default 5 s lease and
+        # a run died opening its store (StaleFence): the benchmark measures training, not that
+        argv = [binary, "--host", cluster.server_addrs[i], "--port", str(SERVER_PORT), "--capacity", capacity,
+                "--shm", "off", "--lock-lease", "30"] + (
+                    ["--membership", cluster.membership_url] if cluster.membership_url else [])
+        procs.append(subprocess.Popen(cluster.exec_prefix(cluster.server_netns[i]) + argv, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
+    for i, p in zip(hosts, procs):
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not READY.search(line):
+            raise netns_cluster.ServerStartError(f"smb2-server on host {cluster.server_addrs[i]} did not start "
+                                                 f"(exit {p.poll()}): {line!r}")
+    return procs
+
+
+def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], systems: list[str], scenario: str,
+                 servers: list[str], server_procs: dict[str, subprocess.Popen], workers: list[int], budget: float,
+                 run: int = 0, replicas: int = 1, kill_at: float | None = None) -> list[dict[str, Any]]:
+    """One worker process on each worker host trains every system in turn; a row per system.
+    ``kill_at``: SIGKILL the first server at that fraction of the budget of the first system's
+    training clock (rank 0's)."""
+    tag = f"{scenario}-r{run}"
+    stop_file = Path(tempfile.gettempdir()) / f"bench-tta-{os.getpid()}-{tag}.stop"
+    common = ["--sizes", json.dumps(cfg["sizes"]), "--batch", str(cfg["batch"]), "--lr", str(cfg["lr"]),
+              "--target", str(cfg["target"]), "--eval-every", str(cfg["eval_every"]), "--eval-n",
+              str(cfg["eval_n"]), "--final-n", str(cfg["final_n"]), "--stop", cfg["stop"],
+              "--budget", str(budget), "--systems", ",".join(systems), "--tag", tag,
+              "--servers", ",".join(servers), "--master", cluster.server_addrs[workers[0]],
+              "--world", str(len(workers)), "--stop-file", str(stop_file), "--replicas", str(replicas)]
+    if scenario in ("straggler", "overloaded"):
+        common.append("--straggler")
+    env = {**os.environ, **ONE_THREAD}
+    # (d): one busy process per worker host, started in its namespace and not pinned (see the module's doc)
+    hogs = [subprocess.Popen(cluster.exec_prefix(cluster.server_netns[h]) + [sys.executable, "-c", "while True: pass"])
+            for h in workers[:cfg["hogs"]]] if scenario == "overloaded" else []
+    procs = [subprocess.Popen(cluster.exec_prefix(cluster.server_netns[h])
+                              + [sys.executable, "-m", "smb2.bench.tta", "_worker", "--rank", str(r), *common],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+             for r, h in enumerate(workers)]
+    before = {name: schedstat(p.pid) for name, p in server_procs.items()}
+    t0 = time.monotonic()
+    killed: dict[str, Any] = {}
+    if kill_at is not None:
+        threading.Thread(target=kill_server_at, daemon=True, args=(
+            Path(f"{stop_file}.{tag}-0.started"), kill_at * budget, server_procs, killed, procs)).start()
+    outs = []
+    try:
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=len(systems) * (budget + 300))
+            if p.returncode:
+                # the other ranks that failed too say why (one of them may be the cause of this one)
+                others = "".join(f"\nworker rank {k} failed too (exit {q.returncode}):\n{q.communicate()[1][-1500:]}"
+                                 for k, q in enumerate(procs) if k != r and q.poll())
+                raise RuntimeError(f"worker rank {r} failed (exit {p.returncode}):\n{err[-3000:]}{others}")
+            outs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        for n in range(len(systems)):
+            Path(f"{stop_file}.{tag}-{n}").unlink(missing_ok=True)
+            Path(f"{stop_file}.{tag}-{n}.started").unlink(missing_ok=True)
+    rows = [summarize([o[n] for o in outs], system, scenario, cfg) for n, system in enumerate(systems)]
+    for row in rows:
+        row["run"] = run
+    rows[0]["servers_time"] = where_time_went(server_procs, before, time.monotonic() - t0)
+    rows[0]["replicas"] = replicas
+    if kill_at is not None:
+        rows[0]["killed"] = killed
+    return rows
+
+
+def kill_server_at(started: Path, after: float, server_procs: dict[str, subprocess.Popen], killed: dict[str, Any],
+                   workers: list[subprocess.Popen]) -> None:
+    """SIGKILL the first server ``after`` seconds into rank 0's training clock (``started`` appears
+    when it starts); notes which server and when in ``killed``."""
+    while not started.exists():
+        if all(p.poll() is not None for p in workers):
+            return
+        time.sleep(0.05)
+    time.sleep(after)
+    name, proc = next(iter(server_procs.items()))
+    proc.kill()
+    killed.update(server=name, at_s=after)
+
+
+def available(system: str) -> bool:
+    """Does this smb2 have the system's update rule?"""
+    from smb2.train.rules import RULES
+    spec = ALL_SYSTEMS[system]
+    return spec is None or spec.get("rule", "delta") in RULES
+
+
+def expected_bytes_per_step(system: str, params: int, world: int) -> float | None:
+    """Payload bytes one worker moves per step by the rule, before protocol overhead (None: varies)."""
+    model = 4 * params
+    spec = ALL_SYSTEMS[system]
+    if spec is None:       # DDP's ring all-reduce: 2 (W-1)/W of the gradient out, as much in
+        return 2 * 2 * (world - 1) / world * model
+    if spec.get("dropping") or spec.get("rule") == "diloco":   # depends on the gradients / the rule's wire
+        return None
+    if spec.get("rule") == "easgd":             # every tau steps: push local, pull the correction
+        return 2 * model / spec["tau"]
+    push = 0.5 if spec.get("push_dtype") == "bfloat16" else 1.0
+    return (push + 1) * model                   # push the change, pull the f32 weights
+
+
+def summarize(outs: list[dict[str, Any]], system: str, scenario: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    r0 = outs[0]
+    seconds = max(o["seconds"] for o in outs)
+    steps = sum(o["steps"] for o in outs)
+    per_step = [o["link_bytes"] / o["steps"] for o in outs]
+    row = {"system": system, "scenario": scenario, "workers": len(outs), "params": r0["params"],
+           "time_to_target_s": r0["reached_s"], "final_acc": r0["final_acc"], "final_model": r0["final_model"],
+           "last_eval_acc": r0["last_eval_acc"], "target": cfg["target"],
+           "collapsed": min(r0["last_eval_acc"], r0["final_acc"]) < COLLAPSED_BELOW,
+           # the collapse watch's reports on any rank (smb2's systems)
+           "collapse_warnings": sum(o.get("collapses", 0) for o in outs),
+           "samples_per_s": sum(o["samples"] for o in outs) / seconds, "seconds": seconds, "steps": steps,
+           "link_bytes_per_step": per_step, "expected_bytes_per_step": expected_bytes_per_step(
+               system, r0["params"], len(outs)),
+           "not_computing": r0["not_computing"], "curve": r0["curve"],
+           "worker_link_rates": [o["link_rate"] for o in outs], "workers_time": [o["time"] for o in outs]}
+    if "bytes_pushed" in r0:
+        row["payload_bytes_per_step"] = [(o["bytes_pushed"] + o["bytes_pulled"]) / o["steps"] for o in outs]
+    return row
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    cfg: dict[str, Any] = dict(QUICK if a.quick else FULL)
+    for key in ("workers", "servers", "target", "eval_n", "final_n", "stop"):
+        if getattr(a, key) is not None:
+            cfg[key] = getattr(a, key)
+    cfg["hogs"] = cfg["workers"] if a.hogs is None else a.hogs
+    rates = {"homogeneous": a.rate, "straggler": a.rate, "comm-bound": a.slow_rate, "overloaded": a.rate}
+    budgets = {sc: a.budget or (12.0 if a.quick else BUDGETS[sc]) for sc in a.scenarios}
+    result: dict[str, Any] = {"config": cfg, "rates": rates, "budget_s": budgets, "runs": a.runs,
+                              "default_runs": a.default_runs, "rows": [], "rtt_us": {},
+                              "overloaded": {"hogs": cfg["hogs"], "pinned": False, "straggler_slowdown": 2}}
+    nserv, nwork = cfg["servers"], cfg["workers"]
+    for scenario in a.scenarios:
+        rate = rates[scenario]
+        # the default port gets more runs in (d): "none may collapse" wants more than three
+        plan = [(i, list(a.systems)) for i in range(a.runs)]
+        if scenario == "overloaded" and "default" in a.systems:
+            plan += [(i, ["default"]) for i in range(a.runs, a.default_runs)]
+        # hosts 0..S-1 are memory servers, S..S+W-1 workers: every one behind its own limited link
+        with netns_cluster.NetnsCluster(servers=nserv + nwork, rate=rate, start_servers=False,
+                                        quiet=True, etcd=a.replicas > 1) as cluster:
+            servers = [f"{cluster.server_addrs[i]}:{SERVER_PORT}" for i in range(nserv)]
+            if cluster.membership_url:      # the view names the server hosts only, not the workers'
+                cluster.run_coroutine(only_members, cluster.membership_url, servers)
+            procs = start_servers(cluster, list(range(nserv)), a.capacity)
+            workers = list(range(nserv, nserv + nwork))
+            try:
+                for i, systems in plan:
+                    # the machine's round trip, beside each run: its slow mode moves every figure
+                    rtt = loopback_rtt_us()
+                    result["rtt_us"].setdefault(scenario, []).append(rtt)
+                    hogs = f", {cfg['hogs']} unpinned busy processes" if scenario == "overloaded" else ""
+                    print(f"bench_tta: {scenario} run {i + 1} ({rate} links{hogs}, loopback 64 B round trip "
+                          f"{rtt:.0f} µs): {', '.join(systems)} ...", file=sys.stderr, flush=True)
+                    for row in run_scenario(cluster, cfg, systems, scenario, servers,
+                                            {f"server {addr}": p for addr, p in zip(servers, procs)}, workers,
+                                            budgets[scenario], run=i, replicas=a.replicas, kill_at=a.kill_at):
+                        row["rate"] = rate
+                        row["rtt_us"] = rtt
+                        result["rows"].append(row)
+                        print(f"bench_tta:   {fmt_row(row)}", file=sys.stderr, flush=True)
+            finally:
+                for p in procs:
+                    p.terminate()
+                for p in procs:
+                    p.wait(10)
+    return result
+
+
+async def only_members(url: str, members: list[str]) -> None:
+    """Make ``members`` the membership view (netns_cluster writes every host of the cluster)."""
+    from smb2.membership import open_membership
+
+    async with open_membership(url) as m:
+        await m.change(await m.view(), members=members, joining=[])
+
+
+def add_ratios(result: dict[str, Any]) -> None:
+    """Each row against DDP in the same scenario and run: its speed-up to the target (DDP's time /
+    its time) and its final accuracy minus DDP's, in points (None where that run had no DDP)."""
+    ddp = {(r["scenario"], r["run"]): r for r in result["rows"] if r["system"] == "ddp"}
+    for r in result["rows"]:
+        base = ddp.get((r["scenario"], r["run"]))
+        mine = r["time_to_target_s"]
+        r["ddp_ratio"], r["ddp_missed"] = None, False
+        if base and mine:
+            if base["time_to_target_s"]:
+                r["ddp_ratio"] = base["time_to_target_s"] / mine
+            elif r["system"] != "ddp":
+                # DDP missed the target within the budget: it would have needed longer, so the budget
+                # over this system's time is a lower bound of the speed-up (shown as ">=")
+                r["ddp_ratio"], r["ddp_missed"] = result["budget_s"][r["scenario"]] / mine, True
+        elif base and base["time_to_target_s"]:
+            r["ddp_ratio"] = 0.0            # DDP reached the target, this system did not (both missed: None)
+        r["final_points_vs_ddp"] = 100 * (r["final_acc"] - base["final_acc"]) if base else None
+
+
+def _median(values: list[float | None], missing: float | None = None) -> float | None:
+    """The median of ``values``; a None (a run that missed the target) counts as ``missing``
+    (None: left out); None if nothing is left or the median itself is a miss."""
+    vals = [missing if v is None else v for v in values]
+    known = [v for v in vals if v is not None]
+    if not known:
+        return None
+    m = statistics.median(known)
+    return None if m == float("inf") else m
+
+
+def summarize_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One line per scenario and system: medians over its runs (a missed target is slower than
+    any time, so a median of misses is a miss; the ratio of a miss is 0 where DDP reached the
+    target, a lower bound where only DDP missed, none where both did), and its collapsed runs."""
+    out = []
+    keys = list(dict.fromkeys((r["scenario"], r["system"]) for r in result["rows"]))
+    for scenario, system in keys:
+        rows = [r for r in result["rows"] if (r["scenario"], r["system"]) == (scenario, system)]
+        with_ddp = [r for r in rows if r["final_points_vs_ddp"] is not None]
+        out.append({
+            "scenario": scenario, "system": system, "runs": len(rows), "rate": rows[0]["rate"],
+            "time_to_target_s": _median([r["time_to_target_s"] for r in rows], missing=float("inf")),
+            "ddp_ratio": _median([r["ddp_ratio"] for r in with_ddp]),
+            # some run's ratio is a lower bound (DDP missed the target there)
+            "ddp_ratio_at_least": any(r.get("ddp_missed") for r in with_ddp),
+            "final_acc": _median([r["final_acc"] for r in rows]),
+            "final_points_vs_ddp": _median([r["final_points_vs_ddp"] for r in with_ddp]),
+            "collapsed": sum(1 for r in rows if r["collapsed"]),
+            "collapse_warnings": sum(r.get("collapse_warnings", 0) for r in rows),
+            "rtt_us": _median([r["rtt_us"] for r in rows])})
+    return out
+
+
+#: the stability targets (default port and best configuration against DDP):
+#: (a) homogeneous, (b) straggler, (c) comm-bound, (d) overloaded
+DEFAULT_RATIO = {"homogeneous": 1.0, "straggler": 1.3, "comm-bound": 1.3, "overloaded": 1.3}
+BEST_RATIO = {"homogeneous": 1.5, "straggler": 2.0, "comm-bound": 1.5, "overloaded": 2.0}
+
+
+def targets(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 21's targets, each met or not, with what was measured: the default port never
+    collapses, ends within 1 point of DDP, reaches the target >= 1.0x DDP's speed in (a) and
+    >= 1.3x in (b)-(d); the best configuration >= 1.5x in (a) and (c), >= 2x in (b) and (d), with a
+    final accuracy at least DDP's."""
+    out = []
+    for scenario in dict.fromkeys(s["scenario"] for s in summary):
+        rows = {s["system"]: s for s in summary if s["scenario"] == scenario}
+        d = rows.get("default")
+        if d is not None:
+            out.append({"scenario": scenario, "target": f"default port never collapses ({d['runs']} runs)",
+                        "measured": f"{d['collapsed']} collapsed, {d['collapse_warnings']} watch reports",
+                        "met": d["collapsed"] == 0})
+            pts = d["final_points_vs_ddp"]
+            out.append({"scenario": scenario, "target": "default port final within 1 point of DDP",
+                        "measured": _opt(pts, "+.1f", " points"), "met": pts is not None and pts >= -1.0})
+            ratio = d["ddp_ratio"]
+            out.append({"scenario": scenario, "target": f"default port time to target >= {DEFAULT_RATIO[scenario]}x "
+                        "DDP's", "measured": _ratio(ratio, d["ddp_ratio_at_least"]),
+                        "met": ratio is not None and ratio >= DEFAULT_RATIO[scenario]})
+        candidates = [s for name, s in rows.items() if name != "ddp" and s["ddp_ratio"] is not None]
+        if candidates and "ddp" in rows:
+            best = max(candidates, key=lambda s: s["ddp_ratio"])
+            pts = best["final_points_vs_ddp"]
+            out.append({"scenario": scenario, "target": f"best configuration >= {BEST_RATIO[scenario]}x DDP, final "
+                        ">= DDP's",
+                        "measured": f"{best['system']}: {_ratio(best['ddp_ratio'], best['ddp_ratio_at_least'])}, "
+                        f"{_opt(pts, '+.1f', ' points')}",
+                        "met": best["ddp_ratio"] >= BEST_RATIO[scenario] and pts is not None and pts >= 0})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def fmt_row(r: dict[str, Any]) -> str:
+    ttt = f"{r['time_to_target_s']:7.1f}" if r["time_to_target_s"] is not None else "   miss"
+    ddp = r.get("ddp_ratio")
+    r0 = r["workers_time"][0]
+    return (f"{r['scenario']:>11} {r['rate']:>8} {r['system']:>15} {ttt} {_opt(ddp, '5.2f', 'x'):>7} "
+            f"{r['samples_per_s']:9.1f} {r['last_eval_acc']:6.3f} {r['final_acc']:6.3f} "
+            f"{sum(r['link_bytes_per_step']) / len(r['link_bytes_per_step']) / 1e6:9.2f} "
+            f"{_opt(r['not_computing'], '6.1%', ''):>7} "
+            f"{r0['on_cpu']:7.1%} {r0['waiting_for_cpu']:7.1%}")
+
+
+def _ratio(v: float | None, at_least: bool) -> str:
+    """A speed-up against DDP; ">=" where DDP missed the target in some run (a lower bound)."""
+    return "-" if v is None else f"{'>=' if at_least and v > 0 else ''}{v:.2f}x"
+
+
+def _opt(v: float | None, spec: str, suffix: str) -> str:
+    return "-" if v is None else f"{v:{spec}}{suffix}"
+
+
+def table(result: dict[str, Any]) -> str:
+    head = (f"{'scenario':>11} {'link':>8} {'system':>15} {'to tgt s':>7} {'x DDP':>7} {'samples/s':>9} "
+            f"{'r0 acc':>6} {'final':>6} {'MB/step':>9} {'not comp':>7} {'r0 cpu':>7} {'r0 rdy':>7}")
+    return "\n".join([head] + [fmt_row(r) for r in result["rows"]])
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    """Medians over the runs, and the stability targets, met or not."""
+    lines = [f"{'scenario':>11} {'system':>15} {'runs':>4} {'to tgt s':>8} {'x DDP':>8} {'final':>6} "
+             f"{'vs DDP':>7} {'collapsed':>9} {'64 B rtt':>9}"]
+    for s in result["summary"]:
+        ttt = _opt(s['time_to_target_s'], '.1f', '')
+        lines.append(f"{s['scenario']:>11} {s['system']:>15} {s['runs']:>4} {ttt:>8} "
+                     f"{_ratio(s['ddp_ratio'], s['ddp_ratio_at_least']):>8} {_opt(s['final_acc'], '.3f', ''):>6} "
+                     f"{_opt(s['final_points_vs_ddp'], '+.1f', ''):>7} {s['collapsed']:>9} "
+                     f"{_opt(s['rtt_us'], '.0f', ' µs'):>9}")
+    lines.append("")
+    lines.append(f"{'scenario':>11}  {'target':58} {'measured':34} met")
+    for t in result["targets"]:
+        lines.append(f"{t['scenario']:>11}  {t['target']:58} {t['measured']:34} {'met' if t['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    def draw(plt: Any) -> Any:
+        scenarios = list(dict.fromkeys(r["scenario"] for r in result["rows"]))
+        fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 4), squeeze=False)
+        for ax, sc in zip(axes[0], scenarios):
+            for r in result["rows"]:
+                if r["scenario"] == sc:
+                    line, = ax.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], label=r["system"],
+                                    ls="--" if r["system"] == "ddp" else "-")
+                    # the delivered model at the end (EASGD: the center), on the final test set
+                    ax.plot([r["curve"][-1][0]], [r["final_acc"]], "o", color=line.get_color())
+            ax.axhline(result["config"]["target"], color="grey", lw=0.8)
+            rate = next(r["rate"] for r in result["rows"] if r["scenario"] == sc)
+            ax.set(title=f"{sc} ({rate} links)", xlabel="wall time s (eval excluded)",
+                   ylabel="held-out accuracy (rank 0; dot: delivered model)")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        return fig
+
+    why = report.plot(path, draw)
+    print(why or f"plot: {path}", file=sys.stderr if why else sys.stdout)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small model, 2 workers, 2 servers (bookkeeping check)")
+    ap.add_argument("--scenarios", type=lambda s: s.split(","), default=None,
+                    help=f"comma list of {', '.join(SCENARIOS)} (default: all; --quick: homogeneous)")
+    ap.add_argument("--systems", type=lambda s: s.split(","), default=list(SYSTEMS),
+                    help=f"comma list of {', '.join(ALL_SYSTEMS)} (default: {', '.join(SYSTEMS)})")
+    ap.add_argument("--runs", type=int, default=None,
+                    help="runs of every system in every scenario; the rows' medians are reported (default 3; "
+                         "--quick: 1)")
+    ap.add_argument("--default-runs", type=int, default=None,
+                    help="runs of the default port in (d) overloaded, counting the --runs ones (default 10; "
+                         "--quick: --runs): none may collapse")
+    ap.add_argument("--hogs", type=int, default=None,
+                    help="(d): busy processes, one on each of the first HOGS worker hosts, unpinned (default: "
+                         "one per worker host)")
+    ap.add_argument("--rate", default="1gbit", help="link rate of every host in (a) and (b) (tc syntax)")
+    ap.add_argument("--slow-rate", default="200mbit", help="link rate of every host in (c) comm-bound")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds of training per run (default per scenario: (a) 60, (b) 120, (c) 200, (d) 150; "
+                         "quick 12)")
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--servers", type=int, default=None)
+    ap.add_argument("--target", type=float, default=None, help="target held-out accuracy")
+    ap.add_argument("--eval-n", type=int, default=None,
+                    help="held-out samples per evaluation of the curve (default 512; the clock excludes "
+                         "evaluation, but on few cores one worker's evaluation slows the others)")
+    ap.add_argument("--final-n", type=int, default=None,
+                    help="samples of the final test set, drawn apart (default 4096: 0.7 points' standard error)")
+    ap.add_argument("--stop", choices=("target", "budget"), default=None,
+                    help="end a run at the target or train the whole budget (default: budget, so final "
+                         "accuracies compare at equal time; --quick: target)")
+    ap.add_argument("--capacity", default="1GiB", help="each server's --capacity")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="the stores' replicas (2: the servers get a private etcd on a host of its own)")
+    ap.add_argument("--kill-at", type=float, default=None, metavar="FRACTION",
+                    help="SIGKILL the first server at this fraction of the budget of rank 0's training clock "
+                         "(e.g. 0.5; once per run, in its first system)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None)
+    return ap
+
+
+def _worker_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_tta.py _worker")
+    for name, kind in (("rank", int), ("world", int), ("batch", int), ("eval-every", int), ("eval-n", int),
+                       ("lr", float), ("target", float), ("budget", float), ("sizes", str), ("systems", str),
+                       ("tag", str), ("servers", str), ("master", str), ("stop-file", str)):
+        ap.add_argument(f"--{name}", type=kind, required=True)
+    ap.add_argument("--final-n", type=int, required=True)
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--stop", choices=("target", "budget"), required=True)
+    ap.add_argument("--straggler", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_worker"]:
+        worker(_worker_parser().parse_args(argv[1:]))
+        return 0
+    a = _parser().parse_args(argv)
+    if a.scenarios is None:
+        a.scenarios = ["homogeneous"] if a.quick else list(SCENARIOS)
+    if a.runs is None:
+        a.runs = 1 if a.quick else 3
+    if a.default_runs is None:
+        a.default_runs = a.runs if a.quick else 10
+    a.default_runs = max(a.default_runs, a.runs)
+    bad = [s for s in a.scenarios if s not in SCENARIOS] + [s for s in a.systems if s not in ALL_SYSTEMS]
+    if bad:
+        _parser().error(f"unknown scenario/system {', '.join(bad)}")
+    missing = [s for s in a.systems if not available(s)]
+    if missing:
+        print(f"bench_tta: this smb2 has no rule for {', '.join(missing)}: left out", file=sys.stderr)
+        a.systems = [s for s in a.systems if s not in missing]
+    ok, why = netns_cluster.can_run()
+    if not ok:
+        print(f"bench_tta: cannot build a namespace cluster here: {why}", file=sys.stderr)
+        return 2
+    result = run(a)
+    add_ratios(result)
+    result["summary"] = summarize_runs(result)
+    result["targets"] = targets(result["summary"])
+    print(table(result))
+    print("loopback 64 B round trip: " + ", ".join(
+        f"{sc} {', '.join(f'{us:.0f}' for us in rtts)} µs" for sc, rtts in result["rtt_us"].items()))
+    print()
+    print(summary_table(result))
+    if a.json:
+        report.write_json(a.json, result, quiet=True)
+    if a.png:
+        plot(result, a.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

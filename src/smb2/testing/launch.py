@@ -1,0 +1,177 @@
+"""Starting ``smb2-server`` processes: the one place that builds the command,
+hands the tokens over and reads the ready line.
+
+``smb2-server`` prints ``smb2-server listening on HOST:PORT`` on stdout once
+it accepts connections (server/cli.py); everything that starts one -- tests,
+LocalCluster(processes=True), the netns harness, benchmarks -- waits for that
+line here.  :class:`ServerProcess` is the blocking launcher (a test's or a
+tool's own process); :class:`AsyncServerProcess` is the one an event loop
+awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from .. import auth
+from ..errors import InterfaceError
+
+#: the server's ready line (bytes: asyncio and the netns harness read raw pipes)
+READY = re.compile(rb"smb2-server listening on (\S+):(\d+)")
+
+
+def ready_address(line: bytes | str) -> tuple[str, int] | None:
+    """``(host, port)`` from a ``smb2-server listening on HOST:PORT`` line, or None."""
+    m = READY.search(line.encode() if isinstance(line, str) else line)
+    return None if m is None else (m.group(1).decode(), int(m.group(2)))
+
+
+def server_command(*flags: str, python: str = sys.executable, host: str | None = None,
+                   port: int | None = 0) -> list[str]:
+    """The argv of one ``smb2-server`` (as ``python -m smb2.server``, so it is
+    the server of the interpreter given)."""
+    where = ([] if host is None else ["--host", host]) + ([] if port is None else ["--port", str(port)])
+    return [python, "-m", "smb2.server", *where, *flags]
+
+
+def server_env(env: Mapping[str, str] | None = None, token: bytes | None = None,
+               peer_token: bytes | None = None) -> dict[str, str]:
+    """The server's environment: ``env`` (default this process's) without the
+    callers' tokens, plus the ones given.  Tokens go by environment, not argv:
+    argv is visible to every user in ps."""
+    out = {k: v for k, v in (os.environ if env is None else env).items() if k not in (auth.ENV, auth.PEER_ENV)}
+    if token is not None:
+        out[auth.ENV] = token.decode("utf-8", "surrogateescape")
+    if peer_token is not None:
+        out[auth.PEER_ENV] = peer_token.decode("utf-8", "surrogateescape")
+    return out
+
+
+class ServerProcess:
+    """One ``smb2-server`` process on loopback (``--port 0``: the port it
+    chose is ``self.port``); blocks until its ready line (InterfaceError,
+    with the server's stderr, if it exits first)."""
+
+    def __init__(self, *flags: str, env: Mapping[str, str] | None = None, python: str = sys.executable,
+                 token: bytes | None = None, host: str | None = None,
+                 stderr: int | IO[Any] = subprocess.PIPE) -> None:
+        cmd = server_command(*flags, python=python, host=host)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                     env=server_env(env, token))
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        found = ready_address(line)
+        if found is None:
+            self.proc.kill()
+            self.proc.wait()
+            raise InterfaceError(f"smb2-server did not start ({' '.join(cmd)}): "
+                                 f"{line.strip() or 'no ready line'}\n{self.stderr()[-2000:]}")
+        self.host, self.port = found
+        self.address = ("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host, self.port)
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` as ``smb2.connect`` takes it."""
+        return f"{self.address[0]}:{self.port}"
+
+    @property
+    def rss(self) -> int:
+        """The server process's resident memory in bytes (/proc/PID/status)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+        raise AssertionError("no VmRSS")
+
+    def stderr(self) -> str:
+        """What the server wrote on stderr, once it has exited ("" before, or
+        when stderr went elsewhere)."""
+        if self.proc.poll() is None or self.proc.stderr is None:
+            return ""
+        return self.proc.stderr.read()
+
+    def stop(self, timeout: float = 30, sig: int = signal.SIGTERM) -> int:
+        """Signal the server (SIGTERM: a clean stop) and wait; SIGKILL after ``timeout``."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def server_process(*flags: str, **kwargs: Any) -> Iterator[ServerProcess]:
+    """``with server_process("--capacity", "64MiB") as s:`` a server, stopped after."""
+    with ServerProcess(*flags, **kwargs) as s:
+        yield s
+
+
+class AsyncServerProcess:
+    """One ``smb2-server`` subprocess of an event loop (LocalCluster's processes mode)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, host: str, port: int) -> None:
+        self.proc = proc
+        self.host = host
+        self.port = port
+
+    @classmethod
+    async def spawn(cls, host: str, port: int, args: list[str], timeout: float,
+                    token: bytes | None = None, peer_token: bytes | None = None) -> AsyncServerProcess:
+        """Start it, wait up to ``timeout`` for its ready line; InterfaceError
+        with its stderr if it did not come."""
+        cmd = server_command(*args, host=host, port=port)
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True, env=server_env(None, token, peer_token))
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), timeout)
+        except TimeoutError:
+            line = b""
+        found = ready_address(line)
+        if found is None:
+            if proc.returncode is None:
+                proc.kill()
+            err = (await proc.stderr.read())[-2000:].decode(errors="replace")
+            await proc.wait()
+            raise InterfaceError(f"smb2-server did not start ({' '.join(cmd)}): "
+                                 f"{line.decode(errors='replace').strip() or 'no ready line'}\n{err}")
+        # stderr keeps flowing; drain it so the child never blocks on a full pipe
+        asyncio.ensure_future(drain(proc.stderr))
+        return cls(proc, *found)
+
+    async def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        """Signal it and wait; SIGKILL after ``timeout``.  Its exit status."""
+        if self.proc.returncode is None:
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        return self.proc.returncode
+
+
+async def drain(stream: asyncio.StreamReader) -> None:
+    """Read ``stream`` to its end (a child never blocks on a full pipe)."""
+    while await stream.read(65536):
+        pass

@@ -1,0 +1,135 @@
+"""Small torch models and references for the torch tests: a model, an
+AsyncOptimizer around it, the store's values read by a client of their own,
+two linear heads whose every gradient is known, and the repository's example
+(examples/torch_train.py) trained in one process with plain torch, as the
+accuracy bar the torchrun workers must reach.  Imports torch."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import smb2
+import smb2.torch as st
+from smb2.torch.loop_thread import LoopThread
+
+#: the example the torchrun tests run (the repository's: the tests run from a checkout)
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "torch_train.py"
+
+
+def small_model(seed: int = 0, bn: bool = False) -> torch.nn.Module:
+    """10 inputs, 32 hidden (with BatchNorm if ``bn``), 3 classes; seeded."""
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(10, 32)] + ([torch.nn.BatchNorm1d(32)] if bn else []) + \
+        [torch.nn.ReLU(), torch.nn.Linear(32, 3)]
+    return torch.nn.Sequential(*layers)
+
+
+def async_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, servers: str, name: str,
+                    **kw: Any) -> st.AsyncOptimizer:
+    """``opt`` wrapped for store ``name`` as rank 0 of 1 unless told, never resuming."""
+    kw.setdefault("rank", 0)
+    kw.setdefault("world_size", 1)
+    return st.AsyncOptimizer(opt, model, name=name, servers=servers, resume=False, **kw)
+
+
+def shared_values(opt: st.AsyncOptimizer) -> dict[str, np.ndarray]:
+    """The store's current values, read by a separate client."""
+    async def read() -> dict[str, np.ndarray]:
+        async with await smb2.connect(opt.store.client.servers) as c:
+            buf = await c.attach(opt.store.buf.name)
+            flat = np.empty_like(opt.store.flat())
+            await buf.read_into(flat, opt.store.data_off)
+        return {n: flat[opt.store.flat_offset(n):opt.store.flat_offset(n) + v.size].reshape(v.shape).copy()
+                for n, v in opt.store.params.items()}
+    loop = LoopThread("test-read")
+    try:
+        return loop.run(read())
+    finally:
+        loop.stop()
+
+
+class TwoHeads(torch.nn.Module):
+    """Two linear layers whose gradients never change (the loss is linear
+    in the weights): what a step changes is known exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 2)
+        for p in self.parameters():
+            torch.nn.init.zeros_(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).sum() + 0.5 * self.b(x).sum()
+
+
+ONES = torch.ones(8, 4)
+
+
+LR = 0.125
+
+
+#: every step's gradient of each parameter (8 samples of ones; head b counts half)
+GRAD = {"a.weight": 8.0, "a.bias": 8.0, "b.weight": 4.0, "b.bias": 4.0}
+
+
+def constant_steps(opt: torch.optim.Optimizer, model: torch.nn.Module, steps: int) -> None:
+    """``steps`` steps of ``TwoHeads`` on ``ONES``: every gradient is ``GRAD``."""
+    for _ in range(steps):
+        opt.zero_grad()
+        model(ONES).backward()
+        opt.step()
+
+
+def load_example() -> Any:
+    """examples/torch_train.py as a module."""
+    spec = importlib.util.spec_from_file_location("torch_train_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _PerRankBatches(torch.nn.Module):
+    """Training forward of a batch of ``world`` ranks' batches one rank's
+    batch at a time (BatchNorm normalizes each by its own statistics, as on
+    DDP's ranks); evaluation forward as the model."""
+
+    def __init__(self, model: torch.nn.Module, world: int) -> None:
+        super().__init__()
+        self.model, self.world = model, world
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return self.model(x)
+        return torch.cat([self.model(part) for part in x.chunk(self.world)])
+
+
+def single_process_accuracy(kind: str, epochs: int, seed: int = 0, shard: slice = slice(None),
+                             world: int = 1) -> float:
+    """The example's loop in this process, plain torch, no smb2 (on the
+    whole training set, or on one worker's ``shard`` of it alone).
+    ``world=W``: DDP's arithmetic for W ranks of the example's batch 32: one
+    step per batch of W·32, its gradient the mean of the W ranks' (the
+    mean loss over the batch), clipped once, BatchNorm per rank's 32."""
+    from smb2.train.example import data
+    ex = load_example()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)            # as the example's workers do (and faster on a busy machine)
+    torch.manual_seed(seed)
+    xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
+    xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
+    model = ex.make_model()
+    opt = ex.make_optimizer(model, kind)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    trained = model if world == 1 else _PerRankBatches(model, world)
+    try:
+        ex.train(trained, opt, sched, xtr, ytr, torch.arange(len(xtr))[shard], epochs, 32 * world)
+    finally:
+        torch.set_num_threads(threads)
+    return float(ex.accuracy(model, xte, yte))
+
