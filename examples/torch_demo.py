@@ -22,8 +22,8 @@ from typing import Any
 
 import smb2
 
-# the rule docs/training.md finds best for torch ("Update rules", the time-to-accuracy
-# runs): the one place the demo names it
+# the rule docs/training.md recommends for a torch job ("Which rule, when"; torch_train.py
+# scales SGD's learning rate by the number of workers for it): the one place the demo names it
 RULE = "diloco"
 SCRIPT = Path(__file__).resolve().parent / "torch_train.py"
 

@@ -9,9 +9,13 @@ launch it with torchrun; every worker gets the same SMB2_SERVERS:
         torchrun --standalone --nproc-per-node 4 examples/torch_train.py
 
 The lines marked "smb2" are all that differ from the single-process script
-(docs/training.md shows the diff, and the one against DDP).  Each rank
-prints one JSON line: its steps, its last loss, and the test accuracy of the
-shared model once every rank finished.
+(docs/training.md shows the diff, and the one against DDP).  ``--rule
+diloco`` is the rule docs/training.md recommends ("Which rule, when"; with
+SGD it also multiplies the learning rate by the number of workers);
+without it the script keeps AsyncOptimizer's default rule, ``delta``, the
+porting recipe's one line.  Each rank prints one JSON line: its steps, its
+last loss, and the test accuracy of the shared model once every rank
+finished.
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ def main() -> None:
     p.add_argument("--name", default="digits-cnn", help="the store's name (one per job)")
     p.add_argument("--staleness", type=int, default=1)
     p.add_argument("--rule", choices=["delta", "diloco"], default="delta",
-                   help="how steps reach the shared model (docs/training.md, 'Update rules')")
+                   help="how steps reach the shared model: diloco, the recommended one, or delta, "
+                        "AsyncOptimizer's default (docs/training.md, 'Which rule, when')")
     p.add_argument("--local-steps", type=int, default=None, help="rule diloco: inner steps per round")
     a = p.parse_args()
 

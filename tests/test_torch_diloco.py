@@ -313,7 +313,7 @@ def test_bad_options_are_refused(servers: str, options: dict[str, Any], match: s
 #: counts 1/W, so the shared model learns as DDP does at W times the batch; the example scales its
 #: inner lr by W for diloco, as DDP users scale theirs (the linear scaling rule).  Measured: 96.47-
 #: 97.77 % in seven runs against the single process's 97.22 %; unscaled, 90.9-94.6 %, where DDP's own
-#: arithmetic ends 0.4-1.9 points below (docs/training.md, "DiLoCo", "Equal samples").  It fails on
+#: arithmetic ends 0.4-1.9 points below (docs/training.md, "Measurements", "DiLoCo on digits").  It fails on
 #: a collapse (the paper's outer momentum 0.9 at every pseudo-gradient: 39-46 %), a regression of
 #: the outer step, or the example losing its lr scaling
 GAP_POINTS = 2.0

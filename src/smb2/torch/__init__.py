@@ -3,7 +3,8 @@
 An ordinary training loop uses :class:`AsyncOptimizer` (no asyncio: see
 :mod:`smb2.torch.optimizer`)::
 
-    opt = smb2.torch.AsyncOptimizer(torch.optim.AdamW(model.parameters()), model, name="run-17")
+    opt = smb2.torch.AsyncOptimizer(torch.optim.AdamW(model.parameters()), model, name="run-17",
+                                    rule="diloco")      # docs/training.md, "Which rule, when"
     for x, y in loader:
         loss_fn(model(x), y).backward()
         opt.step(); opt.zero_grad()

@@ -16,12 +16,14 @@ Staleness.  After step ``t`` the model computes step ``t+1`` on the weights
 of the last pull it swapped in (issued after step ``k``) plus its own
 changes since then; ``t - k`` (its lag) never exceeds ``staleness``:
 ``step()`` waits for the oldest exchange in flight until it does.
-``staleness=0`` is pull -> compute -> push in sequence; ``staleness=1`` lets
-the push of step ``t`` and the pull after it travel while step ``t+1``
-computes (ShmCaffe's overlap).  A finished exchange is swapped in at the
-next ``step()`` whatever the lag.  A step's communication starts only after
-the previous step's exchange finished, so a pull never sees this worker's
-later pushes (which ``since`` adds back on top of it).
+``staleness=0`` (the default) is pull -> compute -> push in sequence;
+``staleness=1`` (what the porting recipe passes) lets the push of step ``t``
+and the pull after it travel while step ``t+1`` computes (ShmCaffe's
+overlap).  The elastic rules (``easgd``, ``diloco``) ignore it.  A
+finished exchange is swapped in at the next ``step()`` whatever the lag.  A
+step's communication starts only after the previous step's exchange
+finished, so a pull never sees this worker's later pushes (which ``since``
+adds back on top of it).
 
 What a step pushes depends on the rule:
 
@@ -161,8 +163,16 @@ class AsyncOptimizer(torch.optim.Optimizer):
     ``servers``: "h:p,..." or a list (default: ``SMB2_SERVERS``).  Every
     worker of the job (torchrun's ``RANK``/``WORLD_SIZE``, or ``rank=`` /
     ``world_size=``) opens the same store; rank 0 creates it from its
-    model's values (or resumes it), the others take those.  ``staleness``: how many of its own
-    steps a worker may run past its last pull (see the module's doc).
+    model's values (or resumes it), the others take those.  ``rule``: how the steps reach
+    the shared model: ``"delta"`` (the default: the stable baseline), ``"diloco"`` (the one to
+    train with, and with SGD the learning rate times the number of workers), ``"easgd"``,
+    ``"accumulate"``, ``"locked"`` (plain SGD only); docs/training.md, "Which rule, when",
+    says which and why.  ``staleness``: how many of its own steps a worker may run past its
+    last pull (see the module's doc).  Its default, 0, runs pull, compute, push in sequence,
+    the closest to one process; the porting recipe passes ``staleness=1`` so that a step's
+    exchange travels while the next step computes (each step then computed on weights one
+    exchange older).  ``diloco`` and ``easgd`` ignore it: their exchange every few steps
+    always overlaps the next steps.
     ``push_dtype``: the type changes travel as: "bfloat16" (default for a
     bf16 model), "float16", or "float32"; the shared master copy is float32
     either way.  ``resume``, ``stripe``, ``replicas`` (2: train on through a
