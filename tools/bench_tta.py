@@ -17,10 +17,18 @@ Rank 0's accuracy is the curve and its first evaluation at or past the
 target the time to target.  A run trains the whole time budget (``--stop
 budget``, the default) or ends at the target (``--stop target``, --quick's:
 DDP's ranks agree by an all-reduce; smb2's rank 0 leaves a stop file the
-others read at their next evaluation).  "final" is then the accuracy of the
+others read at their next evaluation; torchft's rank 0 names the exchange after which every
+replica stops).  "final" is then the accuracy of the
 model the system delivers, on a test set of ``--final-n`` samples drawn
-apart, off the clock: DDP's model; smb2's shared weights once every worker
+apart, off the clock: DDP's model; torchft's rank 0's; smb2's shared weights once every worker
 finished (EASGD: the center, not rank 0's own copy, which the curve shows).
+
+``--task lm`` trains a byte-level decoder-only transformer on the running Python's standard
+library source instead (tools/tta_lm.py: full 6 layers of width 384, 6 heads, 256 bytes of
+context, 10.9 M parameters; --quick 2 layers of width 64, 0.14 M): AdamW with warm-up, cosine
+decay and clipping at 1.0 for every system, and the figure is the validation loss in nats/byte
+(lower is better; target 2.2, --quick 2.8; chance ln 256 = 5.55; collapsed: not below 0.9 of
+chance).  "vs DDP" is then how much lower the final loss is than DDP's, in % of DDP's.
 
 Scenarios (state the rates with --rate/--slow-rate):
 
@@ -35,6 +43,12 @@ Scenarios (state the rates with --rate/--slow-rate):
   host's namespace and **unpinned** (a namespace does not confine CPU, and a 2-core machine has
   no core per host to pin to; no cgroup ``cpu.max`` either): they compete with every worker and
   server for the machine's cores.
+* ``fault`` (e): as homogeneous, each system in worker processes of its own, trained the whole
+  budget; the last worker is SIGKILLed at 40 % of the budget of rank 0's clock.  ``fault-rejoin``:
+  the same, and that worker is started again at 60 % (smb2 takes it back as a rank torchrun
+  restarted; torchft's replica heals from a peer; DDP's group cannot take a rank back, so DDP's
+  is not restarted).  A table says what each system did, as rank 0 saw it: "went on", "stalled
+  N s" (a pause between two steps above 5 typical steps and 2 s), or "stopped" (an error).
 
 Every row says whether the run **collapsed**: rank 0's last evaluation or the delivered model's
 accuracy below twice chance (0.2 for 10 classes); smb2's rows also count the collapse watch's
@@ -44,8 +58,12 @@ Systems (those the targets below compare): ``ddp`` (DistributedDataParallel, glo
 porting recipe's one line ``AsyncOptimizer(opt, model, name=..., staleness=1)`` and nothing else
 (whatever AsyncOptimizer's defaults are); ``diloco`` (``rule="diloco", local_steps=8`` and
 the rule's defaults, outer lr 0.7 and Nesterov momentum 0.5 -- the paper's 0.9 collapses
-asynchronously, docs/training.md -- the user's SGD is the inner optimizer); ``easgd`` (tau 4).
-``--systems`` also takes the variants docs/training.md cites from before the stable default: ``delta``
+asynchronously, docs/training.md -- the task's optimizer is the inner one); ``easgd`` (tau 4);
+``torchft``, torchft's DiLoCo (``pip install 'smb2[tta]'``): one replica group per worker host,
+its lighthouse on a host of its own, gloo, the same H and inner optimizer, outer SGD lr 0.7 with
+Nesterov momentum 0.9 (the paper's).  ``--systems`` also takes ``torchft-streaming`` (Streaming
+DiLoCo: two fragments, each exchanged every H steps in turn, overlapping one inner step) and
+the variants docs/training.md cites from before the stable default: ``delta``
 (every change counted whole, no lag scaling: that time's default port), ``delta/bf16``,
 ``delta/drop`` (layer dropping 0.7), ``accumulate``, ``accumulate/drop``.  A system whose rule
 this smb2 lacks is left out, with a line saying so.
@@ -67,8 +85,9 @@ smb2: AsyncOptimizer's measured wait on communication; DDP (whose all-reduce
 hides inside backward): 1 - the time of as many steps under ``no_sync()``
 (measured after the run) over the time of the synchronized ones.
 
-    python tools/bench_tta.py [--quick] [--scenarios homogeneous,straggler,comm-bound,overloaded]
-        [--systems ddp,default,diloco,easgd] [--runs 3] [--default-runs 10] [--hogs W]
+    python tools/bench_tta.py [--quick] [--task mlp|lm]
+        [--scenarios homogeneous,straggler,comm-bound,overloaded,fault,fault-rejoin]
+        [--systems ddp,default,diloco,easgd,torchft] [--runs 3] [--default-runs 10] [--hogs W]
         [--budget S] [--stop budget|target] [--json out.json] [--png out.png]
         [--replicas 2 [--kill-at 0.5]]
 
@@ -87,6 +106,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -675,6 +695,9 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
                                 k: outs[0][0].get(k) for k in ("typical_step_s", "longest_pause_after_kill_s",
                                                                 "steps_after_kill", "stopped")}}
             row["fault"]["outcome"] = fault_outcome(row["fault"]["rank0"])
+            if "rejoined" in fault:     # the restarted worker's own steps: did it train again?
+                row["fault"]["rejoined_steps"] = outs[-1][systems.index(row["system"])]["steps"]
+                row["fault"]["outcome"] += f"; the restarted worker trained {row['fault']['rejoined_steps']} steps"
     rows[0]["servers_time"] = where_time_went(server_procs, before, time.monotonic() - t0)
     rows[0]["replicas"] = replicas
     if kill_at is not None:
@@ -716,8 +739,9 @@ def kill_worker_at(started: Path, after: float, rejoin_at: float | None, workers
 def fault_outcome(r0: dict[str, Any]) -> str:
     """What the system did about the lost worker, as rank 0 saw it: stopped (an error, or no step
     after the kill), stalled (a pause above 5 typical steps and 2 s), or went on."""
-    if r0["stopped"]:
-        return f"stopped at {r0['stopped']['at_s']:.1f} s: {r0['stopped']['error'][:80]}"
+    if r0["stopped"]:       # the error without its source location (gloo's "[.../pair.cc:537] ")
+        error = re.sub(r"^(\w+: )\[[^]]*\] ", r"\1", r0["stopped"]["error"])
+        return f"stopped at {r0['stopped']['at_s']:.1f} s: {error[:70]}"
     if not r0["steps_after_kill"]:
         return "stopped (no step after the kill)"
     pause, typical = r0["longest_pause_after_kill_s"], r0["typical_step_s"] or 0.0
@@ -1072,8 +1096,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate", default="1gbit", help="link rate of every host in (a) and (b) (tc syntax)")
     ap.add_argument("--slow-rate", default="200mbit", help="link rate of every host in (c) comm-bound")
     ap.add_argument("--budget", type=float, default=None,
-                    help="seconds of training per run (default per scenario: (a) 60, (b) 120, (c) 200, (d) 150; "
-                         "quick 12)")
+                    help="seconds of training per run (default per scenario: (a) 60, (b) 120, (c) 200, (d) 150, "
+                         "(e) 60; quick 12)")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--servers", type=int, default=None)
     ap.add_argument("--target", type=float, default=None,
@@ -1137,7 +1161,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [s for s in a.systems if not available(s)]
     if missing:
         print(f"bench_tta: this smb2 has no rule for {', '.join(missing)} (torchft's: pip install "
-              "'smb2[bench]'): left out", file=sys.stderr)
+              "'smb2[tta]'): left out", file=sys.stderr)
         a.systems = [s for s in a.systems if s not in missing]
     ok, why = netns_cluster.can_run()
     if not ok:
