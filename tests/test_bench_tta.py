@@ -168,9 +168,11 @@ def test_a_fault_is_reported_by_what_rank_0_saw() -> None:
     assert bench_tta.fault_outcome(went) == "went on"
     assert bench_tta.fault_outcome({**went, "longest_pause_after_kill_s": 4.8}) == "stalled 4.8 s"
     assert bench_tta.fault_outcome({**went, "steps_after_kill": 0}).startswith("stopped")
-    # the pause that spans the kill counts from the kill, not from the step before it
-    seen = bench_tta.fault_after_kill([1.0, 2.0, 3.0, 9.0, 10.0], fault_at=4.0)
-    assert seen == {"typical_step_s": 1.0, "longest_pause_after_kill_s": 5.0, "steps_after_kill": 2}
+    # (wall, clock) of each step's end: the pause that spans the kill (at wall 4) counts from the
+    # kill, not from the step before it, and on the clock (an evaluation of 0.5 s left out)
+    ends = [(1.0, 1.0), (2.0, 2.0), (3.5, 3.0), (9.5, 9.0), (10.5, 10.0)]
+    seen = bench_tta.fault_after_kill(ends, fault_at=4.0)
+    assert seen == {"typical_step_s": 1.0, "longest_pause_after_kill_s": 5.5, "steps_after_kill": 2}
 
 
 def test_the_language_model_schedule_and_collapse() -> None:

@@ -324,7 +324,7 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
     evaluating = 0.0
     steps = 0
     first_reached: float | None = None
-    step_ends: list[float] = []
+    step_ends: list[tuple[float, float]] = []      # (wall, clock) at the end of each step
     stopped: dict[str, Any] | None = None
     while True:
         try:
@@ -335,7 +335,8 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
             stopped = {"at_s": time.perf_counter() - t0 - evaluating, "error": f"{type(e).__name__}: {e}"[:300]}
             break
         steps += 1
-        step_ends.append(time.perf_counter() - t0 - evaluating)
+        wall_now = time.perf_counter() - t0
+        step_ends.append((wall_now, wall_now - evaluating))
         if peer is not None and peer.stopping(stop_file):
             break
         if steps % a.eval_every:
@@ -411,11 +412,14 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
     return out
 
 
-def fault_after_kill(step_ends: list[float], fault_at: float) -> dict[str, Any]:
-    """Rank 0's longest pause between two steps after the kill at ``fault_at`` s of its clock, and its
-    median step time before it: a pause far above the latter is a stall."""
-    before = [b - a for a, b in zip(step_ends, step_ends[1:]) if b < fault_at]
-    after = [b - max(a, fault_at) for a, b in zip(step_ends, step_ends[1:]) if b >= fault_at]
+def fault_after_kill(step_ends: list[tuple[float, float]], fault_at: float) -> dict[str, Any]:
+    """Rank 0's longest pause between two steps after the kill, and its median step time before it:
+    a pause far above the latter is a stall.  ``step_ends``: (wall, clock) of each step's end, s since
+    rank 0 started (the clock leaves evaluation out); the driver kills ``fault_at`` wall seconds after
+    that start, so a pause is counted on the clock from the kill on."""
+    pairs = list(zip(step_ends, step_ends[1:]))
+    before = [c2 - c1 for (_, c1), (w2, c2) in pairs if w2 < fault_at]
+    after = [c2 - c1 - max(0.0, fault_at - w1) for (w1, c1), (w2, c2) in pairs if w2 >= fault_at]
     return {"typical_step_s": statistics.median(before) if before else None,
             "longest_pause_after_kill_s": max(after) if after else None,
             "steps_after_kill": len(after)}
@@ -741,7 +745,7 @@ def fault_outcome(r0: dict[str, Any]) -> str:
     after the kill), stalled (a pause above 5 typical steps and 2 s), or went on."""
     if r0["stopped"]:       # the error without its source location (gloo's "[.../pair.cc:537] ")
         error = re.sub(r"^(\w+: )\[[^]]*\] ", r"\1", r0["stopped"]["error"])
-        return f"stopped at {r0['stopped']['at_s']:.1f} s: {error[:70]}"
+        return f"stopped at {r0['stopped']['at_s']:.1f} s: {error.split('. ')[0][:90]}"
     if not r0["steps_after_kill"]:
         return "stopped (no step after the kill)"
     pause, typical = r0["longest_pause_after_kill_s"], r0["typical_step_s"] or 0.0
