@@ -80,8 +80,7 @@ def test_every_system_trained(result: dict) -> None:
         right = r["final"] * result["config"]["final_n"]
         assert abs(right - round(right)) < 1e-6 and r["final"] > 0.3, (name, r["final"])
         assert r["final_vs_ddp"] == pytest.approx(100 * (r["final"] - rows["ddp"]["final"])), name
-        if name != "torchft":       # torchft's wait is not measured
-            assert 0.0 <= r["not_computing"] <= 1.0, name
+        assert 0.0 <= r["not_computing"] <= 1.0, name
         # no system's curve ended at chance, and the row says so
         assert r["curve"][-1][2] > bench_tta.COLLAPSED_BELOW and not r["collapsed"], (name, r["curve"][-3:])
         assert r["collapse_warnings"] == 0, name

@@ -81,7 +81,8 @@ not.
 second is large.  The servers' shares are in the JSON (``servers_time``).
 
 "not computing" is the share of rank 0's training time spent not computing:
-smb2: AsyncOptimizer's measured wait on communication; DDP (whose all-reduce
+smb2: AsyncOptimizer's measured wait on communication; torchft: the time in DiLoCo's
+optimizer hook (its quorum and exchange, the outer step included); DDP (whose all-reduce
 hides inside backward): 1 - the time of as many steps under ``no_sync()``
 (measured after the run) over the time of the synchronized ones.
 
@@ -467,10 +468,21 @@ class TorchftReplica:
         outer = [torch.optim.SGD(p.parameters(), **TORCHFT_OUTER) for p in parts]
         self.diloco = DiLoCo(self.manager, parts, inner, outer if fragments > 1 else outer[0],
                              backup_device=torch.device("cpu"), pin_memory=False, **opts)
+        # the time in DiLoCo's own step hook (the quorum and the exchange) is the time not computing:
+        # a hook registered before DiLoCo's runs before it, one registered after runs after it
+        self.wait_s, self._since = 0.0, 0.0
+        self.hooks = [inner.register_step_post_hook(self._enter_exchange)]
         self.diloco.__enter__()
+        self.hooks.append(inner.register_step_post_hook(self._leave_exchange))
         # every replica's manager heartbeats before any asks for a quorum, so the first quorum
         # holds them all (the lighthouse waits for every heartbeating replica to join)
         rendezvous(a, tag)
+
+    def _enter_exchange(self, *_: Any) -> None:
+        self._since = time.perf_counter()
+
+    def _leave_exchange(self, *_: Any) -> None:
+        self.wait_s += time.perf_counter() - self._since
 
     def announce_stop(self, stop_file: Path) -> None:
         """Rank 0: every replica is to stop after the next exchange.  The others read this before
@@ -496,9 +508,11 @@ class TorchftReplica:
 
     def finish(self, seconds: float) -> dict[str, Any]:
         step = self.manager.current_step()
+        for hook in self.hooks:
+            hook.remove()
         self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
-        return {"outer_steps": step, "not_computing": None}
+        return {"outer_steps": step, "wait_s": self.wait_s, "not_computing": self.wait_s / seconds if seconds else None}
 
 
 def fragment(model: Any, n: int) -> list[Any]:
