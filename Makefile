@@ -28,6 +28,8 @@ $(VENV)/.installed-test: $(BUILD_INPUTS) $(VENV)/.sysdeps | $(BIN)/python
 	@# pull a multi-GB CUDA build); where it cannot be had the test skips
 	$(BIN)/python -m pip install -q torch==2.13.0 \
 	  || echo "make: torch==2.13.0 could not be installed: the smb2.torch test will skip"
+	@# bench tta's peer (torchft's DiLoCo), beside that torch: where torch is there it must install
+	if $(BIN)/python -c 'import torch' 2>/dev/null; then $(BIN)/python -m pip install -q -e '.[tta]'; fi
 	touch $@ $(VENV)/.installed-runtime $(VENV)/.installed-demo $(VENV)/.installed-docs
 
 # the demo's own install: smb2, scikit-learn (the digits) and torch, an exact

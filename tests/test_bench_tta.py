@@ -1,13 +1,15 @@
-"""The quick mode of the time-to-accuracy benchmark (smb2 bench tta): its
-bookkeeping, not its speed.
+"""The quick mode of the time-to-accuracy benchmark (smb2 bench tta): its bookkeeping, not
+its speed.
 
 Two memory-server hosts and two worker hosts, each a network namespace behind a 1 Gbit/s
-link; torch DDP and the compared systems (the default port, diloco, easgd) train the small
-model on the same worker hosts in one run.  Checked: every system trained and learned
-something and no curve ended at chance, the bytes that crossed each worker's link per step
-match the model's size and the rule, the summary and the targets table are filled in, and
-DDP and smb2 saw the same links.  Skipped, with the reason, where namespaces cannot be built or torch is
-missing.
+link (and torchft's lighthouse on a host of its own); torch DDP, torchft's DiLoCo and the
+compared smb2 systems (the default port, diloco, easgd) train the small model on the same
+worker hosts in one run.  Checked: every system trained and learned something and no curve
+ended at chance, the bytes that crossed each worker's link per step match the model's size and
+the rule, the summary and the targets table are filled in, and DDP and smb2 saw the same links.
+The language-model task (--task lm) likewise: every system, torchft's included, ends clearly
+below chance.  Skipped, with the reason, where namespaces cannot be built or torch is missing;
+torchft missing fails (make test installs it: smb2[tta]).
 """
 
 from __future__ import annotations
@@ -15,45 +17,67 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import smb2.testing.netns as netns_cluster
 from smb2.bench import tta as bench_tta
+from smb2.bench import tta_lm
 
 # alone: the benchmark must reach its target within a time budget
 pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
+TORCHFT_MISSING = "torchft is not installed: make test installs it (pip install -e '.[tta]')"
+FINAL_MODEL = {"ddp": "DDP's model", "easgd": "the center", "torchft": "rank 0's model"}
+#: the language model's quick run: DDP, torchft's DiLoCo and smb2's default port and diloco
+LM_SYSTEMS = ["ddp", "default", "diloco", "torchft"]
+
+
+def quick(tmp: Path, *args: str) -> dict:
+    """``bench_tta.py --quick`` with ``args``: its JSON (skipped where namespaces cannot be built)."""
+    pytest.importorskip("torch")
+    ok, why = netns_cluster.can_run()
+    if not ok:
+        pytest.skip(f"no network namespaces here: {why}")
+    out = tmp / "tta.json"
+    r = subprocess.run([sys.executable, "-m", "smb2.bench", "tta", "--quick", "--json", str(out), *args],
+                       capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, f"bench_tta --quick {' '.join(args)} failed (exit {r.returncode}): {r.stderr[-3000:]}"
+    assert "left out" not in r.stderr, r.stderr[-2000:]      # torchft among them: the test install has it
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pytest.importorskip("torch")
-    ok, why = netns_cluster.can_run()
-    if not ok:
-        pytest.skip(f"no network namespaces here: {why}")
-    out = tmp_path_factory.mktemp("tta") / "tta.json"
-    r = subprocess.run([sys.executable, "-m", "smb2.bench", "tta", "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=110)
-    assert r.returncode == 0, f"bench_tta --quick failed (exit {r.returncode}): {r.stderr[-3000:]}"
-    return json.loads(out.read_text())
+    assert bench_tta.available("torchft"), TORCHFT_MISSING
+    return quick(tmp_path_factory.mktemp("tta"))
+
+
+@pytest.fixture(scope="module")
+def lm_result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    pytest.importorskip("torch")
+    assert bench_tta.available("torchft"), TORCHFT_MISSING
+    return quick(tmp_path_factory.mktemp("tta-lm"), "--task", "lm", "--systems", ",".join(LM_SYSTEMS))
 
 
 def test_every_system_trained(result: dict) -> None:
     rows = {r["system"]: r for r in result["rows"]}
     # the compared systems, every one (diloco where this smb2 has the rule)
     assert set(rows) == {s for s in bench_tta.SYSTEMS if bench_tta.available(s)} and "default" in rows
+    assert "torchft" in rows, TORCHFT_MISSING
     assert result["runs"] == 1 and all(r["run"] == 0 for r in result["rows"])
     for name, r in rows.items():
         assert r["workers"] == bench_tta.QUICK["workers"] and r["steps"] > 0, name
         assert r["samples_per_s"] > 0 and r["curve"][-1][0] > 0, name
         # ten classes: chance is 0.1; the quick target is 0.5 within the time budget
         assert r["time_to_target_s"] is not None, f"{name} never reached {r['target']}: {r['curve']}"
-        assert r["last_eval_acc"] >= r["target"], name       # --quick stops at the target
+        assert r["last_eval"] >= r["target"], name       # --quick stops at the target
         # the delivered model (smb2: the shared weights, EASGD's center) on the final test set
-        assert r["final_model"] == {"ddp": "DDP's model", "easgd": "the center"}.get(name, "the shared weights")
-        right = r["final_acc"] * result["config"]["final_n"]
-        assert abs(right - round(right)) < 1e-6 and r["final_acc"] > 0.3, (name, r["final_acc"])
-        assert r["final_points_vs_ddp"] == pytest.approx(100 * (r["final_acc"] - rows["ddp"]["final_acc"])), name
+        assert r["final_model"] == FINAL_MODEL.get(name, "the shared weights"), name
+        right = r["final"] * result["config"]["final_n"]
+        assert abs(right - round(right)) < 1e-6 and r["final"] > 0.3, (name, r["final"])
+        assert r["final_vs_ddp"] == pytest.approx(100 * (r["final"] - rows["ddp"]["final"])), name
         assert 0.0 <= r["not_computing"] <= 1.0, name
         # no system's curve ended at chance, and the row says so
         assert r["curve"][-1][2] > bench_tta.COLLAPSED_BELOW and not r["collapsed"], (name, r["curve"][-3:])
@@ -64,7 +88,7 @@ def test_every_system_trained(result: dict) -> None:
     summary = {s["system"]: s for s in result["summary"]}
     assert set(summary) == set(rows)
     for name, s in summary.items():
-        assert s["runs"] == 1 and s["collapsed"] == 0 and s["final_acc"] == rows[name]["final_acc"], name
+        assert s["runs"] == 1 and s["collapsed"] == 0 and s["final"] == rows[name]["final"], name
         assert s["time_to_target_s"] == rows[name]["time_to_target_s"], name
     said = {t["target"].split(" >=")[0].split(" within")[0].split(" never")[0] for t in result["targets"]}
     assert said == {"default port", "default port final", "default port time to target", "best configuration"}
@@ -83,7 +107,8 @@ def test_bytes_per_step_match_model_and_rule(result: dict) -> None:
         if want is None:
             # diloco, a round of H steps (bytes a parameter): two bf16 accumulates and the pull (8), and
             # for the worker whose push completes a group of W the momentum step too (read 8, write 6):
-            # at most 22, under 3 of the default's float32 steps (8 each)
+            # at most 22, under 3 of the default's float32 steps (8 each); torchft's DiLoCo all-reduces
+            # float32 pseudo-gradients once a round: 8 (W-1)/W out and as much in, at most 16
             full = rows["default"]["link_bytes_per_step"]
             assert all(0 < m < 3 / bench_tta.DILOCO_H * f for m, f in zip(measured, full)), (name, measured, full)
             continue
@@ -105,3 +130,56 @@ def test_ddp_and_smb2_saw_the_same_links(result: dict) -> None:
     rate = netns_cluster.parse_rate(result["rates"]["homogeneous"])
     for r in result["rows"]:
         assert r["worker_link_rates"] == [rate] * r["workers"], r["system"]
+
+
+def test_every_system_trains_the_language_model(lm_result: dict) -> None:
+    rows = {r["system"]: r for r in lm_result["rows"]}
+    assert list(rows) == LM_SYSTEMS
+    data = lm_result["data"]        # the standard library's source, every 10th file held out
+    assert data["files"] > 100 and data["val_files"] == data["files"] // 10
+    assert data["train_bytes"] > 5 * data["val_bytes"] > 0
+    params = {r["params"] for r in rows.values()}
+    assert len(params) == 1 and 50_000 < params.pop() < 1_000_000       # the tiny quick model
+    for name, r in rows.items():
+        assert r["workers"] == bench_tta.LM_QUICK["workers"] and r["steps"] > 0, name
+        assert r["final_model"] == FINAL_MODEL.get(name, "the shared weights"), name
+        # chance is ln 256 = 5.55 nats/byte; the quick target (2.8) is far below it, and the quick
+        # mode stops there: a loss, lower is better
+        assert r["time_to_target_s"] is not None, f"{name} never reached {r['target']}: {r['curve'][-3:]}"
+        assert r["curve"][0][2] > r["target"] >= r["last_eval"], (name, r["curve"])
+        assert r["final"] < 0.7 * tta_lm.CHANCE and not r["collapsed"], (name, r["final"])
+        assert r["ddp_ratio"] is not None, name
+        # the final loss against DDP's, in % of DDP's loss (positive: lower than DDP's)
+        ddp = rows["ddp"]["final"]
+        assert r["final_vs_ddp"] == pytest.approx(100 * (ddp - r["final"]) / ddp), name
+    assert {t["scenario"] for t in lm_result["targets"]} == {"homogeneous"}
+
+
+def test_a_fault_is_reported_by_what_rank_0_saw() -> None:
+    """(e)'s verdicts from rank 0's steps: an error stops it, a pause far above its step time is a
+    stall, anything else went on."""
+    stopped = {"stopped": {"at_s": 7.8, "error": "RuntimeError: [/gloo/pair.cc:537] Connection reset by peer"},
+               "steps_after_kill": 0, "longest_pause_after_kill_s": None, "typical_step_s": 0.05}
+    assert bench_tta.fault_outcome(stopped) == "stopped at 7.8 s: RuntimeError: Connection reset by peer"
+    went = {"stopped": None, "steps_after_kill": 40, "longest_pause_after_kill_s": 0.3, "typical_step_s": 0.05}
+    assert bench_tta.fault_outcome(went) == "went on"
+    assert bench_tta.fault_outcome({**went, "longest_pause_after_kill_s": 4.8}) == "stalled 4.8 s"
+    assert bench_tta.fault_outcome({**went, "steps_after_kill": 0}).startswith("stopped")
+    # (wall, clock) of each step's end: the pause that spans the kill (at wall 4) counts from the
+    # kill, not from the step before it, and on the clock (an evaluation of 0.5 s left out)
+    ends = [(1.0, 1.0), (2.0, 2.0), (3.5, 3.0), (9.5, 9.0), (10.5, 10.0)]
+    seen = bench_tta.fault_after_kill(ends, fault_at=4.0)
+    assert seen == {"typical_step_s": 1.0, "longest_pause_after_kill_s": 5.5, "steps_after_kill": 2}
+
+
+def test_the_language_model_schedule_and_collapse() -> None:
+    """Warm-up rises linearly to the peak, the cosine ends at a tenth of it and holds; a loss not
+    clearly below chance (ln 256) is a collapse; the lower loss reaches a loss target."""
+    assert tta_lm.lr_factor(0, 10, 100) == pytest.approx(0.1)
+    assert tta_lm.lr_factor(9, 10, 100) == pytest.approx(1.0)
+    assert tta_lm.lr_factor(10, 10, 100) == pytest.approx(1.0)
+    assert tta_lm.lr_factor(55, 10, 100) == pytest.approx(0.55)
+    assert tta_lm.lr_factor(100, 10, 100) == tta_lm.lr_factor(10_000, 10, 100) == pytest.approx(0.1)
+    assert tta_lm.collapsed(5.5) and tta_lm.collapsed(float("nan")) and not tta_lm.collapsed(3.0)
+    assert bench_tta.reached(2.1, 2.2, higher_is_better=False) and not bench_tta.reached(2.3, 2.2, False)
+    assert bench_tta.reached(0.8, 0.75, higher_is_better=True)
