@@ -1,10 +1,11 @@
 """``smb2 repair``: what a replicated cluster cannot serve, and serving it
 on the operator's word.
 
-A stripe whose member copies are all gone is taken back by rule when a
-joining copy provably holds every acknowledged update (docs/reliability.md,
-"Who can change the view"); where none can be vouched for, the servers say
-why (``stuck`` in their statistics) and serve nothing of it.  This command
+A restarted server holding a stripe's last member copy is a member again at
+once when its copy provably holds every acknowledged update
+(docs/reliability.md, "Who can change the view"); where it cannot be
+vouched for, the server says why (``stuck`` in its statistics) and serves
+nothing of it.  This command
 reads that from every server that answers and prints, per buffer, the
 servers of the stuck stripes and why each copy cannot be vouched for.
 ``--accept HOST:PORT`` tells that server to take its copies as they are
@@ -58,7 +59,7 @@ def report(servers: list[str], answers: list[dict[str, Any] | BaseException]) ->
                          f"whole are lost): smb2 repair --accept {server}")
     if not stuck and not all(isinstance(a, BaseException) for a in answers):
         lines.append("nothing to repair: every stripe the servers that answered hold has a member copy, "
-                     "or is being taken back by rule")
+                     "or is catching up")
     return lines, stuck
 
 

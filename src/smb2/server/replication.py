@@ -64,7 +64,7 @@ from ..protocol import (
 )
 from .peers import LINK_FAILED, PeerLink, error_message
 from .segment import Refused, Segment
-from .viewcheck import lost_copies, placement, stripe_groups
+from .viewcheck import lost_copies, lost_groups, placement, stripe_groups
 
 log = logging.getLogger("smb2.server.replication")
 
@@ -94,7 +94,7 @@ DEDUP_CLIENTS: Final = 4096
 # went, whatever the clocks' rates
 DEDUP_IDLE: Final = 600.0
 # views followed after a server was taken out of the members before it can no
-# longer vouch for its copies (recovery by rule, Replication.vouches_for)
+# longer vouch for its restored copies (Replication._held_back)
 MAX_VOUCH_CHAIN: Final = 1000
 # start() waits this long for the server to be a member before it lets
 # clients in (it goes on catching up in the background)
@@ -537,7 +537,7 @@ class Replication:
         # copy, refused (viewcheck.py); and how many of them this server undid
         self.refused_views = 0
         self.restored_views = 0
-        # Recovery by rule (_catch_up): the last epoch at which this server's
+        # What a restarted server can vouch for (_held_back): the last epoch at which this server's
         # own copies held every acknowledged update (it was a member then, or
         # restarted from the save that ended its last run, never taken out),
         # the views it installed since (None: a gap, some epoch unseen)
@@ -547,7 +547,7 @@ class Replication:
         # of stripes no member holds as they are
         self.accept_as_is = False
         # stripes without a member copy this server could not recover, in
-        # the words of smb2 repair; and the stripes it recovered by rule
+        # the words of smb2 repair; and the stripes it took back on the operator's word
         self.stuck: list[dict[str, Any]] = []
         self.recovered = 0
 
@@ -760,7 +760,7 @@ class Replication:
             self.confirmed_at = max(self.confirmed_at, started)
 
     def _follow(self, held: View, view: View) -> None:
-        """Keep what recovery by rule needs to know of ``view``, installed after ``held``."""
+        """Keep what _held_back needs to know of ``view``, installed after ``held``."""
         if held.epoch == 0:
             # the first view after a start: the restored copies are whole if the
             # last run ended with a save and nobody took this server out since
@@ -779,23 +779,15 @@ class Replication:
         self.vouch_epoch, self.since_vouch = epoch, []
 
     def vouches_for(self, group: Sequence[str]) -> str | None:
-        """None if this server's own copy of the stripe on ``group`` holds every
-        acknowledged update; else why not, in words.  It does when the copy was
-        whole at ``vouch_epoch`` and no view since gave the stripe a member
-        copy (no update of it could be acknowledged: that needs a member
-        primary), with every epoch since seen here (docs/reliability.md)."""
+        """None where this server may take its own copy of the stripe on
+        ``group``, which has no member copy, as the stripe's: only on the
+        operator's word (``smb2 repair --accept``); else why not, in words."""
         if self.accept_as_is:
             return None
-        if self.vouch_epoch is None:
-            if self.server.restored:
-                return ("it restarted from a save older than its last run (that run ended without one): "
-                        "updates acknowledged after the save may be missing")
-            return "it never held the stripe as a member copy since it started"
-        if self.since_vouch is None:
-            return f"views changed more than once between two of its reads after epoch {self.vouch_epoch}"
-        if any(v.primary(group) is not None for v in self.since_vouch):
-            return "another copy was a member after this one was taken out"
-        return None
+        if self.vouch_epoch is None and self.server.restored:
+            return ("it restarted from a save older than its last run (that run ended without one): "
+                    "updates acknowledged after the save may be missing")
+        return "no member copy is left to catch up from, and whether this copy holds every update is not known"
 
     def _refuse(self, view: View, lost: list[str]) -> None:
         self.refused_views += 1
@@ -1255,7 +1247,14 @@ class Replication:
             log.warning("this server is the only member of the view: it serves what it holds")
             return self._became_member(view, 0)
         if self.me not in view.joining:
-            # a restarted member may hold stale data: out of members first
+            # a restarted member may hold stale data: out of members first --
+            # unless that takes some stripe's last member copy (the servers
+            # refuse such a view: the stripe could never be caught up)
+            out = View(view.epoch + 1, tuple(m for m in view.members if m != self.me),
+                       (*view.joining, self.me), view.replaced)
+            held = lost_groups(list(self.server.by_name.values()), view, out)
+            if held:
+                return self._held_back(view, held)
             view = await self.change(view, [m for m in view.members if m != self.me], [*view.joining, self.me])
             if self.me not in view.joining:
                 return False
@@ -1293,9 +1292,8 @@ class Replication:
             lost = [i for i, p in primaries.items() if p is None]
             if lost:
                 # no member holds a copy: becoming a member with ours serves
-                # it as the stripe's, so ours must provably hold every
-                # acknowledged update (recovery by rule), or the operator
-                # must say so (smb2 repair --accept)
+                # it as the stripe's, which only the operator may say
+                # (smb2 repair --accept: updates it misses are lost)
                 stuck = self._recoverable(seg, view, lost)
                 if stuck:
                     if stuck != self.stuck:
@@ -1312,6 +1310,41 @@ class Replication:
                 finally:
                     link.close("done")
         return True
+
+    def _held_back(self, view: View, held: list[tuple[Segment, list[list[str]]]]) -> bool:
+        """A restarted server still a member, holding the last member copy of
+        the stripes ``held``: a member again at once when its restored copies
+        provably hold every acknowledged update (all of them: restored from the
+        save that ended its last run, and a member ever since, for an update
+        acknowledged without it needed it out of the members); else it serves
+        none of them and says why (smb2 repair)."""
+        if self.server.restored_clean and self.vouch_epoch is not None and self.since_vouch is not None:
+            log.warning("restarted from the save that ended its last run and a member ever since: its copies "
+                        "hold every acknowledged update, and it holds the last member copy of %s: a member "
+                        "again at once", "; ".join(f"buffer {seg.name!r}" for seg, _ in held))
+            return self._became_member(view, len(held))
+        why = self.vouches_for(held[0][1][0]) or "the operator's word is not enough here"
+        shared = self._shares_with_members(view)
+        if self.accept_as_is and not shared:
+            return self._became_member(view, len(held))
+        if self.accept_as_is:
+            why = (f"it also holds stripes that live members have newer copies of ({shared}), which it would "
+                   "serve stale: catching those up in place is not built; restart the other servers of its "
+                   "lost stripes from their --data-dir instead")
+        stuck = [{"buffer": seg.name, "servers": g, "stripes": [], "why": why} for seg, groups in held for g in groups]
+        if stuck != self.stuck:
+            log.error("this server restarted holding the last member copy of %s, which it cannot vouch for "
+                      "(%s): it serves none of it (smb2 repair)", "; ".join(
+                          f"buffer {seg.name!r}" for seg, _ in held), why)
+        self.stuck = stuck
+        return False
+
+    def _shares_with_members(self, view: View) -> str:
+        """The buffers of which this server holds a stripe that another member also holds."""
+        names = sorted({seg.name for seg in self.server.by_name.values() if seg.replicas > 1
+                        for g in stripe_groups(seg) if self.me in g
+                        and any(h.state == "member" and h.server != self.me for h in view.holders(g))})
+        return ", ".join(names)
 
     def _recoverable(self, seg: Segment, view: View, lost: Sequence[int]) -> list[dict[str, Any]]:
         """Of the stripes ``lost`` of ``seg``'s buffer (no member copy in

@@ -15,10 +15,6 @@ check it twice (docs/reliability.md, "Who can change the view"):
   server held, when that view was the one right before (then nobody ever
   used the other: every server refuses it, and clients learn views only
   from servers; so the servers it dropped missed no update).
-
-A member copy moved to *joining* is not lost: its server still holds it,
-and takes it back by rule (replication.py, ``vouches_for``) or on the
-operator's word (``smb2 repair``).
 """
 
 from __future__ import annotations
@@ -43,27 +39,24 @@ def stripe_groups(seg: Segment) -> list[list[str]]:
     return [[seg.servers[s] for s in p.replicas_of(i)] for i in range(min(p.nstripes, p.nservers))]
 
 
-def lost_copies(segments: Iterable[Segment], old: View, new: View) -> list[str]:
-    """What ``new`` would leave without a member copy that ``old`` had one
-    of, and without that copy among its joining ones either (a member copy
-    moved to joining -- its server restarted, or was taken out while it
-    lived -- is recovered by rule or on the operator's word, not lost:
-    Replication.vouches_for), in words: one entry per buffer, naming its
-    servers."""
-    lost = []
+def lost_groups(segments: Iterable[Segment], old: View, new: View) -> list[tuple[Segment, list[list[str]]]]:
+    """The stripe groups (servers, replica order) of each buffer that ``new``
+    would leave without a member copy that ``old`` had one of.  A member copy
+    moved to joining counts as lost too: joining copies catch up from a
+    member, so a stripe whose copies are all joining is stuck (and a view that
+    moved them there, forged with stolen credentials, let updates be lost in
+    the Jepsen test's forge nemesis)."""
+    out = []
     for seg in segments:
         if seg.replicas <= 1:
             continue
-        groups = [g for g in stripe_groups(seg) if old.primary(g) is not None and new.primary(g) is None
-                  and not _kept_joining(g, old, new)]
+        groups = [g for g in stripe_groups(seg) if old.primary(g) is not None and new.primary(g) is None]
         if groups:
-            held = sorted({"+".join(g) for g in groups})
-            lost.append(f"buffer {seg.name!r} (its copies on {', '.join(held)})")
-    return lost
+            out.append((seg, groups))
+    return out
 
 
-def _kept_joining(group: list[str], old: View, new: View) -> bool:
-    """Whether a copy that was a member copy of the stripe on ``group`` in
-    ``old`` is a joining copy, on the same server, in ``new``."""
-    was = {(h.slot, h.server) for h in old.holders(group) if h.state == "member"}
-    return any((h.slot, h.server) in was for h in new.holders(group) if h.state == "joining")
+def lost_copies(segments: Iterable[Segment], old: View, new: View) -> list[str]:
+    """:func:`lost_groups` in words: one entry per buffer, naming its servers."""
+    return [f"buffer {seg.name!r} (its copies on {', '.join(sorted({'+'.join(g) for g in groups}))})"
+            for seg, groups in lost_groups(segments, old, new)]
