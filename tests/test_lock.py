@@ -82,10 +82,12 @@ async def test_acquisition_order_is_ticket_order(cluster: smb2.LocalCluster, tra
     tasks = []
     for i in range(1, 12):
         tasks.append(asyncio.ensure_future(contend(i)))
-        await asyncio.sleep(0.02)      # let each draw its ticket before the next
+        await asyncio.sleep(0.02)      # most draw their ticket before the next starts
     await holder.release()
-    await asyncio.wait_for(asyncio.gather(*tasks), 10)
-    assert order == list(range(1, 12))
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    # every contender got the lock once, in the order of the tickets they drew (which of
+    # them drew first is the machine's timing: on a loaded soft-RoCE VM 20 ms is not enough)
+    assert sorted(order) == list(range(1, 12))
     assert [tickets[i] for i in order] == sorted(tickets.values())
     for c in clients:
         await c.close()
