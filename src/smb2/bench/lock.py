@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The distributed ticket lock against two baselines, in one run (issue 7).
+"""The distributed ticket lock against two baselines, in one run.
 
 * **uncontended**: acquire + release latency (p50, p99) of the ticket lock,
   on both waiting paths ("park": the server answers when our turn comes, the
@@ -15,7 +15,7 @@
   time, for the spin lock and the ticket lock, with fairness (max/min
   acquisitions per client) and the server's data ops per acquisition (from
   its statistics: the parked path sends nothing while it waits).
-* **shm** (issue 15): the same lock from clients that map the server's
+* **shm**: the same lock from clients that map the server's
   memory, in the same run: "futex" (the shm default: atomics on the mapped
   words, waiters sleep on a futex), "shmpoll" (the same atomics, waiters
   poll with the loop yielding: the alternative to the futex), and "mixed"

@@ -79,7 +79,7 @@ from . import report
 MiB = 1 << 20
 GB = 1e9
 SMB2_PUBLISHED = (8, 6.3)  # SMB2 (IEEE Access 2020): 6.3x SMB1's bandwidth with 8 memory servers
-TARGET_EFFICIENCY = 0.90  # issue 5: >= 7.2x one server's bandwidth at 8 servers
+TARGET_EFFICIENCY = 0.90  # the scale-out target: >= 7.2x one server's bandwidth at 8 servers
 OPS = ("write", "read")
 RAW_OPS = ("raw-write", "raw-read")  # the baseline: plain sockets to a stand-in on each server host
 

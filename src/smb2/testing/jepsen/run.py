@@ -88,6 +88,8 @@ async def _run(s: Settings, history: History, connect: Callable[[], Awaitable[sm
 def run_netns(s: Settings) -> History:
     """One run in the netns harness: every server, every client host and etcd its own host; the
     client processes run as workers (``--worker``) on the client hosts, the nemesis here."""
+    if {"forge", "flood"} & set(s.nemesis):
+        raise SystemExit("forge and flood attack a replicated LocalCluster: run them without --netns")
     ok, why = netns.can_run()
     if not ok:
         raise netns.NotSupported(why)
