@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -73,6 +74,13 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.7, 0.999), weight_decay=1e-4)
 
 
+def default_device() -> str:
+    """This rank's GPU (torchrun's LOCAL_RANK over the GPUs of the host) where there is one."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=8)
@@ -84,13 +92,16 @@ def main() -> None:
                    help="how steps reach the shared model: diloco, the recommended one, or delta, "
                         "AsyncOptimizer's default (docs/training.md, 'Which rule, when')")
     p.add_argument("--local-steps", type=int, default=None, help="rule diloco: inner steps per round")
+    p.add_argument("--device", default=default_device(),
+                   help="where the model trains (default: this rank's GPU where there is one, else cpu)")
     a = p.parse_args()
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
     xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
-    xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
-    model = make_model()
+    xtr, xte = xtr.view(-1, 1, 8, 8).to(a.device), xte.view(-1, 1, 8, 8).to(a.device)
+    ytr, yte = ytr.to(a.device), yte.to(a.device)
+    model = make_model().to(a.device)
     opt = make_optimizer(model, a.optimizer)
     rule = {"rule": a.rule} if a.local_steps is None else {"rule": a.rule, "local_steps": a.local_steps}
     opt = smb2.torch.AsyncOptimizer(opt, model, name=a.name, staleness=a.staleness, **rule)  # smb2
@@ -117,7 +128,8 @@ def main() -> None:
     stats = opt.stats()
     end = opt.close(wait_all=300)  # smb2: wait for every rank, take the weights they trained
 
-    report = {"rank": opt.rank, "world": opt.world, "optimizer": a.optimizer, "steps": stats["steps"],
+    report = {"rank": opt.rank, "world": opt.world, "optimizer": a.optimizer, "device": a.device,
+              "steps": stats["steps"],
               "loss": round(loss, 4), "accuracy": round(accuracy(model, xte, yte), 2),
               "seconds": round(time.perf_counter() - t0, 2), "comm_wait_share": round(stats["comm_wait_share"], 3),
               "lag_scaled": stats["lag_scaled"], "max_version_lag": stats["max_version_lag"],

@@ -246,27 +246,6 @@ def test_errors_of_the_background_loop_surface_with_their_type(servers: str) -> 
         opt.step()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the staging path "
-                    "(pinned host mirrors, side stream) runs on CPU tensors in the other tests")
-def test_a_cuda_model_trains_through_pinned_mirrors(servers: str) -> None:
-    model = small_model().cuda()
-    x, y = (t.cuda() for t in _data())
-    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), servers, "t-cuda",
-                staleness=1) as opt:
-        assert opt.staging.cuda and opt.staging.stream is not None
-        first = float(torch.nn.functional.cross_entropy(model(x), y))
-        for _ in range(50):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        opt.flush()
-        assert float(torch.nn.functional.cross_entropy(model(x), y)) < first * 0.7
-        shared = shared_values(opt)
-    for name, p in model.named_parameters():
-        np.testing.assert_allclose(shared[name], p.detach().cpu().numpy(), rtol=1e-4, atol=1e-5)
-
-
 # -- pushes during backward --------------------------------------------------------------
 
 def _store_version(opt: st.AsyncOptimizer) -> int:
