@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 
 import numpy as np
 import pytest
@@ -64,11 +63,10 @@ async def test_killed_server_gives_a_transport_error_not_a_hang() -> None:
         buf = await client.create("dies", 4 * MiB, stripe=MiB)
         await buf.write(0, b"x" * buf.nbytes)
         await cluster.kill(1)
-        t0 = time.monotonic()
+        # an error, not a hang: wait_for's TimeoutError would fail the test (about a second on real
+        # hardware; how long under TCG is the machine's load, so no bound on it is asserted)
         with pytest.raises(smb2.TransportError):
             await asyncio.wait_for(buf.read(0, buf.nbytes), 60)
-        # (about a second on real hardware; TCG is far slower at everything)
-        assert time.monotonic() - t0 < 30
         await cluster.restart(1)
         # a new queue pair on the next use; the restarted server lost its memory
         with pytest.raises(smb2.NoSuchBuffer):
@@ -288,13 +286,10 @@ async def test_a_dead_queue_pair_surfaces_by_retry_timeout_and_is_recreated() ->
         for conn in cluster.servers[0].connections:
             if conn.rdma_peer is not None:
                 conn.rdma_peer.qp.close()
-        t0 = time.monotonic()
         # an atomic, not a read: reads are retried once on a fresh connection
         # (test_deadlines), an atomic never is, so its failure is what surfaces
         with pytest.raises(smb2.TransportError) as info:
             await asyncio.wait_for(buf.fetch_add(8, 1), 60)
-        elapsed = time.monotonic() - t0
+        # 8 tries of 67 ms: about half a second (TCG and host load stretch it: no bound asserted)
         assert info.value.status == 12, info.value          # IBV_WC_RETRY_EXC_ERR
-        # 8 tries of 67 ms: about half a second (TCG and host load stretch it)
-        assert elapsed < 15, elapsed
         assert bytes(await buf.read(0, 6)) == b"before"      # a new QP on the next use

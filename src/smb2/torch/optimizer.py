@@ -651,8 +651,12 @@ class AsyncOptimizer(torch.optim.Optimizer):
             self.staging.swap(self.store.flat(), None)
             return
         snapshot = self.staging.host_array()
-        self._loop.run(self.store.buf.read_into(snapshot, self.store.data_off))
+        # the store's pull: checked by the guard and the collapse watch, counted, and with the version
+        # the weights hold, from which the next push's lag counts (a plain read left the lag counting
+        # from the pull before, and a push made on these weights was scaled as if it were late)
+        version = self._loop.run(self.store.pull_into(snapshot))
         self.staging.swap(snapshot, None)
+        self._pulled_at, self._pulled_version = self.steps, version
 
     def close(self, *, wait_all: float | None = None, strict: bool = False) -> RunEnd | None:
         """Flush, tell the store this worker finished (it is never
