@@ -186,6 +186,26 @@ def test_accumulate_unaligned_views() -> None:
     assert np.array_equal(dst.copy().view(np.float64), src * 2)
 
 
+@settings(max_examples=100)
+@given(st.sampled_from(sorted(DTYPE_CODES.items()) + sorted(WIRE_CODES.items())), st.integers(0, 5000),
+       st.integers(1, 9), st.integers(0, 3), st.integers(0, 2**32 - 1))
+def test_accumulate_cut_among_threads_is_bit_for_bit_one_thread(kind: tuple[str, int], n: int, threads: int,
+                                                                offset: int, seed: int) -> None:
+    # every item added once, by its own part: the same bits as one thread,
+    # for every kind (the widening ones too), length and cut, and unaligned
+    name, code = kind
+    item, src_item = _core.dtype_sizes(code)
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, offset + n * item, dtype=np.uint8)[offset:]
+    src = rng.integers(0, 256, offset + n * src_item, dtype=np.uint8)[offset:]
+    one, cut = base.copy(), base.copy()
+    assert _core.accumulate(one, src, code) == 1
+    # parts of at least 64 bytes: up to ``threads`` of them over this length
+    parts = _core.accumulate(cut, src, code, threads, 64)
+    assert parts == max(1, min(threads, n * item // 64)), (name, n, threads)
+    assert one.tobytes() == cut.tobytes(), (name, n, threads)
+
+
 def test_accumulate_rejects_bad_input() -> None:
     a = np.zeros(16, dtype=np.uint8)
     with pytest.raises(ValueError):
@@ -194,6 +214,8 @@ def test_accumulate_rejects_bad_input() -> None:
         _core.accumulate(a, a.copy(), 99)
     with pytest.raises(ValueError):
         _core.accumulate(a[:6], a[:6].copy(), 1)
+    with pytest.raises(ValueError):
+        _core.accumulate(a, a.copy(), 1, 0)
 
 
 # -- half-width floats: bf16 and fp16 pushes (accumulate(wire=...)) ---------

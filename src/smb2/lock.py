@@ -56,7 +56,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 import weakref
 from collections.abc import Sequence
@@ -64,6 +63,7 @@ from typing import Any, Protocol
 
 from . import _core
 from .busypoll import poll_while
+from .host import usable_cpus
 from .errors import (
     InterfaceError,
     InvalidArgumentError,
@@ -125,11 +125,7 @@ def _not_drawn(next_ticket: int, ticket: int) -> bool:
 
 
 def _default_futex_spin() -> float:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return FUTEX_SPIN if cpus > 1 else 0.0
+    return FUTEX_SPIN if usable_cpus() > 1 else 0.0
 
 
 class LockOwner(Protocol):
