@@ -63,7 +63,6 @@ from typing import Any, Protocol
 
 from . import _core
 from .busypoll import poll_while
-from .host import usable_cpus
 from .errors import (
     InterfaceError,
     InvalidArgumentError,
@@ -75,6 +74,7 @@ from .errors import (
     StaleFence,
     TransportError,
 )
+from .host import usable_cpus
 from .transport import Link, LockCapable, LockSlot, ShmTransport, Transport
 
 log = logging.getLogger("smb2.lock")

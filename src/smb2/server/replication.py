@@ -148,16 +148,16 @@ class Server(Protocol):
 
 
 def apply_op(seg: Segment, op: int, flags: int, offset: int, data: memoryview,
-             add: Callable[[memoryview, memoryview, int], None]) -> bytes:
+             add_delta: Callable[[memoryview, memoryview, int], None]) -> bytes:
     """Apply one data op to ``seg`` (its range was checked): the reply's
-    payload.  ``add`` adds an accumulate's delta (the server's, over its
-    threads: done when it returns)."""
+    payload.  ``add_delta`` adds an accumulate's delta (the server's, over
+    its threads: done when it returns)."""
     if op == Op.WRITE:
         _core.copy_into(seg.view[offset:offset + len(data)], data)
         return b""
     if op == Op.ACCUMULATE:
         end = offset + accumulate_span(flags, offset, len(data))
-        add(seg.view[offset:end], data, (flags & DTYPE_MASK) >> DTYPE_SHIFT)
+        add_delta(seg.view[offset:end], data, (flags & DTYPE_MASK) >> DTYPE_SHIFT)
         return b""
     if op == Op.FETCH_ADD:
         add = _core.unpack_u64(data)

@@ -1,0 +1,166 @@
+"""``smb2 bench accumulate``: server-side accumulate throughput with 1 and
+with more server threads (``smb2-server --threads``), in one run.
+
+    smb2 bench accumulate [--threads 1,2] [--size 64MiB] [--clients 2] [--seconds 3] [--turns 2]
+
+For each thread count it starts one ``smb2-server`` process with that
+``--threads`` and has ``--clients`` connections push ``--size`` deltas at
+once into one buffer (fp32, then bf16 widened into fp32 words) for
+``--seconds``.  It reports, per thread count and element kind, the GB/s of
+destination words updated, the server's CPU seconds per GB (read from
+/proc: what the server spent, whatever the clients on the same machine
+cost), and the 64-byte round trip of that server beside them; and the
+same for plain writes of those words, which the server receives in place
+without adding: their CPU per GB is what receiving costs, and an
+accumulate's CPU beyond it is what threads can cut.  Thread
+counts are measured in turns, so a change of load on the machine hits each
+alike; the table gives medians over the turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from .common import fmt_size, now, size_list
+from .report import round_trip_us, run_and_report, table
+
+KINDS = {"fp32": None, "bf16": "bfloat16"}
+# a plain write of the same float32 words: what receiving the payload costs
+# the server without the add (its CPU s/GB against an fp32 push's is the add's share)
+WRITE = "write"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds the process has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _push(servers: list[str], transport: str, size: int, clients: int, wire: str | None,
+                seconds: float, pid: int, write: bool = False) -> dict[str, float]:
+    import smb2
+
+    name = f"bench-acc-{time.monotonic_ns()}"
+    conns = [await smb2.connect(servers, transport=transport) for _ in range(clients)]
+    try:
+        bufs = [await conns[0].create(name, size)] + [await c.attach(name) for c in conns[1:]]
+        delta = np.ones(size // 4, np.float32)
+        for b in bufs:          # warm: connections, the segment's pages
+            await b.accumulate(0, delta, wire=wire)
+        done = [0] * clients
+        stop = time.perf_counter() + seconds
+
+        async def pusher(k: int) -> None:
+            while time.perf_counter() < stop:
+                if write:
+                    await bufs[k].write(0, delta)
+                else:
+                    await bufs[k].accumulate(0, delta, wire=wire)
+                done[k] += 1
+
+        cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+        await asyncio.gather(*(pusher(k) for k in range(clients)))
+        elapsed, cpu = time.perf_counter() - t0, _cpu_seconds(pid) - cpu0
+        gb = sum(done) * size / 1e9
+        # every push added 1 to every word: the sum says none was lost
+        total = 1 if write else clients + sum(done)
+        got = (await bufs[0].read(0, 4096)).view(np.float32)
+        if not (got == total).all():
+            raise RuntimeError(f"the buffer holds {got[0]} after {total} pushes of 1: an accumulate was lost")
+        await conns[0].destroy(name)
+    finally:
+        for c in conns:
+            await c.close()
+    return {"GBps": gb / elapsed, "server_cpu_s_per_GB": cpu / gb if gb else float("nan")}
+
+
+async def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
+    import smb2
+
+    runs: list[dict[str, Any]] = []
+    for turn in range(args.turns):
+        for threads in args.threads:
+            async with smb2.LocalCluster(servers=1, processes=True, capacity=size + (64 << 20),
+                                         options={"threads": threads}) as cluster:
+                pid = cluster.pid(0)
+                row: dict[str, Any] = {"turn": turn, "threads": threads,
+                                       "round_trip_64B_us": await round_trip_us(cluster.addresses)}
+                for kind, wire in KINDS.items():
+                    row[kind] = await _push(cluster.addresses, args.transport, size, args.clients, wire,
+                                            args.seconds, pid)
+                row[WRITE] = await _push(cluster.addresses, args.transport, size, args.clients, None,
+                                         args.seconds, pid, write=True)
+                runs.append(row)
+                print(f"turn {turn}, {threads} threads: " + ", ".join(
+                    f"{k} {row[k]['GBps']:.2f} GB/s" for k in KINDS), file=sys.stderr)
+    return {"benchmark": "accumulate", "started": now(), "transport": args.transport, "size": size,
+            "clients": args.clients, "seconds": args.seconds, "turns": args.turns, "runs": runs,
+            "note": "GB/s of float32 destination words updated; a bf16 push sends half those bytes"}
+
+
+def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    threads = sorted({r["threads"] for r in result["runs"]})
+    base: dict[str, float] = {}
+    for t in threads:
+        runs = [r for r in result["runs"] if r["threads"] == t]
+        row: dict[str, Any] = {"threads": t, "round_trip_64B_us": round(
+            statistics.median(r["round_trip_64B_us"] for r in runs), 1)}
+        for kind in KINDS:
+            gbps = statistics.median(r[kind]["GBps"] for r in runs)
+            base.setdefault(kind, gbps)
+            row[f"{kind}_GBps"] = round(gbps, 3)
+            row[f"{kind}_vs_first"] = round(gbps / base[kind], 2)
+            row[f"{kind}_cpu_s_per_GB"] = round(statistics.median(r[kind]["server_cpu_s_per_GB"] for r in runs), 3)
+        row["write_GBps"] = round(statistics.median(r[WRITE]["GBps"] for r in runs), 3)
+        row["write_cpu_s_per_GB"] = round(statistics.median(r[WRITE]["server_cpu_s_per_GB"] for r in runs), 3)
+        out.append(row)
+    return out
+
+
+def format_table(summary: list[dict[str, Any]]) -> str:
+    header = ["threads", "fp32 GB/s", "x", "fp32 CPU s/GB", "bf16 GB/s", "x", "bf16 CPU s/GB",
+              "write GB/s", "write CPU s/GB", "64 B rtt us"]
+    rows = [[r["threads"], r["fp32_GBps"], r["fp32_vs_first"], r["fp32_cpu_s_per_GB"], r["bf16_GBps"],
+             r["bf16_vs_first"], r["bf16_cpu_s_per_GB"], r["write_GBps"], r["write_cpu_s_per_GB"],
+             r["round_trip_64B_us"]] for r in summary]
+    return table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="smb2 bench accumulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", default="1,2", help="server thread counts to compare (default 1,2)")
+    p.add_argument("--size", default="16MiB", help="bytes of float32 words one push updates (default 16MiB)")
+    p.add_argument("--clients", type=int, default=2, help="connections pushing at once (default 2)")
+    p.add_argument("--seconds", type=float, default=3.0, help="how long each kind is pushed (default 3)")
+    p.add_argument("--turns", type=int, default=2, help="turns over the thread counts (default 2)")
+    p.add_argument("--transport", default="tcp", choices=["tcp", "shm"],
+                   help="the clients' transport (an accumulate's delta goes over the connection either way)")
+    p.add_argument("--json", default="", help="write every sample here")
+    args = p.parse_args(argv)
+    sizes = size_list(args.size)
+    if sizes is None or len(sizes) != 1 or sizes[0] <= 0 or sizes[0] % 4096:
+        print("smb2 bench accumulate: --size is one size, a multiple of 4 KiB", file=sys.stderr)
+        return 2
+    try:
+        args.threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        print(f"smb2 bench accumulate: --threads is a list of numbers, not {args.threads!r}", file=sys.stderr)
+        return 2
+    print(f"accumulate: {fmt_size(sizes[0])} pushes, {args.clients} clients, threads {args.threads}",
+          file=sys.stderr)
+    return run_and_report(lambda: measure(args, sizes[0]), summarize, format_table, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
