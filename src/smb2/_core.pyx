@@ -715,7 +715,6 @@ cdef void *_copy_thread(void *job) noexcept nogil:
     return NULL
 
 
-
 cdef inline double _monotonic() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)

@@ -33,7 +33,7 @@ DEFAULT_MAX_BUFFERS = 4096
 # must fit, or it would wait for ever
 MIN_RECEIVE_MEMORY = MAX_ACCUMULATE
 RDMA_MODES = ("auto", "on", "off")
-MIN_THREAD_PART = 4096
+MIN_THREAD_PART = 1024
 SHM_MODES = ("auto", "off")
 
 
