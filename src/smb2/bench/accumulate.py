@@ -9,7 +9,10 @@ once into one buffer (fp32, then bf16 widened into fp32 words) for
 ``--seconds``.  It reports, per thread count and element kind, the GB/s of
 destination words updated, the server's CPU seconds per GB (read from
 /proc: what the server spent, whatever the clients on the same machine
-cost), and the 64-byte round trip of that server beside them; and the
+cost), the part of it its loop's thread spent ("loop": one loop can do at
+most 1 / that GB a second, so it is the figure threads must bring down,
+and it holds still on a loaded machine where GB/s does not), and the
+64-byte round trip of that server beside them; and the
 same for plain writes of those words, which the server receives in place
 without adding: their CPU per GB is what receiving costs, and an
 accumulate's CPU beyond it is what threads can cut.  Thread
@@ -38,9 +41,10 @@ KINDS = {"fp32": None, "bf16": "bfloat16"}
 WRITE = "write"
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds the process has used (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
+def _cpu_seconds(pid: int, loop_only: bool = False) -> float:
+    """User and system CPU seconds the process has used, or only its main
+    thread, the one running the loop (Linux /proc)."""
+    with open(f"/proc/{pid}/task/{pid}/stat" if loop_only else f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -67,9 +71,10 @@ async def _push(servers: list[str], transport: str, size: int, clients: int, wir
                     await bufs[k].accumulate(0, delta, wire=wire)
                 done[k] += 1
 
-        cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+        cpu0, loop0, t0 = _cpu_seconds(pid), _cpu_seconds(pid, loop_only=True), time.perf_counter()
         await asyncio.gather(*(pusher(k) for k in range(clients)))
         elapsed, cpu = time.perf_counter() - t0, _cpu_seconds(pid) - cpu0
+        loop_cpu = _cpu_seconds(pid, loop_only=True) - loop0
         gb = sum(done) * size / 1e9
         # every push added 1 to every word: the sum says none was lost
         total = 1 if write else clients + sum(done)
@@ -80,7 +85,8 @@ async def _push(servers: list[str], transport: str, size: int, clients: int, wir
     finally:
         for c in conns:
             await c.close()
-    return {"GBps": gb / elapsed, "server_cpu_s_per_GB": cpu / gb if gb else float("nan")}
+    return {"GBps": gb / elapsed, "server_cpu_s_per_GB": cpu / gb if gb else float("nan"),
+            "loop_cpu_s_per_GB": loop_cpu / gb if gb else float("nan")}
 
 
 async def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
@@ -121,6 +127,7 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
             row[f"{kind}_GBps"] = round(gbps, 3)
             row[f"{kind}_vs_first"] = round(gbps / base[kind], 2)
             row[f"{kind}_cpu_s_per_GB"] = round(statistics.median(r[kind]["server_cpu_s_per_GB"] for r in runs), 3)
+            row[f"{kind}_loop_cpu_s_per_GB"] = round(statistics.median(r[kind]["loop_cpu_s_per_GB"] for r in runs), 3)
         row["write_GBps"] = round(statistics.median(r[WRITE]["GBps"] for r in runs), 3)
         row["write_cpu_s_per_GB"] = round(statistics.median(r[WRITE]["server_cpu_s_per_GB"] for r in runs), 3)
         out.append(row)
@@ -128,11 +135,11 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def format_table(summary: list[dict[str, Any]]) -> str:
-    header = ["threads", "fp32 GB/s", "x", "fp32 CPU s/GB", "bf16 GB/s", "x", "bf16 CPU s/GB",
+    header = ["threads", "fp32 GB/s", "x", "fp32 CPU s/GB", "loop", "bf16 GB/s", "x", "bf16 CPU s/GB", "loop",
               "write GB/s", "write CPU s/GB", "64 B rtt us"]
-    rows = [[r["threads"], r["fp32_GBps"], r["fp32_vs_first"], r["fp32_cpu_s_per_GB"], r["bf16_GBps"],
-             r["bf16_vs_first"], r["bf16_cpu_s_per_GB"], r["write_GBps"], r["write_cpu_s_per_GB"],
-             r["round_trip_64B_us"]] for r in summary]
+    rows = [[r["threads"], r["fp32_GBps"], r["fp32_vs_first"], r["fp32_cpu_s_per_GB"], r["fp32_loop_cpu_s_per_GB"],
+             r["bf16_GBps"], r["bf16_vs_first"], r["bf16_cpu_s_per_GB"], r["bf16_loop_cpu_s_per_GB"],
+             r["write_GBps"], r["write_cpu_s_per_GB"], r["round_trip_64B_us"]] for r in summary]
     return table(header, rows)
 
 
