@@ -12,7 +12,10 @@ destination words updated, the server's CPU seconds per GB (read from
 cost), the part of it its loop's thread spent ("loop": one loop can do at
 most 1 / that GB a second, so it is the figure threads must bring down,
 and it holds still on a loaded machine where GB/s does not), and the
-64-byte round trip of that server beside them; and the
+64-byte round trip of that server beside them; the add alone in this
+process ("kernel", GB/s, cut among the same threads in requests of at
+most 4 MiB: what a staged RDMA accumulate costs, its delta already in
+the server's memory); and the
 same for plain writes of those words, which the server receives in place
 without adding: their CPU per GB is what receiving costs, and an
 accumulate's CPU beyond it is what threads can cut.  Thread
@@ -32,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ..protocol import MAX_ACCUMULATE, WIRE_CODES
 from .common import fmt_size, now, size_list
 from .report import round_trip_us, run_and_report, table
 
@@ -89,6 +93,27 @@ async def _push(servers: list[str], transport: str, size: int, clients: int, wir
             "loop_cpu_s_per_GB": loop_cpu / gb if gb else float("nan")}
 
 
+def _kernel(size: int, threads: int, code: int, seconds: float) -> float:
+    """GB/s of float32 words the add alone updates in this process, cut
+    among ``threads`` as a server cuts it: what a staged RDMA accumulate
+    costs a server, whose delta is in its memory before the loop sees it."""
+    from .. import _core
+
+    dst = np.zeros(size // 4, np.float32)
+    src = np.ones(size // 4, np.float32) if code == 1 else np.full(size // 4, 0x3F80, np.uint16)   # 1.0
+    words, delta = dst.data.cast("B"), src.data.cast("B")
+    per_word = src.itemsize
+    done, stop = 0, time.perf_counter() + seconds
+    t0 = time.perf_counter()
+    while time.perf_counter() < stop:
+        # a server's request is at most MAX_ACCUMULATE bytes of delta: add in such pieces
+        for lo in range(0, len(words), MAX_ACCUMULATE):
+            hi = min(len(words), lo + MAX_ACCUMULATE)
+            _core.accumulate(words[lo:hi], delta[lo * per_word // 4:hi * per_word // 4], code, threads)
+        done += 1
+    return done * size / (time.perf_counter() - t0) / 1e9
+
+
 async def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
     import smb2
 
@@ -105,6 +130,8 @@ async def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
                                             args.seconds, pid)
                 row[WRITE] = await _push(cluster.addresses, args.transport, size, args.clients, None,
                                          args.seconds, pid, write=True)
+                row["kernel_GBps"] = {kind: _kernel(size, threads, WIRE_CODES.get(wire or "", 1), args.seconds / 2)
+                                      for kind, wire in KINDS.items()}
                 runs.append(row)
                 print(f"turn {turn}, {threads} threads: " + ", ".join(
                     f"{k} {row[k]['GBps']:.2f} GB/s" for k in KINDS), file=sys.stderr)
@@ -128,6 +155,8 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
             row[f"{kind}_vs_first"] = round(gbps / base[kind], 2)
             row[f"{kind}_cpu_s_per_GB"] = round(statistics.median(r[kind]["server_cpu_s_per_GB"] for r in runs), 3)
             row[f"{kind}_loop_cpu_s_per_GB"] = round(statistics.median(r[kind]["loop_cpu_s_per_GB"] for r in runs), 3)
+        for kind in KINDS:
+            row[f"{kind}_kernel_GBps"] = round(statistics.median(r["kernel_GBps"][kind] for r in runs), 2)
         row["write_GBps"] = round(statistics.median(r[WRITE]["GBps"] for r in runs), 3)
         row["write_cpu_s_per_GB"] = round(statistics.median(r[WRITE]["server_cpu_s_per_GB"] for r in runs), 3)
         out.append(row)
@@ -136,10 +165,11 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def format_table(summary: list[dict[str, Any]]) -> str:
     header = ["threads", "fp32 GB/s", "x", "fp32 CPU s/GB", "loop", "bf16 GB/s", "x", "bf16 CPU s/GB", "loop",
-              "write GB/s", "write CPU s/GB", "64 B rtt us"]
+              "write GB/s", "write CPU s/GB", "kernel fp32", "kernel bf16", "64 B rtt us"]
     rows = [[r["threads"], r["fp32_GBps"], r["fp32_vs_first"], r["fp32_cpu_s_per_GB"], r["fp32_loop_cpu_s_per_GB"],
              r["bf16_GBps"], r["bf16_vs_first"], r["bf16_cpu_s_per_GB"], r["bf16_loop_cpu_s_per_GB"],
-             r["write_GBps"], r["write_cpu_s_per_GB"], r["round_trip_64B_us"]] for r in summary]
+             r["write_GBps"], r["write_cpu_s_per_GB"], r["fp32_kernel_GBps"], r["bf16_kernel_GBps"],
+             r["round_trip_64B_us"]] for r in summary]
     return table(header, rows)
 
 
