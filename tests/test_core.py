@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -204,6 +206,37 @@ def test_accumulate_cut_among_threads_is_bit_for_bit_one_thread(kind: tuple[str,
     parts = _core.accumulate(cut, src, code, threads, 64)
     assert parts == max(1, min(threads, n * item // 64)), (name, n, threads)
     assert one.tobytes() == cut.tobytes(), (name, n, threads)
+
+
+def test_accumulates_cut_from_many_threads_at_once_each_add_every_part_once() -> None:
+    # one batch runs on the pool at a time; the others do their parts on
+    # their own thread: every call's every item added once, whichever ran it
+    rounds, n = 40, 1 << 16
+    arrays = [np.zeros(n, np.float32) for _ in range(4)]
+    ones = np.ones(n, np.float32)
+
+    def pusher(dst: np.ndarray) -> int:
+        return sum(_core.accumulate(dst.view(np.uint8), ones.view(np.uint8), 1, 4, 4096) for _ in range(rounds))
+
+    with ThreadPoolExecutor(4) as pool:
+        parts = list(pool.map(pusher, arrays))
+    assert parts == [4 * rounds] * 4
+    for dst in arrays:
+        assert (dst == rounds).all()
+
+
+def test_a_forked_child_cuts_accumulates_among_threads_of_its_own() -> None:
+    # the parent's pool is started; the child has none of its threads and
+    # must neither wait for them nor find the pool's locks held
+    dst, ones = np.zeros(1 << 16, np.float32), np.ones(1 << 16, np.float32)
+    assert _core.accumulate(dst.view(np.uint8), ones.view(np.uint8), 1, 4, 4096) == 4
+    pid = os.fork()
+    if pid == 0:
+        ok = _core.accumulate(dst.view(np.uint8), ones.view(np.uint8), 1, 4, 4096) == 4 and (dst == 2).all()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _core.accumulate(dst.view(np.uint8), ones.view(np.uint8), 1, 4, 4096) == 4 and (dst == 2).all()
 
 
 def test_accumulate_rejects_bad_input() -> None:
