@@ -33,8 +33,10 @@ DEFAULT_MAX_BUFFERS = 4096
 # must fit, or it would wait for ever
 MIN_RECEIVE_MEMORY = MAX_ACCUMULATE
 RDMA_MODES = ("auto", "on", "off")
-MIN_THREAD_PART = 1024
 SHM_MODES = ("auto", "off")
+# the smallest part of an accumulate a thread may be given: below it,
+# handing the part over costs more than adding it
+MIN_THREAD_PART = 1024
 
 
 def _option(default: Any, help: str, *, type: Any = None, metavar: str | None = None,
@@ -100,8 +102,8 @@ class ServerOptions:
         f"{MAX_THREADS}; 1 = the loop adds alone)", type=int, metavar="N")
     thread_part: int | str = _option(
         f"{PARALLEL_ACCUMULATE >> 10}KiB", "the smallest part of an accumulate one thread adds (default "
-        f"{PARALLEL_ACCUMULATE >> 10}KiB, at least {MIN_THREAD_PART >> 10}KiB): starting a thread costs about "
-        "as much as adding a few dozen KiB", type=str)
+        f"{PARALLEL_ACCUMULATE >> 10}KiB, at least {MIN_THREAD_PART >> 10}KiB): handing a part to a thread "
+        "costs a few microseconds, about as much as adding a few dozen KiB", type=str)
     lock_lease: float = _option(
         DEFAULT_LEASE, "seconds a lock holder may go without renewing (default %(default)g)", type=float)
     lock_max_lease: float | None = _option(

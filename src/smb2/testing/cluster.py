@@ -40,6 +40,7 @@ def thread_options(threads: int) -> dict[str, Any]:
     not only the large ones a job pushes."""
     return {"threads": threads, **({"thread_part": MIN_THREAD_PART} if threads > 1 else {})}
 
+
 class LocalCluster:
     """``async with LocalCluster(servers=4) as cluster: client = await cluster.connect()``"""
 
