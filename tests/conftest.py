@@ -65,6 +65,7 @@ import uvloop
 from hypothesis import HealthCheck, settings
 
 import smb2
+from smb2.testing.cluster import thread_options
 from smb2.torch.loop_thread import LoopThread
 
 # No hypothesis check is tied to wall time (the suite runs on loaded
@@ -154,9 +155,18 @@ async def _fail_on_loop_errors() -> AsyncIterator[None]:
     assert not errors, f"the event loop logged unhandled errors: {errors}"
 
 
+@pytest.fixture
+def server_threads() -> int:
+    """The ``cluster`` servers' --threads: 1 here; a test that must hold with
+    an accumulate cut among threads parametrizes it
+    (``@pytest.mark.parametrize("server_threads", [1, 2])``, or a module's
+    own parametrized fixture of this name)."""
+    return 1
+
+
 @pytest_asyncio.fixture
-async def cluster() -> AsyncIterator[smb2.LocalCluster]:
-    async with smb2.LocalCluster(servers=4) as c:
+async def cluster(server_threads: int) -> AsyncIterator[smb2.LocalCluster]:
+    async with smb2.LocalCluster(servers=4, options=thread_options(server_threads)) as c:
         yield c
 
 

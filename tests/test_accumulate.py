@@ -17,10 +17,17 @@ import smb2
 from smb2.errors import ErrorCode
 from smb2.protocol import DTYPE_SHIFT, FLAG_STAGED, WIRE_CODES, Op
 from smb2.testing import wire as raw
+from smb2.testing.cluster import thread_options
 from smb2.testing.floats import NARROW, same_floats, widen
 
 WIRES = sorted(WIRE_CODES)
 STRIPE = 4096
+
+
+@pytest.fixture(params=[1, 2], ids=["threads1", "threads2"])
+def server_threads(request: pytest.FixtureRequest) -> int:
+    # every test here holds however many threads a server cuts an accumulate among
+    return int(request.param)
 
 
 def _expected(base: np.ndarray, delta: np.ndarray, wire: str) -> np.ndarray:
@@ -55,11 +62,11 @@ async def test_push_across_stripes_and_servers(client: smb2.Client, wire: str) -
 
 
 @pytest.fixture
-async def small_frames() -> AsyncIterator[list[smb2.Server]]:
+async def small_frames(server_threads: int) -> AsyncIterator[list[smb2.Server]]:
     """Three servers whose 16 KiB frame limit makes clients cut requests
     into many pieces per server."""
-    servers = [await smb2.start_server("127.0.0.1", 0, capacity="16MiB", max_frame=16 << 10)
-               for _ in range(3)]
+    servers = [await smb2.start_server("127.0.0.1", 0, capacity="16MiB", max_frame=16 << 10,
+                                       **thread_options(server_threads)) for _ in range(3)]
     yield servers
     for s in servers:
         await s.close()
@@ -128,12 +135,56 @@ async def test_wire_argument_errors(client: smb2.Client) -> None:
         await buf.accumulate(buf.nbytes - 48, ones, wire="bfloat16")
     assert not (await buf.read(0, buf.nbytes)).any()
 
+async def test_overlapping_pushes_cut_among_threads_add_every_part_once(
+        cluster: smb2.LocalCluster, transport: str, server_threads: int) -> None:
+    """Clients push at once, in every element kind, to windows that overlap
+    each other and cross stripes and servers; each push carries a value of
+    its own (a power of two per client and round), so that a part a server
+    thread lost, added twice or added into its neighbour's range shows in
+    the sum.  Every value and sum is an integer exact in its type: the
+    result is exact whatever order the servers apply the pushes in."""
+    kinds = [("float32", None), ("float32", "bfloat16"), ("float32", "float16"),
+             ("float64", None), ("int32", None), ("int64", None)]
+    clients = [await cluster.connect(transport=transport) for _ in range(3)]
+    rounds, items = 4, 6 * STRIPE       # 24 or 48 KiB a buffer: 6-12 stripes, 1-3 a server
+    rng = np.random.default_rng(7)
+    # (client, round) -> (dtype index, first item, count): windows of 1/3 to all of a buffer
+    pushes = {(k, j): (int(rng.integers(len(kinds))), int(rng.integers(items // 2)),
+                       int(rng.integers(items // 3, items // 2 + 1)))
+              for k in range(len(clients)) for j in range(rounds)}
+    try:
+        bufs = [[await c.create(f"acc-{i}", items * np.dtype(dt).itemsize, stripe=STRIPE)
+                 if k == 0 else await c.attach(f"acc-{i}")
+                 for i, (dt, _) in enumerate(kinds)] for k, c in enumerate(clients)]
+        expected = [np.zeros(items, np.float64) for _ in kinds]
+
+        async def push(k: int) -> None:
+            for j in range(rounds):
+                i, first, count = pushes[k, j]
+                dt, wire = kinds[i]
+                # 2**(k * rounds + j): exact in bfloat16 (8 mantissa bits) and
+                # float16 (up to 2**15) and distinct per push
+                value = 2 ** (k * rounds + j)
+                await bufs[k][i].accumulate(first * np.dtype(dt).itemsize, np.full(count, value, dt), wire=wire)
+                expected[i][first:first + count] += value
+
+        await asyncio.gather(*(push(k) for k in range(len(clients))))
+        for i, (dt, _) in enumerate(kinds):
+            got = (await bufs[0][i].read(0, items * np.dtype(dt).itemsize)).view(dt)
+            assert (got.astype(np.float64) == expected[i]).all(), (kinds[i], np.flatnonzero(got != expected[i])[:8])
+        cut = sum(s["threads"]["accumulates_cut"] for s in await clients[0].stat())
+        # with threads, the servers cut pushes among them; with one, never
+        assert (cut > 0) == (server_threads > 1), cut
+    finally:
+        for c in clients:
+            await c.close()
+
 
 # -- the server's checks, with frames no client would send ----------------
 
 @pytest.fixture
-async def server() -> AsyncIterator[smb2.Server]:
-    s = await smb2.start_server("127.0.0.1", 0, capacity="16MiB")
+async def server(server_threads: int) -> AsyncIterator[smb2.Server]:
+    s = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", **thread_options(server_threads))
     yield s
     await s.close()
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -186,6 +188,57 @@ def test_accumulate_unaligned_views() -> None:
     assert np.array_equal(dst.copy().view(np.float64), src * 2)
 
 
+@settings(max_examples=100)
+@given(st.sampled_from(sorted(DTYPE_CODES.items()) + sorted(WIRE_CODES.items())), st.integers(0, 5000),
+       st.integers(1, 9), st.integers(0, 3), st.integers(0, 2**32 - 1))
+def test_accumulate_cut_among_threads_is_bit_for_bit_one_thread(kind: tuple[str, int], n: int, threads: int,
+                                                                offset: int, seed: int) -> None:
+    # every item added once, by its own part: the same bits as one thread,
+    # for every kind (the widening ones too), length and cut, and unaligned
+    name, code = kind
+    item, src_item = _core.dtype_sizes(code)
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, offset + n * item, dtype=np.uint8)[offset:]
+    src = rng.integers(0, 256, offset + n * src_item, dtype=np.uint8)[offset:]
+    one, cut = base.copy(), base.copy()
+    assert _core.accumulate(one, src, code) == 1
+    # parts of at least 64 bytes: up to ``threads`` of them over this length
+    parts = _core.accumulate(cut, src, code, threads, 64)
+    assert parts == max(1, min(threads, n * item // 64)), (name, n, threads)
+    assert one.tobytes() == cut.tobytes(), (name, n, threads)
+
+
+def test_accumulates_cut_from_many_threads_at_once_each_add_every_part_once() -> None:
+    # one batch runs on the pool at a time; the others do their parts on
+    # their own thread: every call's every item added once, whichever ran it
+    rounds, n = 40, 1 << 16
+    arrays = [np.zeros(n, np.float32) for _ in range(4)]
+    ones = np.ones(n, np.float32)
+
+    def pusher(dst: np.ndarray) -> int:
+        return sum(_core.accumulate(dst.view(np.uint8), ones.view(np.uint8), 1, 4, 4096) for _ in range(rounds))
+
+    with ThreadPoolExecutor(4) as pool:
+        parts = list(pool.map(pusher, arrays))
+    assert parts == [4 * rounds] * 4
+    for dst in arrays:
+        assert (dst == rounds).all()
+
+
+def test_a_forked_child_cuts_accumulates_among_threads_of_its_own() -> None:
+    # the parent's pool is started; the child has none of its threads and
+    # must neither wait for them nor find the pool's locks held
+    dst, ones = np.zeros(1 << 16, np.float32), np.ones(1 << 16, np.float32)
+    assert _core.accumulate(dst.view(np.uint8), ones.view(np.uint8), 1, 4, 4096) == 4
+    pid = os.fork()
+    if pid == 0:
+        ok = _core.accumulate(dst.view(np.uint8), ones.view(np.uint8), 1, 4, 4096) == 4 and (dst == 2).all()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _core.accumulate(dst.view(np.uint8), ones.view(np.uint8), 1, 4, 4096) == 4 and (dst == 2).all()
+
+
 def test_accumulate_rejects_bad_input() -> None:
     a = np.zeros(16, dtype=np.uint8)
     with pytest.raises(ValueError):
@@ -194,6 +247,8 @@ def test_accumulate_rejects_bad_input() -> None:
         _core.accumulate(a, a.copy(), 99)
     with pytest.raises(ValueError):
         _core.accumulate(a[:6], a[:6].copy(), 1)
+    with pytest.raises(ValueError):
+        _core.accumulate(a, a.copy(), 1, 0)
 
 
 # -- half-width floats: bf16 and fp16 pushes (accumulate(wire=...)) ---------

@@ -203,6 +203,7 @@ async def test_closed_connection_passes_the_lock_on(cluster: smb2.LocalCluster, 
     await asyncio.gather(*queued, return_exceptions=True)
 
 
+@pytest.mark.parametrize("server_threads", [1, 2])
 async def test_fences(cluster: smb2.LocalCluster, client: smb2.Client) -> None:
     buf = await client.create("fenced", 64 * 8, stripe=64)     # every server holds some
     lock = client.lock("f")

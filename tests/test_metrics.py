@@ -196,6 +196,24 @@ async def test_ops_bytes_and_handling_times_move_by_exactly_what_was_done() -> N
     assert "smb2_ops_total" not in {k[0] for k in after if dict(k[1]).get("transport") == "rdma"}
 
 
+async def test_accumulates_cut_among_threads_are_counted_with_their_parts() -> None:
+    srv = MetricsServer("--capacity", "16MiB", "--threads", "2", "--thread-part", "4KiB")
+    try:
+        async with await smb2.connect([srv.address], transport="tcp") as client:
+            buf = await client.create("cut", 64 << 10)
+            await buf.accumulate(0, np.ones(256, dtype=np.float32))     # 1 KiB: one part
+            before = await srv.scrape()
+            await buf.accumulate(0, np.ones(4096, dtype=np.float32))    # 16 KiB: two parts of 8
+            await buf.accumulate(0, np.ones(1024, dtype=np.float32))    # 4 KiB: one part
+            after = await srv.scrape()
+            assert (await buf.read(0, 4)).view(np.float32)[0] == 3.0
+    finally:
+        srv.stop()
+    assert value(after, "smb2_threads") == 2
+    assert moved(before, after, "smb2_accumulates_cut_total") == 1
+    assert moved(before, after, "smb2_accumulate_parts_total") == 2
+
+
 async def test_lock_hand_offs_after_a_release_and_after_a_lease_expiry() -> None:
     lease = 0.5
     srv = MetricsServer("--capacity", "16MiB")

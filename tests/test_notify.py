@@ -8,6 +8,13 @@ import numpy as np
 import pytest
 
 import smb2
+from smb2.testing.cluster import thread_options
+
+
+@pytest.fixture(params=[1, 2], ids=["threads1", "threads2"])
+def server_threads(request: pytest.FixtureRequest) -> int:
+    # notify after data holds however many threads a server adds with
+    return int(request.param)
 
 
 async def test_notify_area_must_be_designated(client: smb2.Client) -> None:
@@ -54,19 +61,26 @@ async def test_wait_notify_wakes_on_notify(cluster: smb2.LocalCluster, transport
     assert bytes(await bb.read(4096, 8)) == b"payload!"
 
 
-async def test_notification_never_visible_before_its_data(transport: str) -> None:
+@pytest.mark.parametrize("how", ["write", "accumulate"])
+async def test_notification_never_visible_before_its_data(transport: str, server_threads: int, how: str) -> None:
     """Stress: a writer rewrites a block striped over 4 server processes
-    (streamed into their memory) with the value i, then notifies i.  Readers
-    on other connections wait for each new value and read the block: every
-    word must already be >= the value they were notified of.  (With the order
-    reversed, notify then write, this loop sees stale words in most runs.)"""
+    (streamed into their memory) with the value i, or adds 1 to each of its
+    words, then notifies i.  Readers on other connections wait for each new
+    value and read the block: every word must already be >= the value they
+    were notified of.  (With the order reversed, notify then write, this
+    loop sees stale words in most runs.)  With server threads, each server
+    cuts every accumulate of the block among them."""
     # server processes make the race real (their own CPU); other transports
     # are tested against the in-process servers their tier sets up
-    async with smb2.LocalCluster(servers=4, processes=transport == "tcp") as cluster:
-        await _stress(cluster, transport)
+    async with smb2.LocalCluster(servers=4, processes=transport == "tcp",
+                                 options=thread_options(server_threads)) as cluster:
+        await _stress(cluster, transport, how)
+        if how == "accumulate":
+            cut = sum(s["threads"]["accumulates_cut"] for s in await (await cluster.connect()).stat())
+            assert (cut > 0) == (server_threads > 1), cut
 
 
-async def _stress(cluster: smb2.LocalCluster, transport: str) -> None:
+async def _stress(cluster: smb2.LocalCluster, transport: str, how: str) -> None:
     block = 1 << 20
     rounds = 48
     writer = await cluster.connect(transport=transport)
@@ -88,9 +102,13 @@ async def _stress(cluster: smb2.LocalCluster, transport: str) -> None:
 
     async def write_loop() -> None:
         data = np.empty(block // 8, dtype=np.int64)
+        ones = np.ones(block // 8, dtype=np.int64)
         for i in range(1, rounds + 1):
-            data.fill(i)
-            await wbuf.write(0, data, notify=(0, i))
+            if how == "write":
+                data.fill(i)
+                await wbuf.write(0, data, notify=(0, i))
+            else:
+                await wbuf.accumulate(0, ones, notify=(0, i))
             await asyncio.sleep(0)
 
     await asyncio.gather(write_loop(), read_loop(0), read_loop(1))

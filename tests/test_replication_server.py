@@ -26,6 +26,7 @@ from smb2.placement import Placement
 from smb2.protocol import DTYPE_SHIFT, FLAG_FORWARDED, FLAG_REPLICATED, VERSION, Op
 from smb2.server import start_server
 from smb2.server.replication import DEDUP_PER_CLIENT, Dedup, Entry, TooManyClients
+from smb2.testing.cluster import thread_options
 from smb2.testing.etcd import LocalEtcd, etcd_binary, free_port
 from smb2.testing.replicas import Increments, Raw, segment_bytes, server_stat
 from smb2.testing.wire import control, frame, reply
@@ -643,6 +644,33 @@ async def test_a_flood_under_fresh_client_ids_cannot_make_a_retry_apply_twice(et
                 assert np.frombuffer(at_word, np.float64).tolist() == [1.0]
             else:
                 assert _core.unpack_u64(at_word) == expected[kind]
+    finally:
+        await c.close()
+
+
+async def test_a_replicated_accumulate_cut_among_threads_lands_once_on_every_copy(etcd):
+    """Servers of two threads: a replicated accumulate of a whole stripe is
+    cut in two on the primary and on the backup it is forwarded to; its
+    retry (same client id and sequence) is answered from the duplicate
+    table, not added again, and the next one adds once more."""
+    c = Cluster(etcd, 3)
+    one = c.start_one
+    c.start_one = lambda i, **kw: one(i, **thread_options(2), **kw)    # type: ignore[method-assign]
+    await c.start()
+    try:
+        p, segs = await create(c, "cut")
+        primary = p.replicas_of(0)[0]
+        delta = np.arange(STRIPE // 4, dtype=np.float32)       # integers: exact sums
+        raw = await Raw.open(c.addresses[primary])
+        for seq in (1, 1, 2):
+            st, msg = await raw.op(Op.ACCUMULATE, segs[primary], p.offset_on(primary, 0),
+                                   prefix(1, 0xACC, seq) + delta.tobytes(), FLAG_REPLICATED | (1 << DTYPE_SHIFT))
+            assert st == 0, msg
+        raw.close()
+        for copy in await replica_bytes(c, p, segs, 0):
+            assert np.array_equal(np.frombuffer(copy, np.float32), 2 * delta)
+        # two adds on each copy, each cut among both threads; the retry none
+        assert [c.servers[s].accumulates_cut for s in p.replicas_of(0)] == [2, 2]
     finally:
         await c.close()
 

@@ -274,10 +274,12 @@ async def test_smb2_transport_in_the_environment_picks_the_fabric_of_a_program_t
         await server.close()
 
 
-async def test_accumulates_and_fenced_writes_larger_than_a_frame_are_cut_for_the_connection() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_accumulates_and_fenced_writes_larger_than_a_frame_are_cut_for_the_connection(threads: int) -> None:
     # shm copies are not cut (one server: one 12 MiB request), but what goes
-    # over TCP must fit the connection's frames
-    server = await smb2.start_server("127.0.0.1", 0, capacity="64MiB", max_frame="1MiB")
+    # over TCP must fit the connection's frames (each 1 MiB delta the server
+    # cuts among its threads, in 256 KiB parts)
+    server = await smb2.start_server("127.0.0.1", 0, capacity="64MiB", max_frame="1MiB", threads=threads)
     try:
         async with await smb2.connect([server.address], transport="shm") as c:
             buf = await c.create("big", 12 * MiB, stripe=12 * MiB)
@@ -293,6 +295,7 @@ async def test_accumulates_and_fenced_writes_larger_than_a_frame_are_cut_for_the
             # frames of 1 MiB: whole MiB of deltas; a fenced write's data leaves room for its fence
             assert st["ops"]["shm"]["accumulate"] == 2 * 12
             assert st["ops"]["shm"]["write"] == -(-buf.nbytes // (MiB - 16))
+            assert st["threads"]["accumulates_cut"] == (2 * 12 if threads > 1 else 0)
     finally:
         await server.close()
 

@@ -382,7 +382,164 @@ cdef void _acc_widening(bint bf16, char *d, const char *s, Py_ssize_t n) noexcep
             memcpy(&a, d + 4 * i, 4); a = a + b; memcpy(d + 4 * i, &a, 4)
 
 
-def accumulate(uint8_t[::1] dst, const uint8_t[::1] src, int code):
+# Work cut among threads (a large accumulate, a large copy on a mapping)
+# runs on one pool per process: workers started on first need and kept,
+# parked on a condition variable between batches.  Starting a thread per
+# call cost 30 us on a quiet machine and 80-95 us on a loaded 2-core one,
+# against 100-250 us for the add of a 4 MiB request; waking a parked one
+# costs a few.  The caller takes jobs too, from the same counter, so a
+# batch never waits for a worker the scheduler has not run yet: on a busy
+# machine the caller ends up doing every job itself, at the cost of one
+# thread, not of a thread's wait.  One batch at a time: a call that finds
+# the pool busy (another thread's batch) runs its jobs itself.
+cdef extern from *:
+    """
+    #include <pthread.h>
+    #include <signal.h>
+    #include <stdint.h>
+
+    typedef void *(*smb2_job_fn)(void *);
+
+    /* the fields below change only under smb2_pool_mu */
+    static pthread_mutex_t smb2_pool_mu = PTHREAD_MUTEX_INITIALIZER;
+    static pthread_cond_t smb2_pool_go = PTHREAD_COND_INITIALIZER;    /* a batch is posted */
+    static pthread_cond_t smb2_pool_done = PTHREAD_COND_INITIALIZER;  /* its last job ended */
+    static pthread_mutex_t smb2_pool_busy = PTHREAD_MUTEX_INITIALIZER;  /* one batch at a time */
+    static int smb2_pool_workers = 0;
+    static int smb2_pool_forks_handled = 0;
+    static unsigned long smb2_pool_gen = 0;     /* batches posted */
+    static smb2_job_fn smb2_pool_fn;
+    static char *smb2_pool_jobs;
+    static size_t smb2_pool_job_size;
+    static int smb2_pool_k, smb2_pool_next, smb2_pool_left;
+
+    /* under smb2_pool_mu: run the posted batch's jobs until none is left to take */
+    static void smb2_pool_take(void) {
+        while (smb2_pool_next < smb2_pool_k) {
+            char *job = smb2_pool_jobs + (size_t)smb2_pool_next++ * smb2_pool_job_size;
+            smb2_job_fn fn = smb2_pool_fn;
+            pthread_mutex_unlock(&smb2_pool_mu);
+            fn(job);
+            pthread_mutex_lock(&smb2_pool_mu);
+            if (--smb2_pool_left == 0)
+                pthread_cond_signal(&smb2_pool_done);
+        }
+    }
+
+    static void *smb2_pool_worker(void *arg) {
+        /* the batch posted before this worker was started: it joins the next */
+        unsigned long seen = (unsigned long)(uintptr_t)arg;
+        sigset_t all;
+        sigfillset(&all);     /* signals go to the interpreter's threads */
+        pthread_sigmask(SIG_BLOCK, &all, NULL);
+        pthread_mutex_lock(&smb2_pool_mu);
+        for (;;) {
+            while (smb2_pool_gen == seen)
+                pthread_cond_wait(&smb2_pool_go, &smb2_pool_mu);
+            seen = smb2_pool_gen;
+            smb2_pool_take();
+        }
+        return NULL;
+    }
+
+    /* a fork's child has no workers: it starts its own (the locks are
+       held across the fork, so none is left locked by a thread it lacks) */
+    static void smb2_pool_prepare(void) { pthread_mutex_lock(&smb2_pool_busy); pthread_mutex_lock(&smb2_pool_mu); }
+    static void smb2_pool_parent(void) { pthread_mutex_unlock(&smb2_pool_mu); pthread_mutex_unlock(&smb2_pool_busy); }
+    static void smb2_pool_child(void) {
+        smb2_pool_workers = 0;
+        pthread_mutex_unlock(&smb2_pool_mu);
+        pthread_mutex_unlock(&smb2_pool_busy);
+    }
+
+    /* run jobs[0..k) (each job_size bytes) with fn, on this thread and up to
+       k - 1 workers; returns when all have ended */
+    static void smb2_run_jobs(void *jobs, size_t job_size, int k, smb2_job_fn fn) {
+        int t;
+        if (k > 1 && pthread_mutex_trylock(&smb2_pool_busy) == 0) {
+            pthread_mutex_lock(&smb2_pool_mu);
+            if (!smb2_pool_forks_handled)
+                smb2_pool_forks_handled = pthread_atfork(smb2_pool_prepare, smb2_pool_parent,
+                                                         smb2_pool_child) == 0;
+            while (smb2_pool_workers < k - 1) {
+                pthread_t th;
+                pthread_attr_t attr;
+                int ok;
+                pthread_attr_init(&attr);
+                pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+                ok = pthread_create(&th, &attr, smb2_pool_worker, (void *)(uintptr_t)smb2_pool_gen) == 0;
+                pthread_attr_destroy(&attr);
+                if (!ok)
+                    break;      /* fewer workers: this thread takes more jobs */
+                smb2_pool_workers++;
+            }
+            smb2_pool_fn = fn;
+            smb2_pool_jobs = (char *)jobs;
+            smb2_pool_job_size = job_size;
+            smb2_pool_k = k;
+            smb2_pool_next = 0;
+            smb2_pool_left = k;
+            smb2_pool_gen++;
+            for (t = 1; t < k && t <= smb2_pool_workers; t++)
+                pthread_cond_signal(&smb2_pool_go);
+            smb2_pool_take();
+            while (smb2_pool_left > 0)
+                pthread_cond_wait(&smb2_pool_done, &smb2_pool_mu);
+            pthread_mutex_unlock(&smb2_pool_mu);
+            pthread_mutex_unlock(&smb2_pool_busy);
+            return;
+        }
+        for (t = 0; t < k; t++)
+            fn((char *)jobs + (size_t)t * job_size);
+    }
+    """
+    void smb2_run_jobs(void *jobs, size_t job_size, int k, void *(*fn)(void *) noexcept nogil) nogil
+
+cdef enum:
+    # the most threads one call cuts its work among (--threads above it
+    # is taken as this many)
+    _MAX_THREADS = 64
+    # a part of a parallel accumulate is at least this many destination
+    # bytes unless the caller says otherwise: waking a worker costs a few
+    # us, adding 256 KiB ~15-50 us
+    _PARALLEL_ACCUMULATE = 262144
+MAX_THREADS = _MAX_THREADS
+PARALLEL_ACCUMULATE = _PARALLEL_ACCUMULATE
+
+
+cdef inline void _run_jobs(void *jobs, size_t job_size, int k,
+                           void *(*run)(void *) noexcept nogil) noexcept nogil:
+    # The one way work is cut among threads here (a large copy on a
+    # mapping, a large accumulate): the jobs run on this thread and the
+    # pool's workers (above), and all have ended when it returns, so the
+    # caller sees the work done as if by one call.
+    smb2_run_jobs(jobs, job_size, k, run)
+
+
+cdef struct _AccumulateJob:
+    char *d                 # this job's destination items
+    const char *s           # ... and the source items added to them
+    Py_ssize_t n            # how many
+    int code
+
+
+cdef void *_accumulate_job(void *job) noexcept nogil:
+    cdef _AccumulateJob *j = <_AccumulateJob *>job
+    if j.code == 1:
+        _acc(<float>0, j.d, j.s, j.n)
+    elif j.code == 2:
+        _acc(<double>0, j.d, j.s, j.n)
+    elif j.code == 3:
+        _acc(<uint32_t>0, j.d, j.s, j.n)
+    elif j.code == 4:
+        _acc(<uint64_t>0, j.d, j.s, j.n)
+    else:
+        _acc_widening(j.code == 5, j.d, j.s, j.n)
+    return NULL
+
+
+def accumulate(uint8_t[::1] dst, const uint8_t[::1] src, int code, int threads=1,
+               Py_ssize_t min_part=_PARALLEL_ACCUMULATE):
     """``dst += src`` elementwise, dst viewed as the dtype ``code``.
 
     ``dst`` and ``src`` are byte views; dst's length is a multiple of the
@@ -390,10 +547,19 @@ def accumulate(uint8_t[::1] dst, const uint8_t[::1] src, int code):
     widening codes src holds one bfloat16 (5) or float16 (6) per float32 of
     dst, upcast before the add.  The GIL is released: large accumulates don't
     stall other Python threads (the server's loop itself waits, which is what
-    makes an accumulate atomic with respect to other requests)."""
+    makes an accumulate atomic with respect to other requests).
+
+    ``threads`` > 1: a large accumulate is cut into that many parts (each at
+    least ``min_part`` destination bytes, so fewer for a smaller one),
+    added by this thread and the pool's (see _run_jobs), and returns once
+    all are done.  Each item is still added once, by the
+    same instruction: the result is bit for bit that of one thread.
+    Returns the number of parts (1: this thread added it alone)."""
     cdef int size = _itemsize(code)
     if size == 0:
         raise ValueError(f"unknown dtype code {code}")
+    if threads < 1 or min_part < 1:
+        raise ValueError(f"threads and min_part must be at least 1, not {threads} and {min_part}")
     cdef int ssize = _src_itemsize(code)
     cdef Py_ssize_t nb = dst.shape[0]
     if nb % size:
@@ -403,20 +569,27 @@ def accumulate(uint8_t[::1] dst, const uint8_t[::1] src, int code):
         raise ValueError(f"src has {src.shape[0]} bytes; {n} items of dtype code {code} "
                          f"need {n * ssize}")
     if n == 0:
-        return
+        return 1
+    cdef _AccumulateJob jobs[_MAX_THREADS]
+    cdef Py_ssize_t lo, hi
+    cdef int t, k = threads
+    if k > nb // min_part:
+        k = <int>(nb // min_part)
+    if k > _MAX_THREADS:
+        k = _MAX_THREADS
+    if k < 1:
+        k = 1
     cdef char *d = <char *>&dst[0]
     cdef const char *s = <const char *>&src[0]
+    for t in range(k):
+        # parts start on a multiple of 64 items: whole cache lines of the
+        # destination, so that two threads never write one line
+        lo = (n * t // k) & ~(<Py_ssize_t>63)
+        hi = (n * (t + 1) // k) & ~(<Py_ssize_t>63) if t + 1 < k else n
+        jobs[t].d, jobs[t].s, jobs[t].n, jobs[t].code = d + lo * size, s + lo * ssize, hi - lo, code
     with nogil:
-        if code == 1:
-            _acc(<float>0, d, s, n)
-        elif code == 2:
-            _acc(<double>0, d, s, n)
-        elif code == 3:
-            _acc(<uint32_t>0, d, s, n)
-        elif code == 4:
-            _acc(<uint64_t>0, d, s, n)
-        else:
-            _acc_widening(code == 5, d, s, n)
+        _run_jobs(jobs, sizeof(_AccumulateJob), k, _accumulate_job)
+    return k
 
 
 def to_bfloat16(src, out):
@@ -584,17 +757,12 @@ cdef enum:
 
 
 # A large copy from or to a mapping is cut among up to this many threads
-# (the caller's and helpers started for it), each at least _PARALLEL_COPY
+# (the caller's and the pool's), each at least _PARALLEL_COPY
 # bytes.  One thread reading a server's segment (a memfd in 4 KiB pages)
 # reaches 0.7-0.8x of an in-process copy between huge-page arrays: it
 # waits on a TLB miss every 4 KiB.  Two threads hide each other's misses
-# (1.3x on the development machine's 2 cores).  The helpers are started
-# per copy (~30 us, against ~1 ms for 8 MiB) and joined before it returns.
-cdef extern from "<pthread.h>" nogil:
-    ctypedef unsigned long pthread_t
-    int pthread_create(pthread_t *thread, void *attr, void *(*start)(void *) noexcept nogil, void *arg)
-    int pthread_join(pthread_t thread, void **retval)
-
+# (1.3x on the development machine's 2 cores).  The parts are jobs for the
+# process's pool of threads (_run_jobs), all ended before the copy returns.
 cdef enum:
     _MAX_COPY_THREADS = 4
     _PARALLEL_COPY = 4194304
@@ -798,8 +966,6 @@ cdef class MappedStripes:
         # every stripe of [off, off + n), already checked by the caller; a
         # large copy in parts, one per thread, cut at page boundaries
         cdef _CopyJob jobs[_MAX_COPY_THREADS]
-        cdef pthread_t helpers[_MAX_COPY_THREADS]
-        cdef bint started[_MAX_COPY_THREADS]
         cdef int t, k = self.copy_threads
         if k > <int>(n // _PARALLEL_COPY):
             k = <int>(n // _PARALLEL_COPY)
@@ -815,14 +981,7 @@ cdef class MappedStripes:
             jobs[t].hi = (n * (t + 1) // k) & ~(<uint64_t>4095) if t + 1 < k else n
             jobs[t].into_buffer = into_buffer
             jobs[t].stream = n >= _STREAM_COPY
-        for t in range(1, k):
-            started[t] = pthread_create(&helpers[t], NULL, _copy_thread, &jobs[t]) == 0
-        _copy_job(&jobs[0])
-        for t in range(1, k):
-            if started[t]:
-                pthread_join(helpers[t], NULL)
-            else:
-                _copy_job(&jobs[t])     # no thread to be had: this one does it
+        _run_jobs(jobs, sizeof(_CopyJob), k, _copy_thread)
 
     cdef bint _still_live(self, uint64_t server) noexcept:
         # after a store: was the segment LIVE once the store was visible?

@@ -56,7 +56,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 import weakref
 from collections.abc import Sequence
@@ -75,6 +74,7 @@ from .errors import (
     StaleFence,
     TransportError,
 )
+from .host import usable_cpus
 from .transport import Link, LockCapable, LockSlot, ShmTransport, Transport
 
 log = logging.getLogger("smb2.lock")
@@ -125,11 +125,7 @@ def _not_drawn(next_ticket: int, ticket: int) -> bool:
 
 
 def _default_futex_spin() -> float:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return FUTEX_SPIN if cpus > 1 else 0.0
+    return FUTEX_SPIN if usable_cpus() > 1 else 0.0
 
 
 class LockOwner(Protocol):

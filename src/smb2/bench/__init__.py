@@ -48,6 +48,7 @@ BENCHMARKS = {
     "training": ("training", "cli", "samples/s of asynchronous training over the parameter store"),
     "tta": ("tta", "main", "time to accuracy against DDP across hosts (netns)"),
     "attacks": ("attacks", "main", "what each hostile client costs a server, and that it still serves"),
+    "accumulate": ("accumulate", "main", "server-side accumulate throughput with 1 and more server threads"),
 }
 
 

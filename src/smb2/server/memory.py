@@ -133,6 +133,15 @@ class MemoryServer:
         self.auth_failures = 0
         self.max_frame = parse_size(options.max_frame)
         self.max_buffers = options.max_buffers
+        # threads one accumulate is cut among (ServerOptions made it a number):
+        # the loop waits for all of them, so every op stays in the order the
+        # loop took it, as with one
+        assert options.threads is not None
+        self.threads = options.threads
+        self.thread_part = parse_size(options.thread_part)
+        # accumulates cut among more than one thread, and their parts (stat)
+        self.accumulates_cut = 0
+        self.accumulate_parts = 0
         self.used = 0
         self.segments: dict[int, Segment] = {}
         self.by_name: dict[str, Segment] = {}
@@ -375,6 +384,14 @@ class MemoryServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def add(self, dst: memoryview, delta: memoryview | bytes, code: int) -> None:
+        """``dst += delta`` (dtype ``code``), cut among this server's threads;
+        done when it returns."""
+        parts = _core.accumulate(dst, delta, code, self.threads, self.thread_part)
+        if parts > 1:
+            self.accumulates_cut += 1
+            self.accumulate_parts += parts
+
     # -- control commands ----------------------------------------------
     def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int,
                buffer_id: str | None = None, seal: bool = False, *, replicas: int = 1,
@@ -547,6 +564,8 @@ class MemoryServer:
             "receive_memory": {"used": self.receive_pool.used, "peak": self.receive_pool.peak,
                                "limit": self.receive_pool.limit},
             "locks": self.locks.stat(),
+            "threads": {"threads": self.threads, "part": self.thread_part,
+                        "accumulates_cut": self.accumulates_cut, "parts": self.accumulate_parts},
             **({"replication": self.replication.stat()} if self.replication is not None else {}),
         }
 
@@ -1195,7 +1214,7 @@ class Connection(FrameReceiver):
 
             def run() -> None:
                 if seg.id in self.server.segments:
-                    _core.accumulate(seg.view[offset:end], delta, code)
+                    self.server.add(seg.view[offset:end], delta, code)
                 self._deferred_bytes -= length
                 pool.give(length)
                 self.reply(hdr)
@@ -1205,7 +1224,7 @@ class Connection(FrameReceiver):
                     asyncio.get_running_loop().call_soon(self._unhold_input, "deferred")
             seg.deferred.append((offset, end, run))
             return
-        _core.accumulate(seg.view[offset:end], payload, code)
+        self.server.add(seg.view[offset:end], payload, code)
         self.reply(hdr)
 
     def _accumulate_staged(self, hdr: Header, payload: memoryview) -> None:

@@ -158,6 +158,9 @@ class WatchedServer(Protocol):
     admission: Any          # guard.Admission: .evicted
     locks: Any              # locks.LockService: .stat(), .handoffs
     replication: Any        # replication.Replication (.stat()) or None
+    threads: int            # --threads
+    accumulates_cut: int    # accumulates added by more than one thread
+    accumulate_parts: int   # ... and the parts they were cut into
 
     @property
     def requests(self) -> Mapping[str, RequestCounts]: ...
@@ -219,6 +222,7 @@ class ServerCollector:
         held.add_metric(["replies"], sum(c.transport.get_write_buffer_size() for c in conns
                                          if c.transport is not None))
         yield held
+        yield from self.threads()
         yield from self.locks()
         yield from self.replication()
 
@@ -250,6 +254,17 @@ class ServerCollector:
         yield took
         yield moved
         yield GaugeMetricFamily("smb2_connections", "open connections", value=len(srv.connections))
+
+    def threads(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        srv = self.server
+        yield GaugeMetricFamily("smb2_threads", "threads a large accumulate is cut among (--threads)",
+                                value=srv.threads)
+        yield CounterMetricFamily("smb2_accumulates_cut", "accumulates added by more than one thread",
+                                  value=srv.accumulates_cut)
+        yield CounterMetricFamily("smb2_accumulate_parts", "the parts the accumulates cut among threads "
+                                  "were added in", value=srv.accumulate_parts)
 
     def refusals(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily

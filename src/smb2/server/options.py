@@ -14,7 +14,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._core import MAX_THREADS, PARALLEL_ACCUMULATE
 from ..errors import InvalidArgumentError
+from ..host import usable_cpus
 from ..membership import parse_url as parse_membership_url
 from ..protocol import DEFAULT_MAX_FRAME, MAX_ACCUMULATE, parse_size
 from .locks import DEFAULT_LEASE, DEFAULT_SLOTS, DEFAULT_SPIN, MAX_LEASE, MAX_SLOTS, MAX_SPIN
@@ -32,6 +34,9 @@ DEFAULT_MAX_BUFFERS = 4096
 MIN_RECEIVE_MEMORY = MAX_ACCUMULATE
 RDMA_MODES = ("auto", "on", "off")
 SHM_MODES = ("auto", "off")
+# the smallest part of an accumulate a thread may be given: below it,
+# handing the part over costs more than adding it
+MIN_THREAD_PART = 1024
 
 
 def _option(default: Any, help: str, *, type: Any = None, metavar: str | None = None,
@@ -90,6 +95,15 @@ class ServerOptions:
     max_receive_memory: int | str = _option(
         "256MiB", "payload memory all connections together may hold (accumulate scratch, deltas "
         "waiting behind a write); a connection that would exceed it waits (default 256MiB)", type=str)
+    threads: int | None = _option(
+        None, "threads a large accumulate is cut among, the loop's own included: each part is at least "
+        "--thread-part bytes, and the request is answered once all parts are added, so every operation "
+        "keeps its order (default: the CPUs this process may use, at most "
+        f"{MAX_THREADS}; 1 = the loop adds alone)", type=int, metavar="N")
+    thread_part: int | str = _option(
+        f"{PARALLEL_ACCUMULATE >> 10}KiB", "the smallest part of an accumulate one thread adds (default "
+        f"{PARALLEL_ACCUMULATE >> 10}KiB, at least {MIN_THREAD_PART >> 10}KiB): handing a part to a thread "
+        "costs a few microseconds, about as much as adding a few dozen KiB", type=str)
     lock_lease: float = _option(
         DEFAULT_LEASE, "seconds a lock holder may go without renewing (default %(default)g)", type=float)
     lock_max_lease: float | None = _option(
@@ -138,7 +152,7 @@ class ServerOptions:
         "(default %(default)s)", type=int, metavar="CLIENTS")
 
     def __post_init__(self) -> None:
-        for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes", "repair_rate"):
+        for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes", "repair_rate", "thread_part"):
             parse_size(getattr(self, name))
         if parse_size(self.max_receive_memory) < MIN_RECEIVE_MEMORY:
             raise InvalidArgumentError(f"max receive memory must be at least {MIN_RECEIVE_MEMORY >> 20} MiB "
@@ -152,6 +166,13 @@ class ServerOptions:
             if not getattr(self, name) >= 1:
                 raise InvalidArgumentError(f"{name.replace('_', ' ')} must be at least 1, "
                                            f"not {getattr(self, name)}")
+        if self.threads is None:
+            self.threads = usable_cpus()
+        if not 1 <= self.threads <= MAX_THREADS:
+            raise InvalidArgumentError(f"threads must be in 1..{MAX_THREADS}, not {self.threads}")
+        if parse_size(self.thread_part) < MIN_THREAD_PART:
+            raise InvalidArgumentError(f"thread part must be at least {MIN_THREAD_PART >> 10} KiB, "
+                                       f"not {self.thread_part}")
         self._check_fd_room()
         if self.metrics is not None:
             parse_metrics_address(self.metrics)

@@ -144,16 +144,20 @@ class Server(Protocol):
     def destroy(self, name: str) -> dict[str, Any]: ...
     def add_copy(self, of: Segment, index: int) -> Segment: ...
     def drop_copy(self, seg: Segment) -> None: ...
+    def add(self, dst: memoryview, delta: memoryview, code: int) -> None: ...
 
 
-def apply_op(seg: Segment, op: int, flags: int, offset: int, data: memoryview) -> bytes:
-    """Apply one data op to ``seg`` (its range was checked): the reply's payload."""
+def apply_op(seg: Segment, op: int, flags: int, offset: int, data: memoryview,
+             add_delta: Callable[[memoryview, memoryview, int], None]) -> bytes:
+    """Apply one data op to ``seg`` (its range was checked): the reply's
+    payload.  ``add_delta`` adds an accumulate's delta (the server's, over
+    its threads: done when it returns)."""
     if op == Op.WRITE:
         _core.copy_into(seg.view[offset:offset + len(data)], data)
         return b""
     if op == Op.ACCUMULATE:
         end = offset + accumulate_span(flags, offset, len(data))
-        _core.accumulate(seg.view[offset:end], data, (flags & DTYPE_MASK) >> DTYPE_SHIFT)
+        add_delta(seg.view[offset:end], data, (flags & DTYPE_MASK) >> DTYPE_SHIFT)
         return b""
     if op == Op.FETCH_ADD:
         add = _core.unpack_u64(data)
@@ -1007,7 +1011,7 @@ class Replication:
                               "lost (lease expired, released, or a newer holder wrote here)")
             body += FENCE_SIZE
         data = payload[body:]
-        result = apply_op(seg, op, flags, offset, data)
+        result = apply_op(seg, op, flags, offset, data, self.server.add)
         self.server.bytes_in += len(data)
         entry = Entry(result)
         self.dedup.put(rec, seq, entry)

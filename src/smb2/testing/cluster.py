@@ -26,10 +26,20 @@ from ..client import Client, connect
 from ..errors import InterfaceError
 from ..membership import NO_VIEW, Credentials, Membership, etcd_user, open_membership, setup_auth
 from ..server import MemoryServer, start_server
+from ..server.options import MIN_THREAD_PART
 from .etcd import LocalEtcd, free_port
 from .launch import AsyncServerProcess
 
 log = logging.getLogger("smb2.testing.cluster")
+
+
+def thread_options(threads: int) -> dict[str, Any]:
+    """Server options (``LocalCluster(options=...)``, ``start_server(**...)``)
+    for ``threads`` server threads, each taking parts as small as a server
+    allows: a test's small accumulates are then cut among the threads too,
+    not only the large ones a job pushes."""
+    return {"threads": threads, **({"thread_part": MIN_THREAD_PART} if threads > 1 else {})}
+
 
 class LocalCluster:
     """``async with LocalCluster(servers=4) as cluster: client = await cluster.connect()``"""
@@ -38,7 +48,7 @@ class LocalCluster:
                  host: str = "127.0.0.1", server_args: list[str] | None = None,
                  start_timeout: float = 30.0, token: str | bytes | None = None,
                  data_dir: str | os.PathLike[str] | None = None, replicated: bool = False,
-                 zones: list[str] | None = None) -> None:
+                 zones: list[str] | None = None, options: dict[str, Any] | None = None) -> None:
         if servers < 1:
             raise InterfaceError("a cluster needs at least one server")
         self.nservers = servers
@@ -46,6 +56,9 @@ class LocalCluster:
         self.capacity = capacity
         self.host = host
         self.server_args = list(server_args or [])
+        # more server options (ServerOptions' fields, such as threads=2): the
+        # in-process servers take them as they are, the processes as flags
+        self.options = dict(options or {})
         self.start_timeout = start_timeout
         # servers require it; clients from ``connect`` present it
         self.token = auth.as_token(token)
@@ -94,7 +107,8 @@ class LocalCluster:
                     s = await start_server(self.host, ports[i], capacity=self.capacity, token=self.token,
                                            peer_token=self.peer_token,
                                            data_dir=self._data_dir(i), membership=self.membership_url,
-                                           zone=None if self.zones is None else self.zones[i])
+                                           zone=None if self.zones is None else self.zones[i],
+                                           **self.options)
                     self.servers.append(s)
                 self._addresses = [s.address for s in self.servers]
         except BaseException:
@@ -130,6 +144,8 @@ class LocalCluster:
 
     async def _spawn(self, host: str, port: int, index: int) -> AsyncServerProcess:
         args = ["--capacity", str(self.capacity), *self.server_args]
+        for name, value in self.options.items():
+            args += ["--" + name.replace("_", "-"), str(value)]
         if self.data_dir is not None:
             args += ["--data-dir", str(self._data_dir(index))]
         if self.membership_url is not None:

@@ -51,7 +51,7 @@ from typing import Any
 
 from .. import _core
 from ..errors import ErrorCode, OutOfMemory, TransportError, Unsupported, server_error
-from ..host import boot_id, writable_by_clients
+from ..host import boot_id, usable_cpus, writable_by_clients
 from ..protocol import FENCE_SIZE, LOCK_SEGMENT, MASK64, unpack
 from .base import LockCapable, Transport
 from .tcp import TcpTransport
@@ -207,11 +207,7 @@ class ShmTransport(Transport, LockCapable):
     def copy_threads() -> int:
         """Threads a large copy on a mapping may use: one per CPU this
         process may run on, at most ``_core.MAX_COPY_THREADS`` (see there)."""
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = os.cpu_count() or 1
-        return max(1, min(cpus, _core.MAX_COPY_THREADS))
+        return min(usable_cpus(), _core.MAX_COPY_THREADS)
 
     def mapping_of(self, segment: int) -> tuple[memoryview, int, int, _core.LiveFlag] | None:
         """``segment`` as this transport maps it: (the mapping, the data's
