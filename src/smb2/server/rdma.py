@@ -30,6 +30,7 @@ log = logging.getLogger("smb2.transport.rdma")
 #: staging area per RDMA connection: STAGING_SLOTS slots of STAGING_SLOT bytes
 STAGING_SLOT = 1 << 20
 STAGING_SLOTS = 4
+STAGING_BYTES = STAGING_SLOT * STAGING_SLOTS
 
 
 class Peer:
@@ -48,7 +49,7 @@ class Peer:
             raise Refused(ErrorCode.BAD_REQUEST, "rdma_connect: gid must be 16 bytes")
         self.mtu = max(1, min(mtu, dev.mtu))
         self.psn = int.from_bytes(os.urandom(3), "little")
-        self.staging_mem = alloc_pinned(STAGING_SLOT * STAGING_SLOTS)
+        self.staging_mem = alloc_pinned(STAGING_BYTES)
         self.staging_view = memoryview(self.staging_mem)
         self.qp: Any = None
         self.staging: Any = None
