@@ -172,8 +172,10 @@ class MemoryServer:
         # what was refused, by why: an error code's name in lower case, or
         # connection_limit / auth_failed (--metrics)
         self.refusals: collections.Counter[str] = collections.Counter()
-        # clients refused RDMA at --max-rdma-connections (they go on over TCP)
+        # clients refused RDMA at --max-rdma-connections (they go on over TCP),
+        # and RDMA peers given no staging area (their accumulates come in-band)
         self.rdma_refused = 0
+        self.rdma_unstaged = 0
         # connections cut by the sweep, by which deadline (and those closed to
         # make room for a new one: admission.evicted)
         self.cuts: collections.Counter[str] = collections.Counter()
@@ -215,7 +217,10 @@ class MemoryServer:
         if mode == "off":
             self.rdma_reason = "the server runs with rdma off"
         elif self.rdma is None:
-            self.rdma, self.rdma_reason = RdmaServer.open(self.options.rdma_device, self.options.rdma_gid_index)
+            assert self.options.rdma_staging_memory is not None
+            self.rdma, self.rdma_reason = RdmaServer.open(
+                self.options.rdma_device, self.options.rdma_gid_index,
+                parse_size(self.options.rdma_staging_memory) // STAGING_BYTES)
             if self.rdma is None and mode == "on":
                 raise TransportError(f"rdma=on, but RDMA is not available: {self.rdma_reason}")
             log.info("RDMA: %s", self.rdma.describe() if self.rdma else f"off ({self.rdma_reason})")
@@ -552,6 +557,7 @@ class MemoryServer:
         opts = self.options
         return {"max_connections": opts.max_connections, "max_connections_per_host": opts.max_connections_per_host,
                 "max_rdma_connections": opts.max_rdma_connections, "max_buffers": self.max_buffers,
+                "rdma_staging_areas": parse_size(opts.rdma_staging_memory or 0) // STAGING_BYTES,
                 "listen_backlog": LISTEN_BACKLOG, **(opts.sizing.describe() if opts.sizing else {})}
 
     @property
@@ -579,6 +585,8 @@ class MemoryServer:
             "limits": self.limits,
             "rdma_connections": len(self.rdma.peers) if self.rdma else 0,
             "rdma_refused": self.rdma_refused,
+            "rdma_staging_lent": self.rdma.staging_lent if self.rdma else 0,
+            "rdma_unstaged": self.rdma_unstaged,
             "ops": self.ops,
             "controls": dict(self.controls),
             "transports": self.transports(),
@@ -1396,7 +1404,14 @@ class Connection(FrameReceiver):
                           f"server {srv.address[0]}:{srv.address[1]} serves its maximum of {cap} RDMA connections "
                           f"(--max-rdma-connections {cap}, each pinning a {STAGING_BYTES >> 20} MiB staging area): "
                           "raise --max-rdma-connections on that server where its memory allows")
-        peer, result = srv.rdma.connect(msg)
+        peer, result = srv.rdma.connect(msg, replacing=self.rdma_peer)
+        if not peer.has_staging:
+            # the pool of staging areas is lent out: this peer's accumulates
+            # come over its TCP connection (correct, slower); said and counted
+            srv.rdma_unstaged += 1
+            srv.warn("rdma_staging", "RDMA peer %s got no staging area: all %d are lent "
+                     "(--rdma-staging-memory %s); its accumulates come in-band over TCP", self.peer,
+                     srv.rdma.staging_areas, srv.options.rdma_staging_memory)
         if self.rdma_peer is not None:
             srv.rdma.drop(self.rdma_peer)
         self.rdma_peer = peer

@@ -159,6 +159,7 @@ class WatchedServer(Protocol):
     locks: Any              # locks.LockService: .stat(), .handoffs
     replication: Any        # replication.Replication (.stat()) or None
     rdma_refused: int
+    rdma_unstaged: int
 
     @property
     def requests(self) -> Mapping[str, RequestCounts]: ...
@@ -289,6 +290,10 @@ class ServerCollector:
                                 value=len(srv.rdma.peers) if srv.rdma is not None else 0)
         yield CounterMetricFamily("smb2_rdma_refused", "clients refused RDMA at --max-rdma-connections: they go "
                                   "on over TCP, several times slower", value=srv.rdma_refused)
+        yield GaugeMetricFamily("smb2_rdma_staging_lent", "staging areas lent to RDMA peers now (at most "
+                                "--rdma-staging-memory / 4 MiB)", value=srv.rdma.staging_lent if srv.rdma else 0)
+        yield CounterMetricFamily("smb2_rdma_unstaged", "RDMA peers given no staging area (all lent): their "
+                                  "accumulates come in-band over TCP", value=srv.rdma_unstaged)
 
     def replication(self) -> Iterator[Any]:
         """A replicated cluster's server: its view, whether it is caught up,

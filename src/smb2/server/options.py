@@ -22,7 +22,7 @@ from .memfd import FDS_PER_SEGMENT, FDS_SPARE, buffers_within_fd_limit, fd_limit
 from .metrics import parse_address as parse_metrics_address
 from .metrics import prometheus
 from .replication import DEDUP_CLIENTS, DEDUP_ENTRY_BYTES, DEDUP_IDLE, DEDUP_PER_CLIENT
-from .sizing import MIN_RDMA_CONNECTIONS, RDMA_STAGING_BYTES, Sizing, size
+from .sizing import MIN_STAGING_AREAS, RDMA_STAGING_BYTES, Sizing, size
 
 log = logging.getLogger("smb2.server")
 
@@ -34,7 +34,7 @@ MIN_RECEIVE_MEMORY = MAX_ACCUMULATE
 RDMA_MODES = ("auto", "on", "off")
 SHM_MODES = ("auto", "off")
 # the caps whose default is sized from the machine (sizing.py)
-AUTO_CAPS = ("max_connections", "max_connections_per_host", "max_rdma_connections")
+AUTO_CAPS = ("max_connections", "max_connections_per_host", "max_rdma_connections", "rdma_staging_memory")
 
 
 def _option(default: Any, help: str, *, type: Any = None, metavar: str | None = None,
@@ -86,10 +86,14 @@ class ServerOptions:
         None, "connections one source address may hold at most (default: a quarter of --max-connections, at "
         "least 128)", type=int, auto=True)
     max_rdma_connections: int | None = _option(
-        None, f"connections that may set up RDMA at once; each pins a {RDMA_STAGING_BYTES >> 20} MiB staging "
-        "area, so this bounds the pinned memory besides the segments; one more is refused RDMA with the reason "
-        "and counted (smb2_rdma_refused_total), and its client warns and goes on over TCP (default: a "
-        f"sixteenth of the memory in staging areas, at least {MIN_RDMA_CONNECTIONS})", type=int, auto=True)
+        None, "connections that may set up RDMA (a queue pair each); one more is refused RDMA with the reason "
+        "and counted (smb2_rdma_refused_total), and its client warns and goes on over TCP (default: "
+        "--max-connections)", type=int, auto=True)
+    rdma_staging_memory: int | str | None = _option(
+        None, f"pinned memory for the RDMA peers' staging areas, {RDMA_STAGING_BYTES >> 20} MiB each, lent one per "
+        "peer while they last: a peer that gets none still reads, writes and does atomics over RDMA, and sends "
+        "its accumulates in-band over its TCP connection (counted: smb2_rdma_unstaged_total; its client warns) "
+        f"(default: a sixteenth of the memory, at least {MIN_STAGING_AREAS} areas)", type=str, auto=True)
     max_inflight: int = _option(
         1024, "requests one connection may have waiting for their replies (parked lock acquires, "
         "accumulates behind a write) before the server stops reading it (default %(default)s)", type=int)
@@ -200,6 +204,10 @@ class ServerOptions:
         for name in AUTO_CAPS:
             if getattr(self, name) is None:
                 setattr(self, name, getattr(self.sizing, name))
+        assert self.rdma_staging_memory is not None
+        if parse_size(self.rdma_staging_memory) < RDMA_STAGING_BYTES:
+            raise InvalidArgumentError(f"rdma staging memory must hold one staging area of {RDMA_STAGING_BYTES >> 20} "
+                                       f"MiB at least, not {self.rdma_staging_memory}")
 
     def _check_fd_room(self) -> None:
         """``max_buffers`` against the process's file limit: each buffer's

@@ -33,15 +33,16 @@ CONNECTION_FIXED_BYTES = 256 * KiB + 64 * KiB + 4 * KiB
 INFLIGHT_BYTES = KiB
 # the pinned staging area one RDMA connection registers
 RDMA_STAGING_BYTES = STAGING_BYTES
-# the share of the machine's memory the RDMA peers' pinned staging may take
+# the share of the machine's memory the RDMA peers' pinned staging areas may take
 RDMA_MEMORY_SHARE = 16
 # bounds of the derived defaults: a machine too small for the floor still
 # gets it (the memory budget in operations.md says what that costs), and the
 # ceilings keep one process's bookkeeping sane
 MIN_CONNECTIONS = 64
 MAX_CONNECTIONS = 65536
-MIN_RDMA_CONNECTIONS = 64
-MAX_RDMA_CONNECTIONS = 4096
+# staging areas: at least the 64 every server had before they were pooled
+MIN_STAGING_AREAS = 64
+MAX_STAGING_AREAS = 4096
 # one source address may take this share of the connections (at least
 # MIN_PER_HOST): a host of many workers fits, one host cannot take all
 PER_HOST_SHARE = 4
@@ -79,6 +80,8 @@ class Sizing:
     max_connections: int
     max_connections_per_host: int
     max_rdma_connections: int
+    # a size, as the option takes it ("256MiB")
+    rdma_staging_memory: str
     # which of the file limit and memory bounds the connections
     connections_bound_by: str
 
@@ -97,7 +100,9 @@ def size(*, capacity: int | str, max_receive_memory: int | str, max_reply_bytes:
       all of it otherwise) and the memory left beside ``capacity`` and
       ``max_receive_memory``, halved, over a busy connection's worst case;
     * per source address: a quarter of that, at least 128;
-    * RDMA connections: a sixteenth of the memory in pinned 4 MiB staging areas.
+    * RDMA connections: as many as connections (a queue pair is a few KiB);
+    * their staging areas: a sixteenth of the memory, in 4 MiB areas, at
+      least 64 of them (a peer beyond them sends its accumulates in-band).
     """
     fds = fd_limit()
     memory = machine_memory()
@@ -107,7 +112,8 @@ def size(*, capacity: int | str, max_receive_memory: int | str, max_reply_bytes:
     memory_share = spare_memory // 2 // per_conn
     bound_by = "file limit" if fd_share <= memory_share else "memory"
     conns = max(MIN_CONNECTIONS, min(fd_share, memory_share, MAX_CONNECTIONS))
-    rdma = max(MIN_RDMA_CONNECTIONS, min(memory // RDMA_MEMORY_SHARE // RDMA_STAGING_BYTES, MAX_RDMA_CONNECTIONS))
+    areas = max(MIN_STAGING_AREAS, min(memory // RDMA_MEMORY_SHARE // RDMA_STAGING_BYTES, MAX_STAGING_AREAS))
     return Sizing(fd_limit=fds, memory=memory, connection_bytes=per_conn, max_connections=conns,
                   max_connections_per_host=max(MIN_PER_HOST, conns // PER_HOST_SHARE),
-                  max_rdma_connections=rdma, connections_bound_by=bound_by)
+                  max_rdma_connections=conns, rdma_staging_memory=f"{areas * RDMA_STAGING_BYTES >> 20}MiB",
+                  connections_bound_by=bound_by)
