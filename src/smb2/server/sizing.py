@@ -55,13 +55,16 @@ def machine_memory() -> int:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         total = 1 << 34
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            text = f.read().strip()
-        if text != "max":
+    # a container's limit: cgroup v2, else v1 (whose "no limit" is a huge number)
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
             total = min(total, int(text))
-    except (OSError, ValueError):
-        pass
+        break
     return total
 
 
