@@ -10,6 +10,7 @@ import contextlib
 import errno
 import re
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -99,6 +100,7 @@ def listen_backlog(port: int) -> int:
     return int(out.split()[2])
 
 
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read the listen backlog")
 def test_the_listen_backlog_takes_a_job_connecting_at_once() -> None:
     with server_process("--capacity", "16MiB") as srv:
         cap = listen_backlog_cap()

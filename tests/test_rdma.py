@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import smb2
+from smb2 import doctor
 from smb2.rdma_device import _verbs
 from smb2.transport import rdma_unavailable_reason
 
@@ -198,6 +199,9 @@ async def test_rdma_connections_are_capped_and_the_next_is_told_to_use_tcp(
         assert "raise --max-rdma-connections" in said
         stat = server.stat()
         assert stat["rdma_refused"] == 2 and stat["limits"]["max_rdma_connections"] == 1
+        # smb2 doctor says it as a problem, with the option to raise
+        report = await doctor.diagnose([f"{server.address[0]}:{server.address[1]}"])
+        assert any("refused RDMA to 2 clients" in p and "--max-rdma-connections" in p for p in report.problems)
         buf = await second.create("b", 4096)
         await buf.write(0, b"served")
         assert bytes(await buf.read(0, 6)) == b"served"

@@ -289,9 +289,10 @@ class MemoryServer:
         the kernel caps the listen backlog below LISTEN_BACKLOG."""
         opts, sizing = self.options, self.options.sizing
         log.info("caps: --max-connections %s, --max-connections-per-host %s, --max-rdma-connections %s, "
-                 "--max-buffers %s (sized from file limit %s, memory %s MiB)", opts.max_connections,
-                 opts.max_connections_per_host, opts.max_rdma_connections, opts.max_buffers,
-                 sizing.fd_limit if sizing else "?", sizing.memory >> 20 if sizing else "?")
+                 "--rdma-staging-memory %s, --max-buffers %s (sized from file limit %s, memory %s MiB)",
+                 opts.max_connections, opts.max_connections_per_host, opts.max_rdma_connections,
+                 opts.rdma_staging_memory, opts.max_buffers, sizing.fd_limit if sizing else "?",
+                 sizing.memory >> 20 if sizing else "?")
         somaxconn = listen_backlog_cap()
         if somaxconn is not None and somaxconn < LISTEN_BACKLOG:
             log.warning("the kernel caps the listen backlog at %d (net.core.somaxconn), below %d: workers that "
