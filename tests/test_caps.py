@@ -64,7 +64,8 @@ def test_help_states_the_machine_sized_caps() -> None:
     for flag, value in (("max-connections", sized.max_connections),
                         ("max-connections-per-host", sized.max_connections_per_host),
                         ("max-rdma-connections", sized.max_rdma_connections),
-                        ("rdma-staging-memory", sized.rdma_staging_memory)):
+                        ("rdma-staging-memory", sized.rdma_staging_memory),
+                        ("max-buffers", sized.buffers_fit)):
         # its entry under "options:", not the usage line
         at = words.index(f"--{flag} {flag.upper().replace('-', '_')} ", words.index("options:"))
         said = re.search(r"defaults: (\S+) \(file limit (\d+)", words[at:])

@@ -64,6 +64,7 @@ class ServerReport:
     connections: int | None = None
     rdma_connections: int | None = None
     rdma_refused: int | None = None
+    rdma_staging_lent: int | None = None
 
 
 @dataclass
@@ -197,6 +198,7 @@ async def check_server(address: str, token: bytes | None, rdma_reason: str | Non
     rep.connections = stat.get("connections")
     rep.rdma_connections = stat.get("rdma_connections")
     rep.rdma_refused = stat.get("rdma_refused")
+    rep.rdma_staging_lent = stat.get("rdma_staging_lent")
     return rep
 
 
@@ -209,7 +211,8 @@ def limits_line(s: ServerReport) -> str:
         return "limits: not reported (a server older than this client)"
     text = (f"limits: {s.connections}/{lim.get('max_connections')} connections "
             f"({lim.get('max_connections_per_host')} per host), {s.rdma_connections}/"
-            f"{lim.get('max_rdma_connections')} RDMA peers")
+            f"{lim.get('max_rdma_connections')} RDMA peers ({s.rdma_staging_lent}/{lim.get('rdma_staging_areas')} "
+            "staging areas lent)")
     if s.rdma_refused:
         text += f" ({s.rdma_refused} refused RDMA, on TCP instead: raise --max-rdma-connections)"
     text += f", {lim.get('max_buffers')} buffers, listen backlog {lim.get('listen_backlog')}"

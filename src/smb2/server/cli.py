@@ -48,9 +48,9 @@ def _parser() -> argparse.ArgumentParser:
             continue
         extra = {k: meta[k] for k in ("type", "metavar", "choices") if meta[k] is not None}
         text = meta["help"]
-        if meta["auto"]:
-            text += (f"; here, with the other options at their defaults: {getattr(machine, f.name)} (file limit "
-                     f"{machine.fd_limit}, memory {machine.memory >> 20} MiB)")
+        if meta["machine"]:
+            text += (f"; here, with the other options at their defaults: {getattr(machine, meta['machine'])} (file "
+                     f"limit {machine.fd_limit}, memory {machine.memory >> 20} MiB)")
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default, help=text, **extra)
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")

@@ -22,12 +22,11 @@ from .memfd import FDS_PER_SEGMENT, FDS_SPARE, buffers_within_fd_limit, fd_limit
 from .metrics import parse_address as parse_metrics_address
 from .metrics import prometheus
 from .replication import DEDUP_CLIENTS, DEDUP_ENTRY_BYTES, DEDUP_IDLE, DEDUP_PER_CLIENT
-from .sizing import MIN_STAGING_AREAS, RDMA_STAGING_BYTES, Sizing, size
+from .sizing import DEFAULT_MAX_BUFFERS, MIN_STAGING_AREAS, RDMA_STAGING_BYTES, Sizing, size
 
 log = logging.getLogger("smb2.server")
 
 DEFAULT_WRITE_TIMEOUT = 30.0
-DEFAULT_MAX_BUFFERS = 4096
 # the smallest pool of payload memory: one accumulate of the largest size
 # must fit, or it would wait for ever
 MIN_RECEIVE_MEMORY = MAX_ACCUMULATE
@@ -38,12 +37,12 @@ AUTO_CAPS = ("max_connections", "max_connections_per_host", "max_rdma_connection
 
 
 def _option(default: Any, help: str, *, type: Any = None, metavar: str | None = None,
-            choices: tuple[str, ...] | None = None, flag: bool = True, auto: bool = False) -> Any:
+            choices: tuple[str, ...] | None = None, flag: bool = True, machine: str | None = None) -> Any:
     # the metadata is what smb2-server's argparse flag needs (cli.py);
-    # ``help`` may use argparse's %(default)s; ``auto``: None is sized from
-    # the machine at start, and --help adds the value this machine gives
+    # ``help`` may use argparse's %(default)s; ``machine``: the attribute of
+    # sizing.Sizing that --help shows as what this machine gives
     return field(default=default, metadata={"help": help, "type": type, "metavar": metavar,
-                                            "choices": choices, "flag": flag, "auto": auto})
+                                            "choices": choices, "flag": flag, "machine": machine})
 
 
 @dataclass
@@ -55,7 +54,8 @@ class ServerOptions:
     max_buffers: int = _option(
         DEFAULT_MAX_BUFFERS, f"buffers this server holds at most; each holds {FDS_PER_SEGMENT} file descriptors (its "
         "memfd and its mapping; none with --shm off), so the cap must fit the process's file limit (ulimit -n) "
-        "beside --max-connections: checked at start (default %(default)s, lowered to what fits)", type=int)
+        "beside --max-connections: checked at start (default %(default)s, lowered to what fits)", type=int,
+        machine="buffers_fit")
     # the shared secret clients must prove they know (None: no authentication);
     # smb2-server reads it from --auth-token-file or the environment instead
     token: str | bytes | None = _option(None, "", flag=False)
@@ -81,19 +81,20 @@ class ServerOptions:
     max_connections: int | None = _option(
         None, "connections this server holds at most (default: sized at start from the file limit and the "
         "memory: the fewer of half the file limit and the memory beside --capacity over a busy "
-        "connection's worst case, halved)", type=int, auto=True)
+        "connection's worst case, halved)", type=int, machine="max_connections")
     max_connections_per_host: int | None = _option(
         None, "connections one source address may hold at most (default: a quarter of --max-connections, at "
-        "least 128)", type=int, auto=True)
+        "least 128)", type=int, machine="max_connections_per_host")
     max_rdma_connections: int | None = _option(
         None, "connections that may set up RDMA (a queue pair each); one more is refused RDMA with the reason "
         "and counted (smb2_rdma_refused_total), and its client warns and goes on over TCP (default: "
-        "--max-connections)", type=int, auto=True)
+        "--max-connections)", type=int, machine="max_rdma_connections")
     rdma_staging_memory: int | str | None = _option(
         None, f"pinned memory for the RDMA peers' staging areas, {RDMA_STAGING_BYTES >> 20} MiB each, lent one per "
         "peer while they last: a peer that gets none still reads, writes and does atomics over RDMA, and sends "
         "its accumulates in-band over its TCP connection (counted: smb2_rdma_unstaged_total; its client warns) "
-        f"(default: a sixteenth of the memory, at least {MIN_STAGING_AREAS} areas)", type=str, auto=True)
+        f"(default: a sixteenth of the memory, at least {MIN_STAGING_AREAS} areas)", type=str,
+        machine="rdma_staging_memory")
     max_inflight: int = _option(
         1024, "requests one connection may have waiting for their replies (parked lock acquires, "
         "accumulates behind a write) before the server stops reading it (default %(default)s)", type=int)

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 
 from ..protocol import parse_size
-from .memfd import FDS_PER_SEGMENT, FDS_SPARE, fd_limit
+from .memfd import FDS_PER_SEGMENT, FDS_SPARE, buffers_within_fd_limit, fd_limit
 from .rdma import STAGING_BYTES
 
 log = logging.getLogger("smb2.server")
@@ -35,6 +35,8 @@ INFLIGHT_BYTES = KiB
 RDMA_STAGING_BYTES = STAGING_BYTES
 # the share of the machine's memory the RDMA peers' pinned staging areas may take
 RDMA_MEMORY_SHARE = 16
+# --max-buffers' default, lowered to what the file limit holds (options.py)
+DEFAULT_MAX_BUFFERS = 4096
 # bounds of the derived defaults: a machine too small for the floor still
 # gets it (the memory budget in operations.md says what that costs), and the
 # ceilings keep one process's bookkeeping sane
@@ -87,6 +89,9 @@ class Sizing:
     rdma_staging_memory: str
     # which of the file limit and memory bounds the connections
     connections_bound_by: str
+    # buffers whose memfds fit in the file limit beside the connections
+    # (--max-buffers' default is lowered to it)
+    buffers_fit: int
 
     def describe(self) -> dict[str, int | str]:
         """For stat and smb2 doctor."""
@@ -119,4 +124,6 @@ def size(*, capacity: int | str, max_receive_memory: int | str, max_reply_bytes:
     return Sizing(fd_limit=fds, memory=memory, connection_bytes=per_conn, max_connections=conns,
                   max_connections_per_host=max(MIN_PER_HOST, conns // PER_HOST_SHARE),
                   max_rdma_connections=conns, rdma_staging_memory=f"{areas * RDMA_STAGING_BYTES >> 20}MiB",
-                  connections_bound_by=bound_by)
+                  connections_bound_by=bound_by,
+                  buffers_fit=min(DEFAULT_MAX_BUFFERS, buffers_within_fd_limit(conns)) if memfd_segments
+                  else DEFAULT_MAX_BUFFERS)
