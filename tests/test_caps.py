@@ -31,6 +31,7 @@ from smb2.testing.launch import server_process
 from smb2.testing.proxy import FaultProxy
 from smb2.testing.wire import hello, reply
 
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 # a connect storm of this many clients: more than the old default's 1,024
 STORM = 1100
 # spread over these loopback source addresses, as a job's workers come from several hosts
@@ -71,6 +72,28 @@ def test_help_states_the_machine_sized_caps() -> None:
         said = re.search(r"defaults: (\S+) \(file limit (\d+)", words[at:])
         assert said is not None and said.groups() == (str(value), str(sized.fd_limit)), flag
     assert sized.max_connections_per_host == max(MIN_PER_HOST, sized.max_connections // PER_HOST_SHARE)
+
+
+def test_the_caps_follow_the_file_limit_and_the_memory() -> None:
+    defaults = {"max_receive_memory": "256MiB", "max_reply_bytes": "1MiB", "max_inflight": 1024,
+                "memfd_segments": True}
+    per_conn = 256 * KiB + 64 * KiB + 4 * KiB + MiB + 1024 * KiB
+    # a pod of 5 GiB serving 4 GiB: the memory left binds (half of it over a busy connection)
+    pod = size(capacity="4GiB", fds=20000, memory=5 * GiB, **defaults)
+    assert pod.connection_bytes == per_conn
+    assert pod.max_connections == (GiB - 256 * MiB) // 2 // per_conn == 165
+    assert pod.connections_bound_by == "memory"
+    assert pod.max_connections_per_host == 128 and pod.max_rdma_connections == 165
+    assert pod.rdma_staging_memory == "256MiB"       # the floor of 64 areas: a quarter of 768 MiB is less
+    # a 64 GiB host with few files: the file limit binds, half of it for connections, the rest for buffers
+    host = size(capacity="8GiB", fds=3000, memory=64 * GiB, **defaults)
+    assert host.max_connections == (3000 - 64) // 2 and host.connections_bound_by == "file limit"
+    assert host.max_connections_per_host == 367
+    assert host.buffers_fit == (3000 - host.max_connections - 64) // 2 - 1
+    assert host.rdma_staging_memory == "4096MiB"      # a sixteenth of 64 GiB: 1,024 peers' areas
+    # without memfds the buffers hold no files: connections take the file limit
+    assert size(capacity="8GiB", fds=3000, memory=64 * GiB, **{**defaults, "memfd_segments": False}
+                ).max_connections == 3000 - 64
 
 
 async def test_the_server_raises_its_file_limit_and_reports_its_caps() -> None:

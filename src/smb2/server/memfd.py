@@ -75,10 +75,10 @@ def fd_limit() -> int:
     return max(soft, 1 << 20) if hard == resource.RLIM_INFINITY else max(soft, hard)
 
 
-def buffers_within_fd_limit(connections: int) -> int:
-    """How many buffers' segments fit in :func:`fd_limit` beside
-    ``connections`` connections (and the lock segment)."""
-    return max(0, (fd_limit() - connections - FDS_SPARE) // FDS_PER_SEGMENT - 1)
+def buffers_within_fd_limit(connections: int, limit: int | None = None) -> int:
+    """How many buffers' segments fit in :func:`fd_limit` (or ``limit``)
+    beside ``connections`` connections (and the lock segment)."""
+    return max(0, ((fd_limit() if limit is None else limit) - connections - FDS_SPARE) // FDS_PER_SEGMENT - 1)
 
 
 def raise_fd_limit() -> tuple[int, int] | None:

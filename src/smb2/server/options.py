@@ -93,7 +93,8 @@ class ServerOptions:
         None, f"pinned memory for the RDMA peers' staging areas, {RDMA_STAGING_BYTES >> 20} MiB each, lent one per "
         "peer while they last: a peer that gets none still reads, writes and does atomics over RDMA, and sends "
         "its accumulates in-band over its TCP connection (counted: smb2_rdma_unstaged_total; its client warns) "
-        f"(default: a sixteenth of the memory, at least {MIN_STAGING_AREAS} areas)", type=str,
+        f"(default: a sixteenth of the memory, at most a quarter of what --capacity leaves, at least "
+        f"{MIN_STAGING_AREAS} areas)", type=str,
         machine="rdma_staging_memory")
     max_inflight: int = _option(
         1024, "requests one connection may have waiting for their replies (parked lock acquires, "

@@ -33,8 +33,10 @@ CONNECTION_FIXED_BYTES = 256 * KiB + 64 * KiB + 4 * KiB
 INFLIGHT_BYTES = KiB
 # the pinned staging area one RDMA connection registers
 RDMA_STAGING_BYTES = STAGING_BYTES
-# the share of the machine's memory the RDMA peers' pinned staging areas may take
+# the share of the machine's memory the RDMA peers' pinned staging areas may
+# take, and of the memory left beside the capacity (a container's limit)
 RDMA_MEMORY_SHARE = 16
+STAGING_SPARE_SHARE = 4
 # --max-buffers' default, lowered to what the file limit holds (options.py)
 DEFAULT_MAX_BUFFERS = 4096
 # bounds of the derived defaults: a machine too small for the floor still
@@ -100,8 +102,9 @@ class Sizing:
 
 
 def size(*, capacity: int | str, max_receive_memory: int | str, max_reply_bytes: int | str,
-         max_inflight: int, memfd_segments: bool) -> Sizing:
-    """The caps' defaults for a server with these options on this machine.
+         max_inflight: int, memfd_segments: bool, fds: int | None = None, memory: int | None = None) -> Sizing:
+    """The caps' defaults for a server with these options on this machine
+    (or with ``fds`` files and ``memory`` bytes).
 
     * connections: the fewer of the file limit's share (half of it after the
       spare descriptors where buffers hold memfds, the rest for the buffers;
@@ -109,21 +112,25 @@ def size(*, capacity: int | str, max_receive_memory: int | str, max_reply_bytes:
       ``max_receive_memory``, halved, over a busy connection's worst case;
     * per source address: a quarter of that, at least 128;
     * RDMA connections: as many as connections (a queue pair is a few KiB);
-    * their staging areas: a sixteenth of the memory, in 4 MiB areas, at
-      least 64 of them (a peer beyond them sends its accumulates in-band).
+    * their staging areas: a sixteenth of the memory (at most a quarter of
+      what it leaves beside ``capacity``), in 4 MiB areas, at least 64 of
+      them (a peer beyond them sends its accumulates in-band).
     """
-    fds = fd_limit()
-    memory = machine_memory()
+    if fds is None:
+        fds = fd_limit()
+    if memory is None:
+        memory = machine_memory()
     per_conn = connection_bytes(parse_size(max_reply_bytes), max_inflight)
     fd_share = (fds - FDS_SPARE) // FDS_PER_SEGMENT if memfd_segments else fds - FDS_SPARE
     spare_memory = max(0, memory - parse_size(capacity) - parse_size(max_receive_memory))
     memory_share = spare_memory // 2 // per_conn
     bound_by = "file limit" if fd_share <= memory_share else "memory"
     conns = max(MIN_CONNECTIONS, min(fd_share, memory_share, MAX_CONNECTIONS))
-    areas = max(MIN_STAGING_AREAS, min(memory // RDMA_MEMORY_SHARE // RDMA_STAGING_BYTES, MAX_STAGING_AREAS))
+    staging = min(memory // RDMA_MEMORY_SHARE, spare_memory // STAGING_SPARE_SHARE)
+    areas = max(MIN_STAGING_AREAS, min(staging // RDMA_STAGING_BYTES, MAX_STAGING_AREAS))
     return Sizing(fd_limit=fds, memory=memory, connection_bytes=per_conn, max_connections=conns,
                   max_connections_per_host=max(MIN_PER_HOST, conns // PER_HOST_SHARE),
                   max_rdma_connections=conns, rdma_staging_memory=f"{areas * RDMA_STAGING_BYTES >> 20}MiB",
                   connections_bound_by=bound_by,
-                  buffers_fit=min(DEFAULT_MAX_BUFFERS, buffers_within_fd_limit(conns)) if memfd_segments
+                  buffers_fit=min(DEFAULT_MAX_BUFFERS, buffers_within_fd_limit(conns, fds)) if memfd_segments
                   else DEFAULT_MAX_BUFFERS)
