@@ -195,12 +195,17 @@ def test_a_buffer_cap_beyond_the_file_limit_is_refused_at_start() -> None:
 
 
 def test_the_default_buffer_cap_is_lowered_to_the_file_limit() -> None:
-    # a process allowed 3000 files: the default 4096 buffers do not fit, and are lowered with a WARNING
+    # a process allowed 3000 files: the connections' default takes half of them (the file limit
+    # binds before this machine's memory does), the default 4096 buffers do not fit beside them,
+    # and are lowered with a WARNING
     import subprocess
     import sys
     script = ("import logging, resource; logging.basicConfig(); resource.setrlimit(resource.RLIMIT_NOFILE, "
-              "(3000, 3000)); from smb2.server.options import ServerOptions; print(ServerOptions().max_buffers)")
+              "(3000, 3000)); from smb2.server.options import ServerOptions; o = ServerOptions(); "
+              "print(o.max_connections, o.max_buffers)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert int(out.stdout) == (3000 - 1024 - 64) // 2 - 1
+    connections, buffers = map(int, out.stdout.split())
+    assert connections == (3000 - 64) // 2
+    assert buffers == (3000 - connections - 64) // 2 - 1
     assert "max buffers lowered from 4096" in out.stderr and "ulimit -n" in out.stderr

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import smb2
+from smb2 import doctor
 from smb2.rdma_device import _verbs
 from smb2.transport import rdma_unavailable_reason
 
@@ -185,10 +186,20 @@ async def test_rdma_connections_are_capped_and_the_next_is_told_to_use_tcp(
         with pytest.raises(smb2.TransportError, match="max-rdma-connections") as info:
             await smb2.connect([server.address], transport="rdma")
         assert info.value.hint is not None and "tcp" in info.value.hint
+        assert server.rdma_refused == 1
         second = await smb2.connect([server.address])
         assert second.transports == ["tcp"]
-        assert any("using tcp" in r.getMessage() and "max-rdma-connections" in r.getMessage()
-                   for r in caplog.records)
+        # said loudly: a WARNING naming the server, the cap and what to raise; counted by the server
+        loud = [r for r in caplog.records if r.levelno == logging.WARNING and "using tcp" in r.getMessage()]
+        assert len(loud) == 1
+        said = loud[0].getMessage()
+        assert f"{server.address[0]}:{server.address[1]}" in said and "maximum of 1 RDMA connections" in said
+        assert "raise --max-rdma-connections" in said
+        stat = server.stat()
+        assert stat["rdma_refused"] == 2 and stat["limits"]["max_rdma_connections"] == 1
+        # smb2 doctor says it as a problem, with the option to raise
+        report = await doctor.diagnose([f"{server.address[0]}:{server.address[1]}"])
+        assert any("refused RDMA to 2 clients" in p and "--max-rdma-connections" in p for p in report.problems)
         buf = await second.create("b", 4096)
         await buf.write(0, b"served")
         assert bytes(await buf.read(0, 6)) == b"served"
@@ -202,6 +213,71 @@ async def test_rdma_connections_are_capped_and_the_next_is_told_to_use_tcp(
         await third.close()
         await second.close()
     finally:
+        await server.close()
+
+
+async def _sum_from_each(clients: list[smb2.Client], nbytes: int) -> np.ndarray:
+    """Client k adds k + 1 to every int64 of one buffer (at once); the sum read back."""
+    bufs = [await clients[0].create("sum", nbytes)] + [await c.attach("sum") for c in clients[1:]]
+    ones = np.ones(nbytes // 8, np.int64)
+    await asyncio.gather(*(b.accumulate(0, ones * (k + 1)) for k, b in enumerate(bufs)))
+    return np.frombuffer(await bufs[-1].read(0, nbytes), np.int64)
+
+
+@needs_rdma
+async def test_more_rdma_peers_than_the_old_cap_of_64_from_one_process() -> None:
+    """72 RDMA connections (queue pairs) from this one process to a server
+    with the default caps: every one is RDMA, none is sent to TCP, and the
+    staged accumulates of all add up exact."""
+    peers = 72
+    server = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", shm="off")
+    clients: list[smb2.Client] = []
+    try:
+        for _ in range(peers):
+            clients.append(await smb2.connect([server.address], transport="auto"))
+        assert [c.transports for c in clients] == [["rdma"]] * peers
+        stat = server.stat()
+        assert stat["rdma_connections"] == peers and stat["rdma_refused"] == 0
+        areas = stat["limits"]["rdma_staging_areas"]
+        assert stat["rdma_staging_lent"] == min(peers, areas)
+        assert stat["rdma_unstaged"] == max(0, peers - areas)
+        assert (await _sum_from_each(clients, 64 * 1024) == peers * (peers + 1) // 2).all()
+    finally:
+        for c in clients:
+            await c.close()
+        await server.close()
+
+
+@needs_rdma
+async def test_rdma_peers_past_the_staging_pool_accumulate_in_band_exact(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A pool of two staging areas and five RDMA peers: two stage their
+    deltas, three send them in-band over TCP (each client warns, the server
+    counts them); the sum is exact, the pinned staging stays two areas, and
+    an area given back is lent to the next peer."""
+    caplog.set_level(logging.WARNING, logger="smb2.transport")
+    server = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", shm="off", rdma_staging_memory="8MiB")
+    clients: list[smb2.Client] = []
+    try:
+        for _ in range(5):
+            clients.append(await smb2.connect([server.address], transport="rdma"))
+        assert server.rdma is not None and server.rdma.staging_lent == 2
+        assert server.rdma_unstaged == 3
+        said = [r.getMessage() for r in caplog.records if "no RDMA staging area free" in r.getMessage()]
+        assert len(said) == 3 and all("--rdma-staging-memory" in m for m in said)
+        # 3 MiB each: more than one 1 MiB slot, so the staged ones cycle their slots
+        assert (await _sum_from_each(clients, 3 << 20) == 15).all()
+        assert server.rdma.staging_lent == 2        # still two areas pinned
+        await clients.pop(0).close()                # a staged one leaves ...
+        for _ in range(100):
+            if server.rdma.staging_lent < 2:
+                break
+            await asyncio.sleep(0.02)
+        clients.append(await smb2.connect([server.address], transport="rdma"))
+        assert server.rdma.staging_lent == 2 and server.rdma_unstaged == 3      # ... its area is lent again
+    finally:
+        for c in clients:
+            await c.close()
         await server.close()
 
 

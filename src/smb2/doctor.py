@@ -58,6 +58,13 @@ class ServerReport:
     clock_offset_s: float | None = None
     round_trip_s: float | None = None
     membership: str | None = None
+    # the server's caps and what it sized them from (stat's "limits"), and
+    # its RDMA peers: held now and refused so far
+    limits: dict[str, Any] = field(default_factory=dict)
+    connections: int | None = None
+    rdma_connections: int | None = None
+    rdma_refused: int | None = None
+    rdma_staging_lent: int | None = None
 
 
 @dataclass
@@ -187,7 +194,32 @@ async def check_server(address: str, token: bytes | None, rdma_reason: str | Non
     rep.used = stat.get("used")
     rep.auth = stat.get("auth")
     rep.membership = info.get("membership")
+    rep.limits = stat.get("limits") or {}
+    rep.connections = stat.get("connections")
+    rep.rdma_connections = stat.get("rdma_connections")
+    rep.rdma_refused = stat.get("rdma_refused")
+    rep.rdma_staging_lent = stat.get("rdma_staging_lent")
     return rep
+
+
+def limits_line(s: ServerReport) -> str:
+    """A server's caps in words: connections held of the most it takes,
+    RDMA peers likewise (and how many were sent to TCP), what the defaults
+    were sized from."""
+    lim = s.limits
+    if not lim:
+        return "limits: not reported (a server older than this client)"
+    text = (f"limits: {s.connections}/{lim.get('max_connections')} connections "
+            f"({lim.get('max_connections_per_host')} per host), {s.rdma_connections}/"
+            f"{lim.get('max_rdma_connections')} RDMA peers ({s.rdma_staging_lent}/{lim.get('rdma_staging_areas')} "
+            "staging areas lent)")
+    if s.rdma_refused:
+        text += f" ({s.rdma_refused} refused RDMA, on TCP instead: raise --max-rdma-connections)"
+    text += f", {lim.get('max_buffers')} buffers, listen backlog {lim.get('listen_backlog')}"
+    if "fd_limit" in lim:
+        text += (f"; sized from file limit {lim['fd_limit']} and memory {int(lim['memory']) >> 20} MiB "
+                 f"(connections bound by the {lim.get('connections_bound_by')})")
+    return text
 
 
 async def check_etcd(report: Report, timeout: float) -> None:
@@ -259,6 +291,11 @@ async def diagnose(servers: list[str], *, transport: str = "auto", token: bytes 
                                    "machine's (run NTP/chrony on both)")
         if rep.protocol_version != VERSION:
             report.problems.append(f"{rep.address}: speaks protocol {rep.protocol_version}, this smb2 {VERSION}")
+        if rep.rdma_refused:
+            report.problems.append(
+                f"{rep.address}: refused RDMA to {rep.rdma_refused} clients at its maximum of "
+                f"{rep.limits.get('max_rdma_connections')} RDMA connections; they run over TCP, several times "
+                "slower: raise --max-rdma-connections on that server where its memory allows")
     await check_etcd(report, timeout)
     if capacity is None:
         # a server on this machine registers its capacity; a client what it
@@ -294,6 +331,7 @@ def as_table(report: Report) -> str:
         rows.append((s.address, f"{s.transport}" + (f" ({s.why})" if s.why else "")
                      + f"; clock {clock}; smb2 {s.version}, protocol {s.protocol_version}; "
                        f"{s.used}/{s.capacity} bytes used; auth {s.auth or 'none'}"))
+        rows.append(("", limits_line(s)))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines += [f"PROBLEM: {p}" for p in report.problems] or [

@@ -487,7 +487,9 @@ async def unauthenticated_crowd(quick: bool) -> Row:
               "--max-connections(-per-host): the oldest unauthenticated connection makes room; "
               "only authenticated ones fill a cap")
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ("--capacity", "8MiB", "--auth-token-file", token_file(tmp))
+        # the per-address cap at the number held, so that each new socket meets it
+        flags = ("--capacity", "8MiB", "--auth-token-file", token_file(tmp), "--max-connections-per-host",
+                 str(held_n))
         async with serving(row, *flags, token=TOKEN) as srv:
             held = await asyncio.to_thread(open_sockets, srv.address, held_n, wire.hello())
             stop = False

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from .. import auth
 from ..errors import InvalidArgumentError, PersistenceError, TransportError
@@ -16,6 +17,7 @@ from ..protocol import DEFAULT_PORT, VERSION
 from ..version import __version__
 from .memory import start_server
 from .options import ServerOptions
+from .sizing import size
 
 log = logging.getLogger("smb2.server")
 
@@ -34,14 +36,22 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"replicated clusters: the secret the servers share and clients do not, which a "
                         f"server proves to forward updates to another (default: ${auth.PEER_ENV} if set, "
                         f"else a forward is taken by its source address)")
-    # the server's own options: one flag per ServerOptions field
+    # the server's own options: one flag per ServerOptions field; a cap sized
+    # from the machine says what this machine gives it
+    defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ServerOptions)}
+    machine = size(capacity=defaults["capacity"], max_receive_memory=defaults["max_receive_memory"],
+                   max_reply_bytes=defaults["max_reply_bytes"], max_inflight=defaults["max_inflight"],
+                   memfd_segments=hasattr(os, "memfd_create"))
     for f in dataclasses.fields(ServerOptions):
         meta = f.metadata
         if not meta["flag"]:
             continue
         extra = {k: meta[k] for k in ("type", "metavar", "choices") if meta[k] is not None}
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default, help=meta["help"],
-                       **extra)
+        text = meta["help"]
+        if meta["machine"]:
+            text += (f"; here, with the other options at their defaults: {getattr(machine, meta['machine'])} (file "
+                     f"limit {machine.fd_limit}, memory {machine.memory >> 20} MiB)")
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default, help=text, **extra)
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     return p

@@ -87,14 +87,17 @@ class Admission:
             if victim is None:
                 self.refused += 1
                 return (f"{host} holds this server's maximum of {self.max_per_host} connections "
-                        "per source address, all authenticated")
+                        "per source address, all authenticated: raise --max-connections-per-host on the "
+                        "server, or spread the workers over more hosts")
             self._evict(victim, f"the connections from {host} are at their maximum "
                                 f"({self.max_per_host}): the oldest unauthenticated one makes room")
         if self.total >= self.max_connections:
             victim = next(iter(self._guests), None)
             if victim is None:
                 self.refused += 1
-                return f"the server holds its maximum of {self.max_connections} connections, all authenticated"
+                return (f"the server holds its maximum of {self.max_connections} connections, all authenticated: "
+                        "raise --max-connections on the server (its file limit and memory bound it: "
+                        "smb2 doctor shows both)")
             self._evict(victim, f"the server is at its maximum of {self.max_connections} connections: "
                                 "the oldest unauthenticated one makes room")
         self.per_host[host] += 1

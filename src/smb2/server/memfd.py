@@ -75,25 +75,28 @@ def fd_limit() -> int:
     return max(soft, 1 << 20) if hard == resource.RLIM_INFINITY else max(soft, hard)
 
 
-def buffers_within_fd_limit(connections: int) -> int:
-    """How many buffers' segments fit in :func:`fd_limit` beside
-    ``connections`` connections (and the lock segment)."""
-    return max(0, (fd_limit() - connections - FDS_SPARE) // FDS_PER_SEGMENT - 1)
+def buffers_within_fd_limit(connections: int, limit: int | None = None) -> int:
+    """How many buffers' segments fit in :func:`fd_limit` (or ``limit``)
+    beside ``connections`` connections (and the lock segment)."""
+    return max(0, ((fd_limit() if limit is None else limit) - connections - FDS_SPARE) // FDS_PER_SEGMENT - 1)
 
 
-def _raise_fd_limit() -> None:
-    # Each segment holds FDS_PER_SEGMENT fds, so a server with thousands of
-    # buffers needs more than the usual soft limit of 1024: take what the
-    # hard limit allows, once.
+def raise_fd_limit() -> tuple[int, int] | None:
+    """Raise this process's soft file limit to the hard one where allowed,
+    once: ``(before, after)`` if it changed, else None.  Each segment holds
+    FDS_PER_SEGMENT fds and each connection one, so the usual soft limit of
+    1024 would cap a server far below what the machine allows."""
     global _fd_limit_raised
     _fd_limit_raised = True
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
-                                                        else max(soft, 1 << 20), hard))
-        except (ValueError, OSError):
-            pass
+    want = max(soft, 1 << 20) if hard == resource.RLIM_INFINITY else hard
+    if soft >= want:
+        return None
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        return None
+    return soft, want
 
 
 _fd_limit_raised = False
@@ -105,7 +108,7 @@ def alloc_shared(size: int, name: str = "smb2-segment", *,
     same bytes (the view's exporter is the mapping, see :func:`fd_of`).
     ``clients_write=False``: only this mapping can write it (see the top)."""
     if not _fd_limit_raised:
-        _raise_fd_limit()
+        raise_fd_limit()
     total = state_offset(size) + _STATE_ALIGN
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:

@@ -71,11 +71,11 @@ from ..version import __version__
 from .datadir import DataDir
 from .guard import Admission, MemoryPool, RateLimitedLog
 from .locks import LockService
-from .memfd import FROZEN, LIVE, mark, mark_gone
+from .memfd import FROZEN, LIVE, mark, mark_gone, raise_fd_limit
 from .metrics import MetricsExporter, RequestCounts
 from .metrics import parse_address as parse_metrics_address
 from .options import ServerOptions
-from .rdma import RdmaServer
+from .rdma import STAGING_BYTES, RdmaServer
 from .replication import Replication
 from .segment import Refused, Segment, alloc
 from .shm import ShmService
@@ -94,6 +94,18 @@ MIN_TOKEN = 16
 RELEASE_IDLE = 2.0
 # accumulate deltas one connection may have waiting behind in-flight writes
 MAX_DEFERRED = 2 * MAX_ACCUMULATE
+# connections the kernel may hold accepted before the loop takes them: a
+# job's workers all connect at start
+LISTEN_BACKLOG = 4096
+
+
+def listen_backlog_cap() -> int | None:
+    """The kernel's cap on a listen backlog (net.core.somaxconn), if known."""
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 class MemoryServer:
@@ -109,6 +121,10 @@ class MemoryServer:
         elif overrides:
             options = dataclasses.replace(options, **overrides)
         self.options = options
+        # the caps' defaults assumed the hard file limit (sizing.py): take it now
+        raised = raise_fd_limit()
+        if raised is not None:
+            log.info("raised this process's file limit (ulimit -n) from %d to its hard limit %d", *raised)
         self.capacity = parse_size(options.capacity)
         # a connection that stops sending in the middle of a WRITE is closed
         # after this long: its half-received range holds up every accumulate
@@ -119,6 +135,7 @@ class MemoryServer:
         self.write_progress = max(1, int(parse_size(options.write_min_rate) * options.write_timeout))
         self.max_reply_bytes = parse_size(options.max_reply_bytes)
         # connection counts; unauthenticated connections make room (guard.py)
+        assert options.max_connections is not None and options.max_connections_per_host is not None
         self.admission = Admission(options.max_connections, options.max_connections_per_host)
         # accumulate scratch and deferred deltas of all connections together
         self.receive_pool = MemoryPool(parse_size(options.max_receive_memory))
@@ -164,6 +181,10 @@ class MemoryServer:
         # what was refused, by why: an error code's name in lower case, or
         # connection_limit / auth_failed (--metrics)
         self.refusals: collections.Counter[str] = collections.Counter()
+        # clients refused RDMA at --max-rdma-connections (they go on over TCP),
+        # and RDMA peers given no staging area (their accumulates come in-band)
+        self.rdma_refused = 0
+        self.rdma_unstaged = 0
         # connections cut by the sweep, by which deadline (and those closed to
         # make room for a new one: admission.evicted)
         self.cuts: collections.Counter[str] = collections.Counter()
@@ -205,7 +226,10 @@ class MemoryServer:
         if mode == "off":
             self.rdma_reason = "the server runs with rdma off"
         elif self.rdma is None:
-            self.rdma, self.rdma_reason = RdmaServer.open(self.options.rdma_device, self.options.rdma_gid_index)
+            assert self.options.rdma_staging_memory is not None
+            self.rdma, self.rdma_reason = RdmaServer.open(
+                self.options.rdma_device, self.options.rdma_gid_index,
+                parse_size(self.options.rdma_staging_memory) // STAGING_BYTES)
             if self.rdma is None and mode == "on":
                 raise TransportError(f"rdma=on, but RDMA is not available: {self.rdma_reason}")
             log.info("RDMA: %s", self.rdma.describe() if self.rdma else f"off ({self.rdma_reason})")
@@ -232,8 +256,10 @@ class MemoryServer:
                     access = self.rdma.lock_access if seg.id == LOCK_SEGMENT else self.rdma.access_of(seg)
                     self.rdma.register(seg.id, seg.view, access)
         try:
+            # a job's workers connect at once: a short backlog would drop their
+            # SYNs into the kernel's retransmit back-off (seconds)
             self._server = await loop.create_server(
-                lambda: Connection(self), host, port, reuse_address=True)
+                lambda: Connection(self), host, port, reuse_address=True, backlog=LISTEN_BACKLOG)
         except BaseException:
             if self.data_dir is not None:
                 self.data_dir.release()
@@ -265,6 +291,22 @@ class MemoryServer:
                 await self.close(save=False)
                 raise
         log.info("listening on %s:%d (capacity %d bytes)", *self.address, self.capacity)
+        self._state_limits()
+
+    def _state_limits(self) -> None:
+        """Log the caps and what the machine-sized ones came from; warn where
+        the kernel caps the listen backlog below LISTEN_BACKLOG."""
+        opts, sizing = self.options, self.options.sizing
+        log.info("caps: --max-connections %s, --max-connections-per-host %s, --max-rdma-connections %s, "
+                 "--rdma-staging-memory %s, --max-buffers %s (sized from file limit %s, memory %s MiB)",
+                 opts.max_connections, opts.max_connections_per_host, opts.max_rdma_connections,
+                 opts.rdma_staging_memory, opts.max_buffers, sizing.fd_limit if sizing else "?",
+                 sizing.memory >> 20 if sizing else "?")
+        somaxconn = listen_backlog_cap()
+        if somaxconn is not None and somaxconn < LISTEN_BACKLOG:
+            log.warning("the kernel caps the listen backlog at %d (net.core.somaxconn), below %d: workers that "
+                        "connect at once beyond it wait for SYN retransmits (seconds); raise it with "
+                        "sysctl -w net.core.somaxconn=%d", somaxconn, LISTEN_BACKLOG, LISTEN_BACKLOG)
 
     def _start_shm(self) -> None:
         if self.options.shm == "off":
@@ -527,6 +569,16 @@ class MemoryServer:
         return {t: c for t, r in self.requests.items() if (c := r.counts())}
 
     @property
+    def limits(self) -> dict[str, Any]:
+        """The caps in force, and what the machine-sized ones came from
+        (stat, smb2 doctor, the smb2_limit metric)."""
+        opts = self.options
+        return {"max_connections": opts.max_connections, "max_connections_per_host": opts.max_connections_per_host,
+                "max_rdma_connections": opts.max_rdma_connections, "max_buffers": self.max_buffers,
+                "rdma_staging_areas": parse_size(opts.rdma_staging_memory or 0) // STAGING_BYTES,
+                "listen_backlog": LISTEN_BACKLOG, **(opts.sizing.describe() if opts.sizing else {})}
+
+    @property
     def refused(self) -> int:
         """Requests and connections refused, all reasons."""
         return sum(self.refusals.values())
@@ -547,6 +599,12 @@ class MemoryServer:
                                     if self.replication is not None and s.replicas > 1 else {})}
                         for s in self.by_name.values()},
             "connections": len(self.connections),
+            # the caps in force and what the machine-sized ones came from (smb2 doctor)
+            "limits": self.limits,
+            "rdma_connections": len(self.rdma.peers) if self.rdma else 0,
+            "rdma_refused": self.rdma_refused,
+            "rdma_staging_lent": self.rdma.staging_lent if self.rdma else 0,
+            "rdma_unstaged": self.rdma_unstaged,
             "ops": self.ops,
             "controls": dict(self.controls),
             "transports": self.transports(),
@@ -1353,12 +1411,27 @@ class Connection(FrameReceiver):
         srv = self.server
         if srv.rdma is None:
             raise Refused(ErrorCode.UNSUPPORTED, f"this server has no RDMA: {srv.rdma_reason}")
-        if self.rdma_peer is None and len(srv.rdma.peers) >= srv.options.max_rdma_connections:
-            # each peer pins a staging area: the memory budget counts them
+        cap = srv.options.max_rdma_connections
+        assert cap is not None
+        if self.rdma_peer is None and len(srv.rdma.peers) >= cap:
+            # each peer pins a staging area: the memory budget counts them.
+            # Said loudly on both sides and counted: the client goes on over
+            # TCP, several times slower, and that must not pass unnoticed
+            srv.rdma_refused += 1
+            srv.warn("rdma_limit", "refused RDMA to %s: this server serves its maximum of %d RDMA connections "
+                     "(--max-rdma-connections); that client goes on over TCP", self.peer, cap)
             raise Refused(ErrorCode.OUT_OF_MEMORY,
-                          f"this server serves {len(srv.rdma.peers)} RDMA connections, its limit "
-                          "(--max-rdma-connections); use transport='tcp' for this client, or raise the limit")
-        peer, result = srv.rdma.connect(msg)
+                          f"server {srv.address[0]}:{srv.address[1]} serves its maximum of {cap} RDMA connections "
+                          f"(--max-rdma-connections {cap}, each pinning a {STAGING_BYTES >> 20} MiB staging area): "
+                          "raise --max-rdma-connections on that server where its memory allows")
+        peer, result = srv.rdma.connect(msg, replacing=self.rdma_peer)
+        if not peer.has_staging:
+            # the pool of staging areas is lent out: this peer's accumulates
+            # come over its TCP connection (correct, slower); said and counted
+            srv.rdma_unstaged += 1
+            srv.warn("rdma_staging", "RDMA peer %s got no staging area: all %d are lent "
+                     "(--rdma-staging-memory %s); its accumulates come in-band over TCP", self.peer,
+                     srv.rdma.staging_areas, srv.options.rdma_staging_memory)
         if self.rdma_peer is not None:
             srv.rdma.drop(self.rdma_peer)
         self.rdma_peer = peer

@@ -161,6 +161,8 @@ class WatchedServer(Protocol):
     threads: int            # --threads
     accumulates_cut: int    # accumulates added by more than one thread
     accumulate_parts: int   # ... and the parts they were cut into
+    rdma_refused: int
+    rdma_unstaged: int
 
     @property
     def requests(self) -> Mapping[str, RequestCounts]: ...
@@ -172,6 +174,8 @@ class WatchedServer(Protocol):
     def connections(self) -> Collection[WatchedConnection]: ...
     @property
     def by_name(self) -> Sized: ...
+    @property
+    def limits(self) -> Mapping[str, Any]: ...
 
 
 def histogram(name: str, help: str, labels: list[str] | None = None) -> Any:
@@ -201,6 +205,7 @@ class ServerCollector:
                                 value=time.time() - srv.started)
         yield from self.requests()
         yield from self.refusals()
+        yield from self.limits()
 
         yield GaugeMetricFamily("smb2_capacity_bytes", "memory this server serves (--capacity)",
                                 value=srv.capacity)
@@ -281,6 +286,29 @@ class ServerCollector:
         for reason, n in sorted({**self.server.cuts, "evicted": self.server.admission.evicted}.items()):
             cut.add_metric([reason], n)
         yield cut
+
+    def limits(self) -> Iterator[Any]:
+        """The caps in force (machine-sized or set), and the RDMA peers held
+        and refused: a job's workers past --max-rdma-connections go on over
+        TCP, and that shows here."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        srv = self.server
+        caps = GaugeMetricFamily("smb2_limit", "the caps in force (--max-connections, --max-connections-per-host, "
+                                 "--max-rdma-connections, --max-buffers, the listen backlog) and the file limit "
+                                 "and memory the defaults were sized from", labels=["limit"])
+        for name, value in sorted(srv.limits.items()):
+            if isinstance(value, int):
+                caps.add_metric([name], value)
+        yield caps
+        yield GaugeMetricFamily("smb2_rdma_connections", "connections that set up RDMA (each pins a staging area)",
+                                value=len(srv.rdma.peers) if srv.rdma is not None else 0)
+        yield CounterMetricFamily("smb2_rdma_refused", "clients refused RDMA at --max-rdma-connections: they go "
+                                  "on over TCP, several times slower", value=srv.rdma_refused)
+        yield GaugeMetricFamily("smb2_rdma_staging_lent", "staging areas lent to RDMA peers now (at most "
+                                "--rdma-staging-memory / 4 MiB)", value=srv.rdma.staging_lent if srv.rdma else 0)
+        yield CounterMetricFamily("smb2_rdma_unstaged", "RDMA peers given no staging area (all lent): their "
+                                  "accumulates come in-band over TCP", value=srv.rdma_unstaged)
 
     def replication(self) -> Iterator[Any]:
         """A replicated cluster's server: its view, whether it is caught up,

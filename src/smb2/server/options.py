@@ -24,11 +24,11 @@ from .memfd import FDS_PER_SEGMENT, FDS_SPARE, buffers_within_fd_limit, fd_limit
 from .metrics import parse_address as parse_metrics_address
 from .metrics import prometheus
 from .replication import DEDUP_CLIENTS, DEDUP_ENTRY_BYTES, DEDUP_IDLE, DEDUP_PER_CLIENT
+from .sizing import DEFAULT_MAX_BUFFERS, MIN_STAGING_AREAS, RDMA_STAGING_BYTES, Sizing, size
 
 log = logging.getLogger("smb2.server")
 
 DEFAULT_WRITE_TIMEOUT = 30.0
-DEFAULT_MAX_BUFFERS = 4096
 # the smallest pool of payload memory: one accumulate of the largest size
 # must fit, or it would wait for ever
 MIN_RECEIVE_MEMORY = MAX_ACCUMULATE
@@ -37,14 +37,17 @@ SHM_MODES = ("auto", "off")
 # the smallest part of an accumulate a thread may be given: below it,
 # handing the part over costs more than adding it
 MIN_THREAD_PART = 1024
+# the caps whose default is sized from the machine (sizing.py)
+AUTO_CAPS = ("max_connections", "max_connections_per_host", "max_rdma_connections", "rdma_staging_memory")
 
 
 def _option(default: Any, help: str, *, type: Any = None, metavar: str | None = None,
-            choices: tuple[str, ...] | None = None, flag: bool = True) -> Any:
+            choices: tuple[str, ...] | None = None, flag: bool = True, machine: str | None = None) -> Any:
     # the metadata is what smb2-server's argparse flag needs (cli.py);
-    # ``help`` may use argparse's %(default)s
+    # ``help`` may use argparse's %(default)s; ``machine``: the attribute of
+    # sizing.Sizing that --help shows as what this machine gives
     return field(default=default, metadata={"help": help, "type": type, "metavar": metavar,
-                                            "choices": choices, "flag": flag})
+                                            "choices": choices, "flag": flag, "machine": machine})
 
 
 @dataclass
@@ -56,7 +59,8 @@ class ServerOptions:
     max_buffers: int = _option(
         DEFAULT_MAX_BUFFERS, f"buffers this server holds at most; each holds {FDS_PER_SEGMENT} file descriptors (its "
         "memfd and its mapping; none with --shm off), so the cap must fit the process's file limit (ulimit -n) "
-        "beside --max-connections: checked at start (default %(default)s, lowered to what fits)", type=int)
+        "beside --max-connections: checked at start (default %(default)s, lowered to what fits)", type=int,
+        machine="buffers_fit")
     # the shared secret clients must prove they know (None: no authentication);
     # smb2-server reads it from --auth-token-file or the environment instead
     token: str | bytes | None = _option(None, "", flag=False)
@@ -78,14 +82,25 @@ class ServerOptions:
     idle_timeout: float = _option(
         3600.0, "close a connection that sent nothing and waits for nothing this many seconds "
         "(default %(default)g; 0 = never)", type=float)
-    max_connections: int = _option(1024, "connections this server holds at most (default %(default)s)",
-                                   type=int)
-    max_connections_per_host: int = _option(
-        128, "connections one source address may hold at most (default %(default)s)", type=int)
-    max_rdma_connections: int = _option(
-        64, "connections that may set up RDMA at once; each pins a 4 MiB staging area, so this bounds "
-        "the pinned memory besides the segments (default %(default)s; others are told to use TCP)",
-        type=int)
+    # None: sized from this machine at start (sizing.py); the help says the value
+    max_connections: int | None = _option(
+        None, "connections this server holds at most (default: sized at start from the file limit and the "
+        "memory: the fewer of half the file limit and the memory beside --capacity over a busy "
+        "connection's worst case, halved)", type=int, machine="max_connections")
+    max_connections_per_host: int | None = _option(
+        None, "connections one source address may hold at most (default: a quarter of --max-connections, at "
+        "least 128)", type=int, machine="max_connections_per_host")
+    max_rdma_connections: int | None = _option(
+        None, "connections that may set up RDMA (a queue pair each); one more is refused RDMA with the reason "
+        "and counted (smb2_rdma_refused_total), and its client warns and goes on over TCP (default: "
+        "--max-connections)", type=int, machine="max_rdma_connections")
+    rdma_staging_memory: int | str | None = _option(
+        None, f"pinned memory for the RDMA peers' staging areas, {RDMA_STAGING_BYTES >> 20} MiB each, lent one per "
+        "peer while they last: a peer that gets none still reads, writes and does atomics over RDMA, and sends "
+        "its accumulates in-band over its TCP connection (counted: smb2_rdma_unstaged_total; its client warns) "
+        f"(default: a sixteenth of the memory, at most a quarter of what --capacity leaves, at least "
+        f"{MIN_STAGING_AREAS} areas)", type=str,
+        machine="rdma_staging_memory")
     max_inflight: int = _option(
         1024, "requests one connection may have waiting for their replies (parked lock acquires, "
         "accumulates behind a write) before the server stops reading it (default %(default)s)", type=int)
@@ -150,6 +165,9 @@ class ServerOptions:
         f"each primary that forwards to this server); a client's record goes only after {DEDUP_IDLE:g} s "
         "without a word from it, and a new client is refused while every record is younger "
         "(default %(default)s)", type=int, metavar="CLIENTS")
+    # what the caps left at None were sized from (set by __post_init__)
+    sizing: Sizing | None = field(default=None, init=False, repr=False, compare=False,
+                                  metadata={"flag": False})
 
     def __post_init__(self) -> None:
         for name in ("capacity", "max_frame", "write_min_rate", "max_reply_bytes", "repair_rate", "thread_part"):
@@ -161,6 +179,7 @@ class ServerOptions:
             if not getattr(self, name) >= 0:
                 raise InvalidArgumentError(f"{name.replace('_', ' ')} must be >= 0 s (0 = never), "
                                            f"not {getattr(self, name)}")
+        self._size_from_machine()
         for name in ("max_connections", "max_connections_per_host", "max_inflight", "max_buffers",
                      "max_rdma_connections", "dedup_clients"):
             if not getattr(self, name) >= 1:
@@ -195,6 +214,24 @@ class ServerOptions:
         if not 0 <= self.lock_spin <= MAX_SPIN:
             raise InvalidArgumentError(f"lock spin must be in [0, {MAX_SPIN:g}] s, not {self.lock_spin:g}")
 
+    def _size_from_machine(self) -> None:
+        """Give every cap left at None the value this machine allows
+        (sizing.py); ``sizing`` keeps what they were derived from."""
+        for name in ("max_inflight", "max_buffers", "dedup_clients"):
+            if not getattr(self, name) >= 1:     # sizing divides by them: said first
+                raise InvalidArgumentError(f"{name.replace('_', ' ')} must be at least 1, "
+                                           f"not {getattr(self, name)}")
+        self.sizing = size(capacity=self.capacity, max_receive_memory=self.max_receive_memory,
+                           max_reply_bytes=self.max_reply_bytes, max_inflight=self.max_inflight,
+                           memfd_segments=hasattr(os, "memfd_create") and self.shm != "off")
+        for name in AUTO_CAPS:
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(self.sizing, name))
+        assert self.rdma_staging_memory is not None
+        if parse_size(self.rdma_staging_memory) < RDMA_STAGING_BYTES:
+            raise InvalidArgumentError(f"rdma staging memory must hold one staging area of {RDMA_STAGING_BYTES >> 20} "
+                                       f"MiB at least, not {self.rdma_staging_memory}")
+
     def _check_fd_room(self) -> None:
         """``max_buffers`` against the process's file limit: each buffer's
         segment holds FDS_PER_SEGMENT descriptors (where segments are
@@ -203,6 +240,7 @@ class ServerOptions:
         the server starts rather than at the buffer that finds no fd."""
         if not hasattr(os, "memfd_create") or self.shm == "off":
             return      # segments are then anonymous memory, without a descriptor
+        assert self.max_connections is not None        # sized by now
         room = buffers_within_fd_limit(self.max_connections)
         if self.max_buffers <= room:
             return

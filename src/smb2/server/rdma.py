@@ -12,6 +12,13 @@ appear in its statistics).  Only ``accumulate`` is server-assisted, as in
 SMB1: the client RDMA-writes the delta into a slot of its staging area and
 then sends an ACCUMULATE frame with ``FLAG_STAGED`` naming that slot.
 
+Staging areas are pinned memory, so they come from a bounded pool
+(``--rdma-staging-memory``), not one per peer without end: a peer that
+connects while every area is lent gets its queue pair without one
+(``staging_slots`` 0 in the reply) and sends its accumulates in-band over
+its TCP connection, as a TCP client does; its area is its own registration
+(its own rkey), so no peer can write into another's.
+
 Control commands (docs/protocol.md): ``rdma_connect`` and ``rdma_segment``.
 """
 
@@ -30,12 +37,13 @@ log = logging.getLogger("smb2.transport.rdma")
 #: staging area per RDMA connection: STAGING_SLOTS slots of STAGING_SLOT bytes
 STAGING_SLOT = 1 << 20
 STAGING_SLOTS = 4
+STAGING_BYTES = STAGING_SLOT * STAGING_SLOTS
 
 
 class Peer:
     """One client's queue pair and staging area on this server."""
 
-    def __init__(self, server: RdmaServer, msg: dict[str, Any]) -> None:
+    def __init__(self, server: RdmaServer, msg: dict[str, Any], staged: bool = True) -> None:
         assert _verbs is not None
         dev = server.device
         try:
@@ -48,13 +56,15 @@ class Peer:
             raise Refused(ErrorCode.BAD_REQUEST, "rdma_connect: gid must be 16 bytes")
         self.mtu = max(1, min(mtu, dev.mtu))
         self.psn = int.from_bytes(os.urandom(3), "little")
-        self.staging_mem = alloc_pinned(STAGING_SLOT * STAGING_SLOTS)
-        self.staging_view = memoryview(self.staging_mem)
+        # no staging area (the pool is lent out): accumulates come in-band
+        self.staging_mem = alloc_pinned(STAGING_BYTES) if staged else None
+        self.staging_view = memoryview(self.staging_mem if self.staging_mem is not None else b"")
         self.qp: Any = None
         self.staging: Any = None
         try:
-            self.staging = _verbs.MR(dev.pd, self.staging_mem,
-                                     _verbs.ACCESS_LOCAL_WRITE | _verbs.ACCESS_REMOTE_WRITE)
+            if self.staging_mem is not None:
+                self.staging = _verbs.MR(dev.pd, self.staging_mem,
+                                         _verbs.ACCESS_LOCAL_WRITE | _verbs.ACCESS_REMOTE_WRITE)
             # The server never posts: a tiny send queue on the shared CQ.
             self.qp = _verbs.QP(dev.pd, server.cq, max_send_wr=1, max_sge=1)
             self.qp.to_init(dev.port, _verbs.ACCESS_REMOTE_ALL)
@@ -67,13 +77,22 @@ class Peer:
 
     def reply(self, server: RdmaServer) -> dict[str, Any]:
         dev = server.device
+        staging = self.staging
         return {"qpn": self.qp.qpn, "psn": self.psn, "gid": dev.gid, "lid": dev.lid,
                 "mtu": self.mtu, "max_rd_atomic": dev.max_rd_atomic,
-                "staging_addr": self.staging.addr, "staging_rkey": self.staging.rkey,
-                "staging_slot": STAGING_SLOT, "staging_slots": STAGING_SLOTS}
+                "staging_addr": staging.addr if staging is not None else 0,
+                "staging_rkey": staging.rkey if staging is not None else 0,
+                "staging_slot": STAGING_SLOT, "staging_slots": STAGING_SLOTS if staging is not None else 0}
+
+    @property
+    def has_staging(self) -> bool:
+        return self.staging_mem is not None
 
     def staged(self, offset: int, length: int) -> memoryview:
         """The staging bytes a FLAG_STAGED accumulate names (validated)."""
+        if self.staging_mem is None:
+            raise Refused(ErrorCode.BAD_REQUEST, "this RDMA connection has no staging area (the server lent "
+                          "them all out): send accumulates in-band")
         if offset > len(self.staging_view) or length > len(self.staging_view) - offset:
             raise Refused(ErrorCode.OUT_OF_BOUNDS,
                           f"staged range [{offset}, {offset + length}) is outside the "
@@ -89,15 +108,18 @@ class Peer:
             self.staging.close()
             self.staging = None
         self.staging_view.release()
-        self.staging_mem.close()
+        if self.staging_mem is not None:
+            self.staging_mem.close()
 
 
 class RdmaServer:
     """A memory server's device, its segments' MRs and its peers."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, staging_areas: int = 1 << 30) -> None:
         assert _verbs is not None
         self.device = device
+        #: staging areas that may be lent at once (--rdma-staging-memory)
+        self.staging_areas = staging_areas
         # QPs need a CQ; one-sided operations complete nothing on the
         # responder, so it is never polled.
         self.cq = _verbs.CQ(device.context, 16)
@@ -115,13 +137,14 @@ class RdmaServer:
         self.replica_access: int = _verbs.ACCESS_LOCAL_WRITE | _verbs.ACCESS_REMOTE_READ
 
     @classmethod
-    def open(cls, device: str | None, gid_index: int | None) -> tuple[RdmaServer | None, str | None]:
+    def open(cls, device: str | None, gid_index: int | None,
+             staging_areas: int = 1 << 30) -> tuple[RdmaServer | None, str | None]:
         """The server's RDMA side, or (None, why not)."""
         reason = unavailable_reason(device, gid_index)
         if reason is not None:
             return None, reason
         try:
-            return cls(get_device(device, gid_index)), None
+            return cls(get_device(device, gid_index), staging_areas), None
         except OSError as exc:
             return None, str(exc)
 
@@ -153,8 +176,17 @@ class RdmaServer:
             return {}
         return {"rdma_addr": mr.addr, "rdma_rkey": mr.rkey}
 
-    def connect(self, msg: dict[str, Any]) -> tuple[Peer, dict[str, Any]]:
-        peer = Peer(self, msg)
+    @property
+    def staging_lent(self) -> int:
+        """Staging areas lent to peers now."""
+        return sum(1 for p in self.peers if p.has_staging)
+
+    def connect(self, msg: dict[str, Any], replacing: Peer | None = None) -> tuple[Peer, dict[str, Any]]:
+        """A queue pair for a client, with a staging area while the pool
+        has one (``replacing``: the connection's earlier peer, whose area
+        it takes over)."""
+        lent = self.staging_lent - (1 if replacing is not None and replacing.has_staging else 0)
+        peer = Peer(self, msg, staged=lent < self.staging_areas)
         self.peers.add(peer)
         return peer, peer.reply(self)
 

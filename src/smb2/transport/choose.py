@@ -39,12 +39,12 @@ def why_tcp(local_reason: str | None, server_info: dict[str, Any]) -> str | None
     return None
 
 
-def _report(transport: Transport, kind: str, reason: str) -> None:
+def _report(transport: Transport, kind: str, reason: str, level: int = logging.INFO) -> None:
     label = transport.label
     key = (label, transport.server_info.get("server_id"), kind, reason)
     if key not in _reported:
         _reported.add(key)
-        log.info("%s: using %s (%s)", label, kind, reason)
+        log.log(level, "%s: using %s (%s)", label, kind, reason)
 
 
 async def open_transport(address: tuple[str, int], kind: str = "auto", *,
@@ -56,7 +56,10 @@ async def open_transport(address: tuple[str, int], kind: str = "auto", *,
     ``auto`` picks shm where the server is on this host and hands us its
     segments, else RDMA where both ends can (this process has a usable
     device, the server said ``rdma`` at hello), else TCP, and says why once
-    at INFO; an explicit ``shm`` or ``rdma`` never falls back."""
+    at INFO -- at WARNING where both ends offered RDMA and its set-up
+    failed or was refused (the server's RDMA cap): this worker then runs
+    several times slower, which must not pass unnoticed; an explicit
+    ``shm`` or ``rdma`` never falls back."""
     if kind not in KINDS:
         raise InvalidArgumentError(f"transport must be one of {', '.join(KINDS)}, not {kind!r}")
     opts: dict[str, Any] = {"rdma_device": rdma_device, "rdma_gid_index": rdma_gid_index,
@@ -89,8 +92,9 @@ async def open_transport(address: tuple[str, int], kind: str = "auto", *,
     try:
         rdma = await RdmaTransport.upgrade(transport, timeout=timeout, **opts)
     except TransportError as exc:
-        # both ends said they could, and yet: TCP still works
-        _report(transport, "tcp", f"no shm: {shm_reason}; RDMA set-up failed: {exc.message}")
+        # both ends said they could, and yet: TCP still works, several times slower
+        _report(transport, "tcp", f"RDMA set-up failed, so this worker's traffic to this server goes over TCP, "
+                f"several times slower: {exc.message}; no shm: {shm_reason}", logging.WARNING)
         return await TcpTransport.connect(address, timeout=timeout, token=token)
     _report(rdma, "rdma", "no shm: {}; device {device}, GID {gid_index} ({gid})".format(
         shm_reason, **rdma.device.describe()))

@@ -155,7 +155,8 @@ class RdmaTransport(Transport):
         self._qp: Any = None
         self._cq: Any = None
         self._comps: Any = None
-        self._staging = (0, 0, 0)
+        # the server's staging area for this client: (address, rkey, slot size), or None
+        self._staging: tuple[int, int, int] | None = (0, 0, 0)
         self._bounce = _Pool(BOUNCE_CHUNKS)
         self._stage = _Pool(1)
 
@@ -234,8 +235,16 @@ class RdmaTransport(Transport):
                   min(dev.mtu, int(r["mtu"])), dev.max_rd_atomic)
         qp.to_rts(psn, QP_TIMEOUT, QP_RETRY, min(dev.max_rd_atomic, int(r["max_rd_atomic"])))
         slot_size = min(int(r["staging_slot"]), CHUNK)
-        self._staging = (int(r["staging_addr"]), int(r["staging_rkey"]), slot_size)
-        self._stage = _Pool(max(1, int(r["staging_slots"]) * int(r["staging_slot"]) // slot_size))
+        if int(r["staging_slots"]) > 0:
+            self._staging = (int(r["staging_addr"]), int(r["staging_rkey"]), slot_size)
+            self._stage = _Pool(max(1, int(r["staging_slots"]) * int(r["staging_slot"]) // slot_size))
+        else:
+            # the server lent all its staging areas: accumulates go in-band
+            # over the TCP connection (correct, slower); said once
+            self._staging = None
+            log.warning("%s: the server has no RDMA staging area free for this client (all are lent: "
+                        "--rdma-staging-memory on that server); its accumulates go in-band over TCP, slower, "
+                        "while reads, writes and atomics stay RDMA", self.label)
         # registered memory: the bounce pool and one atomic word per slot
         self._bounce_mem = alloc_pinned(CHUNK * BOUNCE_CHUNKS)
         self._bounce_view = memoryview(self._bounce_mem)
@@ -535,6 +544,9 @@ class RdmaTransport(Transport):
         span = accumulate_span(dtype_code << DTYPE_SHIFT, offset, length)
         widen = span // length if length else 1
         await self._remote(segment, offset, span)
+        if self._staging is None:
+            await self._tcp.accumulate(src, segment, offset, length, dtype_code)
+            return
         saddr, srkey, slot_size = self._staging
         pos = 0
         while pos < length:

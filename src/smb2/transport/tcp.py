@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import errno as errno_mod
+import itertools
 import logging
+import random
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -45,6 +47,15 @@ from ..protocol import (
 from .base import LockCapable, Transport
 
 log = logging.getLogger("smb2.transport.tcp")
+
+# connect failures worth another try (TcpTransport.connect): what a crowded
+# server (a full accept queue resets) or a crowded client host (no ephemeral
+# port, no buffer) answers; ECONNREFUSED (nobody listens) is not among them
+RETRY_ERRNOS = frozenset({errno_mod.ECONNRESET, errno_mod.ECONNABORTED, errno_mod.EAGAIN, errno_mod.EPIPE,
+                          errno_mod.EADDRNOTAVAIL, errno_mod.ENOBUFS})
+# the first retry's pause bound, doubled each time up to the second
+RETRY_FIRST_PAUSE = 0.05
+RETRY_MAX_PAUSE = 2.0
 
 # what a reply carries: nothing, data into the caller's buffers, a u64, a
 # msgpack map, or a lock grant (u64 ticket; flag QUEUED: others wait behind)
@@ -220,7 +231,31 @@ class TcpTransport(Transport, LockCapable):
     async def connect(cls, address: tuple[str, int], *, timeout: float = 10.0,
                       token: bytes | None = None) -> TcpTransport:
         """Open the connection, say hello and authenticate if the server asks;
-        raises TransportError (or AccessDenied)."""
+        raises TransportError (or AccessDenied).
+
+        A connection that fails the way a crowded server or a crowded client
+        host fails (reset, aborted, no local port or buffer free) is tried
+        again after a pause drawn at random below a bound that doubles each
+        time ("full jitter"), all within ``timeout``: a thousand workers
+        that start together spread out instead of retrying in step.  A
+        refused port (nobody listens) and a server's answer (its connection
+        cap, a wrong token) are raised at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for attempt in itertools.count():
+            try:
+                return await cls._connect_once(address, max(0.0, deadline - loop.time()), token)
+            except TransportError as exc:
+                pause = random.uniform(0.0, min(RETRY_MAX_PAUSE, RETRY_FIRST_PAUSE * 2 ** attempt))
+                if exc.errno not in RETRY_ERRNOS or loop.time() + pause >= deadline:
+                    raise
+                log.debug("%s: connect failed (%s), try %d again in %.3f s", exc.server, exc.message,
+                          attempt + 2, pause)
+                await asyncio.sleep(pause)
+        raise AssertionError("unreachable")
+
+    @classmethod
+    async def _connect_once(cls, address: tuple[str, int], timeout: float, token: bytes | None) -> TcpTransport:
         loop = asyncio.get_running_loop()
         label = f"{address[0]}:{address[1]}"
         try:
