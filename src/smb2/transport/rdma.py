@@ -48,6 +48,9 @@ CHUNK = 1 << 20
 BOUNCE_CHUNKS = 4
 #: operations in flight per queue pair, and work requests in its send queue
 SLOTS = 128
+# how often the CQ is drained without an event while an operation waits
+# (a safety net: a drain of an empty CQ costs a few microseconds)
+SWEEP_EVERY = 1.0
 SQ_DEPTH = 256
 # signaled completions (<= SLOTS) plus error completions of unsignaled WRs
 CQ_DEPTH = SLOTS + SQ_DEPTH
@@ -151,6 +154,11 @@ class RdmaTransport(Transport):
         self._orphans: dict[int, Any] = {}
         self._space: list[asyncio.Future[None]] = []
         self._reader = False
+        #: operations waiting for a completion, and the sweep that looks at the CQ while there are any
+        self._waiting = 0
+        self._sweep: asyncio.TimerHandle | None = None
+        #: completions the sweep found that no channel event had announced
+        self.swept = 0
         self._resources: list[Any] = []
         self._qp: Any = None
         self._cq: Any = None
@@ -292,6 +300,9 @@ class RdmaTransport(Transport):
         if self._failed is not None:
             return
         self._failed = exc
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         if self._reader and self._cq is not None:
             self._loop.remove_reader(self._cq.fd)
             self._reader = False
@@ -342,6 +353,30 @@ class RdmaTransport(Transport):
             return
         self._after_drain()
 
+    def _sweep_cq(self) -> None:
+        """Drain the CQ without an event, every SWEEP_EVERY seconds while an
+        operation waits: a completion whose channel event never came (seen
+        under soft-RoCE on a loaded machine: an operation waited for ever)
+        is found here instead of hanging its caller."""
+        self._sweep = None
+        cq = self._cq
+        if self._failed is not None or cq is None or self._waiting == 0:
+            return
+        try:
+            found = self._comps.drain(cq)
+        except OSError as exc:
+            self._teardown(TransportError(f"{self.label}: completion queue failed: {exc}",
+                                          errno=exc.errno, server=self.label))
+            return
+        if found:
+            self.swept += found
+            # (also when the event is merely queued behind this timer on a busy loop: not an error)
+            log.debug("%s: %d RDMA completion(s) found by the periodic sweep before their completion event",
+                      self.label, found)
+        self._after_drain()
+        if self._waiting and self._failed is None:
+            self._sweep = self._loop.call_later(SWEEP_EVERY, self._sweep_cq)
+
     def _after_drain(self) -> None:
         comps = self._comps
         if comps.orphaned:
@@ -389,7 +424,13 @@ class RdmaTransport(Transport):
                     if not fut.done():
                         await asyncio.sleep(0)
                 return fut.result()
-            return await fut
+            self._waiting += 1
+            if self._sweep is None:
+                self._sweep = self._loop.call_later(SWEEP_EVERY, self._sweep_cq)
+            try:
+                return await fut
+            finally:
+                self._waiting -= 1
         except asyncio.CancelledError:
             if not fut.done():
                 fut.cancel()
