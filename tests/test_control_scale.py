@@ -84,8 +84,12 @@ def test_the_words_lie_on_other_servers_than_the_header() -> None:
         raw[cmap.slot(w)] = words[w]
     assert np.array_equal(cmap.gather(raw), words)
     # every rank's row is in exactly one heartbeat chunk
-    seen = [r for chunk in cmap.chunks(100) for r in cmap.ranks_of(*chunk)]
-    assert sorted(seen) == list(range(1000))
+    chunks = cmap.chunks(100)
+    seen = [r for chunk in chunks for piece in chunk for r in cmap.ranks_of(*piece)]
+    assert sorted(seen) == list(range(1000)) and len(chunks) <= 2 * 10 + 1
+    assert all(sum(rows for _p, _f, rows in chunk) <= 100 for chunk in chunks)
+    # 10,000 ranks on 79 pages of 127: two pages a chunk, 40 chunks (not 79)
+    assert len(lc.ControlMap(4096, 10_000, stripe, 256).chunks(256)) == 40
     # one server: everything together after the table, no stripes reserved
     one = lc.ControlMap(4096, 1000, stripe, 1)
     assert one.pages == 1 and one.end == 4096 + 2 * lc.LINE + 1000 * lc.ROW_BYTES

@@ -48,6 +48,8 @@ BENCHMARKS = {
     "training": ("training", "cli", "samples/s of asynchronous training over the parameter store"),
     "tta": ("tta", "main", "time to accuracy against DDP across hosts (netns)"),
     "attacks": ("attacks", "main", "what each hostile client costs a server, and that it still serves"),
+    "scale": ("scale", "main", "W simulated workers against N servers: connect storm, join barrier, heartbeats, "
+              "one exchange; server CPU per operation"),
 }
 
 

@@ -40,7 +40,8 @@ stripes, one page of rows per stripe, on as many servers as the rows need
 server).  A heartbeat writes its rank's row and reads the head line and one
 ``ROTATION``-rank chunk of the others' rows, in turn, so a rank silent for
 ``threshold`` seconds shows in :meth:`Control.stalled` within ``threshold +
-ceil(workers / ROTATION) * BEAT_INTERVAL`` (store) of a heartbeating rank.
+chunks * BEAT_INTERVAL`` (store) of a heartbeating rank, with at most ``2 *
+ceil(workers / ROTATION) + 1`` chunks (:meth:`ControlMap.chunks`).
 
 Heartbeat ages compare wall clocks of different hosts: they are meant for
 thresholds of tens of seconds (``stale_after``), which NTP-synchronized
@@ -166,13 +167,22 @@ class ControlMap:
         return [(self.start, self.start + LINE)] + [
             (self.page_offset(p), self.rows_offset(p) + ROW_BYTES * self.ranks_on(p)) for p in range(self.pages)]
 
-    def chunks(self, size: int = ROTATION) -> list[tuple[int, int, int]]:
-        """(page, first row, rows) pieces of at most ``size`` rows that
-        cover every rank once: a heartbeat reads one per beat, in turn."""
-        out = []
+    def chunks(self, size: int = ROTATION) -> list[list[tuple[int, int, int]]]:
+        """Chunks of at most ``size`` rows that cover every rank once: a
+        heartbeat reads one per beat, in turn.  A chunk is one or more
+        (page, first row, rows) pieces, one read each; consecutive pieces
+        share a chunk while they fit, so there are at most ``2 * ceil(workers
+        / size) + 1`` chunks however many pages there are."""
+        pieces = []
         for p in range(self.pages):
             n = self.ranks_on(p)
-            out += [(p, i, min(size, n - i)) for i in range(0, n, size)]
+            pieces += [(p, i, min(size, n - i)) for i in range(0, n, size)]
+        out: list[list[tuple[int, int, int]]] = []
+        for piece in pieces:
+            if out and sum(rows for _p, _f, rows in out[-1]) + piece[2] <= size:
+                out[-1].append(piece)
+            else:
+                out.append([piece])
         return out
 
     def ranks_of(self, page: int, first: int, rows: int) -> range:
@@ -278,15 +288,17 @@ class Control:
     def parse(cls, words: np.ndarray, workers: int, at_ms: int | None = None) -> Control:
         return cls(np.asarray(words, dtype=np.int64).copy(), workers, now_ms() if at_ms is None else at_ms)
 
-    def updated(self, head: np.ndarray, rows: np.ndarray, ranks: range, cmap: ControlMap) -> Control:
-        """This read with a newer head line and the newer rows of ``ranks``
-        (a heartbeat's read); the other rows as they were seen before."""
+    def updated(self, head: np.ndarray, pieces: list[tuple[int, int, np.ndarray]], cmap: ControlMap) -> Control:
+        """This read with a newer head line and newer rows, read as (page,
+        first row, rows) pieces (a heartbeat's read); the other rows as
+        they were seen before."""
         words = self.words.copy()
         cmap.put_head(words, head)
-        got = cmap.put_rows(words, ranks.start % cmap.pages, ranks.start // cmap.pages, rows)
         at = now_ms()
         seen = np.full(self.workers, self.at_ms, np.int64) if self.seen_ms is None else self.seen_ms.copy()
-        seen[got.start:got.stop:got.step] = at
+        for page, first, rows in pieces:
+            got = cmap.put_rows(words, page, first, rows)
+            seen[got.start:got.stop:got.step] = at
         return Control(words, self.workers, at, seen)
 
     def joins_counted(self) -> int:

@@ -90,7 +90,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,11 @@ BEAT_INTERVAL = 0.25
 #: polls of the start barrier with its count standing still before a
 #: waiting rank reads every rank's row (about 10 s at the longest poll delay)
 RECONCILE_POLLS = 100
+#: the start barrier's longest poll delay (seconds) up to CROWD workers;
+#: beyond, it grows with the workers, as does the heartbeat's read of the
+#: head line's period, so the one server of the head line sees a bounded rate
+BARRIER_POLL = 0.1
+CROWD = 1000
 
 
 def _round_up(n: int, to: int) -> int:
@@ -258,6 +263,7 @@ class ParameterStore:
         # starts at another, so that the reads spread over the pages)
         self._chunks = self.cmap.chunks(lc.ROTATION)
         self._next_chunk = rank % len(self._chunks)
+        self._beats = 0
         #: the local mirror of the whole data region (bytes)
         self.mirror = np.zeros(layout.data_len, dtype=np.uint8)
         #: name -> numpy view of the mirror
@@ -835,7 +841,8 @@ class ParameterStore:
             if now - self._last_beat >= 1.0:
                 await self._write_own()     # stay visibly alive while waiting
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            # the head line is one server's: its polls stay near 10,000 a second in all
+            delay = min(delay * 2, BARRIER_POLL * max(1.0, self.workers / CROWD))
 
     async def _count_in(self) -> None:
         """Join this rank's run: its row says so, then the run's counter
@@ -876,14 +883,23 @@ class ParameterStore:
     async def _look_around(self) -> Control:
         """A heartbeat's read: the head line and the next chunk of the ranks'
         rows (at most ``lc.ROTATION`` of them), merged into :attr:`control`
-        (two small reads, whatever the number of workers)."""
-        page, first, rows = self._chunks[self._next_chunk]
+        (two small reads, whatever the number of workers).  Beyond ``CROWD``
+        workers a rank reads the head line (one server's) only every
+        ``workers / CROWD``-th beat, so that server sees about ``CROWD /
+        BEAT_INTERVAL`` of these reads a second whatever the job's size (a
+        newer run is then noticed within ``workers / CROWD`` beats)."""
+        chunk = self._chunks[self._next_chunk]
         self._next_chunk = (self._next_chunk + 1) % len(self._chunks)
-        got = np.empty(lc.RANK_WORDS * rows, np.int64)
-        head, _ = await asyncio.gather(self._read_head(),
-                                       self.buf.read_into(got, self.cmap.rows_offset(page) + lc.ROW_BYTES * first))
+        got = [(page, first, np.empty(lc.RANK_WORDS * rows, np.int64)) for page, first, rows in chunk]
+        self._beats += 1
         base = self.control if self.control is not None else await self.refresh()
-        self.control = base.updated(head, got, self.cmap.ranks_of(page, first, rows), self.cmap)
+        reads: list[Coroutine[Any, Any, Any]] = [
+            self.buf.read_into(out, self.cmap.rows_offset(page) + lc.ROW_BYTES * first) for page, first, out in got]
+        if (self._beats + self.rank) % max(1, -(-self.workers // CROWD)) == 0:
+            reads.append(self._read_head())
+        done: list[Any] = await asyncio.gather(*reads)
+        head: np.ndarray = done[-1] if len(done) > len(got) else base.words[:lc.RANK_BASE]
+        self.control = base.updated(head, got, self.cmap)
         return self.control
 
     def stalled(self, threshold: float) -> list[tuple[int, int, float]]:
@@ -891,9 +907,9 @@ class ParameterStore:
         has not finished and has been silent for ``threshold`` s, as of the
         last :meth:`heartbeat` / :meth:`refresh`.  A heartbeat reads the
         others' rows a chunk at a time, so a rank silent for ``threshold``
-        shows here within ``threshold + len(self.cmap.chunks()) *
-        BEAT_INTERVAL`` s of heartbeats (at most ``ceil(workers / lc.ROTATION)
-        + pages`` chunks; at once after a :meth:`refresh`)."""
+        shows here within ``threshold + chunks * BEAT_INTERVAL`` s of
+        heartbeats (chunks: ``len(self.cmap.chunks(lc.ROTATION))``, at most
+        ``2 * ceil(workers / lc.ROTATION) + 1``; at once after a :meth:`refresh`)."""
         return [] if self.control is None else self.control.stalled(threshold)
 
     async def finish(self) -> None:
