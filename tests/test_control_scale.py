@@ -95,20 +95,28 @@ def test_the_words_lie_on_other_servers_than_the_header() -> None:
     assert one.pages == 1 and one.end == 4096 + 2 * lc.LINE + 1000 * lc.ROW_BYTES
 
 
+async def _read_per_poll(store: ParameterStore, polls: int) -> tuple[int, int]:
+    """(bytes the servers sent, polls) over ``polls`` polls of the barrier
+    ``store`` waits at (nothing else reads meanwhile)."""
+    stat = await _stat_reply(store.client)
+    start = store.stats["barrier_polls"]
+    await _polls_until(store, start + 3)
+    done, before = store.stats["barrier_polls"], await _bytes_out(store.client)
+    await _polls_until(store, done + polls)
+    return await _bytes_out(store.client) - before - stat, store.stats["barrier_polls"] - done
+
+
 @pytest.mark.parametrize("workers", [16, 256])
-async def test_the_start_barrier_reads_one_line_per_poll(cluster: smb2.LocalCluster, workers: int) -> None:
-    """Rank 0 waits at the barrier while the others have not joined: each of
-    its polls reads 64 bytes from the servers, at 16 workers as at 256 (the
-    whole table was 8 * (8 + 4 * workers) bytes a poll).  Then the others
-    join at once and everybody passes on the count alone."""
+async def test_the_barriers_read_one_line_per_poll(cluster: smb2.LocalCluster, workers: int) -> None:
+    """Rank 0 waits at the start barrier while the others have not joined:
+    each of its polls reads 64 bytes from the servers, at 16 workers as at
+    256 (the whole table was 8 * (8 + 4 * workers) bytes a poll).  Then the
+    others join at once and everybody passes on the count alone.  The end
+    barrier (``await_finished``) polls the same line, and reads the rows
+    once, when the count says all finished."""
     stores = await _open_job(cluster, f"cs-join-{workers}", workers)
-    probe = stores[0].client
-    stat = await _stat_reply(probe)
     rank0 = asyncio.ensure_future(stores[0].join(timeout=120))
-    await _polls_until(stores[0], 3)
-    polls, before = stores[0].stats["barrier_polls"], await _bytes_out(probe)
-    await _polls_until(stores[0], polls + 20)
-    polls, read = stores[0].stats["barrier_polls"] - polls, await _bytes_out(probe) - before - stat
+    read, polls = await _read_per_poll(stores[0], 20)
     # (one poll may land between the counter and the servers' count)
     assert abs(read - lc.LINE * polls) <= lc.LINE + STAT_JITTER, (read, polls)
     await asyncio.gather(rank0, *(s.join(timeout=120) for s in stores[1:]))
@@ -116,6 +124,13 @@ async def test_the_start_barrier_reads_one_line_per_poll(cluster: smb2.LocalClus
     assert lc.joins_counted(head, 1) == workers
     assert all(s.stats["barrier_full_reads"] == 0 for s in stores)
     assert (await stores[0].refresh()).missing() == []
+
+    await asyncio.gather(*(s.finish() for s in stores[:-1]))
+    end = asyncio.ensure_future(stores[0].await_finished(timeout=120))
+    read, polls = await _read_per_poll(stores[0], 10)
+    assert abs(read - lc.LINE * polls) <= lc.LINE + STAT_JITTER, (read, polls)
+    await stores[-1].finish()
+    assert (await end).complete and stores[0].stats["barrier_full_reads"] == 1
 
 
 async def test_a_dead_rank_among_256_is_found_by_the_rotating_heartbeat(cluster: smb2.LocalCluster,

@@ -70,6 +70,9 @@ RESUME_CHOICES = ("auto", True, False)
 STALE_AFTER = 60.0
 
 
+#: the head line's word 0 (the version word lies apart): the end barrier's
+#: counter, ``G << 32 | ranks finished``, set to ``G << 32`` by run G's opener
+FINISHES_AT = 0
 #: ranks per page of rows: pages beyond this many ranks go to other servers
 ROWS_PER_PAGE = 128
 #: ranks' rows a heartbeat reads besides its own (one contiguous read)
@@ -96,7 +99,12 @@ def joins_word(generation: int) -> int:
 def joins_counted(words: np.ndarray, generation: int) -> int:
     """How many ranks the JOINS word of run ``generation`` counts in (0 while
     it holds another run's count)."""
-    value = int(words[joins_word(generation)])
+    return tagged_count(int(words[joins_word(generation)]), generation)
+
+
+def tagged_count(value: int, generation: int) -> int:
+    """The count of a counter word ``G << 32 | count`` if it is run
+    ``generation``'s, else 0."""
     return value & 0xFFFFFFFF if generation > 0 and value >> 32 == generation else 0
 
 
@@ -281,7 +289,7 @@ class Control:
     #: wall clock (ms) of the read
     at_ms: int
     #: wall clock (ms) when each rank's row was read (a heartbeat reads a
-    #: chunk of them at a time); None: all at ``at_ms``
+    #: chunk of them at a time; 0: not read yet); None: all at ``at_ms``
     seen_ms: np.ndarray | None = None
 
     @classmethod
@@ -376,7 +384,18 @@ class Control:
         """(rank, last step, seconds since its heartbeat) of every rank of
         the run that has not finished and was silent for ``threshold`` s."""
         return [(r, int(self.steps[r]), self.age(r)) for r in range(self.workers)
-                if not self.has_finished(r) and self.age(r) >= threshold]
+                if not self.has_finished(r) and self.age(r) >= threshold and self.read(r)]
+
+    def read(self, rank: int) -> bool:
+        """Was ``rank``'s row read (not only known as 0)?"""
+        return self.seen_ms is None or int(self.seen_ms[rank]) > 0
+
+    def only(self, ranks: list[int] | range) -> Control:
+        """This read with the rows of ``ranks`` only: the others count as not read."""
+        seen = np.zeros(self.workers, np.int64)
+        at = np.full(self.workers, self.at_ms, np.int64) if self.seen_ms is None else self.seen_ms
+        seen[list(ranks)] = at[list(ranks)]
+        return Control(self.words, self.workers, self.at_ms, seen)
 
     def describe_rank(self, rank: int) -> str:
         age = self.age(rank)

@@ -141,7 +141,7 @@ ALIGN = 64              # tensors start on cache-line boundaries
 DATA_ALIGN = 4096
 #: a rank's heartbeat() sends at most this often (seconds) unless forced
 BEAT_INTERVAL = 0.25
-#: polls of the start barrier with its count standing still before a
+#: polls of a barrier (start or end) with its count standing still before a
 #: waiting rank reads every rank's row (about 10 s at the longest poll delay)
 RECONCILE_POLLS = 100
 #: the start barrier's longest poll delay (seconds) up to CROWD workers;
@@ -479,6 +479,8 @@ class ParameterStore:
         # other ranks may still be writing theirs); a fresh one all of them.
         # The generation goes last: whoever reads G+1 reads the rest with it.
         writes = [self.buf.write(cmap.offset(lc.STOP), words[lc.STOP:lc.JOINS_EVEN], fence=lock),
+                  # nobody has finished run G+1
+                  self.buf.write(cmap.head + 8 * lc.FINISHES_AT, np.array([gen << 32], np.int64), fence=lock),
                   self.buf.write(cmap.offset(lc.joins_word(gen)), words[lc.joins_word(gen):][:1], fence=lock)]
         if fresh:
             grid = words[lc.RANK_BASE:].reshape(self.workers, lc.RANK_WORDS)
@@ -491,7 +493,9 @@ class ParameterStore:
         await asyncio.gather(*writes)
         await self.buf.write(cmap.offset(lc.GENERATION), np.array([gen], np.int64), fence=lock)
         words[lc.GENERATION] = gen
-        self._enter(Control.parse(words, self.workers), joined=True)
+        # a fresh run's rows are known to be zero, not read: no rank counts as stalled before it was seen
+        opened = Control.parse(words, self.workers)
+        self._enter(opened.only([0]) if fresh else opened, joined=True)
         if fresh and image is not None:
             log.info("store %r: run %d starts from checkpoint (version %d, step %d)",
                      self.name, gen, self.control.version, self.start_step)  # type: ignore[union-attr]
@@ -849,12 +853,15 @@ class ParameterStore:
         counts it.  A counter tagged with another run (one opened since this
         rank chose its run) did not count it: the count is taken back, and
         the next poll of the barrier finds the newer run."""
-        gen = self.generation
-        await self._write_own(joined=gen)
-        off = self.cmap.offset(lc.joins_word(gen))
-        if await self.buf.fetch_add(off, 1) >> 32 != gen:
-            await self.buf.fetch_add(off, -1)
+        await self._write_own(joined=self.generation)
+        await self._count(self.cmap.offset(lc.joins_word(self.generation)))
         self._joined = True
+
+    async def _count(self, offset: int) -> None:
+        """Add this rank to the run's counter word at ``offset`` (``G << 32 |
+        count``); a word tagged with another run gets its count back."""
+        if await self.buf.fetch_add(offset, 1) >> 32 != self.generation:
+            await self.buf.fetch_add(offset, -1)
 
     async def _move_to_newer(self, deadline: float | None) -> None:
         """A rank > 0 still at the barrier follows rank 0 into its newer run."""
@@ -920,6 +927,7 @@ class ParameterStore:
         # the counts first: whoever sees this rank finished reads them complete
         await self.publish_counts(force=True)
         await self._write_own(finished=self.generation)
+        await self._count(self.cmap.head + 8 * lc.FINISHES_AT)
         # the last step's checkpoint (unless it was just saved), and the one in flight
         await self._maybe_checkpoint(final=True)
         if self._checkpointing is not None:
@@ -939,21 +947,38 @@ class ParameterStore:
     async def await_finished(self, timeout: float | None = None) -> lc.RunEnd:
         """Wait up to ``timeout`` s until every rank of this run finished,
         then say who did and who is missing (never raises for a missing
-        rank: the survivors go on to evaluate and save)."""
+        rank: the survivors go on to evaluate and save).
+
+        Like :meth:`join`, a waiting rank reads the 64-byte head line per
+        poll (the run's counter of finished ranks); every rank's row is read
+        when the count reaches the workers (a rank that finished twice, once
+        before and once after a restart, is counted twice: the rows decide),
+        after ``RECONCILE_POLLS`` polls without progress, and at the timeout."""
         self._check_member()
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.005
+        last, still, checked = -1, 0, -1
         while True:
-            control = await self.refresh()
-            self._check_current(control)
-            if not control.unfinished() or (deadline is not None and time.monotonic() >= deadline):
-                end = lc.RunEnd.of(self.name, control, timeout)
-                counts = await read_counts(self.client, self.name, self.generation)
-                seen = {r for r, c in (counts or {}).get("per_rank", {}).items() if c["collapses"]}
-                end.collapsed = sorted(seen | ({self.rank} if self.watch.collapses else set()))
-                return end
+            head = await self._read_head()
+            self.stats["barrier_polls"] += 1
+            self._check_run(int(head[lc.GENERATION]))
+            done = lc.tagged_count(int(head[lc.FINISHES_AT]), self.generation)
+            still = still + 1 if done == last else 0
+            last = done
+            timed_out = deadline is not None and time.monotonic() >= deadline
+            if timed_out or still >= RECONCILE_POLLS or (done >= self.workers and done != checked):
+                still, checked = 0, done
+                self.stats["barrier_full_reads"] += 1
+                control = await self.refresh()
+                self._check_current(control)
+                if not control.unfinished() or timed_out:
+                    end = lc.RunEnd.of(self.name, control, timeout)
+                    counts = await read_counts(self.client, self.name, self.generation)
+                    seen = {r for r, c in (counts or {}).get("per_rank", {}).items() if c["collapses"]}
+                    end.collapsed = sorted(seen | ({self.rank} if self.watch.collapses else set()))
+                    return end
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
+            delay = min(delay * 2, 2 * BARRIER_POLL * max(1.0, self.workers / CROWD))
 
     # -- progress and the end policy --------------------------------------------------
     async def report(self, iteration: int, target: int, policy: str = "average") -> bool:
@@ -1519,5 +1544,6 @@ async def _read_control(buf: Buffer, cmap: lc.ControlMap, ranks: tuple[int, ...]
     cmap.put_head(words, head)
     for out, (p, first, _n) in zip(rows, wanted):
         cmap.put_rows(words, p, first, out)
-    return Control.parse(words, cmap.workers)
+    control = Control.parse(words, cmap.workers)
+    return control if ranks is None else control.only(sorted(set(ranks)))
 
