@@ -33,3 +33,4 @@ def test_the_quick_scale_run_fills_its_json(tmp_path: Path) -> None:
     assert result["phases"]["exchange"]["bytes"] == 64 * 2 * (64 << 10)
     assert set(s["server_cpu_ms_per_worker"]) == set(PHASES) and s["server_rss_max"] > 0
     assert result["round_trip_64B_us"] > 0 and result["server_connections"] and "machine" in result
+    assert isinstance(result["loaded_machine"], bool) and len(result["loadavg_before"]) == 3
