@@ -120,8 +120,7 @@ async def test_the_barriers_read_one_line_per_poll(cluster: smb2.LocalCluster, w
     # (one poll may land between the counter and the servers' count)
     assert abs(read - lc.LINE * polls) <= lc.LINE + STAT_JITTER, (read, polls)
     await asyncio.gather(rank0, *(s.join(timeout=120) for s in stores[1:]))
-    head = await stores[1]._read_head()
-    assert lc.joins_counted(head, 1) == workers
+    assert lc.joins_counted((await stores[1].refresh()).words, 1) == workers
     assert all(s.stats["barrier_full_reads"] == 0 for s in stores)
     assert (await stores[0].refresh()).missing() == []
 
@@ -147,7 +146,7 @@ async def test_a_dead_rank_among_256_is_found_by_the_rotating_heartbeat(cluster:
     await asyncio.sleep(1.2)        # ... then rank 9 stays silent
     await asyncio.gather(*(s.heartbeat(2, force=True) for r, s in enumerate(stores) if r != dead))
     assert dead not in [r for r, _step, _age in rank0.stalled(1.0)]       # (as last seen)
-    chunks = len(rank0._chunks)
+    chunks = len(rank0.cmap.chunks(lc.ROTATION))
     assert chunks == 8          # 256 rows in chunks of 32, on 2 pages
     stat = await _stat_reply(rank0.client)
     before = await _bytes_out(rank0.client)
@@ -194,3 +193,21 @@ async def test_a_store_of_the_older_format_is_refused_with_what_to_do(cluster: s
     row = await store_mod.describe(client, "cs-old")
     assert row["store"] and row["format"] == 2 and "smb2 rm cs-old" in row["note"] and "run" not in row
     assert (await buf.read(0, buf.nbytes)).tobytes() == image
+
+
+async def test_a_count_for_another_run_is_taken_back(cluster: smb2.LocalCluster) -> None:
+    """A rank that chose run 1 and counts itself in after run 1's counter
+    word was taken over by a later run (tagged 3: run 3 reuses run 1's word)
+    takes its count back, so run 3's barrier never passes on it; its next
+    poll finds the newer run."""
+    client = await cluster.connect()
+    first = await ParameterStore.open(client, "cs-tag", _params(), workers=2, rank=0, timeout=20)
+    late = await ParameterStore.open(client, "cs-tag", _params(), workers=2, rank=1, timeout=20)
+    assert late.generation == 1
+    word = late.cmap.offset(lc.joins_word(1))
+    assert lc.joins_word(3) == lc.joins_word(1)
+    await first.buf.write(word, np.array([3 << 32 | 1], np.int64))
+    await late._count_in()
+    assert int((await first.buf.read(word, 8)).view(np.int64)[0]) == 3 << 32 | 1
+    # counted in run 1, it would have made it 1 << 32 | 2: run 1's barrier is not passed by it either
+    assert lc.tagged_count(3 << 32 | 1, 1) == 0 and lc.tagged_count(3 << 32 | 1, 3) == 1
