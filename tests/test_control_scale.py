@@ -211,3 +211,19 @@ async def test_a_count_for_another_run_is_taken_back(cluster: smb2.LocalCluster)
     assert int((await first.buf.read(word, 8)).view(np.int64)[0]) == 3 << 32 | 1
     # counted in run 1, it would have made it 1 << 32 | 2: run 1's barrier is not passed by it either
     assert lc.tagged_count(3 << 32 | 1, 1) == 0 and lc.tagged_count(3 << 32 | 1, 3) == 1
+
+
+async def test_a_rank_in_the_rows_but_not_in_the_count_is_found_by_the_rows(cluster: smb2.LocalCluster,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that wrote its row and died before its count (then came back
+    into the run, which does not count again) leaves the counter one short:
+    after RECONCILE_POLLS polls without progress the waiting rank reads the
+    rows, finds everybody, and passes."""
+    monkeypatch.setattr(store_mod, "RECONCILE_POLLS", 3)
+    client = await cluster.connect()
+    first = await ParameterStore.open(client, "cs-short", _params(), workers=2, rank=0, timeout=20)
+    late = await ParameterStore.open(client, "cs-short", _params(), workers=2, rank=1, timeout=20)
+    await late._write_own(joined=late.generation)       # its row, and no count
+    await first.join(timeout=60)
+    assert lc.joins_counted((await first.refresh()).words, 1) == 1
+    assert first.stats["barrier_full_reads"] == 1 and first.stats["barrier_polls"] >= 4
