@@ -261,7 +261,7 @@ async def test_a_small_store_uses_every_server(cluster: smb2.LocalCluster) -> No
     client = await cluster.connect(transport="tcp")
     params = {"w": np.ones((100, 100), np.float32)}
     store = await ParameterStore.open(client, "lc-place", params)
-    assert store.buf.stripe == choose_stripe(store.buf.nbytes, 4) < smb2.client.DEFAULT_STRIPE
+    assert store.buf.stripe == store.layout.stripe_for(4) < smb2.client.DEFAULT_STRIPE
     before = [s["bytes_out"] for s in await client.stat()]
     await store.pull()
     stats = await client.stat()

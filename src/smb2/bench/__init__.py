@@ -49,6 +49,8 @@ BENCHMARKS = {
     "tta": ("tta", "main", "time to accuracy against DDP across hosts (netns)"),
     "attacks": ("attacks", "main", "what each hostile client costs a server, and that it still serves"),
     "accumulate": ("accumulate", "main", "server-side accumulate throughput with 1 and more server threads"),
+    "scale": ("scale", "main", "W simulated workers against N servers: connect storm, join barrier, heartbeats, "
+              "one exchange; server CPU per operation"),
 }
 
 

@@ -244,6 +244,16 @@ async def stop_raw_peer(peer: asyncio.subprocess.Process, raw: RawClient | None)
 
 # -- helpers -------------------------------------------------------------------
 
+def proc_cpu(pid: int) -> float:
+    """utime + stime of process ``pid`` in seconds (0.0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     """The q-th percentile (0..100), nearest rank on the sorted values."""
     if not values:

@@ -75,6 +75,7 @@ from smb2.testing.launch import ready_address
 from smb2.testing.netns.probe import ProbeConn
 
 from . import report
+from .common import proc_cpu
 
 MiB = 1 << 20
 GB = 1e9
@@ -105,16 +106,6 @@ def progress(msg: str) -> None:
 
 # =============================================================================================
 # The worker: runs inside the client namespace, prints one JSON document on stdout
-
-
-def _proc_cpu(pid: int) -> float:
-    """utime + stime of ``pid`` in seconds (0.0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wakeups(pid: int | str) -> int:
@@ -267,14 +258,14 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
                     server_pids = raw_pids if op in RAW_OPS else smb2_pids
                     rtt = await rtt_us(n)
                     m0 = _machine_cpu()
-                    s0 = [_proc_cpu(p) for p in server_pids[:n]]
+                    s0 = [proc_cpu(p) for p in server_pids[:n]]
                     w0 = [_wakeups("self"), sum(_wakeups(p) for p in server_pids[:n])]
                     c0 = time.process_time()
                     t0 = time.perf_counter()
                     await move(op, n)
                     dt = time.perf_counter() - t0
                     c1 = time.process_time()
-                    s1 = [_proc_cpu(p) for p in server_pids[:n]]
+                    s1 = [proc_cpu(p) for p in server_pids[:n]]
                     w1 = [_wakeups("self"), sum(_wakeups(p) for p in server_pids[:n])]
                     m1 = _machine_cpu()
                     total, idle = m1[0] - m0[0], m1[1] - m0[1]

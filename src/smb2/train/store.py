@@ -5,16 +5,22 @@ The buffer describes itself, so a worker that knows only its name can attach
 (ETRI's design: a mapping table of named parameters inside the shared memory)::
 
     byte 0      preamble, eight int64 words
-                  magic "SMB2PSTR" | format (2) | state | table bytes |
+                  magic "SMB2PSTR" | format (3) | state | table bytes |
                   data offset | data bytes | control offset | control words
     byte 64     the layout table, msgpack: tensors [name, dtype, shape, offset],
                   the update rule and its settings (of the run that created
                   the store), the number of workers
-    (8-aligned) the control area, 8 + 4 * workers int64 words (see
-                  smb2.train.lifecycle): parameter version, current run
-                  (generation), stop, when the run opened, whether it
-                  resumed; per rank: run joined, step, heartbeat, run finished
+    (8-aligned) the control area (see smb2.train.lifecycle): the parameter
+                  version's line; then, from the next stripe on, the run's
+                  head line (generation, stop, when the run opened, whether
+                  it resumed, the start barrier's counters) and the ranks'
+                  rows (run joined, step, heartbeat, run finished) in pages
+                  of whole stripes, spread over the servers
     (4 KiB)     the data: every tensor at a 64-byte aligned offset
+
+Format 2 (smb2 0.1.0 before the counted barrier) kept every control word in
+one block after the table; a store of another format is refused with what
+to do, never read with this layout.
 
 ``state`` is 0 (empty), 1 (being initialized) or 2 (ready).  The data region
 is one contiguous range, so ``pull`` is a single read that the client splits
@@ -84,7 +90,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +128,7 @@ __all__ = ["FORMAT", "FROZEN", "Layout", "ParameterStore", "StoreImage", "choose
            "store_damage"]
 
 MAGIC = int.from_bytes(b"SMB2PSTR", "little")
-FORMAT = 2
+FORMAT = 3
 PREAMBLE = 64
 # byte offsets of the preamble's words
 _MAGIC, _FORMAT, _STATE, _TABLE, _DATA_OFF, _DATA_LEN, _NOTE_OFF, _NOTE_SLOTS = range(0, 64, 8)
@@ -135,6 +141,14 @@ ALIGN = 64              # tensors start on cache-line boundaries
 DATA_ALIGN = 4096
 #: a rank's heartbeat() sends at most this often (seconds) unless forced
 BEAT_INTERVAL = 0.25
+#: polls of a barrier (start or end) with its count standing still before a
+#: waiting rank reads every rank's row (about 10 s at the longest poll delay)
+RECONCILE_POLLS = 100
+#: the start barrier's longest poll delay (seconds) up to CROWD workers;
+#: beyond, it grows with the workers, as does the heartbeat's read of the
+#: head line's period, so the one server of the head line sees a bounded rate
+BARRIER_POLL = 0.1
+CROWD = 1000
 
 
 def _round_up(n: int, to: int) -> int:
@@ -191,12 +205,17 @@ class Layout:
         t = msgpack.unpackb(raw)
         return cls([(n, d, tuple(s), o) for n, d, s, o in t["tensors"]], int(t["workers"]), dict(t["rule"]))
 
-    def geometry(self) -> tuple[int, int, int, int]:
-        """(control offset, control words, data offset, total bytes)."""
-        note_off = _round_up(PREAMBLE + len(self.table()), 8)
-        slots = lc.slots_for(self.workers)
-        data_off = _round_up(note_off + 8 * slots, DATA_ALIGN)
-        return note_off, slots, data_off, data_off + self.data_len
+    def geometry(self, stripe: int, nservers: int) -> tuple[lc.ControlMap, int, int]:
+        """(where the control words lie, data offset, total bytes) in a
+        buffer of this ``stripe`` over ``nservers``."""
+        cmap = lc.ControlMap(_round_up(PREAMBLE + len(self.table()), 8), self.workers, stripe, nservers)
+        data_off = _round_up(cmap.end, DATA_ALIGN)
+        return cmap, data_off, data_off + self.data_len
+
+    def stripe_for(self, nservers: int) -> int:
+        """:func:`choose_stripe` for a new store of this layout: from its
+        data and its words, over ``nservers``."""
+        return choose_stripe(self.data_len + _round_up(PREAMBLE + len(self.table()), DATA_ALIGN), nservers)
 
     def same_as(self, other: Layout) -> bool:
         return self.tensors == other.tensors
@@ -238,6 +257,13 @@ class ParameterStore:
         self.data_off = data_off
         self.rank = rank
         self.workers = layout.workers
+        #: where the control words lie in this buffer
+        self.cmap = layout.geometry(buf.stripe, buf.nservers)[0]
+        # the heartbeat reads one chunk of the ranks' rows in turn (each rank
+        # starts at another, so that the reads spread over the pages)
+        self._chunks = self.cmap.chunks(lc.ROTATION)
+        self._next_chunk = rank % len(self._chunks)
+        self._beats = 0
         #: the local mirror of the whole data region (bytes)
         self.mirror = np.zeros(layout.data_len, dtype=np.uint8)
         #: name -> numpy view of the mirror
@@ -255,7 +281,8 @@ class ParameterStore:
         #: the last parameter version this worker saw
         self.version = 0
         self.iteration = 0
-        self.stats = {"pulls": 0, "pushes": 0, "bytes_pulled": 0, "bytes_pushed": 0, "skipped": 0, "refused": 0}
+        self.stats = {"pulls": 0, "pushes": 0, "bytes_pulled": 0, "bytes_pushed": 0, "skipped": 0, "refused": 0,
+                      "barrier_polls": 0, "barrier_full_reads": 0}
         #: the store's version when the weights in the mirror were pulled,
         #: and this worker's updates since (already in its weights)
         self.pulled_version = 0
@@ -362,7 +389,6 @@ class ParameterStore:
                           rule: UpdateRule, dropping: LayerDropping | None, stripe: int | None,
                           replicas: int, resume: str | bool, restarted: bool, stale_after: float, deadline: float,
                           init_from: str | Path | None) -> ParameterStore:
-        note_off, slots, data_off, total = layout.geometry()
         image = None if init_from is None else await StoreImage.load(init_from)
         if image is not None and not image.layout.same_as(layout):
             raise InvalidArgumentError(f"checkpoint {init_from} holds another model "
@@ -370,7 +396,10 @@ class ParameterStore:
                                        detail=f"this job's tensors: {layout.summary()}")
         # a damaged store is resumed never; started over only when asked to
         start_over = resume is False or image is not None
-        buf = await _attach_or_create(client, name, total, stripe, replicas, layout if start_over else None)
+        chosen = layout.stripe_for(len(client.servers)) if stripe is None else stripe
+        buf = await _attach_or_create(client, name, layout.geometry(chosen, len(client.servers))[2], chosen,
+                                      replicas, layout if start_over else None)
+        _cmap, data_off, total = layout.geometry(buf.stripe, buf.nservers)
         lock = beside.lock(client, buf)       # the buffer's own lock, replicated with it
         await lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         try:
@@ -443,20 +472,30 @@ class ParameterStore:
             words[lc.ORIGIN_MS] = words[lc.OPENED_MS]     # a new lineage of weights
         words[own + lc.JOINED] = gen
         words[own + lc.BEAT] = lc.now_ms()
-        area = self.buf.notify_area[0]  # type: ignore[index]
+        # the start barrier of run G+1 counts rank 0 in already
+        words[lc.joins_word(gen)] = gen << 32 | 1
+        cmap = self.cmap
         # A resumed run rewrites only rank 0's words and the run's own (the
         # other ranks may still be writing theirs); a fresh one all of them.
         # The generation goes last: whoever reads G+1 reads the rest with it.
+        writes = [self.buf.write(cmap.offset(lc.STOP), words[lc.STOP:lc.JOINS_EVEN], fence=lock),
+                  # nobody has finished run G+1
+                  self.buf.write(cmap.head + 8 * lc.FINISHES_AT, np.array([gen << 32], np.int64), fence=lock),
+                  self.buf.write(cmap.offset(lc.joins_word(gen)), words[lc.joins_word(gen):][:1], fence=lock)]
         if fresh:
-            await self.buf.write(area, words[:lc.GENERATION], fence=lock)
-            await self.buf.write(area + 8 * lc.STOP, words[lc.STOP:], fence=lock)
+            grid = words[lc.RANK_BASE:].reshape(self.workers, lc.RANK_WORDS)
+            writes += [self.buf.write(cmap.start, words[lc.VERSION:lc.GENERATION], fence=lock),
+                       self.buf.write(cmap.offset(lc.joins_word(gen + 1)), np.zeros(1, np.int64), fence=lock)]
+            writes += [self.buf.write(cmap.rows_offset(p), grid[p::cmap.pages].copy(), fence=lock)
+                       for p in range(cmap.pages)]
         else:
-            await asyncio.gather(
-                self.buf.write(area + 8 * lc.STOP, words[lc.STOP:lc.RANK_BASE], fence=lock),
-                self.buf.write(area + 8 * own, words[own:own + lc.RANK_WORDS], fence=lock))
-        await self.buf.write(area + 8 * lc.GENERATION, np.array([gen], np.int64), fence=lock)
+            writes.append(self.buf.write(cmap.row_offset(0), words[own:own + lc.RANK_WORDS], fence=lock))
+        await asyncio.gather(*writes)
+        await self.buf.write(cmap.offset(lc.GENERATION), np.array([gen], np.int64), fence=lock)
         words[lc.GENERATION] = gen
-        self._enter(Control.parse(words, self.workers), joined=True)
+        # a fresh run's rows are known to be zero, not read: no rank counts as stalled before it was seen
+        opened = Control.parse(words, self.workers)
+        self._enter(opened.only([0]) if fresh else opened, joined=True)
         if fresh and image is not None:
             log.info("store %r: run %d starts from checkpoint (version %d, step %d)",
                      self.name, gen, self.control.version, self.start_step)  # type: ignore[union-attr]
@@ -494,7 +533,13 @@ class ParameterStore:
         than ``newer_than``), and take its place in it."""
         delay = 0.005
         while True:
-            control = await self.refresh()
+            # rank 0's row and this rank's decide, unless this restarted rank
+            # was in the run: whether it goes on without it takes every row
+            control = await self._read_control((0, self.rank))
+            if self.restarted and control.in_run(self.rank):
+                control = await self.refresh()
+            else:
+                self.control = control
             decision = lc.decide_other(control, self.rank, restarted=self.restarted, stale_after=self.stale_after)
             if decision.action != "wait" and control.generation > newer_than:
                 rejoined = decision.action == "rejoin"
@@ -704,13 +749,24 @@ class ParameterStore:
 
     # -- the run: control words ------------------------------------------------------
     async def refresh(self) -> Control:
-        """Read the control area (one read) into :attr:`control`."""
-        self.control = Control.parse(await self.buf.read_notify(), self.workers)
+        """Read every control word (one read per page of rows) into :attr:`control`."""
+        self.control = await self._read_control()
         return self.control
+
+    async def _read_control(self, ranks: tuple[int, ...] | None = None) -> Control:
+        """The control words: the version, the head line and every rank's
+        row, or (``ranks``) only those ranks' rows (the others read as 0)."""
+        return await _read_control(self.buf, self.cmap, ranks)
+
+    async def _read_head(self) -> np.ndarray:
+        """The run's head line (64 bytes: generation, stop, the barrier's counters)."""
+        line = np.empty(lc.RANK_BASE, np.int64)
+        await self.buf.read_into(line, self.cmap.head)
+        return line
 
     async def _write_own(self, *, joined: int | None = None, finished: int | None = None) -> None:
         """This rank's words: step and heartbeat, and joined / finished if given."""
-        base = self.buf.notify_area[0] + 8 * lc.rank_word(self.rank, 0)  # type: ignore[index]
+        base = self.cmap.row_offset(self.rank)
         step_beat = [self._step, lc.now_ms()]
         if joined is not None:
             await self.buf.write(base, np.array([joined, *step_beat], np.int64))
@@ -726,49 +782,86 @@ class ParameterStore:
                                  "only ranks that open() the store take part in a run")
 
     def _check_current(self, control: Control) -> None:
-        if control.generation != self.generation:
+        self._check_run(control.generation)
+
+    def _check_run(self, generation: int) -> None:
+        if generation != self.generation:
             raise InterfaceError(
-                f"store {self.name!r} was re-opened by a newer run ({control.generation}) while rank "
+                f"store {self.name!r} was re-opened by a newer run ({generation}) while rank "
                 f"{self.rank} was in run {self.generation}: this worker stops (two jobs use the same store "
                 "name, or rank 0 of a new job started while this one ran)")
 
     async def join(self, timeout: float | None = 60.0) -> None:
         """The start barrier of this run: count this rank in and wait until
         every rank has joined.  Its timeout says how many joined and which
-        ranks are missing.  A rank that rejoined a running run passes."""
+        ranks are missing.  A rank that rejoined a running run passes.
+
+        A waiting rank reads the run's 64-byte head line per poll (its
+        counter of joined ranks), whatever the number of workers; only
+        after ``RECONCILE_POLLS`` polls in which the count stood still, and
+        at the timeout, does it read every rank's row (a rank that died
+        between its row and its count and came back into the run is
+        counted so)."""
         self._check_member()
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._joined:
             if self.rank:
                 # rank 0 may have opened a newer run since open() chose this one
-                control = await self.refresh()
-                if control.generation != self.generation:
+                if int((await self._read_head())[lc.GENERATION]) != self.generation:
                     await self._move_to_newer(deadline)
-            await self._write_own(joined=self.generation)
-            self._joined = True
+            await self._count_in()
         delay = 0.005
+        last, still = -1, 0
         while True:
-            control = await self.refresh()
-            if control.generation != self.generation:
+            head = await self._read_head()
+            self.stats["barrier_polls"] += 1
+            if int(head[lc.GENERATION]) != self.generation:
                 if self.rank == 0:
-                    self._check_current(control)
+                    self._check_run(int(head[lc.GENERATION]))
                 await self._move_to_newer(deadline)
-                await self._write_own(joined=self.generation)
+                await self._count_in()
                 continue
-            missing = control.missing()
-            if not missing:
+            counted = lc.joins_counted(head, self.generation)
+            if counted >= self.workers:
                 return
+            still = still + 1 if counted == last else 0
+            last = counted
             now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                joined = self.workers - len(missing)
-                raise NotifyTimeout(
-                    f"{joined} of {self.workers} workers joined store {self.name!r} within {timeout} s "
-                    f"(missing ranks: {', '.join(map(str, missing))}); check WORLD_SIZE ({self.workers}) "
-                    "and that every rank is running")
+            timed_out = deadline is not None and now >= deadline
+            if timed_out or still >= RECONCILE_POLLS:
+                still = 0
+                self.stats["barrier_full_reads"] += 1
+                control = await self.refresh()
+                missing = control.missing()
+                if control.generation != self.generation:
+                    continue
+                if not missing:
+                    return
+                if timed_out:
+                    raise NotifyTimeout(
+                        f"{self.workers - len(missing)} of {self.workers} workers joined store {self.name!r} "
+                        f"within {timeout} s (missing ranks: {lc.ranks_list(missing)}); check WORLD_SIZE "
+                        f"({self.workers}) and that every rank is running")
             if now - self._last_beat >= 1.0:
                 await self._write_own()     # stay visibly alive while waiting
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            # the head line is one server's: its polls stay near 10,000 a second in all
+            delay = min(delay * 2, BARRIER_POLL * max(1.0, self.workers / CROWD))
+
+    async def _count_in(self) -> None:
+        """Join this rank's run: its row says so, then the run's counter
+        counts it.  A counter tagged with another run (one opened since this
+        rank chose its run) did not count it: the count is taken back, and
+        the next poll of the barrier finds the newer run."""
+        await self._write_own(joined=self.generation)
+        await self._count(self.cmap.offset(lc.joins_word(self.generation)))
+        self._joined = True
+
+    async def _count(self, offset: int) -> None:
+        """Add this rank to the run's counter word at ``offset`` (``G << 32 |
+        count``); a word tagged with another run gets its count back."""
+        if await self.buf.fetch_add(offset, 1) >> 32 != self.generation:
+            await self.buf.fetch_add(offset, -1)
 
     async def _move_to_newer(self, deadline: float | None) -> None:
         """A rank > 0 still at the barrier follows rank 0 into its newer run."""
@@ -791,13 +884,39 @@ class ParameterStore:
         await self._maybe_checkpoint()
         if not force and time.monotonic() - self._last_beat < BEAT_INTERVAL:
             return
-        _, control, _ = await asyncio.gather(self._write_own(), self.refresh(), self.publish_counts())
+        _, control, _ = await asyncio.gather(self._write_own(), self._look_around(), self.publish_counts())
         self._check_current(control)
+
+    async def _look_around(self) -> Control:
+        """A heartbeat's read: the head line and the next chunk of the ranks'
+        rows (at most ``lc.ROTATION`` of them), merged into :attr:`control`
+        (two small reads, whatever the number of workers).  Beyond ``CROWD``
+        workers a rank reads the head line (one server's) only every
+        ``workers / CROWD``-th beat, so that server sees about ``CROWD /
+        BEAT_INTERVAL`` of these reads a second whatever the job's size (a
+        newer run is then noticed within ``workers / CROWD`` beats)."""
+        chunk = self._chunks[self._next_chunk]
+        self._next_chunk = (self._next_chunk + 1) % len(self._chunks)
+        got = [(page, first, np.empty(lc.RANK_WORDS * rows, np.int64)) for page, first, rows in chunk]
+        self._beats += 1
+        base = self.control if self.control is not None else await self.refresh()
+        reads: list[Coroutine[Any, Any, Any]] = [
+            self.buf.read_into(out, self.cmap.rows_offset(page) + lc.ROW_BYTES * first) for page, first, out in got]
+        if (self._beats + self.rank) % max(1, -(-self.workers // CROWD)) == 0:
+            reads.append(self._read_head())
+        done: list[Any] = await asyncio.gather(*reads)
+        head: np.ndarray = done[-1] if len(done) > len(got) else base.words[:lc.RANK_BASE]
+        self.control = base.updated(head, got, self.cmap)
+        return self.control
 
     def stalled(self, threshold: float) -> list[tuple[int, int, float]]:
         """(rank, last step, seconds since its heartbeat) of every rank that
         has not finished and has been silent for ``threshold`` s, as of the
-        last :meth:`heartbeat` / :meth:`refresh`."""
+        last :meth:`heartbeat` / :meth:`refresh`.  A heartbeat reads the
+        others' rows a chunk at a time, so a rank silent for ``threshold``
+        shows here within ``threshold + chunks * BEAT_INTERVAL`` s of
+        heartbeats (chunks: ``len(self.cmap.chunks(lc.ROTATION))``, at most
+        ``2 * ceil(workers / lc.ROTATION) + 1``; at once after a :meth:`refresh`)."""
         return [] if self.control is None else self.control.stalled(threshold)
 
     async def finish(self) -> None:
@@ -808,6 +927,7 @@ class ParameterStore:
         # the counts first: whoever sees this rank finished reads them complete
         await self.publish_counts(force=True)
         await self._write_own(finished=self.generation)
+        await self._count(self.cmap.head + 8 * lc.FINISHES_AT)
         # the last step's checkpoint (unless it was just saved), and the one in flight
         await self._maybe_checkpoint(final=True)
         if self._checkpointing is not None:
@@ -827,21 +947,38 @@ class ParameterStore:
     async def await_finished(self, timeout: float | None = None) -> lc.RunEnd:
         """Wait up to ``timeout`` s until every rank of this run finished,
         then say who did and who is missing (never raises for a missing
-        rank: the survivors go on to evaluate and save)."""
+        rank: the survivors go on to evaluate and save).
+
+        Like :meth:`join`, a waiting rank reads the 64-byte head line per
+        poll (the run's counter of finished ranks); every rank's row is read
+        when the count reaches the workers (a rank that finished twice, once
+        before and once after a restart, is counted twice: the rows decide),
+        after ``RECONCILE_POLLS`` polls without progress, and at the timeout."""
         self._check_member()
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.005
+        last, still, checked = -1, 0, -1
         while True:
-            control = await self.refresh()
-            self._check_current(control)
-            if not control.unfinished() or (deadline is not None and time.monotonic() >= deadline):
-                end = lc.RunEnd.of(self.name, control, timeout)
-                counts = await read_counts(self.client, self.name, self.generation)
-                seen = {r for r, c in (counts or {}).get("per_rank", {}).items() if c["collapses"]}
-                end.collapsed = sorted(seen | ({self.rank} if self.watch.collapses else set()))
-                return end
+            head = await self._read_head()
+            self.stats["barrier_polls"] += 1
+            self._check_run(int(head[lc.GENERATION]))
+            done = lc.tagged_count(int(head[lc.FINISHES_AT]), self.generation)
+            still = still + 1 if done == last else 0
+            last = done
+            timed_out = deadline is not None and time.monotonic() >= deadline
+            if timed_out or still >= RECONCILE_POLLS or (done >= self.workers and done != checked):
+                still, checked = 0, done
+                self.stats["barrier_full_reads"] += 1
+                control = await self.refresh()
+                self._check_current(control)
+                if not control.unfinished() or timed_out:
+                    end = lc.RunEnd.of(self.name, control, timeout)
+                    counts = await read_counts(self.client, self.name, self.generation)
+                    seen = {r for r, c in (counts or {}).get("per_rank", {}).items() if c["collapses"]}
+                    end.collapsed = sorted(seen | ({self.rank} if self.watch.collapses else set()))
+                    return end
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
+            delay = min(delay * 2, 2 * BARRIER_POLL * max(1.0, self.workers / CROWD))
 
     # -- progress and the end policy --------------------------------------------------
     async def report(self, iteration: int, target: int, policy: str = "average") -> bool:
@@ -852,15 +989,16 @@ class ParameterStore:
         if policy not in POLICIES:
             raise InvalidArgumentError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
         await self.heartbeat(iteration, force=True)
-        control = self.control
-        assert control is not None
+        # the policy weighs every worker's step: this read takes all rows
+        control = await self.refresh()
+        self._check_current(control)
         if control.stopped:
             return True
         progress = control.steps.copy()
         progress[self.rank] = iteration     # the read ran beside our write
         level = {"first": progress.max(), "slowest": progress.min(), "average": progress.mean()}[policy]
         if level >= target:
-            await self.buf.notify(lc.STOP, self.generation)
+            await self.buf.notify(self.cmap.slot(lc.STOP), self.generation)
             log.info("worker %d: the %s worker reached %d iterations: stopping all", self.rank, policy, target)
             return True
         return False
@@ -875,7 +1013,7 @@ class ParameterStore:
     async def wait_stopped(self, timeout: float | None = None) -> None:
         """Wait until the run's end policy fired."""
         try:
-            await self.buf.wait_notify(lc.STOP, max(1, self.generation), timeout=timeout)
+            await self.buf.wait_notify(self.cmap.slot(lc.STOP), max(1, self.generation), timeout=timeout)
         except NotifyTimeout:
             steps = (await self.refresh()).steps.tolist()
             raise NotifyTimeout(f"the end policy of store {self.name!r} did not fire within {timeout} s "
@@ -1034,12 +1172,15 @@ class StoreImage:
             raise InvalidArgumentError(f"{path} is a checkpoint of buffer {header['name']!r}, "
                                        "which is not a parameter store")
         if int(pre[_FORMAT // 8]) != FORMAT:
-            raise InvalidArgumentError(f"{path} holds a store of format {int(pre[_FORMAT // 8])}; "
-                                       f"this smb2 reads {FORMAT}")
+            raise InvalidArgumentError(f"{path} holds a store of format {int(pre[_FORMAT // 8])}; this smb2 reads "
+                                       f"{FORMAT}", hint="start from a checkpoint saved by this smb2, or load this "
+                                       "one with the smb2 that saved it")
         layout = Layout.from_table(raw[PREAMBLE:PREAMBLE + int(pre[_TABLE // 8])])
-        note_off, slots = int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8])
-        data_off = int(pre[_DATA_OFF // 8])
-        control = Control.parse(np.frombuffer(raw, np.int64, slots, note_off), layout.workers)
+        cmap, data_off, _total = layout.geometry(int(header["stripe"]), int(header.get("nservers", 1)))
+        if (int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8]), int(pre[_DATA_OFF // 8])) != \
+                (cmap.start, cmap.slots, data_off):
+            raise PersistenceError(f"{path}: the store's header does not match its layout table (the file is corrupt)")
+        control = Control.parse(cmap.gather(np.frombuffer(raw, np.int64, cmap.slots, cmap.start)), layout.workers)
         data = np.frombuffer(raw, np.uint8, layout.data_len, data_off).copy()
         return cls(layout, data, control, path, header["name"])
 
@@ -1057,11 +1198,18 @@ def store_damage(err: BufferDamaged, layout: Layout | None, progress: str = "") 
     tensors (of ``layout``, the job's model, when known) lost bytes, whether
     the store's header and run state went with them, where its run was
     (``progress``, from :func:`_last_progress`), and what to do."""
-    note_off, slots, data_off, _total = layout.geometry() if layout is not None else (0, 0, 0, 0)
     lost = []
+    data_off = 0
     if layout is not None:
-        if any(err.ranges(0, note_off + 8 * slots)):
-            lost.append("the store's header and run state (its layout, steps and version)")
+        cmap, data_off, _total = layout.geometry(err.geometry[1], err.geometry[2])
+        version_line, *pages = cmap.extents()
+        header = any(err.ranges(0, version_line[1]))
+        state = any(any(err.ranges(lo, hi)) for lo, hi in pages)
+        if header and state:
+            lost.append("the store's header and run state (its layout, version, runs and steps)")
+        elif header or state:
+            lost.append("the store's header (its layout and version)" if header
+                        else "the store's run state (its runs and steps)")
         for tname, _dt, shape, off in layout.tensors:
             start = data_off + off
             gone = sum(hi - lo for lo, hi in err.ranges(start, start + layout.nbytes_of(shape)))
@@ -1085,22 +1233,27 @@ def store_damage(err: BufferDamaged, layout: Layout | None, progress: str = "") 
 
 
 async def _last_progress(err: BufferDamaged, layout: Layout) -> str:
-    """"; run G was at step S (version V)" read from what remains of a
-    damaged store, when its header and control words survived; else ""."""
-    note_off, slots, _data_off, _total = layout.geometry()
-    if err.remains is None or any(err.ranges(0, note_off + 8 * slots)):
+    """"; its run G was at step S (version V)" read from what remains of a
+    damaged store, as far as its header (with the version) and its run
+    state (the pages of the ranks' rows, on other servers) survived; else ""."""
+    cmap = layout.geometry(err.geometry[1], err.geometry[2])[0]
+    version_line, *pages = cmap.extents()
+    if err.remains is None or any(err.ranges(0, version_line[1])):
         return ""
     buf = err.remains
     try:
         pre = np.empty(PREAMBLE // 8, dtype=np.int64)
         await buf.read_into(pre, 0)
-        if (int(pre[_MAGIC // 8]), int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8])) != (MAGIC, note_off, slots):
+        if (int(pre[_MAGIC // 8]), int(pre[_FORMAT // 8]), int(pre[_NOTE_OFF // 8]),
+                int(pre[_NOTE_SLOTS // 8])) != (MAGIC, FORMAT, cmap.start, cmap.slots):
             return ""       # another layout: its words are elsewhere
-        words = np.empty(slots, dtype=np.int64)
-        await buf.read_into(words, note_off)
+        if any(any(err.ranges(lo, hi)) for lo, hi in pages):
+            version = np.empty(1, np.int64)
+            await buf.read_into(version, cmap.start)
+            return f"; it was at version {int(version[0])}"
+        c = await _read_control(buf, cmap)
     except Smb2Error:
         return ""
-    c = Control.parse(words, layout.workers)
     return f"; its run {c.generation} was at step {int(c.steps.max())} (version {c.version})"
 
 
@@ -1131,12 +1284,13 @@ async def describe(client: Client, name: str) -> dict[str, Any]:
     out["store"] = True
     out["format"] = int(pre[_FORMAT // 8])
     if out["format"] != FORMAT:
-        return out
+        refused = _other_format(name, out["format"])
+        return {**out, "note": f"{refused.message}: {refused.hint}"}
     try:
         layout, _ = await _read_layout(buf)
     except InterfaceError as err:
         return {**out, "damaged": err.message}
-    control = Control.parse(await buf.read_notify(), layout.workers)
+    control = await _read_control(buf, layout.geometry(buf.stripe, buf.nservers)[0])
     out.update(tensors=len(layout.tensors), data_bytes=layout.data_len, dtype=layout.dtype.name,
                workers=layout.workers, rule=layout.rule.get("name"), run=control.generation,
                version=control.version, steps=control.steps.tolist(), finished=control.run_finished(),
@@ -1241,7 +1395,7 @@ async def remove(client: Client, name: str) -> bool:
 
 # -- the buffer ---------------------------------------------------------------------
 
-async def _attach_or_create(client: Client, name: str, total: int, stripe: int | None, replicas: int,
+async def _attach_or_create(client: Client, name: str, total: int, stripe: int, replicas: int,
                             start_over: Layout | None) -> Buffer:
     """Rank 0: the existing buffer (whatever its stripe), or a new one.  A
     damaged one (:class:`BufferDamaged`) is removed and made anew when the
@@ -1261,9 +1415,8 @@ async def _attach_or_create(client: Client, name: str, total: int, stripe: int |
         log.warning("%s; this run starts over (resume=False or init_from=), so the store is made anew",
                     store_damage(err, start_over).message)
         await client.destroy(name)
-    chosen = choose_stripe(total, len(client.servers)) if stripe is None else stripe
     try:
-        return await client.create(name, total, stripe=chosen, replicas=replicas)
+        return await client.create(name, total, stripe=stripe, replicas=replicas)
     except BufferConflict:
         return await client.attach(name)        # made by someone else in between
 
@@ -1289,15 +1442,19 @@ async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int
 async def _initialize(buf: Buffer, layout: Layout, lock: Lock | ReplicatedLock) -> None:
     """Rank 0, under the lock: preamble, table, zeroed control words, ready.
     The weights come with the first run (``_open_run``)."""
-    note_off, slots, data_off, _total = layout.geometry()
+    cmap, data_off, _total = layout.geometry(buf.stripe, buf.nservers)
     await buf.write(_STATE, np.array([INITIALIZING], dtype=np.int64), fence=lock)
     await _write_words(buf, {_MAGIC: MAGIC, _FORMAT: FORMAT, _TABLE: len(layout.table()),
                              _DATA_OFF: data_off, _DATA_LEN: layout.data_len,
-                             _NOTE_OFF: note_off, _NOTE_SLOTS: slots}, fence=lock)
+                             _NOTE_OFF: cmap.start, _NOTE_SLOTS: cmap.slots}, fence=lock)
     await buf.write(PREAMBLE, layout.table(), fence=lock)
-    await buf.write(note_off, np.zeros(slots, np.int64), fence=lock)
+    # the words in use (the bytes between the pages are never read)
+    await asyncio.gather(buf.write(cmap.start, np.zeros(lc.LINE // 8, np.int64), fence=lock),
+                         *(buf.write(cmap.page_offset(p), np.zeros((cmap.rows_offset(p) - cmap.page_offset(p)) // 8
+                                                                   + lc.RANK_WORDS * cmap.ranks_on(p), np.int64),
+                                     fence=lock) for p in range(cmap.pages)))
     await buf.write(_STATE, np.array([READY], dtype=np.int64), fence=lock)
-    buf.set_notify_area(note_off, slots)
+    buf.set_notify_area(cmap.start, cmap.slots)
     log.info("store %r created: %d tensors, %d bytes of %s, %d workers, stripe %d over %d servers",
              buf.name, len(layout.tensors), layout.data_len, layout.dtype, layout.workers, buf.stripe,
              buf.nservers)
@@ -1333,8 +1490,7 @@ async def _read_layout(buf: Buffer) -> tuple[Layout, int]:
         raise InterfaceError(f"buffer {buf.name!r} is not a parameter store (bad magic); pick another name, "
                              f"or remove it with `smb2 rm {buf.name}`")
     if int(pre[_FORMAT // 8]) != FORMAT:
-        raise InterfaceError(f"store {buf.name!r} has format {int(pre[_FORMAT // 8])}, this smb2 reads {FORMAT}; "
-                             f"remove it with `smb2 rm {buf.name}` or pick another name")
+        raise _other_format(buf.name, int(pre[_FORMAT // 8]))
     hint = (f"remove it with `smb2 rm {buf.name}` and start again (from a checkpoint with init_from=, if there "
             "is one)")
     # the header's words are checked before they size a read: garbage there
@@ -1349,13 +1505,45 @@ async def _read_layout(buf: Buffer) -> tuple[Layout, int]:
     except (ValueError, KeyError, TypeError, IndexError, msgpack.UnpackException) as exc:
         raise InterfaceError(f"store {buf.name!r} is damaged: its layout table is unreadable ({exc})",
                              hint=hint) from None
-    note_off, slots, data_off, total = layout.geometry()
+    cmap, data_off, total = layout.geometry(buf.stripe, buf.nservers)
     said = (int(pre[_NOTE_OFF // 8]), int(pre[_NOTE_SLOTS // 8]), int(pre[_DATA_OFF // 8]))
-    if said != (note_off, slots, data_off) or total > buf.nbytes:
+    if said != (cmap.start, cmap.slots, data_off) or total > buf.nbytes:
         raise InterfaceError(f"store {buf.name!r} is damaged: its header places the control words and data at "
                              f"{said[0]}, {said[1]} words, {said[2]} where its layout table puts them at "
-                             f"{note_off}, {slots} words, {data_off} (of {total} bytes; the store is "
+                             f"{cmap.start}, {cmap.slots} words, {data_off} (of {total} bytes; the store is "
                              f"{buf.nbytes})", hint=hint)
-    buf.set_notify_area(note_off, slots)
+    buf.set_notify_area(cmap.start, cmap.slots)
     return layout, data_off
+
+
+def _other_format(name: str, found: int) -> InterfaceError:
+    """A store written in another format than this smb2's: refused, never read."""
+    made_by = ("an older smb2 (0.1.0 before the counted start barrier)" if found < FORMAT
+               else "a newer smb2")
+    return InterfaceError(
+        f"store {name!r} was written by {made_by} in store format {found}; this smb2 reads format {FORMAT} "
+        "and does not read it",
+        hint=f"remove it with `smb2 rm {name}` and start again (from a checkpoint with init_from=, if one was saved "
+             "by this smb2), or run the smb2 that wrote it to finish or save that job")
+
+
+async def _read_control(buf: Buffer, cmap: lc.ControlMap, ranks: tuple[int, ...] | None = None) -> Control:
+    """A store's control words as one :class:`Control`: the version, the head
+    line and every rank's row (one read per page), or (``ranks``) only
+    those ranks' rows, the others read as 0."""
+    words = np.zeros(lc.slots_for(cmap.workers), np.int64)
+    head = np.empty(lc.RANK_BASE, np.int64)
+    version = np.empty(1, np.int64)
+    wanted = ([(p, 0, cmap.ranks_on(p)) for p in range(cmap.pages)] if ranks is None
+              else [(r % cmap.pages, r // cmap.pages, 1) for r in sorted(set(ranks))])
+    rows = [np.empty(lc.RANK_WORDS * n, np.int64) for _p, _first, n in wanted]
+    await asyncio.gather(buf.read_into(head, cmap.head), buf.read_into(version, cmap.start),
+                         *(buf.read_into(out, cmap.rows_offset(p) + lc.ROW_BYTES * first)
+                           for out, (p, first, _n) in zip(rows, wanted)))
+    words[lc.VERSION] = version[0]
+    cmap.put_head(words, head)
+    for out, (p, first, _n) in zip(rows, wanted):
+        cmap.put_rows(words, p, first, out)
+    control = Control.parse(words, cmap.workers)
+    return control if ranks is None else control.only(sorted(set(ranks)))
 
