@@ -79,6 +79,14 @@ class Transport(abc.ABC):
         covers twice that of the segment (``protocol.accumulate_span``)."""
 
     @abc.abstractmethod
+    async def accumulate_sparse(self, payload: Sequence[memoryview], segment: int, offset: int,
+                                flags: int) -> None:
+        """Server-side sparse accumulate: ``payload`` is the u64 count, the
+        indices (float32 words from ``offset``) and the values; ``flags``
+        their dtype code and index width (docs/protocol.md, "Sparse
+        accumulate").  The server checks it whole before it adds any of it."""
+
+    @abc.abstractmethod
     async def fetch_add(self, segment: int, offset: int, value: int) -> int:
         """Add ``value`` (mod 2**64) to the 8-byte word; return its old value."""
 
