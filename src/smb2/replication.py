@@ -512,6 +512,7 @@ async def run_sparse(buf: ReplicatedBuffer, requests: Sequence[sparse.Request], 
         seq = views.next_seq()
 
         async def mutate(t: Transport, seg: int, seg_off: int, seen: View) -> None:
+            t.require_sparse()
             await t.replicated(Op.ACCUMULATE_SPARSE, r.flags, seg, seg_off, [views.prefix(seen, seq), *r.payload])
         await _attempts(buf, r.target, r.base, r.nbytes, "sparse accumulate", mutate)
 

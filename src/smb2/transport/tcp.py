@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from .. import _core, auth
-from ..errors import ProtocolError, TransportError, Unsupported, server_error
+from ..errors import ProtocolError, TransportError, server_error
 from ..protocol import (
     CLOSED,
     DTYPE_SHIFT,
@@ -366,15 +366,9 @@ class TcpTransport(Transport, LockCapable):
 
     async def accumulate_sparse(self, payload: Sequence[memoryview], segment: int, offset: int,
                                 flags: int) -> None:
-        self._check_sparse()
+        self.require_sparse()
         await self._call(Op.ACCUMULATE_SPARSE, flags, segment, offset, sum(len(p) for p in payload),
                          payload, _EMPTY)
-
-    def _check_sparse(self) -> None:
-        # a server without the op closes the connection on it: ask it first
-        if not self.server_info.get("sparse"):
-            raise Unsupported(f"server {self.label} does not take sparse accumulates (an older smb2-server)",
-                              server=self.label, hint="upgrade smb2-server on every server, or use accumulate()")
 
     async def fetch_add(self, segment: int, offset: int, value: int) -> int:
         return int(await self._call(Op.FETCH_ADD, 0, segment, offset, 8,
@@ -396,7 +390,7 @@ class TcpTransport(Transport, LockCapable):
                                        flags: int) -> None:
         """A sparse accumulate whose ``length`` bytes of payload the client
         has already put into the server's staging area at ``staging_offset``."""
-        self._check_sparse()
+        self.require_sparse()
         await self._call(Op.ACCUMULATE_SPARSE, flags | FLAG_STAGED, segment, offset, 16,
                          _core.pack_u64x2(staging_offset, length), _EMPTY)
 
