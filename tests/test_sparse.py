@@ -15,7 +15,7 @@ import pytest
 
 import smb2
 from smb2 import _core
-from smb2.errors import ErrorCode, InvalidArgumentError
+from smb2.errors import ErrorCode, InvalidArgumentError, Unsupported
 from smb2.protocol import DTYPE_SHIFT, FLAG_REPLICATED, FLAG_STAGED, FLAG_WIDE_INDEX, Op
 from smb2.testing import wire as raw
 from smb2.testing.floats import NARROW, widen
@@ -270,3 +270,16 @@ async def test_replicated_sparse_push_lands_once_on_every_copy_and_a_retry_adds_
         expected[2] += 12
         for copy in await _copies(cluster, buf):
             assert np.array_equal(copy, expected)
+
+
+async def test_a_server_that_does_not_say_sparse_at_hello_is_sent_nothing(server: smb2.Server) -> None:
+    # an older smb2-server closes the connection on an op it does not know: the client asks first
+    async with await smb2.connect([server.address]) as c:
+        buf = await c.create("old", 2 * STRIPE)
+        t = c.links[0].transport
+        assert t is not None and t.server_info.pop("sparse") is True
+        with pytest.raises(Unsupported, match=f"server {server.address[0]}:{server.address[1]} does not take") as err:
+            await buf.accumulate_sparse([0, 1], np.ones(2, np.float32))
+        assert "upgrade smb2-server" in str(err.value)
+        await buf.accumulate(0, np.ones(2, np.float32))     # the connection is as it was
+    assert _sparse_requests([server]) == 0
