@@ -17,6 +17,7 @@ import smb2
 from smb2 import _core
 from smb2.errors import ErrorCode, InvalidArgumentError, Unsupported
 from smb2.protocol import DTYPE_SHIFT, FLAG_REPLICATED, FLAG_STAGED, FLAG_WIDE_INDEX, Op
+from smb2.sparse import plan
 from smb2.testing import wire as raw
 from smb2.testing.floats import NARROW, widen
 from smb2.testing.replicas import Raw, segment_bytes
@@ -283,3 +284,39 @@ async def test_a_server_that_does_not_say_sparse_at_hello_is_sent_nothing(server
         assert "upgrade smb2-server" in str(err.value)
         await buf.accumulate(0, np.ones(2, np.float32))     # the connection is as it was
     assert _sparse_requests([server]) == 0
+
+
+def test_the_plan_rebases_each_servers_indices_and_widens_them_only_past_u32() -> None:
+    # pure arithmetic (no buffer of 16 GiB is made): one server, a stripe larger than the indices reach
+    far = 1 << 32
+    vals = np.ones(2, np.float32)
+    [near] = plan(np.array([far + 5, far + 1]), vals, F32, 0, stripe=1 << 40, nservers=1, first=0,
+                  per_stripe=False, limit=1 << 20)
+    assert near.base == 4 * (far + 1) and not near.flags & FLAG_WIDE_INDEX      # rebased to its lowest word
+    assert np.frombuffer(near.payload[1], np.uint32).tolist() == [4, 0]        # the caller's order kept
+    [wide] = plan(np.array([0, far + 3]), vals, F32, 0, stripe=1 << 40, nservers=1, first=0, per_stripe=False,
+                  limit=1 << 20)
+    assert wide.base == 0 and wide.flags & FLAG_WIDE_INDEX
+    assert np.frombuffer(wide.payload[1], np.uint64).tolist() == [0, far + 3]
+    # four servers, stripes of 16 words: word 17 is server 1's word 1, word 70 server 0's word 22 (19 past
+    # its lowest, word 3)
+    reqs = plan(np.array([17, 70, 3]), np.ones(3, np.float32), F32, 0, stripe=64, nservers=4, first=0,
+                per_stripe=False, limit=1 << 20)
+    assert [(r.target, r.base, np.frombuffer(r.payload[1], np.uint32).tolist()) for r in reqs] == [
+        (0, 12, [19, 0]), (1, 4, [0])]
+
+
+async def test_wide_indices_add_where_they_point(server: smb2.Server) -> None:
+    async with await smb2.connect([server.address]) as c:
+        await c.create("wide", 2 * STRIPE)
+    seg = server.by_name["wide"]
+    raw_conn = await Raw.open(f"{server.address[0]}:{server.address[1]}")
+    try:
+        st, msg = await raw_conn.op(Op.ACCUMULATE_SPARSE, seg.id, 8,
+                                    _payload([0, 5, 5], np.array([1, 2, 4], np.float32), wide=True),
+                                    F32 << DTYPE_SHIFT | FLAG_WIDE_INDEX)
+        assert st == 0, msg
+    finally:
+        raw_conn.close()
+    got = seg.mem.view(np.float32)
+    assert got[2] == 1 and got[7] == 6 and np.count_nonzero(got) == 2
