@@ -95,6 +95,28 @@ async def test_compressed_groups_make_the_dense_outer_nesterov_step_of_what_was_
             np.testing.assert_array_equal(both[N:], np.zeros(N, np.float32))
 
 
+async def test_one_compressed_worker_is_torchs_nesterov_step_on_what_it_sent(cluster: smb2.LocalCluster) -> None:
+    # one worker with outer momentum: every push completes its group, so the step is the dense one in
+    # one accumulate, m = mu M + S, w -= lr (S + mu m), on the sent entries S (exact: dyadic values)
+    rng = np.random.default_rng(2)
+    lr, mu = 0.5, 0.5
+    ref_w, ref_m = np.zeros(N, np.float32), np.zeros(N, np.float32)
+    async with await cluster.connect() as c:
+        store = await ParameterStore.open(c, "t-topk-one", {"w": np.zeros(N, np.float32)}, outer_lr=lr,
+                                          outer_momentum=mu, wire=None, **_options(1))
+        for i in range(5):
+            d = rng.integers(-16, 17, N).astype(np.float32) / 8
+            before = _residual(store)
+            await _round(store, d)
+            sent = d + before - _residual(store)
+            assert np.count_nonzero(sent) <= N // 4
+            ref_m = mu * ref_m + sent
+            ref_w = ref_w - lr * (sent + mu * ref_m)
+            shared = (await store.buf.read(store.data_off, 4 * N)).view(np.float32)
+            np.testing.assert_array_equal(shared, ref_w, err_msg=f"round {i}")
+            np.testing.assert_array_equal(store.params["w"], shared)      # the next round starts there
+
+
 async def test_the_compress_option_is_checked_and_recorded(cluster: smb2.LocalCluster) -> None:
     async with await cluster.connect() as c:
         for bad in ("topk", "topk:0", "topk:1.5", "int8:0.1", "topk:x", 0.01):
