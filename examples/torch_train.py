@@ -92,6 +92,9 @@ def main() -> None:
                    help="how steps reach the shared model: diloco, the recommended one, or delta, "
                         "AsyncOptimizer's default (docs/training.md, 'Which rule, when')")
     p.add_argument("--local-steps", type=int, default=None, help="rule diloco: inner steps per round")
+    p.add_argument("--outer-momentum", type=float, default=None, help="rule diloco: the outer Nesterov momentum")
+    p.add_argument("--compress", default=None,
+                   help="rule diloco: send each round's top-k, e.g. topk:0.05 (docs/training.md)")
     p.add_argument("--device", default=default_device(),
                    help="where the model trains (default: this rank's GPU where there is one, else cpu)")
     a = p.parse_args()
@@ -103,7 +106,13 @@ def main() -> None:
     ytr, yte = ytr.to(a.device), yte.to(a.device)
     model = make_model().to(a.device)
     opt = make_optimizer(model, a.optimizer)
-    rule = {"rule": a.rule} if a.local_steps is None else {"rule": a.rule, "local_steps": a.local_steps}
+    rule: dict[str, object] = {"rule": a.rule}
+    if a.local_steps is not None:
+        rule["local_steps"] = a.local_steps
+    if a.compress is not None:
+        rule["compress"] = a.compress
+    if a.outer_momentum is not None:
+        rule["outer_momentum"] = a.outer_momentum
     opt = smb2.torch.AsyncOptimizer(opt, model, name=a.name, staleness=a.staleness, **rule)  # smb2
     if a.rule == "diloco" and a.optimizer == "sgd":
         # smb2, rule diloco: each worker's round counts 1/W, so the shared model learns per sample
@@ -133,6 +142,7 @@ def main() -> None:
               "loss": round(loss, 4), "accuracy": round(accuracy(model, xte, yte), 2),
               "seconds": round(time.perf_counter() - t0, 2), "comm_wait_share": round(stats["comm_wait_share"], 3),
               "lag_scaled": stats["lag_scaled"], "max_version_lag": stats["max_version_lag"],
+              "bytes_pushed": stats["bytes_pushed"],
               "collapsed": end.collapsed if end else []}     # ranks that saw the shared model collapse
     print(json.dumps(report) + "\n", end="", flush=True)  # one write: ranks share torchrun's stdout
 

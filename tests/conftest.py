@@ -170,6 +170,25 @@ async def cluster(server_threads: int) -> AsyncIterator[smb2.LocalCluster]:
         yield c
 
 
+@pytest_asyncio.fixture
+async def small_frames(server_threads: int) -> AsyncIterator[list[smb2.Server]]:
+    """Three in-process servers whose 16 KiB frame limit makes clients cut
+    requests into many pieces per server."""
+    servers = [await smb2.start_server("127.0.0.1", 0, capacity="16MiB", max_frame=16 << 10,
+                                       **thread_options(server_threads)) for _ in range(3)]
+    yield servers
+    for s in servers:
+        await s.close()
+
+
+@pytest_asyncio.fixture
+async def server(server_threads: int) -> AsyncIterator[smb2.Server]:
+    """One in-process server of 16 MiB (a test sends it raw frames)."""
+    s = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", **thread_options(server_threads))
+    yield s
+    await s.close()
+
+
 @contextlib.contextmanager
 def _cluster_on_a_thread(name: str, **options: Any) -> Iterator[tuple[LoopThread, smb2.LocalCluster]]:
     """A LocalCluster of server processes (``options`` as LocalCluster's)

@@ -7,17 +7,15 @@ for what a client would never send."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
 
-import msgpack
 import numpy as np
 import pytest
 
 import smb2
 from smb2.errors import ErrorCode
-from smb2.protocol import DTYPE_SHIFT, FLAG_STAGED, WIRE_CODES, Op
+from smb2.protocol import FLAG_STAGED, WIRE_CODES, Op
 from smb2.testing import wire as raw
-from smb2.testing.cluster import thread_options
 from smb2.testing.floats import NARROW, same_floats, widen
 
 WIRES = sorted(WIRE_CODES)
@@ -59,17 +57,6 @@ async def test_push_across_stripes_and_servers(client: smb2.Client, wire: str) -
     assert same_floats(got[lo:hi], _expected(base[lo:hi], delta, wire))
     # the delta really travelled narrower: a float32 push lands elsewhere
     assert not same_floats(got[lo:hi], base[lo:hi] + delta)
-
-
-@pytest.fixture
-async def small_frames(server_threads: int) -> AsyncIterator[list[smb2.Server]]:
-    """Three servers whose 16 KiB frame limit makes clients cut requests
-    into many pieces per server."""
-    servers = [await smb2.start_server("127.0.0.1", 0, capacity="16MiB", max_frame=16 << 10,
-                                       **thread_options(server_threads)) for _ in range(3)]
-    yield servers
-    for s in servers:
-        await s.close()
 
 
 @pytest.mark.parametrize("wire", WIRES)
@@ -182,16 +169,7 @@ async def test_overlapping_pushes_cut_among_threads_add_every_part_once(
 
 # -- the server's checks, with frames no client would send ----------------
 
-@pytest.fixture
-async def server(server_threads: int) -> AsyncIterator[smb2.Server]:
-    s = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", **thread_options(server_threads))
-    yield s
-    await s.close()
-
-
-def _acc(code: int, payload: bytes, *, segment: int, offset: int, rid: int, flags: int = 0) -> bytes:
-    return raw.frame(Op.ACCUMULATE, payload, rid=rid, segment=segment, offset=offset,
-                     flags=code << DTYPE_SHIFT | flags)
+_acc = functools.partial(raw.typed, Op.ACCUMULATE)
 
 
 async def test_bad_widening_requests_are_refused_and_write_nothing(server: smb2.Server) -> None:
@@ -219,12 +197,7 @@ async def test_bad_widening_requests_are_refused_and_write_nothing(server: smb2.
     locks_before = bytes(server.segments[0].mem)
     reader, writer = await asyncio.open_connection(*server.address)
     try:
-        writer.write(raw.hello() + b"".join(frame for frame, _, _ in bad))
-        await raw.reply(reader)
-        for _, code, message in bad:
-            hdr, body = await raw.reply(reader)
-            assert hdr[4] == code, (hdr, body)
-            assert message in msgpack.unpackb(body)["message"]
+        await raw.expect_refusals(reader, writer, bad)
         assert not seg.mem.any() and bytes(server.segments[0].mem) == locks_before
         # the connection is still good, and the same frame done right adds
         writer.write(_acc(bf16, one, segment=seg.id, offset=seg.size - 16, rid=9))
@@ -241,26 +214,9 @@ async def test_widening_push_waits_for_a_write_into_its_upper_half(server: smb2.
     the half beyond its own payload's length."""
     async with await smb2.connect([server.address]) as c:
         buf = await c.create("held", 4 * STRIPE, stripe=4 * STRIPE)
-        seg = server.by_name["held"]
-        # a write of [3072, 4096) of float32 2.0 arrives half way, then stalls
-        twos = np.full(256, 2.0, np.float32).tobytes()
-        reader, writer = await asyncio.open_connection(*server.address)
-        writer.write(raw.hello() + raw.frame(Op.WRITE, twos[:512], rid=2, segment=seg.id,
-                                             offset=3072, length=len(twos)))
-        await raw.reply(reader)
-        for _ in range(500):
-            if seg.inflight:
-                break
-            await asyncio.sleep(0.01)
-        assert seg.inflight == [(3072, 4096)]
+        # a write of [3072, 4096) of float32 2.0 arrives half way, then stalls;
         # 1024 bf16 ones: 2048 bytes of payload, covering [0, 4096) of float32
-        push = asyncio.ensure_future(buf.accumulate(0, np.ones(1024, np.float32), wire="bfloat16"))
-        await asyncio.sleep(0.3)
-        assert not push.done() and not seg.mem[:3072].any()
-        writer.write(twos[512:])
-        await asyncio.wait_for(push, 10)
-        hdr, _ = await raw.reply(reader)
-        assert hdr[4] == 0
-        writer.close()
+        await raw.held_by_half_a_write(server, "held", 3072, np.full(256, 2.0, np.float32).tobytes(),
+                                       buf.accumulate(0, np.ones(1024, np.float32), wire="bfloat16"))
         got = (await buf.read(0, 4096)).view(np.float32)
     assert (got[:768] == 1).all() and (got[768:] == 3).all()

@@ -155,6 +155,30 @@ def test_every_system_trains_the_language_model(lm_result: dict) -> None:
     assert {t["scenario"] for t in lm_result["targets"]} == {"homogeneous"}
 
 
+@pytest.fixture(scope="module")
+def compressed_result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    pytest.importorskip("torch")
+    return quick(tmp_path_factory.mktemp("tta-topk"), "--systems", "ddp", "--compress", "topk:0.01")
+
+
+def test_the_compressed_exchange_trains_and_pushes_fewer_bytes(compressed_result: dict) -> None:
+    # --compress adds dense diloco and diloco/topk:0.01; both train, and the compressed one pushes
+    # per exchange 2 x 1 % x 6 bytes a parameter where dense diloco pushes 2 x 2 (bf16), plus the
+    # same momentum step each (6 bytes per W = 2 exchanges): (0.12 + 3) / (4 + 3) = 0.45 of it
+    rows = {r["system"]: r for r in compressed_result["rows"]}
+    assert list(rows) == ["ddp", "diloco", "diloco/topk:0.01"]
+    dense, topk = rows["diloco"], rows["diloco/topk:0.01"]
+    assert topk["time_to_target_s"] is not None and not topk["collapsed"], topk["curve"][-3:]
+    assert topk["final"] > 0.3 and topk["final_model"] == "the shared weights"
+    ratio = topk["pushed_bytes_per_exchange"] / dense["pushed_bytes_per_exchange"]
+    assert 0.3 < ratio < 0.6, ratio
+    # the compression's targets against dense diloco, each judged
+    judged = [t for t in compressed_result["targets"] if t["target"].startswith("diloco/topk:0.01")]
+    assert len(judged) == 2 and all(isinstance(t["met"], bool) for t in judged), judged
+    summary = {s["system"]: s for s in compressed_result["summary"]}
+    assert summary["diloco/topk:0.01"]["pushed_bytes_per_exchange"] == topk["pushed_bytes_per_exchange"]
+
+
 def test_a_fault_is_reported_by_what_rank_0_saw() -> None:
     """(e)'s verdicts from rank 0's steps: an error stops it, a pause far above its step time is a
     stall, anything else went on."""

@@ -61,7 +61,7 @@ async def test_wait_notify_wakes_on_notify(cluster: smb2.LocalCluster, transport
     assert bytes(await bb.read(4096, 8)) == b"payload!"
 
 
-@pytest.mark.parametrize("how", ["write", "accumulate"])
+@pytest.mark.parametrize("how", ["write", "accumulate", "accumulate_sparse"])
 async def test_notification_never_visible_before_its_data(transport: str, server_threads: int, how: str) -> None:
     """Stress: a writer rewrites a block striped over 4 server processes
     (streamed into their memory) with the value i, or adds 1 to each of its
@@ -69,15 +69,16 @@ async def test_notification_never_visible_before_its_data(transport: str, server
     value and read the block: every word must already be >= the value they
     were notified of.  (With the order reversed, notify then write, this
     loop sees stale words in most runs.)  With server threads, each server
-    cuts every accumulate of the block among them."""
+    cuts every accumulate of the block among them (never a sparse one, which
+    adds 1.0 to every float32 word of the block by index)."""
     # server processes make the race real (their own CPU); other transports
     # are tested against the in-process servers their tier sets up
     async with smb2.LocalCluster(servers=4, processes=transport == "tcp",
                                  options=thread_options(server_threads)) as cluster:
         await _stress(cluster, transport, how)
-        if how == "accumulate":
+        if how != "write":
             cut = sum(s["threads"]["accumulates_cut"] for s in await (await cluster.connect()).stat())
-            assert (cut > 0) == (server_threads > 1), cut
+            assert (cut > 0) == (server_threads > 1 and how == "accumulate"), cut
 
 
 async def _stress(cluster: smb2.LocalCluster, transport: str, how: str) -> None:
@@ -92,7 +93,8 @@ async def _stress(cluster: smb2.LocalCluster, transport: str, how: str) -> None:
     async def read_loop(k: int) -> None:
         buf = rbufs[k]
         seen = 0
-        out = np.empty(block // 8, dtype=np.int64)
+        out = np.empty(block // 4, dtype=np.float32) if how == "accumulate_sparse" \
+            else np.empty(block // 8, dtype=np.int64)
         while seen < rounds:
             seen = await buf.wait_notify(0, at_least=seen + 1, timeout=30)
             await buf.read_into(out, 0)
@@ -103,10 +105,13 @@ async def _stress(cluster: smb2.LocalCluster, transport: str, how: str) -> None:
     async def write_loop() -> None:
         data = np.empty(block // 8, dtype=np.int64)
         ones = np.ones(block // 8, dtype=np.int64)
+        every_word = np.arange(block // 4)
         for i in range(1, rounds + 1):
             if how == "write":
                 data.fill(i)
                 await wbuf.write(0, data, notify=(0, i))
+            elif how == "accumulate_sparse":
+                await wbuf.accumulate_sparse(every_word, np.ones(block // 4, np.float32), notify=(0, i))
             else:
                 await wbuf.accumulate(0, ones, notify=(0, i))
             await asyncio.sleep(0)

@@ -298,6 +298,32 @@ async def test_rdma_peers_past_the_staging_pool_accumulate_in_band_exact(
         await server.close()
 
 
+@needs_rdma
+async def test_sparse_pushes_staged_and_in_band_add_up_exact() -> None:
+    """A pool of two staging areas and four RDMA peers: two send their
+    sparse accumulates through a staging slot (the server copies each out
+    before it checks it), two in-band; every peer names the same words,
+    each several times, and every add lands once."""
+    server = await smb2.start_server("127.0.0.1", 0, capacity="16MiB", shm="off", rdma_staging_memory="8MiB")
+    clients: list[smb2.Client] = []
+    try:
+        for _ in range(4):
+            clients.append(await smb2.connect([server.address], transport="rdma"))
+        assert server.rdma is not None and server.rdma.staging_lent == 2 and server.rdma_unstaged == 2
+        bufs = [await clients[0].create("sparse", 1 << 20)] + [await c.attach("sparse") for c in clients[1:]]
+        idx = np.tile(np.arange(0, 1 << 18, 7), 3)             # every 7th word, three times each
+        await asyncio.gather(*(b.accumulate_sparse(idx, np.full(idx.size, k + 1, np.float32), wire="bfloat16")
+                               for k, b in enumerate(bufs)))
+        got = np.frombuffer(await bufs[0].read(0, 1 << 20), np.float32)
+        expected = np.zeros(1 << 18, np.float32)
+        expected[::7] = 3 * (1 + 2 + 3 + 4)
+        assert np.array_equal(got, expected)
+    finally:
+        for c in clients:
+            await c.close()
+        await server.close()
+
+
 @pytest.mark.skipif(REASON is None, reason="this machine has RDMA")
 async def test_auto_falls_back_to_tcp_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="smb2.transport")

@@ -592,6 +592,117 @@ def accumulate(uint8_t[::1] dst, const uint8_t[::1] src, int code, int threads=1
     return k
 
 
+# --------------------------------------------------------------------------
+# Sparse accumulate: dst's float32 words at element indices += values.
+# A payload (docs/protocol.md, ACCUMULATE_SPARSE) is a u64 count n, then n
+# indices (u32, or u64 when ``wide``), then n values: float32 (code 1), or
+# bfloat16 / float16 (codes 5 and 6) widened into float32 words as the dense
+# widening accumulate does.  An index counts float32 words from dst's start.
+
+cdef int _sparse_value_size(int code) noexcept nogil:
+    if code == 1:
+        return 4
+    if code == 5 or code == 6:
+        return 2
+    return 0
+
+
+cdef Py_ssize_t _sparse_count(const uint8_t[::1] payload, bint wide, int code) except -1:
+    # the item count, after checking that the payload's length agrees with it
+    cdef int vsize = _sparse_value_size(code)
+    if vsize == 0:
+        raise ValueError(f"sparse accumulate adds float32, bfloat16 or float16 values into float32 "
+                         f"words, not dtype code {code}")
+    cdef Py_ssize_t nb = payload.shape[0]
+    if nb < 8:
+        raise ValueError(f"a sparse accumulate's payload starts with a u64 count; it has {nb} bytes")
+    cdef uint64_t n
+    memcpy(&n, &payload[0], 8)
+    cdef uint64_t per = (8 if wide else 4) + vsize
+    if n > <uint64_t>(nb - 8) // per or 8 + n * per != <uint64_t>nb:
+        raise ValueError(f"a sparse accumulate of {n} items needs {n} indices and {n} values: "
+                         f"{8 + n * per if n <= <uint64_t>nb else 'more than ' + str(nb)} bytes of payload, "
+                         f"and it has {nb} (the indices and values disagree in length)")
+    return <Py_ssize_t>n
+
+
+cdef inline uint64_t _index_at(const char *p, bint wide, Py_ssize_t i) noexcept nogil:
+    cdef uint64_t v64
+    cdef uint32_t v32
+    if wide:
+        memcpy(&v64, p + 8 * i, 8)
+        return v64
+    memcpy(&v32, p + 4 * i, 4)
+    return v32
+
+
+def sparse_span(const uint8_t[::1] payload, bint wide, int code):
+    """``(count, lowest index, highest index + 1)`` of a sparse accumulate's
+    payload (``(0, 0, 0)`` when it has no items).  ValueError, with a
+    message for the sender, when the dtype is not one a sparse accumulate
+    takes or the payload's length disagrees with its count."""
+    cdef Py_ssize_t n = _sparse_count(payload, wide, code)
+    if n == 0:
+        return 0, 0, 0
+    cdef const char *idx = <const char *>&payload[8]
+    cdef uint64_t lo = 0xFFFFFFFFFFFFFFFF, hi = 0, v
+    cdef Py_ssize_t i
+    with nogil:
+        for i in range(n):
+            v = _index_at(idx, wide, i)
+            if v < lo:
+                lo = v
+            if v > hi:
+                hi = v
+    if hi == 0xFFFFFFFFFFFFFFFF:
+        raise ValueError("a sparse accumulate's index 2**64-1 is past any buffer")
+    return n, lo, hi + 1
+
+
+def sparse_accumulate(uint8_t[::1] dst, const uint8_t[::1] payload, bint wide, int code):
+    """``dst.view(float32)[indices] += values``, every duplicate index adding
+    its own value, in the payload's order (the payload as :func:`sparse_span`
+    reads it).  The whole payload is checked first: an index past dst's
+    words raises ValueError and nothing is added.
+
+    One thread, on purpose: two items of one request may name the same word,
+    so parts of a request added by different threads could lose an add (the
+    dense kernel cuts on cache lines because its items never collide).  The
+    GIL is released."""
+    cdef Py_ssize_t n = _sparse_count(payload, wide, code)
+    if n == 0:
+        return
+    cdef uint64_t words = <uint64_t>(dst.shape[0] // 4)
+    cdef const char *idx = <const char *>&payload[8]
+    cdef const char *vals = idx + n * (8 if wide else 4)
+    cdef char *d = <char *>&dst[0]
+    cdef Py_ssize_t i, bad = -1
+    cdef uint64_t at
+    cdef float a, b
+    cdef uint16_t h
+    cdef uint32_t u
+    with nogil:
+        for i in range(n):
+            if _index_at(idx, wide, i) >= words:
+                bad = i
+                break
+        if bad < 0:
+            for i in range(n):
+                at = 4 * _index_at(idx, wide, i)
+                if code == 1:
+                    memcpy(&b, vals + 4 * i, 4)
+                else:
+                    memcpy(&h, vals + 2 * i, 2)
+                    u = smb2_bf16_to_f32(h) if code == 5 else smb2_f16_to_f32(h)
+                    memcpy(&b, &u, 4)
+                memcpy(&a, d + at, 4)
+                a = a + b
+                memcpy(d + at, &a, 4)
+    if bad >= 0:
+        raise ValueError(f"index {_index_at(idx, wide, bad)} (item {bad}) is past the {words} float32 "
+                         "words it may add to")
+
+
 def to_bfloat16(src, out):
     """Round float32 ``src`` to bfloat16 bit patterns in ``out`` (uint16, as
     many items): round to nearest, ties to even; too large -> +-inf; NaN

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _core, auth, checkpoint, parts, replication, serverlist
+from . import _core, auth, checkpoint, parts, replication, serverlist, sparse
 from . import notify as _notify
 from .checks import check_int, check_word, to_signed
 from .errors import (
@@ -47,7 +47,15 @@ from .errors import (
 )
 from .lock import REPLICATED_LOCK_BYTES, Fence, Lock, ReplicatedLock, fence_of, replicated_lock_buffer
 from .placement import Placement, check_replicas
-from .protocol import DEFAULT_MAX_REQUEST, DTYPE_CODES, MASK64, PEEK_READS, WIRE_CODES, parse_address
+from .protocol import (
+    DEFAULT_MAX_REQUEST,
+    DTYPE_CODES,
+    MASK64,
+    PEEK_READS,
+    REPL_PREFIX_SIZE,
+    WIRE_CODES,
+    parse_address,
+)
 from .transport import KINDS, Link, MemoryDomain, ShmTransport, Transport
 
 log = logging.getLogger("smb2.client")
@@ -794,6 +802,9 @@ class Buffer:
                 await t.write(parts, seg, seg_off, length)
             else:
                 await t.write_fenced(parts, seg, seg_off, length, *fence)
+        elif what == "sparse accumulate":
+            # seg_off: the request's base; dtype_code: its flags (sparse.plan)
+            await t.accumulate_sparse(parts, seg, seg_off, dtype_code)
         else:
             await t.accumulate(parts, seg, seg_off, length, dtype_code)
         self._serve_mapped(server, t)
@@ -965,6 +976,45 @@ class Buffer:
         await self._run("accumulate", view, offset, code, timeout=timeout)
         if slot is not None:
             await _notify.raise_to(self, *slot)    # after every server applied its part
+
+    async def accumulate_sparse(self, indices: Any, values: np.ndarray, *, offset: int = 0,
+                                wire: str | None = None, notify: tuple[int, int] | None = None,
+                                timeout: float | None = None) -> None:
+        """Server-side ``buffer.view(float32)[offset // 4 + indices] += values``:
+        the float32 words at those element indices (counted from byte
+        ``offset``) each take their value, and a duplicate index adds once per
+        occurrence (``numpy.add.at``, not ``a[i] += v``).
+
+        ``indices``: a 1-D integer array; ``values``: float32, one per index.
+        ``wire="bfloat16"`` (or ``"float16"``) sends the values half as wide,
+        as :meth:`accumulate` does.  Each server gets one request (more where
+        one would pass the frame size), checked whole before any of it is
+        added, and atomic with respect to other accumulates and writes there,
+        as a dense accumulate's.  ``notify`` as for :meth:`write`."""
+        offset = check_int("offset", offset, low=0)
+        idx, sent, code = sparse.check(self.name, self.nbytes, offset, indices, values, wire)
+        slot = _notify.check_notify(self, notify) if notify is not None else None
+        self.client.ensure_open()
+        if len(idx):
+            links = self.client.links
+            limit = min([DEFAULT_MAX_REQUEST, *(t.max_request for link in links if (t := link.transport) is not None),
+                         *(f for link in links if (t := link.transport) is not None
+                           and isinstance(f := t.server_info.get("max_frame"), int) and f > 0)])
+            if self.placement is not None:
+                limit -= REPL_PREFIX_SIZE
+            reqs = sparse.plan(idx, sent, code, offset, stripe=self.stripe, nservers=self.nservers,
+                               first=self.first, per_stripe=self.placement is not None, limit=limit)
+            if self.placement is not None:
+                await replication.run_sparse(self, reqs, self.client.deadline(timeout))
+            else:
+                coros = [self._one("sparse accumulate", links[r.target], r.target, r.payload, r.base, r.nbytes,
+                                   r.flags, None, timeout) for r in reqs]
+                try:
+                    await (coros[0] if len(coros) == 1 else _gather(coros))
+                except TransportError as exc:
+                    raise self._lost(exc) from None
+        if slot is not None:
+            await _notify.raise_to(self, *slot)    # after every server added its part
 
     async def fetch_add(self, offset: int, value: int = 1, *, timeout: float | None = None) -> int:
         """Atomically add ``value`` to the int64 word at ``offset`` (8-byte

@@ -56,10 +56,14 @@ class Op(enum.IntEnum):
     LOCK_ACQUIRE = 7   # no payload; reply (when granted, maybe much later): u64 ticket
     LOCK_RELEASE = 8   # payload: u64 ticket; empty reply, STALE_FENCE if it did not hold
     LOCK_CANCEL = 9    # payload: u64 request id of an earlier LOCK_ACQUIRE; empty reply
+    # payload: u64 count n, n indices (u32; u64 with FLAG_WIDE_INDEX), n values
+    # (flags carry their dtype); offset: the segment's byte offset of element
+    # index 0; empty reply.  A server says it takes it at hello ("sparse").
+    ACCUMULATE_SPARSE = 10
 
 
 DATA_OPS: Final = frozenset({Op.READ, Op.WRITE, Op.ACCUMULATE, Op.FETCH_ADD,
-                             Op.COMPARE_SWAP})
+                             Op.COMPARE_SWAP, Op.ACCUMULATE_SPARSE})
 
 LOCK_OPS: Final = frozenset({Op.LOCK_ACQUIRE, Op.LOCK_RELEASE, Op.LOCK_CANCEL})
 
@@ -92,7 +96,14 @@ FLAG_REPLICATED: Final = 0x0200
 FLAG_FORWARDED: Final = 0x0400
 REPL_FLAGS: Final = FLAG_REPLICATED | FLAG_FORWARDED
 REPL_PREFIX_SIZE: Final = 24
-REPLICATED_OPS: Final = frozenset({Op.WRITE, Op.ACCUMULATE, Op.FETCH_ADD, Op.COMPARE_SWAP})
+REPLICATED_OPS: Final = frozenset({Op.WRITE, Op.ACCUMULATE, Op.FETCH_ADD, Op.COMPARE_SWAP,
+                                   Op.ACCUMULATE_SPARSE})
+# ACCUMULATE_SPARSE only: its indices are u64 (u32 without it)
+FLAG_WIDE_INDEX: Final = 0x0800
+# the value dtypes a sparse accumulate takes, all into float32 words
+SPARSE_CODES: Final = frozenset({_core.DTYPE_FLOAT32, _core.DTYPE_BFLOAT16_INTO_FLOAT32,
+                                 _core.DTYPE_FLOAT16_INTO_FLOAT32})
+SPARSE_COUNT_SIZE: Final = 8
 
 # dtype codes carried in the flags of ACCUMULATE (the same numbers as _core's):
 # a delta of the destination's own dtype, by its numpy name ...
@@ -130,6 +141,16 @@ def accumulate_span(flags: int, offset: int, length: int) -> int:
                          f"{dst_item} bytes and whole {src_item}-byte items of payload, "
                          f"not offset {offset} and {length} bytes")
     return length // src_item * dst_item
+
+def sparse_code(flags: int) -> int:
+    """The value dtype code an ACCUMULATE_SPARSE's flags carry."""
+    return (flags & DTYPE_MASK) >> DTYPE_SHIFT
+
+
+def sparse_item_size(flags: int) -> int:
+    """Payload bytes per item (index and value) of an ACCUMULATE_SPARSE."""
+    index = 8 if flags & FLAG_WIDE_INDEX else 4
+    return index + _core.dtype_sizes(sparse_code(flags))[1]
 
 # Limits a server applies unless configured otherwise.
 DEFAULT_MAX_FRAME: Final = 64 << 20      # largest payload of one frame

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
-from . import _core
+from . import _core, sparse
 from .errors import (
     BackupFailed,
     BufferConflict,
@@ -501,6 +501,23 @@ async def run(buf: ReplicatedBuffer, what: str, view: memoryview, offset: int, l
 
     await _bounded(deadline, f"{what} of buffer {buf.name!r}",
                    asyncio.gather(*(one(*p) for p in pieces)) if len(pieces) > 1 else one(*pieces[0]))
+
+
+async def run_sparse(buf: ReplicatedBuffer, requests: Sequence[sparse.Request], deadline: float | None) -> None:
+    """A sparse accumulate planned per stripe (``sparse.plan``): each
+    request to its stripe's primary, which forwards it to the backups."""
+    views = await buf.views()
+
+    async def one(r: sparse.Request) -> None:
+        seq = views.next_seq()
+
+        async def mutate(t: Transport, seg: int, seg_off: int, seen: View) -> None:
+            t.require_sparse()
+            await t.replicated(Op.ACCUMULATE_SPARSE, r.flags, seg, seg_off, [views.prefix(seen, seq), *r.payload])
+        await _attempts(buf, r.target, r.base, r.nbytes, "sparse accumulate", mutate)
+
+    await _bounded(deadline, f"sparse accumulate of buffer {buf.name!r}",
+                   asyncio.gather(*(one(r) for r in requests)) if len(requests) > 1 else one(requests[0]))
 
 
 async def _read(buf: ReplicatedBuffer, views: Views, i: int, within: int, part: memoryview, n: int) -> None:

@@ -65,7 +65,12 @@ Nesterov momentum 0.9 (the paper's).  ``--systems`` also takes ``torchft-streami
 DiLoCo: two fragments, each exchanged every H steps in turn, overlapping one inner step) and
 the variants docs/training.md cites from before the stable default: ``delta``
 (every change counted whole, no lag scaling: that time's default port), ``delta/bf16``,
-``delta/drop`` (layer dropping 0.7), ``accumulate``, ``accumulate/drop``.  A system whose rule
+``delta/drop`` (layer dropping 0.7), ``accumulate``, ``accumulate/drop``; and ``diloco/topk:F``,
+diloco with a compressed exchange (``compress="topk:F"``: the top-k of each pseudo-gradient by
+sparse accumulate, error feedback on the worker), which ``--compress topk:F`` adds beside dense
+``diloco``: the summary gives the bytes each system pushed per exchange (a worker's uploads, the
+momentum steps it made included) and the compression's targets against dense diloco (>= 10x
+fewer bytes, a final figure within 1 %, in (c) the target >= 1.5x sooner).  A system whose rule
 this smb2 lacks is left out, with a line saying so.
 
 Runs: every system runs ``--runs`` (3) times in every scenario, the default port
@@ -88,7 +93,8 @@ hides inside backward): 1 - the time of as many steps under ``no_sync()``
 
     python tools/bench_tta.py [--quick] [--task mlp|lm]
         [--scenarios homogeneous,straggler,comm-bound,overloaded,fault,fault-rejoin]
-        [--systems ddp,default,diloco,easgd,torchft] [--runs 3] [--default-runs 10] [--hogs W]
+        [--systems ddp,default,diloco,easgd,torchft] [--compress topk:0.01] [--runs 3] [--default-runs 10]
+        [--hogs W]
         [--budget S] [--stop budget|target] [--json out.json] [--png out.png]
         [--replicas 2 [--kill-at 0.5]]
 
@@ -158,7 +164,21 @@ TORCHFT_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 #: torchft's lighthouse (on a host of its own) and each replica group's manager and store ports
 LIGHTHOUSE_PORT = 29510
 TORCHFT_PORT = 29600
+#: diloco with a compressed exchange (``compress="topk:F"``): the system ``COMPRESSED + F``; ``--compress
+#: topk:F`` adds it to the systems, and the default one is among EXTRA
+COMPRESSED = "diloco/topk:"
+EXTRA[COMPRESSED + "0.01"] = {"rule": "diloco", "local_steps": DILOCO_H, "compress": "topk:0.01"}
 ALL_SYSTEMS: dict[str, dict[str, Any] | None] = {**SYSTEMS, **EXTRA}
+
+
+def spec_of(system: str) -> dict[str, Any] | None:
+    """The AsyncOptimizer keywords of ``system`` (None: DDP); KeyError for no system: a named one,
+    or ``diloco/topk:F`` for any fraction F."""
+    if system in ALL_SYSTEMS:
+        return ALL_SYSTEMS[system]
+    if system.startswith(COMPRESSED):
+        return {"rule": "diloco", "local_steps": DILOCO_H, "compress": system.removeprefix("diloco/")}
+    raise KeyError(system)
 SCENARIOS = ("homogeneous", "straggler", "comm-bound", "overloaded", "fault", "fault-rejoin")
 #: (e): the last worker is SIGKILLed at this fraction of the budget of rank 0's training clock, and
 #: in "fault-rejoin" started again at the second one
@@ -289,7 +309,7 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
         task.before_step(inner, net.parameters())
         opt.step()
 
-    spec = ALL_SYSTEMS[system]
+    spec = spec_of(system)
     stop_file = Path(f"{a.stop_file}.{tag}")
     aopt = peer = None
     if spec is None:
@@ -786,7 +806,7 @@ def kill_server_at(started: Path, after: float, server_procs: dict[str, subproce
 def available(system: str) -> bool:
     """Does this smb2 have the system's update rule (torchft's: is torchft installed)?"""
     from smb2.train.rules import RULES
-    spec = ALL_SYSTEMS[system]
+    spec = spec_of(system)
     if spec is not None and "torchft" in spec:
         return importlib.util.find_spec("torchft") is not None
     return spec is None or spec.get("rule", "delta") in RULES
@@ -795,7 +815,7 @@ def available(system: str) -> bool:
 def expected_bytes_per_step(system: str, params: int, world: int) -> float | None:
     """Payload bytes one worker moves per step by the rule, before protocol overhead (None: varies)."""
     model = 4 * params
-    spec = ALL_SYSTEMS[system]
+    spec = spec_of(system)
     if spec is None:       # DDP's ring all-reduce: 2 (W-1)/W of the gradient out, as much in
         return 2 * 2 * (world - 1) / world * model
     if spec.get("dropping") or spec.get("rule") == "diloco" or "torchft" in spec:
@@ -832,6 +852,9 @@ def summarize(outs: list[dict[str, Any]], system: str, scenario: str, cfg: dict[
            "worker_link_rates": [o["link_rate"] for o in outs], "workers_time": [o["time"] for o in outs]}
     if "bytes_pushed" in r0:
         row["payload_bytes_per_step"] = [(o["bytes_pushed"] + o["bytes_pulled"]) / o["steps"] for o in outs]
+        # what a worker uploads per exchange (its pushes, the momentum steps it made included)
+        exchanges = sum(o["exchanges"] for o in outs)
+        row["pushed_bytes_per_exchange"] = sum(o["bytes_pushed"] for o in outs) / exchanges if exchanges else None
     return row
 
 
@@ -868,7 +891,7 @@ def run_one_scenario(a: argparse.Namespace, cfg: dict[str, Any], scenario: str, 
         # the whole budget (the kill and the rejoin fall at fractions of it)
         plan = [(i, [s]) for i, systems in plan for s in systems]
         cfg = {**cfg, "stop": "budget"}
-    torchft = any("torchft" in (ALL_SYSTEMS[s] or {}) for s in a.systems)
+    torchft = any("torchft" in (spec_of(s) or {}) for s in a.systems)
     # hosts 0..S-1 are memory servers, S..S+W-1 workers, then torchft's lighthouse: every one
     # behind its own limited link
     with netns_cluster.NetnsCluster(servers=nserv + nwork + torchft, rate=rate, start_servers=False,
@@ -886,7 +909,7 @@ def run_one_scenario(a: argparse.Namespace, cfg: dict[str, Any], scenario: str, 
                 hogs = f", {cfg['hogs']} unpinned busy processes" if scenario == "overloaded" else ""
                 print(f"bench_tta: {scenario} run {i + 1} ({rate} links{hogs}, loopback 64 B round trip "
                       f"{rtt:.0f} µs): {', '.join(systems)} ...", file=sys.stderr, flush=True)
-                lighthouse = nserv + nwork if any("torchft" in (ALL_SYSTEMS[s] or {}) for s in systems) else None
+                lighthouse = nserv + nwork if any("torchft" in (spec_of(s) or {}) for s in systems) else None
                 for row in run_scenario(cluster, cfg, systems, scenario, servers,
                                         {f"server {addr}": p for addr, p in zip(servers, procs)}, workers,
                                         budget, run=i, replicas=a.replicas, kill_at=a.kill_at,
@@ -967,6 +990,7 @@ def summarize_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
             "final_vs_ddp": _median([r["final_vs_ddp"] for r in with_ddp]),
             "collapsed": sum(1 for r in rows if r["collapsed"]),
             "collapse_warnings": sum(r.get("collapse_warnings", 0) for r in rows),
+            "pushed_bytes_per_exchange": _median([r.get("pushed_bytes_per_exchange") for r in rows]),
             "rtt_us": _median([r["rtt_us"] for r in rows])})
     return out
 
@@ -1007,6 +1031,42 @@ def targets(summary: list[dict[str, Any]], task: str = "mlp") -> list[dict[str, 
                         "measured": f"{best['system']}: {_ratio(best['ddp_ratio'], best['ddp_ratio_at_least'])}, "
                         f"{_opt(pts, '+.1f', unit)}",
                         "met": best["ddp_ratio"] >= BEST_RATIO[scenario] and pts is not None and pts >= best_floor})
+        out += compression_targets(scenario, rows, task)
+    return out
+
+
+#: compressed against bf16 dense diloco: bytes per exchange at least this many times fewer, and in (c)
+#: the target this many times sooner
+COMPRESSED_FEWER_BYTES = 10.0
+COMPRESSED_SOONER = {"comm-bound": 1.5}
+
+
+def compression_targets(scenario: str, rows: dict[str, dict[str, Any]], task: str) -> list[dict[str, Any]]:
+    """Each compressed diloco against dense ``diloco`` in one scenario: >= 10x fewer bytes pushed per
+    exchange, a final figure within 1 % of dense diloco's, and in (c) the target >= 1.5x sooner."""
+    dense = rows.get("diloco")
+    out: list[dict[str, Any]] = []
+    if dense is None:
+        return out
+    for name, c in rows.items():
+        if not name.startswith(COMPRESSED):
+            continue
+        fewer = (dense["pushed_bytes_per_exchange"] / c["pushed_bytes_per_exchange"]
+                 if dense["pushed_bytes_per_exchange"] and c["pushed_bytes_per_exchange"] else None)
+        out.append({"scenario": scenario, "target": f"{name} >= {COMPRESSED_FEWER_BYTES:g}x fewer bytes/exchange "
+                    "than diloco", "measured": _opt(fewer, ".1f", "x fewer"),
+                    "met": fewer is not None and fewer >= COMPRESSED_FEWER_BYTES})
+        if c["final"] is not None and dense["final"] is not None:
+            worse = -better_than(task, c["final"], dense["final"])
+            unit = " %" if task == "lm" else " points"
+            out.append({"scenario": scenario, "target": f"{name} final within 1{unit} of diloco's",
+                        "measured": _opt(-worse, "+.1f", unit), "met": worse <= 1.0})
+        if scenario in COMPRESSED_SOONER:
+            ratio = (dense["time_to_target_s"] / c["time_to_target_s"]
+                     if dense["time_to_target_s"] and c["time_to_target_s"] else None)
+            out.append({"scenario": scenario, "target": f"{name} to target >= {COMPRESSED_SOONER[scenario]}x "
+                        "as fast as diloco", "measured": _ratio(ratio, False),
+                        "met": ratio is not None and ratio >= COMPRESSED_SOONER[scenario]})
     return out
 
 
@@ -1030,6 +1090,10 @@ def _ratio(v: float | None, at_least: bool) -> str:
     return "-" if v is None else f"{'>=' if at_least and v > 0 else ''}{v:.2f}x"
 
 
+def _mb(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / 1e6
+
+
 def _opt(v: float | None, spec: str, suffix: str) -> str:
     return "-" if v is None else f"{v:{spec}}{suffix}"
 
@@ -1043,13 +1107,14 @@ def table(result: dict[str, Any]) -> str:
 def summary_table(result: dict[str, Any]) -> str:
     """Medians over the runs, and the stability targets, met or not."""
     lines = [f"{'scenario':>11} {'system':>15} {'runs':>4} {'to tgt s':>8} {'x DDP':>8} {'final':>6} "
-             f"{'vs DDP':>7} {'collapsed':>9} {'64 B rtt':>9}"]
+             f"{'vs DDP':>7} {'collapsed':>9} {'64 B rtt':>9} {'MB pushed/exchange':>18}"]
     for s in result["summary"]:
         ttt = _opt(s['time_to_target_s'], '.1f', '')
         lines.append(f"{s['scenario']:>11} {s['system']:>15} {s['runs']:>4} {ttt:>8} "
                      f"{_ratio(s['ddp_ratio'], s['ddp_ratio_at_least']):>8} {_opt(s['final'], '.3f', ''):>6} "
                      f"{_opt(s['final_vs_ddp'], '+.1f', ''):>7} {s['collapsed']:>9} "
-                     f"{_opt(s['rtt_us'], '.0f', ' µs'):>9}")
+                     f"{_opt(s['rtt_us'], '.0f', ' µs'):>9} "
+                     f"{_opt(_mb(s.get('pushed_bytes_per_exchange')), '.4f', ''):>18}")
     faults = [r for r in result["rows"] if "fault" in r]
     if faults:      # (e): what each system did when a worker was killed, as rank 0 saw it
         lines += ["", f"{'scenario':>12} {'system':>17} {'killed s':>8} {'back s':>6} {'to tgt s':>8}  what it did"]
@@ -1098,7 +1163,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--scenarios", type=lambda s: s.split(","), default=None,
                     help=f"comma list of {', '.join(SCENARIOS)} (default: all; --quick: homogeneous)")
     ap.add_argument("--systems", type=lambda s: s.split(","), default=list(SYSTEMS),
-                    help=f"comma list of {', '.join(ALL_SYSTEMS)} (default: {', '.join(SYSTEMS)})")
+                    help=f"comma list of {', '.join(ALL_SYSTEMS)}, or {COMPRESSED}F (default: {', '.join(SYSTEMS)})")
+    ap.add_argument("--compress", default=None, metavar="topk:F",
+                    help="also run diloco with this compressed exchange (the system diloco/topk:F), beside dense "
+                         "diloco: bytes per exchange and time to target against it")
     ap.add_argument("--runs", type=int, default=None,
                     help="runs of every system in every scenario; the rows' medians are reported (default 3; "
                          "--quick: 1)")
@@ -1157,6 +1225,20 @@ def _worker_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _known(system: str) -> bool:
+    try:
+        spec = spec_of(system)
+    except KeyError:
+        return False
+    if spec is not None and "compress" in spec:
+        from smb2.train.compress import TopK
+        try:
+            TopK.parse(spec["compress"])
+        except ValueError:
+            return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_worker"]:
@@ -1170,7 +1252,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.default_runs is None:
         a.default_runs = a.runs if a.quick else 10
     a.default_runs = max(a.default_runs, a.runs)
-    bad = [s for s in a.scenarios if s not in SCENARIOS] + [s for s in a.systems if s not in ALL_SYSTEMS]
+    if a.compress is not None:
+        for system in ("diloco", "diloco/" + a.compress):
+            if system not in a.systems:
+                a.systems.append(system)
+    bad = [s for s in a.scenarios if s not in SCENARIOS] + [s for s in a.systems if not _known(s)]
     if bad:
         _parser().error(f"unknown scenario/system {', '.join(bad)}")
     missing = [s for s in a.systems if not available(s)]

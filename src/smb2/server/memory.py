@@ -68,6 +68,7 @@ from ..protocol import (
     unpack,
 )
 from ..version import __version__
+from . import sparse
 from .datadir import DataDir
 from .guard import Admission, MemoryPool, RateLimitedLog
 from .locks import LockService
@@ -693,6 +694,8 @@ COPY_REPLY_MAX = 64 << 10
 NO_REQUEST: Header = (0,) * 9
 # a staged accumulate's payload: u64 staging offset, u64 length
 STAGED_PAYLOAD = 16
+# the ops that add their payload: held whole in scratch, so bounded alike
+ACCUMULATES = frozenset({Op.ACCUMULATE, Op.ACCUMULATE_SPARSE})
 _FENCE = Prefix(FENCE_SIZE)
 
 
@@ -1027,7 +1030,7 @@ class Connection(FrameReceiver):
             self.close_with(f"frame of {length} bytes exceeds the limit of "
                             f"{self.server.max_frame}", hdr, ErrorCode.TOO_LARGE)
             return CLOSED
-        if op == Op.ACCUMULATE and size > MAX_ACCUMULATE + (REPL_PREFIX_SIZE if flags & REPL_FLAGS else 0):
+        if op in ACCUMULATES and size > MAX_ACCUMULATE + (REPL_PREFIX_SIZE if flags & REPL_FLAGS else 0):
             self.close_with(f"accumulate of {size} bytes exceeds the limit of {MAX_ACCUMULATE}",
                             hdr, ErrorCode.TOO_LARGE)
             return CLOSED
@@ -1069,13 +1072,21 @@ class Connection(FrameReceiver):
                           "(smb2-server --membership)")
         if op not in REPLICATED_OPS or flags & FLAG_STAGED or (flags & REPL_FLAGS) == REPL_FLAGS:
             raise Refused(ErrorCode.BAD_REQUEST, "REPLICATED or FORWARDED is a flag of WRITE, ACCUMULATE, "
-                          "FETCH_ADD or COMPARE_SWAP, not both, never STAGED")
+                          "ACCUMULATE_SPARSE, FETCH_ADD or COMPARE_SWAP, not both, never STAGED")
         head = REPL_PREFIX_SIZE + (FENCE_SIZE if flags & FLAG_FENCED and op == Op.WRITE else 0)
         if size < head:
             raise Refused(ErrorCode.BAD_REQUEST, f"a replicated op's payload starts with {head} bytes "
                           "(epoch, client id, sequence[, fence])")
         n = size - head
         _refuse_lock_segment(hdr[H_SEGMENT])
+        if op == Op.ACCUMULATE_SPARSE:
+            # its indices are checked, against the stripe, once the payload is in
+            seg = self._segment(hdr[H_SEGMENT], 0, 0)
+            sparse.check_header(seg, flags, offset)
+            if seg.replicas < 2:
+                raise Refused(ErrorCode.BAD_REQUEST, f"buffer {seg.name!r} is not replicated: send its ops "
+                              "without REPLICATED")
+            return INLINE
         if op == Op.ACCUMULATE:
             n = _accumulate_span(hdr, offset, n)
         elif op != Op.WRITE and (offset % 8 or n != (8 if op == Op.FETCH_ADD else 16)):
@@ -1128,6 +1139,18 @@ class Connection(FrameReceiver):
         # the dtype and alignment first, then the bounds of the whole range
         if self._segment(segment, offset, _accumulate_span(hdr, offset, length)).replicas > 1:
             _refuse_unreplicated(self.server.segments[segment])
+        return INLINE
+
+    def _check_sparse(self, hdr: Header, size: int) -> Destination:
+        segment, offset, flags = hdr[H_SEGMENT], hdr[H_OFFSET], hdr[H_FLAGS]
+        _refuse_lock_segment(segment)
+        if flags & FLAG_STAGED and (size != STAGED_PAYLOAD or self.rdma_peer is None):
+            raise Refused(ErrorCode.BAD_REQUEST, "a staged accumulate needs rdma_connect and a 16-byte payload")
+        seg = self._segment(segment, 0, 0)
+        # the dtype and the base now; the indices once the payload is in
+        sparse.check_header(seg, flags, offset)
+        if seg.replicas > 1:
+            _refuse_unreplicated(seg)
         return INLINE
 
     def _check_atomic(self, hdr: Header, size: int) -> Destination:
@@ -1227,6 +1250,22 @@ class Connection(FrameReceiver):
         self.server.bytes_in += hdr[H_LENGTH]
         self._accumulate(hdr, seg, payload)
 
+    def _do_sparse(self, hdr: Header, payload: memoryview | None) -> None:
+        assert payload is not None
+        flags, offset = hdr[H_FLAGS], hdr[H_OFFSET]
+        if flags & FLAG_STAGED:
+            # a copy: the client can still RDMA-write its staging slot, and
+            # the indices checked must be the indices added
+            data: memoryview | bytes = bytes(self.rdma_peer.staged(_core.unpack_u64(payload, 0),
+                                                                   _core.unpack_u64(payload, 8)))
+        else:
+            data = payload
+        seg = self._still_there(hdr[H_SEGMENT])
+        lo, hi = sparse.span(seg, flags, offset, data)
+        self.server.bytes_in += len(data)
+        self.counts.bytes_in[hdr[H_OP]] += len(data)
+        self._in_order(hdr, seg, lo, hi, data, lambda items: sparse.add(seg, flags, offset, items))
+
     def _do_fetch_add(self, hdr: Header, payload: memoryview | None) -> None:
         assert payload is not None
         seg, offset = self._still_there(hdr[H_SEGMENT]), hdr[H_OFFSET]
@@ -1256,8 +1295,16 @@ class Connection(FrameReceiver):
         self.counts.bytes_in[hdr[H_OP]] += length
         code = (hdr[H_FLAGS] & DTYPE_MASK) >> DTYPE_SHIFT
         end = offset + accumulate_span(hdr[H_FLAGS], offset, length)
-        if seg.overlaps_inflight(offset, end):
+        self._in_order(hdr, seg, offset, end, payload, lambda delta: self.server.add(seg.view[offset:end], delta, code))
+
+    def _in_order(self, hdr: Header, seg: Segment, lo: int, hi: int, payload: memoryview | bytes,
+                  apply: Callable[[memoryview | bytes], None]) -> None:
+        """``apply(payload)`` (an accumulate, dense or sparse, of the
+        segment's bytes ``[lo, hi)``) now, or once no write still being
+        received overlaps them; then the reply."""
+        if seg.overlaps_inflight(lo, hi):
             delta = bytes(payload)       # the inbox is reused: keep a copy
+            length = len(delta)
             # Waiting accumulates hold copies of their deltas: bound them per
             # connection (a write that never completes must not let a client
             # queue unbounded memory behind it).
@@ -1272,7 +1319,7 @@ class Connection(FrameReceiver):
 
             def run() -> None:
                 if seg.id in self.server.segments:
-                    self.server.add(seg.view[offset:end], delta, code)
+                    apply(delta)
                 self._deferred_bytes -= length
                 pool.give(length)
                 self.reply(hdr)
@@ -1280,9 +1327,9 @@ class Connection(FrameReceiver):
                     # not from here: this runs inside another connection's
                     # frame handling, and parsing ours now would nest them
                     asyncio.get_running_loop().call_soon(self._unhold_input, "deferred")
-            seg.deferred.append((offset, end, run))
+            seg.deferred.append((lo, hi, run))
             return
-        self.server.add(seg.view[offset:end], payload, code)
+        apply(payload)
         self.reply(hdr)
 
     def _accumulate_staged(self, hdr: Header, payload: memoryview) -> None:
@@ -1341,7 +1388,10 @@ class Connection(FrameReceiver):
         result: dict[str, Any] = {
             "version": VERSION, "server_id": srv.server_id, "capacity": srv.capacity,
             "max_frame": srv.max_frame,
-            "transports": srv.transports()}
+            "transports": srv.transports(),
+            # this server takes ACCUMULATE_SPARSE (one without it closes the
+            # connection on an op it does not know)
+            "sparse": True}
         if srv.rdma is None:
             result["rdma_off"] = srv.rdma_reason
         if srv.shm is None:
@@ -1604,10 +1654,12 @@ class Connection(FrameReceiver):
 
     _HEADER_CHECKS: ClassVar[dict[int, Callable[[Connection, Header, int], Destination]]] = {
         Op.READ: _check_read, Op.WRITE: _check_write, Op.ACCUMULATE: _check_accumulate,
+        Op.ACCUMULATE_SPARSE: _check_sparse,
         Op.FETCH_ADD: _check_atomic, Op.COMPARE_SWAP: _check_atomic,
         **dict.fromkeys(LOCK_OPS, _check_lock_op)}
     _EXECUTE: ClassVar[dict[int, Callable[[Connection, Header, memoryview | None], None]]] = {
         Op.READ: _do_read, Op.WRITE: _do_write, Op.ACCUMULATE: _do_accumulate,
+        Op.ACCUMULATE_SPARSE: _do_sparse,
         Op.FETCH_ADD: _do_fetch_add, Op.COMPARE_SWAP: _do_compare_swap,
         **dict.fromkeys(LOCK_OPS, _do_lock_op)}
     _CONTROL: ClassVar[dict[str, Callable[[Connection, Header, dict[str, Any]], dict[str, Any] | None]]] = {

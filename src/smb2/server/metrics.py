@@ -64,7 +64,7 @@ _LAST_BIT: Final = 34
 _BUCKET_LABELS: Final = tuple(str((1 << b) / 1e9) for b in range(_FIRST_BIT, _LAST_BIT + 1))
 # the data ops whose payload bytes are counted (an atomic moves one 8-byte
 # word, a lock op one ticket: their count says it)
-BYTE_OPS: Final = (Op.READ, Op.WRITE, Op.ACCUMULATE)
+BYTE_OPS: Final = (Op.READ, Op.WRITE, Op.ACCUMULATE, Op.ACCUMULATE_SPARSE)
 
 
 class Durations:

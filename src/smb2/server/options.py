@@ -114,7 +114,8 @@ class ServerOptions:
         None, "threads a large accumulate is cut among, the loop's own included: each part is at least "
         "--thread-part bytes, and the request is answered once all parts are added, so every operation "
         "keeps its order (default: the CPUs this process may use, at most "
-        f"{MAX_THREADS}; 1 = the loop adds alone)", type=int, metavar="N")
+        f"{MAX_THREADS}; 1 = the loop adds alone; a sparse accumulate is never cut: two of its items may name "
+        "one word)", type=int, metavar="N")
     thread_part: int | str = _option(
         f"{PARALLEL_ACCUMULATE >> 10}KiB", "the smallest part of an accumulate one thread adds (default "
         f"{PARALLEL_ACCUMULATE >> 10}KiB, at least {MIN_THREAD_PART >> 10}KiB): handing a part to a thread "

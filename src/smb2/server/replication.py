@@ -62,6 +62,7 @@ from ..protocol import (
     Op,
     accumulate_span,
 )
+from . import sparse
 from .peers import LINK_FAILED, PeerLink, error_message
 from .segment import Refused, Segment
 from .viewcheck import lost_copies, lost_groups, placement, stripe_groups
@@ -154,6 +155,9 @@ def apply_op(seg: Segment, op: int, flags: int, offset: int, data: memoryview,
     its threads: done when it returns)."""
     if op == Op.WRITE:
         _core.copy_into(seg.view[offset:offset + len(data)], data)
+        return b""
+    if op == Op.ACCUMULATE_SPARSE:
+        sparse.add(seg, flags, offset, data)       # checked whole before (sparse.span)
         return b""
     if op == Op.ACCUMULATE:
         end = offset + accumulate_span(flags, offset, len(data))
@@ -1011,6 +1015,12 @@ class Replication:
                               "lost (lease expired, released, or a newer holder wrote here)")
             body += FENCE_SIZE
         data = payload[body:]
+        if op == Op.ACCUMULATE_SPARSE:
+            # every index within the op's stripe (a copy holds whole stripes,
+            # each at a multiple of the stripe), checked before anything is
+            # applied or remembered: a refused op leaves every copy as it was
+            lo = offset - offset % placement.stripe
+            sparse.span(seg, flags, offset, data, within=(lo, lo + placement.stripe))
         result = apply_op(seg, op, flags, offset, data, self.server.add)
         self.server.bytes_in += len(data)
         entry = Entry(result)

@@ -105,7 +105,7 @@ def control_payload(rng: random.Random, seg_name: str = "scratch") -> bytes:
 def valid_frame(rng: random.Random, segment: int, seg_size: int, rid: int) -> bytes:
     """A well-formed request aimed at a real segment (mostly in bounds)."""
     op = rng.choice([Op.READ, Op.WRITE, Op.ACCUMULATE, Op.FETCH_ADD, Op.COMPARE_SWAP,
-                     Op.CONTROL, Op.CONTROL])
+                     Op.ACCUMULATE_SPARSE, Op.CONTROL, Op.CONTROL])
     off = rng.randrange(0, seg_size, 8)
     n = rng.randrange(0, min(4096, seg_size - off) + 1) & ~7
     if op == Op.READ:
@@ -116,6 +116,14 @@ def valid_frame(rng: random.Random, segment: int, seg_size: int, rid: int) -> by
         code = rng.randrange(1, 7)      # 5, 6: a half-width delta covering twice n
         return frame(op, rng.randbytes(n), rid=rid, segment=segment, offset=off,
                      flags=code << 4)
+    if op == Op.ACCUMULATE_SPARSE:
+        # a count, indices mostly within the segment (u32), float32 or bf16 values
+        k = rng.randrange(0, 64)
+        code = rng.choice([1, 5])
+        words = max(1, (seg_size - off) // 4)
+        idx = b"".join(rng.randrange(words + 2).to_bytes(4, "little") for _ in range(k))
+        return frame(op, k.to_bytes(8, "little") + idx + rng.randbytes(k * (4 if code == 1 else 2)), rid=rid,
+                     segment=segment, offset=off, flags=code << 4)
     if op == Op.FETCH_ADD:
         return frame(op, rng.randbytes(8), rid=rid, segment=segment, offset=off)
     if op == Op.COMPARE_SWAP:

@@ -61,6 +61,8 @@ as W single processes, and can collapse under uneven load).
   worker continues from the fresh shared weights (the
   steps it made while the exchange travelled are kept on top).  ``close()``
   pushes the last, shorter round.  Lag scaling is on by default for it.
+  ``compress="topk:0.01"`` sends each round's top 1 % by sparse accumulate,
+  the rest kept on the worker for the next round (error feedback).
 
 Model buffers (BatchNorm's running mean and variance: floating-point
 buffers) are averaged through the store: each exchange adds

@@ -43,6 +43,7 @@ from ..client import Buffer, Client
 from ..errors import InterfaceError, InvalidArgumentError
 from ..lock import Lock, ReplicatedLock
 from . import beside
+from .compress import TopK
 from .dropping import LayerDropping
 
 
@@ -446,7 +447,8 @@ class DiLoCo(UpdateRule):
     exchange_at_close = True
 
     def __init__(self, lr: float = 0.01, local_steps: int = 8, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.5, wire: str | None = "bfloat16", buffers: Sequence[str] = ()) -> None:
+                 outer_momentum: float = 0.5, wire: str | None = "bfloat16", buffers: Sequence[str] = (),
+                 compress: str | None = None) -> None:
         super().__init__(lr)
         #: tensors that are model buffers (running statistics), not parameters:
         #: they take the workers' mean change, not an outer step
@@ -463,8 +465,12 @@ class DiLoCo(UpdateRule):
         if wire not in (None, "bfloat16", "float16"):
             raise InvalidArgumentError(f"wire must be None, 'bfloat16' or 'float16', not {wire!r}")
         self.wire = wire
+        #: the top-k cut and residual of a compressed exchange (``compress="topk:F"``), or None: dense
+        self.compress = TopK.parse(compress)
         self.steps = 0
         self._outer: Buffer | None = None
+        # the entries of the pseudo-gradient the coming push sends (compressed)
+        self._cut: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def pull_each_step(self) -> bool:
@@ -475,8 +481,11 @@ class DiLoCo(UpdateRule):
         return self.local_steps
 
     def settings(self) -> dict[str, Any]:
-        return {"name": self.name, "lr": self.lr, "local_steps": self.local_steps, "outer_lr": self.outer_lr,
-                "outer_momentum": self.outer_momentum}
+        out = {"name": self.name, "lr": self.lr, "local_steps": self.local_steps, "outer_lr": self.outer_lr,
+               "outer_momentum": self.outer_momentum}
+        if self.compress is not None:
+            out["compress"] = self.compress.spec()
+        return out
 
     def bind(self, store: BoundStore) -> None:
         super().bind(store)
@@ -491,6 +500,13 @@ class DiLoCo(UpdateRule):
             raise InvalidArgumentError(f"buffers {unknown} are not tensors of the store")
         self._buffers = [slice(store.flat_offset(n), store.flat_offset(n) + store.params[n].size)
                          for n in self.buffer_names]
+        if self.compress is not None:
+            if store.flat().dtype != np.float32:
+                raise InvalidArgumentError(f"compress={self.compress.spec()!r} sends float32 entries by sparse "
+                                           f"accumulate; this store holds {store.flat().dtype}")
+            self.compress.bind(store.flat().size, self._buffers)
+            #: the round's sent entries, laid out like the data region (zero elsewhere): what the guard sees
+            self._sent = np.zeros_like(store.flat())
 
     def pulled(self) -> None:
         self._start[...] = self.store.flat()     # a new round starts from the shared weights
@@ -498,7 +514,10 @@ class DiLoCo(UpdateRule):
 
     async def open_run(self, fresh: bool) -> None:
         """The outer momentum and the pseudo-gradients since its last step
-        (``M | B``): zero in a fresh run, kept in a resumed one."""
+        (``M | B``): zero in a fresh run, kept in a resumed one (none for a
+        compressed exchange without outer momentum)."""
+        if not self._momentum_kept:
+            return
         st = self.store
         nbytes = 2 * st.flat().nbytes
         # with the store's replicas: a lost server loses it no more than the store
@@ -527,10 +546,35 @@ class DiLoCo(UpdateRule):
         start the next round from the shared weights."""
         st = self.store
         np.subtract(self._start, st.flat(), out=self._stage)
-        pushed = await st.push_region(self._stage, step=step)
-        if pushed and st.workers > 1 and st.version % st.workers == 0:
+        if self.compress is None:
+            pushed = await st.push_region(self._stage, step=step)
+        else:
+            pushed = await self._push_cut(step)
+        if pushed and st.workers > 1 and st.version % st.workers == 0 and self._momentum_kept:
             await self.momentum_step()
         await st.pull()
+
+    @property
+    def _momentum_kept(self) -> bool:
+        # a compressed exchange without outer momentum keeps no M | B: its
+        # momentum step would add nothing to the weights
+        return self.compress is None or self.outer_momentum > 0
+
+    async def _push_cut(self, step: int | None) -> bool:
+        """The round's pseudo-gradient (in ``_stage``) plus the residual, cut
+        to its top-k, pushed through the store (guard, lag, version) as the
+        sparse region it is; the residual keeps the rest if it went out."""
+        assert self.compress is not None
+        idx, values = self._cut = self.compress.cut(self._stage, self.wire)
+        self._sent[idx] = values
+        try:
+            pushed = await self.store.push_region(self._sent, step=step)
+        finally:
+            self._sent.fill(0.0)        # (one worker with momentum made it its dense step)
+            self._cut = None
+        if pushed:
+            self.compress.sent(idx, values)
+        return pushed
 
     async def _attach_outer(self) -> Buffer:
         if self._outer is None:
@@ -543,6 +587,8 @@ class DiLoCo(UpdateRule):
         step, and its share of the next momentum step into ``B``; with one
         worker the whole Nesterov step."""
         st = self.store
+        if self._cut is not None and not (st.workers == 1 and self._momentum_kept):
+            return await self._push_sparse(self._cut[0], region[self._cut[0]] * np.float32(scale / st.workers))
         outer = await self._attach_outer()
         region *= scale / st.workers                    # s D
         if st.workers == 1:
@@ -558,6 +604,29 @@ class DiLoCo(UpdateRule):
         await asyncio.gather(outer.accumulate(self._read.nbytes, self._read, wire=self.wire),
                              st.buf.accumulate(st.data_off, region, wire=self.wire))
         return int(2 * region.nbytes * _wire_fraction(region.dtype, self.wire))
+
+    async def _push_sparse(self, idx: np.ndarray, sent: np.ndarray) -> int:
+        """A compressed pseudo-gradient's entries ``sent`` (``s D`` at
+        ``idx``): what :meth:`push_region` does with a dense one, by sparse
+        accumulates: ``-lr_out s D`` into the weights, ``s D`` into ``B``
+        (no ``B`` without outer momentum: the momentum step would add
+        nothing); a running statistic takes its mean change, no momentum."""
+        st = self.store
+        change = sent * np.float32(-self.outer_lr)
+        statistic = np.zeros(idx.size, bool)
+        for b in self._buffers:
+            statistic |= (idx >= b.start) & (idx < b.stop)
+        change[statistic] = -sent[statistic]
+        pushes = [st.buf.accumulate_sparse(idx, change, offset=st.data_off, wire=self.wire)]
+        items = idx.size
+        if self._momentum_kept:
+            outer = await self._attach_outer()
+            keep = ~statistic
+            pushes.append(outer.accumulate_sparse(idx[keep], sent[keep], offset=self._read.nbytes, wire=self.wire))
+            items += int(keep.sum())
+        await asyncio.gather(*pushes)
+        assert self.compress is not None
+        return self.compress.wire_bytes(items, self.wire)
 
     async def _nesterov(self, outer: Buffer, region: np.ndarray) -> int:
         """One worker: the plain part and the momentum step in one, as torch's

@@ -18,7 +18,7 @@ import abc
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ..errors import InterfaceError
+from ..errors import InterfaceError, Unsupported
 from ..protocol import DEFAULT_MAX_REQUEST
 
 
@@ -77,6 +77,21 @@ class Transport(abc.ABC):
         """Server-side ``segment[offset:...] += src`` as that dtype.  ``length``
         is the bytes of ``src``; a widening dtype code (``protocol.WIRE_CODES``)
         covers twice that of the segment (``protocol.accumulate_span``)."""
+
+    @abc.abstractmethod
+    async def accumulate_sparse(self, payload: Sequence[memoryview], segment: int, offset: int,
+                                flags: int) -> None:
+        """Server-side sparse accumulate: ``payload`` is the u64 count, the
+        indices (float32 words from ``offset``) and the values; ``flags``
+        their dtype code and index width (docs/protocol.md, "Sparse
+        accumulate").  The server checks it whole before it adds any of it."""
+
+    def require_sparse(self) -> None:
+        """Raise ``Unsupported`` unless the server said at hello that it takes
+        sparse accumulates (one without the op closes the connection on it)."""
+        if not self.server_info.get("sparse"):
+            raise Unsupported(f"server {self.label} does not take sparse accumulates (an older smb2-server)",
+                              server=self.label, hint="upgrade smb2-server on every server, or use accumulate()")
 
     @abc.abstractmethod
     async def fetch_add(self, segment: int, offset: int, value: int) -> int:

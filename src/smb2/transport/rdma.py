@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import errno as errno_mod
+import functools
 import logging
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .. import _core
@@ -588,33 +589,56 @@ class RdmaTransport(Transport):
         if self._staging is None:
             await self._tcp.accumulate(src, segment, offset, length, dtype_code)
             return
-        saddr, srkey, slot_size = self._staging
+        slot_size = self._staging[2]
         pos = 0
         while pos < length:
             n = min(slot_size, length - pos)
             window = _window(src, pos, n) if (pos or n < length) else list(src)
-            s = await self._stage.get()
-            try:
-                # the delta into our staging slot on the server, one-sided ...
-                if not (len(self.device.table) and await self._rw_direct(
-                        _verbs.WR_RDMA_WRITE, "WRITE (accumulate)", window,
-                        saddr + s * slot_size, srkey)):
-                    await self._rw_bounce(_verbs.WR_RDMA_WRITE, "WRITE (accumulate)",
-                                          window, saddr + s * slot_size, srkey, n)
-                # ... then the server adds it in (over the control connection)
-                call = asyncio.ensure_future(self._tcp.accumulate_staged(
-                    segment, offset + pos * widen, s * slot_size, n, dtype_code))
-                try:
-                    await asyncio.shield(call)
-                except asyncio.CancelledError:
-                    # the server may still read the slot: free it only after its reply
-                    call.add_done_callback(self._staged_done(s))
-                    s = -1
-                    raise
-            finally:
-                if s >= 0:
-                    self._stage.put(s)
+            await self._staged(window, n, "WRITE (accumulate)", functools.partial(
+                self._add_staged, segment, offset + pos * widen, n, dtype_code))
             pos += n
+
+    def _add_staged(self, segment: int, offset: int, n: int, dtype_code: int, staging_offset: int) -> Awaitable[None]:
+        return self._tcp.accumulate_staged(segment, offset, staging_offset, n, dtype_code)
+
+    async def accumulate_sparse(self, payload: Sequence[memoryview], segment: int, offset: int,
+                                flags: int) -> None:
+        if self._failed is not None:
+            raise self._failed
+        await self._remote(segment, offset, 0)
+        length = sum(len(p) for p in payload)
+        if self._staging is None or length > self._staging[2]:
+            # no staging area lent (or a request larger than a slot): in-band
+            await self._tcp.accumulate_sparse(payload, segment, offset, flags)
+            return
+        # the whole request through one slot; the server copies it out of
+        # the slot before it checks and adds it
+        await self._staged(list(payload), length, "WRITE (sparse accumulate)",
+                           lambda soff: self._tcp.accumulate_sparse_staged(segment, offset, soff, length, flags))
+
+    async def _staged(self, window: list[memoryview], n: int, kind: str,
+                      add: Callable[[int], Awaitable[None]]) -> None:
+        """``n`` bytes of ``window`` into one of our staging slots on the
+        server, one-sided, then ``add(the slot's offset)``: the request that
+        has the server add them in (over the control connection)."""
+        assert self._staging is not None
+        saddr, srkey, slot_size = self._staging
+        s = await self._stage.get()
+        try:
+            if not (len(self.device.table) and await self._rw_direct(
+                    _verbs.WR_RDMA_WRITE, kind, window, saddr + s * slot_size, srkey)):
+                await self._rw_bounce(_verbs.WR_RDMA_WRITE, kind, window, saddr + s * slot_size, srkey, n)
+            call = asyncio.ensure_future(add(s * slot_size))
+            try:
+                await asyncio.shield(call)
+            except asyncio.CancelledError:
+                # the server may still read the slot: free it only after its reply
+                call.add_done_callback(self._staged_done(s))
+                s = -1
+                raise
+        finally:
+            if s >= 0:
+                self._stage.put(s)
 
     def _staged_done(self, s: int) -> Any:
         def done(f: asyncio.Future[Any]) -> None:

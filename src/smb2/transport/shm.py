@@ -380,6 +380,12 @@ class ShmTransport(Transport, LockCapable):
         for at, pieces, n in _cut(src, self._frame):
             await self._ctl.accumulate(pieces, segment, offset + at * widen, n, dtype_code)
 
+    async def accumulate_sparse(self, payload: Sequence[memoryview], segment: int, offset: int,
+                                flags: int) -> None:
+        # over the connection, as a dense accumulate: the server adds it (the
+        # client cut it to the connection's frames)
+        await self._ctl.accumulate_sparse(payload, segment, offset, flags)
+
     async def write_fenced(self, src: Sequence[memoryview], segment: int, offset: int,
                            length: int, lock_key: int, token: int) -> None:
         # only the server can refuse a stale token before a byte lands

@@ -364,6 +364,12 @@ class TcpTransport(Transport, LockCapable):
         await self._call(Op.ACCUMULATE, dtype_code << DTYPE_SHIFT, segment, offset, length,
                          src, _EMPTY)
 
+    async def accumulate_sparse(self, payload: Sequence[memoryview], segment: int, offset: int,
+                                flags: int) -> None:
+        self.require_sparse()
+        await self._call(Op.ACCUMULATE_SPARSE, flags, segment, offset, sum(len(p) for p in payload),
+                         payload, _EMPTY)
+
     async def fetch_add(self, segment: int, offset: int, value: int) -> int:
         return int(await self._call(Op.FETCH_ADD, 0, segment, offset, 8,
                                     _core.pack_u64(value & MASK64), _U64))
@@ -378,6 +384,14 @@ class TcpTransport(Transport, LockCapable):
         server's staging area at ``staging_offset`` (an RDMA WRITE) to the
         segment at ``offset``: the server's CPU does the adding."""
         await self._call(Op.ACCUMULATE, (dtype_code << DTYPE_SHIFT) | FLAG_STAGED, segment, offset, 16,
+                         _core.pack_u64x2(staging_offset, length), _EMPTY)
+
+    async def accumulate_sparse_staged(self, segment: int, offset: int, staging_offset: int, length: int,
+                                       flags: int) -> None:
+        """A sparse accumulate whose ``length`` bytes of payload the client
+        has already put into the server's staging area at ``staging_offset``."""
+        self.require_sparse()
+        await self._call(Op.ACCUMULATE_SPARSE, flags | FLAG_STAGED, segment, offset, 16,
                          _core.pack_u64x2(staging_offset, length), _EMPTY)
 
     async def write_fenced(self, src: Sequence[memoryview], segment: int, offset: int,
