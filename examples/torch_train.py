@@ -74,6 +74,11 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.7, 0.999), weight_decay=1e-4)
 
 
+def local_steps(text: str) -> int | str:
+    """--local-steps: a number of inner steps, or "auto"."""
+    return text if text == "auto" else int(text)
+
+
 def default_device() -> str:
     """This rank's GPU (torchrun's LOCAL_RANK over the GPUs of the host) where there is one."""
     if not torch.cuda.is_available():
@@ -91,7 +96,9 @@ def main() -> None:
     p.add_argument("--rule", choices=["delta", "diloco"], default="delta",
                    help="how steps reach the shared model: diloco, the recommended one, or delta, "
                         "AsyncOptimizer's default (docs/training.md, 'Which rule, when')")
-    p.add_argument("--local-steps", type=int, default=None, help="rule diloco: inner steps per round")
+    p.add_argument("--local-steps", type=local_steps, default=None,
+                   help="rule diloco: inner steps per round, or 'auto': each worker chooses them from its "
+                        "measured compute and exchange times (docs/training.md, 'DiLoCo')")
     p.add_argument("--outer-momentum", type=float, default=None, help="rule diloco: the outer Nesterov momentum")
     p.add_argument("--compress", default=None,
                    help="rule diloco: send each round's top-k, e.g. topk:0.05 (docs/training.md)")
@@ -143,6 +150,7 @@ def main() -> None:
               "seconds": round(time.perf_counter() - t0, 2), "comm_wait_share": round(stats["comm_wait_share"], 3),
               "lag_scaled": stats["lag_scaled"], "max_version_lag": stats["max_version_lag"],
               "bytes_pushed": stats["bytes_pushed"],
+              "local_steps": stats.get("rounds"),       # diloco with --local-steps auto: its rounds' lengths
               "collapsed": end.collapsed if end else []}     # ranks that saw the shared model collapse
     print(json.dumps(report) + "\n", end="", flush=True)  # one write: ranks share torchrun's stdout
 

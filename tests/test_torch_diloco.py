@@ -4,7 +4,6 @@ real torch (docs/training.md, "Update rules")."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from typing import Any
@@ -21,17 +20,15 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip 
 
 import smb2.torch as st  # noqa: E402
 from smb2.testing.torch_models import (  # noqa: E402
-    EXAMPLE,
     GRAD,
     LR,
     TwoHeads,
     async_optimizer,
     constant_steps,
     shared_values,
-    single_process_accuracy,
     small_model,
+    torchrun_beside_single,
 )
-from smb2.testing.workers import json_objects, torchrun  # noqa: E402
 
 
 def _batches(rounds: int, h: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -331,21 +328,10 @@ COMPRESS = "topk:0.05"
 def test_torchrun_diloco_workers_train_the_shared_model(servers: str, record_property: Any,
                                                         compress: str | None) -> None:
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
-    env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
-    more = [] if compress is None else ["--compress", compress]
-    run = subprocess.Popen(torchrun(str(EXAMPLE), "--optimizer", "sgd", "--epochs", "12", "--rule", "diloco",
-                                    "--name", f"t-run-diloco-{compress is not None}", *more, nproc=4),
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # the same samples in all: 12 epochs of all the data at batch 32, while the workers start up
-    try:
-        single = single_process_accuracy("sgd", 12)
-        stdout, stderr = run.communicate(timeout=300)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
-    assert run.returncode == 0, stderr[-3000:]
-    ranks = json_objects(stdout)
+    more = [] if compress is None else ["--compress", compress]
+    ranks, single = torchrun_beside_single(servers, "--rule", "diloco", "--name",
+                                           f"t-run-diloco-{compress is not None}", *more)
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     assert len({r["accuracy"] for r in ranks}) == 1        # every rank evaluated the same shared model
     record_property("accuracy", {"workers": ranks[0]["accuracy"], "single": single,  # --junitxml (legacy family)

@@ -7,6 +7,8 @@ accuracy bar the torchrun workers must reach.  Imports torch."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +135,26 @@ def single_process_accuracy(kind: str, epochs: int, seed: int = 0, shard: slice 
         torch.set_num_threads(threads)
     return float(ex.accuracy(model, xte, yte))
 
+
+
+def torchrun_beside_single(servers: str, *args: str, kind: str = "sgd", epochs: int = 12, nproc: int = 4,
+                           timeout: float = 300) -> tuple[list[dict[str, Any]], float]:
+    """The example under torchrun (``nproc`` workers on ``servers``, with
+    ``--optimizer kind --epochs epochs`` and ``args``), while this process
+    trains the single-process reference on the same samples: every rank's
+    JSON line, and the reference's accuracy.  A failed run fails with the
+    end of its stderr."""
+    from smb2.testing.workers import json_objects, torchrun
+
+    env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
+    run = subprocess.Popen(torchrun(str(EXAMPLE), "--optimizer", kind, "--epochs", str(epochs), *args, nproc=nproc),
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        single = single_process_accuracy(kind, epochs)
+        stdout, stderr = run.communicate(timeout=timeout)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 0, stderr[-3000:]
+    return json_objects(stdout), single

@@ -63,6 +63,9 @@ as W single processes, and can collapse under uneven load).
   pushes the last, shorter round.  Lag scaling is on by default for it.
   ``compress="topk:0.01"`` sends each round's top 1 % by sparse accumulate,
   the rest kept on the worker for the next round (error feedback).
+  ``local_steps="auto"``: each worker chooses each round's length from its
+  own measured step and exchange times (:mod:`smb2.train.local_steps`;
+  ``stats()`` shows ``local_steps`` and ``rounds``).
 
 Model buffers (BatchNorm's running mean and variance: floating-point
 buffers) are averaged through the store: each exchange adds
@@ -289,6 +292,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
             lambda: float(self.optimizer.param_groups[0]["lr"]))
         self.steps = self._saved.start_step
         self._pulled_at = self.steps            # the step after which the weights in use were pulled
+        self._round_from = self.steps           # an elastic rule's: the step its round started after
         self._pulled_version = self.store.pulled_version    # and the store's version they hold
         self._stats = {"steps": 0, "wait_s": 0.0, "max_lag": 0, "exchanges": 0}
         self._lags: collections.Counter[int] = collections.Counter()
@@ -431,9 +435,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._saved.after_step(self.steps)
         wait = 0.0
         if self._elastic:
-            if self.steps % self._elastic.exchange_every == 0:
+            self._elastic.inner_step()
+            if self.steps - self._round_from >= self._elastic.exchange_every:
                 wait += self._settle(limit=0)               # one exchange with the center at a time
-                self._launch()
+                self._end_round()
             else:
                 wait += self._settle(limit=None)
         else:
@@ -447,6 +452,13 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if self.log_every and self._stats["steps"] % self.log_every == 0:
             log.info("rank %d step %d: %s", self.rank, self.steps, self.stats())
         return loss
+
+    def _end_round(self) -> None:
+        """An elastic rule's round ends: its exchange goes out, and the next round starts."""
+        assert self._elastic is not None
+        self._elastic.round_ended(self.steps - self._round_from)
+        self._round_from = self.steps
+        self._launch()
 
     def _watch_gradients(self) -> None:
         """Show this step's gradients to the collapse watch (a few times a
@@ -615,6 +627,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         s["pushes_in_backward"] = 0 if self._backward is None else self._backward.issued
         s.update({k: v for k, v in self.store.stats.items() if k.startswith("bytes")})
         s.update(self.store.counts())       # the guard's, the lag scaling's and the collapse watch's
+        s.update(self.store.rule.round_stats())     # diloco's local_steps="auto": its rounds' lengths
         return s
 
     @property
@@ -682,8 +695,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         end = None
         try:
             self._settle(limit=-1)
-            if self._elastic and self._elastic.exchange_at_close and self.steps > self._pulled_at:
-                self._launch()      # the last, shorter round
+            if self._elastic and self._elastic.exchange_at_close and self.steps > self._round_from:
+                self._end_round()   # the last, shorter round
                 self._settle(limit=-1)
             if self._backward is not None:
                 self._backward.close()

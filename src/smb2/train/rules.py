@@ -23,7 +23,9 @@
   pseudo-gradient's plain part at once, the momentum step once per W of
   them, the momentum and the pseudo-gradients waiting for it beside the store
   (``<store>/outer``), all by server-side accumulates; the worker starts its
-  next round from the fresh shared weights.
+  next round from the fresh shared weights.  ``local_steps="auto"``
+  (:class:`AdaptiveDiLoCo`): each worker chooses each round's length from
+  its own measured compute and exchange times (:mod:`smb2.train.local_steps`).
 
 ``wire`` (an attribute of every rule, default None) names the type a pushed
 float32 change travels as ("bfloat16", "float16": half the bytes; the server
@@ -34,7 +36,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -45,6 +48,7 @@ from ..lock import Lock, ReplicatedLock
 from . import beside
 from .compress import TopK
 from .dropping import LayerDropping
+from .local_steps import MOST, SHARE, LocalSteps
 
 
 class BoundStore(Protocol):
@@ -60,6 +64,7 @@ class BoundStore(Protocol):
     workers: int
     dropping: LayerDropping | None
     stats: dict[str, int]
+    rank: int
     #: the updates applied in all, as of this worker's last push or pull
     version: int
 
@@ -109,6 +114,9 @@ class UpdateRule(abc.ABC):
     #: a parameter's gradient may go out as soon as backward produced it
     #: (smb2.torch.backward): the push of a step is the sum of per-tensor pushes
     pushes_in_backward = False
+    #: inner steps in the change being pushed: the divergence guard compares
+    #: changes per inner step (an elastic round of any length against the others)
+    round_steps = 1
 
     def __init__(self, lr: float = 0.01) -> None:
         self.lr = _positive("lr", lr)
@@ -166,6 +174,19 @@ class UpdateRule(abc.ABC):
 
     def pulled(self) -> None:  # noqa: B027 (most rules need not know)
         """The mirror now holds the shared weights (a pull)."""
+
+    def inner_step(self) -> None:  # noqa: B027 (rules of a fixed round need not know)
+        """An elastic rule's inner step ended in the training loop (its
+        compute, before any wait for an exchange)."""
+
+    def round_ended(self, steps: int) -> None:  # noqa: B027 (rules of a fixed round need not know)
+        """An elastic rule's round of ``steps`` inner steps ended: its
+        :meth:`exchange` comes next (and :attr:`exchange_every` is the next
+        round's length)."""
+
+    def round_stats(self) -> dict[str, Any]:
+        """What the rule chose about its rounds, for ``stats()`` (most rules: nothing)."""
+        return {}
 
     @abc.abstractmethod
     async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
@@ -674,6 +695,76 @@ class DiLoCo(UpdateRule):
                             update=False)
 
 
+class AdaptiveDiLoCo(DiLoCo):
+    """Rule ``diloco`` with ``local_steps="auto"``: each worker chooses each
+    round's number of inner steps from its own measured compute per step and
+    time per exchange (:class:`smb2.train.local_steps.LocalSteps`: at most
+    ``exchange_share`` of a round goes to the exchange, 1 to
+    ``max_local_steps`` steps; ``clock`` is what it measures with).
+
+    Rounds of different lengths combine as rounds of one length do: a
+    round's pseudo-gradient is the sum of its inner steps' changes and
+    counts whole (times its lag's scale, over W), so every inner step counts
+    1/W, whichever round it is in; a round is not rescaled by its length
+    (a round of H steps counting H_ref/H of itself would give each step of a
+    short round, a slow worker's, more weight than a fast worker's).  The
+    divergence guard compares pseudo-gradients per inner step
+    (:attr:`round_steps`), so a long round is not skipped for being longer
+    than the short ones before it."""
+
+    def __init__(self, lr: float = 0.01, local_steps: str = "auto", exchange_share: float = SHARE,
+                 max_local_steps: int = MOST, clock: Callable[[], float] = time.perf_counter,
+                 **options: Any) -> None:
+        if local_steps != "auto":
+            raise InvalidArgumentError(f"AdaptiveDiLoCo chooses its local steps: local_steps='auto', "
+                                       f"not {local_steps!r}")
+        super().__init__(lr, local_steps=1, **options)
+        self.local = LocalSteps(exchange_share, max_local_steps, clock=clock)
+
+    def bind(self, store: BoundStore) -> None:
+        super().bind(store)
+        self.local.label = f"rank {store.rank}: "
+
+    def settings(self) -> dict[str, Any]:
+        return dict(super().settings(), local_steps="auto", exchange_share=self.local.share,
+                    max_local_steps=self.local.most)
+
+    def inner_step(self) -> None:
+        self.local.stepped()
+
+    def round_ended(self, steps: int) -> None:
+        self.round_steps = max(1, steps)
+        self.local_steps = self.local.round_ended(steps)
+
+    def round_stats(self) -> dict[str, Any]:
+        return {"local_steps": self.local.h, "rounds": self.local.summary()}
+
+    async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
+        """An inner step (numpy API: local SGD, timed from the last one's
+        end); at the round's end its exchange, in line (not timed as compute)."""
+        st = self.store
+        for name, g in grads.items():
+            st.params[name] += self._delta(name, g, lr)
+        self.steps += 1
+        self.local.stepped()
+        if self.steps >= self.local_steps:
+            self.round_ended(self.steps)
+            await self.exchange()
+            self.local.restart()
+        return 0
+
+    async def exchange(self, step: int | None = None) -> None:
+        """:meth:`DiLoCo.exchange`, timed."""
+        if self.steps:
+            # numpy API: the steps since the last exchange (a call at the end
+            # of training pushes the last, shorter round; in torch's path the
+            # optimizer counts the round's steps, and these stay zero)
+            self.round_steps = self.steps
+        t0 = self.local.clock()
+        await super().exchange(step)
+        self.local.exchanged(self.local.clock() - t0)
+
+
 RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "locked": Locked, "easgd": EASGD, "delta": Delta,
                                       "diloco": DiLoCo}
 
@@ -685,6 +776,8 @@ def make_rule(rule: str | UpdateRule, **options: Any) -> UpdateRule:
             raise InvalidArgumentError(f"options {sorted(options)} given with a ready-made rule")
         return rule
     cls = RULES.get(rule) if isinstance(rule, str) else None
+    if cls is DiLoCo and options.get("local_steps") == "auto":
+        cls = AdaptiveDiLoCo
     if cls is None:
         raise InvalidArgumentError(f"unknown update rule {rule!r}: one of {', '.join(RULES)}")
     try:

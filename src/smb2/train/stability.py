@@ -133,14 +133,16 @@ class DivergenceGuard:
                 f"if the loaded state is bad, remove it (`smb2 rm {buffer}`: the rank then starts with a fresh "
                 "optimizer state) and restart; else ")
 
-    def check(self, step: int, changes: Mapping[str, np.ndarray]) -> bool:
+    def check(self, step: int, changes: Mapping[str, np.ndarray], *, steps: int = 1) -> bool:
         """Should ``changes`` (tensor name -> this step's change or
-        gradient) be pushed?  Raises :class:`TrainingDiverged` for a
-        non-finite one; False (and counted) for one far out of line."""
+        gradient; an elastic round's change over ``steps`` inner steps) be
+        pushed?  Raises :class:`TrainingDiverged` for a non-finite one; False
+        (and counted) for one far out of line.  Norms are compared per inner
+        step (over ``steps``), so rounds of different lengths compare fairly."""
         if not self.enabled:
             return True
         with np.errstate(over="ignore", invalid="ignore"):     # an overflow is what is checked for here
-            norm = math.sqrt(sum(float(np.dot(a.reshape(-1), a.reshape(-1))) for a in changes.values()))
+            norm = math.sqrt(sum(float(np.dot(a.reshape(-1), a.reshape(-1))) for a in changes.values())) / steps
         if not math.isfinite(norm):
             suspect, first = self._suspect(step)
             raise TrainingDiverged(

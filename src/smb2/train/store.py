@@ -646,7 +646,8 @@ class ParameterStore:
         """:meth:`push` of every tensor's change at once, ``region`` laid
         out like :meth:`flat` (padding zero): rule ``delta`` sends it as it
         is (scaled in place), without a copy."""
-        scale = await self._admit(self.tensors_of(region), step, based_on)
+        # (an elastic round's pseudo-gradient: the guard compares it per inner step)
+        scale = await self._admit(self.tensors_of(region), step, based_on, steps=self.rule.round_steps)
         if scale is None:
             return False
         sent = await self.rule.push_region(region, scale=scale)
@@ -654,11 +655,12 @@ class ParameterStore:
         return True
 
     async def _admit(self, changes: Mapping[str, np.ndarray], step: int | None,
-                     based_on: tuple[int, int] | None) -> float | None:
-        """The guard's verdict on a push (None: skipped), else its lag's scale."""
+                     based_on: tuple[int, int] | None, steps: int = 1) -> float | None:
+        """The guard's verdict on a push of ``steps`` inner steps' changes
+        (None: skipped), else its lag's scale."""
         step = self.iteration if step is None else step
         try:
-            admitted = self.guard.check(step, changes)
+            admitted = self.guard.check(step, changes, steps=steps)
         except TrainingDiverged:
             self.stats["refused"] += 1
             if self.member:         # the worker stops here: its count reaches the servers first
