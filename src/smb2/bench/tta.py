@@ -63,6 +63,8 @@ asynchronously, docs/training.md -- the task's optimizer is the inner one); ``ea
 its lighthouse on a host of its own, gloo, the same H and inner optimizer, outer SGD lr 0.7 with
 Nesterov momentum 0.9 (the paper's).  ``--systems`` also takes ``torchft-streaming`` (Streaming
 DiLoCo: two fragments, each exchanged every H steps in turn, overlapping one inner step) and
+``diloco-auto`` (``local_steps="auto"``: each worker sizes its rounds from its measured step and
+exchange times; each worker's rounds are in the row), and
 the variants docs/training.md cites from before the stable default: ``delta``
 (every change counted whole, no lag scaling: that time's default port), ``delta/bf16``,
 ``delta/drop`` (layer dropping 0.7), ``accumulate``, ``accumulate/drop``; and ``diloco/topk:F``,
@@ -158,6 +160,8 @@ EXTRA: dict[str, dict[str, Any]] = {
     # torchft's Streaming DiLoCo: the model in two fragments, each exchanged every H steps in turn,
     # the exchange overlapping one inner step
     "torchft-streaming": {"torchft": {"sync_every": DILOCO_H, "fragments": 2, "fragment_sync_delay": 1}},
+    # diloco whose rounds each worker sizes from its measured step and exchange times
+    "diloco-auto": {"rule": "diloco", "local_steps": "auto"},
 }
 #: torchft's outer optimizer (the DiLoCo paper's): SGD, lr 0.7, Nesterov momentum 0.9
 TORCHFT_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
@@ -409,6 +413,8 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
         st = aopt.stats()
         out.update(wait_s=st["wait_s"], bytes_pushed=st["bytes_pushed"], bytes_pulled=st["bytes_pulled"],
                    exchanges=st["exchanges"], not_computing=st["wait_s"] / seconds if seconds else None)
+        if "rounds" in st:      # diloco-auto: the rounds' lengths this worker chose
+            out["local_steps"] = st["rounds"]
         aopt.close(wait_all=a.wait_all)
         out["final_model"] = "the center" if options.get("rule") == "easgd" else "the shared weights"
         out["collapses"] = st.get("collapses", 0)
@@ -855,6 +861,8 @@ def summarize(outs: list[dict[str, Any]], system: str, scenario: str, cfg: dict[
         # what a worker uploads per exchange (its pushes, the momentum steps it made included)
         exchanges = sum(o["exchanges"] for o in outs)
         row["pushed_bytes_per_exchange"] = sum(o["bytes_pushed"] for o in outs) / exchanges if exchanges else None
+    if "local_steps" in r0:     # diloco-auto: each worker's rounds (a straggler's are shorter)
+        row["local_steps"] = [o.get("local_steps") for o in outs]
     return row
 
 
