@@ -62,9 +62,9 @@ asynchronously, docs/training.md -- the task's optimizer is the inner one); ``ea
 ``torchft``, torchft's DiLoCo (``pip install 'smb2[tta]'``): one replica group per worker host,
 its lighthouse on a host of its own, gloo, the same H and inner optimizer, outer SGD lr 0.7 with
 Nesterov momentum 0.9 (the paper's).  ``--systems`` also takes ``torchft-streaming`` (Streaming
-DiLoCo: two fragments, each exchanged every H steps in turn, overlapping one inner step) and
+DiLoCo: two fragments, each exchanged every H steps in turn, overlapping one inner step),
 ``diloco-auto`` (``local_steps="auto"``: each worker sizes its rounds from its measured step and
-exchange times; each worker's rounds are in the row), and
+exchange times; each worker's rounds are in the row),
 the variants docs/training.md cites from before the stable default: ``delta``
 (every change counted whole, no lag scaling: that time's default port), ``delta/bf16``,
 ``delta/drop`` (layer dropping 0.7), ``accumulate``, ``accumulate/drop``; and ``diloco/topk:F``,
