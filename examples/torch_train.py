@@ -99,6 +99,8 @@ def main() -> None:
     p.add_argument("--local-steps", type=local_steps, default=None,
                    help="rule diloco: inner steps per round, or 'auto': each worker chooses them from its "
                         "measured compute and exchange times (docs/training.md, 'DiLoCo')")
+    p.add_argument("--max-local-steps", type=int, default=None,
+                   help="rule diloco, --local-steps auto: the most inner steps a round may take")
     p.add_argument("--outer-momentum", type=float, default=None, help="rule diloco: the outer Nesterov momentum")
     p.add_argument("--compress", default=None,
                    help="rule diloco: send each round's top-k, e.g. topk:0.05 (docs/training.md)")
@@ -116,6 +118,8 @@ def main() -> None:
     rule: dict[str, object] = {"rule": a.rule}
     if a.local_steps is not None:
         rule["local_steps"] = a.local_steps
+    if a.max_local_steps is not None:
+        rule["max_local_steps"] = a.max_local_steps
     if a.compress is not None:
         rule["compress"] = a.compress
     if a.outer_momentum is not None:

@@ -307,18 +307,21 @@ GAP_POINTS = 2.0
 def test_torchrun_workers_with_auto_local_steps_train_the_shared_model(servers: str,
                                                                         record_property: Any) -> None:
     # the digits example with --rule diloco --local-steps auto, 4 torchrun workers, 12 epochs:
-    # within GAP_POINTS of the single process; every rank chose its rounds (H within its clamps)
+    # within GAP_POINTS of the single process; every rank chose its rounds (H within its clamps).
+    # H follows the measured times, so a loaded machine (its exchanges slow beside the steps) makes
+    # rounds long and few: the cap of 8 keeps enough rounds in 12 epochs for the bar whatever the load
+    # (a fixed H = 8 reached it; unbounded, it failed once in a run beside three others at load ~9)
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
     _torch()
     from smb2.testing.torch_models import torchrun_beside_single
 
     ranks, single = torchrun_beside_single(servers, "--rule", "diloco", "--local-steps", "auto",
-                                           "--name", "t-run-diloco-auto")
+                                           "--max-local-steps", "8", "--name", "t-run-diloco-auto")
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     assert len({r["accuracy"] for r in ranks}) == 1
     record_property("accuracy", {"workers": ranks[0]["accuracy"], "single": single,
                                  "local_steps": [r["local_steps"] for r in ranks]})
     for r in ranks:
-        assert r["local_steps"]["rounds"] > 0 and 1 <= r["local_steps"]["min"] <= r["local_steps"]["max"] <= MOST
+        assert r["local_steps"]["rounds"] > 0 and 1 <= r["local_steps"]["min"] <= r["local_steps"]["max"] <= 8
     assert single > 95.0, single
     assert ranks[0]["accuracy"] >= single - GAP_POINTS, (ranks[0], single)
