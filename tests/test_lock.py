@@ -168,16 +168,16 @@ async def test_stalled_holder_loses_the_lock_after_its_lease(cluster: smb2.Local
     a, b = await cluster.connect(transport=transport), await cluster.connect(transport=transport)
     buf = await a.create("leased", 4096, stripe=64)
     stalled = a.lock("lease", lease=0.4, mode=mode)
+    # from before the grant: its lease runs from the grant or a later renewal
+    before, t0 = await _lock_counts(b), time.monotonic()
     await stalled.acquire()
     await buf.write(0, b"A", fence=stalled)
     stalled._renew.cancel()      # type: ignore[union-attr]  # a process that stopped
     nxt = b.lock("lease", mode=mode)
-    before = await _lock_counts(b)
-    t0 = time.monotonic()
     await nxt.acquire(timeout=30)           # hang guard: many leases
     # not before the lease (slowness only makes this longer), and passed on
     # because the lease ran out
-    assert time.monotonic() - t0 > 0.3
+    assert time.monotonic() - t0 > 0.4
     assert (await _lock_counts(b))["expired"] == before["expired"] + 1
     await buf.write(0, b"C", fence=nxt)
     # the stale holder believes it holds, but its fenced writes are refused
@@ -406,7 +406,6 @@ async def test_dead_holder_is_passed_within_the_lease(mode: str, sig: int, holde
             assert not task.done()          # the holder renews: no expiry while alive
             before = await _lock_counts(client)
             os.kill(proc.pid, sig)
-            t0 = time.monotonic()
             await asyncio.wait_for(task, 30 * lease)        # hang guard
             expired = (await _lock_counts(client))["expired"] - before["expired"]
             if sig == signal.SIGKILL and mode == "park":
@@ -415,9 +414,9 @@ async def test_dead_holder_is_passed_within_the_lease(mode: str, sig: int, holde
                 assert expired == 0
             else:
                 # a stopped process keeps its connection, and a polling holder took its
-                # grant one-sidedly: passed on when the lease ran out, not before (it
-                # renewed at most a third of a lease before it stopped)
-                assert expired == 1 and time.monotonic() - t0 > lease / 2
+                # grant one-sidedly: passed on when the lease ran out (no lower bound on
+                # the time: a loaded holder's last renewal may have come late)
+                assert expired == 1
             assert lock.token is not None and lock.token > dead_token
             await buf.write(0, b"new holder", fence=lock)
             with pytest.raises(smb2.StaleFence):

@@ -491,18 +491,15 @@ async def test_a_dead_shm_holder_is_passed_on(waiter: str, sig: int) -> None:
             assert not task.done()
             expired = await _expired(client)
             os.kill(proc.pid, sig)
-            t0 = time.monotonic()
             await asyncio.wait_for(task, 30 * lease)       # hang guard
-            took = time.monotonic() - t0
             if sig == signal.SIGKILL:
                 # its ticket record named the dead process's ticket: passed on
                 # when its connection closed, no lease waited out
                 assert await _expired(client) == expired
             else:
-                # stopped, it keeps its connection: passed on by the lease, not
-                # before (it renewed at most a third of a lease before it stopped)
+                # stopped, it keeps its connection: passed on by the lease (no lower
+                # bound on the time: a loaded holder's last renewal may have come late)
                 assert await _expired(client) == expired + 1
-                assert took >= lease - 2 * lease / 3
             assert lock.token is not None and lock.token > dead_token
             with pytest.raises(smb2.StaleFence):
                 await buf.write(0, b"dead holder", fence=smb2.Fence("dead", dead_token))
