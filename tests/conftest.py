@@ -43,9 +43,11 @@ pytest-xdist's ``--dist loadgroup`` cannot keep a module on one worker under
 pytest 9 (its ``xdist_group`` suffix no longer changes a test's id;
 measured: a group's tests ran on both workers).  The
 multi-process trainings of ``TRAININGS`` come first.  Tests
-marked ``alone`` (timing-sensitive: a state expected within milliseconds, a
-loop's stall, a hypothesis deadline, bench_tta's time budget) run after the
-parallel pass with nothing beside them (``make pytest``'s second command).
+marked ``alone`` (a CPU share or a loop's stall measured, bench_tta's time
+budget, trainings whose accuracy depends on being scheduled alike; each says
+why beside its mark) run after the parallel pass with nothing beside them
+(``make pytest``'s second command).  No other test depends on wall-clock
+speed: a clock read is a hang guard or a lower bound only.
 
 A test fails if its loop logged an unhandled exception (asyncpg's
 ``_testbase`` habit).

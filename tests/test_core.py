@@ -158,8 +158,7 @@ def test_plan_rejects_bad_ranges() -> None:
         _core.plan(100, 0, 2, 0, 0, 1, 64)
 
 
-@pytest.mark.alone
-@settings(max_examples=200)
+@settings(max_examples=200)        # no deadline (the suite's hypothesis profile): nothing here is timed
 @given(st.sampled_from(sorted(DTYPE_CODES)), st.integers(0, 300), st.integers(0, 2**32 - 1))
 def test_accumulate_matches_numpy(dtype: str, n: int, seed: int) -> None:
     rng = np.random.default_rng(seed)

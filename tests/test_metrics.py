@@ -346,7 +346,9 @@ async def test_a_flood_of_scrapes_does_not_take_the_servers_time() -> None:
         print(f"{served} scrapes from {readings} readings in {wall:.1f} s took {cpu:.2f} s of the server's "
               f"CPU; 8-byte read p50 {quiet * 1e6:.0f} us quiet, {busy * 1e6:.0f} us during the flood")
         # one reading per 0.25 s, shared by the scrapes waiting for it (each
-        # scrape was a reading of its own before: a few ms of the loop each)
+        # scrape was a reading of its own before: a few ms of the loop each).
+        # A bound safe on a loaded machine: readings are at least 0.25 s
+        # apart, and load only lengthens `wall`; the p50s are printed only
         assert readings <= wall / 0.25 + 2 and served >= 2 * readings, (served, readings, wall)
     finally:
         srv.stop()
@@ -372,15 +374,17 @@ async def test_scrapers_past_the_cap_wait_in_the_backlog() -> None:
     srv = MetricsServer("--capacity", "1MiB")
     try:
         host, port = urllib.parse.urlsplit(srv.url).netloc.rsplit(":", 1)
+        # from before the idle ones came: the 2 s they are given counts from then
+        t0 = time.monotonic()
         idle = [socket.create_connection((host, int(port))) for _ in range(16)]
         await asyncio.sleep(0.2)
-        t0 = time.monotonic()
         samples = await srv.scrape()
         waited = time.monotonic() - t0
         assert value(samples, "smb2_connections") == 0
-        assert waited > 1.0, waited      # until the idle ones were closed, 2 s after they came
+        # served once the idle ones were closed, not before (load only adds)
+        assert waited > 1.9, waited
         for s in idle:
-            assert closed_by_server(s, 5)
+            assert closed_by_server(s, 60)      # a hang guard
             s.close()
     finally:
         srv.stop()

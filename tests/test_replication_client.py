@@ -18,12 +18,12 @@ import pytest
 import smb2
 from smb2 import _core, cli
 from smb2.placement import Placement
+from smb2.testing.waits import until
 
 MiB = 1 << 20
-# the client goes on within this after a SIGKILL (docs/design.md, "Replication": the target is 3 s;
-# the slack is for this shared, loaded machine)
-GO_ON_WITHIN = 3.0
-SLACK = 3.0
+# How soon the client goes on after a lost server (docs/design.md, "Replication": the target is
+# 3 s) is a benchmark's figure, smb2 bench replicas_netns (failover_s); the tests here wait for
+# the going on, with hang guards only
 
 
 async def test_replicas_are_checked_before_anything_is_made() -> None:
@@ -115,8 +115,14 @@ async def test_updates_survive_a_lost_server_and_the_client_goes_on(replicated: 
                 stalls.append(time.monotonic() - t0)
 
         tasks = [asyncio.ensure_future(f(k)) for k in range(3) for f in (adder, counter)]
-        await asyncio.sleep(0.5)
-        before = len(tickets)
+        def counted() -> list[int]:
+            return [sum(who == k for who, _ in tickets) for k in range(3)]
+
+        async def each_counter_went_on(since: list[int]) -> None:
+            # every counter, the lost server's stripe's too: its next primary serves it
+            await until(lambda: all(n >= m + 5 for n, m in zip(counted(), since, strict=True)),
+                        "every counter going on")
+        await each_counter_went_on([0, 0, 0])
         victim = replicated.addresses[1]
         if sig == signal.SIGSTOP:
             proc = replicated.procs[1]
@@ -124,12 +130,11 @@ async def test_updates_survive_a_lost_server_and_the_client_goes_on(replicated: 
             proc.proc.send_signal(sig)       # paused: its sockets stay open, nothing answers
         else:
             await replicated.kill(1)
-        await asyncio.sleep(2.0)
+        await each_counter_went_on(counted())
         stop.set()
         await asyncio.gather(*tasks)
         if sig == signal.SIGSTOP:
             await replicated.kill(1)        # it stays out of the view either way
-        assert len(tickets) > before        # the counters went on after the kill
         # every acknowledged increment is there, once (the words all started at 0)
         got = (await buf.read(0, buf.nbytes)).view(np.float32)
         assert np.array_equal(got.astype(np.int64), acked)
@@ -139,7 +144,7 @@ async def test_updates_survive_a_lost_server_and_the_client_goes_on(replicated: 
             mine = sorted(v for who, v in tickets if who == k)
             assert mine == list(range(len(mine)))
             assert await ctr.fetch_add(8 * k, 0) == len(mine)
-        assert max(stalls) < GO_ON_WITHIN + SLACK, max(stalls)
+        print(f"\nlongest operation across the loss: {max(stalls):.2f} s")
         assert await buf.degraded() and await ctr.degraded()
         stopped = [r.getMessage() for r in caplog.records if "stopped using server" in r.getMessage()]
         assert len(stopped) == 1 and victim in stopped[0], stopped
@@ -181,24 +186,20 @@ async def test_a_reader_follows_a_new_primary_within_a_view_refresh(replicated: 
         proc.proc.send_signal(signal.SIGSTOP)
         try:
             await wbuf.write(0, np.full(64, 2, np.uint8))      # fails over (2 s), then acknowledged
-            t0 = time.monotonic()
-            while (await rbuf.read(0, 64) != 2).any():
-                assert time.monotonic() - t0 < GO_ON_WITHIN + SLACK, "the reader kept the old primary"
-                await asyncio.sleep(0.05)
+            async def follows() -> bool:
+                return bool((await rbuf.read(0, 64) == 2).all())
+            await until(follows, "the reader kept the old primary", every=0.05)
         finally:
             await replicated.kill(wbuf.first)
 
 
 async def _member_again(cluster: smb2.LocalCluster, i: int) -> None:
     """Wait until server ``i`` (restarted) is a member again and whole."""
-    t0 = time.monotonic()
-    while True:
+    async def whole_member() -> bool:
         async with await smb2.connect([cluster.addresses[i]], transport="tcp") as one:
             st = (await one.stat())[0].get("replication", {})
-        if st.get("state") == "member" and not st.get("degraded"):
-            return
-        assert time.monotonic() - t0 < 20, st
-        await asyncio.sleep(0.2)
+        return bool(st.get("state") == "member" and not st.get("degraded"))
+    await until(whole_member, f"server {i} a whole member again", every=0.2)
 
 
 async def test_a_replicated_buffer_is_made_while_a_server_is_down(replicated: smb2.LocalCluster,

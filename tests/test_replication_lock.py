@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import smb2
+from smb2.testing.waits import until
 
 pytestmark = pytest.mark.server_process_only
 
@@ -58,13 +59,18 @@ async def test_the_holder_keeps_its_lock_across_a_sigkill_of_the_locks_server(
         waiters = []
         for i in range(3):          # queued one after the other (each has drawn its ticket): FIFO is their order
             waiters.append(asyncio.ensure_future(wait(i)))
-            for _ in range(3000):           # the lock's next ticket (its second word) moved past it
-                if int((await words.read(8, 8)).view(np.int64)[0]) == first + 2 + i:
-                    break
-                await asyncio.sleep(0.01)
+
+            async def drawn(i: int = i) -> bool:     # the lock's next ticket (its second word) moved past it
+                return int((await words.read(8, 8)).view(np.int64)[0]) == first + 2 + i
+            await until(drawn, f"waiter {i}'s ticket drawn")
         await replicated.kill(lost)
         t_kill = time.monotonic()
-        await asyncio.sleep(2.5)        # failover (about 1-2 s) within the lease: renewed on the new primary
+
+        # failover (about 1-2 s) within the lease: the holder renewed on the new primary (it logs
+        # so), rather than a time after which it should have
+        def kept() -> bool:
+            return any("kept by this holder" in r.getMessage() for r in caplog.records)
+        await until(kept, "the holder's renewal on the new primary")
         assert holder.locked(), "the holder lost its lock across the failover"
         assert not any(w.done() for w in waiters), "a waiter got the lock while its holder held it"
         now_on = await words.primary_server(0)
@@ -127,14 +133,15 @@ async def test_a_holder_whose_lease_ran_out_during_the_failover_is_told_it_lost_
         assert taken is not None
         await b.close()
         late = a.replicated_lock("short", lease=0.5)
-        t0 = time.monotonic()
-        for _ in range(40):
+
+        async def tried() -> bool:
             try:
                 await late.acquire(timeout=0.2)
-                break
             except smb2.LockTimeout:
-                pass
-        assert late.locked() and (late.token or 0) > taken, time.monotonic() - t0
+                return False
+            return True
+        await until(tried, "the silent holder passed over", every=0)
+        assert late.locked() and (late.token or 0) > taken
         await late.release()
 
 

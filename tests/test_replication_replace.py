@@ -15,14 +15,11 @@ from smb2 import _core, cli
 from smb2.membership import Holder, Substitute, View
 from smb2.placement import Placement
 from smb2.testing.replicas import Increments, Raw, server_stat
+from smb2.testing.waits import HANG_GUARD, until
 
 MiB = 1 << 20
 # --replace-after in these tests
 REPLACE_AFTER = 1.0
-# the buffer is whole on two live servers again within this of the kill: the
-# client's failover (about 1 s), --replace-after, the servers' 0.5 s view
-# read, the copy (a few MiB), and slack for this loaded machine
-WHOLE_WITHIN = 15.0
 
 
 async def copy_bytes(address: str, name: str, slot: str, nbytes: int) -> bytes:
@@ -69,7 +66,7 @@ def test_the_view_says_where_each_copy_is_after_a_move() -> None:
 @pytest.mark.slow
 async def test_a_server_lost_for_good_has_its_copies_made_on_the_others(capsys: pytest.CaptureFixture[str]) -> None:
     """SIGKILL one server of three (replicas=2) under a stream of
-    accumulates and never restart it: within WHOLE_WITHIN s every stripe has
+    accumulates and never restart it: in the end every stripe has
     two member copies on live servers again, byte-equal, holding every
     acknowledged increment, and ``degraded()`` is False.  Then the second
     copy of some stripes is lost too: the client reads and writes them on
@@ -132,7 +129,8 @@ async def whole_again(buf: smb2.Buffer, t0: float) -> float:
             seen_degraded = True
         elif seen_degraded:
             return time.monotonic() - t0
-        assert time.monotonic() - t0 < WHOLE_WITHIN, "the buffer is still degraded"
+        # a hang guard: how soon it is whole is smb2 bench repair's figure
+        assert time.monotonic() - t0 < HANG_GUARD, "the buffer is still degraded"
         await asyncio.sleep(0.1)
 
 
@@ -150,11 +148,9 @@ async def check_copies(cluster: smb2.LocalCluster, servers: list[str], name: str
         assert copies[0][1] == copies[1][1], f"stripe {i}: the copies differ"
         assert copies[0][1] == whole[i * MiB // 8:(i + 1) * MiB // 8].tobytes(), f"stripe {i}"
     for k in live:
-        t0 = time.monotonic()
-        while True:         # a server reads the view every 0.5 s: it may not know the last change yet
-            st = await server_stat(servers[k])
-            if st["buffers"][name]["degraded"] is False and not st["replication"]["degraded"]:
-                break
-            assert time.monotonic() - t0 < 3.0, st["replication"]
-            await asyncio.sleep(0.1)
+        # a server reads the view every 0.5 s: it may not know the last change yet
+        async def not_degraded(address: str = servers[k]) -> bool:
+            st = await server_stat(address)
+            return bool(st["buffers"][name]["degraded"] is False and not st["replication"]["degraded"])
+        await until(not_degraded, f"server {servers[k]} no longer degraded", every=0.1)
     return view

@@ -29,6 +29,7 @@ from smb2.server.replication import DEDUP_PER_CLIENT, Dedup, Entry, TooManyClien
 from smb2.testing.cluster import thread_options
 from smb2.testing.etcd import LocalEtcd, etcd_binary, free_port
 from smb2.testing.replicas import Increments, Raw, segment_bytes, server_stat
+from smb2.testing.waits import until
 from smb2.testing.wire import control, frame, reply
 
 try:
@@ -227,14 +228,12 @@ async def test_partitioned_primary_acknowledges_nothing(cluster):
     raw = await Raw.open(c.addresses[primary])
     base = p.offset_on(primary, 0)
     delta = np.full(2, 1.0, np.float64).tobytes()
-    t0 = time.monotonic()
     for seq in range(5):
-        # a client that still has epoch 1
-        st, msg = await raw.op(Op.ACCUMULATE, segs[primary], base, prefix(1, 11, seq) + delta,
-                               FLAG_REPLICATED | (2 << DTYPE_SHIFT))
+        # a client that still has epoch 1 (refused, not held: the wait_for is a hang guard)
+        st, msg = await asyncio.wait_for(raw.op(Op.ACCUMULATE, segs[primary], base, prefix(1, 11, seq) + delta,
+                                                FLAG_REPLICATED | (2 << DTYPE_SHIFT)), 60)
         assert st != 0, "a primary cut off from the view acknowledged an op"
         assert st in (ErrorCode.NOT_MEMBER, ErrorCode.STALE_EPOCH), msg
-    assert time.monotonic() - t0 < 10
     raw.close()
     # the new primary (the old backup) holds none of them
     raw = await Raw.open(c.addresses[backup])
@@ -253,10 +252,8 @@ def metric(server, name: str) -> float:
     raise KeyError(name)
 
 
-async def wait_member(server, since: float) -> None:
-    while server.replication.state != "member":
-        assert time.monotonic() - since < 10, f"not caught up: {server.replication.stat()}"
-        await asyncio.sleep(0.05)
+async def wait_member(server) -> None:
+    await until(lambda: server.replication.state == "member", "caught up (a member)", every=0.05)
 
 
 @pytest.mark.parametrize("data_dir", [False, True], ids=["empty", "data_dir"])
@@ -270,7 +267,7 @@ async def test_restarted_server_catches_up(cluster, data_dir, tmp_path):
         # the victim keeps a data directory from the start
         await c.servers[victim].close()
         c.servers[victim] = await c.start_one(victim, **kw)
-        await wait_member(c.servers[victim], time.monotonic())
+        await wait_member(c.servers[victim])
     p, segs = await create(c, "r5")
     delta = np.ones(STRIPE // 8, np.float64).tobytes()
     client = int.from_bytes(os.urandom(8), "little")
@@ -307,7 +304,7 @@ async def test_restarted_server_catches_up(cluster, data_dir, tmp_path):
     c.servers[victim] = await c.start_one(victim, **kw)
     if data_dir:
         assert c.servers[victim].restored, "the data directory was not restored"
-    await wait_member(c.servers[victim], t0)
+    await wait_member(c.servers[victim])
     took = time.monotonic() - t0
     assert metric(c.servers[victim], "smb2_replication_member") == 1
     assert metric(c.servers[0 if victim else 1], "smb2_replication_copied_bytes") > 0 or \
@@ -319,18 +316,18 @@ async def test_restarted_server_catches_up(cluster, data_dir, tmp_path):
     for i in range(p.nstripes):
         for copy in await replica_bytes(c, p, segs, i):
             assert np.all(np.frombuffer(copy, np.float64) == 6.0), i
-    assert took < 10
-    print(f"caught up in {took:.2f} s")
+    print(f"caught up in {took:.2f} s")        # smb2 bench repair measures it
 
 
-REPAIR_WITHIN = 10.0
+# how soon a server is whole again is smb2 bench repair's figure; the tests
+# wait for it under a hang guard
 
 
 @pytest.mark.slow
 async def test_killed_server_rejoins_and_is_whole_again_while_writes_go_on() -> None:
     """SIGKILL a server of three (replicas=2) under a stream of accumulates,
     restart it (no data directory: it comes back empty), and it catches up
-    while the writes go on: within REPAIR_WITHIN s it is a member again, and
+    while the writes go on: it is a member again, and
     every stripe's two copies are equal bytes, holding every acknowledged
     increment."""
     import smb2
@@ -344,14 +341,14 @@ async def test_killed_server_rejoins_and_is_whole_again_while_writes_go_on() -> 
             await asyncio.sleep(1.0)
             t0 = time.monotonic()
             await cluster.restart(1)
-            while True:
+            async def whole() -> bool:
                 st = (await server_stat(cluster.addresses[1]))["replication"]
-                if st["state"] == "member" and not st["degraded"]:
-                    break
-                assert time.monotonic() - t0 < REPAIR_WITHIN, st
-                await asyncio.sleep(0.1)
+                return bool(st["state"] == "member" and not st["degraded"])
+            await until(whole, "server 1 a whole member again", every=0.1)
             took = time.monotonic() - t0
-            await asyncio.sleep(0.5)        # updates flow to the rejoined copy too
+            # updates flow to the rejoined copy too: some more are acknowledged
+            acked = int(writes.acked.sum())
+            await until(lambda: int(writes.acked.sum()) > acked, "an increment acknowledged after the rejoin")
             whole = await writes.stop()
             p = Placement(3, buf.nbytes, MiB, _core.name_hash("heal") % 3, 2)
             parts = [await segment_bytes(a, "heal") for a in cluster.addresses]
@@ -407,11 +404,11 @@ async def test_pipelined_large_writes_reach_the_backups_intact() -> None:
             async with cluster.membership() as m:
                 v = await m.view()
                 await m.change(v, members=[a for a in v.members if a != cluster.addresses[1]])
-            t0 = time.monotonic()
             await cluster.restart(1)
-            while (await server_stat(cluster.addresses[1]))["replication"]["state"] != "member":
-                assert time.monotonic() - t0 < REPAIR_WITHIN
-                await asyncio.sleep(0.05)
+
+            async def member() -> bool:
+                return bool((await server_stat(cluster.addresses[1]))["replication"]["state"] == "member")
+            await until(member, "server 1 a member again", every=0.05)
             p = Placement(3, nbytes, mib, _core.name_hash("big") % 3, 2)
             parts = [await segment_bytes(a, "big") for a in cluster.addresses]
             for i in range(p.nstripes):
@@ -422,13 +419,10 @@ async def test_pipelined_large_writes_reach_the_backups_intact() -> None:
 
 async def _epoch_known(address: str, epoch: int) -> None:
     """Wait until the server at ``address`` holds view ``epoch`` and is a member."""
-    t0 = time.monotonic()
-    while True:
+    async def known() -> bool:
         st = (await server_stat(address))["replication"]
-        if st["epoch"] >= epoch and st["state"] == "member":
-            return
-        assert time.monotonic() - t0 < 20, st
-        await asyncio.sleep(0.05)
+        return bool(st["epoch"] >= epoch and st["state"] == "member")
+    await until(known, f"{address} a member at epoch {epoch}", every=0.05)
 
 
 async def _paused_primary_answers(cluster, primary: int, seg: int, offset: int, epoch: int,
@@ -493,10 +487,9 @@ async def test_a_paused_old_primary_acknowledges_nothing_after_the_failover() ->
         assert kept[64:72] == b"N" * 8 and kept[:16] == bytes(16)
 
         # the old primary rejoins; then the stripe's backup is lost for good
-        t0 = time.monotonic()
-        while addrs[prim] not in (v := await _view(cluster)).members:
-            assert time.monotonic() - t0 < 20, v
-            await asyncio.sleep(0.1)
+        async def rejoined() -> bool:
+            return addrs[prim] in (await _view(cluster)).members
+        await until(rejoined, "the old primary back in the view", every=0.1)
         await cluster.kill(backup)
         v = await cluster_change(cluster, [a for k, a in enumerate(addrs) if k != backup])
         await _epoch_known(addrs[prim], v.epoch)

@@ -162,9 +162,10 @@ def test_the_optimizer_state_is_saved_when_a_server_was_lost_before_the_first_sa
         async with await smb2.connect([c.addresses[1]], transport="tcp") as one:
             st = (await one.stat())[0].get("replication", {})
         return st.get("state") == "member" and not st.get("degraded")
-    t0 = time.monotonic()
+    # a hang guard, not a figure (smb2 bench repair measures how soon)
+    deadline = time.monotonic() + 120
     while not loop.run(whole()):
-        assert time.monotonic() - t0 < 20, "the restarted server did not rejoin"
+        assert time.monotonic() < deadline, "the restarted server did not rejoin"
         time.sleep(0.2)
     again = torch.nn.Sequential(torch.nn.Linear(16, 8))
     opt2 = port(again, resume=True)

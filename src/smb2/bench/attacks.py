@@ -59,6 +59,7 @@ from smb2.testing.hostile import (
     well_behaved,
 )
 from smb2.testing.launch import ServerProcess
+from smb2.testing.waits import until
 from smb2.testing.workers import reap, spawn
 
 from . import report
@@ -131,15 +132,6 @@ async def raw_session(address: tuple[str, int]) -> tuple[asyncio.StreamReader, a
     writer.write(wire.hello())
     await wire.reply(reader)
     return reader, writer
-
-
-async def until(done: Callable[[], Awaitable[bool]], period: float = 0.05, timeout: float = 120) -> None:
-    """Poll until ``done()``: what is polled is another process, with no event to wait on."""
-    end = time.monotonic() + timeout
-    while not await done():
-        if time.monotonic() > end:
-            raise TimeoutError(f"not done after {timeout:g} s")
-        await asyncio.sleep(period)
 
 
 async def is_(value: Awaitable[object], want: object) -> bool:
@@ -229,13 +221,13 @@ async def parked_acquires(quick: bool) -> Row:
                 return int((await client.stat())[0]["locks"]["locks"]["busy"]["parked"])
             async with Watch(srv, row):
                 writers = [await park_acquires(srv.address, "busy", 500) for _ in range(conns)]
-                await until(lambda: is_(parked(), conns * 500))
+                await until(lambda: is_(parked(), conns * 500), "every acquire parked", guard=120, every=0.05)
                 pinger = SlowestRead(buf)
                 await asyncio.sleep(0.1)
                 t0 = time.monotonic()
                 for w in writers:
                     w.close()
-                await until(lambda: is_(parked(), 0), 0.01)
+                await until(lambda: is_(parked(), 0), "the parked acquires dropped", guard=120)
                 dropped = time.monotonic() - t0
                 worst = await pinger.stop()
             await holder.release(wait=True)
@@ -258,7 +250,7 @@ async def unread_replies(quick: bool) -> Row:
         async with Watch(srv, row):
             socks = [await asyncio.to_thread(unread_reads, srv.address, seg) for _ in range(conns)]
             async with await smb2.connect([srv.address]) as c:
-                await until(lambda: is_(connections(c), 1), 0.1)
+                await until(lambda: is_(connections(c), 1), "the other connections closed", guard=120, every=0.1)
         for s in socks:
             s.close()
         row.result = f"all {conns} cut {row.seconds:.1f} s after they started"
