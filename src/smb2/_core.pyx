@@ -442,14 +442,21 @@ cdef extern from *:
         return NULL;
     }
 
-    /* a fork's child has no workers: it starts its own (the locks are
-       held across the fork, so none is left locked by a thread it lacks) */
+    /* a fork's child has no workers: it starts its own.  The locks are
+       held across the fork, so none is left locked by a thread it lacks;
+       the child then makes every lock and condition variable anew: a
+       condition variable copied with the parent's waiters in it (the
+       parked workers) counts waiters the child does not have, and glibc's
+       pthread_cond_signal then waits for ever for them to leave (seen: a
+       forked child hung in its first cut accumulate) */
     static void smb2_pool_prepare(void) { pthread_mutex_lock(&smb2_pool_busy); pthread_mutex_lock(&smb2_pool_mu); }
     static void smb2_pool_parent(void) { pthread_mutex_unlock(&smb2_pool_mu); pthread_mutex_unlock(&smb2_pool_busy); }
     static void smb2_pool_child(void) {
         smb2_pool_workers = 0;
-        pthread_mutex_unlock(&smb2_pool_mu);
-        pthread_mutex_unlock(&smb2_pool_busy);
+        pthread_mutex_init(&smb2_pool_mu, NULL);
+        pthread_mutex_init(&smb2_pool_busy, NULL);
+        pthread_cond_init(&smb2_pool_go, NULL);
+        pthread_cond_init(&smb2_pool_done, NULL);
     }
 
     /* run jobs[0..k) (each job_size bytes) with fn, on this thread and up to
