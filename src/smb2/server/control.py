@@ -122,7 +122,7 @@ class Control:
         self.conn.greeted = True
         peer = msg.get("peer")
         if isinstance(peer, str):
-            # a server of the cluster (replication.py checks it against the
+            # a server of the cluster (replication/ checks it against the
             # view); one that names another host than it comes from is not
             if not _comes_from(peer, self.conn.host):
                 srv.warn("peer", "%s says it is server %s: not that server's address, ignored", self.conn.peer, peer)

@@ -41,6 +41,7 @@ from ..protocol import (
     accumulate_span,
 )
 from . import sparse
+from .replication import Client
 from .segment import Refused, Segment
 
 # accumulate deltas one connection may have waiting behind in-flight writes
@@ -50,18 +51,14 @@ STAGED_PAYLOAD = 16
 _FENCE = Prefix(FENCE_SIZE)
 
 
-class Link(Protocol):
-    """What the data ops need of their connection (connection.Connection)."""
+class Link(Client, Protocol):
+    """What the data ops need of their connection (connection.Connection):
+    what the replication needs (answers, holding input), and more."""
 
     server: Any         # the MemoryServer (memory.py)
     counts: Any         # metrics.RequestCounts of the connection's transport
     rdma_peer: Any
 
-    def reply(self, hdr: Header, payload: bytes | memoryview = b"", status: int = 0,
-              flags: int = 0) -> None: ...
-    def refuse(self, hdr: Header, code: ErrorCode, message: str, **extra: Any) -> None: ...
-    def hold_input(self, reason: str) -> None: ...
-    def unhold_input(self, reason: str) -> None: ...
     def holding(self, reason: str) -> bool: ...
     def wait_for_memory(self) -> None: ...
 
@@ -138,7 +135,7 @@ class DataOps:
 
     def _check_replicated(self, hdr: Header, size: int) -> Destination:
         # the payload comes whole (INLINE): it is applied here and forwarded
-        # to the backups in one step (replication.py)
+        # to the backups in one step (replication/)
         op, flags, offset = hdr[H_OP], hdr[H_FLAGS], hdr[H_OFFSET]
         if self.server.replication is None:
             raise Refused(ErrorCode.UNSUPPORTED, "this server is not part of a replicated cluster "

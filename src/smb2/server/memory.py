@@ -123,7 +123,7 @@ class MemoryServer:
         # handle from before the restart may go on using them (lookup says so)
         self.restored: set[int] = set()
         # they are the state the last run ended with (a planned stop saved
-        # it), not an older save (datadir.RUNNING): replication.py vouches
+        # it), not an older save (datadir.RUNNING): replication/ vouches
         self.restored_clean = False
         self.connections: set[Connection] = set()
         self.started = time.time()
@@ -164,7 +164,7 @@ class MemoryServer:
         self.shm_reason: str | None = "not started"
         # the Prometheus endpoint (options.metrics; metrics.py)
         self.metrics: MetricsExporter | None = None
-        # replicated buffers (options.membership; replication.py): made at start()
+        # replicated buffers (options.membership; replication/): made at start()
         self.replication: Replication | None = None
         self.repair_rate = parse_size(options.repair_rate)
         self.replace_after = float(options.replace_after)
@@ -479,7 +479,7 @@ class MemoryServer:
 
     def add_copy(self, of: Segment, index: int) -> Segment:
         """A segment for part ``index`` of replicated buffer ``of`` (another
-        server's part, held here in a lost server's stead: replication.py):
+        server's part, held here in a lost server's stead: replication/):
         not a buffer of its own (not listed, not saved), reachable by id."""
         if self.used + of.size > self.capacity:
             raise Refused(ErrorCode.OUT_OF_MEMORY, f"a copy of part {index} of buffer {of.name!r} needs {of.size} "
