@@ -456,8 +456,7 @@ class MemoryServer:
         if servers[index] != self.replication.me:
             raise Refused(ErrorCode.CONFLICT, f"part {index} of {name!r} belongs to server {servers[index]}; "
                           f"this server is {self.replication.me} in the view")
-        return Placement(nservers, nbytes, stripe, _core.name_hash(name) % nservers, replicas,
-                         zones).segment_size(index)
+        return Placement.of(name, nservers, nbytes, stripe, replicas, zones).segment_size(index)
 
     def _add(self, seg: Segment) -> None:
         self.segments[seg.id] = seg
