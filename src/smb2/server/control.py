@@ -193,7 +193,7 @@ class Control:
         repl = self.server.replication
         if "copy_of" in msg and repl is not None:
             # a copy of a lost server's part this server holds in its stead
-            return self._with_rdma_keys(repl.lookup_copy(_str(msg, "name"), _str(msg, "copy_of")).info())
+            return self._with_rdma_keys(repl.moved.lookup_copy(_str(msg, "name"), _str(msg, "copy_of")).info())
         return self._with_rdma_keys(self.server.lookup(_str(msg, "name")))
 
     def _cmd_rdma_segment(self, hdr: Header, msg: dict[str, Any]) -> dict[str, Any]:

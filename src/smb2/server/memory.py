@@ -506,7 +506,7 @@ class MemoryServer:
         if seg is None:
             return {"destroyed": False}
         if self.replication is not None:
-            self.replication.forget(name)
+            self.replication.moved.forget(name)
         del self.segments[seg.id]
         self.used -= seg.size
         if self.rdma is not None:

@@ -23,23 +23,24 @@ decided here.  This module is what one server does with them:
   copy of the stripe (:meth:`Replication.push_stripes`: sent through the same
   ordered stream as the updates, paced by ``--repair-rate``), and moves
   itself into ``members`` once it holds them all;
-* *moved copies* (:meth:`Replication.replace`): the copies of a server out
+* *moved copies* (:meth:`MovedCopies.replace`): the copies of a server out
   of the view for ``--replace-after`` s are claimed (CAS) by the member
   chosen for each replica group, kept in a segment laid out as the lost
   server's part, caught up like a rejoin, and marked ready (CAS).
 
-The package: ``dedup`` (the duplicate table), ``forwarding`` (the ordered
-streams to the backups), ``cluster`` (:class:`Replication`: the view and its
-lease, the replicated ops, rejoin and sync, moved copies).
+The package: ``cluster`` (:class:`Replication`: the view and its lease, the
+replicated ops, rejoin and sync), ``moved`` (:class:`MovedCopies`),
+``forwarding`` (the ordered streams to the backups), ``dedup`` (the
+duplicate table), ``needs`` (what it needs of the server and its
+connections: the :class:`Server` and :class:`Client` protocols).
 """
 
-from .cluster import COPY_CHUNK, MAX_VOUCH_CHAIN, REFRESH_EVERY, SERVER_LEASE, START_WAIT, Replication, Server
+from .cluster import COPY_CHUNK, MAX_VOUCH_CHAIN, REFRESH_EVERY, SERVER_LEASE, START_WAIT, Replication
 from .dedup import (
     DEDUP_CLIENTS,
     DEDUP_ENTRY_BYTES,
     DEDUP_IDLE,
     DEDUP_PER_CLIENT,
-    Client,
     Dedup,
     Entry,
     Record,
@@ -47,10 +48,12 @@ from .dedup import (
     prefix,
 )
 from .forwarding import FORWARD_TIMEOUT, OUTBOX_HIGH, BufferKey, Outbox, Pending, Stripe, apply_op
+from .moved import MovedCopies
+from .needs import Client, Server
 
 __all__ = [
     "COPY_CHUNK", "DEDUP_CLIENTS", "DEDUP_ENTRY_BYTES", "DEDUP_IDLE", "DEDUP_PER_CLIENT", "FORWARD_TIMEOUT",
     "MAX_VOUCH_CHAIN", "OUTBOX_HIGH", "REFRESH_EVERY", "SERVER_LEASE", "START_WAIT", "BufferKey", "Client",
-    "Dedup", "Entry", "Outbox", "Pending", "Record", "Replication", "Server", "Stripe", "TooManyClients",
+    "Dedup", "Entry", "MovedCopies", "Outbox", "Pending", "Record", "Replication", "Server", "Stripe", "TooManyClients",
     "apply_op", "prefix",
 ]

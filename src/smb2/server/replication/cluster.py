@@ -6,14 +6,13 @@ rejoin and sync, and the moved copies of a lost server's part."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from ... import _core, auth
 from ...errors import ErrorCode
@@ -36,8 +35,10 @@ from .. import sparse
 from ..peers import LINK_FAILED, PeerLink, error_message
 from ..segment import Refused, Segment
 from ..viewcheck import lost_copies, lost_groups, placement, stripe_groups
-from .dedup import Client, Dedup, Entry, TooManyClients, prefix
+from .dedup import Dedup, Entry, TooManyClients, prefix
 from .forwarding import FORWARD_TIMEOUT, BufferKey, Outbox, Pending, Stripe, apply_op, resolver
+from .moved import MovedCopies
+from .needs import Client, Server
 
 log = logging.getLogger("smb2.server.replication")
 
@@ -60,31 +61,6 @@ MAX_VOUCH_CHAIN: Final = 1000
 START_WAIT: Final = 3.0
 # a stripe copy goes out in pieces of this size (and so paced)
 COPY_CHUNK: Final = 1 << 20
-
-
-class Server(Protocol):
-    """What the replication needs of its server (memory.MemoryServer)."""
-
-    segments: dict[int, Segment]
-    by_name: dict[str, Segment]
-    restored: set[int]
-    restored_clean: bool
-    token: bytes | None
-    peer_token: bytes | None
-    locks: Any
-    bytes_in: int
-    repair_rate: int
-    replace_after: float
-    dedup_clients: int
-
-    def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int,
-               buffer_id: str | None = None, seal: bool = False, *, replicas: int = 1,
-               servers: list[str] | None = None, zones: list[str | None] | None = None) -> dict[str, Any]: ...
-    def destroy(self, name: str) -> dict[str, Any]: ...
-    def add_copy(self, of: Segment, index: int) -> Segment: ...
-    def drop_copy(self, seg: Segment) -> None: ...
-    def add(self, dst: memoryview, delta: memoryview, code: int) -> None: ...
-
 
 
 class Replication:
@@ -120,13 +96,8 @@ class Replication:
         self.copy_rate = 0
         self.diverged = 0
         self.joins = 0
-        # segments holding lost servers' parts, by (buffer name, lost server)
-        self.copies: dict[tuple[str, str], Segment] = {}
-        # when this server first saw each copy out of the view, by
-        # (lost server, group, server that held it); copies it claimed
-        self._out_since: dict[tuple[str, tuple[str, ...], str], float] = {}
-        self.replacements = 0
-        self._replacing: asyncio.Task[None] | None = None
+        # the copies of lost servers' parts this server holds in their stead
+        self.moved = MovedCopies(self)
         # views read from etcd that would have left a stripe without a member
         # copy, refused (viewcheck.py); and how many of them this server undid
         self.refused_views = 0
@@ -201,117 +172,8 @@ class Replication:
                             self.view.epoch)
                 self.state = "joining"
                 self.spawn(self.join())
-            elif self.state == "member" and self.server.replace_after > 0 and (
-                    self._replacing is None or self._replacing.done()):
-                self._replacing = self.spawn(self.replace())
-
-    # -- copies moved off lost servers --------------------------------------
-    async def replace(self) -> None:
-        """Move the copies of servers out of the view for longer than
-        ``--replace-after`` to other servers: this server claims (CAS) those
-        it is the chosen substitute for, catches them up like a joining
-        server (through each primary's ordered link), then marks them ready
-        (CAS, if the view did not change meanwhile).  Every server runs this
-        on the view it read; etcd's CAS decides between any that race."""
-        try:
-            view = self.view
-            claims = self._claims(view)
-            if claims:
-                keys = {(c.slot, c.group) for c in claims}
-                # the segments first: primaries forward to them once the claim is in the view
-                self._copies_for(dataclasses.replace(view, replaced=(*view.replaced, *claims)))
-                new = await self.change(view, view.members, view.joining,
-                                        [r for r in view.replaced if (r.slot, r.group) not in keys] + claims)
-                if not all(c in new.replaced for c in claims):
-                    self._copies_for(new)
-                    return          # another server or view change came first: the next round sees it
-                self.replacements += len(claims)
-                for c in claims:
-                    log.warning("server %s is out of the view for more than %g s: this server takes over its "
-                                "copies of the stripes on %s (catching up at --repair-rate)",
-                                c.slot, self.server.replace_after, "+".join(c.group))
-                # caught up from the next round's view: the other servers' claims for the same lost
-                # server (their clocks started within one view read of ours) are in it by then, so
-                # they do not change the view under the copy and make it start again
-                return
-            if not any(r.by == self.me and not r.ready for r in view.replaced):
-                return
-            t0 = time.monotonic()
-            if not await self._catch_up(view, [n for n, s in self.server.by_name.items() if s.replicas > 1]):
-                return
-            current = await self.refresh()
-            if current.epoch != view.epoch and not self._only_others_moved(view, current):
-                return              # catch up again under the new view (next round)
-            done = await self.change(current, current.members, current.joining,
-                                     [dataclasses.replace(r, ready=True) if r.by == self.me else r
-                                      for r in current.replaced])
-            if done.epoch == current.epoch + 1:
-                self.catch_up_seconds = time.monotonic() - t0
-                log.info("copies taken over from lost servers are whole (%.2f s): epoch %d",
-                         self.catch_up_seconds, done.epoch)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("taking over a lost server's copies failed (retrying): %s", exc)
-
-    def _only_others_moved(self, old: View, new: View) -> bool:
-        """Whether ``new`` differs from ``old`` only by other servers' claims
-        and ready marks, one per epoch, with the primary of every stripe this
-        server catches up the same: then its copies, taken under ``old``, are
-        as good under ``new`` (no primary changed, nobody joined or left),
-        and another substitute finishing first does not make it start again."""
-        if (new.members, new.joining) != (old.members, old.joining):
-            return False
-        if {r for r in new.replaced if r.by == self.me} != {r for r in old.replaced if r.by == self.me}:
-            return False
-        others = {r for r in new.replaced if r.by != self.me} - set(old.replaced)
-        if new.epoch - old.epoch > len(others):
-            return False
-        for seg in [s for s in self.server.by_name.values() if s.replicas > 1]:
-            p = self.placement(seg)
-            for i in range(min(p.nstripes, p.nservers)):
-                group = [seg.servers[s] for s in p.replicas_of(i)]
-                if any(h.server == self.me and h.state == "joining" for h in old.holders(group)) and \
-                        old.primary(group) != new.primary(group):
-                    return False
-        return True
-
-    def _claims(self, view: View) -> list[Substitute]:
-        """The copies out of ``view`` for longer than --replace-after that
-        this server is the substitute for: of the members that hold no copy
-        of the stripe, the first by (a zone no live copy has, fewest copies
-        taken over, ring order after the lost server)."""
-        now = time.monotonic()
-        seen: dict[tuple[str, tuple[str, ...], str], float] = {}
-        claims: dict[tuple[str, tuple[str, ...]], Substitute] = {}
-        load = collections.Counter(r.by for r in view.replaced)
-        for seg in [s for s in self.server.by_name.values() if s.replicas > 1]:
-            p = self.placement(seg)
-            zone = dict(zip(seg.servers, seg.zones or [None] * len(seg.servers)))
-            for i in range(min(p.nstripes, p.nservers)):
-                group = [seg.servers[s] for s in p.replicas_of(i)]
-                holders = view.holders(group)
-                if not any(h.state == "member" for h in holders):
-                    continue        # every copy lost: nothing to copy from
-                for h in holders:
-                    if h.state != "out":
-                        continue
-                    key = (h.slot, tuple(sorted(group)), h.server)
-                    seen[key] = since = self._out_since.get(key, now)
-                    if now - since < self.server.replace_after or key[:2] in claims:
-                        continue
-                    taken = {x.server for x in holders}
-                    zones = {zone[x.server] for x in holders if x.state != "out" and x.server in zone}
-                    at = seg.servers.index(h.slot)
-                    n = len(seg.servers)
-                    candidates = sorted(
-                        (s for s in seg.servers if s in view.members and s not in taken),
-                        key=lambda s: (zone.get(s) is not None and zone.get(s) in zones, load[s],
-                                       (seg.servers.index(s) - at) % n))
-                    if candidates and candidates[0] == self.me:
-                        claims[key[:2]] = Substitute(h.slot, key[1], self.me)
-        self._out_since = seen
-        return list(claims.values())
+            elif self.state == "member" and self.server.replace_after > 0:
+                self.moved.next_round()
 
     async def refresh(self) -> View:
         """Read the view now (one read for all who ask at once) and install
@@ -460,48 +322,6 @@ class Replication:
     def backups_of(self, seg: Segment, replicas: Sequence[int], primary: str) -> list[Holder]:
         """The stripe's other copies that are members or joining."""
         return [h for h in self.holders_of(seg, replicas) if h.server != primary and h.state != "out"]
-
-    def copy_of(self, name: str, slot: str) -> Segment | None:
-        """This server's segment holding server ``slot``'s part of buffer
-        ``name``: its own part, or one it holds in a lost server's stead."""
-        return self.server.by_name.get(name) if slot == self.me else self.copies.get((name, slot))
-
-    def lookup_copy(self, name: str, slot: str) -> Segment:
-        seg = self.copy_of(name, slot)
-        if seg is None:
-            raise Refused(ErrorCode.NO_SUCH_BUFFER, f"server {self.me} holds no copy of server {slot}'s part "
-                          f"of buffer {name!r}")
-        return seg
-
-    def forget(self, name: str) -> None:
-        """Buffer ``name`` is destroyed here: so are the copies held for it."""
-        for key in [k for k in self.copies if k[0] == name]:
-            self.server.drop_copy(self.copies.pop(key))
-
-    def _copy_segment(self, seg: Segment, slot: str) -> None:
-        """Make the segment for ``slot``'s part of ``seg``'s buffer here (before
-        this server claims it: forwards to it then find it)."""
-        if slot == self.me:
-            return
-        have = self.copies.get((seg.name, slot))
-        if have is not None and have.buffer_id == seg.buffer_id and have.servers == seg.servers:
-            return
-        if have is not None:
-            self.server.drop_copy(have)
-        self.copies[(seg.name, slot)] = self.server.add_copy(seg, seg.servers.index(slot))
-
-    def _copies_for(self, view: View) -> None:
-        """Make the segments of every copy the view moves here; drop those it
-        no longer does (their data is not served: nothing routes to them)."""
-        wanted = set()
-        for seg in [s for s in self.server.by_name.values() if s.replicas > 1]:
-            groups = _groups(seg)
-            for sub in view.replaced:
-                if sub.by == self.me and sub.slot != self.me and sub.group in groups:
-                    self._copy_segment(seg, sub.slot)
-                    wanted.add((seg.name, sub.slot))
-        for key in [k for k in self.copies if k not in wanted]:
-            self.server.drop_copy(self.copies.pop(key))
 
     # -- ops ---------------------------------------------------------------
     def on_frame(self, conn: Client, hdr: Header, payload: memoryview) -> None:
@@ -798,7 +618,7 @@ class Replication:
                     plan.setdefault((first.slot, h), []).append(i)
         t0 = time.monotonic()
         for (slot, target), stripes in plan.items():
-            seg = self.lookup_copy(name, slot)
+            seg = self.moved.lookup_copy(name, slot)
             failed = await self.push_stripes(seg, stripes, [target])
             if failed:
                 raise Refused(ErrorCode.BACKUP_FAILED, f"copying to {joiner} failed: {failed[joiner]}")
@@ -834,7 +654,7 @@ class Replication:
         #    joining: a primary's forwards to us then find them
         buffers, unreachable = await self._buffers_of(others)
         # and the copies of lost servers' parts this server holds in their stead
-        self._copies_for(view)
+        self.moved.copies_for(view)
         if self.me in view.members and not buffers and not unreachable:
             # every other member answered and none places a stripe here:
             # nothing can be stale (a new cluster)
@@ -861,7 +681,7 @@ class Replication:
         self.state = "joining"
         t0 = time.monotonic()
         # 2. a copy of each stripe from its primary (in the ordered stream)
-        if not await self._catch_up(view, buffers):
+        if not await self.catch_up(view, buffers):
             return False
         # 3. a member again, if nothing changed meanwhile (with the copies it
         #    holds for lost servers, caught up too, ready)
@@ -874,7 +694,7 @@ class Replication:
                                   for r in current.replaced])
         return self._became_member(view, len(buffers), time.monotonic() - t0)
 
-    async def _catch_up(self, view: View, names: Iterable[str]) -> bool:
+    async def catch_up(self, view: View, names: Iterable[str]) -> bool:
         """Ask the primaries for a copy of every stripe of buffers ``names``
         this server holds a catching-up copy of in ``view`` (its own part
         while it joins, or a lost server's part it claimed); False where a
@@ -1048,8 +868,8 @@ class Replication:
                 "degraded": sorted(s.name for s in self.server.by_name.values()
                                    if s.replicas > 1 and self.degraded(s)),
                 "replaced": [r.to_obj() for r in self.view.replaced],
-                "copies_held": sorted(f"{name} ({slot})" for name, slot in self.copies),
-                "replacements": self.replacements, "refused_views": self.refused_views,
+                "copies_held": sorted(f"{name} ({slot})" for name, slot in self.moved.copies),
+                "replacements": self.moved.replacements, "refused_views": self.refused_views,
                 "restored_views": self.restored_views, "stuck": self.stuck, "recovered": self.recovered,
                 "accept_as_is": self.accept_as_is,
                 "copied_bytes": self.copied_bytes, "diverged": self.diverged,
@@ -1060,8 +880,3 @@ class Replication:
 def _key(seg: Segment, copy: Holder) -> BufferKey:
     """Where a forward to ``copy`` of ``seg``'s buffer lands on its server."""
     return (seg.name, seg.buffer_id, "" if copy.slot == copy.server else copy.slot)
-
-
-def _groups(seg: Segment) -> set[tuple[str, ...]]:
-    """The replica groups (sorted server names) of ``seg``'s buffer's stripes."""
-    return {tuple(sorted(group)) for group in stripe_groups(seg)}

@@ -8,11 +8,11 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Final
 
 from ... import _core
-from ...errors import ErrorCode
 from ...protocol import Header
+from .needs import Client
 
 # duplicate detection (see Dedup): each client's last DEDUP_PER_CLIENT ops
 # at least (more while the table has room) are remembered, about
@@ -26,20 +26,6 @@ DEDUP_CLIENTS: Final = 4096
 # retries one op after its first send, so no retry can come after its record
 # went, whatever the clocks' rates
 DEDUP_IDLE: Final = 600.0
-
-
-class Client(Protocol):
-    """What the replication needs of a server connection (server.connection.Connection):
-a duplicate's waiters are answered through it."""
-
-    peer_server: str | None
-    host: str
-
-    def reply(self, hdr: Header, payload: bytes | memoryview = b"", status: int = 0,
-              flags: int = 0) -> None: ...
-    def refuse(self, hdr: Header, code: ErrorCode, message: str, **extra: Any) -> None: ...
-    def hold_input(self, reason: str) -> None: ...
-    def unhold_input(self, reason: str) -> None: ...
 
 
 def prefix(epoch: int, client: int, seq: int) -> bytes:
