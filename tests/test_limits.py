@@ -130,7 +130,7 @@ async def test_accumulates_queued_behind_a_stalled_write_are_bounded(server: smb
         held = tracemalloc.get_traced_memory()[0] - base
     finally:
         tracemalloc.stop()
-    conn_b = [cn for cn in server.connections if cn._deferred_bytes]
+    conn_b = [cn for cn in server.connections if cn.ops.deferred_bytes]
     assert len(conn_b) == 1 and conn_b[0].held
     assert held < 24 * MiB, f"{held >> 20} MiB queued behind a stalled write"
     # A goes away: its half write is dropped, every accumulate is applied in order

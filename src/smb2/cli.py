@@ -18,7 +18,7 @@ import sys
 import traceback
 from typing import Any
 
-from . import _core, serverlist
+from . import serverlist
 from .client import connect
 from .errors import InterfaceError, InvalidArgumentError, NoSuchBuffer, Smb2Error, TransportError, debug_wanted
 from .protocol import DEFAULT_PORT
@@ -66,8 +66,7 @@ async def _add_replication(client: Any, stats: list[dict[str, Any]]) -> None:
                            "replaced": [r.to_obj() for r in view.replaced], "degraded": []}
     for name, info in sorted(infos.items()):
         n = info["nservers"]
-        placement = Placement(n, info["nbytes"], info["stripe"], _core.name_hash(name) % n, info["replicas"],
-                              info.get("zones"))
+        placement = Placement.of(name, n, info["nbytes"], info["stripe"], info["replicas"], info.get("zones"))
         if degraded(placement, info.get("servers") or client.servers, view):
             out["degraded"].append(name)
     for s in stats:
@@ -184,7 +183,7 @@ def _whole_without(name: str, info: dict[str, Any], down: list[str]) -> bool:
     n = info["nservers"]
     if len(servers) != n:
         return False
-    p = Placement(n, info["nbytes"], info["stripe"], _core.name_hash(name) % n, info["replicas"], info.get("zones"))
+    p = Placement.of(name, n, info["nbytes"], info["stripe"], info["replicas"], info.get("zones"))
     return all(any(servers[s] not in down for s in p.replicas_of(i)) for i in range(min(p.nstripes, n)))
 
 

@@ -261,7 +261,7 @@ class Client:
             zones = [link.transport.server_info.get("zone") if link.transport is not None else None
                      for link in self._links]
             layout = {"replicas": replicas, "servers": self.servers, "zones": zones}
-            placement = Placement(n, nbytes, stripe, _core.name_hash(name) % n, replicas, zones)
+            placement = Placement.of(name, n, nbytes, stripe, replicas, zones)
             away = {k: "out of the view" for k, s in enumerate(self.servers)
                     if s not in view.members and s not in view.joining}
             replication.check_creatable(name, placement, self.servers, view, away)
@@ -398,7 +398,6 @@ class Client:
         if lost:
             raise parts.damaged(name, lost, self.servers, whole["nbytes"], whole["stripe"])
         buf = Buffer(self, name, parts.remains(infos, identity, dict.fromkeys(failed, "unreachable")))
-        assert buf.placement is not None
         # every stripe keeps a member copy without them, or none is removed
         # (the last member copy of a stripe is never taken out of the view)
         gone = {self.servers[k] for k in failed}
@@ -614,15 +613,15 @@ class Buffer:
         self.nbytes: int = nbytes
         self.stripe: int = stripe
         self.nservers: int = nservers
-        self.first: int = _core.name_hash(name) % nservers
         self.segments: list[int] = [int(i["segment"]) for i in infos]
         #: copies of every stripe (1: unreplicated, today's path)
         self.replicas: int = int(infos[0].get("replicas") or 1)
-        #: where each copy lives, for a replicated buffer (None for replicas=1)
-        self.placement: Placement | None = None
-        if self.replicas > 1:
-            self.placement = Placement(nservers, nbytes, stripe, self.first, self.replicas,
-                                       infos[0].get("zones"))
+        #: where each stripe lives (each of its copies, replicated): every
+        #: question of which server and which segment offset hold a byte
+        self.placement: Placement = Placement.of(name, nservers, nbytes, stripe, self.replicas,
+                                                 infos[0].get("zones") if self.replicas > 1 else None)
+        #: the server of stripe 0 (the Cython planners take it as h)
+        self.first: int = self.placement.first
         #: the identity every part carries (random, made at creation; None
         #: from servers that have none)
         self.buffer_id: str | None = infos[0].get("buffer_id")
@@ -644,6 +643,11 @@ class Buffer:
 
     # -- replication (smb2.replication routes a replicated buffer's operations) --
     @property
+    def replicated(self) -> bool:
+        """Each stripe has copies on several servers (replicas > 1)."""
+        return self.replicas > 1
+
+    @property
     def links(self) -> tuple[Link, ...]:
         return self.client.links
 
@@ -654,7 +658,7 @@ class Buffer:
         """True while some stripe has fewer copies on member servers than
         ``replicas`` (a server was lost and has not caught up yet); always
         False for replicas=1."""
-        if self.placement is None:
+        if not self.replicated:
             return False
         views = await self.views()
         return replication.degraded(self.placement, self.client.servers, await views.refresh())
@@ -677,8 +681,8 @@ class Buffer:
         ``offset`` now: its stripe's primary in the current view for a
         replicated buffer, else the one server that holds it."""
         stripe = self._range(offset, 1, "a lookup") // self.stripe
-        if self.placement is None:
-            return self.links[(self.first + stripe) % self.nservers].label
+        if not self.replicated:
+            return self.links[self.placement.server_of(stripe)].label
         view = await (await self.views()).current()
         return self.links[replication.primary(self, stripe, view)[0]].label
 
@@ -695,7 +699,7 @@ class Buffer:
         length = len(view) * widen
         if length == 0:
             return
-        if self.placement is not None:
+        if self.replicated:
             return await replication.run(self, what, view, offset, length, widen, dtype_code, fence,
                                          self.client.deadline(timeout))
         links = self.client.links
@@ -782,7 +786,7 @@ class Buffer:
             same = (info["nbytes"], info["stripe"], info["nservers"], info["index"], info.get("buffer_id"),
                     info.get("restored"), info.get("replicas") or 1) == (
                         self.nbytes, self.stripe, self.nservers, server, self.buffer_id, True, self.replicas)
-            if self.placement is not None and same:
+            if self.replicated and same:
                 # a replicated part comes back by catching up from the other copies, under the segment id
                 # its server gives it now; the server serves it only once it is a member again
                 self.segments[server] = int(info["segment"])
@@ -815,7 +819,7 @@ class Buffer:
         handle on ``server``: when ``t`` maps the segment, serve the next
         reads, writes and atomics on it from the mapping, in one Cython call
         each (``_core.MappedStripes``), for as long as ``t`` stays open."""
-        if not isinstance(t, ShmTransport) or t is not self._checked[server] or self.placement is not None:
+        if not isinstance(t, ShmTransport) or t is not self._checked[server] or self.replicated:
             return
         if self._mapped is not None and self._mapped.attached(server, t.alive):
             return
@@ -832,17 +836,14 @@ class Buffer:
         offset = self._range(offset, 8, "an atomic")
         if offset % 8:
             raise InvalidArgumentError(f"atomics need an 8-byte aligned offset, not {offset}")
-        i = offset // self.stripe
-        server = (self.first + i) % self.nservers
-        seg_off = (i // self.nservers) * self.stripe + offset % self.stripe
-        return server, seg_off
+        return self.placement.locate(offset)
 
     def word_transport(self, offset: int) -> tuple[Transport | None, int, int]:
         """``(transport, segment, segment offset)`` of the int64 word at
         ``offset``; the transport is None while its server is not connected
         (smb2.notify: a shm transport can sleep on the word).  None for a
         replicated buffer: its waiters poll the primary, which may change."""
-        if self.placement is not None:
+        if self.replicated:
             return None, 0, 0
         server, seg_off = self._word(offset)
         return self.client.links[server].open, self.segments[server], seg_off
@@ -1000,11 +1001,11 @@ class Buffer:
             limit = min([DEFAULT_MAX_REQUEST, *(t.max_request for link in links if (t := link.transport) is not None),
                          *(f for link in links if (t := link.transport) is not None
                            and isinstance(f := t.server_info.get("max_frame"), int) and f > 0)])
-            if self.placement is not None:
+            if self.replicated:
                 limit -= REPL_PREFIX_SIZE
             reqs = sparse.plan(idx, sent, code, offset, stripe=self.stripe, nservers=self.nservers,
-                               first=self.first, per_stripe=self.placement is not None, limit=limit)
-            if self.placement is not None:
+                               first=self.first, per_stripe=self.replicated, limit=limit)
+            if self.replicated:
                 await replication.run_sparse(self, reqs, self.client.deadline(timeout))
             else:
                 coros = [self._one("sparse accumulate", links[r.target], r.target, r.payload, r.base, r.nbytes,
@@ -1030,7 +1031,7 @@ class Buffer:
             if old is _TORN:
                 raise self._torn(offset)
         value = check_word("value", value)
-        if self.placement is not None:
+        if self.replicated:
             return await self._replicated_atomic(offset, "fetch_add", _core.pack_u64(value & MASK64), timeout)
         return await self._atomic(offset, "fetch_add", timeout,
                                   lambda t, seg, off: t.fetch_add(seg, off, value))
@@ -1051,7 +1052,7 @@ class Buffer:
                 raise self._torn(offset)
         expected = check_word("expected", expected)
         new = check_word("new", new)
-        if self.placement is not None:
+        if self.replicated:
             return await self._replicated_atomic(offset, "compare_swap",
                                                  _core.pack_u64x2(expected & MASK64, new & MASK64), timeout)
         return await self._atomic(offset, "compare_swap", timeout,

@@ -18,8 +18,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from . import _core
 from .errors import BufferDamaged
+from .placement import first_server
 
 #: how many lost ranges a message lists before it says "and N more"
 SHOWN_RANGES = 4
@@ -85,7 +85,7 @@ def damaged(name: str, lost: dict[int, str], servers: Sequence[str], nbytes: int
     n = len(servers)
     err = BufferDamaged(
         "", name=name, servers=[servers[k] for k in sorted(lost)], parts=sorted(lost),
-        geometry=(nbytes, stripe, n, _core.name_hash(name) % n),
+        geometry=(nbytes, stripe, n, first_server(name, n)),
         hint=("if the server keeps a --data-dir, restart it from there to get the part back; if the data is "
               f"gone, remove the buffer (`smb2 rm {name}` or client.destroy) and create it again, or pass "
               "create(..., recreate_lost=True) to accept zeros in the lost ranges"))

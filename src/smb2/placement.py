@@ -25,7 +25,13 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
+from . import _core
 from .errors import InvalidArgumentError
+
+
+def first_server(name: str, nservers: int) -> int:
+    """``h``: the server of stripe 0 of buffer ``name`` on ``nservers`` servers."""
+    return _core.name_hash(name) % nservers
 
 
 class Placement:
@@ -56,6 +62,12 @@ class Placement:
                 held[s].append((p - self.first) % n)
         self._residues = tuple(tuple(sorted(r)) for r in held)
 
+    @classmethod
+    def of(cls, name: str, nservers: int, nbytes: int, stripe: int, replicas: int = 1,
+           zones: Sequence[str | None] | None = None) -> Placement:
+        """The placement of buffer ``name`` (``h`` from its name)."""
+        return cls(nservers, nbytes, stripe, first_server(name, nservers), replicas, zones)
+
     def __repr__(self) -> str:
         return (f"Placement(nservers={self.nservers}, nbytes={self.nbytes}, stripe={self.stripe}, "
                 f"h={self.first}, replicas={self.replicas})")
@@ -64,6 +76,17 @@ class Placement:
         """The servers of stripe ``i``'s replicas, replica 0 first."""
         self._check_stripe(i)
         return self._groups[(self.first + i) % self.nservers]
+
+    def server_of(self, i: int) -> int:
+        """The server of stripe ``i``'s replica 0 (its only copy, unreplicated)."""
+        return self.replicas_of(i)[0]
+
+    def locate(self, offset: int) -> tuple[int, int]:
+        """``(server, segment offset)``: where replica 0 of the buffer's byte
+        ``offset`` lies (the byte itself, unreplicated)."""
+        i = offset // self.stripe
+        server = self.server_of(i)
+        return server, self.offset_on(server, i) + offset % self.stripe
 
     def offset_on(self, server: int, i: int) -> int:
         """Where stripe ``i`` starts in ``server``'s segment (ValueError if

@@ -155,7 +155,8 @@ class ReplicatedBuffer(Protocol):
     name: str
     nbytes: int
     buffer_id: str | None
-    placement: Placement | None     # None for an unreplicated buffer, never routed here
+    replicas: int                   # 1: an unreplicated buffer, never routed here
+    placement: Placement
     segments: list[int]
 
     @property
@@ -553,7 +554,7 @@ async def atomic(buf: ReplicatedBuffer, what: str, offset: int, operands: bytes,
 
 
 def _layout(buf: ReplicatedBuffer) -> Placement:
-    if buf.placement is None:
+    if buf.replicas < 2:
         raise InterfaceError(f"buffer {buf.name!r} is not replicated")
     return buf.placement
 

@@ -41,7 +41,6 @@ import time
 import numpy as np
 
 import smb2
-from smb2 import _core
 from smb2.placement import Placement
 from smb2.protocol import parse_size
 from smb2.testing.replicas import read_copy
@@ -86,7 +85,7 @@ async def _check(cluster: smb2.LocalCluster, data: np.ndarray) -> list[tuple[int
     async with cluster.membership() as m:
         view = await m.view()
     servers = list(cluster.addresses)
-    p = Placement(3, len(data), MiB, _core.name_hash("repair") % 3, 2)
+    p = Placement.of("repair", 3, len(data), MiB, 2)
     bad = []
     for i in range(p.nstripes):
         want = data[i * MiB:(i + 1) * MiB]
@@ -124,7 +123,7 @@ async def rejoin(args: argparse.Namespace) -> dict[str, object]:
                     await asyncio.sleep(0.02)
                 times.append(time.monotonic() - t0)
             bad = await _check(cluster, data)
-    held = Placement(3, size, MiB, _core.name_hash("repair") % 3, 2).stripes_on(1) * MiB
+    held = Placement.of("repair", 3, size, MiB, 2).stripes_on(1) * MiB
     return {"mode": "rejoin (the lost server restarts empty and catches up)", "size": size,
             "repair_rate": args.repair_rate, "bytes_copied": held,
             "repair_s_median": round(statistics.median(times), 3), "repair_s_worst": round(max(times), 3),
@@ -217,7 +216,7 @@ async def replace(args: argparse.Namespace) -> dict[str, object]:
                     await asyncio.sleep(max(2.0, times[-1] - args.replace_after))
                     loads.append(await traffic.finish())
                 bad += await _check(cluster, data)
-    held = Placement(3, size, MiB, _core.name_hash("repair") % 3, 2).stripes_on(1) * MiB
+    held = Placement.of("repair", 3, size, MiB, 2).stripes_on(1) * MiB
     med = statistics.median(times)
     out: dict[str, object] = {
         "mode": "replace (the lost server stays dead; its copies are made on the other two)", "size": size,

@@ -223,8 +223,7 @@ class DataDir:
             except (KeyError, TypeError, ValueError):
                 raise PersistenceError(f"{self.path / MANIFEST}: malformed segment entry {e!r}") from None
             want = (_core.segment_size(nbytes, stripe, nservers) if replicas == 1 else
-                    Placement(nservers, nbytes, stripe, _core.name_hash(name) % nservers, replicas,
-                              zones).segment_size(index))
+                    Placement.of(name, nservers, nbytes, stripe, replicas, zones).segment_size(index))
             if (size != want or "/" in fname
                     or sid in taken or not name):
                 raise PersistenceError(f"{self.path / MANIFEST}: inconsistent entry for {name!r}")

@@ -138,7 +138,7 @@ PLAUSIBLE_TICKET = 1 << 62
 
 
 class Requester(Protocol):
-    """What the lock service needs of a client connection (``memory.Connection``
+    """What the lock service needs of a client connection (``connection.Connection``
     implements it): its address for the log, whether it can still be answered,
     and a way to answer a request, maybe long after the request came in (a
     parked acquire)."""

@@ -137,7 +137,7 @@ def prometheus() -> Any:
 
 
 class WatchedConnection(Protocol):
-    """What the collector reads of a connection (memory.Connection)."""
+    """What the collector reads of a connection (connection.Connection)."""
 
     @property
     def memory(self) -> int: ...

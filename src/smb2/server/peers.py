@@ -6,7 +6,7 @@ wire protocol -- hello (naming itself as a ``peer``), the token handshake of
 :mod:`smb2.auth`, control messages, and data frames whose replies are handed to
 a callback.  One link is one TCP connection; frames go out in the order they
 are sent, which is what keeps a backup's copy of a stripe in the primary's
-order (replication.py).
+order (replication/forwarding.py).
 """
 
 from __future__ import annotations

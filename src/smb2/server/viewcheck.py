@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .. import _core
 from ..membership import View
 from ..placement import Placement
 from .segment import Segment
@@ -29,8 +28,7 @@ from .segment import Segment
 
 def placement(seg: Segment) -> Placement:
     """How ``seg``'s buffer is striped (the same on every server)."""
-    return Placement(seg.nservers, seg.nbytes, seg.stripe, _core.name_hash(seg.name) % seg.nservers,
-                     seg.replicas, seg.zones)
+    return Placement.of(seg.name, seg.nservers, seg.nbytes, seg.stripe, seg.replicas, seg.zones)
 
 
 def stripe_groups(seg: Segment) -> list[list[str]]:

@@ -263,7 +263,7 @@ def check_replies(data: bytes) -> Replies:
 # -- in process, no sockets: the server's frame handling fed byte by byte --------
 
 class FakeTransport:
-    """Just enough of an asyncio transport for ``smb2.server.memory.Connection``."""
+    """Just enough of an asyncio transport for ``smb2.server.connection.Connection``."""
 
     def __init__(self) -> None:
         self.out = bytearray()
@@ -317,7 +317,7 @@ class Harness:
         self.segment = int(info["segment"])
 
     def feed(self, data: bytes, cuts: list[int]) -> Replies:
-        from smb2.server.memory import Connection
+        from smb2.server.connection import Connection
 
         conn = Connection(self.server)
         t = FakeTransport()

@@ -1,54 +1,24 @@
-"""Replicated buffers, the server's half (docs/design.md, "Replication").
+"""A server's part in its replicated cluster: the view and its lease, the
+replicated ops (checked, applied once, forwarded: see ``forwarding``),
+rejoin and sync, and the moved copies of a lost server's part."""
 
-A buffer made with ``replicas=R`` keeps each stripe on R servers
-(:mod:`smb2.placement`).  Which servers hold current replicas, and the epoch of
-that view, live in the membership service (:mod:`smb2.membership`, etcd): never
-decided here.  This module is what one server does with them:
-
-* *primary* (an op with ``FLAG_REPLICATED``, sent by a client to the stripe's
-  first member replica): check the op's epoch against the server's view,
-  apply it once per (client id, sequence) -- a retry returns the stored
-  result -- and forward it, in arrival order, over one link per backup
-  (:class:`Outbox`), then answer once every member and joining backup
-  applied it (``BACKUP_FAILED`` naming one that did not within 1 s), and
-  only within its lease on the view (SERVER_LEASE: a primary paused or cut
-  off past it reads the view before it acknowledges anything);
-* *backup* (``FLAG_FORWARDED``, from the stripe's primary, on a connection
-  that proved the servers' peer token where they have one): the same epoch
-  and duplicate checks, apply, answer.  A backup refuses an epoch older than its
-  own: a primary cut off from the membership service cannot acknowledge
-  anything once its backups learned the view that removed it;
-* *rejoin*: a server that is not a member (it restarted, or was removed) makes
-  its segments, adds itself to ``joining``, asks each stripe's primary for a
-  copy of the stripe (:meth:`Replication.push_stripes`: sent through the same
-  ordered stream as the updates, paced by ``--repair-rate``), and moves
-  itself into ``members`` once it holds them all;
-* *moved copies* (:meth:`Replication.replace`): the copies of a server out
-  of the view for ``--replace-after`` s are claimed (CAS) by the member
-  chosen for each replica group, kept in a segment laid out as the lost
-  server's part, caught up like a rejoin, and marked ready (CAS).
-"""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
 
-from .. import _core, auth
-from ..errors import ErrorCode
-from ..membership import Credentials, Holder, Membership, Substitute, View, etcd_user, open_membership, parse_url
-from ..placement import Placement
-from ..protocol import (
-    DTYPE_MASK,
-    DTYPE_SHIFT,
+from ... import _core, auth
+from ...errors import ErrorCode
+from ...membership import Credentials, Holder, Membership, Substitute, View, etcd_user, open_membership, parse_url
+from ...placement import Placement
+from ...protocol import (
     FENCE_SIZE,
     FLAG_FENCED,
     FLAG_FORWARDED,
@@ -60,17 +30,18 @@ from ..protocol import (
     REPL_PREFIX_SIZE,
     Header,
     Op,
-    accumulate_span,
 )
-from . import sparse
-from .peers import LINK_FAILED, PeerLink, error_message
-from .segment import Refused, Segment
-from .viewcheck import lost_copies, lost_groups, placement, stripe_groups
+from .. import sparse
+from ..peers import LINK_FAILED, PeerLink, error_message
+from ..segment import Refused, Segment
+from ..viewcheck import lost_copies, lost_groups, placement, stripe_groups
+from .dedup import Dedup, Entry, TooManyClients, prefix
+from .forwarding import FORWARD_TIMEOUT, BufferKey, Outbox, Pending, Stripe, apply_op, resolver
+from .moved import MovedCopies
+from .needs import Client, Server
 
 log = logging.getLogger("smb2.server.replication")
 
-# a member backup that has not answered a forwarded op within this is failed
-FORWARD_TIMEOUT: Final = 1.0
 # how often the view is read from the membership service in the background
 # (a request that carries a newer epoch reads it at once)
 REFRESH_EVERY: Final = 0.5
@@ -82,18 +53,6 @@ REFRESH_EVERY: Final = 0.5
 # clock-rate margin stated there, and above REFRESH_EVERY, so the background
 # read keeps it fresh and an acknowledgement waits for no read of its own.
 SERVER_LEASE: Final = 0.8
-# duplicate detection (see Dedup): each client's last DEDUP_PER_CLIENT ops
-# at least (more while the table has room) are remembered, about
-# DEDUP_ENTRY_BYTES each, for at most --dedup-clients clients
-# (ServerOptions.dedup_clients) at once
-DEDUP_PER_CLIENT: Final = 64
-DEDUP_ENTRY_BYTES: Final = 300
-DEDUP_CLIENTS: Final = 4096
-# a client's record is forgotten only after it sent this server nothing for
-# this long: far above smb2.replication.RETRY_SPAN, the longest a client
-# retries one op after its first send, so no retry can come after its record
-# went, whatever the clocks' rates
-DEDUP_IDLE: Final = 600.0
 # views followed after a server was taken out of the members before it can no
 # longer vouch for its restored copies (Replication._held_back)
 MAX_VOUCH_CHAIN: Final = 1000
@@ -102,403 +61,6 @@ MAX_VOUCH_CHAIN: Final = 1000
 START_WAIT: Final = 3.0
 # a stripe copy goes out in pieces of this size (and so paced)
 COPY_CHUNK: Final = 1 << 20
-# bytes queued for one backup (not yet handed to its socket, or in its send
-# buffer) before clients that forward to it stop being read
-OUTBOX_HIGH: Final = 16 << 20
-
-
-# a buffer's part on a peer: (name, buffer_id, slot), slot "" for its own part
-BufferKey = tuple[str, str, str]
-
-
-class Client(Protocol):
-    """What this module needs of a server connection (memory.Connection)."""
-
-    peer_server: str | None
-    host: str
-
-    def reply(self, hdr: Header, payload: bytes | memoryview = b"", status: int = 0,
-              flags: int = 0) -> None: ...
-    def refuse(self, hdr: Header, code: ErrorCode, message: str, **extra: Any) -> None: ...
-    def hold_input(self, reason: str) -> None: ...
-    def unhold_input(self, reason: str) -> None: ...
-
-
-class Server(Protocol):
-    """What this module needs of its server (memory.MemoryServer)."""
-
-    segments: dict[int, Segment]
-    by_name: dict[str, Segment]
-    restored: set[int]
-    restored_clean: bool
-    token: bytes | None
-    peer_token: bytes | None
-    locks: Any
-    bytes_in: int
-    repair_rate: int
-    replace_after: float
-    dedup_clients: int
-
-    def create(self, name: str, nbytes: int, stripe: int, nservers: int, index: int,
-               buffer_id: str | None = None, seal: bool = False, *, replicas: int = 1,
-               servers: list[str] | None = None, zones: list[str | None] | None = None) -> dict[str, Any]: ...
-    def destroy(self, name: str) -> dict[str, Any]: ...
-    def add_copy(self, of: Segment, index: int) -> Segment: ...
-    def drop_copy(self, seg: Segment) -> None: ...
-    def add(self, dst: memoryview, delta: memoryview, code: int) -> None: ...
-
-
-def apply_op(seg: Segment, op: int, flags: int, offset: int, data: memoryview,
-             add_delta: Callable[[memoryview, memoryview, int], None]) -> bytes:
-    """Apply one data op to ``seg`` (its range was checked): the reply's
-    payload.  ``add_delta`` adds an accumulate's delta (the server's, over
-    its threads: done when it returns)."""
-    if op == Op.WRITE:
-        _core.copy_into(seg.view[offset:offset + len(data)], data)
-        return b""
-    if op == Op.ACCUMULATE_SPARSE:
-        sparse.add(seg, flags, offset, data)       # checked whole before (sparse.span)
-        return b""
-    if op == Op.ACCUMULATE:
-        end = offset + accumulate_span(flags, offset, len(data))
-        add_delta(seg.view[offset:end], data, (flags & DTYPE_MASK) >> DTYPE_SHIFT)
-        return b""
-    if op == Op.FETCH_ADD:
-        add = _core.unpack_u64(data)
-        old = _core.atomic_fetch_add(seg.view, offset, add)
-        if add:
-            _core.futex_wake(seg.view, offset)      # a shm reader may sleep on it (smb2.notify)
-        return _core.pack_u64(old)
-    expected = _core.unpack_u64(data, 0)
-    old = _core.atomic_compare_swap(seg.view, offset, expected, _core.unpack_u64(data, 8))
-    if old == expected:
-        _core.futex_wake(seg.view, offset)
-    return _core.pack_u64(old)
-
-
-def prefix(epoch: int, client: int, seq: int) -> bytes:
-    return _core.pack_u64(epoch) + _core.pack_u64(client) + _core.pack_u64(seq)
-
-
-@dataclass(eq=False, slots=True)
-class Entry:
-    """One applied op in the duplicate table: its result, the backups known
-    to hold it, and (while its forwards are out) who waits for its reply."""
-
-    result: bytes
-    acked: frozenset[str] = frozenset()
-    waiters: list[tuple[Client, Header]] | None = None
-
-
-class Record:
-    """One client's part of the duplicate table: its recent ops' results by
-    sequence number (oldest first), the highest sequence number it forgot,
-    and when it was last heard of (time.monotonic())."""
-
-    __slots__ = ("client", "entries", "floor", "seen")
-
-    def __init__(self, client: int, now: float) -> None:
-        self.client = client
-        self.entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()
-        self.floor = -1     # none dropped yet (0 is a sequence number too)
-        self.seen = now
-
-
-class TooManyClients(Exception):
-    """No room for a new client's record: every record is of a client heard
-    of within DEDUP_IDLE."""
-
-
-class Dedup:
-    """Results of replicated ops by (client id, sequence), so that a retry is
-    answered, not applied again.
-
-    Kept per client, so that no client's ops push out another's: each
-    client's record holds at least its last ``per_client`` results (its
-    share), more while the table has room (``clients`` x ``per_client``
-    results in all: a busy client may use what idle ones leave); past that,
-    results go oldest first from a client over its share, never from one
-    within it.  A client's highest dropped sequence number is kept
-    (``floor``: an op at or below it is refused, never applied a second
-    time on a guess).  At most ``clients`` records: a new client finds room
-    only where a record was idle for ``idle`` seconds (a retry never comes
-    that late), else it is refused (``TooManyClients``) while every other
-    record stays.  Ops forwarded by a primary, which already took them, are
-    always recorded.
-
-    Memory: ``clients`` x ``per_client`` x about DEDUP_ENTRY_BYTES (4096 x 64
-    x 300 B, 75 MiB, at the defaults) for the clients this server admits as
-    a primary, and ``per_client`` results more for each client a primary
-    forwarded past that."""
-
-    def __init__(self, clients: int = DEDUP_CLIENTS, per_client: int = DEDUP_PER_CLIENT,
-                 idle: float = DEDUP_IDLE) -> None:
-        # least recently heard of first
-        self.records: collections.OrderedDict[int, Record] = collections.OrderedDict()
-        self.clients = clients
-        self.per_client = per_client
-        self.idle = idle
-        self.budget = clients * per_client
-        self.entries = 0
-        # the clients holding more than their share
-        self._over: set[int] = set()
-
-    def record(self, client: int, *, overfull: bool = False, now: float | None = None) -> Record:
-        """``client``'s record, heard of now; made for a new client, which
-        is refused (``TooManyClients``) where no record was idle long
-        enough to go, unless ``overfull``."""
-        now = time.monotonic() if now is None else now
-        rec = self.records.get(client)
-        if rec is not None:
-            rec.seen = now
-            self.records.move_to_end(client)
-            return rec
-        while self.records:
-            oldest = next(iter(self.records.values()))
-            if now - oldest.seen < self.idle:
-                break
-            self.records.popitem(last=False)
-            self.entries -= len(oldest.entries)
-            self._over.discard(oldest.client)
-        if len(self.records) >= self.clients and not overfull:
-            raise TooManyClients
-        rec = self.records[client] = Record(client, now)
-        return rec
-
-    def put(self, rec: Record, seq: int, entry: Entry) -> None:
-        rec.entries[seq] = entry
-        self.entries += 1
-        if len(rec.entries) > self.per_client:
-            self._over.add(rec.client)
-        while self.entries > self.budget and self._over:
-            # the client itself where it is over its share, else another that is
-            victim = rec if rec.client in self._over else self.records[next(iter(self._over))]
-            s, _ = victim.entries.popitem(last=False)
-            victim.floor = max(victim.floor, s)
-            self.entries -= 1
-            if len(victim.entries) <= self.per_client:
-                self._over.discard(victim.client)
-
-
-class Outbox:
-    """The ordered stream of forwarded ops from this server to one peer.
-
-    A forward goes straight to the link's socket when the link is up, nothing
-    waits before it and the peer's segment id of the buffer is known; else it
-    is queued (its payload copied) and a pump connects, looks the buffer's
-    segment up by name (once per link) and sends the queue in order.
-
-    A backup is failed when it stops making progress: ops are out and no
-    answer came for FORWARD_TIMEOUT (a watchdog), not when one op waited
-    that long behind many others on a loaded link."""
-
-    def __init__(self, repl: Replication, address: str) -> None:
-        self.repl = repl
-        self.address = address
-        self.link: PeerLink | None = None
-        self.queue: collections.deque[tuple[BufferKey, int, int, int, list[bytes],
-                                            Callable[[int, bytes], None]]] = (
-            collections.deque())
-        self.queued_bytes = 0
-        # the peer's segment of each buffer, by (name, buffer_id, slot): a
-        # buffer destroyed and made again under its name is another buffer;
-        # slot "" is the peer's own part, else the part of the lost server
-        # whose copies it holds in its stead (see Replication.copy_of)
-        self.segment_ids: dict[BufferKey, int] = {}
-        self._pump: asyncio.Task[None] | None = None
-        # client connections that stopped being read while this outbox was full
-        self.blocked: set[Any] = set()
-        # stripe copies waiting for room (see room)
-        self.room_waiters: list[asyncio.Future[None]] = []
-        # ops sent or queued and not answered; when the last answer came
-        self.outstanding = 0
-        self.progress = 0.0
-        self._watchdog: asyncio.TimerHandle | None = None
-
-    def forward(self, buffer: BufferKey, op: int, flags: int, offset: int,
-                parts: Sequence[bytes | memoryview], on_reply: Callable[[int, bytes], None]) -> None:
-        """Send an op for ``buffer`` (name, buffer_id, slot) to this peer,
-        after every op sent before it."""
-        loop = asyncio.get_running_loop()
-        if not self.outstanding:
-            self.progress = loop.time()
-        self.outstanding += 1
-        if self._watchdog is None:
-            self._watchdog = loop.call_at(self.progress + FORWARD_TIMEOUT, self._check_progress)
-
-        def answered(status: int, payload: bytes) -> None:
-            self.outstanding -= 1
-            self.progress = loop.time()
-            on_reply(status, payload)
-        link = self.link
-        if link is not None and link.is_open and not self.queue:
-            sid = self.segment_ids.get(buffer)
-            if sid is not None:
-                link.send(op, flags, sid, offset, parts, answered)
-                return
-        copied = [bytes(p) for p in parts]
-        self.queue.append((buffer, op, flags, offset, copied, answered))
-        self.queued_bytes += sum(len(p) for p in copied)
-        if self._pump is None:
-            self._pump = asyncio.get_running_loop().create_task(self.pump())
-
-    def _check_progress(self) -> None:
-        self._watchdog = None
-        if not self.outstanding:
-            return
-        loop = asyncio.get_running_loop()
-        if loop.time() - self.progress >= FORWARD_TIMEOUT:
-            self.fail(f"{self.outstanding} forwarded ops and no answer for {FORWARD_TIMEOUT:g} s")
-        else:
-            self._watchdog = loop.call_at(self.progress + FORWARD_TIMEOUT, self._check_progress)
-
-    @property
-    def full(self) -> bool:
-        link = self.link
-        return self.queued_bytes > OUTBOX_HIGH or (link is not None and link.paused)
-
-    def block(self, conn: Any) -> None:
-        """Stop reading ``conn`` until this outbox drains."""
-        conn.hold_input("forward")
-        self.blocked.add(conn)
-        self.drained()
-
-    async def room(self) -> None:
-        """Return once this outbox is not full (or has failed)."""
-        if not self.full:
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.room_waiters.append(fut)
-        self.drained()          # arranges to be called again when the link drains
-        await fut
-
-    def drained(self) -> None:
-        """Read the blocked connections again, unless still full: then when
-        the link's socket drains (or the pump ends)."""
-        if self.full:
-            link = self.link
-            if link is not None and link.paused and self.drained not in link.on_drain:
-                link.on_drain.append(self.drained)
-            return
-        blocked, self.blocked = self.blocked, set()
-        for conn in blocked:
-            conn.unhold_input("forward")
-        waiters, self.room_waiters = self.room_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    async def pump(self) -> None:
-        try:
-            if self.link is None or not self.link.is_open:
-                self.segment_ids.clear()
-                self.link = await PeerLink.open(self.address, self.repl.me, self.repl.server.token,
-                                                self.repl.server.peer_token)
-            link = self.link
-            while self.queue:
-                buffer = self.queue[0][0]
-                if buffer not in self.segment_ids:
-                    info = await link.control({"cmd": "lookup", "name": buffer[0],
-                                               **({"copy_of": buffer[2]} if buffer[2] else {})})
-                    if info.get("buffer_id") != buffer[1]:
-                        raise LookupError(f"server {self.address} holds another buffer named {buffer[0]!r} "
-                                          f"(buffer_id {info.get('buffer_id')!r}, not {buffer[1]!r})")
-                    self.segment_ids[buffer] = int(info["segment"])
-                buffer, op, flags, offset, parts, cb = self.queue.popleft()
-                self.queued_bytes -= sum(len(p) for p in parts)
-                link.send(op, flags, self.segment_ids[buffer], offset, parts, cb)
-            self.drained()
-        except asyncio.CancelledError:
-            self.fail("server shutting down")
-            raise
-        except Exception as exc:  # the peer is down, refused us, or lacks the buffer
-            self.fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        finally:
-            self._pump = None
-
-    def fail(self, why: str) -> None:
-        """Drop the link; every op queued or waiting for the peer fails."""
-        if self.link is not None:
-            self.link.close(why)
-            self.link = None
-        self.segment_ids.clear()
-        queue, self.queue = self.queue, collections.deque()
-        self.queued_bytes = 0
-        for *_, cb in queue:
-            cb(LINK_FAILED, why.encode())
-        self.drained()
-
-    async def close(self) -> None:
-        if self._pump is not None:
-            self._pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump
-        self.fail("server shutting down")
-
-
-def _resolver(fut: asyncio.Future[tuple[int, bytes]]) -> Callable[[int, bytes], None]:
-    def done(status: int, payload: bytes) -> None:
-        if not fut.done():
-            fut.set_result((status, payload))
-    return done
-
-
-@dataclass(eq=False)
-class Stripe:
-    """Where one op landed: the buffer's segment here, its placement, the
-    stripe and this server's place among its replicas."""
-
-    seg: Segment
-    placement: Placement
-    index: int
-
-
-class Pending:
-    """A primary's op whose forwards are out: answers its waiters when every
-    backup answered (or its outbox failed it: see Outbox)."""
-
-    def __init__(self, repl: Replication, where: Stripe, entry: Entry, backups: list[str]) -> None:
-        self.repl = repl
-        self.where = where
-        self.entry = entry
-        self.waiting = set(backups)
-        self.acked: set[str] = set()
-        self.failed: dict[str, str] = {}
-        self.stale = False
-        self.done = False
-
-    def callback(self, backup: str) -> Callable[[int, bytes], None]:
-        def on_reply(status: int, payload: bytes) -> None:
-            if backup not in self.waiting:
-                return
-            self.waiting.discard(backup)
-            if status == 0:
-                self.acked.add(backup)
-                if payload != self.entry.result:
-                    # an atomic's old value differs: the copies diverged
-                    self.repl.diverged += 1
-                    log.error("backup %s returned %r where this primary returned %r: its copy of "
-                              "buffer %r differs", backup, payload, self.entry.result, self.where.seg.name)
-            elif status == ErrorCode.STALE_EPOCH:
-                self.stale = True
-            else:
-                why = "the link failed" if status == LINK_FAILED else ErrorCode(status).name
-                self.failed[backup] = f"{why}: {error_message(payload) or payload.decode(errors='replace')}"
-            if not self.waiting:
-                self.finish()
-        return on_reply
-
-    def finish(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        self.entry.acked = frozenset(self.acked)
-        if self.stale or self.failed:
-            # a backup knows a newer view, or failed: settle it under the
-            # view read now (repairing a backup that missed the op)
-            self.repl.spawn(self.repl.settle(self.where, self.entry, self.failed))
-        else:
-            self.repl.acknowledge(self.where, self.entry)
 
 
 class Replication:
@@ -534,13 +96,8 @@ class Replication:
         self.copy_rate = 0
         self.diverged = 0
         self.joins = 0
-        # segments holding lost servers' parts, by (buffer name, lost server)
-        self.copies: dict[tuple[str, str], Segment] = {}
-        # when this server first saw each copy out of the view, by
-        # (lost server, group, server that held it); copies it claimed
-        self._out_since: dict[tuple[str, tuple[str, ...], str], float] = {}
-        self.replacements = 0
-        self._replacing: asyncio.Task[None] | None = None
+        # the copies of lost servers' parts this server holds in their stead
+        self.moved = MovedCopies(self)
         # views read from etcd that would have left a stripe without a member
         # copy, refused (viewcheck.py); and how many of them this server undid
         self.refused_views = 0
@@ -615,117 +172,8 @@ class Replication:
                             self.view.epoch)
                 self.state = "joining"
                 self.spawn(self.join())
-            elif self.state == "member" and self.server.replace_after > 0 and (
-                    self._replacing is None or self._replacing.done()):
-                self._replacing = self.spawn(self.replace())
-
-    # -- copies moved off lost servers --------------------------------------
-    async def replace(self) -> None:
-        """Move the copies of servers out of the view for longer than
-        ``--replace-after`` to other servers: this server claims (CAS) those
-        it is the chosen substitute for, catches them up like a joining
-        server (through each primary's ordered link), then marks them ready
-        (CAS, if the view did not change meanwhile).  Every server runs this
-        on the view it read; etcd's CAS decides between any that race."""
-        try:
-            view = self.view
-            claims = self._claims(view)
-            if claims:
-                keys = {(c.slot, c.group) for c in claims}
-                # the segments first: primaries forward to them once the claim is in the view
-                self._copies_for(dataclasses.replace(view, replaced=(*view.replaced, *claims)))
-                new = await self.change(view, view.members, view.joining,
-                                        [r for r in view.replaced if (r.slot, r.group) not in keys] + claims)
-                if not all(c in new.replaced for c in claims):
-                    self._copies_for(new)
-                    return          # another server or view change came first: the next round sees it
-                self.replacements += len(claims)
-                for c in claims:
-                    log.warning("server %s is out of the view for more than %g s: this server takes over its "
-                                "copies of the stripes on %s (catching up at --repair-rate)",
-                                c.slot, self.server.replace_after, "+".join(c.group))
-                # caught up from the next round's view: the other servers' claims for the same lost
-                # server (their clocks started within one view read of ours) are in it by then, so
-                # they do not change the view under the copy and make it start again
-                return
-            if not any(r.by == self.me and not r.ready for r in view.replaced):
-                return
-            t0 = time.monotonic()
-            if not await self._catch_up(view, [n for n, s in self.server.by_name.items() if s.replicas > 1]):
-                return
-            current = await self.refresh()
-            if current.epoch != view.epoch and not self._only_others_moved(view, current):
-                return              # catch up again under the new view (next round)
-            done = await self.change(current, current.members, current.joining,
-                                     [dataclasses.replace(r, ready=True) if r.by == self.me else r
-                                      for r in current.replaced])
-            if done.epoch == current.epoch + 1:
-                self.catch_up_seconds = time.monotonic() - t0
-                log.info("copies taken over from lost servers are whole (%.2f s): epoch %d",
-                         self.catch_up_seconds, done.epoch)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("taking over a lost server's copies failed (retrying): %s", exc)
-
-    def _only_others_moved(self, old: View, new: View) -> bool:
-        """Whether ``new`` differs from ``old`` only by other servers' claims
-        and ready marks, one per epoch, with the primary of every stripe this
-        server catches up the same: then its copies, taken under ``old``, are
-        as good under ``new`` (no primary changed, nobody joined or left),
-        and another substitute finishing first does not make it start again."""
-        if (new.members, new.joining) != (old.members, old.joining):
-            return False
-        if {r for r in new.replaced if r.by == self.me} != {r for r in old.replaced if r.by == self.me}:
-            return False
-        others = {r for r in new.replaced if r.by != self.me} - set(old.replaced)
-        if new.epoch - old.epoch > len(others):
-            return False
-        for seg in [s for s in self.server.by_name.values() if s.replicas > 1]:
-            p = self.placement(seg)
-            for i in range(min(p.nstripes, p.nservers)):
-                group = [seg.servers[s] for s in p.replicas_of(i)]
-                if any(h.server == self.me and h.state == "joining" for h in old.holders(group)) and \
-                        old.primary(group) != new.primary(group):
-                    return False
-        return True
-
-    def _claims(self, view: View) -> list[Substitute]:
-        """The copies out of ``view`` for longer than --replace-after that
-        this server is the substitute for: of the members that hold no copy
-        of the stripe, the first by (a zone no live copy has, fewest copies
-        taken over, ring order after the lost server)."""
-        now = time.monotonic()
-        seen: dict[tuple[str, tuple[str, ...], str], float] = {}
-        claims: dict[tuple[str, tuple[str, ...]], Substitute] = {}
-        load = collections.Counter(r.by for r in view.replaced)
-        for seg in [s for s in self.server.by_name.values() if s.replicas > 1]:
-            p = self.placement(seg)
-            zone = dict(zip(seg.servers, seg.zones or [None] * len(seg.servers)))
-            for i in range(min(p.nstripes, p.nservers)):
-                group = [seg.servers[s] for s in p.replicas_of(i)]
-                holders = view.holders(group)
-                if not any(h.state == "member" for h in holders):
-                    continue        # every copy lost: nothing to copy from
-                for h in holders:
-                    if h.state != "out":
-                        continue
-                    key = (h.slot, tuple(sorted(group)), h.server)
-                    seen[key] = since = self._out_since.get(key, now)
-                    if now - since < self.server.replace_after or key[:2] in claims:
-                        continue
-                    taken = {x.server for x in holders}
-                    zones = {zone[x.server] for x in holders if x.state != "out" and x.server in zone}
-                    at = seg.servers.index(h.slot)
-                    n = len(seg.servers)
-                    candidates = sorted(
-                        (s for s in seg.servers if s in view.members and s not in taken),
-                        key=lambda s: (zone.get(s) is not None and zone.get(s) in zones, load[s],
-                                       (seg.servers.index(s) - at) % n))
-                    if candidates and candidates[0] == self.me:
-                        claims[key[:2]] = Substitute(h.slot, key[1], self.me)
-        self._out_since = seen
-        return list(claims.values())
+            elif self.state == "member" and self.server.replace_after > 0:
+                self.moved.next_round()
 
     async def refresh(self) -> View:
         """Read the view now (one read for all who ask at once) and install
@@ -874,48 +322,6 @@ class Replication:
     def backups_of(self, seg: Segment, replicas: Sequence[int], primary: str) -> list[Holder]:
         """The stripe's other copies that are members or joining."""
         return [h for h in self.holders_of(seg, replicas) if h.server != primary and h.state != "out"]
-
-    def copy_of(self, name: str, slot: str) -> Segment | None:
-        """This server's segment holding server ``slot``'s part of buffer
-        ``name``: its own part, or one it holds in a lost server's stead."""
-        return self.server.by_name.get(name) if slot == self.me else self.copies.get((name, slot))
-
-    def lookup_copy(self, name: str, slot: str) -> Segment:
-        seg = self.copy_of(name, slot)
-        if seg is None:
-            raise Refused(ErrorCode.NO_SUCH_BUFFER, f"server {self.me} holds no copy of server {slot}'s part "
-                          f"of buffer {name!r}")
-        return seg
-
-    def forget(self, name: str) -> None:
-        """Buffer ``name`` is destroyed here: so are the copies held for it."""
-        for key in [k for k in self.copies if k[0] == name]:
-            self.server.drop_copy(self.copies.pop(key))
-
-    def _copy_segment(self, seg: Segment, slot: str) -> None:
-        """Make the segment for ``slot``'s part of ``seg``'s buffer here (before
-        this server claims it: forwards to it then find it)."""
-        if slot == self.me:
-            return
-        have = self.copies.get((seg.name, slot))
-        if have is not None and have.buffer_id == seg.buffer_id and have.servers == seg.servers:
-            return
-        if have is not None:
-            self.server.drop_copy(have)
-        self.copies[(seg.name, slot)] = self.server.add_copy(seg, seg.servers.index(slot))
-
-    def _copies_for(self, view: View) -> None:
-        """Make the segments of every copy the view moves here; drop those it
-        no longer does (their data is not served: nothing routes to them)."""
-        wanted = set()
-        for seg in [s for s in self.server.by_name.values() if s.replicas > 1]:
-            groups = _groups(seg)
-            for sub in view.replaced:
-                if sub.by == self.me and sub.slot != self.me and sub.group in groups:
-                    self._copy_segment(seg, sub.slot)
-                    wanted.add((seg.name, sub.slot))
-        for key in [k for k in self.copies if k not in wanted]:
-            self.server.drop_copy(self.copies.pop(key))
 
     # -- ops ---------------------------------------------------------------
     def on_frame(self, conn: Client, hdr: Header, payload: memoryview) -> None:
@@ -1162,7 +568,7 @@ class Replication:
                     self.outbox(t.server).forward(
                         _key(seg, t), Op.WRITE, FLAG_FORWARDED, off,
                         (prefix(self.view.epoch, self.copy_id, self._copy_seq), piece),
-                        _resolver(fut))
+                        resolver(fut))
                     futures.append((t.server, fut))
                     sent += n
                 self.copied_bytes += n * len(targets)
@@ -1212,7 +618,7 @@ class Replication:
                     plan.setdefault((first.slot, h), []).append(i)
         t0 = time.monotonic()
         for (slot, target), stripes in plan.items():
-            seg = self.lookup_copy(name, slot)
+            seg = self.moved.lookup_copy(name, slot)
             failed = await self.push_stripes(seg, stripes, [target])
             if failed:
                 raise Refused(ErrorCode.BACKUP_FAILED, f"copying to {joiner} failed: {failed[joiner]}")
@@ -1248,7 +654,7 @@ class Replication:
         #    joining: a primary's forwards to us then find them
         buffers, unreachable = await self._buffers_of(others)
         # and the copies of lost servers' parts this server holds in their stead
-        self._copies_for(view)
+        self.moved.copies_for(view)
         if self.me in view.members and not buffers and not unreachable:
             # every other member answered and none places a stripe here:
             # nothing can be stale (a new cluster)
@@ -1275,7 +681,7 @@ class Replication:
         self.state = "joining"
         t0 = time.monotonic()
         # 2. a copy of each stripe from its primary (in the ordered stream)
-        if not await self._catch_up(view, buffers):
+        if not await self.catch_up(view, buffers):
             return False
         # 3. a member again, if nothing changed meanwhile (with the copies it
         #    holds for lost servers, caught up too, ready)
@@ -1288,7 +694,7 @@ class Replication:
                                   for r in current.replaced])
         return self._became_member(view, len(buffers), time.monotonic() - t0)
 
-    async def _catch_up(self, view: View, names: Iterable[str]) -> bool:
+    async def catch_up(self, view: View, names: Iterable[str]) -> bool:
         """Ask the primaries for a copy of every stripe of buffers ``names``
         this server holds a catching-up copy of in ``view`` (its own part
         while it joins, or a lost server's part it claimed); False where a
@@ -1462,8 +868,8 @@ class Replication:
                 "degraded": sorted(s.name for s in self.server.by_name.values()
                                    if s.replicas > 1 and self.degraded(s)),
                 "replaced": [r.to_obj() for r in self.view.replaced],
-                "copies_held": sorted(f"{name} ({slot})" for name, slot in self.copies),
-                "replacements": self.replacements, "refused_views": self.refused_views,
+                "copies_held": sorted(f"{name} ({slot})" for name, slot in self.moved.copies),
+                "replacements": self.moved.replacements, "refused_views": self.refused_views,
                 "restored_views": self.restored_views, "stuck": self.stuck, "recovered": self.recovered,
                 "accept_as_is": self.accept_as_is,
                 "copied_bytes": self.copied_bytes, "diverged": self.diverged,
@@ -1474,8 +880,3 @@ class Replication:
 def _key(seg: Segment, copy: Holder) -> BufferKey:
     """Where a forward to ``copy`` of ``seg``'s buffer lands on its server."""
     return (seg.name, seg.buffer_id, "" if copy.slot == copy.server else copy.slot)
-
-
-def _groups(seg: Segment) -> set[tuple[str, ...]]:
-    """The replica groups (sorted server names) of ``seg``'s buffer's stripes."""
-    return {tuple(sorted(group)) for group in stripe_groups(seg)}
