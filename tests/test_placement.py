@@ -3,13 +3,14 @@ and server, checked against the unreplicated planner and its own invariants."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from smb2 import _core
 from smb2.errors import InvalidArgumentError
-from smb2.placement import Placement, check_replicas
+from smb2.placement import Placement, check_replicas, first_server
 
 geometry = st.tuples(st.integers(1, 9), st.integers(1, 2000), st.sampled_from([8, 16, 24, 64]),
                      st.integers(0, 2**64 - 1))
@@ -93,3 +94,20 @@ def test_replicas_are_checked_against_the_servers() -> None:
         Placement(2, 64, 8, 0, 3)
     with pytest.raises(ValueError):
         Placement(2, 64, 8, 0, 1).stripe_at(0, 64)
+
+
+def test_one_placement_object_locates_every_byte_of_an_unreplicated_buffer() -> None:
+    # every buffer carries a Placement now: for replicas=1 it must answer the striping arithmetic of
+    # docs/design.md exactly (stripe i on server (h + i) mod N, at (i div N) stripes into its segment)
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n, stripe = int(rng.integers(1, 17)), int(rng.choice([1, 8, 4096, 1 << 20]))
+        nbytes = int(rng.integers(1, 64)) * stripe - int(rng.integers(0, stripe))
+        name = f"buf-{int(rng.integers(1 << 30))}"
+        p = Placement.of(name, n, nbytes, stripe)
+        h = first_server(name, n)
+        assert p.first == h
+        for offset in rng.integers(0, nbytes, 20):
+            i = int(offset) // stripe
+            assert p.server_of(i) == (h + i) % n
+            assert p.locate(int(offset)) == ((h + i) % n, (i // n) * stripe + int(offset) % stripe)
