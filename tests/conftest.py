@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
@@ -127,12 +128,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if repeats:
         config.hook.pytest_deselected(items=repeats)
         items[:] = [item for item in items if not _repeats_the_tcp_case(item)]
+    if HANG_GUARD:
+        for item in items:
+            if isinstance(item, pytest.Function) and asyncio.iscoroutinefunction(item.obj):
+                item.obj = _bounded(item.obj, HANG_GUARD)
     if not RDMA_TIER:
         return
     skip = pytest.mark.skip(reason="RDMA tier: not parametrized over transports (the host run covers it)")
     for item in items:
         if item.path.name not in _RDMA_MODULES and "transport" not in getattr(item, "fixturenames", ()):
             item.add_marker(skip)
+
+
+# SMB2_TEST_HANG_GUARD=S (the soft-RoCE tier sets it): an async test still
+# running after S seconds is cancelled, so it fails by name with the line it
+# waited on and the run goes on.  pytest-timeout cannot do that for a test on
+# uvloop: its SIGALRM is handled inside uvloop's C loop and fails nothing.
+HANG_GUARD = float(os.environ.get("SMB2_TEST_HANG_GUARD", "0"))
+
+
+def _bounded(test: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+    @functools.wraps(test)
+    async def bounded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await asyncio.wait_for(test(*args, **kwargs), seconds)
+        except TimeoutError:
+            pytest.fail(f"the test was still running after {seconds:g} s (SMB2_TEST_HANG_GUARD): a hang; "
+                        "the traceback above its TimeoutError shows where it waited")
+    return bounded
 @pytest.fixture(params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
