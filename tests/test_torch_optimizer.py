@@ -658,17 +658,26 @@ def test_an_update_far_out_of_line_is_skipped_and_counted(servers: str, caplog: 
 
 
 def _digits_in_lockstep(servers: str, name: str, *, average: bool, world: int = 3, steps: int = 120,
-                        lr: float = 0.1) -> dict[int, tuple[Any, dict[str, Any], float]]:
+                        lr: float = 0.1, until_collapsed: bool = False) -> dict[int, tuple[Any, dict[str, Any], float]]:
     """``world`` workers (threads) train the example's CNN on their shards of
     digits with SGD momentum 0.9 at staleness 1, in step (a barrier after
     every step); rank -> (its close() report, its stats, the delivered
     model's accuracy).  Rank 0 closes with ``strict=True``: a
-    :class:`TrainingDiverged` it raises is its report."""
+    :class:`TrainingDiverged` it raises is its report.  ``until_collapsed``:
+    every worker stops after the step at which the last of them has reported
+    the collapse (a collapsed job trained on can go on to overflow, which is
+    the guard's other report, not the one under test)."""
     from smb2.train.example import data
     ex = load_example()
     xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
     xtr, xte = xtr.view(-1, 1, 8, 8), xte.view(-1, 1, 8, 8)
-    barrier = threading.Barrier(world)
+    collapses = [0] * world
+    every_rank_reported = threading.Event()
+
+    def after_each_step() -> None:      # run by one worker while all wait at the barrier
+        if until_collapsed and all(collapses):
+            every_rank_reported.set()
+    barrier = threading.Barrier(world, action=after_each_step)
     out: dict[int, tuple[Any, dict[str, Any], float]] = {}
 
     def worker(rank: int) -> None:
@@ -686,7 +695,10 @@ def _digits_in_lockstep(servers: str, name: str, *, average: bool, world: int = 
             opt.zero_grad()
             loss.backward()
             opt.step()
+            collapses[rank] = opt.stats()["collapses"]
             barrier.wait()
+            if every_rank_reported.is_set():
+                break
         try:
             end: Any = opt.close(wait_all=60, strict=rank == 0)
         except TrainingDiverged as exc:
@@ -707,7 +719,7 @@ def test_a_collapse_of_the_shared_model_is_reported(servers: str, caplog: pytest
     with caplog.at_level("WARNING", logger="smb2.train"):
         # (lr 0.2, twice the healthy run's: at 0.1 a run can also end half dead, near chance with a
         # few units alive, which the dead-units count reports: test_a_half_dead_model_is_reported)
-        out = _digits_in_lockstep(servers, "t-collapse", average=False, lr=0.2)
+        out = _digits_in_lockstep(servers, "t-collapse", average=False, lr=0.2, until_collapsed=True)
     assert max(acc for _, _, acc in out.values()) < 20, out       # it did collapse
     strict, stats0, _ = out[0]
     assert isinstance(strict, TrainingDiverged) and "collapsed" in str(strict), strict
