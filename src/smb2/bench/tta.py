@@ -868,6 +868,8 @@ def summarize(outs: list[dict[str, Any]], system: str, scenario: str, cfg: dict[
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     cfg: dict[str, Any] = {**CONFIGS[(a.task, a.quick)], "task": a.task}
+    if a.task == "lm" and not a.quick and a.lm_size == "small":
+        cfg.update(tta_lm.SMALL)
     for key in ("workers", "servers", "target", "eval_n", "final_n", "stop"):
         if getattr(a, key) is not None:
             cfg[key] = getattr(a, key)
@@ -1168,6 +1170,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--task", choices=("mlp", "lm"), default="mlp",
                     help="mlp: the teacher's classifier (accuracy); lm: the byte-level transformer on the "
                          "standard library's source (validation loss, smb2/bench/tta_lm.py)")
+    ap.add_argument("--lm-size", choices=("small", "full"), default="full",
+                    help="lm: the full model (6 layers of width 384, 256 bytes of context, 10.9 M parameters, "
+                         "target 2.2) or the small one (4 layers of width 320, 128 bytes, 5.1 M, target 2.5), "
+                         "which a 2-core machine trains to its target within the budget")
     ap.add_argument("--scenarios", type=lambda s: s.split(","), default=None,
                     help=f"comma list of {', '.join(SCENARIOS)} (default: all; --quick: homogeneous)")
     ap.add_argument("--systems", type=lambda s: s.split(","), default=list(SYSTEMS),
