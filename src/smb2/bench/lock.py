@@ -470,13 +470,10 @@ def plot(path: Path, result: dict[str, Any]) -> str | None:
                 ax.annotate(f"{s['park_vs_spin']:.2f}x", (s["procs"], s["park_per_s"]), textcoords="offset points",
                             xytext=(0, 6), ha="center", fontsize=8, color="tab:blue")
             ax.set_xscale("log", base=2)
-            ax.set_xticks(procs, [str(p) for p in procs])
             ax.set_ylim(0, 1.12 * max(s[f"{k}_per_s"] for s in rows for k, *_ in kinds))
-            ax.set_xlabel("contending client processes")
-            ax.set_ylabel("acquisitions per second (median)")
-            ax.set_title("empty critical section" if cs == "empty" else "read-modify-write critical section")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            report.style(ax, title="empty critical section" if cs == "empty" else "read-modify-write critical section",
+                         xlabel="contending client processes", ylabel="acquisitions per second (median)",
+                         xticks=procs)
         pin = result["machine"].get("pinning")
         fig.suptitle(f"smb2 lock over TCP loopback, {result['machine'].get('nproc', '?')} CPUs"
                      f"{', pinned' if pin else ''}; labels: parked / spin lock", fontsize=10)

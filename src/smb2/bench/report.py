@@ -127,6 +127,21 @@ def plot(path: str | Path, draw: Callable[[Any], Any], dpi: int = 110) -> str | 
     return None
 
 
+def style(ax: Any, *, title: str, xlabel: str, ylabel: str | None = None, xticks: Sequence[Any] | None = None,
+          legend: bool = True) -> None:
+    """Every benchmark's panel looks alike: its title, axis labels, ticks at
+    the measured points, a light grid and a small legend."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    if xticks is not None:
+        ax.set_xticks(list(xticks), [str(x) for x in xticks])
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8)
+
+
 def run_and_report(benchmark: Callable[[], Coroutine[Any, Any, dict[str, Any]]],
                    summarize: Callable[[dict[str, Any]], Any], format_table: Callable[[Any], str],
                    json_path: str, round_trip: Callable[[dict[str, Any]], float | None]) -> int:

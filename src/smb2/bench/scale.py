@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from .common import proc_cpu
-from .report import plot, round_trip_us, table, write_json
+from .report import plot, round_trip_us, style, table, write_json
 
 STORE = "bench-scale"
 PHASES = ("connect", "open", "join", "beat", "exchange")
@@ -335,8 +335,8 @@ def _draw(plt: Any, result: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     per = result["summary"]["server_cpu_ms_per_worker"]
     ax.bar(list(per), list(per.values()))
-    ax.set_ylabel("server CPU ms per worker")
-    ax.set_title(f"{result['workers']} workers, {result['servers']} servers")
+    style(ax, title=f"{result['workers']} workers, {result['servers']} servers", xlabel="phase",
+          ylabel="server CPU ms per worker", legend=False)
     return fig
 
 

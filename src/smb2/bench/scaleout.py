@@ -462,12 +462,8 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
         if link_GBps:
             ax.plot([1, nmax], [link_GBps, nmax * link_GBps], ":", color="gray", lw=1,
                     label="N links' TCP payload capacity")
-        ax.set_xlabel("memory servers (one 1-link host each)")
-        ax.set_ylabel("aggregate bandwidth, GB/s")
-        ax.set_xticks(counts)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.set_title("bandwidth")
+        report.style(ax, title="bandwidth", xlabel="memory servers (one 1-link host each)",
+                     ylabel="aggregate bandwidth, GB/s", xticks=counts)
         trained = {n: v for n, v in (training or {}).items() if v is not None}
         if 1 in trained and len(trained) > 1:
             ns = sorted(trained)
@@ -477,12 +473,7 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
         ax2.plot([1, nmax], [TARGET_EFFICIENCY, TARGET_EFFICIENCY * nmax], ":", color="gray", lw=1,
                  label=f"target ({TARGET_EFFICIENCY:.0%} efficiency)")
         ax2.plot([SMB2_PUBLISHED[0]], [SMB2_PUBLISHED[1]], "r*", ms=14, label="SMB2 paper: 6.3x at 8 servers")
-        ax2.set_xlabel("memory servers")
-        ax2.set_ylabel("speedup over one server")
-        ax2.set_xticks(counts)
-        ax2.grid(alpha=0.3)
-        ax2.legend(fontsize=8)
-        ax2.set_title("scale-out")
+        report.style(ax2, title="scale-out", xlabel="memory servers", ylabel="speedup over one server", xticks=counts)
         fig.suptitle(title, fontsize=10)
         fig.tight_layout()
         return fig

@@ -409,12 +409,9 @@ def plot(result: dict[str, Any], path: str) -> None:
             g = sorted((r["workers"], r["samples_per_s"]) for r in rows if r["system"] == "gloo all-reduce")
             if g:
                 ax.plot(*zip(*g), marker="s", linestyle="--", color="black", label="torch gloo all-reduce (no servers)")
-            ax.set_title(f"{ns} memory server{'s' if ns > 1 else ''}")
-            ax.set_xlabel("worker processes")
-            ax.set_xticks(sorted({r["workers"] for r in rows}))
-            ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel("samples/s")
-        axes[0][-1].legend(fontsize=8)
+            report.style(ax, title=f"{ns} memory server{'s' if ns > 1 else ''}", xlabel="worker processes",
+                         ylabel="samples/s" if ax is axes[0][0] else None,
+                         xticks=sorted({r["workers"] for r in rows}), legend=ax is axes[0][-1])
         fig.suptitle(f"training throughput, MLP of {result['params'] / 1e6:.1f} M parameters, batch {result['batch']} "
                      f"({os.cpu_count()} cores shared by workers and servers)")
         fig.tight_layout()

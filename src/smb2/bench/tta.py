@@ -1156,9 +1156,8 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.axhline(result["config"]["target"], color="grey", lw=0.8)
             what = "validation loss, nats/byte" if result["config"]["task"] == "lm" else "held-out accuracy"
             rate = next(r["rate"] for r in result["rows"] if r["scenario"] == sc)
-            ax.set(title=f"{sc} ({rate} links)", xlabel="wall time s (eval excluded)",
-                   ylabel=f"{what} (rank 0; dot: delivered model)")
-            ax.legend(fontsize=8)
+            report.style(ax, title=f"{sc} ({rate} links)", xlabel="wall time s (eval excluded)",
+                         ylabel=f"{what} (rank 0; dot: delivered model)")
         fig.tight_layout()
         return fig
 
