@@ -360,9 +360,10 @@ def _best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _show(r: dict[str, Any]) -> None:
-    print(f"  {r['system']:<16} {r['rule']:<13} {r.get('transport') or '-':<4} {r['workers']} workers "
-          f"{r['servers']} servers: "
-          f"{r['samples_per_s']:8.1f} samples/s   (rtt {r['rtt_us']:.0f} µs)", flush=True)
+    # one line as each run ends; the table at the end lines them up
+    via = f" over {r['transport']}" if r.get("transport") else ""
+    print(f"  {r['system']} {r['rule']}{via}, {r['workers']} workers, {r['servers']} servers: "
+          f"{r['samples_per_s']:.1f} samples/s (rtt {r['rtt_us']:.0f} µs)", flush=True)
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
