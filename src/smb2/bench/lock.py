@@ -353,7 +353,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                "fairness": (max(counts) / min(counts)) if min(counts) else None,
                                "server_ops_per_acq": (after - before) / total if total else None}
                         contended.append(row)
-                        _progress(f"{cs:5s} {nprocs} procs {kind:5s}: {row['per_s']:8.0f}/s  fairness "
+                        _progress(f"{cs}, {nprocs} procs, {kind}: {row['per_s']:.0f}/s  fairness "
                                   f"{row['fairness'] or float('inf'):.3f}  server ops/acq "
                                   f"{row['server_ops_per_acq'] or 0:.1f}  rtt {rtt:.1f}us")
             summary = []

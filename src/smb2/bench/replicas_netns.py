@@ -442,16 +442,13 @@ def table(result: dict[str, Any]) -> str:
             [[r, res[r]["write_MBps"], res[r]["read_MBps"], res[r]["accumulate_MBps"], res[r]["rtt_64B_us"],
               res[r]["fetch_add_64B_us"]] for r in ("replicas=1", "replicas=2")]
             + [["r2/r1", ratio["write"], ratio["read"], ratio["accumulate"], None, None]], indent=2))
-        for r in ("replicas=1", "replicas=2"):
-            for op in OPS:
-                if not res[r][f"{op}_MBps"]:
-                    continue
-                per = res[r][f"{op}_link_MiB"]
-                lost = res[r][f"{op}_tcp_retransmits_timeouts"]
-                lines.append(f"    {r} {op:10} MiB in/out: " + ", ".join(
-                    f"{h} {v['in']:g}/{v['out']:g}" for h, v in per.items())
-                    + f"; tcp retransmits {statistics.median(x[0] for x in lost):g}, "
-                      f"timeouts {statistics.median(x[1] for x in lost):g} (medians)")
+        links = [(r, op, res[r][f"{op}_link_MiB"], res[r][f"{op}_tcp_retransmits_timeouts"])
+                 for r in ("replicas=1", "replicas=2") for op in OPS if res[r][f"{op}_MBps"]]
+        lines.append(report.table(
+            ["", "op", "MiB in/out per host", "tcp retransmits", "timeouts"],
+            [[r, op, ", ".join(f"{h} {report.cell(v['in'])}/{report.cell(v['out'])}" for h, v in per.items()),
+              statistics.median(x[0] for x in lost), statistics.median(x[1] for x in lost)]
+             for r, op, per, lost in links], indent=4))
     fo = result.get("failover")
     if fo and fo.get("error"):
         lines.append(f"failover: FAILED: {fo['error']}")

@@ -279,7 +279,7 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
                                         if busy is not None and server_pids else None),
                     })
                     s = samples[-1]
-                    print(f"bench_scaleout[worker]: round {r} {n} server(s) {op:9} {s['GBps']:.3f} GB/s "
+                    print(f"bench_scaleout[worker]: round {r} {n} server(s) {op}: {s['GBps']:.3f} GB/s "
                           f"rtt {s['rtt_us']:.0f} us client {s['client_cpu_s_per_GB']:.2f} cpu-s/GB "
                           f"wakeups/MiB client {s['client_wakeups_per_MiB']:.1f} "
                           f"servers {s['server_wakeups_per_MiB'] or 0:.1f} "
