@@ -96,12 +96,21 @@ async def test_the_report_writes_the_machine_and_the_round_trip_beside_the_figur
     finally:
         await server.close()
     assert 0 < rtt < 1e6
-    out = report.write_json(tmp_path / "deep" / "run.json", {"rows": [1], "round_trip_64B_us": rtt}, quiet=True)
+    out = report.write_json(tmp_path / "deep" / "run.json", {"rows": [1]}, round_trip_64B_us=rtt, quiet=True)
     doc = json.loads(out.read_text())
-    assert doc["rows"] == [1] and doc["round_trip_64B_us"] == rtt
+    assert doc["rows"] == [1] and doc["round_trip_64B_us"] == round(rtt, 1)
     assert doc["smb2"] == smb2.__version__ and doc["machine"]["nproc"] == os.cpu_count()
+    # a run with no server to ask says so (null), never a made-up zero
+    none = json.loads(report.write_json(tmp_path / "none.json", {}, round_trip_64B_us=None, quiet=True).read_text())
+    assert none["round_trip_64B_us"] is None and "machine" in none
+    assert report.median_round_trip([None, 3.0, 1.0, 2.0]) == 2.0 and report.median_round_trip([None]) is None
     assert report.table(["name", "GB/s"], [["tcp", 1.5], ["shm", 12.25]]).splitlines() == [
         "name   GB/s", "tcp     1.5", "shm   12.25"]
+    # number formats per column; a missing value is "-" and keeps its column right-aligned
+    assert report.table(["op", "ratio", "share"], [["read", 1.234, 0.5], ["write", None, 0.25]],
+                        formats=[None, "{:.2f}x", "{:.0%}"], indent=2).splitlines() == [
+        "  op     ratio  share", "  read   1.23x    50%", "  write      -    25%"]
+    assert report.target(">=", 1.5, "{:.2f}x", False) == ">= 1.50x NOT met"
     assert report.table(["a", "b"], [[1, "x"]], markdown=True).splitlines() == ["| a | b |", "| --- | --- |",
                                                                                 "| 1 | x |"]
     png = tmp_path / "plot.png"

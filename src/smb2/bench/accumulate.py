@@ -37,7 +37,7 @@ import numpy as np
 
 from ..protocol import MAX_ACCUMULATE, WIRE_CODES
 from .common import fmt_size, now, size_list
-from .report import round_trip_us, run_and_report, table
+from .report import median_round_trip, round_trip_us, run_and_report, table
 
 KINDS = {"fp32": None, "bf16": "bfloat16"}
 # a plain write of the same float32 words: what receiving the payload costs
@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"accumulate: {fmt_size(sizes[0])} pushes, {args.clients} clients, threads {args.threads}",
           file=sys.stderr)
-    return run_and_report(lambda: measure(args, sizes[0]), summarize, format_table, args.json)
+    return run_and_report(lambda: measure(args, sizes[0]), summarize, format_table, args.json,
+                          lambda result: median_round_trip([r["round_trip_64B_us"] for r in result["runs"]]))
 
 
 if __name__ == "__main__":

@@ -353,7 +353,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                "fairness": (max(counts) / min(counts)) if min(counts) else None,
                                "server_ops_per_acq": (after - before) / total if total else None}
                         contended.append(row)
-                        _progress(f"{cs:5s} {nprocs} procs {kind:5s}: {row['per_s']:8.0f}/s  fairness "
+                        _progress(f"{cs}, {nprocs} procs, {kind}: {row['per_s']:.0f}/s  fairness "
                                   f"{row['fairness'] or float('inf'):.3f}  server ops/acq "
                                   f"{row['server_ops_per_acq'] or 0:.1f}  rtt {rtt:.1f}us")
             summary = []
@@ -393,40 +393,38 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     u = result["uncontended"]["summary"]
+    contended = result["contended"]["summary"]
     pin = result["machine"].get("pinning")
     spin, hspin = result["args"].get("lock_spin"), result["args"].get("holder_spin")
-    lines = [f"pinned: {pin or 'no'}; server --lock-spin: {'default' if spin is None else spin}; "
+    park = u["park"]["ratio_p50_vs_raw"]
+    parts = [f"pinned: {pin or 'no'}; server --lock-spin: {'default' if spin is None else spin}; "
              f"Lock(spin=...): {'default' if hspin is None else hspin}",
              "uncontended acquire+release (medians of per-round ratios)",
-             f"{'':8s} {'p50 us':>8s} {'p99 us':>8s} {'x raw':>7s} {'x read64':>9s}"]
-    for k, v in u.items():
-        lines.append(f"{k:8s} {v['p50_us']:8.1f} {v['p99_us']:8.1f} {v['ratio_p50_vs_raw']:7.2f} "
-                     f"{v['ratio_p50_vs_read64']:9.2f}")
-    park = u["park"]["ratio_p50_vs_raw"]
-    lines.append(f"target: park p50 <= {TARGET_UNCONTENDED}x raw: {park:.2f}x "
-                 f"{'MET' if park <= TARGET_UNCONTENDED else 'MISSED'}")
-    lines += ["", "contended (acquisitions/s; fairness = max/min per client; critical section: empty, or "
-              "rmw = read 8 bytes + write them back)",
-              f"{'cs':5s} {'procs':>5s} {'spin/s':>8s} {'park/s':>8s} {'poll/s':>8s} {'park/spin':>9s} "
-              f"{'poll/spin':>9s} {'fair park':>9s} {'fair spin':>9s} {'ops/acq park':>12s} "
-              f"{'ops/acq spin':>12s} {'rtt us':>7s}"]
-    for s in result["contended"]["summary"]:
-        lines.append(f"{s['cs']:5s} {s['procs']:5d} {s['spin_per_s']:8.0f} {s['park_per_s']:8.0f} "
-                     f"{s['poll_per_s']:8.0f} "
-                     f"{s['park_vs_spin']:9.2f} {s['poll_vs_spin']:9.2f} {s['park_fairness']:9.3f} "
-                     f"{s['spin_fairness']:9.3f} {s['park_server_ops_per_acq']:12.1f} "
-                     f"{s['spin_server_ops_per_acq']:12.1f} {s['rtt_us']:7.1f}")
-    shm = [k for k in SHM_KINDS if f"{k}_per_s" in (result["contended"]["summary"] or [{}])[0]]
+             report.table(["", "p50 us", "p99 us", "x raw", "x read64"],
+                          [[k, v["p50_us"], v["p99_us"], v["ratio_p50_vs_raw"], v["ratio_p50_vs_read64"]]
+                           for k, v in u.items()], formats=[None, "{:.1f}", "{:.1f}", "{:.2f}", "{:.2f}"]),
+             f"target: park p50 <= {TARGET_UNCONTENDED}x raw: {park:.2f}x {report.verdict(park <= TARGET_UNCONTENDED)}",
+             "", "contended (acquisitions/s; fairness = max/min per client; critical section: empty, or "
+             "rmw = read 8 bytes + write them back)",
+             report.table(["cs", "procs", "spin/s", "park/s", "poll/s", "park/spin", "poll/spin", "fair park",
+                           "fair spin", "ops/acq park", "ops/acq spin", "rtt us"],
+                          [[s["cs"], s["procs"], s["spin_per_s"], s["park_per_s"], s["poll_per_s"], s["park_vs_spin"],
+                            s["poll_vs_spin"], s["park_fairness"], s["spin_fairness"], s["park_server_ops_per_acq"],
+                            s["spin_server_ops_per_acq"], s["rtt_us"]] for s in contended],
+                          formats=[None, None, "{:.0f}", "{:.0f}", "{:.0f}", "{:.2f}", "{:.2f}", "{:.3f}", "{:.3f}",
+                                   "{:.1f}", "{:.1f}", "{:.1f}"])]
+    shm = [k for k in SHM_KINDS if f"{k}_per_s" in (contended or [{}])[0]]
     if shm:
-        lines += ["", "shm clients (same run; x park = against the TCP lock of the same rep)",
-                  f"{'cs':5s} {'procs':>5s} {'park/s':>8s} " + " ".join(
-                      f"{k + '/s':>9s} {'x park':>7s} {'fair':>6s} {'ops/acq':>7s}" for k in shm)
-                  + f" {'rtt us':>7s}"]
-        for s in result["contended"]["summary"]:
-            lines.append(f"{s['cs']:5s} {s['procs']:5d} {s['park_per_s']:8.0f} " + " ".join(
-                f"{s[k + '_per_s']:9.0f} {s[k + '_vs_park']:7.2f} {s[k + '_fairness']:6.3f} "
-                f"{s[k + '_server_ops_per_acq']:7.2f}" for k in shm) + f" {s['rtt_us']:7.1f}")
-    for s in result["contended"]["summary"]:
+        parts += ["", "shm clients (same run; x park = against the TCP lock of the same rep)",
+                  report.table(["cs", "procs", "park/s"] + [h for k in shm for h in (f"{k}/s", "x park", "fair",
+                                                                                     "ops/acq")] + ["rtt us"],
+                               [[s["cs"], s["procs"], s["park_per_s"]]
+                                + [s[k + f] for k in shm for f in ("_per_s", "_vs_park", "_fairness",
+                                                                   "_server_ops_per_acq")] + [s["rtt_us"]]
+                                for s in contended],
+                               formats=[None, None, "{:.0f}"] + ["{:.0f}", "{:.2f}", "{:.3f}", "{:.2f}"] * len(shm)
+                               + ["{:.1f}"])]
+    for s in contended:
         if s["procs"] != 4:
             continue
         if "futex_anycpu_per_s" in s:
@@ -434,18 +432,23 @@ def table(result: dict[str, Any]) -> str:
             # server's); the pinned "futex" row gives the shm clients one
             k = "futex_anycpu"
             ok_t, ok_f = s[f"{k}_vs_park"] >= TARGET_SHM, s[f"{k}_fairness"] <= TARGET_FAIRNESS
-            lines.append(f"target (4 procs, cs {s['cs']}): shm futex on the TCP lock's CPUs >= {TARGET_SHM}x "
-                         f"the TCP lock: {s[f'{k}_vs_park']:.2f}x {'MET' if ok_t else 'MISSED'}; max/min <= "
-                         f"{TARGET_FAIRNESS}: {s[f'{k}_fairness']:.3f} {'MET' if ok_f else 'MISSED'}")
+            parts.append(f"target (4 procs, cs {s['cs']}): shm futex on the TCP lock's CPUs >= {TARGET_SHM}x "
+                         f"the TCP lock: {s[f'{k}_vs_park']:.2f}x {report.verdict(ok_t)}; max/min <= "
+                         f"{TARGET_FAIRNESS}: {s[f'{k}_fairness']:.3f} {report.verdict(ok_f)}")
         if "futex_per_s" in s:
-            lines.append(f"  (shm futex with every client on one CPU: {s['futex_vs_park']:.2f}x the TCP lock, "
+            parts.append(f"  (shm futex with every client on one CPU: {s['futex_vs_park']:.2f}x the TCP lock, "
                          f"max/min {s['futex_fairness']:.3f})")
         ok_t = s["park_vs_spin"] >= TARGET_THROUGHPUT
         ok_f = s["park_fairness"] <= TARGET_FAIRNESS
-        lines.append(f"target (4 procs, cs {s['cs']}): park >= {TARGET_THROUGHPUT}x spin: "
-                     f"{s['park_vs_spin']:.2f}x {'MET' if ok_t else 'MISSED'}; max/min <= {TARGET_FAIRNESS}: "
-                     f"{s['park_fairness']:.3f} {'MET' if ok_f else 'MISSED'}")
-    return "\n".join(lines)
+        parts.append(f"target (4 procs, cs {s['cs']}): park >= {TARGET_THROUGHPUT}x spin: "
+                     f"{s['park_vs_spin']:.2f}x {report.verdict(ok_t)}; max/min <= {TARGET_FAIRNESS}: "
+                     f"{s['park_fairness']:.3f} {report.verdict(ok_f)}")
+    return "\n".join(parts)
+
+
+def round_trip(result: dict[str, Any]) -> float | None:
+    """The run's 64-byte round trip: the uncontended rounds' 64-byte read."""
+    return float(result["uncontended"]["summary"]["read64"]["p50_us"])
 
 
 def plot(path: Path, result: dict[str, Any]) -> str | None:
@@ -467,13 +470,10 @@ def plot(path: Path, result: dict[str, Any]) -> str | None:
                 ax.annotate(f"{s['park_vs_spin']:.2f}x", (s["procs"], s["park_per_s"]), textcoords="offset points",
                             xytext=(0, 6), ha="center", fontsize=8, color="tab:blue")
             ax.set_xscale("log", base=2)
-            ax.set_xticks(procs, [str(p) for p in procs])
             ax.set_ylim(0, 1.12 * max(s[f"{k}_per_s"] for s in rows for k, *_ in kinds))
-            ax.set_xlabel("contending client processes")
-            ax.set_ylabel("acquisitions per second (median)")
-            ax.set_title("empty critical section" if cs == "empty" else "read-modify-write critical section")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            report.style(ax, title="empty critical section" if cs == "empty" else "read-modify-write critical section",
+                         xlabel="contending client processes", ylabel="acquisitions per second (median)",
+                         xticks=procs)
         pin = result["machine"].get("pinning")
         fig.suptitle(f"smb2 lock over TCP loopback, {result['machine'].get('nproc', '?')} CPUs"
                      f"{', pinned' if pin else ''}; labels: parked / spin lock", fontsize=10)
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     result = uvloop.run(bench(args))
     text = table(result)
     print(text)
-    path = report.write_json(args.json, {**result, "table": text}, quiet=True)
+    path = report.write_json(args.json, {**result, "table": text}, round_trip_64B_us=round_trip(result), quiet=True)
     _progress(f"wrote {path}")
     why_not = plot(Path(args.png), result)
     _progress(f"plot: {why_not}" if why_not else f"plot: {args.png}")

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from . import report
 from .common import MiB, fmt_size, size_list
 from .report import run_and_report
 
@@ -178,6 +179,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                                     for m in args.poll), file=sys.stderr, flush=True)
         for reg in regs:
             reg.close()
+        results["round_trip_64B_us"] = await report.round_trip_us([server.address])
     finally:
         for c in clients.values():
             await c.close()
@@ -204,22 +206,20 @@ def summarize(results: dict[str, Any], modes: list[str]) -> list[dict[str, Any]]
 
 
 def format_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
-    head = f"{'op':<6}{'size':>8}  {'bare us/op':>11}" + "".join(
-        f"  {m + ' us/op':>13}  {m + ' ratio':>12}" for m in modes) + f"  {'rtt us':>8}  target"
-    out = [head, "-" * len(head)]
-    for r in rows:
-        line = f"{r['op']:<6}{fmt_size(r['size'], sep=''):>8}  {r['bare_us']:>11.1f}" + "".join(
-            f"  {r[m + '_us']:>13.1f}  {r[m + '_ratio']:>11.2f}x" for m in modes)
-        line += f"  {r['rtt_us']:>8.1f}"
-        if r["size"] == TARGET_SIZE:
-            best = min(r[m + "_ratio"] for m in modes)
-            line += f"  <={TARGET_RATIO}x {'PASS' if best <= TARGET_RATIO else 'MISS'}"
-        out.append(line)
-    out.append("")
-    out.append("ratio = median over rounds of smb2 / bare pyverbs post-and-poll time per op, one op "
-               "at a time;")
-    out.append("rtt = the bare loop's 8-byte RDMA READ round trip in that round (the machine's mode)")
-    return "\n".join(out)
+    def goal(r: dict[str, Any]) -> str | None:
+        if r["size"] != TARGET_SIZE:
+            return None
+        return report.target("<=", TARGET_RATIO, "{:g}x", min(r[m + "_ratio"] for m in modes) <= TARGET_RATIO)
+
+    return "\n".join([
+        report.table(["op", "size", "bare us/op"] + [h for m in modes for h in (f"{m} us/op", f"{m} ratio")]
+                     + ["rtt us", "target"],
+                     [[r["op"], fmt_size(r["size"], sep=""), r["bare_us"]]
+                      + [r[m + k] for m in modes for k in ("_us", "_ratio")] + [r["rtt_us"], goal(r)] for r in rows],
+                     formats=[None, None, "{:.1f}"] + ["{:.1f}", "{:.2f}x"] * len(modes) + ["{:.1f}"]),
+        "",
+        "ratio = median over rounds of smb2 / bare pyverbs post-and-poll time per op, one op at a time;",
+        "rtt = the bare loop's 8-byte RDMA READ round trip in that round (the machine's mode)"])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -265,4 +265,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smb2 bench: no RDMA here: {reason}", file=sys.stderr)
         return 1
     return run_and_report(lambda: _run(args), lambda r: summarize(r, args.poll),
-                          lambda rows: format_table(rows, args.poll), args.json)
+                          lambda rows: format_table(rows, args.poll), args.json,
+                          lambda result: result["round_trip_64B_us"])

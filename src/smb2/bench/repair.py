@@ -34,9 +34,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +44,8 @@ import smb2
 from smb2.placement import Placement
 from smb2.protocol import parse_size
 from smb2.testing.replicas import read_copy
+
+from . import report
 
 MiB = 1 << 20
 
@@ -258,19 +260,27 @@ def main() -> int:
     p.add_argument("--load", action="store_true",
                    help="replace mode: 4 MiB writes and 64 B reads all along, their rate during the repair "
                         "against as long after it")
-    rows = asyncio.run(main_async(p.parse_args()))
-    print(f"{'MODE':8} {'BYTES':>10} {'MEDIAN s':>9} {'WORST s':>8} {'MiB/s':>7} {'64B RTT us':>10}  COPIES")
-    for r in rows:
-        print(f"{str(r['mode']).split()[0]:8} {r['bytes_copied']:>10} {r['repair_s_median']:>9} "
-              f"{r['repair_s_worst']:>8} {r['implied_MiB_per_s']:>7} {r['rtt_64B_us_median']:>10}  "
-              f"{'equal' if r['copies_equal_data'] else 'DIFFER'}")
-        if "load_during_over_after" in r:
-            print(f"  with --load: writes {r['load_write_MB_per_s_during_repair']} MB/s during the repair, "
-                  f"{r['load_write_MB_per_s_after_repair']} MB/s after ({r['load_during_over_after']}x); 64 B "
-                  f"round trip {r['load_rtt_64B_us_during_repair']} us during, {r['load_rtt_64B_us_after_repair']} "
-                  "us after")
-    print(json.dumps(rows, indent=2))
+    p.add_argument("--json", default="bench-results/repair.json", help="where to write the rows")
+    args = p.parse_args()
+    rows: list[dict[str, Any]] = asyncio.run(main_async(args))
+    print(table(rows))
+    report.write_json(args.json, {"args": vars(args), "rows": rows},
+                      round_trip_64B_us=report.median_round_trip([r["rtt_64B_us_median"] for r in rows]))
     return 0
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [report.table(["mode", "bytes", "median s", "worst s", "MiB/s", "64B rtt us", "copies"],
+                          [[str(r["mode"]).split()[0], r["bytes_copied"], r["repair_s_median"], r["repair_s_worst"],
+                            r["implied_MiB_per_s"], r["rtt_64B_us_median"],
+                            "equal" if r["copies_equal_data"] else "DIFFER"] for r in rows])]
+    for r in rows:
+        if "load_during_over_after" in r:
+            lines.append(f"  with --load ({str(r['mode']).split()[0]}): writes {r['load_write_MB_per_s_during_repair']}"
+                         f" MB/s during the repair, {r['load_write_MB_per_s_after_repair']} MB/s after "
+                         f"({r['load_during_over_after']}x); 64 B round trip {r['load_rtt_64B_us_during_repair']} us "
+                         f"during, {r['load_rtt_64B_us_after_repair']} us after")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,7 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=3, help="turns of each version")
     p.add_argument("--baseline-python", help="another checkout's python, measured in turns for replicas=1")
     p.add_argument("--only-r1", action="store_true", help="measure replicas=1 only")
+    p.add_argument("--json", default="bench-results/replicas.json", help="where to write the result")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--servers", help=argparse.SUPPRESS)
     p.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
@@ -130,8 +131,25 @@ def main() -> int:
     args = p.parse_args()
     if args.child:
         return child(args)
-    print(json.dumps(asyncio.run(main_async(args)), indent=2))
+    # here, not at the top: the child runs this file alone, possibly from another checkout
+    from smb2.bench import report
+
+    result = asyncio.run(main_async(args))
+    print(table(result))
+    this_r1 = result["this r1"]
+    assert isinstance(this_r1, dict)
+    report.write_json(args.json, result, round_trip_64B_us=this_r1["rtt_64B_us"])
     return 0
+
+
+def table(result: dict[str, object]) -> str:
+    """One row per version and replica count, and each against replicas=1."""
+    from smb2.bench import report
+
+    figures = ["rtt_64B_us", "fetch_add_us", "write_64MiB_MBps", "read_64MiB_MBps"]
+    rows = [[key, *(cols.get(k) for k in figures)] for key, cols in result.items() if isinstance(cols, dict)]
+    return report.table(["", "64 B rtt us", "fetch_add us", "write 64 MiB MB/s", "read 64 MiB MB/s"], rows,
+                        formats=[None, "{:.2f}", "{:.2f}", "{:.2f}", "{:.2f}"])
 
 
 if __name__ == "__main__":

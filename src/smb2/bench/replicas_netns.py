@@ -418,6 +418,13 @@ async def still_degraded(buf: Any, errors: list[str]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Report
 
+def round_trip(result: dict[str, Any]) -> float | None:
+    """The run's 64-byte round trip: the median of its phases' (across the shaped links)."""
+    phases = [res.get(r, {}) for res in result["throughput"].values() for r in ("replicas=1", "replicas=2")]
+    phases += [result.get(p) or {} for p in ("failover", "repair")]
+    return report.median_round_trip([p.get("rtt_64B_us") for p in phases])
+
+
 def table(result: dict[str, Any]) -> str:
     lines = []
     for shaping, res in result["throughput"].items():
@@ -429,23 +436,19 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"  stopped early by: {res['error']}")
         if res["view_changes"]:
             lines.append(f"  {res['view_changes']} view changes with every server up (live servers taken for dead)")
-        lines.append(f"  {'':11}{'write MB/s':>12}{'read MB/s':>11}{'accum MB/s':>12}{'64B rtt us':>12}{'fadd us':>9}")
-        for r in ("replicas=1", "replicas=2"):
-            row = res[r]
-            lines.append(f"  {r:11}{row['write_MBps']:>12}{row['read_MBps']:>11}{row['accumulate_MBps']:>12}"
-                         f"{row['rtt_64B_us']:>12}{row['fetch_add_64B_us']:>9}")
         ratio = res["ratio r2/r1"]
-        lines.append(f"  {'r2/r1':11}{ratio['write']:>12}{ratio['read']:>11}{ratio['accumulate']:>12}")
-        for r in ("replicas=1", "replicas=2"):
-            for op in OPS:
-                if not res[r][f"{op}_MBps"]:
-                    continue
-                per = res[r][f"{op}_link_MiB"]
-                lost = res[r][f"{op}_tcp_retransmits_timeouts"]
-                lines.append(f"    {r} {op:10} MiB in/out: " + ", ".join(
-                    f"{h} {v['in']:g}/{v['out']:g}" for h, v in per.items())
-                    + f"; tcp retransmits {statistics.median(x[0] for x in lost):g}, "
-                      f"timeouts {statistics.median(x[1] for x in lost):g} (medians)")
+        lines.append(report.table(
+            ["", "write MB/s", "read MB/s", "accum MB/s", "64B rtt us", "fadd us"],
+            [[r, res[r]["write_MBps"], res[r]["read_MBps"], res[r]["accumulate_MBps"], res[r]["rtt_64B_us"],
+              res[r]["fetch_add_64B_us"]] for r in ("replicas=1", "replicas=2")]
+            + [["r2/r1", ratio["write"], ratio["read"], ratio["accumulate"], None, None]], indent=2))
+        links = [(r, op, res[r][f"{op}_link_MiB"], res[r][f"{op}_tcp_retransmits_timeouts"])
+                 for r in ("replicas=1", "replicas=2") for op in OPS if res[r][f"{op}_MBps"]]
+        lines.append(report.table(
+            ["", "op", "MiB in/out per host", "tcp retransmits", "timeouts"],
+            [[r, op, ", ".join(f"{h} {report.cell(v['in'])}/{report.cell(v['out'])}" for h, v in per.items()),
+              statistics.median(x[0] for x in lost), statistics.median(x[1] for x in lost)]
+             for r, op, per, lost in links], indent=4))
     fo = result.get("failover")
     if fo and fo.get("error"):
         lines.append(f"failover: FAILED: {fo['error']}")
@@ -531,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         if args.json:
-            report.write_json(args.json, result, quiet=True)
+            report.write_json(args.json, result, round_trip_64B_us=round_trip(result), quiet=True)
     capacity = f"{max(64, 4 * size // MiB // args.servers)}MiB"
     t_start = time.monotonic()
     for shaping, client_rate in shapings.items():

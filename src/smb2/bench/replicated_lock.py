@@ -97,10 +97,12 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
 def table(res: dict[str, Any]) -> str:
     m = res["median_us"]
     lines = [f"transport {res['transport']}, 3 servers, medians of {res['rounds']} rounds of {res['n']}",
-             f"  64-byte round trip (READ)              {m['rtt64']:9.0f} us",
-             f"  lock acquire+release (unreplicated)    {m['lock']:9.0f} us",
-             f"  replicated_lock acquire+release (R=2)  {m['replicated_lock']:9.0f} us   "
-             f"({res['replicated_over_plain']:.1f}x the unreplicated lock)"]
+             report.table(["", "us", "x unreplicated lock"],
+                          [["64-byte round trip (READ)", m["rtt64"], None],
+                           ["lock acquire+release (unreplicated)", m["lock"], None],
+                           ["replicated_lock acquire+release (R=2)", m["replicated_lock"],
+                            res["replicated_over_plain"]]],
+                          formats=[None, "{:.0f}", "{:.1f}x"], indent=2)]
     fo = res["failover"]
     if fo:
         kept = [f["kept_s"] for f in fo]
@@ -124,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     res = asyncio.run(bench(a))
     print(table(res))
-    res["round_trip_64B_us"] = res["median_us"]["rtt64"]
-    report.write_json(a.json, res)
+    report.write_json(a.json, res, round_trip_64B_us=res["median_us"]["rtt64"])
     return 0
 
 

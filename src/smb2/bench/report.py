@@ -2,10 +2,14 @@
 it ran on, the smb2 version and the 64-byte round trip of its servers, so a
 figure is never read without its context), the text table, and the PNG.
 
-    result["round_trip_64B_us"] = await round_trip_us(servers)
-    print(table(["servers", "GB/s"], rows))
-    write_json(args.json, result)
+    rtt = await round_trip_us(servers)
+    print(table(["servers", "GB/s", "x 1 srv"], rows, formats=[None, "{:.3f}", "{:.2f}x"]))
+    write_json(args.json, result, round_trip_64B_us=rtt)
     plot(args.png, draw)           # draw(plt) -> figure; a sentence if matplotlib is missing
+
+A benchmark's own code only picks what goes in (which columns, which rows,
+what the figure draws); how it is laid out (widths, separators, number
+formats, the files' shape) is here, so every benchmark reads alike.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from .common import describe_machine
 NO_MATPLOTLIB = "matplotlib is not installed: no plot (pip install 'smb2[bench]')"
 
 
-async def round_trip_us(servers: Sequence[str], n: int = 200, transport: str = "tcp") -> float:
+async def round_trip_us(servers: Sequence[str | tuple[str, int]], n: int = 200, transport: str = "tcp") -> float:
     """The median round trip of a 64-byte read from the first server, in µs
     (the yardstick every figure of a run is read against)."""
     import smb2
@@ -41,14 +45,19 @@ async def round_trip_us(servers: Sequence[str], n: int = 200, transport: str = "
     return statistics.median(times) * 1e6
 
 
-def write_json(path: str | Path, result: dict[str, Any], *, quiet: bool = False) -> Path:
+def write_json(path: str | Path, result: dict[str, Any], *, round_trip_64B_us: float | None,
+               quiet: bool = False) -> Path:
     """Write a run's result where ``--json`` says, making the directory; the
-    machine it ran on and the smb2 version are added unless the run says them."""
+    machine it ran on, the smb2 version and the run's 64-byte round trip (µs,
+    the yardstick its figures are read against) are added.  Every benchmark
+    states the round trip: None only where the run had no server to ask
+    (written as null, so a reader sees it is missing, not zero)."""
     from ..version import __version__
 
     result.setdefault("machine", describe_machine())
     result.setdefault("smb2", __version__)
     result.setdefault("finished", time.time())
+    result["round_trip_64B_us"] = None if round_trip_64B_us is None else round(round_trip_64B_us, 1)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
@@ -57,16 +66,48 @@ def write_json(path: str | Path, result: dict[str, Any], *, quiet: bool = False)
     return out
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, markdown: bool = False) -> str:
-    """Rows as aligned text columns (numbers right-aligned), or as a markdown table."""
-    cells = [[str(c) for c in header]] + [[f"{c:g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+def median_round_trip(values: Sequence[float | None]) -> float | None:
+    """The median of the round trips a run measured beside its figures (one
+    per row, per scenario, per server count), None when it measured none."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def cell(value: Any, fmt: str | None = None) -> str:
+    """One table cell: ``fmt`` a ``str.format`` template for a number
+    ("{:.2f}x", "{:.1%}"), floats by default as ``:g``; None is "-"."""
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return fmt.format(value) if fmt else f"{value:g}" if isinstance(value, float) else str(value)
+    return str(value)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, formats: Sequence[str | None] | None = None,
+          markdown: bool = False, indent: int = 0) -> str:
+    """Rows as aligned text columns (numbers right-aligned), or as a markdown
+    table.  ``formats``: one ``str.format`` template (or None) per column,
+    used on that column's numbers; a missing value (None) shows as "-"."""
+    fmts = list(formats or []) + [None] * (len(header) - len(formats or []))
+    cells = [[str(c) for c in header]] + [[cell(c, f) for c, f in zip(r, fmts)] for r in rows]
     if markdown:
         lines = ["| " + " | ".join(cells[0]) + " |", "|" + " --- |" * len(header)]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells[1:]])
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    numeric = [all(isinstance(r[i], (int, float)) for r in rows) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)).rstrip()
-                     for r in cells)
+    numeric = [all(r[i] is None or isinstance(r[i], (int, float)) for r in rows) for i in range(len(header))]
+    pad = " " * indent
+    return "\n".join(pad + "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric))
+                     .rstrip() for r in cells)
+
+
+def verdict(met: bool) -> str:
+    """How a target reads in every benchmark's output."""
+    return "met" if met else "NOT met"
+
+
+def target(relation: str, bound: float, fmt: str, met: bool) -> str:
+    """A target cell: ``target(">=", 1.5, "{:.2f}x", True)`` is ">= 1.50x met"."""
+    return f"{relation} {fmt.format(bound)} {verdict(met)}"
 
 
 def plot(path: str | Path, draw: Callable[[Any], Any], dpi: int = 110) -> str | None:
@@ -86,11 +127,27 @@ def plot(path: str | Path, draw: Callable[[Any], Any], dpi: int = 110) -> str | 
     return None
 
 
+def style(ax: Any, *, title: str, xlabel: str, ylabel: str | None = None, xticks: Sequence[Any] | None = None,
+          legend: bool = True) -> None:
+    """Every benchmark's panel looks alike: its title, axis labels, ticks at
+    the measured points, a light grid and a small legend."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    if xticks is not None:
+        ax.set_xticks(list(xticks), [str(x) for x in xticks])
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8)
+
+
 def run_and_report(benchmark: Callable[[], Coroutine[Any, Any, dict[str, Any]]],
                    summarize: Callable[[dict[str, Any]], Any], format_table: Callable[[Any], str],
-                   json_path: str) -> int:
+                   json_path: str, round_trip: Callable[[dict[str, Any]], float | None]) -> int:
     """Run ``benchmark`` on uvloop, store its summary in the result, print
-    the table, write every sample to ``json_path`` ('' for none): the exit
+    the table, write every sample to ``json_path`` ('' for none) with the
+    round trip ``round_trip(result)`` picks: the exit
     status (1 when smb2 or the system failed it)."""
     import uvloop
 
@@ -107,5 +164,5 @@ def run_and_report(benchmark: Callable[[], Coroutine[Any, Any, dict[str, Any]]],
     result["summary"] = summary
     print(format_table(summary))
     if json_path:
-        write_json(json_path, result)
+        write_json(json_path, result, round_trip_64B_us=round_trip(result))
     return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -90,10 +91,7 @@ def main() -> None:
                 row.update(round=r, rtt_us=rtt, median_ratio=row["median_ms"] / base["median_ms"],
                            mean_ratio=row["mean_ms"] / base["mean_ms"])
                 rows.append(row)
-                print(f"round {r}  state_every={row['every_s']!s:5}  step median {row['median_ms']:7.2f} ms "
-                      f"(x{row['median_ratio']:.3f})  mean {row['mean_ms']:7.2f} ms (x{row['mean_ratio']:.3f})  "
-                      f"max {row['max_ms']:7.1f} ms  saves {row['saves']:3}  state {row['state_mb']:.0f} MB  "
-                      f"64-byte read {rtt:.0f} us", flush=True)
+            print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
     finally:
         loop.run(cluster.close())
         loop.stop()
@@ -101,12 +99,18 @@ def main() -> None:
     summary = {"median_ratio": statistics.median(r["median_ratio"] for r in saving_rows),
                "mean_ratio": statistics.median(r["mean_ratio"] for r in saving_rows),
                "rtt_us": statistics.median(r["rtt_us"] for r in rows)}
+    print(report.table(
+        ["round", "state every s", "step median ms", "x", "mean ms", "x", "max ms", "saves", "state MB",
+         "64-byte read us"],
+        [[r["round"], r["every_s"], r["median_ms"], r["median_ratio"], r["mean_ms"], r["mean_ratio"], r["max_ms"],
+          r["saves"], r["state_mb"], r["rtt_us"]] for r in rows],
+        formats=[None, None, "{:.2f}", "{:.3f}", "{:.2f}", "{:.3f}", "{:.1f}", None, "{:.0f}", "{:.0f}"]))
     print(f"saving every {a.every} s: step time x{summary['median_ratio']:.3f} (median), "
           f"x{summary['mean_ratio']:.3f} (mean), medians over {a.rounds} rounds; "
           f"64-byte read {summary['rtt_us']:.0f} us")
     if a.json:
-        report.write_json(a.json, {"args": vars(a), "rows": rows, "summary": summary,
-                                   "round_trip_64B_us": summary["rtt_us"]})
+        report.write_json(a.json, {"args": vars(a), "rows": rows, "summary": summary},
+                          round_trip_64B_us=summary["rtt_us"])
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from .common import proc_cpu
-from .report import plot, round_trip_us, table, write_json
+from .report import plot, round_trip_us, style, table, write_json
 
 STORE = "bench-scale"
 PHASES = ("connect", "open", "join", "beat", "exchange")
@@ -270,6 +270,17 @@ def format_table(result: dict[str, Any]) -> str:
     return table(["phase", "wall s", "server CPU s", "CPU ms/worker", "server RSS MB (max)", "errors"], rows)
 
 
+def summary_table(summary: dict[str, Any]) -> str:
+    """The run's summary, one figure a line (a phase's figures under its name)."""
+    rows: list[list[Any]] = []
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            rows += [[f"{key} ({sub})", v] for sub, v in value.items()]
+        else:
+            rows.append([key, value])
+    return table(["summary", ""], rows)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="smb2 bench scale", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -310,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     if result["loaded_machine"]:
         print(f"(a loaded machine: load average {result['loadavg_before'][0]:.1f} before, "
               f"{result['loadavg_after'][0]:.1f} after, on {os.cpu_count()} cores)")
-    print(json.dumps(result["summary"], indent=1))
-    write_json(args.json, result, quiet=args.quiet)
+    print()
+    print(summary_table(result["summary"]))
+    write_json(args.json, result, round_trip_64B_us=result["round_trip_64B_us"], quiet=args.quiet)
     if args.png:
         why = plot(args.png, lambda plt: _draw(plt, result))
         if why:
@@ -323,8 +335,8 @@ def _draw(plt: Any, result: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     per = result["summary"]["server_cpu_ms_per_worker"]
     ax.bar(list(per), list(per.values()))
-    ax.set_ylabel("server CPU ms per worker")
-    ax.set_title(f"{result['workers']} workers, {result['servers']} servers")
+    style(ax, title=f"{result['workers']} workers, {result['servers']} servers", xlabel="phase",
+          ylabel="server CPU ms per worker", legend=False)
     return fig
 
 

@@ -58,7 +58,6 @@ import asyncio
 import datetime as _dt
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -75,7 +74,7 @@ from smb2.testing.launch import ready_address
 from smb2.testing.netns.probe import ProbeConn
 
 from . import report
-from .common import proc_cpu
+from .common import fmt_size, proc_cpu
 
 MiB = 1 << 20
 GB = 1e9
@@ -91,13 +90,6 @@ def parse_size(text: str) -> int:
         if s.endswith(suffix):
             return int(float(s[:-1]) * mult)
     return int(s)
-
-
-def fmt_size(n: int) -> str:
-    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= f and n % f == 0:
-            return f"{n // f}{unit}"
-    return str(n)
 
 
 def progress(msg: str) -> None:
@@ -287,7 +279,7 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
                                         if busy is not None and server_pids else None),
                     })
                     s = samples[-1]
-                    print(f"bench_scaleout[worker]: round {r} {n} server(s) {op:9} {s['GBps']:.3f} GB/s "
+                    print(f"bench_scaleout[worker]: round {r} {n} server(s) {op}: {s['GBps']:.3f} GB/s "
                           f"rtt {s['rtt_us']:.0f} us client {s['client_cpu_s_per_GB']:.2f} cpu-s/GB "
                           f"wakeups/MiB client {s['client_wakeups_per_MiB']:.1f} "
                           f"servers {s['server_wakeups_per_MiB'] or 0:.1f} "
@@ -414,32 +406,23 @@ def summarize(samples: list[dict[str, Any]], counts: list[int]) -> dict[str, Any
 def format_table(rows: dict[str, Any], counts: list[int], rate_bits: int | None,
                  training: dict[int, float | None]) -> str:
     link_payload = link_payload_GBps(rate_bits)
-    head = (f"{'op':9} {'servers':>7} {'GB/s':>7} {'min..max':>13} {'x 1 srv':>7} {'eff':>6} {'vs raw':>6} "
-            f"{'of links':>8} {'rtt us':>6} {'cli cpu-s/GB':>12} {'srv cpu-s/GB':>12} {'machine':>7} {'others':>6}")
-    lines = [head, "-" * len(head)]
-
-    def f(v: float | None, fmt: str, width: int) -> str:
-        return f"{v:{fmt}}".rjust(width) if v is not None else "-".rjust(width)
-
-    for op in OPS + RAW_OPS:
-        for n in counts:
-            r = rows.get(f"{op}/{n}")
-            if r is None:
-                continue
-            of_links = f"{r['GBps_median'] / (n * link_payload):.0%}" if link_payload else "-"
-            lines.append(
-                f"{op:9} {n:>7} {r['GBps_median']:7.3f} {r['GBps_min']:6.3f}..{r['GBps_max']:<6.3f} "
-                f"{r['speedup']:6.2f}x {r['efficiency']:6.1%} {f(r['vs_raw'], '.0%', 6)} {of_links:>8} "
-                f"{r['rtt_us_median']:6.0f} {r['client_cpu_s_per_GB']:12.2f} "
-                f"{f(r['server_cpu_s_per_GB'], '.2f', 12)} "
-                f"{r['machine_busy']:7.0%} {(r['others_busy'] or 0):6.0%}")
+    picked = [(op, n, rows[f"{op}/{n}"]) for op in OPS + RAW_OPS for n in counts if f"{op}/{n}" in rows]
+    lines = [report.table(
+        ["op", "servers", "GB/s", "min", "max", "x 1 srv", "eff", "vs raw", "of links", "rtt us", "cli cpu-s/GB",
+         "srv cpu-s/GB", "machine", "others"],
+        [[op, n, r["GBps_median"], r["GBps_min"], r["GBps_max"], r["speedup"], r["efficiency"], r["vs_raw"],
+          r["GBps_median"] / (n * link_payload) if link_payload else None, r["rtt_us_median"],
+          r["client_cpu_s_per_GB"], r["server_cpu_s_per_GB"], r["machine_busy"], r["others_busy"] or 0]
+         for op, n, r in picked],
+        formats=[None, None, "{:.3f}", "{:.3f}", "{:.3f}", "{:.2f}x", "{:.1%}", "{:.0%}", "{:.0%}", "{:.0f}",
+                 "{:.2f}", "{:.2f}", "{:.0%}", "{:.0%}"])]
     one = training.get(1)
     if training:
         lines += ["", "training benchmark (smb2 bench training, one run per server count):",
-                  f"{'servers':>7} {'samples/s':>10} {'x 1 srv':>7}"]
-        for n, sps in training.items():
-            lines.append(f"{n:>7} {f(sps, '.1f', 10)} "
-                         f"{f(sps / one if sps is not None and one else None, '.2f', 6)}x")
+                  report.table(["servers", "samples/s", "x 1 srv"],
+                               [[n, sps, sps / one if sps is not None and one else None]
+                                for n, sps in training.items()],
+                               formats=[None, "{:.1f}", "{:.2f}x"])]
     return "\n".join(lines)
 
 
@@ -479,12 +462,8 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
         if link_GBps:
             ax.plot([1, nmax], [link_GBps, nmax * link_GBps], ":", color="gray", lw=1,
                     label="N links' TCP payload capacity")
-        ax.set_xlabel("memory servers (one 1-link host each)")
-        ax.set_ylabel("aggregate bandwidth, GB/s")
-        ax.set_xticks(counts)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.set_title("bandwidth")
+        report.style(ax, title="bandwidth", xlabel="memory servers (one 1-link host each)",
+                     ylabel="aggregate bandwidth, GB/s", xticks=counts)
         trained = {n: v for n, v in (training or {}).items() if v is not None}
         if 1 in trained and len(trained) > 1:
             ns = sorted(trained)
@@ -494,12 +473,7 @@ def plot(path: Path, rows: dict[str, Any], counts: list[int], title: str, link_G
         ax2.plot([1, nmax], [TARGET_EFFICIENCY, TARGET_EFFICIENCY * nmax], ":", color="gray", lw=1,
                  label=f"target ({TARGET_EFFICIENCY:.0%} efficiency)")
         ax2.plot([SMB2_PUBLISHED[0]], [SMB2_PUBLISHED[1]], "r*", ms=14, label="SMB2 paper: 6.3x at 8 servers")
-        ax2.set_xlabel("memory servers")
-        ax2.set_ylabel("speedup over one server")
-        ax2.set_xticks(counts)
-        ax2.grid(alpha=0.3)
-        ax2.legend(fontsize=8)
-        ax2.set_title("scale-out")
+        report.style(ax2, title="scale-out", xlabel="memory servers", ylabel="speedup over one server", xticks=counts)
         fig.suptitle(title, fontsize=10)
         fig.tight_layout()
         return fig
@@ -630,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
             spy = _spy(str(pyspy), int(pids[0]), args.profile_server, args.native)
         if not args.quiet:
             progress(f"worker in the client namespace {cluster.client_netns}: {size >> 20} MiB, stripe "
-                     f"{fmt_size(stripe)}, {args.tasks} tasks, {args.rounds} rounds over {counts} server(s)")
+                     f"{fmt_size(stripe, sep='')}, {args.tasks} tasks, {args.rounds} rounds over {counts} server(s)")
         quiet = subprocess.DEVNULL if args.quiet else None
         p = cluster.popen_client(cmd, stdout=quiet, stderr=quiet)
         try:
@@ -653,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         if path:
             print(top_frames(Path(path)) if Path(path).exists() else f"py-spy wrote no {path}", file=sys.stderr)
     rows = summarize(result["samples"], counts)
-    title = (f"smb2 scale-out: {fmt_size(size)} buffer, stripe {fmt_size(stripe)}, {args.tasks} client tasks, "
+    title = (f"smb2 scale-out: {fmt_size(size, sep='')} buffer, stripe {fmt_size(stripe, sep='')}, "
+             f"{args.tasks} client tasks, "
              f"tbf {args.rate} per server link, median of {args.rounds} rounds ({started:%Y-%m-%d %H:%M} UTC)")
     table = format_table(rows, counts, rate_bits, training)
     print(title)
@@ -670,7 +645,6 @@ def main(argv: list[str] | None = None) -> int:
         "params": {"servers": counts, "rate": args.rate, "rate_bits": rate_bits, "size": size, "stripe": stripe,
                    "tasks": args.tasks, "chunk": chunk or size // args.tasks, "rounds": args.rounds,
                    "loop": result.get("loop"), "transports": result.get("transports")},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "summary": rows,
         "training_samples_per_s": {str(n): v for n, v in training.items()},
         "training": {"steps": args.training_steps, "workers": args.training_workers, "rule": args.training_rule,
@@ -678,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
         "smb2_published": {"servers": SMB2_PUBLISHED[0], "speedup": SMB2_PUBLISHED[1]},
         "samples": result["samples"],
     }
-    jpath = report.write_json(args.json, doc, quiet=True)
+    jpath = report.write_json(args.json, doc, quiet=True, round_trip_64B_us=report.median_round_trip(
+        [r["rtt_us_median"] for r in rows.values()]))
     print(f"JSON: {jpath}")
     if not args.no_plot:
         why_not = plot(Path(args.png), rows, counts, title, link_payload_GBps(rate_bits), training)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from . import report
 from .common import (
     FRAME,
     MiB,
@@ -46,6 +47,8 @@ DEFAULT_SIZES = "4KiB,1MiB,64MiB"
 # 4 KiB read p50 <= 2 us, fetch_add p50 <= 1 us
 RATIO_TARGETS = {("read", 64 * MiB): 0.8, ("write", 64 * MiB): 0.8}
 LATENCY_TARGETS_US = {"read 4 KiB": 2.0, "fetch_add": 1.0}
+#: the latency row of the raw loopback round trip (the run's yardstick)
+RAW_RTT = "raw TCP 64 B rtt"
 
 
 async def _seconds(fn: Callable[[], Awaitable[None] | None], k: int) -> float:
@@ -105,7 +108,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             for name, fn in (("np.copyto 4 KiB", copy4k),
                              ("read 4 KiB", lambda: small.read_into(out, 0)),
                              ("fetch_add", lambda: small.fetch_add(0, 1)),
-                             ("raw TCP 64 B rtt", raw.ping)):
+                             (RAW_RTT, raw.ping)):
                 result["latency"][name] = await latencies(fn, args.latency_count)
         finally:
             await stop_raw_peer(peer, raw)
@@ -131,18 +134,16 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    lines = [f"{'op':<6} {'size':>8} {'smb2 shm GB/s':>14} {'np.copyto GB/s':>15} {'ratio':>6}  target",
-             "-" * 62]
-    for r in summary["bandwidth"]:
-        target = "" if r["target"] is None else f">= {r['target']:.2f} {'met' if r['met'] else 'MISSED'}"
-        lines.append(f"{r['op']:<6} {fmt_size(r['size']):>8} {r['smb2_gbs']:>14.2f} {r['copyto_gbs']:>15.2f} "
-                     f"{r['ratio']:>6.2f}  {target}")
-    lines += ["", f"{'latency':<16} {'p50 us':>8} {'p99 us':>8}  target", "-" * 44]
-    for name, v in summary["latency"].items():
-        t = v["target_us"]
-        target = "" if t is None else f"<= {t:g} {'met' if v['p50_us'] <= t else 'MISSED'}"
-        lines.append(f"{name:<16} {v['p50_us']:>8.2f} {v['p99_us']:>8.2f}  {target}")
-    return "\n".join(lines)
+    return "\n".join([
+        report.table(["op", "size", "smb2 shm GB/s", "np.copyto GB/s", "ratio", "target"],
+                     [[r["op"], fmt_size(r["size"]), r["smb2_gbs"], r["copyto_gbs"], r["ratio"],
+                       None if r["target"] is None else report.target(">=", r["target"], "{:.2f}", r["met"])]
+                      for r in summary["bandwidth"]], formats=[None, None, "{:.2f}", "{:.2f}", "{:.2f}"]),
+        "",
+        report.table(["latency", "p50 us", "p99 us", "target"],
+                     [[name, v["p50_us"], v["p99_us"], None if v["target_us"] is None else
+                       report.target("<=", v["target_us"], "{:g}", v["p50_us"] <= v["target_us"])]
+                      for name, v in summary["latency"].items()], formats=[None, "{:.2f}", "{:.2f}"])])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -171,4 +172,5 @@ def main(argv: list[str] | None = None) -> int:
     args.repeat = args.repeat or (5 if args.quick else 15)
     args.sample_bytes = 64 * MiB if args.quick else 256 * MiB
     args.latency_count = 2000 if args.quick else 20000
-    return run_and_report(lambda: _run(args), summarize, format_table, args.json)
+    return run_and_report(lambda: _run(args), summarize, format_table, args.json,
+                          lambda result: result["summary"]["latency"][RAW_RTT]["p50_us"])

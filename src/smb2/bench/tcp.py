@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..protocol import parse_size
+from . import report
 from .common import (
     MiB,
     RawClient,
@@ -50,7 +51,7 @@ from .common import (
     stop_raw_peer,
     timed,
 )
-from .report import run_and_report
+from .report import median_round_trip, run_and_report
 
 DEFAULT_SIZES = "1MiB,16MiB,64MiB"
 
@@ -304,10 +305,6 @@ def _mean(xs: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def _pcent(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
-
-
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians, ratios and targets from the samples of one run."""
     samples = result["samples"]
@@ -359,30 +356,22 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    out = []
-    head = (f"{'op':<11}{'size':>8}  {'smb2 GB/s':>9}  {'raw GB/s':>8}  {'ratio':>6}  "
-            f"{'rtt us':>6}  {'slow':>5}  {'others':>6}  target")
-    out.append(head)
-    out.append("-" * len(head) + "-" * 12)
-    for r in summary["bandwidth"]:
-        tgt = "" if r["target"] is None else \
-            f">={r['target']:.2f}x {'PASS' if r['pass'] else 'MISS'}"
-        out.append(f"{r['op']:<11}{fmt_size(r['size']):>8}  {r['smb2_gbps']:>9.2f}  "
-                   f"{r['raw_gbps']:>8.2f}  {r['ratio']:>5.2f}x  {r['rtt_us']:>6.1f}  "
-                   f"{r['slow']:>2}/{r['n']:<2}  {_pcent(r['others_cpu']):>6}  {tgt}")
+    out = [report.table(
+        ["op", "size", "smb2 GB/s", "raw GB/s", "ratio", "rtt us", "slow", "others", "target"],
+        [[r["op"], fmt_size(r["size"]), r["smb2_gbps"], r["raw_gbps"], r["ratio"], r["rtt_us"],
+          f"{r['slow']}/{r['n']}", r["others_cpu"],
+          None if r["target"] is None else report.target(">=", r["target"], "{:.2f}x", r["pass"])]
+         for r in summary["bandwidth"]],
+        formats=[None, None, "{:.2f}", "{:.2f}", "{:.2f}x", "{:.1f}", None, "{:.0%}"])]
     if summary["latency"]:
-        out.append("")
-        head = (f"{'latency':<11}{'size':>8}  {'smb2 p50/p99 us':>16}  {'raw 64 B rtt p50/p99':>20}  "
-                f"{'ratio':>6}  {'others':>6}  target")
-        out.append(head)
-        out.append("-" * len(head) + "-" * 12)
-        for r in summary["latency"]:
-            tgt = "" if r["target"] is None else \
-                f"<={r['target']:.1f}x {'PASS' if r['pass'] else 'MISS'}"
-            smb2 = f"{r['smb2_p50_us']:.1f} / {r['smb2_p99_us']:.1f}"
-            raw = f"{r['raw_p50_us']:.1f} / {r['raw_p99_us']:.1f}"
-            out.append(f"{'read':<11}{fmt_size(r['size']):>8}  {smb2:>16}  {raw:>20}  "
-                       f"{r['ratio']:>5.2f}x  {_pcent(r['others_cpu']):>6}  {tgt}")
+        out += ["", report.table(
+            ["latency", "size", "smb2 p50 us", "smb2 p99 us", "raw 64 B rtt p50", "raw 64 B rtt p99", "ratio",
+             "others", "target"],
+            [["read", fmt_size(r["size"]), r["smb2_p50_us"], r["smb2_p99_us"], r["raw_p50_us"], r["raw_p99_us"],
+              r["ratio"], r["others_cpu"],
+              None if r["target"] is None else report.target("<=", r["target"], "{:.1f}x", r["pass"])]
+             for r in summary["latency"]],
+            formats=[None, None, "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.2f}x", "{:.0%}"])]
     out.append("")
     out.append("ratio = median over back-to-back pairs of smb2/raw; rtt = raw 64 B round trip "
                "p50 timed before each pair;")
@@ -395,6 +384,11 @@ def format_table(summary: dict[str, Any]) -> str:
     if not summary["pinned"]:
         out.append("unpinned: the rtt also depends on whether the kernel put both ends on one CPU")
     return "\n".join(out)
+
+
+def round_trip(result: dict[str, Any]) -> float | None:
+    """The run's 64-byte round trip: the raw peer's, the median of those timed before each pair."""
+    return median_round_trip([r["rtt_us"] for r in result["summary"]["bandwidth"]])
 
 
 # -- command line ----------------------------------------------------------------------
@@ -448,4 +442,4 @@ def main(argv: list[str] | None = None) -> int:
     args.latency_block = 200
     args.latency_count = 2000 if args.quick else 10000
 
-    return run_and_report(_Bench(args).run, summarize, format_table, args.json)
+    return run_and_report(_Bench(args).run, summarize, format_table, args.json, round_trip)

@@ -54,7 +54,6 @@ import asyncio
 import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -86,19 +85,6 @@ RULES: dict[str, dict[str, Any]] = {
 def _via(transport: str) -> dict[str, str]:
     """The workers' environment for ``transport`` ("auto": none)."""
     return {} if transport == "auto" else {"SMB2_TRANSPORT": transport}
-
-
-async def round_trip(servers: list[str], n: int = 200, transport: str = "auto") -> float:
-    """The median round trip of an 8-byte fetch_add to the first server, in µs."""
-    async with await smb2.connect(servers[:1], transport=transport) as c:
-        buf = await c.create("bench-rtt", 4096)
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await buf.fetch_add(0, 1)
-            times.append(time.perf_counter() - t0)
-        await c.destroy("bench-rtt")
-    return statistics.median(times) * 1e6
 
 
 async def smb2_run(label: str, workers: int, servers: list[str], steps: int, path: Path,
@@ -301,7 +287,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                     for ns, cluster in clusters.items():
                         for label in rules:
                             for via in transports:
-                                rtt = await round_trip(cluster.addresses, transport=via)
+                                rtt = await report.round_trip_us(cluster.addresses, transport=via)
                                 r = await smb2_run(label, w, cluster.addresses, a.steps, path, via)
                                 row = {"system": "smb2", "rule": label, "workers": w, "servers": ns,
                                        "transport": via, "rtt_us": rtt, "repeat": rep, **r}
@@ -312,7 +298,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                 if have_torch:
                     gloo_runs.append(await gloo_run(w, a.steps, path))
                     print(f"  gloo all-reduce  {w} workers: {gloo_runs[-1]['samples_per_s']:8.1f} samples/s")
-                    rtt = await round_trip(next(iter(clusters.values())).addresses)
+                    rtt = await report.round_trip_us(next(iter(clusters.values())).addresses, transport="auto")
                     sps = [g["samples_per_s"] for g in gloo_runs]
                     rows.append({"system": "gloo all-reduce", "rule": "sync", "workers": w, "servers": 0,
                                  "rtt_us": rtt, "runs": sps, **gloo_runs[-1],
@@ -330,14 +316,14 @@ async def frontend_rows(workers: int, steps: int, path: Path, cluster: smb2.Loca
     """torch DDP and AsyncOptimizer (rules delta and accumulate, staleness 0, 1, over each
     transport), one after the other."""
     rows = []
-    rtt = await round_trip(cluster.addresses)
+    rtt = await report.round_trip_us(cluster.addresses, transport="auto")
     r = await frontend_run("ddp", workers, steps, path)
     rows.append({"system": "torch DDP", "rule": "sync", "workers": workers, "servers": 0, "rtt_us": rtt, **r})
     _show(rows[-1])
     for rule in ("delta", "accumulate"):
         for s in (0, 1):
             for via in transports:
-                rtt = await round_trip(cluster.addresses, transport=via)
+                rtt = await report.round_trip_us(cluster.addresses, transport=via)
                 r = await frontend_run("smb2", workers, steps, path, cluster.addresses, staleness=s, rule=rule,
                                        transport=via)
                 rows.append({"system": "AsyncOptimizer", "rule": f"{rule}/s{s}", "workers": workers,
@@ -354,7 +340,7 @@ async def against(a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "synthetic.npz"
         data.save(path, data.synthetic(4096, SIZES[0], SIZES[-1], seed=0, test=256))
-        rtt = await round_trip(servers)
+        rtt = await report.round_trip_us(servers, transport="auto")
         r = await smb2_run(label, workers, servers, a.steps, path)
     return {"system": "smb2", "rule": label, "workers": workers, "servers": len(servers), "rtt_us": rtt, **r}
 
@@ -374,9 +360,10 @@ def _best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _show(r: dict[str, Any]) -> None:
-    print(f"  {r['system']:<16} {r['rule']:<13} {r.get('transport') or '-':<4} {r['workers']} workers "
-          f"{r['servers']} servers: "
-          f"{r['samples_per_s']:8.1f} samples/s   (rtt {r['rtt_us']:.0f} µs)", flush=True)
+    # one line as each run ends; the table at the end lines them up
+    via = f" over {r['transport']}" if r.get("transport") else ""
+    print(f"  {r['system']} {r['rule']}{via}, {r['workers']} workers, {r['servers']} servers: "
+          f"{r['samples_per_s']:.1f} samples/s (rtt {r['rtt_us']:.0f} µs)", flush=True)
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
@@ -400,22 +387,13 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = (f"{'system':<16} {'rule':<13} {'via':<4} {'workers':>7} {'servers':>7} {'samples/s':>10} "
-            f"{'x 1w1s':>7} {'x gloo':>7} {'not comp':>8} {'MB moved':>9} {'rtt µs':>7}")
-    lines = [head, "-" * len(head)]
-    for r in result["rows"]:
-        def f(v: float | None) -> str:
-            return f"{v:7.2f}" if v is not None else f"{'-':>7}"
-        lines.append(f"{r['system']:<16} {r['rule']:<13} {r.get('transport') or '-':<4} {r['workers']:>7} "
-                     f"{r['servers'] or '-':>7} "
-                     f"{r['samples_per_s']:>10.1f} {f(r['vs_1_worker_1_server'])} {f(r['vs_gloo'])} "
-                     f"{_pct(r.get('comm_fraction')):>8} "
-                     f"{r['bytes_moved'] / 1e6:>9.0f} {r['rtt_us']:>7.0f}")
-    return "\n".join(lines)
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0%}"
+    return report.table(
+        ["system", "rule", "via", "workers", "servers", "samples/s", "x 1w1s", "x gloo", "not comp", "MB moved",
+         "rtt µs"],
+        [[r["system"], r["rule"], r.get("transport") or "-", r["workers"], r["servers"] or None, r["samples_per_s"],
+          r["vs_1_worker_1_server"], r["vs_gloo"], r.get("comm_fraction"), r["bytes_moved"] / 1e6, r["rtt_us"]]
+         for r in result["rows"]],
+        formats=[None, None, None, None, None, "{:.1f}", "{:.2f}", "{:.2f}", "{:.0%}", "{:.0f}", "{:.0f}"])
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -432,12 +410,9 @@ def plot(result: dict[str, Any], path: str) -> None:
             g = sorted((r["workers"], r["samples_per_s"]) for r in rows if r["system"] == "gloo all-reduce")
             if g:
                 ax.plot(*zip(*g), marker="s", linestyle="--", color="black", label="torch gloo all-reduce (no servers)")
-            ax.set_title(f"{ns} memory server{'s' if ns > 1 else ''}")
-            ax.set_xlabel("worker processes")
-            ax.set_xticks(sorted({r["workers"] for r in rows}))
-            ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel("samples/s")
-        axes[0][-1].legend(fontsize=8)
+            report.style(ax, title=f"{ns} memory server{'s' if ns > 1 else ''}", xlabel="worker processes",
+                         ylabel="samples/s" if ax is axes[0][0] else None,
+                         xticks=sorted({r["workers"] for r in rows}), legend=ax is axes[0][-1])
         fig.suptitle(f"training throughput, MLP of {result['params'] / 1e6:.1f} M parameters, batch {result['batch']} "
                      f"({os.cpu_count()} cores shared by workers and servers)")
         fig.tight_layout()
@@ -498,7 +473,8 @@ def cli() -> int:
     result = asyncio.run(main(a))
     print()
     print(table(result))
-    report.write_json(a.json, result, quiet=True)
+    report.write_json(a.json, result, round_trip_64B_us=report.median_round_trip([r["rtt_us"] for r in result["rows"]]),
+                      quiet=True)
     print(f"json: {a.json}")
     plot(result, a.png)
     return 0

@@ -1084,15 +1084,25 @@ def compression_targets(scenario: str, rows: dict[str, dict[str, Any]], task: st
 # Output
 
 
-def fmt_row(r: dict[str, Any]) -> str:
-    ttt = f"{r['time_to_target_s']:7.1f}" if r["time_to_target_s"] is not None else "   miss"
-    ddp = r.get("ddp_ratio")
+#: the per-run table: its columns and their number formats
+ROW_HEADER = ["scenario", "link", "system", "to tgt s", "x DDP", "samples/s", "r0 now", "final", "MB/step",
+              "not comp", "r0 cpu", "r0 rdy"]
+ROW_FORMATS = [None, None, None, "{:.1f}", "{:.2f}x", "{:.1f}", "{:.3f}", "{:.3f}", "{:.2f}", "{:.1%}", "{:.1%}",
+               "{:.1%}"]
+
+
+def row_cells(r: dict[str, Any]) -> list[Any]:
+    """One run's row of the per-run table (a missed target shows as "miss")."""
     r0 = r["workers_time"][0]
-    return (f"{r['scenario']:>11} {r['rate']:>8} {r['system']:>15} {ttt} {_opt(ddp, '5.2f', 'x'):>7} "
-            f"{r['samples_per_s']:9.1f} {r['last_eval']:6.3f} {r['final']:6.3f} "
-            f"{sum(r['link_bytes_per_step']) / len(r['link_bytes_per_step']) / 1e6:9.2f} "
-            f"{_opt(r['not_computing'], '6.1%', ''):>7} "
-            f"{r0['on_cpu']:7.1%} {r0['waiting_for_cpu']:7.1%}")
+    ttt = r["time_to_target_s"] if r["time_to_target_s"] is not None else "miss"
+    return [r["scenario"], r["rate"], r["system"], ttt, r.get("ddp_ratio"), r["samples_per_s"], r["last_eval"],
+            r["final"], sum(r["link_bytes_per_step"]) / len(r["link_bytes_per_step"]) / 1e6, r["not_computing"],
+            r0["on_cpu"], r0["waiting_for_cpu"]]
+
+
+def fmt_row(r: dict[str, Any]) -> str:
+    """One run's row on one line (the progress the run prints as it goes)."""
+    return "  ".join(report.cell(c, f) for c, f in zip(row_cells(r), ROW_FORMATS))
 
 
 def _ratio(v: float | None, at_least: bool) -> str:
@@ -1109,35 +1119,29 @@ def _opt(v: float | None, spec: str, suffix: str) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = (f"{'scenario':>11} {'link':>8} {'system':>15} {'to tgt s':>7} {'x DDP':>7} {'samples/s':>9} "
-            f"{'r0 now':>6} {'final':>6} {'MB/step':>9} {'not comp':>7} {'r0 cpu':>7} {'r0 rdy':>7}")
-    return "\n".join([head] + [fmt_row(r) for r in result["rows"]])
+    return report.table(ROW_HEADER, [row_cells(r) for r in result["rows"]], formats=ROW_FORMATS)
 
 
 def summary_table(result: dict[str, Any]) -> str:
     """Medians over the runs, and the stability targets, met or not."""
-    lines = [f"{'scenario':>11} {'system':>15} {'runs':>4} {'to tgt s':>8} {'x DDP':>8} {'final':>6} "
-             f"{'vs DDP':>7} {'collapsed':>9} {'64 B rtt':>9} {'MB pushed/exchange':>18}"]
-    for s in result["summary"]:
-        ttt = _opt(s['time_to_target_s'], '.1f', '')
-        lines.append(f"{s['scenario']:>11} {s['system']:>15} {s['runs']:>4} {ttt:>8} "
-                     f"{_ratio(s['ddp_ratio'], s['ddp_ratio_at_least']):>8} {_opt(s['final'], '.3f', ''):>6} "
-                     f"{_opt(s['final_vs_ddp'], '+.1f', ''):>7} {s['collapsed']:>9} "
-                     f"{_opt(s['rtt_us'], '.0f', ' µs'):>9} "
-                     f"{_opt(_mb(s.get('pushed_bytes_per_exchange')), '.4f', ''):>18}")
+    parts = [report.table(
+        ["scenario", "system", "runs", "to tgt s", "x DDP", "final", "vs DDP", "collapsed", "64 B rtt µs",
+         "MB pushed/exchange"],
+        [[s["scenario"], s["system"], s["runs"], s["time_to_target_s"], _ratio(s["ddp_ratio"], s["ddp_ratio_at_least"]),
+          s["final"], s["final_vs_ddp"], s["collapsed"], s["rtt_us"], _mb(s.get("pushed_bytes_per_exchange"))]
+         for s in result["summary"]],
+        formats=[None, None, None, "{:.1f}", None, "{:.3f}", "{:+.1f}", None, "{:.0f}", "{:.4f}"])]
     faults = [r for r in result["rows"] if "fault" in r]
     if faults:      # (e): what each system did when a worker was killed, as rank 0 saw it
-        lines += ["", f"{'scenario':>12} {'system':>17} {'killed s':>8} {'back s':>6} {'to tgt s':>8}  what it did"]
-        for r in faults:
-            f = r["fault"]
-            lines.append(f"{r['scenario']:>12} {r['system']:>17} {_opt(f['killed_at_s'], '.1f', ''):>8} "
-                         f"{_opt(f['rejoined_at_s'], '.1f', ''):>6} {_opt(r['time_to_target_s'], '.1f', ''):>8}  "
-                         f"{f['outcome']}")
-    lines.append("")
-    lines.append(f"{'scenario':>11}  {'target':58} {'measured':34} met")
-    for t in result["targets"]:
-        lines.append(f"{t['scenario']:>11}  {t['target']:58} {t['measured']:34} {'met' if t['met'] else 'NOT met'}")
-    return "\n".join(lines)
+        parts += ["", report.table(
+            ["scenario", "system", "killed s", "back s", "to tgt s", "what it did"],
+            [[r["scenario"], r["system"], r["fault"]["killed_at_s"], r["fault"]["rejoined_at_s"],
+              r["time_to_target_s"], r["fault"]["outcome"]] for r in faults],
+            formats=[None, None, "{:.1f}", "{:.1f}", "{:.1f}"])]
+    parts += ["", report.table(["scenario", "target", "measured", "met"],
+                               [[t["scenario"], t["target"], t["measured"], "met" if t["met"] else "NOT met"]
+                                for t in result["targets"]])]
+    return "\n".join(parts)
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -1154,9 +1158,8 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.axhline(result["config"]["target"], color="grey", lw=0.8)
             what = "validation loss, nats/byte" if result["config"]["task"] == "lm" else "held-out accuracy"
             rate = next(r["rate"] for r in result["rows"] if r["scenario"] == sc)
-            ax.set(title=f"{sc} ({rate} links)", xlabel="wall time s (eval excluded)",
-                   ylabel=f"{what} (rank 0; dot: delivered model)")
-            ax.legend(fontsize=8)
+            report.style(ax, title=f"{sc} ({rate} links)", xlabel="wall time s (eval excluded)",
+                         ylabel=f"{what} (rank 0; dot: delivered model)")
         fig.tight_layout()
         return fig
 
@@ -1292,7 +1295,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(summary_table(result))
     if a.json:
-        report.write_json(a.json, result, quiet=True)
+        report.write_json(a.json, result, quiet=True, round_trip_64B_us=report.median_round_trip(
+            [us for rtts in result["rtt_us"].values() for us in rtts]))
     if a.png:
         plot(result, a.png)
     return 0
