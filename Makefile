@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # pip only reinstalls (and rebuilds the Cython extension) when these change
-BUILD_INPUTS := pyproject.toml setup.py src/smb2/version.py $(wildcard src/smb2/*.pyx)
+BUILD_INPUTS := pyproject.toml setup.py src/smb2/version.py $(wildcard src/smb2/*.pyx) \
+                $(wildcard src/smb2/_core_parts/*.pxi src/smb2/_core_parts/*.h)
 
 .PHONY: demo test test-host test-rdma lint typecheck docs wheel pytest clean
 

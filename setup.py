@@ -8,6 +8,7 @@ headers are installed (Debian: ``libibverbs-dev``); without them smb2 is a
 TCP-only install.  SMB2_NO_VERBS=1 skips it on purpose.
 """
 
+import glob
 import os
 import sysconfig
 
@@ -32,9 +33,14 @@ def have_verbs_header() -> bool:
     return any(d and os.path.exists(os.path.join(d, "infiniband", "verbs.h")) for d in dirs)
 
 
+# _core.pyx is a hub that includes its parts (.pxi) and their C (.h) from
+# here: the compiler looks here for the headers, and a change to any part
+# rebuilds the extension
+CORE_PARTS = "src/smb2/_core_parts"
 extensions = [
-    Extension("smb2._core", ["src/smb2/_core.pyx"], extra_compile_args=cflags,
-              define_macros=macros),
+    Extension("smb2._core", ["src/smb2/_core.pyx"], include_dirs=[CORE_PARTS],
+              depends=sorted(glob.glob(f"{CORE_PARTS}/*.pxi") + glob.glob(f"{CORE_PARTS}/*.h")),
+              extra_compile_args=cflags, define_macros=macros),
 ]
 if have_verbs_header():
     extensions.append(Extension("smb2._verbs", ["src/smb2/_verbs.pyx"], extra_compile_args=cflags,

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,11 +39,12 @@ pytestmark = [
 class Install:
     """A virtual environment with only the wheel (and its dependencies) in it."""
 
-    def __init__(self, root: Path, wheel: Path) -> None:
+    def __init__(self, root: Path, wheel: Path, sdist: Path) -> None:
         self.root = root
         self.bin = root / "bin"
         self.python = str(self.bin / "python")
         self.wheel = wheel
+        self.sdist = sdist
         # no compiler in reach: PATH holds the environment's scripts only
         self.env = dict(os.environ, PATH=str(self.bin), CC="/bin/false", CXX="/bin/false")
         for name in ("SMB2_SERVERS", "SMB2_TRANSPORT", "SMB2_AUTH_TOKEN", "PYTHONPATH"):
@@ -69,7 +71,7 @@ def install(tmp_path_factory: pytest.TempPathFactory) -> Install:
     root = tmp_path_factory.mktemp("venv")
     # no pip inside (ensurepip costs seconds): this pip installs into it
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
-    inst = Install(root, wheel)
+    inst = Install(root, wheel, sdist)
     for tool in ("cc", "gcc", "clang"):
         assert shutil.which(tool, path=inst.env["PATH"]) is None
     # binaries only: a dependency that needed compiling would fail here
@@ -87,6 +89,13 @@ def test_wheel_contents(install: Install) -> None:
         assert any(n.startswith("smb2/_verbs.") and n.endswith(".so") for n in names)
     assert not [n for n in names if "libibverbs" in n]
     assert not [n for n in names if n.endswith(".c")], "Cython's C belongs in the sdist"
+    # _core.pyx ships, so the parts it includes ship too; the sdist needs them to build
+    parts = sorted(p.name for p in (ROOT / "src" / "smb2" / "_core_parts").iterdir() if p.suffix in (".pxi", ".h"))
+    assert parts and "smb2/_core.pyx" in names
+    assert [f"smb2/_core_parts/{p}" for p in parts if f"smb2/_core_parts/{p}" not in names] == []
+    with tarfile.open(install.sdist) as sdist:
+        in_sdist = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    assert [p for p in parts if f"src/smb2/_core_parts/{p}" not in in_sdist] == []
     # the lab ships: the pytest plugin's cluster and smb2.LocalCluster live in it
     assert {"smb2/testing/cluster.py", "smb2/testing/launch.py", "smb2/testing/netns/__main__.py",
             "smb2/testing/jepsen/__main__.py"} <= set(names)

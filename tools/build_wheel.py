@@ -7,7 +7,8 @@ the running interpreter's setuptools and Cython (``--no-isolation``: the
 ``dist`` extra installs them), in a clean build/lib.*: the extensions are
 compiled afresh (``make wheel``).  ``--reuse-inplace`` takes the extensions
 the editable install compiled into src/smb2 instead (where they are newer
-than their .pyx and setup.py: the same sources, the same flags):
+than their .pyx, the parts it includes and setup.py: the same sources, the
+same flags):
 tests/test_wheel.py does, to stay quick.  Then
 ``auditwheel repair`` tags the wheel manylinux after checking the symbols it
 uses, and copies into it every shared library it needs except
@@ -54,7 +55,9 @@ def prepare_build_dir(reuse_inplace: bool) -> None:
     subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     package = ROOT / "src" / "smb2"
     for ext in package.glob("*.so"):
-        built_from = [package / f"{ext.name.split('.')[0]}.pyx", ROOT / "setup.py"]
+        name = ext.name.split(".")[0]
+        # and from the parts its .pyx includes, where it has some (_core_parts/)
+        built_from = [package / f"{name}.pyx", *(package / f"{name}_parts").glob("*"), ROOT / "setup.py"]
         if all(ext.stat().st_mtime > p.stat().st_mtime for p in built_from):
             (lib / "smb2").mkdir(parents=True, exist_ok=True)
             shutil.copyfile(ext, lib / "smb2" / ext.name)
