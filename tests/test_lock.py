@@ -471,21 +471,66 @@ async def test_auto_parks_where_the_transport_can_and_park_says_where_it_cannot(
     async with lock:
         pass
     tr = client.links[_core.name_hash("capable") % len(client.links)].transport
-    # parking is a capability of the transport (LockCapable), not of its
-    # name; a mapping of the lock segment (shm) waits on futexes instead
-    assert lock.path == ("futex" if isinstance(tr, ShmTransport) else
-                         "park" if isinstance(tr, LockCapable) else "poll")
-    if isinstance(tr, ShmTransport):
+    assert tr is not None
+    # how a waiter waits is what the transport says it can do (lock_waits,
+    # the first for auto), not its name; a mapping of the lock segment
+    # (shm) waits on futexes, a connection the server reads (TCP) parks
+    assert lock.path == tr.lock_waits[0] == {"shm": "futex", "tcp": "park", "rdma": "poll"}[tr.name]
+    if "park" in tr.lock_waits:
         async with client.lock("capable", mode="park") as parked:
             assert parked.path == "park"
+    if "futex" in tr.lock_waits:
         return
     with pytest.raises(smb2.InterfaceError, match="only shm") as info:
         await client.lock("capable", mode="futex").acquire()
-    if isinstance(tr, LockCapable):
+    if "park" in tr.lock_waits:
         return
     with pytest.raises(smb2.InterfaceError, match="cannot park") as info:
         await client.lock("capable", mode="park").acquire()
     assert info.value.hint is not None and "mode='poll'" in info.value.hint
+
+
+async def test_the_waiting_path_follows_what_the_transport_says_not_its_class(client: smb2.Client) -> None:
+    """A transport that says it only polls gets polling waiters, whatever
+    its class (a TCP or shm connection here), and a forced mode it does not
+    offer fails as over a transport that cannot do it."""
+    tr = client.links[_core.name_hash("said") % len(client.links)].transport
+    assert tr is not None and "poll" in tr.lock_waits
+    offered = tr.lock_waits
+    tr.lock_waits = ("poll",)
+    try:
+        holder, waiter = client.lock("said"), client.lock("said")
+        await holder.acquire()
+        task = asyncio.ensure_future(waiter.acquire())
+        await until(lambda: waiter.path != "", "the waiter chose how to wait")
+        assert waiter.path == "poll" and not task.done()
+        first = holder.token
+        await holder.release()
+        await asyncio.wait_for(task, 10)
+        assert holder.path == waiter.path == "poll" and waiter.token == first + 1  # type: ignore[operator]
+        await waiter.release()
+        with pytest.raises(smb2.InterfaceError, match="cannot park") as info:
+            await client.lock("said", mode="park").acquire()
+        assert info.value.hint is not None and "mode='poll'" in info.value.hint
+        with pytest.raises(smb2.InterfaceError, match="cannot wait on a futex"):
+            await client.lock("said", mode="futex").acquire()
+    finally:
+        tr.lock_waits = offered
+
+
+def test_every_transport_offers_polling_and_has_the_capability_of_each_wait_it_offers() -> None:
+    from smb2.transport import FutexCapable, TcpTransport
+    classes: list[type[smb2.transport.Transport]] = [TcpTransport, ShmTransport]
+    try:
+        from smb2.transport.rdma import RdmaTransport
+        classes.append(RdmaTransport)
+    except ImportError:         # no libibverbs here: the two others
+        pass
+    for cls in classes:
+        assert cls.lock_waits[-1] == "poll" and len(set(cls.lock_waits)) == len(cls.lock_waits), cls
+        assert set(cls.lock_waits) <= {"futex", "park", "poll"}, cls
+        assert ("park" in cls.lock_waits) == issubclass(cls, LockCapable), cls
+        assert ("futex" in cls.lock_waits) == issubclass(cls, FutexCapable), cls
 
 
 async def test_parked_waiter_sends_nothing_and_poll_uses_only_generic_ops(client: smb2.Client) -> None:

@@ -145,6 +145,50 @@ async def test_a_holder_whose_lease_ran_out_during_the_failover_is_told_it_lost_
         await late.release()
 
 
+async def test_a_timed_out_and_a_cancelled_waiter_give_their_tickets_up(replicated: smb2.LocalCluster) -> None:
+    """The ticket engine's promise on the replicated lock: a waiter that times out or is
+    cancelled after it drew its ticket leaves nothing for the queue to wait on.  The lease is
+    600 s, so a ticket not given up would hold the next waiter for 10 minutes, far past the
+    guard."""
+    async with await smb2.connect(replicated.addresses, transport="tcp") as a, \
+            await smb2.connect(replicated.addresses, transport="tcp") as b:
+        holder, timed_out, cancelled, last = (c.replicated_lock("queue", lease=600) for c in (a, b, b, b))
+        async with timed_out:           # its words open: a timeout now falls while it waits
+            pass
+        await holder.acquire()
+        words = await a.attach("lock:queue")
+
+        async def next_ticket() -> int:
+            return int(np.frombuffer(bytes(await words.read(8, 8)), "<u8")[0])
+
+        async def timed_out_after_drawing() -> bool:
+            before = await next_ticket()
+            with pytest.raises(smb2.LockTimeout, match="'queue' not acquired within 0.2 s"):
+                await timed_out.acquire(timeout=0.2)
+            return await next_ticket() > before
+        await until(timed_out_after_drawing, "a timed-out waiter that drew its ticket", every=0)
+        drawn = await next_ticket()
+        task = asyncio.ensure_future(cancelled.acquire())
+
+        async def drew(n: int) -> bool:
+            return await next_ticket() == n
+        await until(lambda: drew(drawn + 1), "the cancelled waiter drew its ticket")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        waiting = asyncio.ensure_future(last.acquire())
+        await until(lambda: drew(drawn + 2), "the last waiter drew its ticket")
+        await holder.release()
+        await asyncio.wait_for(waiting, 60)
+        assert last.locked() and last.token == drawn + 1
+        assert not timed_out.locked() and not cancelled.locked()
+        with pytest.raises(smb2.InterfaceError, match="reentrant"):
+            await last.acquire()
+        await last.release()
+        async with timed_out:           # an object that gave up is usable again
+            assert timed_out.token == drawn + 2
+
+
 @pytest.mark.slow
 async def test_the_locked_rule_of_a_replicated_store_loses_no_update_across_a_kill_of_its_lock_server(
         replicated: smb2.LocalCluster) -> None:

@@ -10,7 +10,7 @@
 A lock lives on one server (its name's hash picks it, like a buffer's first
 stripe) as two words, ``next_ticket`` and ``now_serving``.  Two ways to wait:
 
-* **park** (TCP, a :class:`~smb2.transport.LockCapable` transport):
+* **park** (TCP and shm: their ``lock_waits`` offer "park"):
   one LOCK_ACQUIRE frame; the server answers when our turn comes.  Release
   is one LOCK_RELEASE.  No traffic while waiting.
 * **poll** (RDMA, and TCP when asked): ``fetch_add(next_ticket, 1)``, then
@@ -21,7 +21,7 @@ stripe) as two words, ``next_ticket`` and ``now_serving``.  Two ways to wait:
   ``compare_swap(now_serving, t, t + 1)``: as cheap as the fetch-and-add of
   the textbook lock, but a holder whose lease ran out cannot move the queue
   past the ticket of the holder that replaced it.
-* **futex** (shm, a :class:`~smb2.transport.ShmTransport`): the poll
+* **futex** (shm, whose ``lock_waits`` offer "futex"): the poll
   path's atomics on our own mapping of the lock segment, but a waiter
   spins for ``futex_spin`` seconds and then sleeps on a shared futex on
   ``now_serving`` (in a thread: the loop keeps running), and the releaser
@@ -45,10 +45,15 @@ ticket is the fencing token.
 longer uses the name; a slot nobody uses is freed for other names, so a job
 may use any number of distinct lock names over time.
 
+Which way a waiter waits is what the transport says it offers
+(``Transport.lock_waits``, the first for ``mode="auto"``), never its class.
+
 A lock that must outlive its server is a :class:`ReplicatedLock`
 (``client.replicated_lock(name, replicas=2)``, at the end of this module):
 the same ticket lock, its words in a replicated buffer, every step a
 replicated atomic, and the lease kept by the waiters instead of a server.
+Both drive the one ticket engine (:mod:`smb2.ticket`): acquire and its
+timeout, a ticket no cancellation loses, the polling wait, the heartbeat.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from . import _core
 from .busypoll import poll_while
@@ -67,7 +72,6 @@ from .errors import (
     InterfaceError,
     InvalidArgumentError,
     LockLost,
-    LockTimeout,
     NoSuchBuffer,
     OutOfMemory,
     ServerError,
@@ -75,15 +79,12 @@ from .errors import (
     TransportError,
 )
 from .host import usable_cpus
-from .transport import Link, LockCapable, LockSlot, ShmTransport, Transport
+from .ticket import TicketLock, TicketOwner, after_lapse, spawn
+from .transport import FutexCapable, Link, LockCapable, LockSlot, Transport
 
 log = logging.getLogger("smb2.lock")
 
 MODES = ("auto", "park", "poll", "futex")
-# The loops' timers tick in milliseconds (libuv under uvloop rounds to them):
-# a shorter sleep would really last about a millisecond and idle every
-# hand-off that long, so the poll loop does not sleep for less.
-_TIMER_RESOLUTION = 1e-3
 #: seconds a futex-path waiter spins on now_serving while it is next in
 #: line, before it sleeps on the futex: it is then on a CPU when its turn
 #: comes, and the hand-off costs no wake-up (measured as the path was
@@ -104,18 +105,6 @@ FUTEX_BLOCK = 1e-3
 #: an acquisition that never has to wait does not suspend: a coroutine
 #: looping on one still lets the loop run this often
 _YIELD_EVERY = 0.0005
-#: A ticket passed before its waiter saw its turn is drawn again.  Again
-#: and again only where a client wrote the lock's words by hand (now_serving
-#: past next_ticket): the waiter then lets its loop run and backs off, up to
-#: this long, until the server resets the lock (server/locks.py), so that
-#: its own timeout fires and it draws no flood of tickets meanwhile.
-_LAPSE_BACKOFF = 0.05
-
-
-async def _after_lapse(lapses: int) -> None:
-    """Let the loop run after the ``lapses``-th ticket in a row was passed
-    (see _LAPSE_BACKOFF): at once the first time, then ever longer."""
-    await asyncio.sleep(0 if lapses <= 1 else min(_LAPSE_BACKOFF, 1e-4 * (1 << min(lapses, 16))))
 
 
 def _not_drawn(next_ticket: int, ticket: int) -> bool:
@@ -128,17 +117,58 @@ def _default_futex_spin() -> float:
     return FUTEX_SPIN if usable_cpus() > 1 else 0.0
 
 
-class LockOwner(Protocol):
+class LockOwner(TicketOwner, Protocol):
     """What a lock needs of its client (:class:`smb2.Client` is one): the
     links to the servers, and whether it is still open."""
 
     @property
     def links(self) -> Sequence[Link]: ...
 
-    @property
-    def closed(self) -> bool: ...
 
-    def ensure_open(self) -> None: ...
+def wait_path(mode: str, tr: Transport) -> str:
+    """How a Lock in ``mode`` waits over ``tr``: what the transport says
+    it offers (``lock_waits``; the first of them for "auto"), or
+    InterfaceError if a forced mode is not among them."""
+    path = tr.lock_waits[0] if mode == "auto" else mode
+    if path in tr.lock_waits:
+        return path
+    if path == "futex":
+        raise InterfaceError(f"the {tr.name} transport cannot wait on a futex: only shm can",
+                             hint="use mode='auto'")
+    if path == "park":
+        raise InterfaceError(f"the {tr.name} transport cannot park lock waiters",
+                             hint="use mode='poll' (or 'auto')")
+    raise InterfaceError(f"the {tr.name} transport cannot poll a lock's words", hint="use mode='auto'")
+
+
+class _SlotWords:
+    """A Lock's words: its slot in the lock segment of its server, reached
+    through one transport."""
+
+    __slots__ = ("transport", "segment", "offset", "_buf8", "_view8")
+
+    def __init__(self, transport: Transport, slot: LockSlot) -> None:
+        self.transport = transport
+        self.segment = slot.segment
+        self.offset = slot.offset
+        self._buf8 = bytearray(8)
+        self._view8 = [memoryview(self._buf8)]
+
+    def of(self, transport: Transport, slot: LockSlot) -> bool:
+        return self.transport is transport and self.segment == slot.segment and self.offset == slot.offset
+
+    async def draw(self) -> int:
+        return await self.transport.fetch_add(self.segment, self.offset + _core.LOCK_NEXT, 1)
+
+    async def swap_serving(self, expected: int, new: int) -> int:
+        return await self.transport.compare_swap(self.segment, self.offset + _core.LOCK_SERVING, expected, new)
+
+    async def swap_heartbeat(self, expected: int, new: int) -> int:
+        return await self.transport.compare_swap(self.segment, self.offset + _core.LOCK_HEARTBEAT, expected, new)
+
+    async def read_serving(self) -> int:
+        await self.transport.read_into(self._view8, self.segment, self.offset + _core.LOCK_SERVING, 8)
+        return _core.unpack_u64(self._buf8)
 
 
 class _Records:
@@ -154,22 +184,7 @@ class _Records:
         self.refused = False
 
 
-_records: weakref.WeakKeyDictionary[ShmTransport, _Records] = weakref.WeakKeyDictionary()
-
-
-# fire-and-forget work (renewals, giving tickets up): referenced until done
-_background: set[asyncio.Future[Any]] = set()
-
-
-def _spawn(coro: Any) -> None:
-    task = asyncio.ensure_future(coro)
-    _background.add(task)
-
-    def done(t: asyncio.Future[Any]) -> None:
-        _background.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            log.debug("lock background work failed: %s", t.exception())
-    task.add_done_callback(done)
+_records: weakref.WeakKeyDictionary[Transport, _Records] = weakref.WeakKeyDictionary()
 
 
 # Per event loop: how many futex-path Locks hold their lock, or wait for it
@@ -210,7 +225,7 @@ class Fence:
         return f"Fence({self.name!r}, {self.token})"
 
 
-class Lock:
+class Lock(TicketLock[_SlotWords]):
     """One contender for the named lock.  Not reentrant; one acquisition at a
     time per object (make several objects to contend from one client).
 
@@ -230,10 +245,13 @@ class Lock:
     loop's own thread, while no other futex-path Lock on the loop holds or
     waits (:data:`FUTEX_BLOCK`; 0: always sleep in a helper thread)."""
 
-    __slots__ = ("client", "name", "mode", "_lease", "_min_delay", "_max_delay", "_spin", "_state",
-                 "_slot", "_transport", "_parker", "_path", "_renew", "_busy", "_buf8", "_view8",
-                 "_contended", "_heartbeat", "_lost", "_link", "_unuse", "_closed", "_record", "_recorded", "_recbox",
-                 "_futex_spin", "_futex_block", "_mapped", "_yielded", "_holding", "__weakref__")
+    __slots__ = ("mode", "_lease", "_min_delay", "_max_delay", "_spin", "_state", "_slot", "_transport",
+                 "_words", "_parker", "_futex", "_path", "_renew", "_contended", "_link", "_unuse", "_closed",
+                 "_record", "_recorded", "_recbox", "_futex_spin", "_futex_block", "_mapped", "_yielded",
+                 "_holding", "__weakref__")
+
+    kind = "Lock"
+    client: LockOwner
 
     def __init__(self, client: LockOwner, name: str, *, lease: float | None = None, mode: str = "auto",
                  min_delay: float = 20e-6, max_delay: float = 0.05, spin: float = 1e-3,
@@ -247,8 +265,7 @@ class Lock:
         for what, value in (("spin", spin), ("futex_spin", futex_spin), ("futex_block", futex_block)):
             if value is not None and not 0 <= value <= 0.1:
                 raise InvalidArgumentError(f"{what} must be in [0, 0.1] seconds, not {value!r}")
-        self.client = client
-        self.name = name
+        super().__init__(client, name)
         self.mode = mode
         self._lease = lease
         self._min_delay = min_delay
@@ -260,23 +277,22 @@ class Lock:
         self._state: _core.TicketState | None = None
         self._slot: LockSlot | None = None
         self._transport: Transport | None = None
-        # the same transport while the last acquisition parked (else None)
+        # the slot's words through that transport
+        self._words: _SlotWords | None = None
+        # the same transport while the last acquisition parked, or waited
+        # on a futex (else None)
         self._parker: LockCapable | None = None
+        self._futex: FutexCapable | None = None
         self._path = ""
         self._renew: asyncio.TimerHandle | None = None
-        self._busy = False
-        self._buf8 = bytearray(8)
-        self._view8 = memoryview(self._buf8)
-        self._heartbeat = 0             # the heartbeat word as last seen
-        self._lost: str | None = None   # why the lock was lost, until the holder is told
         self._link: Link | None = None  # where the name is open (see close)
         self._unuse: weakref.finalize[Any, Any] | None = None
         self._closed = False
         # futex path: our ticket record word (transport, offset), and its value
-        self._record: tuple[ShmTransport, int] | None = None
+        self._record: tuple[Transport, int] | None = None
         # the same, for the finalizer of a Lock dropped without close (it
         # gives the record back to the connection's pool)
-        self._recbox: list[tuple[ShmTransport, int] | None] = [None]
+        self._recbox: list[tuple[Transport, int] | None] = [None]
         self._recorded = 0
         # futex path: the slot's words on our mapping (one C call per step)
         self._mapped: _core.MappedLock | None = None
@@ -294,6 +310,8 @@ class Lock:
         holder that stalled past its lease finds out at its next fenced
         write or at release, with StaleFence)."""
         return self._state is not None and self._state.state == _core.TICKET_HELD
+
+    _held = locked
 
     @property
     def token(self) -> int | None:
@@ -345,46 +363,19 @@ class Lock:
                 except ConnectionError:
                     code = -1
                 if code != _core.OBSERVE_GRANTED:
-                    tr, slot = self._transport, self._slot
-                    assert isinstance(tr, ShmTransport) and slot is not None
-                    await self._wait_futex(tr, st, slot, ml, code)
+                    futex, slot = self._futex, self._slot
+                    assert futex is not None and slot is not None
+                    await self._wait_futex(futex, st, slot, ml, code)
                 else:
                     self._futex_granted(st)
             finally:
                 self._busy = False
             return True
-        self.client.ensure_open()
+        return await super().acquire(timeout)
+
+    def _may_acquire(self) -> None:
         if self._closed:
             raise InterfaceError(f"lock {self.name!r} was closed", hint="make a new one: client.lock(name)")
-        self._lost = None
-        if self._busy or self.locked():
-            raise InterfaceError(f"lock {self.name!r} is already held or being acquired by this "
-                                 "Lock object (it is not reentrant)")
-        self._busy = True
-        try:
-            if timeout is None:
-                tr, parker, st, slot = self._transport, self._parker, self._state, self._slot
-                if parker is not None and tr is not None and st is not None and slot is not None \
-                        and not tr.closed:
-                    # the common case, without the layers below: one frame
-                    # on a connection and a lock we used before
-                    try:
-                        ticket, queued = await parker.lock_acquire(slot.segment, slot.offset)
-                    except NoSuchBuffer:
-                        await self._acquire()
-                        return True
-                    self._granted(st, ticket, queued)
-                    return True
-                await self._acquire()
-            else:
-                try:
-                    async with asyncio.timeout(timeout):
-                        await self._acquire()
-                except TimeoutError:
-                    raise LockTimeout(f"lock {self.name!r} not acquired within {timeout} s") from None
-        finally:
-            self._busy = False
-        return True
 
     async def release(self, *, wait: bool = False) -> None:
         """Release the lock.
@@ -417,8 +408,8 @@ class Lock:
         ticket = st.ticket
         st.released()
         self._unhold()
-        tr, slot = self._transport, self._slot
-        assert tr is not None and slot is not None
+        tr, slot, words = self._transport, self._slot, self._words
+        assert tr is not None and slot is not None and words is not None
         if tr.closed:
             # the server gave the lock up when the connection went
             if wait:
@@ -439,20 +430,18 @@ class Lock:
         # wait for the atomic, or a write fenced with the released token could
         # reach the server first and pass.  Shielded: a cancelled caller must
         # not leave the lock held.
-        done = asyncio.ensure_future(self._release_cas(tr, seg, off, ticket))
-        _background.add(done)
-        done.add_done_callback(_background.discard)
+        done = spawn(self._release_cas(words, ticket))
         if not wait:
             done.add_done_callback(self._released)
             await asyncio.wait([done])
             return
         await asyncio.shield(done)
 
-    async def _release_cas(self, tr: Transport, seg: int, off: int, ticket: int) -> None:
-        old = await tr.compare_swap(seg, off + _core.LOCK_SERVING, ticket, ticket + 1)
-        if isinstance(tr, ShmTransport):
-            # a polling shm holder: futex waiters may sleep behind it
-            tr.wake_ticket(seg, off + _core.LOCK_SERVING, ticket + 1)
+    async def _release_cas(self, words: _SlotWords, ticket: int) -> None:
+        old = await words.swap_serving(ticket, ticket + 1)
+        # a polling holder over a transport with futexes: waiters may sleep
+        # behind it (elsewhere nobody sleeps on the word)
+        words.transport.wake_ticket(words.segment, words.offset + _core.LOCK_SERVING, ticket + 1)
         if old != ticket:
             raise StaleFence(f"lock {self.name!r} was lost before release (lease expired: "
                              f"now serving {old}, our ticket {ticket})")
@@ -466,21 +455,6 @@ class Lock:
         elif exc is not None:
             # the connection failed: the server passes the lock on by itself
             log.debug("lock %r: release not confirmed: %s", self.name, exc)
-
-    async def __aenter__(self) -> Lock:
-        await self.acquire()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self.locked():
-            await self.release()
-        elif exc[0] is None:
-            self._raise_if_lost()
-
-    def _raise_if_lost(self) -> None:
-        why, self._lost = self._lost, None
-        if why is not None:
-            raise StaleFence(why, hint="what was done under the lock since then was not protected")
 
     async def close(self) -> None:
         """Release the lock if held, and stop using its name: once no Lock
@@ -511,7 +485,13 @@ class Lock:
         return got
 
     async def _acquire(self) -> None:
-        tr, slot = self._transport, self._slot
+        tr, parker, st, slot = self._transport, self._parker, self._state, self._slot
+        if parker is not None and tr is not None and st is not None and slot is not None and not tr.closed:
+            # the common case, without the layers below: one frame on a
+            # connection and a lock we used before (a NoSuchBuffer: below)
+            with contextlib.suppress(NoSuchBuffer):
+                self._granted(st, *await parker.lock_acquire(slot.segment, slot.offset))
+                return
         if tr is None or slot is None or tr.closed:
             tr, slot = await self._open()
         try:
@@ -526,26 +506,27 @@ class Lock:
         if st is None or st.lease != slot.lease:
             st = self._state = _core.TicketState(slot.lease, self._min_delay, self._max_delay)
         seg, off = slot.segment, slot.offset
-        # auto: futexes on a mapping (shm), else park where the server can
-        # (its CPU reads our requests: TCP), poll where it cannot (one-sided
-        # RDMA never wakes the server)
         self._transport, self._slot = tr, slot
-        if self.mode == "futex" or (self.mode == "auto" and isinstance(tr, ShmTransport)):
-            if not isinstance(tr, ShmTransport):
-                raise InterfaceError(f"the {tr.name} transport cannot wait on a futex: only shm can",
-                                     hint="use mode='auto'")
+        words = self._words
+        if words is None or not words.of(tr, slot):
+            words = self._words = _SlotWords(tr, slot)
+        # what the transport offers: futexes on a mapping (shm), parking
+        # where the server's CPU reads our requests (TCP), polling anywhere
+        # (one-sided RDMA never wakes the server); auto takes the first
+        path = wait_path(self.mode, tr)
+        if path == "futex":
+            futex = self._futex = cast(FutexCapable, tr)
             self._path, self._parker = "futex", None
-            await self._wait_futex(tr, st, slot, await self._mapped_lock(tr, seg, off))
+            await self._wait_futex(futex, st, slot, await self._mapped_lock(futex, seg, off))
             return
-        if self.mode == "park" or (self.mode == "auto" and isinstance(tr, LockCapable)):
-            if not isinstance(tr, LockCapable):
-                raise InterfaceError(f"the {tr.name} transport cannot park lock waiters",
-                                     hint="use mode='poll' (or 'auto')")
-            self._path, self._parker = "park", tr
-            self._granted(st, *await tr.lock_acquire(seg, off))
+        self._futex = None
+        if path == "park":
+            parker = self._parker = cast(LockCapable, tr)
+            self._path = "park"
+            self._granted(st, *await parker.lock_acquire(seg, off))
             return
         self._path, self._parker = "poll", None
-        await self._poll(tr, st, seg, off)
+        await self._wait_turn(words)
         self._arm_renewal(st)
 
     def _granted(self, st: _core.TicketState, ticket: int, queued: bool) -> None:
@@ -570,58 +551,39 @@ class Lock:
         if self._renew is None:
             self._renew = self._renew_at(asyncio.get_running_loop(), st.renew_at)
 
-    async def _draw(self, tr: Transport, seg: int, off: int) -> int:
-        # The fetch-and-add must not be lost to a cancellation: a ticket
-        # drawn but never known would stall the queue for a whole lease.
-        fut = asyncio.ensure_future(tr.fetch_add(seg, off + _core.LOCK_NEXT, 1))
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            def late(f: asyncio.Future[int]) -> None:
-                if not f.cancelled() and f.exception() is None:
-                    self._give_up(tr, off, f.result())
-            fut.add_done_callback(late)
-            raise
-
-    async def _poll(self, tr: Transport, st: _core.TicketState, seg: int, off: int) -> None:
+    # -- the polling wait (the engine's, on our words) ---------------------------
+    def _started(self, ticket: int) -> None:
         # time.monotonic, not loop.time: uvloop's clock is cached per loop
         # iteration in whole milliseconds, and the hold times the backoff
         # learns are tens of microseconds.  Both read CLOCK_MONOTONIC, so
         # renew_at stays good for loop.call_at.
-        now = time.monotonic
-        st.start(await self._draw(tr, seg, off), now())
-        view = [self._view8]
-        lapses = 0
-        try:
-            while True:
-                await tr.read_into(view, seg, off + _core.LOCK_SERVING, 8)
-                code, delay = st.observe(_core.unpack_u64(self._buf8), now())
-                if code == _core.OBSERVE_GRANTED:
-                    return
-                if code == _core.OBSERVE_LAPSED:
-                    # we slept past our turn and the server expired our
-                    # ticket (or a client moved now_serving by hand)
-                    log.debug("lock %r: ticket passed while waiting; drawing a new one", self.name)
-                    lapses += 1
-                    await _after_lapse(lapses)
-                    st.start(await self._draw(tr, seg, off), now())
-                    continue
-                lapses = 0
-                # else read again at once: the read's round trip is the pause,
-                # and where there is none (a mapped segment: shm) one pass of
-                # the loop, so that the holder's release can run
-                await asyncio.sleep(delay if delay >= _TIMER_RESOLUTION else 0)
-        except BaseException:
-            if st.state != _core.TICKET_IDLE:
-                self._give_up(tr, off, st.ticket)
-                st.released()
-            raise
+        assert self._state is not None
+        self._state.start(ticket, time.monotonic())
 
-    async def _wait_futex(self, tr: ShmTransport, st: _core.TicketState, slot: LockSlot,
+    async def _look(self, words: _SlotWords, ticket: int) -> tuple[int, float]:
+        # LAPSED: we slept past our turn and the server expired our ticket
+        # (or a client moved now_serving by hand).  The backoff is the
+        # state's; where it is shorter than a timer tick the read's round
+        # trip is the pause, and where there is none (a mapped segment:
+        # shm) one pass of the loop
+        assert self._state is not None
+        serving = await words.read_serving()
+        code, delay = self._state.observe(serving, time.monotonic())
+        return code, delay
+
+    def _stop_waiting(self, words: _SlotWords, ticket: int) -> None:
+        st = self._state
+        if st is not None and st.state != _core.TICKET_IDLE:
+            self._give_up(words, st.ticket)
+            st.released()
+
+    async def _wait_futex(self, tr: FutexCapable, st: _core.TicketState, slot: LockSlot,
                           ml: _core.MappedLock, code: int | None = None) -> None:
         """Wait on the futex path: draw a ticket, or go on with the one
         ``ml.take`` drew (its ``code``; -1: the connection was gone)."""
         seg, off = slot.segment, slot.offset
+        words = self._words
+        assert words is not None
         now = time.monotonic
         loop = asyncio.get_running_loop()
         block = self._block_budget()
@@ -639,7 +601,7 @@ class Lock:
                 if code == _core.OBSERVE_LAPSED:
                     log.debug("lock %r: ticket passed while waiting; drawing a new one", self.name)
                     lapses += 1
-                    await _after_lapse(lapses)
+                    await after_lapse(lapses)
                     self._yielded = now()
                     code = ml.take(st, 0.0)
                     continue
@@ -668,9 +630,7 @@ class Lock:
             st.released()
             raise await self._connection_gone(tr, seg, off) from None
         except BaseException:
-            if st.state != _core.TICKET_IDLE:
-                self._give_up(tr, off, st.ticket)
-                st.released()
+            self._stop_waiting(words, st.ticket)
             raise
         self._futex_granted(st)
 
@@ -687,7 +647,7 @@ class Lock:
         if self._renew is None:
             self._arm_renewal(st)
 
-    async def _mapped_lock(self, tr: ShmTransport, seg: int, off: int) -> _core.MappedLock:
+    async def _mapped_lock(self, tr: FutexCapable, seg: int, off: int) -> _core.MappedLock:
         """The slot's words on our mapping of the lock segment, with our
         ticket record (borrowed from the server once per few Locks)."""
         ml = self._mapped
@@ -710,7 +670,7 @@ class Lock:
         self._mapped = ml
         return ml
 
-    async def _connection_gone(self, tr: ShmTransport, seg: int, off: int) -> Exception:
+    async def _connection_gone(self, tr: FutexCapable, seg: int, off: int) -> Exception:
         # the server's connection went while we used its words: the
         # transport's own operation says so in the user's words
         self._mapped = None
@@ -721,7 +681,7 @@ class Lock:
         return TransportError(f"lock {self.name!r}: the connection to {tr.label} was lost",
                               server=tr.label)
 
-    async def _take_record(self, tr: ShmTransport) -> None:
+    async def _take_record(self, tr: FutexCapable) -> None:
         """A record word on ``tr`` for our tickets, borrowed from the server
         once per few Locks; without one (the server refused) a dead holder's
         ticket passes on at the end of its lease instead."""
@@ -756,8 +716,8 @@ class Lock:
 
     async def _released_futex(self, done: int, ticket: int, wait: bool) -> None:
         # what MappedLock.release found, where it is not RELEASE_DONE
-        tr, slot = self._transport, self._slot
-        assert isinstance(tr, ShmTransport) and slot is not None
+        tr, slot = self._futex, self._slot
+        assert tr is not None and slot is not None
         if done == _core.RELEASE_BY_SERVER:
             # TCP waiters are parked at the server: it releases, grants the
             # next of them at once, and wakes our sleepers
@@ -768,7 +728,7 @@ class Lock:
         elif done == _core.RELEASE_PARKED_AFTER:
             # the server parked an acquire as we released (both seq-cst,
             # server/locks.py): make it look again
-            _spawn(tr.control({"cmd": "lock_abandon", "offset": slot.offset, "ticket": ticket}))
+            spawn(tr.control({"cmd": "lock_abandon", "offset": slot.offset, "ticket": ticket}))
         elif wait:
             # lost: to a lease's end, or with the connection to the server
             raise StaleFence(f"lock {self.name!r} was lost before release: " + (
@@ -783,10 +743,10 @@ class Lock:
         if loop is not None:
             _count_in_use(loop, -1)
 
-    def _give_up(self, tr: Transport, off: int, ticket: int) -> None:
+    def _give_up(self, words: _SlotWords, ticket: int) -> None:
         # the server skips the ticket when its turn comes (or now, if it has
         # come already: then we were the holder, and this releases)
-        _spawn(tr.control({"cmd": "lock_abandon", "offset": off, "ticket": ticket}))
+        spawn(words.transport.control({"cmd": "lock_abandon", "offset": words.offset, "ticket": ticket}))
 
     def _renew_at(self, loop: asyncio.AbstractEventLoop, when: float) -> asyncio.TimerHandle:
         # The timer holds the Lock weakly: a Lock released and dropped must
@@ -806,25 +766,15 @@ class Lock:
             # re-acquired since the timer was armed: not due yet
             self._renew = self._renew_at(loop, st.renew_at)
             return
-        _spawn(self._renew_now(st.ticket))
+        spawn(self._renew_now(st.ticket))
 
     async def _renew_now(self, ticket: int) -> None:
-        tr, slot = self._transport, self._slot
-        assert tr is not None and slot is not None
-        seg, off = slot.segment, slot.offset
+        words = self._words
+        assert words is not None
         try:
-            # the heartbeat tagged with our ticket (a CAS: we learn the word
-            # if someone else wrote it, and try again over that)
-            old = self._heartbeat
-            for _ in range(4):
-                got = await tr.compare_swap(seg, off + _core.LOCK_HEARTBEAT, old,
-                                            _core.renewal_word(ticket, old))
-                if got == old:
-                    self._heartbeat = _core.renewal_word(ticket, old)
-                    break
-                old = got
-            # an atomic read of now_serving: do we still hold it?
-            serving = await tr.compare_swap(seg, off + _core.LOCK_SERVING, ticket, ticket)
+            # the heartbeat tagged with our ticket (the server credits only
+            # a renewal tagged with the ticket it serves), then do we hold it?
+            serving = (await self._beat(words, ticket))[1]
         except (TransportError, NoSuchBuffer) as exc:
             log.warning("lock %r: renewing the lease failed (%s); the lock may be lost", self.name, exc)
             return
@@ -849,7 +799,7 @@ def _renew_due(ref: weakref.ref[Lock]) -> None:
         lock._renew_due()
 
 
-def _unused(link: Link, name: str, recbox: list[tuple[ShmTransport, int] | None]) -> None:
+def _unused(link: Link, name: str, recbox: list[tuple[Transport, int] | None]) -> None:
     # a Lock was dropped without close(): its ticket record goes back to
     # its connection's pool (a record that names a passed ticket means
     # nothing), and its server is told, if a loop runs
@@ -862,7 +812,7 @@ def _unused(link: Link, name: str, recbox: list[tuple[ShmTransport, int] | None]
         asyncio.get_running_loop()
     except RuntimeError:
         return
-    _spawn(link.lock_unused(name))
+    spawn(link.lock_unused(name))
 
 
 def fence_of(fence: Lock | ReplicatedLock | Fence) -> tuple[int, int]:
@@ -918,21 +868,41 @@ class LockWords(Protocol):
     async def primary_server(self, offset: int) -> str: ...
 
 
+class _ReplicaWords:
+    """A replicated lock's words: its buffer "lock:<name>"."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: LockWords) -> None:
+        self.buffer = buffer
+
+    async def draw(self) -> int:
+        return await self.buffer.fetch_add(_R_NEXT, 1)
+
+    async def swap_serving(self, expected: int, new: int) -> int:
+        return await self.buffer.compare_swap(_R_SERVING, expected, new)
+
+    async def swap_heartbeat(self, expected: int, new: int) -> int:
+        return await self.buffer.compare_swap(_R_HEARTBEAT, expected, new)
+
+
 class _Watch:
     """A waiter's eye on the holder: ``look`` reads ``now_serving`` and the
     heartbeat, and passes the holder over once both stayed the same for a
-    whole lease from the first read that showed them."""
+    whole lease from the first read that showed them.  ``delay``: the
+    waiter's backoff between looks."""
 
-    __slots__ = ("lease", "seen", "since", "heartbeat")
+    __slots__ = ("lease", "seen", "since", "heartbeat", "delay")
 
     def __init__(self, lease: float) -> None:
         self.lease = lease
         self.seen: tuple[int, int] | None = None
         self.since = 0.0
         self.heartbeat = 0
+        self.delay = 1e-3
 
-    async def look(self, lock: ReplicatedLock, words: LockWords) -> int:
-        got = bytes(await words.read(_R_SERVING, 16))
+    async def look(self, lock: ReplicatedLock, words: _ReplicaWords) -> int:
+        got = bytes(await words.buffer.read(_R_SERVING, 16))
         serving, self.heartbeat = _core.unpack_u64(got, 0), _core.unpack_u64(got, 8)
         now = time.monotonic()
         if (serving, self.heartbeat) != self.seen:
@@ -944,7 +914,7 @@ class _Watch:
         return serving
 
 
-class ReplicatedLock:
+class ReplicatedLock(TicketLock[_ReplicaWords]):
     """The FIFO ticket lock, kept on ``replicas`` servers:
     ``client.replicated_lock(name, replicas=2)``.  Same use as :class:`Lock`
     (``acquire``/``release``, ``async with``, ``token``/``fence`` for fenced
@@ -960,8 +930,15 @@ class ReplicatedLock:
     milliseconds each: use it where a lock must outlive a server, not where
     hand-offs must be fast."""
 
-    __slots__ = ("client", "name", "replicas", "_open_words", "_words", "_lease", "_max_delay", "_ticket",
-                 "_valid_until", "_heartbeat", "_lost", "_server", "_renewer", "_busy", "__weakref__")
+    __slots__ = ("replicas", "_open_words", "_words", "_lease", "_max_delay", "_ticket", "_valid_until",
+                 "_server", "_renewer", "_watch", "__weakref__")
+
+    kind = "ReplicatedLock"
+    lost_error = LockLost
+    lost_hint = ("what was done under the lock since then was not protected; acquire it again and check "
+                 "the state it guards")
+    # a waiter passed over looked as dead as a crashed holder: worth a line
+    lapse_level = logging.INFO
 
     def __init__(self, client: LockOwner, name: str, open_words: Any, *, replicas: int,
                  lease: float | None = None, max_delay: float = 0.05) -> None:
@@ -970,20 +947,17 @@ class ReplicatedLock:
                                        f"not {name!r}")
         if lease is not None and not 0 < lease <= 3600:
             raise InvalidArgumentError(f"lease must be in (0, 3600] seconds, not {lease!r}")
-        self.client = client
-        self.name = name
+        super().__init__(client, name)
         self.replicas = replicas
         self._open_words = open_words       # () -> awaitable LockWords: the buffer "lock:<name>"
-        self._words: LockWords | None = None
+        self._words: _ReplicaWords | None = None
         self._lease = REPLICATED_LEASE if lease is None else float(lease)
         self._max_delay = max_delay
         self._ticket: int | None = None     # ours while held
         self._valid_until = 0.0             # monotonic: held until then unless renewed
-        self._heartbeat = 0                 # the heartbeat word as we last wrote or saw it
-        self._lost: str | None = None       # why the lock was lost, until the holder is told
         self._server = ""                   # the server that granted or last renewed it
         self._renewer: asyncio.Task[None] | None = None
-        self._busy = False
+        self._watch: _Watch | None = None   # while acquiring: our eye on the holder
 
     def __repr__(self) -> str:
         state = f"locked token={self._ticket}" if self.locked() else "unlocked"
@@ -1014,107 +988,84 @@ class ReplicatedLock:
         return Fence(self.name, self._ticket)
 
     # -- acquire / release ----------------------------------------------------
-    async def acquire(self, timeout: float | None = None) -> bool:
-        """Wait for the lock (FIFO).  With ``timeout``, :class:`LockTimeout`
-        when it runs out (the ticket is then given up)."""
-        self.client.ensure_open()
+    def _held(self) -> bool:
         self._check_lease()         # a holder whose lease ran out may take the lock again
-        if self._busy or self._ticket is not None:
-            raise InterfaceError(f"lock {self.name!r} is already held or being acquired by this "
-                                 "ReplicatedLock object (it is not reentrant)")
-        self._lost = None
-        self._busy = True
-        try:
-            if timeout is None:
-                await self._acquire()
-            else:
-                try:
-                    async with asyncio.timeout(timeout):
-                        await self._acquire()
-                except TimeoutError:
-                    raise LockTimeout(f"lock {self.name!r} not acquired within {timeout} s") from None
-        finally:
-            self._busy = False
-        return True
+        return self._ticket is not None
 
-    async def _open(self) -> LockWords:
+    async def _open(self) -> _ReplicaWords:
         words = self._words
         if words is None:
-            words = await self._open_words()
+            buffer = await self._open_words()
             # the first user sets the base: tickets start at a time-based
             # value, so that tokens keep growing even if every copy of the
             # lock was lost and it is made again
             base = (time.time_ns() // 1000) << 10
-            got = await words.compare_swap(_R_BASE, 0, base)
+            got = await buffer.compare_swap(_R_BASE, 0, base)
             base = got or base
-            await words.compare_swap(_R_NEXT, 0, base)
-            await words.compare_swap(_R_SERVING, 0, base)
-            self._words = words
+            await buffer.compare_swap(_R_NEXT, 0, base)
+            await buffer.compare_swap(_R_SERVING, 0, base)
+            words = self._words = _ReplicaWords(buffer)
         return words
 
     async def _acquire(self) -> None:
         words = await self._open()
-        ticket = await self._draw(words)
-        watch = _Watch(self._lease)
-        delay = 1e-3
+        self._watch = _Watch(self._lease)
         try:
-            while True:
-                serving = await watch.look(self, words)
-                if serving == ticket:
-                    # what a read shows may not be acknowledged yet (the
-                    # primary applies before its backups do): confirm with
-                    # a renewal, a replicated CAS, which also restarts the
-                    # clock of any waiter watching the heartbeat
-                    self._ticket, self._heartbeat, self._valid_until = ticket, watch.heartbeat, 0.0
-                    self._server = await words.primary_server(_R_SERVING)
-                    if await self._renew(ticket, granting=True):
-                        self._renewer = asyncio.ensure_future(_renew_replicated(weakref.ref(self), ticket))
-                        return
-                    self._ticket = None
-                    serving = ticket + 1
-                if serving > ticket:
-                    # we were passed over (we looked as dead as a crashed
-                    # holder to the waiters): take a new place at the end
-                    log.info("lock %r: ticket %d was passed over while waiting; drawing a new one",
-                             self.name, ticket)
-                    ticket = await self._draw(words)
-                    continue
-                delay = min(self._max_delay, max(1e-3, delay * 1.5), 2e-3 * (ticket - serving))
-                await asyncio.sleep(delay)
-        except BaseException:
-            if self._ticket == ticket and self._renewer is None:
-                self._ticket = None         # stopped while confirming the grant
-            if self._ticket != ticket:
-                _spawn(self._give_up(words, ticket, watch))
-            raise
+            await self._wait_turn(words)
+        finally:
+            self._watch = None
 
-    async def _draw(self, words: LockWords) -> int:
-        # not lost to a cancellation: a ticket drawn and not known would
-        # cost the queue a whole lease
-        fut = asyncio.ensure_future(words.fetch_add(_R_NEXT, 1))
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            def late(f: asyncio.Future[int]) -> None:
-                if not f.cancelled() and f.exception() is None:
-                    _spawn(self._give_up(words, f.result(), _Watch(self._lease)))
-            fut.add_done_callback(late)
-            raise
+    async def _look(self, words: _ReplicaWords, ticket: int) -> tuple[int, float]:
+        watch = self._watch
+        assert watch is not None
+        serving = await watch.look(self, words)
+        if serving == ticket:
+            # what a read shows may not be acknowledged yet (the primary
+            # applies before its backups do): confirm with a renewal, a
+            # replicated CAS, which also restarts the clock of any waiter
+            # watching the heartbeat
+            self._ticket, self._heartbeat, self._valid_until = ticket, watch.heartbeat, 0.0
+            self._server = await words.buffer.primary_server(_R_SERVING)
+            if await self._renew(ticket, granting=True):
+                self._renewer = asyncio.ensure_future(_renew_replicated(weakref.ref(self), ticket))
+                return _core.OBSERVE_GRANTED, 0.0
+            self._ticket = None
+            serving = ticket + 1
+        if serving > ticket:
+            return _core.OBSERVE_LAPSED, 0.0
+        watch.delay = min(self._max_delay, max(1e-3, watch.delay * 1.5), 2e-3 * (ticket - serving))
+        return _core.OBSERVE_WAIT, watch.delay
 
-    async def _pass_over(self, words: LockWords, serving: int, heartbeat: int) -> bool:
+    def _stop_waiting(self, words: _ReplicaWords, ticket: int) -> None:
+        if self._ticket == ticket and self._renewer is None:
+            self._ticket = None         # stopped while confirming the grant
+        if self._ticket != ticket:
+            # the waiter's watch goes on: a silent holder it watched for
+            # part of a lease is passed over a lease after it first saw it
+            spawn(self._give_up_watching(words, ticket, self._watch or _Watch(self._lease)))
+
+    def _give_up(self, words: _ReplicaWords, ticket: int) -> None:
+        spawn(self._give_up_watching(words, ticket, _Watch(self._lease)))
+
+    def _next_heartbeat(self, ticket: int, old: int) -> int | None:
+        # even words only (a waiter's mark is odd); none over the mark that
+        # says our ticket was passed on
+        return None if old == _tomb(ticket) else (old | 1) + 1
+
+    async def _pass_over(self, words: _ReplicaWords, serving: int, heartbeat: int) -> bool:
         """The holder of ``serving`` has not renewed for a whole lease: mark
         its heartbeat passed over (a CAS: fails if a renewal landed since),
         then move the lock on (a CAS: one waiter wins).  True if we moved it."""
         if heartbeat != _tomb(serving):
-            if await words.compare_swap(_R_HEARTBEAT, heartbeat, _tomb(serving)) != heartbeat:
+            if await words.swap_heartbeat(heartbeat, _tomb(serving)) != heartbeat:
                 return False        # it renewed after all
-        if await words.compare_swap(_R_SERVING, serving, serving + 1) != serving:
+        if await words.swap_serving(serving, serving + 1) != serving:
             return False
         log.warning("lock %r: the holder of ticket %d did not renew it for its lease of %g s; "
                     "passed on to the next waiter", self.name, serving, self._lease)
         return True
 
-    async def _give_up(self, words: LockWords, ticket: int, watch: _Watch) -> None:
+    async def _give_up_watching(self, words: _ReplicaWords, ticket: int, watch: _Watch) -> None:
         """A waiter that stopped waiting: when its turn comes, pass the lock
         on at once instead of after a lease; meanwhile it goes on watching
         for a silent holder, as a waiter does (waiters whose timeouts are
@@ -1128,7 +1079,7 @@ class ReplicatedLock:
                 if serving > ticket:
                     return
                 if serving == ticket:
-                    await words.compare_swap(_R_SERVING, ticket, ticket + 1)
+                    await words.swap_serving(ticket, ticket + 1)
                     return
             except Exception as exc:        # a failover: try again
                 log.debug("lock %r: giving ticket %d up: %s", self.name, ticket, exc)
@@ -1143,30 +1094,18 @@ class ReplicatedLock:
             raise InterfaceError(f"release() of lock {self.name!r}, which this ReplicatedLock object "
                                  "does not hold")
         self._unhold()
-        old = await words.compare_swap(_R_SERVING, ticket, ticket + 1)
+        old = await words.swap_serving(ticket, ticket + 1)
         if old != ticket:
             raise LockLost(
                 f"lock {self.name!r} was lost before release: another client passed it on after this "
                 f"holder did not renew it within its lease of {self._lease:g} s (ticket {ticket}, the lock "
-                f"now serves {old})", hint="what was done under the lock since then was not protected; "
-                "acquire it again and check the state it guards")
+                f"now serves {old})", hint=self.lost_hint)
 
     async def close(self) -> None:
         """Release the lock if held (the lock's buffer stays: other clients use it)."""
         if self._ticket is not None:
             with contextlib.suppress(StaleFence):
                 await self.release()
-
-    async def __aenter__(self) -> ReplicatedLock:
-        await self.acquire()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._check_lease()
-        if self._ticket is not None:
-            await self.release()
-        elif exc[0] is None:
-            self._raise_if_lost()
 
     # -- holding --------------------------------------------------------------
     def _unhold(self) -> None:
@@ -1190,12 +1129,6 @@ class ReplicatedLock:
         self._lost = f"lock {self.name!r} was lost: {why}"
         log.warning("%s", self._lost)
 
-    def _raise_if_lost(self) -> None:
-        why, self._lost = self._lost, None
-        if why is not None:
-            raise LockLost(why, hint="what was done under the lock since then was not protected; "
-                           "acquire it again and check the state it guards")
-
     async def _renew(self, ticket: int, granting: bool = False) -> bool:
         """One renewal: the heartbeat raised (a CAS: it fails on the word a
         waiter marked when it passed the lock on), then whether the lock
@@ -1209,21 +1142,14 @@ class ReplicatedLock:
             # and a renewal now must not make this holder think it kept it
             self._check_lease()
             return False
-        old = self._heartbeat
-        for _ in range(4):
-            if old == _tomb(ticket):
-                break
-            got = await words.compare_swap(_R_HEARTBEAT, old, (old | 1) + 1)
-            if got == old:
-                old = self._heartbeat = (old | 1) + 1
-                break
-            old = got        # a renewal of ours that answered late, or the last holder's word
-        serving = await words.compare_swap(_R_SERVING, ticket, ticket)
+        # a heartbeat CAS that fails sees a renewal of ours that answered
+        # late, or the last holder's word: it tries again over that
+        old, serving = await self._beat(words, ticket)
         if self._ticket != ticket:
             return False        # released meanwhile
         if serving != ticket or old != self._heartbeat:
             return False
-        server = await words.primary_server(_R_SERVING)
+        server = await words.buffer.primary_server(_R_SERVING)
         self._valid_until = max(self._valid_until, start + self._lease)
         if self._ticket != ticket or time.monotonic() >= self._valid_until:
             self._check_lease()         # renewed too late to count: lost

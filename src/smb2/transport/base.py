@@ -6,10 +6,12 @@ names, stripes or training.  Data arguments are sequences of memoryviews (the
 pieces of the caller's memory that one request scatters to or gathers from);
 their lengths add up to ``length``.
 
-Optional capabilities are mixins a transport inherits, tested with
-``isinstance``: :class:`LockCapable` (the server parks lock waiters).  A
-transport that can use registered memory in place names its
-:class:`MemoryDomain` in ``memory_domain``.
+Optional capabilities are mixins a transport inherits: :class:`LockCapable`
+(the server parks lock waiters) and :class:`FutexCapable` (the lock's words
+are mapped here, and a waiter sleeps on a futex).  A transport *says* which
+ways of waiting for a lock it offers in ``lock_waits``; the lock reads that,
+never the transport's class.  A transport that can use registered memory in
+place names its :class:`MemoryDomain` in ``memory_domain``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class Transport(abc.ABC):
     #: where ``Client.register`` registers memory for zero-copy use (None:
     #: this transport copies anyway, registering would buy nothing)
     memory_domain: MemoryDomain | None = None
+    #: how a lock waiter may wait over this transport, the one ``mode="auto"``
+    #: takes first (docs/design.md, "The lock"): "futex" (a
+    #: :class:`FutexCapable`), "park" (a :class:`LockCapable`), "poll" (reads
+    #: of the lock's words: every transport)
+    lock_waits: tuple[str, ...] = ("poll",)
 
     def __init__(self, address: tuple[str, int]) -> None:
         self.address = address
@@ -120,6 +127,12 @@ class Transport(abc.ABC):
         (docs/design.md, "Replication")."""
         raise InterfaceError(f"the {self.name} transport does not carry replicated operations")
 
+    def wake_ticket(self, segment: int, offset: int, ticket: int) -> None:
+        """Wake the futex sleepers waiting for ``ticket`` at the word (a lock's
+        now_serving).  Only where waiters sleep on futexes ("futex" in
+        ``lock_waits``); elsewhere nobody sleeps on the word."""
+        return None
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Close the connection; pending operations fail with TransportError."""
@@ -145,3 +158,25 @@ class LockCapable(abc.ABC):
     def lock_release_nowait(self, segment: int, offset: int, ticket: int) -> None:
         """Release without waiting for (or getting) an answer; whatever this
         transport sends next reaches the server after it."""
+
+
+class FutexCapable(Transport, LockCapable):
+    """A transport that maps the server's lock segment into this process, so
+    a lock waiter takes its ticket with a CPU atomic and sleeps on a futex
+    on ``now_serving`` (docs/design.md, "The lock"); it parks through the
+    server too, for the release that hands the lock to a parked waiter."""
+
+    @abc.abstractmethod
+    def mapping_of(self, segment: int) -> tuple[memoryview, int, int, Any] | None:
+        """``segment`` as mapped here: (the mapping, the data's size, the
+        offset of its state word, the connection's live flag), or None while
+        it is not mapped."""
+
+    @abc.abstractmethod
+    async def wait_ticket(self, segment: int, offset: int, ticket: int, timeout: float) -> int:
+        """The ticket word at ``offset`` once it reached ``ticket``, or as it
+        is after ``timeout`` seconds (or less)."""
+
+    @abc.abstractmethod
+    def wake_ticket(self, segment: int, offset: int, ticket: int) -> None:
+        """Wake the ``wait_ticket`` sleepers for ``ticket``, in any process."""

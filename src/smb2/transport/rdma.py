@@ -137,6 +137,8 @@ class RdmaTransport(Transport):
 
     name = "rdma"
     max_request = CHUNK
+    # one-sided: the server's CPU never sees a waiter, nothing to sleep on
+    lock_waits = ("poll",)
 
     def __init__(self, tcp: TcpTransport, device: Device, poll: str) -> None:
         super().__init__(tcp.address)

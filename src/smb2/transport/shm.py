@@ -53,7 +53,7 @@ from .. import _core
 from ..errors import ErrorCode, OutOfMemory, TransportError, Unsupported, server_error
 from ..host import boot_id, usable_cpus, writable_by_clients
 from ..protocol import FENCE_SIZE, LOCK_SEGMENT, MASK64, unpack
-from .base import LockCapable, Transport
+from .base import FutexCapable
 from .tcp import TcpTransport
 
 # the state word's values (server/memfd.py)
@@ -92,11 +92,14 @@ class _Mapping:
     state: int            # offset of the state word in ``whole``
 
 
-class ShmTransport(Transport, LockCapable):
+class ShmTransport(FutexCapable):
     """A server on this host: one-sided operations on our mapping of its
     segments; the rest over ``control``, a :class:`TcpTransport`."""
 
     name = "shm"
+    # the lock's words are in our mapping: futexes; parked waits over the
+    # TCP connection; polling the mapping
+    lock_waits = ("futex", "park", "poll")
 
     def __init__(self, control: TcpTransport) -> None:
         super().__init__(control.address)

@@ -218,6 +218,8 @@ class TcpTransport(Transport, LockCapable):
     """Client side of one TCP connection to one server."""
 
     name = "tcp"
+    # the server reads every request: it parks waiters
+    lock_waits = ("park", "poll")
 
     def __init__(self, address: tuple[str, int], protocol: _ClientProtocol) -> None:
         super().__init__(address)
