@@ -1,5 +1,5 @@
 """Asynchronous training with the porting recipe on an overloaded host with a
-straggler does not collapse (tools/async_collapse.py: the scenario, the test
+straggler does not collapse (tools/studies/async_collapse.py: the scenario, the test
 calls it).
 
 3 real torchrun workers train the example's CNN on digits (SGD lr 0.05,
@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
 pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "async_collapse.py"
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "studies" / "async_collapse.py"
 
 
 def _tool() -> Any:

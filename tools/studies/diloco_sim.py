@@ -21,7 +21,7 @@ the shared weights right after its own push.  Outer steps (``--outer``):
 
 Model buffers (BatchNorm's statistics) take the workers' mean change.
 
-    python tools/diloco_sim.py --outer delayed --inner-lr-scale 4 --seeds 0 1 2
+    python tools/studies/diloco_sim.py --outer delayed --inner-lr-scale 4 --seeds 0 1 2
 
 prints one JSON line per run (the settings and the shared model's test
 accuracy).  Needs torch and scikit-learn.

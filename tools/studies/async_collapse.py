@@ -13,7 +13,7 @@ reaches ``--target`` (95 %) or the ``--budget`` (60 s) runs out; then every
 rank closes with ``close(wait_all=...)`` and rank 0 evaluates the model the
 run delivers (the shared weights).
 
-    python tools/async_collapse.py --runs 5 [--hogs 3] [--old-default] [--json out.json]
+    python tools/studies/async_collapse.py --runs 5 [--hogs 3] [--old-default] [--json out.json]
 
 prints one line per run (time to target, the delivered model's accuracy,
 steps, and the optimizer's guard counts) and the count of runs that reached
@@ -23,7 +23,7 @@ as collapsed when the delivered model is at chance (below 20 %).
 configuration became the default (``average=False, lag_scaling=False``).
 ``tests/test_async_collapse.py`` calls :func:`run_job` (5 runs, the default).
 
-``python tools/async_collapse.py --worker ...`` is what torchrun runs.
+``python tools/studies/async_collapse.py --worker ...`` is what torchrun runs.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 
 from smb2.testing.workers import json_objects
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "torch_train.py"
 CHANCE = 20.0       # digits has 10 classes: a collapsed model scores about 9-10 %
 
