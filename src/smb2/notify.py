@@ -29,8 +29,9 @@ value overwriting a larger one.  Counters use :meth:`Buffer.notify_add`.
 How a waiter waits
 ------------------
 Over shm (the slot's server maps into this process) ``wait_notify`` sleeps
-on a shared futex on the slot's word, in a thread (``ShmTransport.wait_word``),
-and every writer that changes a slot wakes it: a shm writer with
+on a shared futex on the slot's word, in a thread (``wait_word`` of a
+:class:`~smb2.transport.FutexCapable` transport, one that maps the word:
+shm's), and every writer that changes a slot wakes it: a shm writer with
 ``FUTEX_WAKE`` on its own mapping, the server after a TCP client's atomic.
 A sleep lasts at most ``MAX_SLEEP`` of that transport, so an RDMA writer's
 change (the NIC's atomic wakes nobody) is seen within it.  Over other
@@ -49,7 +50,7 @@ import numpy as np
 from .checks import check_int
 from .errors import InterfaceError, InvalidArgumentError, NotifyTimeout
 from .protocol import MASK64
-from .transport import ShmTransport, Transport
+from .transport import FutexCapable, Transport
 
 
 class NotifyBuffer(Protocol):
@@ -136,7 +137,7 @@ def wake(buf: NotifyBuffer, offset: int) -> None:
     """Wake whoever sleeps on the word at ``offset`` over shm (nothing to
     do elsewhere: the server wakes them after a TCP atomic)."""
     tr, segment, seg_off = buf.word_transport(offset)
-    if isinstance(tr, ShmTransport):
+    if isinstance(tr, FutexCapable):     # it maps the word: sleepers wait on a futex
         tr.wake_word(segment, seg_off)
 
 
@@ -158,7 +159,7 @@ async def wait_word(buf: NotifyBuffer, offset: int, at_least: int, timeout: floa
                 f"still below {at_least} after {timeout} s")
         left = None if deadline is None else max(0.0, deadline - now)
         tr, segment, seg_off = buf.word_transport(offset)
-        if isinstance(tr, ShmTransport):
+        if isinstance(tr, FutexCapable):
             await tr.wait_word(segment, seg_off, value & MASK64, math.inf if left is None else left)
             continue
         await asyncio.sleep(delay if left is None else min(delay, left))

@@ -180,3 +180,12 @@ class FutexCapable(Transport, LockCapable):
     @abc.abstractmethod
     def wake_ticket(self, segment: int, offset: int, ticket: int) -> None:
         """Wake the ``wait_ticket`` sleepers for ``ticket``, in any process."""
+
+    @abc.abstractmethod
+    async def wait_word(self, segment: int, offset: int, old: int, timeout: float, spin: float = 0.0) -> int:
+        """The u64 word at ``offset`` once it is no longer ``old``, or as it
+        is after ``timeout`` seconds (or less): a notification's sleep."""
+
+    @abc.abstractmethod
+    def wake_word(self, segment: int, offset: int) -> None:
+        """Wake every ``wait_word`` sleeper on the word, in any process."""
