@@ -11,7 +11,6 @@ import errno
 import re
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from smb2.server.options import ServerOptions
 from smb2.server.sizing import MIN_PER_HOST, PER_HOST_SHARE, size
 from smb2.testing.hostile import TOKEN
 from smb2.testing.launch import server_process
+from smb2.testing.ports import dead_address
 from smb2.testing.proxy import FaultProxy
 from smb2.testing.wire import hello, reply
 
@@ -199,9 +199,7 @@ async def test_a_connection_reset_while_connecting_is_tried_again() -> None:
             await buf.write(0, b"after a reset")
             assert bytes(await buf.read(0, 13)) == b"after a reset"
         assert proxy.cuts == 1 and proxy.connections == 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        nobody = s.getsockname()
+    nobody = dead_address()
     with pytest.raises(smb2.TransportError) as err:
         await smb2.connect([nobody], transport="tcp", timeout=30)
     assert err.value.errno == errno.ECONNREFUSED

@@ -58,3 +58,18 @@ async def test_shipped_fixture(smb2_cluster: smb2.LocalCluster) -> None:
     await buf.write(0, b"plugin")
     assert bytes(await buf.read(0, 6)) == b"plugin"
     assert len(client.servers) == smb2_cluster.nservers
+
+
+def test_ports_named_ahead_are_outside_the_kernel_s_ephemeral_range_and_distinct():
+    """A port a test names before its server binds it must not be one the
+    kernel could give a connection meanwhile (CI once lost a bind that way)."""
+    import socket
+
+    from smb2.testing.ports import free_port
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(1024 < p < low for p in ports), ports
+    with socket.socket() as s:          # handed out free: it binds
+        s.bind(("127.0.0.1", ports[-1]))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from smb2 import auth
 from smb2.protocol import VERSION
 from smb2.testing.hostile import TOKEN
 from smb2.testing.launch import ServerProcess
+from smb2.testing.ports import free_port
 from smb2.transport.choose import rdma_unavailable_reason
 
 
@@ -30,10 +30,8 @@ def doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 
 def dead_address() -> str:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    """A loopback port nothing listens on."""
+    return f"127.0.0.1:{free_port()}"
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ import smb2
 from smb2.errors import InvalidArgumentError, MembershipError
 from smb2.membership import NO_VIEW, View, open_membership
 from smb2.server.cli import main as server_main
-from smb2.testing.etcd import LocalEtcd, free_port
+from smb2.testing.etcd import LocalEtcd
+from smb2.testing.ports import free_port
 
 pytestmark = [pytest.mark.server_process_only,
               pytest.mark.skipif(not any(os.access(os.path.join(d, "etcd"), os.X_OK)

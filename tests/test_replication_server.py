@@ -27,7 +27,8 @@ from smb2.protocol import DTYPE_SHIFT, FLAG_FORWARDED, FLAG_REPLICATED, VERSION,
 from smb2.server import start_server
 from smb2.server.replication import DEDUP_PER_CLIENT, Dedup, Entry, TooManyClients
 from smb2.testing.cluster import thread_options
-from smb2.testing.etcd import LocalEtcd, etcd_binary, free_port
+from smb2.testing.etcd import LocalEtcd, etcd_binary
+from smb2.testing.ports import free_port
 from smb2.testing.replicas import Increments, Raw, segment_bytes, server_stat
 from smb2.testing.waits import until
 from smb2.testing.wire import control, frame, reply

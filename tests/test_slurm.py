@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from smb2.serverlist import expand_hostlist
+from smb2.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "tools" / "slurm_cluster.sh"
@@ -57,12 +57,6 @@ def slurm_env() -> Iterator[dict[str, str]]:
     finally:
         if "already running" not in start.stdout:
             subprocess.run([str(CLUSTER), "stop"], timeout=120, check=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def servers_on(port: int) -> list[str]:

@@ -53,7 +53,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -63,6 +62,7 @@ from typing import Any
 import numpy as np
 
 import smb2
+from smb2.testing.ports import free_port
 from smb2.train.example import data
 from smb2.train.example.job import JobConfig, run_job
 from smb2.train.example.mlp import MLP
@@ -97,12 +97,6 @@ async def smb2_run(label: str, workers: int, servers: list[str], steps: int, pat
             "bytes_moved": res["bytes_moved"], "comm_fraction": res["comm_fraction"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def spawn_workers(what: str, workers: int, args: list[str], env: dict[str, str] | None = None
                         ) -> list[dict[str, Any]]:
     """Run ``workers`` processes of this script (``args`` + ``--rank R --world W``);
@@ -130,7 +124,7 @@ def summarize(outs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def gloo_run(workers: int, steps: int, path: Path) -> dict[str, Any]:
-    args = ["--gloo-worker", "--port", str(_free_port()), "--steps", str(steps), "--data", str(path)]
+    args = ["--gloo-worker", "--port", str(free_port()), "--steps", str(steps), "--data", str(path)]
     return summarize(await spawn_workers("gloo", workers, args))
 
 
@@ -139,7 +133,7 @@ async def frontend_run(kind: str, workers: int, steps: int, path: Path, servers:
     """The torch front ends on a torch copy of the model: ``kind`` "ddp"
     (DistributedDataParallel over gloo) or "smb2" (AsyncOptimizer, ``rule``,
     ``staleness``)."""
-    args = ["--torch-worker", kind, "--port", str(_free_port()), "--steps", str(steps), "--data", str(path),
+    args = ["--torch-worker", kind, "--port", str(free_port()), "--steps", str(steps), "--data", str(path),
             "--staleness", str(staleness), "--frontend-rule", rule]
     env = {"SMB2_SERVERS": ",".join(servers), **_via(transport)} if servers else None
     return summarize(await spawn_workers(kind, workers, args, env))

@@ -1036,17 +1036,16 @@ def targets(summary: list[dict[str, Any]], task: str = "mlp") -> list[dict[str, 
         candidates = [s for name, s in rows.items()
                       if spec_of(name) is not None and "torchft" not in (spec_of(name) or {})
                       and s["ddp_ratio"] is not None]
-        if candidates and "ddp" in rows:
-            best = max(candidates, key=lambda s: s["ddp_ratio"])
+        best = max(candidates, key=lambda s: s["ddp_ratio"]) if candidates else None
+        if best is not None and "ddp" in rows:
             pts = best["final_vs_ddp"]
             out.append({"scenario": scenario, "target": f"best configuration >= {BEST_RATIO[scenario]}x DDP, final "
                         + ("within 1 % of DDP's" if task == "lm" else ">= DDP's"),
                         "measured": f"{best['system']}: {_ratio(best['ddp_ratio'], best['ddp_ratio_at_least'])}, "
                         f"{_opt(pts, '+.1f', unit)}",
                         "met": best["ddp_ratio"] >= BEST_RATIO[scenario] and pts is not None and pts >= best_floor})
-        if candidates and "torchft" in rows:
-            out.append(against_torchft(scenario, max(candidates, key=lambda s: s["ddp_ratio"]), rows["torchft"],
-                                       task))
+        if best is not None and "torchft" in rows:
+            out.append(against_torchft(scenario, best, rows["torchft"], task))
         out += compression_targets(scenario, rows, task)
     return out
 

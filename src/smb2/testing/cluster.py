@@ -27,8 +27,9 @@ from ..errors import InterfaceError
 from ..membership import NO_VIEW, Credentials, Membership, etcd_user, open_membership, setup_auth
 from ..server import MemoryServer, start_server
 from ..server.options import MIN_THREAD_PART
-from .etcd import LocalEtcd, free_port
+from .etcd import LocalEtcd
 from .launch import AsyncServerProcess
+from .ports import free_port
 
 log = logging.getLogger("smb2.testing.cluster")
 

@@ -13,13 +13,13 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from typing import IO, Any
 
 from ..errors import InterfaceError, MembershipError
 from ..membership import http_post
+from .ports import free_port
 
 log = logging.getLogger("smb2.testing.etcd")
 
@@ -34,12 +34,6 @@ def etcd_binary() -> str:
                              hint="install Debian's etcd-server (apt-get install etcd-server; "
                                   "tools/host_deps.sh does it) or put an etcd 3.4+ binary on PATH")
     return path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class LocalEtcd:
