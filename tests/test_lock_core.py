@@ -32,6 +32,7 @@ class RefSlot:
         self.holder: int | None = None
         self.seen = (base, 0)
         self.last = now
+        self.seen_free = True       # nobody held it at the table's last look
 
 
 class RefTable:
@@ -47,6 +48,14 @@ class RefTable:
 
     def open(self, slot: int, base: int, lease: float, now: float) -> None:
         self.slots[slot] = RefSlot(base, lease, now)
+
+    @staticmethod
+    def _saw_draws(s: RefSlot, now: float) -> None:
+        """A ticket drawn one-sidedly on a lock seen free holds it from the
+        table's first sight of it, not from when the lock fell free."""
+        if s.seen_free and s.next != s.serving:
+            s.last = now
+        s.seen_free = s.next == s.serving
 
     def _settle(self, slot: int, now: float) -> list[int]:
         s = self.slots[slot]
@@ -75,6 +84,7 @@ class RefTable:
             break
         if s.serving != s.seen[0]:
             s.seen, s.last = (s.serving, s.hb), now
+        self._saw_draws(s, now)
         return grants
 
     def acquire(self, slot: int, waiter: int, owner: int, now: float) -> tuple[int, bool]:
@@ -85,6 +95,7 @@ class RefTable:
         if s.serving == t:
             s.holder = waiter
             s.seen, s.last = (s.serving, s.hb), now
+            s.seen_free = False
             return t, True
         s.parked.append((t, waiter))
         return t, False
@@ -135,6 +146,7 @@ class RefTable:
         grants = []
         for slot in sorted(self.slots):
             s = self.slots[slot]
+            self._saw_draws(s, now)
             if s.serving != s.seen[0]:
                 s.seen, s.last = (s.serving, s.hb), now
                 grants += self._settle(slot, now)
@@ -260,6 +272,29 @@ def test_lock_table_fifo_grants_and_fences() -> None:
     assert table.sweep(5.3) == []
     assert table.words(0)[1] == 14 and table.expired == 1
     assert table.next_deadline() is None
+
+
+def test_a_lock_drawn_one_sidedly_after_lying_free_is_held_a_whole_lease() -> None:
+    """A polling or futex client takes a free lock by its own fetch_add, with
+    no grant the table sees.  Its lease runs from the table's first sight of
+    it: before, it ran from when the lock fell free, and a lock free for a
+    lease was taken from its new holder at the next sweep (a loaded run of
+    test_lock_bounds saw the next waiter granted at once)."""
+    mem = mmap.mmap(-1, 4096)
+    table = _core.LockTable(memoryview(mem), 1)
+    table.open(0, 10, 1.0, 0.0)
+    assert table.sweep(5.0) == []                       # free for five leases
+    struct.pack_into("<Q", mem, 0, 11)                  # a client's one-sided draw: it holds ticket 10
+    assert table.sweep(5.1) == []
+    assert table.words(0)[1] == 10 and table.expired == 0      # still its
+    assert table.sweep(5.9) == [] and table.expired == 0
+    assert table.sweep(6.2) == [] and table.expired == 1       # a lease of silence after it was seen
+    # and the same through a poke (TCP polling's generic fetch_add)
+    struct.pack_into("<Q", mem, 0, 12)
+    assert table.sweep(20.0) == [] and table.expired == 1
+    assert table.poke(0, 20.0) == []
+    assert table.sweep(20.5) == [] and table.expired == 1
+    assert table.sweep(21.0) == [] and table.expired == 2
 
 
 def test_impossible_words_are_found_and_a_reset_keeps_the_parked_order() -> None:

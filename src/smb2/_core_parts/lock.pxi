@@ -79,6 +79,7 @@ cdef struct _Slot:
     double last_change         # when the holder last showed a sign of life
     double lease
     int64_t holder             # waiter id of the parked holder, -1 if none/unknown
+    bint seen_free             # nobody held it at the table's last look
     bint used
 
 
@@ -164,6 +165,7 @@ cdef class LockTable:
         w[3] = 0
         s.seen_serving = base
         s.seen_heartbeat = 0
+        s.seen_free = True
         s.base = base
         s.last_change = now
         s.lease = lease
@@ -313,6 +315,7 @@ cdef class LockTable:
             if not s.used:
                 continue
             w = self._words(i)
+            self._saw_draws(s, w, now)
             if w[1] != s.seen_serving:
                 s.seen_serving = w[1]
                 s.seen_heartbeat = w[2]
@@ -389,6 +392,7 @@ cdef class LockTable:
         smb2_store64(&w[1], base)
         s.seen_serving = base
         s.seen_heartbeat = 0
+        s.seen_free = False     # whoever holds it now holds it from now (last_change)
         s.last_change = now
         self.resets += 1
         return self._advance(slot, now)
@@ -458,7 +462,18 @@ cdef class LockTable:
         s.seen_serving = self._words(slot)[1]
         s.seen_heartbeat = self._words(slot)[2]
         s.last_change = now     # the lease runs from the grant
+        s.seen_free = False
         self.grants += 1
+
+    cdef inline void _saw_draws(self, _Slot *s, uint64_t *w, double now) noexcept:
+        # A ticket drawn one-sidedly (shm futex, RDMA or TCP polling) on a
+        # free lock holds it with no grant the table saw.  Its lease runs from
+        # the table's first sight of it held, not from when the lock fell free
+        # (maybe long before: the sweep would expire the new holder before
+        # its first renewal, and hand the lock on while it holds it).
+        if s.seen_free and w[0] != w[1]:
+            s.last_change = now
+        s.seen_free = w[0] == w[1]
 
     cdef void _forget_holder(self, Py_ssize_t slot, _Slot *s):
         if s.holder >= 0:
@@ -521,6 +536,7 @@ cdef class LockTable:
             s.seen_serving = w[1]
             s.seen_heartbeat = w[2]
             s.last_change = now
+        self._saw_draws(s, w, now)
         return grants
 
 
