@@ -93,9 +93,10 @@ def main() -> None:
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--name", default="digits-cnn", help="the store's name (one per job)")
     p.add_argument("--staleness", type=int, default=1)
-    p.add_argument("--rule", choices=["delta", "diloco"], default="delta",
-                   help="how steps reach the shared model: diloco, the recommended one, or delta, "
-                        "AsyncOptimizer's default (docs/training.md, 'Which rule, when')")
+    p.add_argument("--rule", choices=["delta", "diloco", "allreduce"], default="delta",
+                   help="how steps reach the shared model: diloco, the recommended one, delta, "
+                        "AsyncOptimizer's default, or allreduce, DDP's arithmetic (docs/training.md, "
+                        "'Which rule, when')")
     p.add_argument("--local-steps", type=local_steps, default=None,
                    help="rule diloco: inner steps per round, or 'auto': each worker chooses them from its "
                         "measured compute and exchange times (docs/training.md, 'DiLoCo')")
@@ -137,12 +138,12 @@ def main() -> None:
     # last saved step, with its optimizer state and schedule: skip the epochs done
     first_epoch = opt.start_step // -(-len(shard) // a.batch)
 
-    # smb2: with delta the ranks' changes average into one step, DDP's arithmetic; each rank clips
-    # its own gradient (a mean over its batch), which carries sqrt(W) times the noise of the mean
-    # over the W ranks' batches that DDP clips: clipping at sqrt(W) times DDP's threshold clips
-    # about as often as DDP does (docs/training.md, "Stability").  DiLoCo's inner steps are each
-    # rank's own local training: clipped as in one process
-    max_norm = 1.0 * opt.world ** 0.5 if a.rule == "delta" else 1.0
+    # smb2: with delta the ranks' changes average into one step, and with allreduce their gradients,
+    # DDP's arithmetic; each rank clips its own gradient (a mean over its batch), which carries
+    # sqrt(W) times the noise of the mean over the W ranks' batches that DDP clips: clipping at
+    # sqrt(W) times DDP's threshold clips about as often as DDP does (docs/training.md,
+    # "Stability").  DiLoCo's inner steps are each rank's own local training: clipped as in one process
+    max_norm = 1.0 * opt.world ** 0.5 if a.rule in ("delta", "allreduce") else 1.0
     t0 = time.perf_counter()
     loss = train(model, opt, sched, xtr, ytr, shard, a.epochs, a.batch, first_epoch, max_norm)
     stats = opt.stats()

@@ -80,6 +80,28 @@ _TORN = _core.TORN
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def as_wire(values: np.ndarray, wire: str | None, out: np.ndarray | None = None) -> np.ndarray:
+    """What the servers add of float32 ``values`` sent by an accumulate with
+    ``wire``: rounded to its type as the client rounds them (to nearest,
+    ties to even; NaN stays NaN, too large becomes +-inf), back in float32
+    (into ``out`` if given).  Lets a sender keep exactly what it sent (error
+    feedback)."""
+    flat = np.ascontiguousarray(values, dtype=np.float32)
+    if out is None:
+        out = np.empty(flat.shape, np.float32)
+    if wire is None:
+        np.copyto(out, flat)
+        return out
+    if wire not in WIRE_CODES:
+        raise InvalidArgumentError(f"wire must be None, {' or '.join(map(repr, WIRE_CODES))}, not {wire!r}")
+    narrow = np.empty(flat.size, np.uint16)
+    to_narrow, from_narrow = ((_core.to_bfloat16, _core.from_bfloat16) if wire == "bfloat16"
+                              else (_core.to_float16, _core.from_float16))
+    to_narrow(flat, narrow)
+    from_narrow(narrow, out)
+    return out
+
+
 def _bytes_view(data: Any, *, writable: bool, what: str) -> memoryview:
     """A flat byte view of ``data`` without copying it."""
     if isinstance(data, np.ndarray):

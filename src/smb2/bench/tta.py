@@ -64,7 +64,9 @@ its lighthouse on a host of its own, gloo, the same H and inner optimizer, outer
 Nesterov momentum 0.9 (the paper's).  ``--systems`` also takes ``torchft-streaming`` (Streaming
 DiLoCo: two fragments, each exchanged every H steps in turn, overlapping one inner step),
 ``diloco-auto`` (``local_steps="auto"``: each worker sizes its rounds from its measured step and
-exchange times; each worker's rounds are in the row),
+exchange times; each worker's rounds are in the row), ``allreduce`` (each worker's AdamW on the mean
+of the workers' gradients, summed by the servers, ``staleness=1``: DDP's arithmetic on gradients one
+step old; its workers stop after the same step, as DDP's),
 the variants docs/training.md cites from before the stable default: ``delta``
 (every change counted whole, no lag scaling: that time's default port), ``delta/bf16``,
 ``delta/drop`` (layer dropping 0.7), ``accumulate``, ``accumulate/drop``; and ``diloco/topk:F``,
@@ -162,6 +164,9 @@ EXTRA: dict[str, dict[str, Any]] = {
     "torchft-streaming": {"torchft": {"sync_every": DILOCO_H, "fragments": 2, "fragment_sync_delay": 1}},
     # diloco whose rounds each worker sizes from its measured step and exchange times
     "diloco-auto": {"rule": "diloco", "local_steps": "auto"},
+    # DDP's arithmetic with the sum on the servers: bf16 gradients up, the f32 mean down, each step's
+    # exchange travelling while the next step computes
+    "allreduce": {"rule": "allreduce", "staleness": 1},
 }
 #: torchft's outer optimizer (the DiLoCo paper's): SGD, lr 0.7, Nesterov momentum 0.9
 TORCHFT_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
@@ -316,6 +321,8 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
     spec = spec_of(system)
     stop_file = Path(f"{a.stop_file}.{tag}")
     aopt = peer = None
+    # allreduce's workers, like DDP's, take the same steps: rank 0 names the last one (see LockstepStop)
+    lockstep = LockstepStop(stop_file) if spec and spec.get("rule") == "allreduce" else None
     if spec is None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{DDP_PORT + n}", rank=a.rank,
@@ -362,7 +369,9 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
         steps += 1
         wall_now = time.perf_counter() - t0
         step_ends.append((wall_now, wall_now - evaluating))
-        if peer is not None and peer.stopping(stop_file):
+        if peer is not None and peer.stopping():
+            break
+        if lockstep is not None and lockstep.stopping(steps):
             break
         if steps % a.eval_every:
             continue
@@ -386,7 +395,13 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
             done = bool(flag.item())
         elif peer is not None:     # torchft: every replica leaves after the same exchange (peer.stopping)
             if a.rank == 0 and ((hit and a.stop == "target") or done):
-                peer.announce_stop(stop_file)
+                peer.announce_stop()
+            done = False
+        elif lockstep is not None:
+            # a worker finishes step u once round u - 1 - staleness is complete, which needs rank 0's
+            # gradient of it, sent after this: none passes step steps + 1 + staleness unwarned
+            if a.rank == 0 and ((hit and a.stop == "target") or done):
+                lockstep.announce(steps + 2 + spec.get("staleness", 0))
             done = False
         else:
             if hit and a.rank == 0 and a.stop == "target":
@@ -478,7 +493,7 @@ class TorchftReplica:
         # the replica group's own store (a group of one worker: this process is its rank 0)
         self.store = TCPStore(host, port, is_master=True, wait_for_workers=False)
         self.model, self.inner = model, inner
-        self.stop_at: int | None = None
+        self.lockstep = LockstepStop(Path(f"{a.stop_file}.{tag}"))      # (rank 0 announces the last exchange)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1,
             load_state_dict=self.load_state_dict, state_dict=self.state_dict, use_async_quorum=False,
@@ -510,20 +525,14 @@ class TorchftReplica:
     def _leave_exchange(self, *_: Any) -> None:
         self.wait_s += time.perf_counter() - self._since
 
-    def announce_stop(self, stop_file: Path) -> None:
+    def announce_stop(self) -> None:
         """Rank 0: every replica is to stop after the next exchange.  The others read this before
         they can complete that exchange, which needs rank 0, which wrote it first."""
-        if self.stop_at is None:
-            self.stop_at = self.manager.current_step() + 1
-            tmp = Path(f"{stop_file}.tmp")
-            tmp.write_text(str(self.stop_at))
-            tmp.rename(stop_file)
+        self.lockstep.announce(self.manager.current_step() + 1)
 
-    def stopping(self, stop_file: Path) -> bool:
+    def stopping(self) -> bool:
         """Has this replica reached the exchange after which every replica stops?"""
-        if self.stop_at is None and stop_file.exists():
-            self.stop_at = int(stop_file.read_text())
-        return self.stop_at is not None and self.manager.current_step() >= self.stop_at
+        return self.lockstep.stopping(self.manager.current_step())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -539,6 +548,30 @@ class TorchftReplica:
         self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
         return {"outer_steps": step, "wait_s": self.wait_s, "not_computing": self.wait_s / seconds if seconds else None}
+
+
+class LockstepStop:
+    """Workers that move in step (torchft's replicas, exchange by exchange; allreduce's workers, step
+    by step) stop after the same one, which rank 0 names in ``stop_file``, far enough on that every
+    worker reads it before it gets there."""
+
+    def __init__(self, stop_file: Path) -> None:
+        self.stop_file = stop_file
+        self.stop_at: int | None = None
+
+    def announce(self, last: int) -> None:
+        """Rank 0: every worker stops once its count reaches ``last``."""
+        if self.stop_at is None:
+            self.stop_at = last
+            tmp = Path(f"{self.stop_file}.tmp")
+            tmp.write_text(str(last))
+            tmp.rename(self.stop_file)
+
+    def stopping(self, now: int) -> bool:
+        """Has this worker's count (``now``) reached the last one?"""
+        if self.stop_at is None and self.stop_file.exists():
+            self.stop_at = int(self.stop_file.read_text())
+        return self.stop_at is not None and now >= self.stop_at
 
 
 def fragment(model: Any, n: int) -> list[Any]:
@@ -828,6 +861,8 @@ def expected_bytes_per_step(system: str, params: int, world: int) -> float | Non
         return None         # depends on the gradients / the rule's wire / the quorum's membership
     if spec.get("rule") == "easgd":             # every tau steps: push local, pull the correction
         return 2 * model / spec["tau"]
+    if spec.get("rule") == "allreduce":         # the bf16 gradient up, the f32 mean down
+        return 1.5 * model
     push = 0.5 if spec.get("push_dtype") == "bfloat16" else 1.0
     return (push + 1) * model                   # push the change, pull the f32 weights
 

@@ -66,6 +66,13 @@ as W single processes, and can collapse under uneven load).
   ``local_steps="auto"``: each worker chooses each round's length from its
   own measured step and exchange times (:mod:`smb2.train.local_steps`;
   ``stats()`` shows ``local_steps`` and ``rounds``).
+* ``allreduce``: DDP's arithmetic, the sum made by the servers: ``step()``
+  sends this step's gradients (bfloat16 by default) and the wrapped
+  optimizer steps on the mean of the workers' gradients of a round
+  (:mod:`smb2.torch.allreduce`); every worker's weights stay the same, and
+  nothing is pulled.  ``staleness`` 0 or 1: at 1 a step's round travels
+  while the next step computes and is applied by it.  Every worker takes
+  the same number of steps, as under DDP.
 
 Model buffers (BatchNorm's running mean and variance: floating-point
 buffers) are averaged through the store: each exchange adds
@@ -96,9 +103,10 @@ from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout, Smb2Er
 from ..train.dropping import LayerDropping
 from ..train.faults import end_ranks_briefly, in_training_terms
 from ..train.lifecycle import RunEnd
-from ..train.rules import UpdateRule
+from ..train.rules import AllReduce, UpdateRule
 from ..train.stability import LagScaling, TrainingDiverged
 from ..train.store import ParameterStore, resolve_rank
+from .allreduce import MeanGradients
 from .backward import BackwardPushes, StepPushes, wait_for
 from .frozen import FrozenTensors
 from .loop_thread import LoopThread
@@ -110,7 +118,7 @@ log = logging.getLogger("smb2.torch")
 #: push_dtype names -> the wire type of the accumulate (None: the store's dtype)
 PUSH_DTYPES = {"float32": None, "float64": None, "bfloat16": "bfloat16", "float16": "float16"}
 #: the rules whose pushes may travel narrower than the store's dtype
-WIRED_RULES = ("delta", "diloco")
+WIRED_RULES = ("delta", "diloco", "allreduce")
 #: the layers whose weight rows are units (an output feature or channel) the collapse watch counts
 #: as dead when their gradient is exactly zero (not an embedding: its rows are inputs, and the
 #: rows of the tokens a batch lacks get no gradient in any healthy run)
@@ -171,7 +179,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
     model's values (or resumes it), the others take those.  ``rule``: how the steps reach
     the shared model: ``"delta"`` (the default: the stable baseline), ``"diloco"`` (the one to
     train with, and with SGD the learning rate times the number of workers), ``"easgd"``,
-    ``"accumulate"``, ``"locked"`` (plain SGD only); docs/training.md, "Which rule, when",
+    ``"accumulate"``, ``"locked"`` (plain SGD only), ``"allreduce"`` (DDP's arithmetic: every
+    worker steps on the mean gradient); docs/training.md, "Which rule, when",
     says which and why.  ``staleness``: how many of its own steps a worker may run past its
     last pull (see the module's doc).  Its default, 0, runs pull, compute, push in sequence,
     the closest to one process; the porting recipe passes ``staleness=1`` so that a step's
@@ -250,6 +259,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 options["wire"] = self.push_dtype       # the rule's: the client converts (fewer bytes on the wire)
             if self.rule_name == "diloco":
                 options["buffers"] = [n for n, _, param in self._entries if not param]
+            if self.rule_name == "allreduce":
+                options["staleness"] = staleness
             self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
                                                    dict(options, resume=resume)))
             #: this rank's optimizer state, step and LR schedules, saved beside the store (whole resume)
@@ -276,6 +287,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
                                              1.0 / self.world if averaged or not param else 1.0, param)
                                        for n, t, param in self._entries], flat.size, flat.dtype)
         self._register = self.staging.cuda
+        #: rule allreduce: the rounds of gradients whose mean the optimizer steps on
+        self._mean = MeanGradients(torch, self.staging.entries, flat.size, self.store.rule, self._loop,
+                                   self._round_in_training_terms) if isinstance(self.store.rule, AllReduce) else None
         #: the weights of the model's Linear and Conv layers in the store: their rows (a unit: an output
         #: feature or channel) are what the collapse watch counts as dead or alive
         mine = {id(e.tensor) for e in self.staging.entries if e.param}
@@ -331,8 +345,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
         """The wire type of pushes (None: the store's dtype)."""
         if push_dtype is None:
             bf16 = any(t.dtype == torch.bfloat16 for _, t, _ in self._entries)
-            # diloco's pseudo-gradient of a whole round is big and smooth: bf16 by default
-            return "bfloat16" if (bf16 and self.rule_name == "delta") or self.rule_name == "diloco" else None
+            # diloco's pseudo-gradient of a whole round is big and smooth, and allreduce's mean of W
+            # gradients as exact as the mean of bf16 gradients: bf16 by default
+            return "bfloat16" if (bf16 and self.rule_name == "delta") or self.rule_name in ("diloco", "allreduce") \
+                else None
         if push_dtype not in PUSH_DTYPES:
             raise InvalidArgumentError(f"push_dtype must be one of {', '.join(PUSH_DTYPES)}, not {push_dtype!r}")
         wire = PUSH_DTYPES[push_dtype]
@@ -429,6 +445,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if self._gradient_rule:
             check_plain_sgd(self.optimizer, self.rule_name)
         self._saved.before_step()
+        if self._mean is not None:
+            return self._step_on_mean(closure)
         self._watch_gradients()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.steps += 1
@@ -444,13 +462,36 @@ class AsyncOptimizer(torch.optim.Optimizer):
         else:
             self._launch()
             wait += self._settle(limit=self.staleness)
-        lag = self.lag
+        self._count_step(wait, self.lag)
+        return loss
+
+    def _count_step(self, wait: float, lag: int) -> None:
         self._lags[lag] += 1
         self._stats["max_lag"] = max(self._stats["max_lag"], lag)
         self._stats["steps"] += 1
         self._stats["wait_s"] += wait
         if self.log_every and self._stats["steps"] % self.log_every == 0:
             log.info("rank %d step %d: %s", self.rank, self.steps, self.stats())
+
+    def _step_on_mean(self, closure: Callable[[], float] | None) -> float | None:
+        """Rule allreduce: this step's gradients go out, and the wrapped
+        optimizer steps on the mean of the round that is due (with
+        ``staleness=1``, the previous step's; none at the first step)."""
+        assert self._mean is not None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._watch_gradients()
+        self._mean.launch(self.steps + 1)
+        self._stats["exchanges"] += 1
+        wait = 0.0
+        if self._mean.due:
+            wait = self._mean.apply_oldest()
+            self.optimizer.step()
+        self.steps += 1
+        self._saved.after_step(self.steps)
+        self._count_step(wait, len(self._mean.inflight))
         return loss
 
     def _end_round(self) -> None:
@@ -570,6 +611,13 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._pulled_version = ex.version
         self._free.append(ex)
 
+    async def _round_in_training_terms(self, work: Coroutine[Any, Any, None], step: int) -> None:
+        """Rule allreduce: a round, then this rank's heartbeat, faults in training terms."""
+        async def round_then_heartbeat() -> None:
+            await work
+            await self.store.heartbeat(step)
+        await self._in_training_terms(round_then_heartbeat(), step)
+
     async def _in_training_terms(self, work: Coroutine[Any, Any, None], step: int) -> None:
         """``work``'s faults as the user meets them: one line naming the
         store, this rank, the step and the server, and what to do."""
@@ -650,6 +698,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         """Wait for every exchange in flight and swap in the last pull."""
         self._check_open()
         t0 = time.perf_counter()
+        if self._mean is not None:
+            self._mean.wait_all()       # (their means are applied by the coming steps)
         self._settle(limit=-1)
         self._stats["wait_s"] += time.perf_counter() - t0
 
@@ -660,6 +710,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._take_shared()
 
     def _take_shared(self) -> None:
+        if self._mean is not None:
+            return      # every worker's weights are the shared model (the store's are written at close)
         if self._elastic:
             # into the mirror: an elastic rule's next exchange starts from it (DiLoCo: a new round)
             self._loop.run(self.store.pull())
@@ -695,6 +747,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
         end = None
         try:
             self._settle(limit=-1)
+            if self._mean is not None:
+                self._mean.wait_all()   # the rounds the others count on; the means come too late to apply
+                if self.rank == 0:
+                    self._loop.run(self._write_weights())
             if self._elastic and self._elastic.exchange_at_close and self.steps > self._round_from:
                 self._end_round()   # the last, shorter round
                 self._settle(limit=-1)
@@ -735,6 +791,12 @@ class AsyncOptimizer(torch.optim.Optimizer):
                             "start: this worker trained against another model than the others", self.rank,
                             end.frozen_changed)
         return end
+
+    async def _write_weights(self) -> None:
+        """Rule allreduce: rank 0's weights (every worker's) become the store's."""
+        weights = self.staging.host_array()
+        self.staging.load(weights)
+        await self.store.buf.write(self.store.data_off, weights)
 
     async def _register_array(self, arr: np.ndarray) -> None:
         """Pinned host memory registered with the client: RDMA reads and

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..client import as_wire
 from ..errors import InvalidArgumentError
 
 
@@ -97,14 +98,5 @@ class TopK:
 def as_sent(values: np.ndarray, wire: str | None) -> np.ndarray:
     """float32 ``values`` rounded as ``wire`` carries them (to nearest, ties
     to even, as the client rounds a push), back in float32: what the
-    servers add.  Non-finite values are kept (the guard refuses them)."""
-    if wire is None:
-        return values.astype(np.float32, copy=True)
-    if wire == "float16":
-        with np.errstate(over="ignore"):
-            narrow = values.astype(np.float16).astype(np.float32)
-    else:
-        bits = values.view(np.uint32)
-        narrow = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-                  & np.uint32(0xFFFF0000)).view(np.float32)
-    return np.where(np.isfinite(values), narrow, values).astype(np.float32)
+    servers add.  Non-finite values stay non-finite (the guard refuses them)."""
+    return as_wire(values, wire)

@@ -26,6 +26,11 @@
   next round from the fresh shared weights.  ``local_steps="auto"``
   (:class:`AdaptiveDiLoCo`): each worker chooses each round's length from
   its own measured compute and exchange times (:mod:`smb2.train.local_steps`).
+* ``"allreduce"`` (DDP's arithmetic, the reduction on the servers): every
+  worker adds its gradient to a sum kept beside the store
+  (``<store>/gradients``), waits for the others' and steps its own optimizer
+  on the mean, so that every worker's weights stay the same ones, as under
+  torch DDP (:class:`AllReduce`).
 
 ``wire`` (an attribute of every rule, default None) names the type a pushed
 float32 change travels as ("bfloat16", "float16": half the bytes; the server
@@ -42,8 +47,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..client import Buffer, Client
-from ..errors import InterfaceError, InvalidArgumentError
+from ..client import Buffer, Client, as_wire
+from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout
 from ..lock import Lock, ReplicatedLock
 from . import beside
 from .compress import TopK
@@ -765,8 +770,148 @@ class AdaptiveDiLoCo(DiLoCo):
         self.local.exchanged(self.local.clock() - t0)
 
 
+GRADIENTS = "gradients"
+#: the gradient sums' side buffer starts with this many bytes of counters (one notification slot a sum)
+_COUNTERS = 64
+
+
+class AllReduce(UpdateRule):
+    """Every worker steps its own optimizer on the mean of the W workers'
+    gradients: torch DDP's arithmetic, with the sum made by the servers.
+
+    A round: each worker adds its float32 gradient (flat, laid out like the
+    data region) into one of the sums kept beside the store
+    (``<store>/gradients``) by a server-side accumulate (``wire``: bfloat16
+    by default, half the bytes up), counts itself in at that sum's counter,
+    waits until all W have, and reads the sum (float32) back: the mean is
+    the sum over W, the same bytes for every worker, so that workers that
+    start from the same weights with the same optimizer keep the same
+    weights.  Nothing else is exchanged: the store's weights are written by
+    rank 0 when it closes.
+
+    ``staleness`` (0 or 1): rounds in flight beside the one awaited; at 1
+    the exchange of a step's gradient travels while the next step computes,
+    which then applies it (a gradient one step old, as pipelined DDP).
+
+    The sums are never cleared: a worker adds the difference between this
+    gradient and what it added to that sum last time (as rounded for the
+    wire, which it keeps exactly), so a sum holds one round's gradients and
+    does not grow.  ``2 + 2 * staleness`` sums rotate: a worker adds round
+    ``r``'s gradient only after every worker counted itself in round
+    ``r - 1 - staleness``, by which time each had read every round up to
+    ``r - 2 - 2 * staleness``, the last that used the same sum.
+
+    As under DDP, every worker takes the same number of steps: a worker
+    that stops early or dies leaves the others waiting, and after
+    ``round_timeout`` seconds they raise :class:`~smb2.NotifyTimeout` saying
+    how many gradients never came.  A worker restarted into a running run
+    is refused (its rounds would count from 0)."""
+
+    name = "allreduce"
+    gradient_rule = False       # the optimizer's own gradients, whole (no layer dropping)
+    lag_scaled = False          # every round is complete: nothing arrives late
+
+    def __init__(self, wire: str | None = "bfloat16", staleness: int = 1, round_timeout: float = 60.0) -> None:
+        super().__init__()      # (its lr is not used: the worker's optimizer has one)
+        if wire not in (None, "bfloat16", "float16"):
+            raise InvalidArgumentError(f"wire must be None, 'bfloat16' or 'float16', not {wire!r}")
+        if staleness not in (0, 1):
+            raise InvalidArgumentError(f"rule 'allreduce' takes staleness 0 or 1, not {staleness!r}",
+                                       hint="1 overlaps a step's exchange with the next step's compute")
+        self.wire = wire
+        self.staleness = staleness
+        self.round_timeout = _positive("round_timeout", round_timeout)
+        self.sums = 2 + 2 * staleness
+        self.rounds = 0
+        self._buf: Buffer | None = None
+
+    def settings(self) -> dict[str, Any]:
+        return {"name": self.name, "wire": self.wire, "staleness": self.staleness}
+
+    @property
+    def pull_each_step(self) -> bool:
+        return False
+
+    def bind(self, store: BoundStore) -> None:
+        super().bind(store)
+        n = store.flat().size
+        #: what this worker added to each sum so far (its exact float32 values, rounding included)
+        self._sent = np.zeros((self.sums, n), np.float32)
+        self._span = -(-4 * n // 64) * 64
+
+    def _nbytes(self) -> int:
+        return _COUNTERS + self.sums * self._span
+
+    async def open_run(self, fresh: bool) -> None:
+        """Rank 0, before any rank joins: the sums and their counters start
+        at zero (a resumed run counts its rounds from 0 again)."""
+        st = self.store
+        buf = await beside.make(st.client, st.buf.name, GRADIENTS, self._nbytes(), replicas=st.buf.replicas,
+                                stripe=st.buf.stripe)
+        await buf.write(0, np.zeros(buf.nbytes, np.uint8))
+
+    async def _sums(self, first: bool) -> Buffer:
+        if self._buf is None:
+            st = self.store
+            buf = (await beside.find(st.client, st.buf.name, GRADIENTS)).set_notify_area(0, self.sums)
+            if buf.nbytes != self._nbytes():
+                raise InterfaceError(f"the gradient sums of store {st.name!r} hold {buf.nbytes} bytes, "
+                                     f"not the {self._nbytes()} this model and staleness={self.staleness} need",
+                                     hint="every worker passes the same model and staleness")
+            # the others may run ahead of this worker's first round by their rounds in flight, no further
+            counts = await buf.read_notify()
+            ahead = self.staleness + 1
+            if first and ((counts[:ahead] >= st.workers).any() or counts[ahead:].any()):
+                raise InterfaceError(f"rank {st.rank} cannot join the running training of store {st.name!r}: "
+                                     f"rule 'allreduce' keeps every worker in step, and the others are past "
+                                     f"their first step",
+                                     hint="restart the whole job (resume=True continues from the last "
+                                          "checkpoint), or use rule='diloco', which a restarted worker rejoins")
+            self._buf = buf
+        return self._buf
+
+    async def reduce(self, grad: np.ndarray, out: np.ndarray, *, step: int | None = None) -> int:
+        """One round: add ``grad`` (float32, ``flat().size`` values), wait for
+        every worker's, and write their mean into ``out`` (float32, the same
+        size).  Rounds run in this worker's order; up to ``staleness`` + 1
+        may be in flight at once.  The bytes sent."""
+        st = self.store
+        if grad.dtype != np.float32 or out.dtype != np.float32 or not grad.size == out.size == self._sent.shape[1]:
+            raise InvalidArgumentError(f"rule 'allreduce' reduces float32 arrays of {self._sent.shape[1]} values")
+        r, self.rounds = self.rounds, self.rounds + 1
+        k = r % self.sums
+        buf = await self._sums(first=r == 0)
+        diff = grad - self._sent[k]
+        offset = _COUNTERS + k * self._span
+        await buf.accumulate(offset, diff, wire=self.wire)
+        self._sent[k] += as_wire(diff, self.wire, out=diff)     # what the servers added
+        await buf.notify_add(k, 1)
+        need = (r // self.sums + 1) * st.workers
+        try:
+            await buf.wait_notify(k, need, timeout=self.round_timeout)
+        except NotifyTimeout:
+            have = int(await buf.read_notify(k)) - (need - st.workers)
+            what = f"step {step}" if step is not None else f"round {r}"
+            raise NotifyTimeout(f"{st.workers - have} of the {st.workers} workers of store {st.name!r} sent no "
+                                f"gradient for {what} in {self.round_timeout:g} s (rule 'allreduce' waits for "
+                                f"every worker, as torch DDP does)",
+                                hint="a worker died, stalls or took fewer steps: restart the job (resume=True), "
+                                     "or use rule='diloco', which goes on without it") from None
+        await buf.read_into(out, offset)
+        np.divide(out, st.workers, out=out)
+        sent = int(diff.nbytes * _wire_fraction(diff.dtype, self.wire))
+        await st.count_push(sent, update=False)     # (the shared weights' version does not move)
+        st.count_pull(out.nbytes)
+        return sent
+
+    async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
+        raise InterfaceError("rule 'allreduce' pushes nothing to the shared weights: each worker steps on the "
+                             "gradients' mean", hint="call rule.reduce(grad, out), or use "
+                                                     "smb2.torch.AsyncOptimizer(rule='allreduce')")
+
+
 RULES: dict[str, type[UpdateRule]] = {"accumulate": Accumulate, "locked": Locked, "easgd": EASGD, "delta": Delta,
-                                      "diloco": DiLoCo}
+                                      "diloco": DiLoCo, "allreduce": AllReduce}
 
 
 def make_rule(rule: str | UpdateRule, **options: Any) -> UpdateRule:

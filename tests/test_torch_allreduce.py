@@ -1,0 +1,226 @@
+"""Rule ``allreduce``: every worker steps its own optimizer on the mean of
+the workers' gradients, the sum made by the servers (docs/training.md,
+"Update rules"), against real memory servers and real torch."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+import smb2
+from smb2.errors import InterfaceError, InvalidArgumentError, NotifyTimeout
+from smb2.train import ParameterStore
+from smb2.train.rules import AllReduce
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
+
+import smb2.torch as st  # noqa: E402
+from smb2.testing.torch_models import async_optimizer, small_model  # noqa: E402
+
+N = 1000        # gradient values a round
+
+
+async def _stores(cluster: smb2.LocalCluster, transport: str, name: str, workers: int,
+                  **rule: object) -> list[ParameterStore]:
+    clients = [await cluster.connect(transport=transport) for _ in range(workers)]
+    init = {"w": np.zeros(N, np.float32)}
+    return [await ParameterStore.open(c, name, init, rule="allreduce", workers=workers, rank=r, **rule)
+            for r, c in enumerate(clients)]
+
+
+def _grads(rank: int, rounds: int, exact: bool) -> list[np.ndarray]:
+    rng = np.random.default_rng(rank)
+    if exact:       # small integers: exact in bfloat16, and their sums exact in float32
+        return [rng.integers(-64, 64, N).astype(np.float32) for _ in range(rounds)]
+    return [(rng.standard_normal(N) * 10.0 ** rng.integers(-3, 3)).astype(np.float32) for _ in range(rounds)]
+
+
+async def _run(stores: list[ParameterStore], grads: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
+    """Every worker reduces its gradients round after round, up to
+    ``staleness`` + 1 rounds in flight, as the torch loop does."""
+    async def worker(r: int) -> list[np.ndarray]:
+        rule = stores[r].rule
+        assert isinstance(rule, AllReduce)
+        outs = [np.zeros(N, np.float32) for _ in grads[r]]
+        pending: list[asyncio.Task[int]] = []
+        for g, out in zip(grads[r], outs):
+            pending.append(asyncio.create_task(rule.reduce(g, out)))
+            if len(pending) > rule.staleness:
+                await pending.pop(0)
+        await asyncio.gather(*pending)
+        return outs
+    return list(await asyncio.gather(*(worker(r) for r in range(len(stores)))))
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+async def test_every_worker_gets_the_exact_mean_of_each_round(cluster: smb2.LocalCluster, transport: str,
+                                                             staleness: int) -> None:
+    # three workers, 9 rounds (each sum reused several times): the mean of each round's gradients, the
+    # same bytes for every worker, although a fast worker adds its next rounds while others still read
+    stores = await _stores(cluster, transport, f"ar-exact-{staleness}", 3, staleness=staleness)
+    grads = [_grads(r, 9, exact=True) for r in range(3)]
+    outs = await _run(stores, grads)
+    for k in range(9):
+        want = (grads[0][k] + grads[1][k] + grads[2][k]) / np.float32(3)
+        for r in range(3):
+            np.testing.assert_array_equal(outs[r][k], want)
+
+
+async def test_bfloat16_rounding_does_not_build_up(cluster: smb2.LocalCluster, transport: str) -> None:
+    # a sum is never cleared: each worker adds the change from what it added to that sum last time,
+    # rounded for the wire, and keeps what the rounding made of it, so the next change carries the
+    # rounding back: round 40's error is bounded by its own change's rounding, as round 1's
+    stores = await _stores(cluster, transport, "ar-bf16", 2, wire="bfloat16", staleness=1)
+    rule = stores[0].rule
+    assert isinstance(rule, AllReduce)
+    grads = [_grads(r, 40, exact=False) for r in range(2)]
+    outs = await _run(stores, grads)
+    zero = np.zeros(N)
+    # each worker's error in a sum: its last change rounded to bfloat16 (8 bits: within 2^-8 of it),
+    # where the change is the new gradient less what the worker kept, the last gradient less its error
+    errors = [[zero] * rule.sums for _ in range(2)]
+    for k in range(40):
+        want = (grads[0][k].astype(np.float64) + grads[1][k]) / 2
+        bound = np.zeros(N)
+        for r in range(2):
+            before = grads[r][k - rule.sums] if k >= rule.sums else zero
+            e = errors[r][k % rule.sums] = 2.0 ** -8 * (np.abs(grads[r][k] - before) + errors[r][k % rule.sums])
+            bound += (e + 1e-6 * (np.abs(grads[r][k]) + np.abs(before))) / 2     # (+ float32's sums)
+        assert np.all(np.abs(outs[0][k] - want) <= bound), k
+        np.testing.assert_array_equal(outs[0][k], outs[1][k])
+
+
+async def test_a_missing_worker_is_named_in_the_timeout(cluster: smb2.LocalCluster, transport: str) -> None:
+    stores = await _stores(cluster, transport, "ar-missing", 2, staleness=0, round_timeout=0.3)
+    rule = stores[0].rule
+    assert isinstance(rule, AllReduce)
+    with pytest.raises(NotifyTimeout, match="1 of the 2 workers of store 'ar-missing' sent no gradient for step 7"):
+        await rule.reduce(np.ones(N, np.float32), np.zeros(N, np.float32), step=7)
+
+
+async def test_a_worker_cannot_join_a_run_past_its_first_round(cluster: smb2.LocalCluster, transport: str) -> None:
+    stores = await _stores(cluster, transport, "ar-rejoin", 2, staleness=0)
+    await _run(stores, [_grads(r, 2, exact=True) for r in range(2)])
+    late = await ParameterStore.attach(await cluster.connect(transport=transport), "ar-rejoin", rank=1)
+    rule = late.rule
+    assert isinstance(rule, AllReduce)
+    with pytest.raises(InterfaceError, match="rank 1 cannot join the running training"):
+        await rule.reduce(np.ones(N, np.float32), np.zeros(N, np.float32))
+
+
+async def test_push_says_what_to_call(client: smb2.Client) -> None:
+    store = await ParameterStore.open(client, "ar-push", {"w": np.zeros(4, np.float32)}, rule="allreduce")
+    with pytest.raises(InterfaceError, match="steps on the gradients' mean"):
+        await store.push({"w": np.ones(4, np.float32)})
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="staleness 0 or 1"):
+        AllReduce(staleness=2)
+    with pytest.raises(InvalidArgumentError, match="wire"):
+        AllReduce(wire="int8")
+
+
+def _batches(steps: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(steps, 16, 10, generator=g)
+    return [(xb, (xb[:, 0] > 0).long() + (xb[:, 1] > 0).long()) for xb in x]
+
+
+def _reference(steps: int, workers: int, staleness: int) -> dict[str, torch.Tensor]:
+    """One process: AdamW on the mean of the workers' gradients, each taken
+    on the weights of the moment (``staleness=1``: the mean applied one
+    step later; none at the first step)."""
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    batches = [_batches(steps, r) for r in range(workers)]
+    due: list[list[torch.Tensor]] = []
+    for s in range(steps):
+        sums = [torch.zeros_like(p) for p in model.parameters()]
+        for r in range(workers):
+            model.zero_grad()
+            x, y = batches[r][s]
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            sums = [a + p.grad for a, p in zip(sums, model.parameters())]
+        due.append([a / workers for a in sums])
+        if len(due) > staleness:
+            for p, m in zip(model.parameters(), due.pop(0)):
+                p.grad = m
+            opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_workers_step_adamw_on_the_mean_and_keep_the_same_weights(servers: str, staleness: int) -> None:
+    # two workers in threads, float32 on the wire: each ends at the weights of one AdamW stepping on the
+    # mean of their gradients (DDP's arithmetic), and both at the same weights, bit for bit
+    steps, workers = 12, 2
+    ref = _reference(steps, workers, staleness)
+    models = [small_model() for _ in range(workers)]
+    opts: list[st.AsyncOptimizer] = []
+    errors: list[BaseException] = []
+    ready = threading.Barrier(workers)
+
+    def worker(r: int) -> None:
+        try:
+            opt = async_optimizer(models[r], torch.optim.AdamW(models[r].parameters(), lr=0.01), servers,
+                                  f"ar-torch-{staleness}", rank=r, world_size=workers, rule="allreduce",
+                                  staleness=staleness, push_dtype="float32")
+            opts.append(opt)
+            ready.wait()
+            for x, y in _batches(steps, r):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(models[r](x), y).backward()
+                opt.step()
+            opt.close(wait_all=30)
+        except BaseException as e:      # noqa: BLE001 (the test thread raises it)
+            errors.append(e)
+            ready.abort()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for n, p in models[0].named_parameters():
+        torch.testing.assert_close(p.detach(), ref[n], rtol=1e-5, atol=1e-6)
+        assert torch.equal(p.detach(), dict(models[1].named_parameters())[n].detach())
+    assert all(o.stats()["bytes_pushed"] > 0 for o in opts)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)      # four torch processes start and train; a loaded 2-core machine needs minutes
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_torchrun_workers_learn_as_ddp_does(servers: str, kind: str) -> None:
+    # the example under torchrun, 4 ranks, --rule allreduce (staleness 1: each step applies the
+    # previous step's mean), 12 epochs, against DDP's arithmetic measured here (one step per batch of
+    # the four ranks' 4 x 32 samples, their mean gradient; median of three seeds), and against one
+    # shard trained alone, which the bar must tell apart.  The ranks clip their own gradients at
+    # sqrt(W) times DDP's threshold, as the example does for delta.  Digits has 539 test images: one
+    # point is 5.4 images
+    pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
+    from smb2.testing.torch_models import EXAMPLE, single_process_accuracy
+    from smb2.testing.workers import json_objects, torchrun
+
+    epochs, within = 12, 1.0
+    env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
+    out = subprocess.run(torchrun(str(EXAMPLE), "--optimizer", kind, "--epochs", str(epochs), "--rule", "allreduce",
+                                  "--name", f"t-run-allreduce-{kind}", nproc=4),
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = json_objects(out.stdout)
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    assert len({r["accuracy"] for r in ranks}) == 1         # every rank holds the same weights
+    assert len({r["steps"] for r in ranks}) == 1
+    ddp = statistics.median(single_process_accuracy(kind, epochs, seed, world=4) for seed in range(3))
+    alone = single_process_accuracy(kind, epochs, shard=slice(0, None, 4))
+    print(f"{kind}: {ranks[0]['accuracy']:.2f} % vs DDP's arithmetic {ddp:.2f} %, one shard alone {alone:.2f} %")
+    assert alone < ddp - within, (alone, ddp)
+    assert ranks[0]["accuracy"] >= ddp - within, (ranks[0], ddp, alone)
