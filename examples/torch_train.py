@@ -138,12 +138,13 @@ def main() -> None:
     # last saved step, with its optimizer state and schedule: skip the epochs done
     first_epoch = opt.start_step // -(-len(shard) // a.batch)
 
-    # smb2: with delta the ranks' changes average into one step, and with allreduce their gradients,
-    # DDP's arithmetic; each rank clips its own gradient (a mean over its batch), which carries
-    # sqrt(W) times the noise of the mean over the W ranks' batches that DDP clips: clipping at
-    # sqrt(W) times DDP's threshold clips about as often as DDP does (docs/training.md,
-    # "Stability").  DiLoCo's inner steps are each rank's own local training: clipped as in one process
-    max_norm = 1.0 * opt.world ** 0.5 if a.rule in ("delta", "allreduce") else 1.0
+    # smb2: with delta the ranks' changes average into one step, DDP's arithmetic; each rank clips
+    # its own gradient (a mean over its batch), which carries sqrt(W) times the noise of the mean
+    # over the W ranks' batches that DDP clips: clipping at sqrt(W) times DDP's threshold clips
+    # about as often as DDP does (docs/training.md, "Stability").  allreduce's backward leaves the
+    # ranks' mean gradient, which is clipped as DDP clips it; DiLoCo's inner steps are each rank's
+    # own local training: clipped as in one process
+    max_norm = 1.0 * opt.world ** 0.5 if a.rule == "delta" else 1.0
     t0 = time.perf_counter()
     loss = train(model, opt, sched, xtr, ytr, shard, a.epochs, a.batch, first_epoch, max_norm)
     stats = opt.stats()

@@ -29,8 +29,8 @@ from smb2.bench import tta_lm
 pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
 TORCHFT_MISSING = "torchft is not installed: make test installs it (pip install -e '.[tta]')"
 FINAL_MODEL = {"ddp": "DDP's model", "easgd": "the center", "torchft": "rank 0's model"}
-#: the language model's quick run: DDP, torchft's DiLoCo and smb2's default port and diloco
-LM_SYSTEMS = ["ddp", "default", "diloco", "torchft"]
+#: the language model's quick run: DDP, torchft's DiLoCo and smb2's default port, diloco and allreduce
+LM_SYSTEMS = ["ddp", "default", "diloco", "torchft", "allreduce"]
 
 
 def quick(tmp: Path, *args: str) -> dict:
@@ -153,6 +153,12 @@ def test_every_system_trains_the_language_model(lm_result: dict) -> None:
         ddp = rows["ddp"]["final"]
         assert r["final_vs_ddp"] == pytest.approx(100 * (ddp - r["final"]) / ddp), name
     assert {t["scenario"] for t in lm_result["targets"]} == {"homogeneous"}
+    # allreduce moves the bf16 gradient up and the float32 mean down each step (1.5 model sizes), plus
+    # headers, the round counters' polls and the start (the weights pulled once)
+    ar = rows["allreduce"]
+    assert ar["expected_bytes_per_step"] == 1.5 * 4 * ar["params"]
+    for m in ar["link_bytes_per_step"]:
+        assert ar["expected_bytes_per_step"] <= m <= 1.3 * ar["expected_bytes_per_step"], ar["link_bytes_per_step"]
 
 
 @pytest.fixture(scope="module")

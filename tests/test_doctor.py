@@ -17,9 +17,9 @@ import pytest
 import smb2
 from smb2 import auth
 from smb2.protocol import VERSION
+from smb2.testing import ports
 from smb2.testing.hostile import TOKEN
 from smb2.testing.launch import ServerProcess
-from smb2.testing.ports import free_port
 from smb2.transport.choose import rdma_unavailable_reason
 
 
@@ -30,8 +30,9 @@ def doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 
 def dead_address() -> str:
-    """A loopback port nothing listens on."""
-    return f"127.0.0.1:{free_port()}"
+    """A loopback port nothing listens on, as ``smb2 doctor`` takes it."""
+    host, port = ports.dead_address()
+    return f"{host}:{port}"
 
 
 @pytest.fixture

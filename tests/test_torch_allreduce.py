@@ -15,7 +15,7 @@ import pytest
 
 import smb2
 from smb2.errors import InterfaceError, InvalidArgumentError, NotifyTimeout
-from smb2.train import ParameterStore
+from smb2.train import ParameterStore, rules
 from smb2.train.rules import AllReduce
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
@@ -24,47 +24,48 @@ import smb2.torch as st  # noqa: E402
 from smb2.testing.torch_models import async_optimizer, small_model  # noqa: E402
 
 N = 1000        # gradient values a round
+CLIP = 0.5
 
 
 async def _stores(cluster: smb2.LocalCluster, transport: str, name: str, workers: int,
                   **rule: object) -> list[ParameterStore]:
     clients = [await cluster.connect(transport=transport) for _ in range(workers)]
-    init = {"w": np.zeros(N, np.float32)}
+    # four tensors of 250 values, which parts of 1 KiB take one by one
+    init = {f"w{i}": np.zeros(N // 4, np.float32) for i in range(4)}
     return [await ParameterStore.open(c, name, init, rule="allreduce", workers=workers, rank=r, **rule)
             for r, c in enumerate(clients)]
 
 
-def _grads(rank: int, rounds: int, exact: bool) -> list[np.ndarray]:
+def _grads(rank: int, rounds: int, exact: bool, n: int = N) -> list[np.ndarray]:
+    """``rounds`` gradients of ``n`` values (a store's flat region: its tensors and their padding)."""
     rng = np.random.default_rng(rank)
     if exact:       # small integers: exact in bfloat16, and their sums exact in float32
-        return [rng.integers(-64, 64, N).astype(np.float32) for _ in range(rounds)]
-    return [(rng.standard_normal(N) * 10.0 ** rng.integers(-3, 3)).astype(np.float32) for _ in range(rounds)]
+        return [rng.integers(-64, 64, n).astype(np.float32) for _ in range(rounds)]
+    return [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 3)).astype(np.float32) for _ in range(rounds)]
 
 
 async def _run(stores: list[ParameterStore], grads: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
-    """Every worker reduces its gradients round after round, up to
-    ``staleness`` + 1 rounds in flight, as the torch loop does."""
+    """Every worker reduces its gradients round after round."""
     async def worker(r: int) -> list[np.ndarray]:
         rule = stores[r].rule
         assert isinstance(rule, AllReduce)
-        outs = [np.zeros(N, np.float32) for _ in grads[r]]
-        pending: list[asyncio.Task[int]] = []
+        outs = [np.zeros_like(g) for g in grads[r]]
         for g, out in zip(grads[r], outs):
-            pending.append(asyncio.create_task(rule.reduce(g, out)))
-            if len(pending) > rule.staleness:
-                await pending.pop(0)
-        await asyncio.gather(*pending)
+            await rule.reduce(g, out)
+            await asyncio.sleep(0.001 * r)      # (the workers out of step: a fast one goes on to the next)
         return outs
     return list(await asyncio.gather(*(worker(r) for r in range(len(stores)))))
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
 async def test_every_worker_gets_the_exact_mean_of_each_round(cluster: smb2.LocalCluster, transport: str,
-                                                             staleness: int) -> None:
-    # three workers, 9 rounds (each sum reused several times): the mean of each round's gradients, the
-    # same bytes for every worker, although a fast worker adds its next rounds while others still read
-    stores = await _stores(cluster, transport, f"ar-exact-{staleness}", 3, staleness=staleness)
-    grads = [_grads(r, 9, exact=True) for r in range(3)]
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # three workers, 9 rounds (each of the two sums used 4-5 times), the gradients in parts of 1 KiB
+    # (PART_BYTES made small): the mean of each round's gradients, the same bytes for every worker,
+    # although a fast worker adds its next round while others still read
+    monkeypatch.setattr(rules, "PART_BYTES", 1024)
+    stores = await _stores(cluster, transport, "ar-exact", 3)
+    assert len(stores[0].rule.parts) == 4           # type: ignore[attr-defined]
+    grads = [_grads(r, 9, exact=True, n=stores[0].flat().size) for r in range(3)]
     outs = await _run(stores, grads)
     for k in range(9):
         want = (grads[0][k] + grads[1][k] + grads[2][k]) / np.float32(3)
@@ -76,18 +77,18 @@ async def test_bfloat16_rounding_does_not_build_up(cluster: smb2.LocalCluster, t
     # a sum is never cleared: each worker adds the change from what it added to that sum last time,
     # rounded for the wire, and keeps what the rounding made of it, so the next change carries the
     # rounding back: round 40's error is bounded by its own change's rounding, as round 1's
-    stores = await _stores(cluster, transport, "ar-bf16", 2, wire="bfloat16", staleness=1)
+    stores = await _stores(cluster, transport, "ar-bf16", 2, wire="bfloat16")
     rule = stores[0].rule
     assert isinstance(rule, AllReduce)
-    grads = [_grads(r, 40, exact=False) for r in range(2)]
+    grads = [_grads(r, 40, exact=False, n=stores[0].flat().size) for r in range(2)]
     outs = await _run(stores, grads)
-    zero = np.zeros(N)
+    zero = np.zeros(stores[0].flat().size)
     # each worker's error in a sum: its last change rounded to bfloat16 (8 bits: within 2^-8 of it),
     # where the change is the new gradient less what the worker kept, the last gradient less its error
     errors = [[zero] * rule.sums for _ in range(2)]
     for k in range(40):
         want = (grads[0][k].astype(np.float64) + grads[1][k]) / 2
-        bound = np.zeros(N)
+        bound = np.zeros_like(zero)
         for r in range(2):
             before = grads[r][k - rule.sums] if k >= rule.sums else zero
             e = errors[r][k % rule.sums] = 2.0 ** -8 * (np.abs(grads[r][k] - before) + errors[r][k % rule.sums])
@@ -97,21 +98,21 @@ async def test_bfloat16_rounding_does_not_build_up(cluster: smb2.LocalCluster, t
 
 
 async def test_a_missing_worker_is_named_in_the_timeout(cluster: smb2.LocalCluster, transport: str) -> None:
-    stores = await _stores(cluster, transport, "ar-missing", 2, staleness=0, round_timeout=0.3)
+    stores = await _stores(cluster, transport, "ar-missing", 2, round_timeout=0.3)
     rule = stores[0].rule
     assert isinstance(rule, AllReduce)
     with pytest.raises(NotifyTimeout, match="1 of the 2 workers of store 'ar-missing' sent no gradient for step 7"):
-        await rule.reduce(np.ones(N, np.float32), np.zeros(N, np.float32), step=7)
+        await rule.reduce(np.ones_like(stores[0].flat()), np.zeros_like(stores[0].flat()), step=7)
 
 
 async def test_a_worker_cannot_join_a_run_past_its_first_round(cluster: smb2.LocalCluster, transport: str) -> None:
-    stores = await _stores(cluster, transport, "ar-rejoin", 2, staleness=0)
-    await _run(stores, [_grads(r, 2, exact=True) for r in range(2)])
+    stores = await _stores(cluster, transport, "ar-rejoin", 2)
+    await _run(stores, [_grads(r, 2, exact=True, n=stores[0].flat().size) for r in range(2)])
     late = await ParameterStore.attach(await cluster.connect(transport=transport), "ar-rejoin", rank=1)
     rule = late.rule
     assert isinstance(rule, AllReduce)
     with pytest.raises(InterfaceError, match="rank 1 cannot join the running training"):
-        await rule.reduce(np.ones(N, np.float32), np.zeros(N, np.float32))
+        await rule.reduce(np.ones_like(late.flat()), np.zeros_like(late.flat()))
 
 
 async def test_push_says_what_to_call(client: smb2.Client) -> None:
@@ -121,8 +122,8 @@ async def test_push_says_what_to_call(client: smb2.Client) -> None:
 
 
 def test_bad_options_are_refused() -> None:
-    with pytest.raises(InvalidArgumentError, match="staleness 0 or 1"):
-        AllReduce(staleness=2)
+    with pytest.raises(InvalidArgumentError, match="round_timeout"):
+        AllReduce(round_timeout=0)
     with pytest.raises(InvalidArgumentError, match="wire"):
         AllReduce(wire="int8")
 
@@ -133,14 +134,12 @@ def _batches(steps: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(xb, (xb[:, 0] > 0).long() + (xb[:, 1] > 0).long()) for xb in x]
 
 
-def _reference(steps: int, workers: int, staleness: int) -> dict[str, torch.Tensor]:
-    """One process: AdamW on the mean of the workers' gradients, each taken
-    on the weights of the moment (``staleness=1``: the mean applied one
-    step later; none at the first step)."""
+def _reference(steps: int, workers: int) -> dict[str, torch.Tensor]:
+    """One process: AdamW on the mean of the workers' gradients, clipped
+    (DDP's arithmetic: the clip sees the mean)."""
     model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     batches = [_batches(steps, r) for r in range(workers)]
-    due: list[list[torch.Tensor]] = []
     for s in range(steps):
         sums = [torch.zeros_like(p) for p in model.parameters()]
         for r in range(workers):
@@ -148,20 +147,19 @@ def _reference(steps: int, workers: int, staleness: int) -> dict[str, torch.Tens
             x, y = batches[r][s]
             torch.nn.functional.cross_entropy(model(x), y).backward()
             sums = [a + p.grad for a, p in zip(sums, model.parameters())]
-        due.append([a / workers for a in sums])
-        if len(due) > staleness:
-            for p, m in zip(model.parameters(), due.pop(0)):
-                p.grad = m
-            opt.step()
+        for p, a in zip(model.parameters(), sums):
+            p.grad = a / workers
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_workers_step_adamw_on_the_mean_and_keep_the_same_weights(servers: str, staleness: int) -> None:
-    # two workers in threads, float32 on the wire: each ends at the weights of one AdamW stepping on the
-    # mean of their gradients (DDP's arithmetic), and both at the same weights, bit for bit
+def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str) -> None:
+    # two workers in threads, float32 on the wire, the gradients clipped after backward: each ends at
+    # the weights of one AdamW stepping on the clipped mean of their gradients (DDP's arithmetic), and
+    # both at the same weights, bit for bit
     steps, workers = 12, 2
-    ref = _reference(steps, workers, staleness)
+    ref = _reference(steps, workers)
     models = [small_model() for _ in range(workers)]
     opts: list[st.AsyncOptimizer] = []
     errors: list[BaseException] = []
@@ -170,13 +168,13 @@ def test_workers_step_adamw_on_the_mean_and_keep_the_same_weights(servers: str, 
     def worker(r: int) -> None:
         try:
             opt = async_optimizer(models[r], torch.optim.AdamW(models[r].parameters(), lr=0.01), servers,
-                                  f"ar-torch-{staleness}", rank=r, world_size=workers, rule="allreduce",
-                                  staleness=staleness, push_dtype="float32")
+                                  "ar-torch", rank=r, world_size=workers, rule="allreduce", push_dtype="float32")
             opts.append(opt)
             ready.wait()
             for x, y in _batches(steps, r):
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(models[r](x), y).backward()
+                torch.nn.utils.clip_grad_norm_(models[r].parameters(), CLIP)
                 opt.step()
             opt.close(wait_all=30)
         except BaseException as e:      # noqa: BLE001 (the test thread raises it)
@@ -192,19 +190,17 @@ def test_workers_step_adamw_on_the_mean_and_keep_the_same_weights(servers: str, 
     for n, p in models[0].named_parameters():
         torch.testing.assert_close(p.detach(), ref[n], rtol=1e-5, atol=1e-6)
         assert torch.equal(p.detach(), dict(models[1].named_parameters())[n].detach())
-    assert all(o.stats()["bytes_pushed"] > 0 for o in opts)
+    assert all(o.stats()["bytes_pushed"] > 0 and o.stats()["exchanges"] == steps for o in opts)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)      # four torch processes start and train; a loaded 2-core machine needs minutes
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_torchrun_workers_learn_as_ddp_does(servers: str, kind: str) -> None:
-    # the example under torchrun, 4 ranks, --rule allreduce (staleness 1: each step applies the
-    # previous step's mean), 12 epochs, against DDP's arithmetic measured here (one step per batch of
-    # the four ranks' 4 x 32 samples, their mean gradient; median of three seeds), and against one
-    # shard trained alone, which the bar must tell apart.  The ranks clip their own gradients at
-    # sqrt(W) times DDP's threshold, as the example does for delta.  Digits has 539 test images: one
-    # point is 5.4 images
+    # the example under torchrun, 4 ranks, --rule allreduce, 12 epochs, against DDP's arithmetic
+    # measured here (one step per batch of the four ranks' 4 x 32 samples, their mean gradient clipped;
+    # median of three seeds), and against one shard trained alone, which the bar must tell apart.
+    # Digits has 539 test images: one point is 5.4 images
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
     from smb2.testing.torch_models import EXAMPLE, single_process_accuracy
     from smb2.testing.workers import json_objects, torchrun

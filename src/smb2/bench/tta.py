@@ -64,9 +64,9 @@ its lighthouse on a host of its own, gloo, the same H and inner optimizer, outer
 Nesterov momentum 0.9 (the paper's).  ``--systems`` also takes ``torchft-streaming`` (Streaming
 DiLoCo: two fragments, each exchanged every H steps in turn, overlapping one inner step),
 ``diloco-auto`` (``local_steps="auto"``: each worker sizes its rounds from its measured step and
-exchange times; each worker's rounds are in the row), ``allreduce`` (each worker's AdamW on the mean
-of the workers' gradients, summed by the servers, ``staleness=1``: DDP's arithmetic on gradients one
-step old; its workers stop after the same step, as DDP's),
+exchange times; each worker's rounds are in the row), ``allreduce`` (each worker's optimizer on the mean
+of the workers' gradients, summed by the servers part by part during backward: DDP's arithmetic; its
+workers stop after the same step, as DDP's),
 the variants docs/training.md cites from before the stable default: ``delta``
 (every change counted whole, no lag scaling: that time's default port), ``delta/bf16``,
 ``delta/drop`` (layer dropping 0.7), ``accumulate``, ``accumulate/drop``; and ``diloco/topk:F``,
@@ -164,9 +164,9 @@ EXTRA: dict[str, dict[str, Any]] = {
     "torchft-streaming": {"torchft": {"sync_every": DILOCO_H, "fragments": 2, "fragment_sync_delay": 1}},
     # diloco whose rounds each worker sizes from its measured step and exchange times
     "diloco-auto": {"rule": "diloco", "local_steps": "auto"},
-    # DDP's arithmetic with the sum on the servers: bf16 gradients up, the f32 mean down, each step's
-    # exchange travelling while the next step computes
-    "allreduce": {"rule": "allreduce", "staleness": 1},
+    # DDP's arithmetic with the sum on the servers: bf16 gradients up part by part during backward,
+    # the f32 mean down
+    "allreduce": {"rule": "allreduce"},
 }
 #: torchft's outer optimizer (the DiLoCo paper's): SGD, lr 0.7, Nesterov momentum 0.9
 TORCHFT_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
@@ -398,10 +398,10 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
                 peer.announce_stop()
             done = False
         elif lockstep is not None:
-            # a worker finishes step u once round u - 1 - staleness is complete, which needs rank 0's
-            # gradient of it, sent after this: none passes step steps + 1 + staleness unwarned
+            # a worker finishes step u once round u is complete, which needs rank 0's gradient of it,
+            # sent after this: none passes step steps + 1 unwarned
             if a.rank == 0 and ((hit and a.stop == "target") or done):
-                lockstep.announce(steps + 2 + spec.get("staleness", 0))
+                lockstep.announce(steps + 1)
             done = False
         else:
             if hit and a.rank == 0 and a.stop == "target":

@@ -1,18 +1,22 @@
-"""Rule ``allreduce`` in a torch training loop: each step's gradients go out,
-and the optimizer steps on the mean of a round.
+"""Rule ``allreduce`` in backward: the gradients' mean is in ``.grad`` when
+``backward()`` returns, as under torch DDP.
 
-:class:`~smb2.train.rules.AllReduce` makes the mean on the servers; here the
-gradients (a buffer's value, for a float buffer such as BatchNorm's running
-statistics, whose mean every worker then takes) are copied into a flat host
-array laid out like the store's data, and the mean comes back into each
-parameter's ``.grad``.  With ``staleness=1`` a step's round travels while
-the next step computes, and that next step applies it; the first step then
-applies nothing.
+:class:`~smb2.train.rules.AllReduce` cuts the model's tensors into parts
+(DDP's buckets) and makes each part's mean on the servers.  Here a hook on
+every parameter (``register_post_accumulate_grad_hook``) counts the
+gradients backward has produced; when a part's are all there, they are
+copied into a flat host array laid out like the store's data and the part
+goes out, while backward computes the earlier layers.  At the end of
+backward (a callback queued on the autograd engine) the parts no gradient
+reached go out too (zeros; a float buffer such as BatchNorm's running
+statistics goes as its value, whose mean every worker then takes), every
+part's mean is awaited and written into the parameters' ``.grad``: the
+user's clipping and optimizer step then see the mean, as under DDP.  Every
+backward is a round, so every worker runs the same backward passes.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import time
 from collections.abc import Callable, Coroutine
@@ -28,68 +32,93 @@ Wrap = Callable[[Coroutine[Any, Any, Any], int], Coroutine[Any, Any, None]]
 
 
 class MeanGradients:
-    """The rounds of one worker: :meth:`launch` sends a step's gradients,
-    :meth:`apply_due` puts the mean of the oldest round into the gradients
-    once ``staleness`` rounds are in flight beside it."""
+    """One worker's rounds: parts go out from backward's hooks, and the
+    means are in the gradients when backward returns.  ``step`` names the
+    step a backward belongs to (in messages); ``wrap`` puts a part's faults
+    in training terms."""
 
     def __init__(self, torch: Any, entries: list[Entry], size: int, rule: AllReduce, loop: LoopThread,
-                 wrap: Wrap) -> None:
+                 wrap: Wrap, step: Callable[[], int]) -> None:
         self.torch = torch
-        self.entries = entries
-        self.size = size
         self.rule = rule
         self.loop = loop
-        self.wrap = wrap        # the exchange's faults in training terms
-        self.inflight: collections.deque[tuple[concurrent.futures.Future[Any], np.ndarray, np.ndarray]] = \
-            collections.deque()
-        self._free: list[tuple[np.ndarray, np.ndarray]] = []
+        self.wrap = wrap
+        self.step = step
+        self.grad = np.zeros(size, np.float32)
+        self.mean = np.zeros(size, np.float32)
+        self.entries = entries
+        #: each part's tensors (parameters and buffers), and how many of its parameters train
+        self.members: list[list[Entry]] = [[] for _ in rule.parts]
+        self.trained = [0] * len(rule.parts)
+        self.part = {}
+        for e in entries:
+            i = rule.part_of(e.offset)
+            self.members[i].append(e)
+            if e.param and e.tensor.requires_grad:
+                self.part[id(e.tensor)] = i
+                self.trained[i] += 1
+        self.hooks = [e.tensor.register_post_accumulate_grad_hook(self._produced)
+                      for e in entries if id(e.tensor) in self.part]
+        # the backward under way: its round, the gradients each part still waits for, the parts sent
+        self._round: int | None = None
+        self._missing: list[int] = []
+        self._sent: dict[int, concurrent.futures.Future[Any]] = {}
+        #: seconds backward waited for the means, in all
+        self.waited = 0.0
 
-    def launch(self, step: int) -> None:
-        """This step's gradients (zeros for a parameter without one) go out as round ``step``."""
-        grad, out = self._free.pop() if self._free else (np.zeros(self.size, np.float32),
-                                                          np.zeros(self.size, np.float32))
+    def _produced(self, tensor: Any) -> None:
+        """A parameter's gradient is accumulated (autograd's hook)."""
+        if self._round is None:
+            self._round = self.rule.next_round()
+            self._missing = list(self.trained)
+            self._sent = {}
+            self.torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        i = self.part[id(tensor)]
+        self._missing[i] -= 1
+        if self._missing[i] == 0:
+            self._send(i)
+
+    def _send(self, part: int) -> None:
+        assert self._round is not None
         with self.torch.no_grad():
-            for e in self.entries:
+            for e in self.members[part]:
                 n = e.tensor.numel()
-                dst = self.torch.from_numpy(grad[e.offset:e.offset + n])
+                dst = self.torch.from_numpy(self.grad[e.offset:e.offset + n])
                 src = e.tensor.grad if e.param else e.tensor
                 if src is None:
                     dst.zero_()
                 else:
                     dst.copy_(src.detach().reshape(-1))
-        round_ = self.wrap(self.rule.reduce(grad, out, step=step), step)
-        self.inflight.append((self.loop.submit(round_), grad, out))
+        step = self.step()
+        work = self.rule.reduce_part(self._round, part, self.grad, self.mean, step=step)
+        self._sent[part] = self.loop.submit(self.wrap(work, step))
 
-    @property
-    def due(self) -> bool:
-        """Is a round's mean to be applied now (beyond the rounds allowed in flight)?"""
-        return len(self.inflight) > self.rule.staleness
-
-    def wait_all(self) -> float:
-        """Wait for every round in flight (their means stay due); the seconds waited."""
-        t0 = time.perf_counter()
-        for future, _, _ in self.inflight:
-            future.result()
-        return time.perf_counter() - t0
-
-    def apply_oldest(self) -> float:
-        """Wait for the oldest round and put its mean into the gradients
-        (parameters) or the values (buffers); the seconds waited."""
-        future, grad, out = self.inflight.popleft()
-        t0 = time.perf_counter()
+    def _backward_ended(self) -> None:
+        """Send the parts no gradient completed, wait for every part's mean,
+        and put it into the gradients (buffers: their values)."""
         try:
-            future.result()
+            for i in range(len(self.members)):
+                if i not in self._sent:
+                    self._send(i)
+            t0 = time.perf_counter()
+            try:
+                for future in self._sent.values():
+                    future.result()
+            finally:
+                self.waited += time.perf_counter() - t0
         finally:
-            waited = time.perf_counter() - t0
+            self._round = None
         with self.torch.no_grad():
             for e in self.entries:
                 t = e.tensor
-                mean = self.torch.from_numpy(out[e.offset:e.offset + t.numel()]).view(t.shape)
+                mean = self.torch.from_numpy(self.mean[e.offset:e.offset + t.numel()]).view(t.shape)
                 if not e.param:
                     t.copy_(mean)
                 elif t.grad is None:
                     t.grad = mean.to(device=t.device, dtype=t.dtype, copy=True)
                 else:
                     t.grad.copy_(mean)
-        self._free.append((grad, out))
-        return waited
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()

@@ -66,13 +66,14 @@ as W single processes, and can collapse under uneven load).
   ``local_steps="auto"``: each worker chooses each round's length from its
   own measured step and exchange times (:mod:`smb2.train.local_steps`;
   ``stats()`` shows ``local_steps`` and ``rounds``).
-* ``allreduce``: DDP's arithmetic, the sum made by the servers: ``step()``
-  sends this step's gradients (bfloat16 by default) and the wrapped
-  optimizer steps on the mean of the workers' gradients of a round
-  (:mod:`smb2.torch.allreduce`); every worker's weights stay the same, and
-  nothing is pulled.  ``staleness`` 0 or 1: at 1 a step's round travels
-  while the next step computes and is applied by it.  Every worker takes
-  the same number of steps, as under DDP.
+* ``allreduce``: DDP's arithmetic, the sum made by the servers: backward
+  sends the gradients part by part as it produces them (bfloat16 by
+  default) and returns with the mean of the workers' gradients in
+  ``.grad`` (:mod:`smb2.torch.allreduce`), which the user's clipping and
+  the wrapped optimizer's step then see; every worker's weights stay the
+  same, and nothing is pulled.  Every worker runs the same backward passes,
+  as under DDP.  ``staleness`` does not apply (a gradient one step old
+  measured worse than DDP on a language model with AdamW).
 
 Model buffers (BatchNorm's running mean and variance: floating-point
 buffers) are averaged through the store: each exchange adds
@@ -259,8 +260,6 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 options["wire"] = self.push_dtype       # the rule's: the client converts (fewer bytes on the wire)
             if self.rule_name == "diloco":
                 options["buffers"] = [n for n, _, param in self._entries if not param]
-            if self.rule_name == "allreduce":
-                options["staleness"] = staleness
             self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
                                                    dict(options, resume=resume)))
             #: this rank's optimizer state, step and LR schedules, saved beside the store (whole resume)
@@ -289,7 +288,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._register = self.staging.cuda
         #: rule allreduce: the rounds of gradients whose mean the optimizer steps on
         self._mean = MeanGradients(torch, self.staging.entries, flat.size, self.store.rule, self._loop,
-                                   self._round_in_training_terms) if isinstance(self.store.rule, AllReduce) else None
+                                   self._round_in_training_terms, lambda: self.steps + 1) \
+            if isinstance(self.store.rule, AllReduce) else None
         #: the weights of the model's Linear and Conv layers in the store: their rows (a unit: an output
         #: feature or channel) are what the collapse watch counts as dead or alive
         mine = {id(e.tensor) for e in self.staging.entries if e.param}
@@ -474,24 +474,21 @@ class AsyncOptimizer(torch.optim.Optimizer):
             log.info("rank %d step %d: %s", self.rank, self.steps, self.stats())
 
     def _step_on_mean(self, closure: Callable[[], float] | None) -> float | None:
-        """Rule allreduce: this step's gradients go out, and the wrapped
-        optimizer steps on the mean of the round that is due (with
-        ``staleness=1``, the previous step's; none at the first step)."""
+        """Rule allreduce: backward left the workers' mean in the gradients
+        (:mod:`smb2.torch.allreduce`); the wrapped optimizer steps on it."""
         assert self._mean is not None
-        loss = None
+        waited = self._mean.waited
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                loss = closure()        # (its backward leaves the mean in the gradients)
+        else:
+            loss = None
         self._watch_gradients()
-        self._mean.launch(self.steps + 1)
-        self._stats["exchanges"] += 1
-        wait = 0.0
-        if self._mean.due:
-            wait = self._mean.apply_oldest()
-            self.optimizer.step()
+        self.optimizer.step()
+        self._stats["exchanges"] = self._mean.rule.rounds
         self.steps += 1
         self._saved.after_step(self.steps)
-        self._count_step(wait, len(self._mean.inflight))
+        self._count_step(self._mean.waited - waited, 0)
         return loss
 
     def _end_round(self) -> None:
@@ -698,8 +695,6 @@ class AsyncOptimizer(torch.optim.Optimizer):
         """Wait for every exchange in flight and swap in the last pull."""
         self._check_open()
         t0 = time.perf_counter()
-        if self._mean is not None:
-            self._mean.wait_all()       # (their means are applied by the coming steps)
         self._settle(limit=-1)
         self._stats["wait_s"] += time.perf_counter() - t0
 
@@ -748,7 +743,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         try:
             self._settle(limit=-1)
             if self._mean is not None:
-                self._mean.wait_all()   # the rounds the others count on; the means come too late to apply
+                self._mean.close()
                 if self.rank == 0:
                     self._loop.run(self._write_weights())
             if self._elastic and self._elastic.exchange_at_close and self.steps > self._round_from:

@@ -771,8 +771,9 @@ class AdaptiveDiLoCo(DiLoCo):
 
 
 GRADIENTS = "gradients"
-#: the gradient sums' side buffer starts with this many bytes of counters (one notification slot a sum)
-_COUNTERS = 64
+#: a part of the gradients (its own sum and counter): at most this many bytes of float32 values, so
+#: that a model's first parts travel while backward still computes the others (DDP's buckets)
+PART_BYTES = 4 << 20
 
 
 class AllReduce(UpdateRule):
@@ -780,26 +781,27 @@ class AllReduce(UpdateRule):
     gradients: torch DDP's arithmetic, with the sum made by the servers.
 
     A round: each worker adds its float32 gradient (flat, laid out like the
-    data region) into one of the sums kept beside the store
+    data region) into one of two sums kept beside the store
     (``<store>/gradients``) by a server-side accumulate (``wire``: bfloat16
-    by default, half the bytes up), counts itself in at that sum's counter,
-    waits until all W have, and reads the sum (float32) back: the mean is
-    the sum over W, the same bytes for every worker, so that workers that
-    start from the same weights with the same optimizer keep the same
-    weights.  Nothing else is exchanged: the store's weights are written by
-    rank 0 when it closes.
+    by default, half the bytes up), counts itself in at that sum's counter
+    (a notification slot), waits until all W have, and reads the sum
+    (float32) back: the mean is the sum over W, the same bytes for every
+    worker, so that workers that start from the same weights with the same
+    optimizer keep the same weights.  Nothing else is exchanged: the
+    store's weights are written by rank 0 when it closes.
 
-    ``staleness`` (0 or 1): rounds in flight beside the one awaited; at 1
-    the exchange of a step's gradient travels while the next step computes,
-    which then applies it (a gradient one step old, as pipelined DDP).
+    The gradients go in :attr:`parts` (whole tensors, in the reverse of
+    their order, about :data:`PART_BYTES` each), each with its own sums and
+    counters: a part travels, and its mean comes back, as soon as its
+    tensors' gradients exist (:mod:`smb2.torch.allreduce` sends each part
+    from backward, as DDP sends its buckets).
 
     The sums are never cleared: a worker adds the difference between this
     gradient and what it added to that sum last time (as rounded for the
     wire, which it keeps exactly), so a sum holds one round's gradients and
-    does not grow.  ``2 + 2 * staleness`` sums rotate: a worker adds round
-    ``r``'s gradient only after every worker counted itself in round
-    ``r - 1 - staleness``, by which time each had read every round up to
-    ``r - 2 - 2 * staleness``, the last that used the same sum.
+    does not grow.  Rounds alternate between the two sums: a worker adds
+    round ``r``'s only after every worker counted itself in round ``r - 1``,
+    which each does after it read round ``r - 2``, the last in that sum.
 
     As under DDP, every worker takes the same number of steps: a worker
     that stops early or dies leaves the others waiting, and after
@@ -810,23 +812,22 @@ class AllReduce(UpdateRule):
     name = "allreduce"
     gradient_rule = False       # the optimizer's own gradients, whole (no layer dropping)
     lag_scaled = False          # every round is complete: nothing arrives late
+    sums = 2
 
-    def __init__(self, wire: str | None = "bfloat16", staleness: int = 1, round_timeout: float = 60.0) -> None:
+    def __init__(self, wire: str | None = "bfloat16", round_timeout: float = 60.0) -> None:
         super().__init__()      # (its lr is not used: the worker's optimizer has one)
         if wire not in (None, "bfloat16", "float16"):
             raise InvalidArgumentError(f"wire must be None, 'bfloat16' or 'float16', not {wire!r}")
-        if staleness not in (0, 1):
-            raise InvalidArgumentError(f"rule 'allreduce' takes staleness 0 or 1, not {staleness!r}",
-                                       hint="1 overlaps a step's exchange with the next step's compute")
         self.wire = wire
-        self.staleness = staleness
         self.round_timeout = _positive("round_timeout", round_timeout)
-        self.sums = 2 + 2 * staleness
         self.rounds = 0
+        #: the parts, as (first, end) element ranges of the flat region, the last tensors' first
+        self.parts: list[tuple[int, int]] = []
         self._buf: Buffer | None = None
+        self._attaching = asyncio.Lock()      # (a round's parts start together: one attaches)
 
     def settings(self) -> dict[str, Any]:
-        return {"name": self.name, "wire": self.wire, "staleness": self.staleness}
+        return {"name": self.name, "wire": self.wire}
 
     @property
     def pull_each_step(self) -> bool:
@@ -838,9 +839,28 @@ class AllReduce(UpdateRule):
         #: what this worker added to each sum so far (its exact float32 values, rounding included)
         self._sent = np.zeros((self.sums, n), np.float32)
         self._span = -(-4 * n // 64) * 64
+        starts = sorted((store.flat_offset(t), t) for t in store.params)
+        self.parts = []
+        end = n
+        for first, _ in reversed(starts):
+            if self.parts and 4 * (self.parts[-1][1] - first) <= PART_BYTES:
+                self.parts[-1] = (first, self.parts[-1][1])
+            else:
+                self.parts.append((first, end))
+            end = first
+        if self.parts and self.parts[-1][0] > 0:        # (padding before the first tensor, if any)
+            self.parts[-1] = (0, self.parts[-1][1])
+        self._counters = -(-8 * self.sums * len(self.parts) // 64) * 64
+
+    def part_of(self, offset: int) -> int:
+        """The part that holds the flat element ``offset``."""
+        for i, (first, end) in enumerate(self.parts):
+            if first <= offset < end:
+                return i
+        raise InvalidArgumentError(f"element {offset} is in no part of store {self.store.name!r}")
 
     def _nbytes(self) -> int:
-        return _COUNTERS + self.sums * self._span
+        return self._counters + self.sums * self._span
 
     async def open_run(self, fresh: bool) -> None:
         """Rank 0, before any rank joins: the sums and their counters start
@@ -851,57 +871,76 @@ class AllReduce(UpdateRule):
         await buf.write(0, np.zeros(buf.nbytes, np.uint8))
 
     async def _sums(self, first: bool) -> Buffer:
-        if self._buf is None:
-            st = self.store
-            buf = (await beside.find(st.client, st.buf.name, GRADIENTS)).set_notify_area(0, self.sums)
-            if buf.nbytes != self._nbytes():
-                raise InterfaceError(f"the gradient sums of store {st.name!r} hold {buf.nbytes} bytes, "
-                                     f"not the {self._nbytes()} this model and staleness={self.staleness} need",
-                                     hint="every worker passes the same model and staleness")
-            # the others may run ahead of this worker's first round by their rounds in flight, no further
-            counts = await buf.read_notify()
-            ahead = self.staleness + 1
-            if first and ((counts[:ahead] >= st.workers).any() or counts[ahead:].any()):
-                raise InterfaceError(f"rank {st.rank} cannot join the running training of store {st.name!r}: "
-                                     f"rule 'allreduce' keeps every worker in step, and the others are past "
-                                     f"their first step",
-                                     hint="restart the whole job (resume=True continues from the last "
-                                          "checkpoint), or use rule='diloco', which a restarted worker rejoins")
-            self._buf = buf
+        async with self._attaching:
+            if self._buf is None:
+                self._buf = await self._attach(first)
         return self._buf
+
+    async def _attach(self, first: bool) -> Buffer:
+        st = self.store
+        buf = (await beside.find(st.client, st.buf.name, GRADIENTS)).set_notify_area(
+            0, self.sums * len(self.parts))
+        if buf.nbytes != self._nbytes():
+            raise InterfaceError(f"the gradient sums of store {st.name!r} hold {buf.nbytes} bytes, not the "
+                                 f"{self._nbytes()} this model needs", hint="every worker passes the same model")
+        # the others may be in round 0, which waits for this worker, and in no later round
+        counts = await buf.read_notify()
+        if first and ((counts >= st.workers).any() or counts[len(self.parts):].any()):
+            raise InterfaceError(f"rank {st.rank} cannot join the running training of store {st.name!r}: "
+                                 f"rule 'allreduce' keeps every worker in step, and the others are past "
+                                 f"their first step",
+                                 hint="restart the whole job (resume=True continues from the last "
+                                      "checkpoint), or use rule='diloco', which a restarted worker rejoins")
+        return buf
+
+    def next_round(self) -> int:
+        """Number a new round (this worker's rounds go in order; one at a time)."""
+        r, self.rounds = self.rounds, self.rounds + 1
+        return r
 
     async def reduce(self, grad: np.ndarray, out: np.ndarray, *, step: int | None = None) -> int:
         """One round: add ``grad`` (float32, ``flat().size`` values), wait for
         every worker's, and write their mean into ``out`` (float32, the same
-        size).  Rounds run in this worker's order; up to ``staleness`` + 1
-        may be in flight at once.  The bytes sent."""
+        size); every part at once.  The bytes sent."""
+        n = self._sent.shape[1]
+        if grad.dtype != np.float32 or out.dtype != np.float32 or not grad.size == out.size == n:
+            raise InvalidArgumentError(f"rule 'allreduce' reduces float32 arrays of {n} values")
+        r = self.next_round()
+        sent = await asyncio.gather(*(self.reduce_part(r, i, grad, out, step=step) for i in range(len(self.parts))))
+        return sum(sent)
+
+    async def reduce_part(self, r: int, part: int, grad: np.ndarray, out: np.ndarray, *,
+                          step: int | None = None) -> int:
+        """Part ``part`` of round ``r`` (:meth:`next_round`): its range of
+        ``grad`` goes in, and the mean of every worker's comes into the same
+        range of ``out``.  The bytes sent."""
         st = self.store
-        if grad.dtype != np.float32 or out.dtype != np.float32 or not grad.size == out.size == self._sent.shape[1]:
-            raise InvalidArgumentError(f"rule 'allreduce' reduces float32 arrays of {self._sent.shape[1]} values")
-        r, self.rounds = self.rounds, self.rounds + 1
         k = r % self.sums
+        first, end = self.parts[part]
         buf = await self._sums(first=r == 0)
-        diff = grad - self._sent[k]
-        offset = _COUNTERS + k * self._span
+        diff = grad[first:end] - self._sent[k, first:end]
+        offset = self._counters + k * self._span + 4 * first
         await buf.accumulate(offset, diff, wire=self.wire)
-        self._sent[k] += as_wire(diff, self.wire, out=diff)     # what the servers added
-        await buf.notify_add(k, 1)
+        self._sent[k, first:end] += as_wire(diff, self.wire, out=diff)     # what the servers added
+        slot = k * len(self.parts) + part
+        await buf.notify_add(slot, 1)
         need = (r // self.sums + 1) * st.workers
         try:
-            await buf.wait_notify(k, need, timeout=self.round_timeout)
+            await buf.wait_notify(slot, need, timeout=self.round_timeout)
         except NotifyTimeout:
-            have = int(await buf.read_notify(k)) - (need - st.workers)
+            have = int(await buf.read_notify(slot)) - (need - st.workers)
             what = f"step {step}" if step is not None else f"round {r}"
             raise NotifyTimeout(f"{st.workers - have} of the {st.workers} workers of store {st.name!r} sent no "
                                 f"gradient for {what} in {self.round_timeout:g} s (rule 'allreduce' waits for "
                                 f"every worker, as torch DDP does)",
                                 hint="a worker died, stalls or took fewer steps: restart the job (resume=True), "
                                      "or use rule='diloco', which goes on without it") from None
-        await buf.read_into(out, offset)
-        np.divide(out, st.workers, out=out)
+        mean = out[first:end]
+        await buf.read_into(mean, offset)
+        np.divide(mean, st.workers, out=mean)
         sent = int(diff.nbytes * _wire_fraction(diff.dtype, self.wire))
         await st.count_push(sent, update=False)     # (the shared weights' version does not move)
-        st.count_pull(out.nbytes)
+        st.count_pull(mean.nbytes)
         return sent
 
     async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
