@@ -9,6 +9,7 @@ import os
 import statistics
 import subprocess
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip 
 
 import smb2.torch as st  # noqa: E402
 from smb2.testing.torch_models import async_optimizer, small_model  # noqa: E402
+from smb2.torch.loop_thread import LoopThread  # noqa: E402
 
 N = 1000        # gradient values a round
 CLIP = 0.5
@@ -154,6 +156,62 @@ def _reference(steps: int, workers: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _in_threads(workers: int, work: Any) -> None:
+    """``work(rank)`` in a thread per worker; raises the first error."""
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            work(r)
+        except BaseException as e:      # noqa: BLE001 (the test thread raises it)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_rank_0_saves_the_optimizer_state_every_rank_resumes(servers: str) -> None:
+    # every rank's AdamW state is the same one: rank 0 alone saves it (no <store>/optim/1), and a
+    # resumed run gives every rank rank 0's
+    workers, name = 2, "ar-resume"
+    models = [small_model() for _ in range(workers)]
+    states: dict[int, dict[str, Any]] = {}
+
+    def train(r: int, resume: bool) -> None:
+        opt = st.AsyncOptimizer(torch.optim.AdamW(models[r].parameters(), lr=0.01), models[r], name=name,
+                                servers=servers, rank=r, world_size=workers, rule="allreduce", resume=resume,
+                                state_every=1e-9)
+        for x, y in _batches(0 if resume else 4, r):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(models[r](x), y).backward()
+            opt.step()
+        states[r] = opt.optimizer.state_dict()["state"]
+        opt.close(wait_all=30)
+
+    _in_threads(workers, lambda r: train(r, resume=False))
+    trained = states[0]
+
+    async def names() -> list[str]:
+        async with await smb2.connect(servers) as c:
+            return await c.buffers()
+    loop = LoopThread("test-ls")
+    try:
+        buffers = loop.run(names())
+    finally:
+        loop.stop()
+    assert f"{name}/optim/0" in buffers and f"{name}/optim/1" not in buffers, buffers
+    states.clear()
+    _in_threads(workers, lambda r: train(r, resume=True))
+    for r in range(workers):
+        for k, v in trained.items():
+            for field in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(states[r][k][field], v[field]), (r, k, field)
+
+
 def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str) -> None:
     # two workers in threads, float32 on the wire, the gradients clipped after backward: each ends at
     # the weights of one AdamW stepping on the clipped mean of their gradients (DDP's arithmetic), and
@@ -162,7 +220,6 @@ def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str
     ref = _reference(steps, workers)
     models = [small_model() for _ in range(workers)]
     opts: list[st.AsyncOptimizer] = []
-    errors: list[BaseException] = []
     ready = threading.Barrier(workers)
 
     def worker(r: int) -> None:
@@ -171,22 +228,17 @@ def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str
                                   "ar-torch", rank=r, world_size=workers, rule="allreduce", push_dtype="float32")
             opts.append(opt)
             ready.wait()
-            for x, y in _batches(steps, r):
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(models[r](x), y).backward()
-                torch.nn.utils.clip_grad_norm_(models[r].parameters(), CLIP)
-                opt.step()
-            opt.close(wait_all=30)
-        except BaseException as e:      # noqa: BLE001 (the test thread raises it)
-            errors.append(e)
+        except BaseException:
             ready.abort()
+            raise
+        for x, y in _batches(steps, r):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(models[r](x), y).backward()
+            torch.nn.utils.clip_grad_norm_(models[r].parameters(), CLIP)
+            opt.step()
+        opt.close(wait_all=30)
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _in_threads(workers, worker)
     for n, p in models[0].named_parameters():
         torch.testing.assert_close(p.detach(), ref[n], rtol=1e-5, atol=1e-6)
         assert torch.equal(p.detach(), dict(models[1].named_parameters())[n].detach())

@@ -263,7 +263,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
             self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
                                                    dict(options, resume=resume)))
             #: this rank's optimizer state, step and LR schedules, saved beside the store (whole resume)
-            self._saved = SavedState.open(optimizer, (self, optimizer), self.store, self._loop, state_every)
+            # (allreduce: every rank's optimizer state is the same one, which rank 0 saves for all)
+            self._saved = SavedState.open(optimizer, (self, optimizer), self.store, self._loop, state_every,
+                                          shared=isinstance(self.store.rule, AllReduce))
         except BaseException as e:
             self._loop.run(self._close_client())
             self._loop.stop()
@@ -286,6 +288,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
                                              1.0 / self.world if averaged or not param else 1.0, param)
                                        for n, t, param in self._entries], flat.size, flat.dtype)
         self._register = self.staging.cuda
+        self._mean_waited = 0.0
         #: rule allreduce: the rounds of gradients whose mean the optimizer steps on
         self._mean = MeanGradients(torch, self.staging.entries, flat.size, self.store.rule, self._loop,
                                    self._round_in_training_terms, lambda: self.steps + 1) \
@@ -477,7 +480,6 @@ class AsyncOptimizer(torch.optim.Optimizer):
         """Rule allreduce: backward left the workers' mean in the gradients
         (:mod:`smb2.torch.allreduce`); the wrapped optimizer steps on it."""
         assert self._mean is not None
-        waited = self._mean.waited
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()        # (its backward leaves the mean in the gradients)
@@ -488,7 +490,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._stats["exchanges"] = self._mean.rule.rounds
         self.steps += 1
         self._saved.after_step(self.steps)
-        self._count_step(self._mean.waited - waited, 0)
+        # the wait was backward's, for the means, since the last step
+        waited, self._mean_waited = self._mean.waited - self._mean_waited, self._mean.waited
+        self._count_step(waited, 0)
         return loss
 
     def _end_round(self) -> None:

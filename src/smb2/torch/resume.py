@@ -291,8 +291,10 @@ class SavedState:
     :attr:`start_step`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, owners: tuple[object, ...], store: ParameterStore,
-                 loop: LoopThread, slots: StateSlots | None, every: float | None) -> None:
+                 loop: LoopThread, slots: StateSlots | None, every: float | None, keeper: int | None = None) -> None:
         self.optimizer = optimizer
+        #: the rank whose saves this rank loads (and writes, if it is that rank)
+        self.keeper = store.rank if keeper is None else keeper
         self.owners = owners
         self.store = store
         self.loop = loop
@@ -315,24 +317,27 @@ class SavedState:
 
     @classmethod
     def open(cls, optimizer: torch.optim.Optimizer, owners: tuple[object, ...], store: ParameterStore,
-             loop: LoopThread, every: float | None) -> SavedState:
+             loop: LoopThread, every: float | None, *, shared: bool = False) -> SavedState:
         """Open rank ``store.rank``'s saves; on a resumed run load the newest
-        of the store's lineage into ``optimizer``."""
+        of the store's lineage into ``optimizer``.  ``shared``: every rank's
+        optimizer state is the same (rule allreduce): rank 0 alone saves it,
+        and every rank loads rank 0's."""
         if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or every <= 0):
             raise InvalidArgumentError(f"state_every must be a positive number of seconds or None, not {every!r}",
                                        hint="state_every=None neither saves nor loads the optimizer's state")
         if every is None:
             return cls(optimizer, owners, store, loop, None, None)
-        slots = loop.run(StateSlots.open(store.client, store.name, optimizer_state_what(store.rank),
+        keeper = 0 if shared else store.rank
+        slots = loop.run(StateSlots.open(store.client, store.name, optimizer_state_what(keeper),
                                          store.buf.replicas))
-        saved = cls(optimizer, owners, store, loop, slots, float(every))
+        saved = cls(optimizer, owners, store, loop, slots, float(every), keeper)
         if store.resumed:
             saved._load()
         return saved
 
     def _load(self) -> None:
         assert self.slots is not None
-        st, rank = self.store, self.store.rank
+        st, rank = self.store, self.keeper
         found = self.loop.run(self.slots.newest(self.origin))
         if found is None:
             log.warning("store %r: rank %d has no saved optimizer state of this run's lineage: it continues at "
@@ -382,7 +387,8 @@ class SavedState:
     def after_step(self, step: int) -> None:
         """After the wrapped optimizer's step ``step``: when a save is due,
         serialize the optimizer's tensors in the background."""
-        if (self.slots is None or self.every is None or time.monotonic() - self._last < self.every
+        if (self.slots is None or self.every is None or self.keeper != self.store.rank
+                or time.monotonic() - self._last < self.every
                 or self._serializing is not None or (self._writing is not None and not self._writing.done())):
             return
         self._last = time.monotonic()
@@ -394,7 +400,7 @@ class SavedState:
     def close(self, step: int) -> None:
         """The last save (after the loop's last ``sched.step()``), written
         before this returns; raises what a save met."""
-        if self.slots is None:
+        if self.slots is None or self.keeper != self.store.rank:
             return
         try:
             if self._serializing is not None:
