@@ -11,6 +11,7 @@ otherwise), each checked free by binding it before it is handed out.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import socket
@@ -30,7 +31,9 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+@functools.cache
 def _block_start() -> int:
+    """The first port of this process's block (read once: the range and the worker do not change)."""
     blocks = max(1, (_ephemeral_low() - LOWEST) // BLOCK)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and worker[2:].isdigit():
