@@ -56,7 +56,7 @@ from .protocol import (
     WIRE_CODES,
     parse_address,
 )
-from .transport import KINDS, Link, MemoryDomain, ShmTransport, Transport
+from .transport import KINDS, Link, MapsSegments, MemoryDomain, Transport
 
 log = logging.getLogger("smb2.client")
 
@@ -841,7 +841,7 @@ class Buffer:
         handle on ``server``: when ``t`` maps the segment, serve the next
         reads, writes and atomics on it from the mapping, in one Cython call
         each (``_core.MappedStripes``), for as long as ``t`` stays open."""
-        if not isinstance(t, ShmTransport) or t is not self._checked[server] or self.replicated:
+        if not isinstance(t, MapsSegments) or t is not self._checked[server] or self.replicated:
             return
         if self._mapped is not None and self._mapped.attached(server, t.alive):
             return

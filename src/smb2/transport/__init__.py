@@ -13,11 +13,11 @@ server (docs/design.md, "Layers").
 
 from __future__ import annotations
 
-from .base import FutexCapable, LockCapable, MemoryDomain, Transport
+from .base import FutexCapable, LockCapable, MapsSegments, MemoryDomain, Transport
 from .choose import KINDS, open_transport, rdma_unavailable_reason
 from .link import Link, LockSlot
 from .shm import ShmTransport
 from .tcp import TcpTransport
 
-__all__ = ["KINDS", "FutexCapable", "Link", "LockCapable", "LockSlot", "MemoryDomain", "ShmTransport", "TcpTransport",
-           "Transport", "open_transport", "rdma_unavailable_reason"]
+__all__ = ["KINDS", "FutexCapable", "Link", "LockCapable", "LockSlot", "MapsSegments", "MemoryDomain", "ShmTransport",
+           "TcpTransport", "Transport", "open_transport", "rdma_unavailable_reason"]

@@ -160,17 +160,33 @@ class LockCapable(abc.ABC):
         transport sends next reaches the server after it."""
 
 
-class FutexCapable(Transport, LockCapable):
-    """A transport that maps the server's lock segment into this process, so
-    a lock waiter takes its ticket with a CPU atomic and sleeps on a futex
-    on ``now_serving`` (docs/design.md, "The lock"); it parks through the
-    server too, for the release that hands the lock to a parked waiter."""
+class MapsSegments(Transport):
+    """A transport that maps the server's segments into this process: a
+    buffer serves its operations straight from the mapping, one Cython call
+    each (``_core.MappedStripes``), while the connection's live flag
+    ``alive`` says the mapping may be used."""
+
+    #: how often an operation on a mapping lets the event loop run
+    yield_every: float
+    #: the connection's live flag (``_core.LiveFlag``)
+    alive: Any
 
     @abc.abstractmethod
     def mapping_of(self, segment: int) -> tuple[memoryview, int, int, Any] | None:
         """``segment`` as mapped here: (the mapping, the data's size, the
         offset of its state word, the connection's live flag), or None while
         it is not mapped."""
+
+    @abc.abstractmethod
+    def copy_threads(self) -> int:
+        """Threads a large copy on a mapping may use."""
+
+
+class FutexCapable(MapsSegments, LockCapable):
+    """A transport that maps the server's lock segment into this process, so
+    a lock waiter takes its ticket with a CPU atomic and sleeps on a futex
+    on ``now_serving`` (docs/design.md, "The lock"); it parks through the
+    server too, for the release that hands the lock to a parked waiter."""
 
     @abc.abstractmethod
     async def wait_ticket(self, segment: int, offset: int, ticket: int, timeout: float) -> int:
