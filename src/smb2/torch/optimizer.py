@@ -19,7 +19,7 @@ changes since then; ``t - k`` (its lag) never exceeds ``staleness``:
 ``staleness=0`` (the default) is pull -> compute -> push in sequence;
 ``staleness=1`` (what the porting recipe passes) lets the push of step ``t``
 and the pull after it travel while step ``t+1`` computes (ShmCaffe's
-overlap).  The elastic rules (``easgd``, ``diloco``) ignore it.  A
+overlap).  The elastic rules (``easgd``, ``diloco``) and ``allreduce`` ignore it.  A
 finished exchange is swapped in at the next ``step()`` whatever the lag.  A
 step's communication starts only after the previous step's exchange
 finished, so a pull never sees this worker's later pushes (which ``since``
@@ -187,7 +187,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
     the closest to one process; the porting recipe passes ``staleness=1`` so that a step's
     exchange travels while the next step computes (each step then computed on weights one
     exchange older).  ``diloco`` and ``easgd`` ignore it: their exchange every few steps
-    always overlaps the next steps.
+    always overlaps the next steps; so does ``allreduce``, whose steps each wait for their own
+    round's mean.
     ``push_dtype``: the type changes travel as: "bfloat16" (default for a
     bf16 model), "float16", or "float32"; the shared master copy is float32
     either way.  ``resume``, ``stripe``, ``replicas`` (2: train on through a
