@@ -187,7 +187,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
     the closest to one process; the porting recipe passes ``staleness=1`` so that a step's
     exchange travels while the next step computes (each step then computed on weights one
     exchange older).  ``diloco`` and ``easgd`` ignore it: their exchange every few steps
-    always overlaps the next steps; so does ``allreduce``, whose steps each wait for their own
+    always overlaps the next steps.  ``allreduce`` ignores it too: each step waits for its own
     round's mean.
     ``push_dtype``: the type changes travel as: "bfloat16" (default for a
     bf16 model), "float16", or "float32"; the shared master copy is float32
