@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import smb2
+from smb2.client import as_wire
 from smb2.train import ParameterStore
-from smb2.train.compress import TopK, as_sent
+from smb2.train.compress import TopK
 from smb2.train.rules import outer_momentum_name
 
 N = 64
@@ -56,7 +57,7 @@ async def test_sent_updates_plus_the_residual_are_the_sum_of_pseudo_gradients(
             sent = d + before - _residual(store)
             assert np.count_nonzero(sent) <= N // 4          # a quarter of the entries, at most
             if wire is not None:
-                np.testing.assert_array_equal(as_sent(sent, wire), sent)   # bf16 values, as they travelled
+                np.testing.assert_array_equal(as_wire(sent, wire), sent)   # bf16 values, as they travelled
         # each round put 16 entries of 4-byte index and 2- or 4-byte value on the wire, no more
         assert store.stats["bytes_pushed"] == len(ds) * (N // 4) * (6 if wire else 8)
         # no outer momentum, no buffer beside the store for it

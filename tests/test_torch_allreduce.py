@@ -5,9 +5,6 @@ the workers' gradients, the sum made by the servers (docs/training.md,
 from __future__ import annotations
 
 import asyncio
-import os
-import statistics
-import subprocess
 import threading
 from typing import Any
 
@@ -254,21 +251,13 @@ def test_torchrun_workers_learn_as_ddp_does(servers: str, kind: str) -> None:
     # median of three seeds), and against one shard trained alone, which the bar must tell apart.
     # Digits has 539 test images: one point is 5.4 images
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
-    from smb2.testing.torch_models import EXAMPLE, single_process_accuracy
-    from smb2.testing.workers import json_objects, torchrun
+    from smb2.testing.torch_models import example_against_ddp
 
     epochs, within = 12, 1.0
-    env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
-    out = subprocess.run(torchrun(str(EXAMPLE), "--optimizer", kind, "--epochs", str(epochs), "--rule", "allreduce",
-                                  "--name", f"t-run-allreduce-{kind}", nproc=4),
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    ranks = json_objects(out.stdout)
+    ranks, ddp, alone, _ = example_against_ddp(servers, kind, epochs, "--rule", "allreduce",
+                                               "--name", f"t-run-allreduce-{kind}")
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     assert len({r["accuracy"] for r in ranks}) == 1         # every rank holds the same weights
     assert len({r["steps"] for r in ranks}) == 1
-    ddp = statistics.median(single_process_accuracy(kind, epochs, seed, world=4) for seed in range(3))
-    alone = single_process_accuracy(kind, epochs, shard=slice(0, None, 4))
-    print(f"{kind}: {ranks[0]['accuracy']:.2f} % vs DDP's arithmetic {ddp:.2f} %, one shard alone {alone:.2f} %")
     assert alone < ddp - within, (alone, ddp)
     assert ranks[0]["accuracy"] >= ddp - within, (ranks[0], ddp, alone)

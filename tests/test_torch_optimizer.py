@@ -3,9 +3,6 @@ memory-server processes; the torchrun tests launch real workers."""
 
 from __future__ import annotations
 
-import os
-import statistics
-import subprocess
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -21,19 +18,17 @@ torch = pytest.importorskip(
 
 import smb2.torch as st  # noqa: E402
 from smb2.testing.torch_models import (  # noqa: E402
-    EXAMPLE,
     GRAD,
     LR,
     ONES,
     TwoHeads,
     async_optimizer,
     constant_steps,
+    example_against_ddp,
     load_example,
     shared_values,
-    single_process_accuracy,
     small_model,
 )
-from smb2.testing.workers import json_objects, torchrun  # noqa: E402
 from smb2.train import lifecycle as lc  # noqa: E402
 from smb2.train.dropping import LayerDropping  # noqa: E402
 from smb2.train.stability import TrainingDiverged  # noqa: E402
@@ -823,21 +818,14 @@ def test_a_half_dead_model_is_reported(servers: str, caplog: pytest.LogCaptureFi
 def test_torchrun_workers_match_ddp_accuracy(servers: str, kind: str, staleness: int, epochs: int,
                                              within: float) -> None:
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
-    env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
-    out = subprocess.run(torchrun(str(EXAMPLE), "--optimizer", kind, "--epochs", str(epochs), "--staleness",
-                                  str(staleness), "--name", f"t-run-{kind}", nproc=4),
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    ranks = json_objects(out.stdout)
+    ranks, ddp, alone, stderr = example_against_ddp(servers, kind, epochs, "--staleness", str(staleness),
+                                                    "--name", f"t-run-{kind}")
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     # every rank evaluated the same final shared model
     assert len({r["accuracy"] for r in ranks}) == 1
-    ddp = statistics.median(single_process_accuracy(kind, epochs, seed, world=4) for seed in range(3))
-    alone = single_process_accuracy(kind, epochs, shard=slice(0, None, 4))
-    print(f"{kind}: {ranks[0]['accuracy']:.2f} % vs DDP's arithmetic {ddp:.2f} %, one shard alone {alone:.2f} %")
     # the bar must be one that workers which did not share could not clear
     assert alone < ddp - within, (alone, ddp)
     assert ranks[0]["accuracy"] >= ddp - within, (ranks[0], ddp, alone)
     # and no false alarm: the collapse watch saw nothing on any rank
     assert all(r["collapsed"] == [] for r in ranks), ranks
-    assert "collapsed" not in out.stderr, out.stderr[-3000:]
+    assert "collapsed" not in stderr, stderr[-3000:]

@@ -158,3 +158,25 @@ def torchrun_beside_single(servers: str, *args: str, kind: str = "sgd", epochs: 
             run.communicate()
     assert run.returncode == 0, stderr[-3000:]
     return json_objects(stdout), single
+
+
+def example_against_ddp(servers: str, kind: str, epochs: int, *args: str,
+                        nproc: int = 4) -> tuple[list[dict[str, Any]], float, float, str]:
+    """The example under torchrun (``nproc`` ranks on ``servers``, ``--optimizer
+    kind --epochs epochs`` and ``args``), beside the figures it is judged
+    by: every rank's JSON line, DDP's arithmetic for ``nproc`` ranks (the
+    median of three seeds), one rank's shard trained alone, and torchrun's
+    stderr.  A failed run fails with the end of its stderr."""
+    import statistics
+
+    from smb2.testing.workers import json_objects, torchrun
+
+    env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
+    out = subprocess.run(torchrun(str(EXAMPLE), "--optimizer", kind, "--epochs", str(epochs), *args, nproc=nproc),
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = json_objects(out.stdout)
+    ddp = statistics.median(single_process_accuracy(kind, epochs, seed, world=nproc) for seed in range(3))
+    alone = single_process_accuracy(kind, epochs, shard=slice(0, None, nproc))
+    print(f"{kind}: {ranks[0]['accuracy']:.2f} % vs DDP's arithmetic {ddp:.2f} %, one shard alone {alone:.2f} %")
+    return ranks, ddp, alone, out.stderr

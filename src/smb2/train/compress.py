@@ -77,7 +77,7 @@ class TopK:
         # a NaN sorts past every number: it is sent, and the store's guard refuses the round
         top = np.argpartition(np.abs(change), n - k)[n - k:] if k < n else np.arange(n)
         idx = np.union1d(top, self._always)
-        values = as_sent(change[idx], wire)
+        values = as_wire(change[idx], wire)     # what the servers will add
         self._carried = change
         return idx, values
 
@@ -93,10 +93,3 @@ class TopK:
         """Bytes one sparse accumulate of ``items`` entries puts on the wire
         (u32 indices and the values; each request's 8-byte count aside)."""
         return items * (4 + (2 if wire is not None else 4))
-
-
-def as_sent(values: np.ndarray, wire: str | None) -> np.ndarray:
-    """float32 ``values`` rounded as ``wire`` carries them (to nearest, ties
-    to even, as the client rounds a push), back in float32: what the
-    servers add.  Non-finite values stay non-finite (the guard refuses them)."""
-    return as_wire(values, wire)
