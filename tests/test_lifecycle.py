@@ -252,6 +252,19 @@ def test_other_ranks_decide(ranks: Ranks, restarted: bool, action: str) -> None:
     assert lc.decide_other(c, 1, restarted=restarted, stale_after=60).action == action
 
 
+
+def test_a_lockstep_rule_never_rejoins_a_restarted_group_opens_a_new_run() -> None:
+    # rule allreduce (rejoinable=False): where another rule's restarted rank goes back into the run
+    # that goes on, a restarted rank 0 opens a new, resumed run and the others wait for it, then join
+    alive = {0: (2, 5, 1, 0), 1: (2, 7, 1, 0)}
+    c = _control(2, 2, alive)
+    assert lc.decide_rank0(c, resume=False, restarted=True, stale_after=60).action == "rejoin"
+    assert lc.decide_rank0(c, resume=False, restarted=True, stale_after=60, rejoinable=False).action == "resume"
+    assert lc.decide_other(c, 1, restarted=True, stale_after=60).action == "rejoin"
+    assert lc.decide_other(c, 1, restarted=True, stale_after=60, rejoinable=False).action == "wait"
+    opened = _control(2, 3, {0: (3, 0, 1, 0), 1: (2, 7, 1, 0)})
+    assert lc.decide_other(opened, 1, restarted=True, stale_after=60, rejoinable=False).action == "join"
+
 # -- placement -------------------------------------------------------------------------
 
 async def test_a_small_store_uses_every_server(cluster: smb2.LocalCluster) -> None:

@@ -5,7 +5,11 @@ the workers' gradients, the sum made by the servers (docs/training.md,
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import textwrap
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,13 +17,14 @@ import pytest
 
 import smb2
 from smb2.errors import InterfaceError, InvalidArgumentError, NotifyTimeout
+from smb2.testing.workers import json_objects, torchrun
 from smb2.train import ParameterStore, rules
 from smb2.train.rules import AllReduce
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
 
 import smb2.torch as st  # noqa: E402
-from smb2.testing.torch_models import async_optimizer, small_model  # noqa: E402
+from smb2.testing.torch_models import async_optimizer, rank_batches, small_model  # noqa: E402
 from smb2.torch.loop_thread import LoopThread  # noqa: E402
 
 N = 1000        # gradient values a round
@@ -127,18 +132,12 @@ def test_bad_options_are_refused() -> None:
         AllReduce(wire="int8")
 
 
-def _batches(steps: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(steps, 16, 10, generator=g)
-    return [(xb, (xb[:, 0] > 0).long() + (xb[:, 1] > 0).long()) for xb in x]
-
-
 def _reference(steps: int, workers: int) -> dict[str, torch.Tensor]:
     """One process: AdamW on the mean of the workers' gradients, clipped
     (DDP's arithmetic: the clip sees the mean)."""
     model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    batches = [_batches(steps, r) for r in range(workers)]
+    batches = [rank_batches(steps, r) for r in range(workers)]
     for s in range(steps):
         sums = [torch.zeros_like(p) for p in model.parameters()]
         for r in range(workers):
@@ -182,7 +181,7 @@ def test_rank_0_saves_the_optimizer_state_every_rank_resumes(servers: str) -> No
         opt = st.AsyncOptimizer(torch.optim.AdamW(models[r].parameters(), lr=0.01), models[r], name=name,
                                 servers=servers, rank=r, world_size=workers, rule="allreduce", resume=resume,
                                 state_every=1e-9)
-        for x, y in _batches(0 if resume else 4, r):
+        for x, y in rank_batches(0 if resume else 4, r):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(models[r](x), y).backward()
             opt.step()
@@ -228,7 +227,7 @@ def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str
         except BaseException:
             ready.abort()
             raise
-        for x, y in _batches(steps, r):
+        for x, y in rank_batches(steps, r):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(models[r](x), y).backward()
             torch.nn.utils.clip_grad_norm_(models[r].parameters(), CLIP)
@@ -240,6 +239,69 @@ def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str
         torch.testing.assert_close(p.detach(), ref[n], rtol=1e-5, atol=1e-6)
         assert torch.equal(p.detach(), dict(models[1].named_parameters())[n].detach())
     assert all(o.stats()["bytes_pushed"] > 0 and o.stats()["exchanges"] == steps for o in opts)
+
+
+_RESTARTED = textwrap.dedent('''
+    import json, os, sys, time
+    import torch
+    import smb2.torch as st
+    from smb2.testing.torch_models import rank_batches, small_model
+
+    steps, die_after, clip, every = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    model = small_model()
+    opt = st.AsyncOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, name=sys.argv[1],
+                            rule="allreduce", push_dtype="float32", state_every=every, timeout=60)
+    print(json.dumps({"event": "open", "rank": opt.rank, "attempt": attempt, "start_step": opt.start_step,
+                      "run": opt.store.generation}), flush=True)
+    for x, y in rank_batches(steps, opt.rank)[opt.start_step:]:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        time.sleep(0.05)        # (heartbeats, every 0.25 s, then publish steps past 0 before the crash)
+        if opt.rank == 1 and attempt == 0 and opt.steps == die_after:
+            os._exit(3)         # a crash, in the first attempt only
+    opt.close(wait_all=60)
+    print(json.dumps({"event": "done", "rank": opt.rank, "steps": opt.steps,
+                      "weights": {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}}),
+          flush=True)
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)      # two torch processes start twice; a loaded 2-core machine needs a minute
+@pytest.mark.parametrize("saves", ["every step", "none yet"])
+def test_a_torchrun_restart_goes_on_from_rank_0s_last_save(servers: str, tmp_path: Path, saves: str) -> None:
+    # rank 1 crashes after step 8; torchrun --max-restarts=1 restarts the group; rank 0 opens a new run
+    # from its last save (weights, AdamW moments, step), rank 1 joins it, and both end where one AdamW
+    # on the clipped mean of their gradients ends: the crash cost time, not a step counted twice or lost.
+    # With no save made yet, both start again at step 0 from the weights the run started from (not
+    # each at the step its heartbeat last said, which left them out of step)
+    steps, workers, die_after = 16, 2, 8
+    every = 1e-9 if saves == "every step" else 1e9
+    script = tmp_path / "train.py"
+    script.write_text(_RESTARTED)
+    env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
+    name = f"ar-restart-{every:g}"
+    out = subprocess.run(torchrun(str(script), name, str(steps), str(die_after), str(CLIP), str(every),
+                                  nproc=workers, max_restarts=1, monitor_interval=0.2),
+                         env=env, capture_output=True, text=True, timeout=220)
+    assert out.returncode == 0, out.stderr[-4000:]
+    events = json_objects(out.stdout)
+    opened = sorted((e["attempt"], e["rank"], e["run"], e["start_step"]) for e in events if e["event"] == "open")
+    assert [o[:2] for o in opened] == [(0, 0), (0, 1), (1, 0), (1, 1)], opened
+    (_, _, run0, at0), (_, _, run1, at1) = opened[2:]
+    # a new run (not a rejoin of the old one), both ranks from the same save, made at step 1..8
+    assert run0 == run1 == opened[0][2] + 1 and at0 == at1, opened
+    assert 1 <= at0 <= die_after if saves == "every step" else at0 == 0, opened
+    assert f"resuming store {name!r}" in out.stderr and "rank 0 was restarted" in out.stderr, out.stderr[-4000:]
+    ends = {e["rank"]: e for e in events if e["event"] == "done"}
+    assert sorted(ends) == [0, 1] and ends[0]["steps"] == ends[1]["steps"] == steps
+    assert ends[0]["weights"] == ends[1]["weights"]
+    ref = _reference(steps, workers)
+    for n, want in ref.items():
+        torch.testing.assert_close(torch.tensor(ends[0]["weights"][n]), want.flatten(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -31,6 +31,14 @@ def small_model(seed: int = 0, bn: bool = False) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
+def rank_batches(steps: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` batches of 16 samples for ``small_model`` (3 classes: how
+    many of the first two inputs are positive), a rank's own (seeded by it)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(steps, 16, 10, generator=g)
+    return [(xb, (xb[:, 0] > 0).long() + (xb[:, 1] > 0).long()) for xb in x]
+
+
 def async_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, servers: str, name: str,
                     **kw: Any) -> st.AsyncOptimizer:
     """``opt`` wrapped for store ``name`` as rank 0 of 1 unless told, never resuming."""

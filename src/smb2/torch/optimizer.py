@@ -264,9 +264,11 @@ class AsyncOptimizer(torch.optim.Optimizer):
             self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
                                                    dict(options, resume=resume)))
             #: this rank's optimizer state, step and LR schedules, saved beside the store (whole resume)
-            # (allreduce: every rank's optimizer state is the same one, which rank 0 saves for all)
+            # (allreduce: every rank's optimizer state is the same one, which rank 0 saves for all, with
+            # the weights, which the store gets only at close)
+            lockstep = isinstance(self.store.rule, AllReduce)
             self._saved = SavedState.open(optimizer, (self, optimizer), self.store, self._loop, state_every,
-                                          shared=isinstance(self.store.rule, AllReduce))
+                                          shared=lockstep, weights=self._weights_now if lockstep else None)
         except BaseException as e:
             self._loop.run(self._close_client())
             self._loop.stop()
@@ -299,7 +301,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         mine = {id(e.tensor) for e in self.staging.entries if e.param}
         self._unit_weights = [m.weight for m in model.modules() if isinstance(m, UNIT_LAYERS)
                               and isinstance(m.weight, torch.Tensor) and id(m.weight) in mine and m.weight.dim() >= 2]
-        self.staging.swap(flat, None)          # rank 0's values (or the resumed ones) for everyone
+        # rank 0's values (or the resumed ones) for everyone
+        self.staging.swap(flat if self._saved.weights is None else self._saved.weights, None)
         self._free: list[Exchange] = []
         self._inflight: collections.deque[Exchange] = collections.deque()
         #: the exchange of the coming step, once backward started pushing into it
@@ -794,9 +797,13 @@ class AsyncOptimizer(torch.optim.Optimizer):
 
     async def _write_weights(self) -> None:
         """Rule allreduce: rank 0's weights (every worker's) become the store's."""
+        await self.store.buf.write(self.store.data_off, self._weights_now())
+
+    def _weights_now(self) -> np.ndarray:
+        """The model's weights (the store's tensors) as a flat host array of their own."""
         weights = self.staging.host_array()
         self.staging.load(weights)
-        await self.store.buf.write(self.store.data_off, weights)
+        return weights
 
     async def _register_array(self, arr: np.ndarray) -> None:
         """Pinned host memory registered with the client: RDMA reads and

@@ -51,6 +51,15 @@ agree.  A resumed run with no save (it died before its first, or the
 servers lost the buffer) continues at the store's step with a fresh
 optimizer state and says so (WARNING).
 
+**Rule allreduce: rank 0's saves hold the weights.**  Under ``allreduce``
+every rank holds the same weights and the same optimizer state, and the
+store's weights are written only at ``close()``.  Rank 0 alone saves, for
+every rank (``shared``), and its saves carry the model's weights as they
+were at the save's step (``weights``): a resumed run, such as the new run a
+torchrun restart of the group opens, continues from one consistent point,
+weights, moments, schedules and step of the same save, at most
+``state_every`` seconds behind the failure.
+
 **Finding the schedulers.**  A torch ``LRScheduler`` holds its optimizer;
 the optimizer holds nothing of it.  At the first ``step()`` the objects
 that refer to the AsyncOptimizer or to the wrapped optimizer are looked up
@@ -74,6 +83,7 @@ import struct
 import time
 import weakref
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -216,9 +226,17 @@ def _frame(light: memoryview, heavy: memoryview) -> tuple[bytes | memoryview, ..
 
 
 def _unframe(data: bytes) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """The light part and the heavy one: the optimizer's tensors, or (a
+    save that says ``weights``) those and the model's weights."""
     (n,) = _LIGHT_LEN.unpack_from(data)
     start = _LIGHT_LEN.size
     return _load(data[start:start + n]), _load(data[start + n:])
+
+
+def _heavy(tensors: dict[Any, Any], weights: np.ndarray | None) -> dict[Any, Any]:
+    """What a save's heavy part holds: the optimizer's tensors, and the
+    model's flat weights where the save carries them."""
+    return tensors if weights is None else {"state": tensors, "weights": torch.from_numpy(weights)}
 
 
 def check_state(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], state: dict[Any, Any]) -> None:
@@ -291,8 +309,13 @@ class SavedState:
     :attr:`start_step`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, owners: tuple[object, ...], store: ParameterStore,
-                 loop: LoopThread, slots: StateSlots | None, every: float | None, keeper: int | None = None) -> None:
+                 loop: LoopThread, slots: StateSlots | None, every: float | None, keeper: int | None = None,
+                 weights: Callable[[], np.ndarray] | None = None) -> None:
         self.optimizer = optimizer
+        #: the model's flat weights now (a copy), which each save carries (rule allreduce)
+        self.weights_now = weights
+        #: the weights the loaded save carried (None: the store's are this rank's)
+        self.weights: np.ndarray | None = None
         #: the rank whose saves this rank loads (and writes, if it is that rank)
         self.keeper = store.rank if keeper is None else keeper
         self.owners = owners
@@ -317,11 +340,14 @@ class SavedState:
 
     @classmethod
     def open(cls, optimizer: torch.optim.Optimizer, owners: tuple[object, ...], store: ParameterStore,
-             loop: LoopThread, every: float | None, *, shared: bool = False) -> SavedState:
+             loop: LoopThread, every: float | None, *, shared: bool = False,
+             weights: Callable[[], np.ndarray] | None = None) -> SavedState:
         """Open rank ``store.rank``'s saves; on a resumed run load the newest
         of the store's lineage into ``optimizer``.  ``shared``: every rank's
         optimizer state is the same (rule allreduce): rank 0 alone saves it,
-        and every rank loads rank 0's."""
+        and every rank loads rank 0's.  ``weights``: the model's flat weights
+        now, which each save then carries (and :attr:`weights` holds the
+        loaded save's)."""
         if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or every <= 0):
             raise InvalidArgumentError(f"state_every must be a positive number of seconds or None, not {every!r}",
                                        hint="state_every=None neither saves nor loads the optimizer's state")
@@ -330,7 +356,7 @@ class SavedState:
         keeper = 0 if shared else store.rank
         slots = loop.run(StateSlots.open(store.client, store.name, optimizer_state_what(keeper),
                                          store.buf.replicas))
-        saved = cls(optimizer, owners, store, loop, slots, float(every), keeper)
+        saved = cls(optimizer, owners, store, loop, slots, float(every), keeper, weights)
         if store.resumed:
             saved._load()
         return saved
@@ -340,22 +366,33 @@ class SavedState:
         st, rank = self.store, self.keeper
         found = self.loop.run(self.slots.newest(self.origin))
         if found is None:
+            self._start_afresh()
             log.warning("store %r: rank %d has no saved optimizer state of this run's lineage: it continues at "
                         "step %d with a fresh %s state (momentum and moments from zero, LR schedules from their "
-                        "start)", st.name, rank, st.start_step, type(self.optimizer).__name__)
+                        "start)%s", st.name, rank, self.start_step, type(self.optimizer).__name__, self._from())
             return
         header, data = found
         try:
             light, tensors = _unframe(data)
+            weights = None
+            if light.get("weights"):
+                weights = tensors["weights"].numpy()
+                tensors = tensors["state"]
+                if weights.shape != self.store.flat().shape or weights.dtype != self.store.flat().dtype:
+                    raise InvalidArgumentError(f"its weights are {weights.size} {weights.dtype} values, this "
+                                               f"model has {self.store.flat().size} {self.store.flat().dtype}")
             if light["optimizer"] != type(self.optimizer).__name__:
                 raise InvalidArgumentError(f"it is {light['optimizer']}'s, this job's optimizer is "
                                            f"{type(self.optimizer).__name__}")
             check_state(self.optimizer, light["param_groups"], tensors)
             self.optimizer.load_state_dict({"state": tensors, "param_groups": light["param_groups"]})
+            self.weights = weights
         except Exception as exc:        # a save this job cannot use: say so, train on
+            self._start_afresh()
             log.warning("store %r: rank %d's saved optimizer state (step %d, in side buffer %r) is not loaded "
-                        "(%s): it continues at step %d with a fresh %s state", st.name, rank, int(header[_STEP]),
-                        optimizer_state_name(st.name, rank), exc, st.start_step, type(self.optimizer).__name__)
+                        "(%s): it continues at step %d with a fresh %s state%s", st.name, rank, int(header[_STEP]),
+                        optimizer_state_name(st.name, rank), exc, self.start_step, type(self.optimizer).__name__,
+                        self._from())
             return
         # the guard names a state loaded just before an update went wrong
         side = optimizer_state_name(st.name, rank)
@@ -366,6 +403,17 @@ class SavedState:
         log.info("store %r: rank %d resumes its %s state and %d LR schedule(s) at step %d (the store's step "
                  "word says %d)", st.name, rank, light["optimizer"], len(light["schedulers"]), self.start_step,
                  st.start_step)
+
+    def _start_afresh(self) -> None:
+        """No save to load.  Where saves carry the weights (allreduce), the
+        store's are those its run started from (rank 0 writes them only at
+        close, with a save): every rank starts again at step 0, in step,
+        not at the step its own heartbeat last said."""
+        if self.weights_now is not None:
+            self.start_step = 0
+
+    def _from(self) -> str:
+        return "" if self.weights_now is None else ", from the weights the run started from, as every rank"
 
     # -- hooks of AsyncOptimizer ------------------------------------------------------
     def before_step(self) -> None:
@@ -394,8 +442,8 @@ class SavedState:
         self._last = time.monotonic()
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smb2-state")
-        tensors = self.optimizer.state_dict()["state"]
-        self._serializing = (step, self._executor.submit(_save, tensors))
+        heavy = _heavy(self.optimizer.state_dict()["state"], self._weights())
+        self._serializing = (step, self._executor.submit(_save, heavy))
 
     def close(self, step: int) -> None:
         """The last save (after the loop's last ``sched.step()``), written
@@ -410,7 +458,7 @@ class SavedState:
             if self._schedulers is None:
                 self._find_schedulers()
             if self.slots is not None:
-                self._write(step, _save(self.optimizer.state_dict()["state"]))
+                self._write(step, _save(_heavy(self.optimizer.state_dict()["state"], self._weights())))
                 self._collect()
         finally:
             if self._executor is not None:
@@ -432,10 +480,14 @@ class SavedState:
                         "state_every=None", self.store.name, self.store.rank, exc)
             self.slots = None
 
+    def _weights(self) -> np.ndarray | None:
+        return None if self.weights_now is None else self.weights_now()
+
     def _write(self, step: int, heavy: memoryview) -> None:
         assert self.slots is not None
         live = self._live_schedulers()
         light = _save({"optimizer": type(self.optimizer).__name__, "step": step,
+                       "weights": self.weights_now is not None,
                        "param_groups": self.optimizer.state_dict()["param_groups"],
                        "schedulers": {k: s.state_dict() for k, s in live.items()}})
         self._writing = self.loop.submit(self.slots.write(*_frame(light, heavy), step=step, origin=self.origin,

@@ -468,18 +468,22 @@ def others_alive(c: Control, rank: int, stale_after: float) -> bool:
     return any(c.live(r, stale_after) or c.has_finished(r) for r in range(c.workers) if r != rank)
 
 
-def may_rejoin(c: Control, rank: int, restarted: bool, stale_after: float) -> bool:
+def may_rejoin(c: Control, rank: int, restarted: bool, stale_after: float, rejoinable: bool = True) -> bool:
     """A restarted worker goes back into the run it was in, if that run is
     still going on without it (also when it had finished its part: it
     then finishes again at once, instead of opening a new run under the
-    others' feet)."""
-    return restarted and c.in_run(rank) and c.workers > 1 and others_alive(c, rank, stale_after)
+    others' feet), and the rule lets a worker rejoin (``rejoinable``:
+    not one whose workers move in lockstep, whose group torchrun restarts
+    whole: rank 0 then opens a new run)."""
+    return (rejoinable and restarted and c.in_run(rank) and c.workers > 1
+            and others_alive(c, rank, stale_after))
 
 
-def decide_rank0(c: Control, *, resume: str | bool, restarted: bool, stale_after: float) -> Decision:
+def decide_rank0(c: Control, *, resume: str | bool, restarted: bool, stale_after: float,
+                 rejoinable: bool = True) -> Decision:
     if c.generation == 0:
         return Decision("fresh", "the store is new")
-    if may_rejoin(c, 0, restarted, stale_after):
+    if may_rejoin(c, 0, restarted, stale_after, rejoinable):
         return Decision("rejoin", "rank 0 was restarted and the run goes on")
     if restarted:
         return Decision("resume", "rank 0 was restarted (TORCHELASTIC_RESTART_COUNT > 0)")
@@ -492,13 +496,14 @@ def decide_rank0(c: Control, *, resume: str | bool, restarted: bool, stale_after
     return Decision("resume", "an earlier run did not finish")
 
 
-def decide_other(c: Control, rank: int, *, restarted: bool, stale_after: float) -> Decision:
+def decide_other(c: Control, rank: int, *, restarted: bool, stale_after: float,
+                 rejoinable: bool = True) -> Decision:
     """A rank > 0 never opens a run: it joins the one rank 0 opened, goes
     back into the one it was restarted out of, or waits."""
     if c.generation == 0:
         return Decision("wait", "rank 0 has not opened a run yet")
     if c.in_run(rank):
-        if may_rejoin(c, rank, restarted, stale_after):
+        if may_rejoin(c, rank, restarted, stale_after, rejoinable):
             return Decision("rejoin", f"rank {rank} was restarted and the run goes on")
         return Decision("wait", f"run {c.generation} is one this rank was in before; waiting for a new one")
     if c.live(0, stale_after) and not c.stopped:

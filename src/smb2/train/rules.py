@@ -122,6 +122,10 @@ class UpdateRule(abc.ABC):
     #: inner steps in the change being pushed: the divergence guard compares
     #: changes per inner step (an elastic round of any length against the others)
     round_steps = 1
+    #: a restarted worker may go back into the run the others go on with
+    #: (smb2.train.lifecycle); a rule whose workers move in lockstep says no,
+    #: and a torchrun restart of the group then opens a new, resumed run
+    rejoinable = True
 
     def __init__(self, lr: float = 0.01) -> None:
         self.lr = _positive("lr", lr)
@@ -806,12 +810,19 @@ class AllReduce(UpdateRule):
     As under DDP, every worker takes the same number of steps: a worker
     that stops early or dies leaves the others waiting, and after
     ``round_timeout`` seconds they raise :class:`~smb2.NotifyTimeout` saying
-    how many gradients never came.  A worker restarted into a running run
-    is refused (its rounds would count from 0)."""
+    how many gradients never came.  A restarted worker never rejoins the
+    run (:attr:`rejoinable`: its rounds would count from 0): a torchrun
+    restart of the group opens a new, resumed run, which continues from
+    rank 0's last save (:mod:`smb2.torch.resume`: the weights, the optimizer
+    state and the step of one step), and a worker started alone into a
+    running run is refused."""
 
     name = "allreduce"
     gradient_rule = False       # the optimizer's own gradients, whole (no layer dropping)
     lag_scaled = False          # every round is complete: nothing arrives late
+    # a restarted worker's rounds would count from 0 while the others' go on:
+    # a torchrun restart (the whole group) opens a new run from rank 0's last save
+    rejoinable = False
     sums = 2
 
     def __init__(self, wire: str | None = "bfloat16", round_timeout: float = 60.0) -> None:

@@ -418,7 +418,8 @@ class ParameterStore:
             store = cls(client, buf, layout, data_off, rank=0, rule=rule, dropping=dropping)
             store.stale_after, store.restarted = stale_after, restarted
             control = await store.refresh()
-            decision = lc.decide_rank0(control, resume=resume, restarted=restarted, stale_after=stale_after)
+            decision = lc.decide_rank0(control, resume=resume, restarted=restarted, stale_after=stale_after,
+                                       rejoinable=rule.rejoinable)
             if decision.action == "rejoin":
                 store._enter(control, joined=True, rejoined=True)
                 await store._write_own(joined=control.generation)
@@ -540,7 +541,8 @@ class ParameterStore:
                 control = await self.refresh()
             else:
                 self.control = control
-            decision = lc.decide_other(control, self.rank, restarted=self.restarted, stale_after=self.stale_after)
+            decision = lc.decide_other(control, self.rank, restarted=self.restarted, stale_after=self.stale_after,
+                                       rejoinable=self.rule.rejoinable)
             if decision.action != "wait" and control.generation > newer_than:
                 rejoined = decision.action == "rejoin"
                 self._enter(control, joined=rejoined, rejoined=rejoined)
