@@ -119,3 +119,22 @@ async def test_the_report_writes_the_machine_and_the_round_trip_beside_the_figur
         assert why == report.NO_MATPLOTLIB and not png.exists()
     else:
         assert why is None and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_progress_line_says_the_count_the_time_elapsed_and_what_is_left(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # the clock is the test's: the line's shape is under test, not the machine's pace
+    now = iter([100.0, 130.0, 100.0 + 3 * 1241, 5000.0, 6000.0, 6010.0])
+    monkeypatch.setattr(report, "clock", lambda: next(now))
+    first = report.progress("demo", 0, 4, "runs of a demo")
+    assert first == "[bench demo] 0/4 runs of a demo (0.0 s elapsed)"
+    assert capsys.readouterr().err == first + "\n"
+    assert report.progress("demo", 1, 4, "run 1", speed="1.50 GB/s", **{"server CPU": None}) == (
+        "[bench demo] 1/4 run 1: speed 1.50 GB/s, server CPU - (30.0 s elapsed, about 1m30s left)")
+    assert report.progress("demo", 3, 4, "run 3") == "[bench demo] 3/4 run 3 (1h02m elapsed, about 20m41s left)"
+    assert report.progress("demo", 4, 4, "run 4") == "[bench demo] 4/4 run 4 (1h21m elapsed)"
+    # a new count (the next phase, or the bench run again) starts its own clock
+    assert report.progress("demo", 1, 2, "phase two") == "[bench demo] 1/2 phase two (0.0 s elapsed)"
+    assert report.progress("demo", 2, 2, "phase two") == "[bench demo] 2/2 phase two (10.0 s elapsed)"
+    assert [report.duration(s) for s in (0.04, 59.9, 61, 3599, 3600)] == ["0.0 s", "59.9 s", "1m01s", "59m59s",
+                                                                          "1h00m"]

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..protocol import MAX_ACCUMULATE, WIRE_CODES
 from .common import fmt_size, now, size_list
-from .report import median_round_trip, round_trip_us, run_and_report, table
+from .report import median_round_trip, progress, round_trip_us, run_and_report, table
 
 KINDS = {"fp32": None, "bf16": "bfloat16"}
 # a plain write of the same float32 words: what receiving the payload costs
@@ -133,8 +133,8 @@ async def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
                 row["kernel_GBps"] = {kind: _kernel(size, threads, WIRE_CODES.get(wire or "", 1), args.seconds / 2)
                                       for kind, wire in KINDS.items()}
                 runs.append(row)
-                print(f"turn {turn}, {threads} threads: " + ", ".join(
-                    f"{k} {row[k]['GBps']:.2f} GB/s" for k in KINDS), file=sys.stderr)
+                progress("accumulate", len(runs), args.turns * len(args.threads), f"turn {turn}, {threads} threads",
+                         **{k: f"{row[k]['GBps']:.2f} GB/s" for k in KINDS})
     return {"benchmark": "accumulate", "started": now(), "transport": args.transport, "size": size,
             "clients": args.clients, "seconds": args.seconds, "turns": args.turns, "runs": runs,
             "note": "GB/s of float32 destination words updated; a bf16 push sends half those bytes"}
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"smb2 bench accumulate: --threads is a list of numbers, not {args.threads!r}", file=sys.stderr)
         return 2
-    print(f"accumulate: {fmt_size(sizes[0])} pushes, {args.clients} clients, threads {args.threads}",
-          file=sys.stderr)
+    progress("accumulate", 0, args.turns * len(args.threads),
+             f"{fmt_size(sizes[0])} pushes, {args.clients} clients, threads {args.threads}")
     return run_and_report(lambda: measure(args, sizes[0]), summarize, format_table, args.json,
                           lambda result: median_round_trip([r["round_trip_64B_us"] for r in result["runs"]]))
 

@@ -804,8 +804,8 @@ async def quiet_round_trip() -> float:
 
 async def run(which: list[int], quick: bool) -> list[Row]:
     rows = []
-    for n in which:
-        print(f"[attacks] {n}: {ATTACKS[n].__name__} ...", file=sys.stderr, flush=True)
+    for i, n in enumerate(which):
+        report.progress("attacks", i, len(which), f"{n}: {ATTACKS[n].__name__} ...")
         try:
             rows.append(await ATTACKS[n](quick))
         except Exception as exc:     # one attack's failure is a row, not the end of the run

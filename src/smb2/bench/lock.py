@@ -318,6 +318,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             fns = {"raw": raw.ping, **{k: ops.op(k) for k in kinds[1:-1]}, "futex": shm_ops.op("futex")}
             samples: dict[str, list[float]] = {k: [] for k in kinds}
             rounds: list[dict[str, float]] = []
+            report.progress("lock", 0, args.rounds, "uncontended rounds of " + ", ".join(kinds))
             for r in range(args.rounds):
                 order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
                 med = {}
@@ -326,7 +327,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     samples[k].extend(lat)
                     med[k] = statistics.median(lat)
                 rounds.append(med)
-                _progress(f"round {r + 1}/{args.rounds}: " + "  ".join(f"{k} {med[k]:.1f}us" for k in kinds))
+                report.progress("lock", r + 1, args.rounds, "uncontended round",
+                                **{k: f"{med[k]:.1f}us" for k in kinds})
             unc: dict[str, Any] = {}
             for k in kinds:
                 unc[k] = {"p50_us": pct(samples[k], 50), "p99_us": pct(samples[k], 99),
@@ -338,6 +340,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             await pool.start(max(args.procs), cluster.addresses, args.holder_spin, args.futex_spin)
             contended: list[dict[str, Any]] = []
             ckinds = ["spin", "park", "poll", *args.shm]
+            cells = len(args.cs) * len(args.procs) * args.reps * len(ckinds)
+            report.progress("lock", 0, cells, "contended cells of " + ", ".join(ckinds))
             for cs, nprocs in [(cs, n) for cs in args.cs for n in args.procs]:
                 for rep in range(args.reps):
                     order = ckinds[rep % len(ckinds):] + ckinds[:rep % len(ckinds)]
@@ -353,9 +357,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                "fairness": (max(counts) / min(counts)) if min(counts) else None,
                                "server_ops_per_acq": (after - before) / total if total else None}
                         contended.append(row)
-                        _progress(f"{cs}, {nprocs} procs, {kind}: {row['per_s']:.0f}/s  fairness "
-                                  f"{row['fairness'] or float('inf'):.3f}  server ops/acq "
-                                  f"{row['server_ops_per_acq'] or 0:.1f}  rtt {rtt:.1f}us")
+                        report.progress("lock", len(contended), cells, f"{cs}, {nprocs} procs, {kind}",
+                                        rate=f"{row['per_s']:.0f}/s", fairness=f"{row['fairness'] or float('inf'):.3f}",
+                                        **{"server ops/acq": f"{row['server_ops_per_acq'] or 0:.1f}"},
+                                        rtt=f"{rtt:.1f}us")
             summary = []
             for cs, nprocs in [(cs, n) for cs in args.cs for n in args.procs]:
                 rows = {k: [c for c in contended if c["procs"] == nprocs and c["kind"] == k and c["cs"] == cs]

@@ -162,6 +162,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         for mode in args.poll:
             await _subject(bufs[mode], local, "read", maxsize, 3)
         bare.run("read", maxsize, 3)
+        cells = args.repeat * 2 * len(args.sizes)
+        report.progress("bandwidth", 0, cells, "rdma reads and writes, bare and " + ", ".join(args.poll))
         for rnd in range(args.repeat):
             rtt = bare.run("read", 8, max(10, args.ops // 10))
             for op in ("read", "write"):
@@ -174,9 +176,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                         row[f"{mode}_us"] = t * 1e6
                         row[f"{mode}_ratio"] = t / base
                     results["samples"].append(row)
-                    print(f"  round {rnd} {op} {size}: bare {base * 1e6:.1f} us, " +
-                          ", ".join(f"{m} {row[f'{m}_us']:.1f} us ({row[f'{m}_ratio']:.2f}x)"
-                                    for m in args.poll), file=sys.stderr, flush=True)
+                    report.progress("bandwidth", len(results["samples"]), cells, f"round {rnd} {op} {size}",
+                                    bare=f"{base * 1e6:.1f} us",
+                                    **{m: f"{row[f'{m}_us']:.1f} us ({row[f'{m}_ratio']:.2f}x)" for m in args.poll})
         for reg in regs:
             reg.close()
         results["round_trip_64B_us"] = await report.round_trip_us([server.address])

@@ -110,7 +110,8 @@ async def rejoin(args: argparse.Namespace) -> dict[str, object]:
         client, buf, data, rtts = await _filled(cluster, size)
         async with client:
             times = []
-            for _ in range(args.kills):
+            report.progress("repair", 0, args.kills, "rejoins of a SIGKILLed server restarted empty")
+            for k in range(args.kills):
                 await cluster.kill(1)
                 await _remove(cluster, 1)
                 t0 = time.monotonic()
@@ -124,6 +125,7 @@ async def rejoin(args: argparse.Namespace) -> dict[str, object]:
                         pass
                     await asyncio.sleep(0.02)
                 times.append(time.monotonic() - t0)
+                report.progress("repair", k + 1, args.kills, "rejoin", **{"a member again after": f"{times[-1]:.2f} s"})
             bad = await _check(cluster, data)
     held = Placement.of("repair", 3, size, MiB, 2).stripes_on(1) * MiB
     return {"mode": "rejoin (the lost server restarts empty and catches up)", "size": size,
@@ -195,7 +197,8 @@ class Traffic:
 async def replace(args: argparse.Namespace) -> dict[str, object]:
     size = parse_size(args.size)
     times, rtts, bad, loads = [], [], [], []
-    for _ in range(args.kills):
+    report.progress("repair", 0, args.kills, "replacements of a SIGKILLed server's copies on the other two")
+    for k in range(args.kills):
         async with smb2.LocalCluster(
                 servers=3, processes=True, replicated=True, capacity=f"{2 * size // MiB + 64}MiB",
                 server_args=["--repair-rate", args.repair_rate, "--replace-after", str(args.replace_after)]) as cluster:
@@ -218,6 +221,7 @@ async def replace(args: argparse.Namespace) -> dict[str, object]:
                     await asyncio.sleep(max(2.0, times[-1] - args.replace_after))
                     loads.append(await traffic.finish())
                 bad += await _check(cluster, data)
+        report.progress("repair", k + 1, args.kills, "replace", **{"whole again after": f"{times[-1]:.2f} s"})
     held = Placement.of("repair", 3, size, MiB, 2).stripes_on(1) * MiB
     med = statistics.median(times)
     out: dict[str, object] = {

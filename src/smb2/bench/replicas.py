@@ -82,6 +82,7 @@ def run_child(python: str, servers: list[str], transport: str, replicas: int, re
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     import smb2
+    from smb2.bench import report
 
     try:
         cluster = smb2.LocalCluster(servers=3, processes=True, replicated=True, capacity="512MiB")
@@ -92,7 +93,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     async with cluster:
         servers = cluster.addresses
         rows: dict[str, list[dict[str, float]]] = {"this r1": [], "this r2": [], "baseline r1": []}
-        for _ in range(args.turns):
+        report.progress("replicas", 0, args.turns, f"turns of every version, {args.repeat} samples a figure")
+        for turn in range(args.turns):
             # in turns, so a load change on the machine hits every version alike
             if args.baseline_python:
                 rows["baseline r1"].append(await asyncio.to_thread(
@@ -102,6 +104,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
             if replicated and not args.only_r1:
                 rows["this r2"].append(await asyncio.to_thread(
                     run_child, sys.executable, servers, args.transport, 2, args.repeat))
+            report.progress("replicas", turn + 1, args.turns, "turn, 64 B round trip",
+                            **{k: f"{v[-1]['rtt_64B_us']:.0f} us" for k, v in rows.items() if v})
     result: dict[str, object] = {"transport": args.transport, "turns": args.turns, "repeat": args.repeat}
     for key, samples in rows.items():
         if samples:

@@ -291,6 +291,7 @@ async def failover(cluster: netns_cluster.NetnsCluster, main: MainThread, kills:
         kill_rows = []
         try:
             await asyncio.sleep(0.5)
+            report.progress("replicas-netns", 0, kills, "SIGKILLs of a primary under accumulate and fetch_add")
             for k in range(kills):
                 victim = k % n
                 mine = [i for i in range(n) if primary[i] == victim]
@@ -324,7 +325,9 @@ async def failover(cluster: netns_cluster.NetnsCluster, main: MainThread, kills:
                                   "member_again_s": round(t_member - t_restart, 3),
                                   "other_stripes_slowest_op_s": round(max((op.complete - op.invoke for op in others),
                                                                           default=0.0), 3)})
-                log.info("kill %d: %s", k, kill_rows[-1])
+                report.progress("replicas-netns", k + 1, kills, f"failover of server {victim}",
+                                **{"its stripes went on after": f"{kill_rows[-1]['failover_s']:.2f} s",
+                                   "a member again after": f"{kill_rows[-1]['member_again_s']:.2f} s"})
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -371,7 +374,8 @@ async def repair(cluster: netns_cluster.NetnsCluster, main: MainThread, size: in
                     log.warning("filling %s: %s", name, retries[-1])
         fill = time.monotonic() - t0
         first = next(i for i in range(p.nstripes) if p.replicas_of(i)[0] == victim)
-        for _ in range(kills):
+        report.progress("replicas-netns", 0, kills, f"rejoins of server {victim}, restarted empty, {size // MiB} MiB")
+        for k in range(kills):
             await main.acall(cluster.kill_server, victim)
             # a write to a stripe the victim is primary of finds it dead: the client takes it out of the view
             await buf.write(first * stripe, data[first * stripe:(first + 1) * stripe])
@@ -384,6 +388,8 @@ async def repair(cluster: netns_cluster.NetnsCluster, main: MainThread, size: in
                 await asyncio.sleep(0.05)
             t_member = time.monotonic()
             rows.append({"restart_s": round(t_ready - t_restart, 3), "repair_s": round(t_member - t_restart, 3)})
+            report.progress("replicas-netns", k + 1, kills, "rejoin",
+                            **{"a member again after": f"{rows[-1]['repair_s']:.2f} s"})
         # every copy on the rejoined server holds the data
         host, port = cluster.servers[victim].rsplit(":", 1)
         bad = []

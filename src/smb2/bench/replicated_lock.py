@@ -60,6 +60,7 @@ async def latencies(cluster: smb2.LocalCluster, transport: str, rounds: int, n: 
 async def failover(cluster: smb2.LocalCluster, transport: str, kills: int) -> list[dict[str, float]]:
     out = []
     async with await cluster.connect(transport=transport) as a, await cluster.connect(transport=transport) as b:
+        report.progress("replicated-lock", 0, kills, "SIGKILLs of the lock's server, a holder and a waiter on it")
         for k in range(kills):
             holder = a.replicated_lock("bench-failover", 2)
             await holder.acquire()
@@ -77,8 +78,8 @@ async def failover(cluster: smb2.LocalCluster, transport: str, kills: int) -> li
             handed = time.monotonic() - t0
             await waiter.release()
             out.append({"kept_s": kept, "handed_on_s": handed, "server": float(lost)})
-            print(f"kill {k + 1}: server {lost}; the holder released it on the new primary after {kept:.2f} s, "
-                  f"the waiter held it {handed:.2f} s after the kill", flush=True)
+            report.progress("replicated-lock", k + 1, kills, f"kill of server {lost}: the holder released it on the "
+                            f"new primary after {kept:.2f} s, the waiter held it {handed:.2f} s after the kill")
             await cluster.restart(lost)
             await asyncio.sleep(3.0)        # it rejoins and catches up before the next kill
     return out

@@ -1,7 +1,9 @@
 """What every benchmark reports, written once: a run's JSON (with the machine
 it ran on, the smb2 version and the 64-byte round trip of its servers, so a
-figure is never read without its context), the text table, and the PNG.
+figure is never read without its context), the text table, the PNG, and a
+long run's progress lines.
 
+    progress("lock", 2, 12, "contended, 4 procs, park", rate="41230/s")    # as a cell ends, on stderr
     rtt = await round_trip_us(servers)
     print(table(["servers", "GB/s", "x 1 srv"], rows, formats=[None, "{:.3f}", "{:.2f}x"]))
     write_json(args.json, result, round_trip_64B_us=rtt)
@@ -140,6 +142,48 @@ def style(ax: Any, *, title: str, xlabel: str, ylabel: str | None = None, xticks
     ax.grid(alpha=0.3)
     if legend:
         ax.legend(fontsize=8)
+
+
+#: each benchmark's count of its progress lines: (when the count began, done
+#: then, total, done at the last line)
+_counts: dict[str, tuple[float, int, int, int]] = {}
+#: the progress lines' clock (a test sets its own)
+clock: Callable[[], float] = time.monotonic
+
+
+def duration(seconds: float) -> str:
+    """A span of time as a progress line says it: "42.0 s", "6m09s", "1h02m"."""
+    s = round(seconds)
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress(bench: str, done: int, total: int, what: str, /, **figures: Any) -> str:
+    """One line of a long run's progress on stderr, alike in every benchmark:
+    ``[bench tta] 3/12 homogeneous run 2: ddp 61.8 s to target (2m03s elapsed,
+    about 6m09s left)``.  ``done`` of ``total`` units (runs, cells, rounds)
+    are finished; ``figures`` follow ``what`` as "name value", each value
+    as a table cell.  The time elapsed runs from the first line of a count
+    (a bench's first, or one with another total or fewer done: its next
+    phase, or a run again in this process), so a loop says ``done`` 0 before
+    its first unit; what is left extrapolates the pace of the units done
+    since.  The line is returned too."""
+    t = clock()
+    began, done0, total0, last = _counts.get(bench, (t, done, total, done))
+    if total != total0 or done < last:
+        began, done0 = t, done
+    _counts[bench] = (began, done0, total, done)
+    elapsed = t - began
+    timing = f"{duration(elapsed)} elapsed"
+    if done0 < done < total:
+        timing += f", about {duration(elapsed / (done - done0) * (total - done))} left"
+    shown = ", ".join(f"{name} {cell(value)}" for name, value in figures.items())
+    line = f"[bench {bench}] {done}/{total} {what}{': ' + shown if shown else ''} ({timing})"
+    print(line, file=sys.stderr, flush=True)
+    return line
 
 
 def run_and_report(benchmark: Callable[[], Coroutine[Any, Any, dict[str, Any]]],

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -81,6 +80,7 @@ def main() -> None:
     rows = []
     try:
         servers = ",".join(cluster.addresses)
+        report.progress("resume", 0, a.rounds, f"rounds of {a.steps} steps, without and with saving every {a.every} s")
         for r in range(a.rounds):
             rtt = loop.run(report.round_trip_us(cluster.addresses))
             base = run(servers, widths, a.steps, None, f"bench-resume-{r}-base")
@@ -91,7 +91,8 @@ def main() -> None:
                 row.update(round=r, rtt_us=rtt, median_ratio=row["median_ms"] / base["median_ms"],
                            mean_ratio=row["mean_ms"] / base["mean_ms"])
                 rows.append(row)
-            print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
+            report.progress("resume", r + 1, a.rounds, "round",
+                            **{"step time": f"x{saving['median_ratio']:.3f} saving"})
     finally:
         loop.run(cluster.close())
         loop.stop()

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from .common import proc_cpu
-from .report import plot, round_trip_us, style, table, write_json
+from .report import plot, progress, round_trip_us, style, table, write_json
 
 STORE = "bench-scale"
 PHASES = ("connect", "open", "join", "beat", "exchange")
@@ -185,6 +185,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert p.stdout is not None
             if not p.stdout.readline():
                 raise RuntimeError(f"a process of simulated workers did not start (exit {p.wait()})")
+        if not args.quiet:
+            progress("scale", 0, len(PHASES), "phases: " + ", ".join(PHASES))
         for phase in PHASES:
             cpu0, t0 = [proc_cpu(p) for p in pids], time.monotonic()
             parts = _step(crowds, phase)
@@ -195,7 +197,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        server_rss=[s.rss for s in servers])
             result["phases"][phase] = row
             if not args.quiet:
-                print(f"  {phase}: {wall:.2f} s, server CPU {sum(cpu):.2f} s", file=sys.stderr)
+                progress("scale", len(result["phases"]), len(PHASES), phase, wall=f"{wall:.2f} s",
+                         **{"server CPU": f"{sum(cpu):.2f} s"})
             if row.get("errors"):
                 print(f"  {phase}: {row['errors']}", file=sys.stderr)
         stats = asyncio.run(_server_stats(addresses))

@@ -226,13 +226,14 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
             return statistics.median(lat) * 1e6
 
         # warm up every buffer (server pages, TCP windows, the planner), check one round trip
-        for n in counts:
+        report.progress("scaleout", 0, len(counts), "warm-ups: every op once, read back and checked")
+        for i, n in enumerate(counts):
             for op in OPS + (RAW_OPS if raw_conns else ()):
                 await move(op, n)
             if not np.array_equal(src[:-8], dst[:-8]):
                 raise SystemExit(f"warm-up: data read back from {n} server(s) differs from what was written")
             await rtt_us(n)
-            print(f"bench_scaleout[worker]: {n} server(s) warmed up", file=sys.stderr, flush=True)
+            report.progress("scaleout", i + 1, len(counts), f"warm-up of {n} server(s)")
 
         spy = _spy(args.pyspy, os.getpid(), args.profile, args.native) if args.profile else None
         if spy is not None:
@@ -241,6 +242,8 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
         measured = tuple(op for op in OPS if op in args.ops.split(","))
         if raw_conns:  # each smb2 op next to its baseline, in alternating order
             measured = tuple(x for op in measured for x in (op, "raw-" + op))
+        cells = args.rounds * len(counts) * len(measured)
+        report.progress("scaleout", 0, cells, f"rounds of {', '.join(measured)} over {counts} server(s)")
         for r in range(args.rounds):
             order = counts if r % 2 == 0 else counts[::-1]
             ops = measured if r % 2 == 0 else measured[::-1]
@@ -279,12 +282,12 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
                                         if busy is not None and server_pids else None),
                     })
                     s = samples[-1]
-                    print(f"bench_scaleout[worker]: round {r} {n} server(s) {op}: {s['GBps']:.3f} GB/s "
-                          f"rtt {s['rtt_us']:.0f} us client {s['client_cpu_s_per_GB']:.2f} cpu-s/GB "
-                          f"wakeups/MiB client {s['client_wakeups_per_MiB']:.1f} "
-                          f"servers {s['server_wakeups_per_MiB'] or 0:.1f} "
-                          f"machine {s['machine_busy']:.0%} busy, others {s['others_busy'] or 0:.0%}",
-                          file=sys.stderr, flush=True)
+                    report.progress("scaleout", len(samples), cells, f"round {r} {n} server(s) {op}",
+                                    speed=f"{s['GBps']:.3f} GB/s", rtt=f"{s['rtt_us']:.0f} us",
+                                    client=f"{s['client_cpu_s_per_GB']:.2f} cpu-s/GB",
+                                    **{"wakeups/MiB": f"client {s['client_wakeups_per_MiB']:.1f} "
+                                                      f"servers {s['server_wakeups_per_MiB'] or 0:.1f}"},
+                                    machine=f"{s['machine_busy']:.0%} busy, others {s['others_busy'] or 0:.0%}")
         if spy is not None:
             _stop_spy(spy)
         # the last full read must still be exactly what was written
@@ -344,7 +347,7 @@ def worker_main(argv: list[str]) -> int:
 
 
 def training_samples_per_s(cluster: netns_cluster.NetnsCluster, nservers: int, *, steps: int, workers: int,
-                           rule: str, quiet: bool) -> float | None:
+                           rule: str) -> float | None:
     """The training benchmark (tools/bench_training.py, one configuration) against the first
     ``nservers`` servers: samples/s, or None (with the reason on stderr) if it failed.  It runs in
     the client namespace, and its worker processes are its children there, so every byte it moves
@@ -357,10 +360,7 @@ def training_samples_per_s(cluster: netns_cluster.NetnsCluster, nservers: int, *
         print(f"bench_scaleout: the training run on {nservers} server(s) failed (exit {r.returncode}):\n"
               f"{r.stderr[-2000:]}", file=sys.stderr)
         return None
-    sps = float(json.loads(r.stdout.strip().splitlines()[-1])["samples_per_s"])
-    if not quiet:
-        progress(f"training ({rule}, {workers} workers, {steps} steps) on {nservers} server(s): {sps:.1f} samples/s")
-    return sps
+    return float(json.loads(r.stdout.strip().splitlines()[-1])["samples_per_s"])
 
 
 def summarize(samples: list[dict[str, Any]], counts: list[int]) -> dict[str, Any]:
@@ -619,10 +619,15 @@ def main(argv: list[str] | None = None) -> int:
                 _stop_spy(spy)
         training: dict[int, float | None] = {}
         if args.training_steps > 0:
-            for n in counts:
-                training[n] = training_samples_per_s(cluster, n, steps=args.training_steps,
-                                                     workers=args.training_workers, rule=args.training_rule,
-                                                     quiet=args.quiet)
+            if not args.quiet:
+                report.progress("scaleout", 0, len(counts), f"training runs ({args.training_rule}, "
+                                f"{args.training_workers} workers, {args.training_steps} steps)")
+            for i, n in enumerate(counts):
+                sps = training[n] = training_samples_per_s(cluster, n, steps=args.training_steps,
+                                                           workers=args.training_workers, rule=args.training_rule)
+                if not args.quiet:
+                    report.progress("scaleout", i + 1, len(counts), f"training on {n} server(s)",
+                                    speed=None if sps is None else f"{sps:.1f} samples/s")
     for path in (args.profile, args.profile_server):
         if path:
             print(top_frames(Path(path)) if Path(path).exists() else f"py-spy wrote no {path}", file=sys.stderr)

@@ -227,6 +227,8 @@ class _Bench:
         await self.rtt_burst(200)
 
         npair = 0
+        report.progress("bandwidth", 0, args.repeat, "rounds of " + ", ".join(OPS) + " at "
+                        + ", ".join(fmt_size(x) for x in self.sizes))
         for rep in range(args.repeat):
             for size in self.sizes:
                 # ops per timed stretch: one 1 MiB op alone is too short to time
@@ -259,9 +261,9 @@ class _Bench:
                         "t": time.time(),
                     })
             last = [x for x in self.samples[-len(self.sizes) * len(OPS):] if x["size"] == self.maxsize]
-            _progress(f"round {rep + 1}/{args.repeat}: " + "; ".join(
-                f"{x['op']} {fmt_size(x['size'])} smb2 {x['smb2_gbps']:.2f} raw {x['raw_gbps']:.2f} GB/s"
-                for x in last) + f"; rtt {self.samples[-1]['rtt_p50_us']:.0f} us")
+            report.progress("bandwidth", rep + 1, args.repeat, f"round at {fmt_size(self.maxsize)}",
+                            **{x["op"]: f"smb2 {x['smb2_gbps']:.2f} raw {x['raw_gbps']:.2f} GB/s" for x in last},
+                            rtt=f"{self.samples[-1]['rtt_p50_us']:.0f} us")
 
     async def latencies(self, raw: RawClient, buf: Any) -> None:
         """Blocks of raw 64-byte round trips and smb2 small reads, taken in

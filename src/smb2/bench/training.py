@@ -51,11 +51,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +270,10 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
         data.save(path, data.synthetic(4096, SIZES[0], SIZES[-1], seed=0, test=256))
         clusters = {ns: await smb2.LocalCluster(servers=ns, processes=True, capacity="512MiB").start()
                     for ns in nservers}
+        total = len(workers) * (a.repeat * (have_torch + len(clusters) * len(rules) * len(transports))
+                                + have_torch * (1 + a.frontend * (1 + 4 * len(transports))))
+        ran = itertools.count(1)
+        report.progress("training", 0, total, f"runs: workers {a.workers}, servers {a.servers}, rules {a.rules}")
         try:
             # the machine is shared and noisy: for each number of workers, gloo
             # runs before and after the smb2 configurations it is compared with,
@@ -277,7 +283,8 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                 for rep in range(a.repeat):
                     if have_torch:
                         gloo_runs.append(await gloo_run(w, a.steps, path))
-                        print(f"  gloo all-reduce  {w} workers: {gloo_runs[-1]['samples_per_s']:8.1f} samples/s")
+                        report.progress("training", next(ran), total, f"gloo all-reduce, {w} workers",
+                                        speed=f"{gloo_runs[-1]['samples_per_s']:.1f} samples/s")
                     for ns, cluster in clusters.items():
                         for label in rules:
                             for via in transports:
@@ -285,13 +292,15 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                                 r = await smb2_run(label, w, cluster.addresses, a.steps, path, via)
                                 row = {"system": "smb2", "rule": label, "workers": w, "servers": ns,
                                        "transport": via, "rtt_us": rtt, "repeat": rep, **r}
-                                _show(row)
+                                _show(row, next(ran), total)
                                 rows.append(row)
                 if have_torch and a.frontend:
-                    rows += await frontend_rows(w, a.steps, path, clusters[nservers[0]], nservers[0], transports)
+                    rows += await frontend_rows(w, a.steps, path, clusters[nservers[0]], nservers[0], transports,
+                                                ran, total)
                 if have_torch:
                     gloo_runs.append(await gloo_run(w, a.steps, path))
-                    print(f"  gloo all-reduce  {w} workers: {gloo_runs[-1]['samples_per_s']:8.1f} samples/s")
+                    report.progress("training", next(ran), total, f"gloo all-reduce, {w} workers",
+                                    speed=f"{gloo_runs[-1]['samples_per_s']:.1f} samples/s")
                     rtt = await report.round_trip_us(next(iter(clusters.values())).addresses, transport="auto")
                     sps = [g["samples_per_s"] for g in gloo_runs]
                     rows.append({"system": "gloo all-reduce", "rule": "sync", "workers": w, "servers": 0,
@@ -306,14 +315,14 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
 
 
 async def frontend_rows(workers: int, steps: int, path: Path, cluster: smb2.LocalCluster, nservers: int,
-                        transports: list[str]) -> list[dict[str, Any]]:
+                        transports: list[str], ran: Iterator[int], total: int) -> list[dict[str, Any]]:
     """torch DDP and AsyncOptimizer (rules delta and accumulate, staleness 0, 1, over each
-    transport), one after the other."""
+    transport), one after the other; ``ran`` counts the runs of ``total``."""
     rows = []
     rtt = await report.round_trip_us(cluster.addresses, transport="auto")
     r = await frontend_run("ddp", workers, steps, path)
     rows.append({"system": "torch DDP", "rule": "sync", "workers": workers, "servers": 0, "rtt_us": rtt, **r})
-    _show(rows[-1])
+    _show(rows[-1], next(ran), total)
     for rule in ("delta", "accumulate"):
         for s in (0, 1):
             for via in transports:
@@ -322,7 +331,7 @@ async def frontend_rows(workers: int, steps: int, path: Path, cluster: smb2.Loca
                                        transport=via)
                 rows.append({"system": "AsyncOptimizer", "rule": f"{rule}/s{s}", "workers": workers,
                              "servers": nservers, "transport": via, "rtt_us": rtt, **r})
-                _show(rows[-1])
+                _show(rows[-1], next(ran), total)
     return rows
 
 
@@ -353,11 +362,12 @@ def _best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                                 r["rule"], r.get("transport") or ""))
 
 
-def _show(r: dict[str, Any]) -> None:
+def _show(r: dict[str, Any], done: int, total: int) -> None:
     # one line as each run ends; the table at the end lines them up
     via = f" over {r['transport']}" if r.get("transport") else ""
-    print(f"  {r['system']} {r['rule']}{via}, {r['workers']} workers, {r['servers']} servers: "
-          f"{r['samples_per_s']:.1f} samples/s (rtt {r['rtt_us']:.0f} µs)", flush=True)
+    report.progress("training", done, total, f"{r['system']} {r['rule']}{via}, {r['workers']} workers, "
+                    f"{r['servers']} servers", speed=f"{r['samples_per_s']:.1f} samples/s",
+                    rtt=f"{r['rtt_us']:.0f} µs")
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:

@@ -918,23 +918,33 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if a.task == "lm":      # written once here, mapped by every worker
             cfg["corpus"] = corpus
             result["data"] = tta_lm.write_corpus(Path(corpus))
+        total = sum(len(run_plan(a, scenario)) for scenario in a.scenarios)
+        report.progress("tta", 0, total, f"runs of {', '.join(a.systems)} in {', '.join(a.scenarios)}")
         for scenario in a.scenarios:
-            run_one_scenario(a, cfg, scenario, rates[scenario], budgets[scenario], result)
+            run_one_scenario(a, cfg, scenario, rates[scenario], budgets[scenario], result, total)
     return result
 
 
-def run_one_scenario(a: argparse.Namespace, cfg: dict[str, Any], scenario: str, rate: str, budget: float,
-                     result: dict[str, Any]) -> None:
-    """Every run of every system in ``scenario`` on one namespace cluster; rows into ``result``."""
-    nserv, nwork = cfg["servers"], cfg["workers"]
+def run_plan(a: argparse.Namespace, scenario: str) -> list[tuple[int, list[str]]]:
+    """The runs of ``scenario``: (its number, the systems it trains in turn)."""
     # the default port gets more runs in (d): "none may collapse" wants more than three
     plan = [(i, list(a.systems)) for i in range(a.runs)]
     if scenario == "overloaded" and "default" in a.systems:
         plan += [(i, ["default"]) for i in range(a.runs, a.default_runs)]
     if scenario in FAULT_AT:
-        # (e): each system in its own worker processes (the kill must hit one system only), trained
-        # the whole budget (the kill and the rejoin fall at fractions of it)
+        # (e): each system in its own worker processes (the kill must hit one system only)
         plan = [(i, [s]) for i, systems in plan for s in systems]
+    return plan
+
+
+def run_one_scenario(a: argparse.Namespace, cfg: dict[str, Any], scenario: str, rate: str, budget: float,
+                     result: dict[str, Any], total: int) -> None:
+    """Every run of every system in ``scenario`` on one namespace cluster; rows into ``result``
+    (``total``: the runs of the whole benchmark, for its progress lines)."""
+    nserv, nwork = cfg["servers"], cfg["workers"]
+    plan = run_plan(a, scenario)
+    if scenario in FAULT_AT:
+        # (e): trained the whole budget (the kill and the rejoin fall at fractions of it)
         cfg = {**cfg, "stop": "budget"}
     torchft = any("torchft" in (spec_of(s) or {}) for s in a.systems)
     # hosts 0..S-1 are memory servers, S..S+W-1 workers, then torchft's lighthouse: every one
@@ -948,12 +958,13 @@ def run_one_scenario(a: argparse.Namespace, cfg: dict[str, Any], scenario: str, 
         workers = list(range(nserv, nserv + nwork))
         try:
             for i, systems in plan:
+                done = sum(map(len, result["rtt_us"].values()))     # the runs before this one
                 # the machine's round trip, beside each run: its slow mode moves every figure
                 rtt = loopback_rtt_us()
                 result["rtt_us"].setdefault(scenario, []).append(rtt)
                 hogs = f", {cfg['hogs']} unpinned busy processes" if scenario == "overloaded" else ""
-                print(f"bench_tta: {scenario} run {i + 1} ({rate} links{hogs}, loopback 64 B round trip "
-                      f"{rtt:.0f} µs): {', '.join(systems)} ...", file=sys.stderr, flush=True)
+                report.progress("tta", done, total, f"{scenario} run {i + 1} ({rate} links{hogs}, "
+                                f"loopback 64 B round trip {rtt:.0f} µs): {', '.join(systems)} ...")
                 lighthouse = nserv + nwork if any("torchft" in (spec_of(s) or {}) for s in systems) else None
                 for row in run_scenario(cluster, cfg, systems, scenario, servers,
                                         {f"server {addr}": p for addr, p in zip(servers, procs)}, workers,
@@ -962,7 +973,8 @@ def run_one_scenario(a: argparse.Namespace, cfg: dict[str, Any], scenario: str, 
                     row["rate"] = rate
                     row["rtt_us"] = rtt
                     result["rows"].append(row)
-                    print(f"bench_tta:   {fmt_row(row)}", file=sys.stderr, flush=True)
+                    # a run's rows come when its last system is done
+                    report.progress("tta", done + 1, total, f"run {i + 1}: {fmt_row(row)}")
         finally:
             for p in procs:
                 p.terminate()
