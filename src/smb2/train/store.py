@@ -97,7 +97,6 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .. import _core
 from ..checkpoint import read_checkpoint_header
 from ..checkpoint import restore as checkpoint_restore
 from ..client import DEFAULT_STRIPE, Buffer, Client
@@ -1335,8 +1334,7 @@ async def describe_all(client: Client) -> list[dict[str, Any]]:
         if info["stripe"] < PREAMBLE:
             one_by_one.append(name)             # the preamble spans stripes: read it whole
             continue
-        placement = Placement(n, info["nbytes"], info["stripe"], _core.name_hash(name) % n, replicas,
-                              info.get("zones"))
+        placement = Placement.of(name, n, info["nbytes"], info["stripe"], replicas, info.get("zones"))
         first = placement.replicas_of(0)[0]
         server = next(s for s, i in held if i["index"] == first)
         at[name] = (server, len(reads[server]))
