@@ -1,4 +1,4 @@
-"""An ordinary torch training script, trained asynchronously through smb2.
+"""An ordinary torch training script, trained by several workers through smb2.
 
 A small CNN on scikit-learn's digits (no download), SGD with momentum (or
 AdamW), a StepLR schedule, gradient clipping.  Start memory servers, then
@@ -9,13 +9,14 @@ launch it with torchrun; every worker gets the same SMB2_SERVERS:
         torchrun --standalone --nproc-per-node 4 examples/torch_train.py
 
 The lines marked "smb2" are all that differ from the single-process script
-(docs/training.md shows the diff, and the one against DDP).  ``--rule
+(docs/training.md shows the diff, and the one against DDP).  Without
+``--rule`` the script passes no rule: AsyncOptimizer's default,
+``allreduce`` (DDP's arithmetic), the porting recipe's one line.  ``--rule
 diloco`` is the rule docs/training.md recommends ("Which rule, when"; with
 SGD it also multiplies the learning rate by the number of workers);
-without it the script keeps AsyncOptimizer's default rule, ``delta``, the
-porting recipe's one line.  Each rank prints one JSON line: its steps, its
-last loss, and the test accuracy of the shared model once every rank
-finished.
+``--rule delta`` is the asynchronous baseline (at ``--staleness 1`` unless
+told).  Each rank prints one JSON line: its steps, its last loss, and the
+test accuracy of the shared model once every rank finished.
 """
 
 from __future__ import annotations
@@ -92,11 +93,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--name", default="digits-cnn", help="the store's name (one per job)")
-    p.add_argument("--staleness", type=int, default=1)
-    p.add_argument("--rule", choices=["delta", "diloco", "allreduce"], default="delta",
-                   help="how steps reach the shared model: diloco, the recommended one, delta, "
-                        "AsyncOptimizer's default, or allreduce, DDP's arithmetic (docs/training.md, "
-                        "'Which rule, when')")
+    p.add_argument("--staleness", type=int, default=None,
+                   help="rule delta: own steps a worker may run past its last pull (default 1: the exchange "
+                        "travels while the next step computes); allreduce and diloco ignore it")
+    p.add_argument("--rule", choices=["allreduce", "delta", "diloco"], default=None,
+                   help="how steps reach the shared model: allreduce, DDP's arithmetic, AsyncOptimizer's "
+                        "default (used when no --rule is given: no rule is passed), diloco, the recommended "
+                        "one, or delta, the asynchronous baseline (docs/training.md, 'Which rule, when')")
     p.add_argument("--local-steps", type=local_steps, default=None,
                    help="rule diloco: inner steps per round, or 'auto': each worker chooses them from its "
                         "measured compute and exchange times (docs/training.md, 'DiLoCo')")
@@ -116,7 +119,10 @@ def main() -> None:
     ytr, yte = ytr.to(a.device), yte.to(a.device)
     model = make_model().to(a.device)
     opt = make_optimizer(model, a.optimizer)
-    rule: dict[str, object] = {"rule": a.rule}
+    # smb2: the options the command line chose; none: the porting recipe's one line
+    rule: dict[str, object] = {} if a.rule is None else {"rule": a.rule}
+    if a.staleness is not None or a.rule == "delta":
+        rule["staleness"] = 1 if a.staleness is None else a.staleness
     if a.local_steps is not None:
         rule["local_steps"] = a.local_steps
     if a.max_local_steps is not None:
@@ -125,7 +131,7 @@ def main() -> None:
         rule["compress"] = a.compress
     if a.outer_momentum is not None:
         rule["outer_momentum"] = a.outer_momentum
-    opt = smb2.torch.AsyncOptimizer(opt, model, name=a.name, staleness=a.staleness, **rule)  # smb2
+    opt = smb2.torch.AsyncOptimizer(opt, model, name=a.name, **rule)  # smb2
     if a.rule == "diloco" and a.optimizer == "sgd":
         # smb2, rule diloco: each worker's round counts 1/W, so the shared model learns per sample
         # as DDP does at W times the batch: scale the inner lr by W, as DDP users do (the linear
@@ -150,8 +156,8 @@ def main() -> None:
     stats = opt.stats()
     end = opt.close(wait_all=300)  # smb2: wait for every rank, take the weights they trained
 
-    report = {"rank": opt.rank, "world": opt.world, "optimizer": a.optimizer, "device": a.device,
-              "steps": stats["steps"],
+    report = {"rank": opt.rank, "world": opt.world, "rule": opt.rule_name, "optimizer": a.optimizer,
+              "device": a.device, "steps": stats["steps"],
               "loss": round(loss, 4), "accuracy": round(accuracy(model, xte, yte), 2),
               "seconds": round(time.perf_counter() - t0, 2), "comm_wait_share": round(stats["comm_wait_share"], 3),
               "lag_scaled": stats["lag_scaled"], "max_version_lag": stats["max_version_lag"],

@@ -3,8 +3,10 @@ straggler does not collapse (tools/studies/async_collapse.py: the scenario, the 
 calls it).
 
 3 real torchrun workers train the example's CNN on digits (SGD lr 0.05,
-momentum 0.9, no gradient clipping) with the recipe's one line unchanged,
-``AsyncOptimizer(opt, model, name=..., staleness=1)``; the last worker is
+momentum 0.9, no gradient clipping) with the asynchronous recipe's one line
+unchanged, ``AsyncOptimizer(opt, model, name=..., rule="delta", staleness=1)``
+(the default port before the default rule became ``allreduce``, whose workers
+move in lockstep); the last worker is
 30 ms per step slower, and 3 busy processes share the 2 cores with them.
 With each worker's change counted whole and no lag scaling (the arithmetic
 before the stable configuration became the default, ``--old-default``) the

@@ -3,7 +3,7 @@ its speed.
 
 Two memory-server hosts and two worker hosts, each a network namespace behind a 1 Gbit/s
 link (and torchft's lighthouse on a host of its own); torch DDP, torchft's DiLoCo and the
-compared smb2 systems (the default port, diloco, easgd) train the small model on the same
+compared smb2 systems (the default port: rule allreduce, diloco, easgd) train the small model on the same
 worker hosts in one run.  Checked: every system trained and learned something and no curve
 ended at chance, the bytes that crossed each worker's link per step match the model's size and
 the rule, the summary and the targets table are filled in, and DDP and smb2 saw the same links.
@@ -14,6 +14,7 @@ torchft missing fails (make test installs it: smb2[tta]).
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -29,8 +30,9 @@ from smb2.bench import tta_lm
 pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
 TORCHFT_MISSING = "torchft is not installed: make test installs it (pip install -e '.[tta]')"
 FINAL_MODEL = {"ddp": "DDP's model", "easgd": "the center", "torchft": "rank 0's model"}
-#: the language model's quick run: DDP, torchft's DiLoCo and smb2's default port, diloco and allreduce
-LM_SYSTEMS = ["ddp", "default", "diloco", "torchft", "allreduce"]
+#: the language model's quick run: DDP, torchft's DiLoCo and smb2's default port (rule allreduce), diloco
+#: and the asynchronous port (rule delta)
+LM_SYSTEMS = ["ddp", "default", "diloco", "torchft", bench_tta.ASYNC_PORT]
 
 
 def quick(tmp: Path, *args: str) -> dict:
@@ -107,18 +109,24 @@ def test_bytes_per_step_match_model_and_rule(result: dict) -> None:
         if want is None:
             # diloco, a round of H steps (bytes a parameter): two bf16 accumulates and the pull (8), and
             # for the worker whose push completes a group of W the momentum step too (read 8, write 6):
-            # at most 22, under 3 of the default's float32 steps (8 each); torchft's DiLoCo all-reduces
-            # float32 pseudo-gradients once a round: 8 (W-1)/W out and as much in, at most 16
-            full = rows["default"]["link_bytes_per_step"]
-            assert all(0 < m < 3 / bench_tta.DILOCO_H * f for m, f in zip(measured, full)), (name, measured, full)
+            # at most 22 and headers, under 3 float32 steps of rule delta (a push and a pull: 8 each);
+            # torchft's DiLoCo all-reduces float32 pseudo-gradients once a round: 8 (W-1)/W out and as
+            # much in, at most 16
+            full = bench_tta.expected_bytes_per_step("delta", params, r["workers"])
+            assert full == 8 * params
+            assert all(0 < m < 3 / bench_tta.DILOCO_H * full for m in measured), (name, measured, full)
             continue
         # on the wire: the rule's payload plus Ethernet/IP/TCP headers and acks (a few %)
         for m in measured:
             assert 0.97 * want <= m <= 1.15 * want, f"{name}: {m:.0f} B/step on the link, rule says {want:.0f}"
         for p in r.get("payload_bytes_per_step", []):   # AsyncOptimizer's own count of its payload
             assert 0.98 * want <= p <= 1.05 * want, f"{name}: payload {p:.0f} B/step, rule says {want:.0f}"
-    # the rules against each other: EASGD exchanges every 4th step
-    assert rows["easgd"]["expected_bytes_per_step"] == 0.25 * rows["default"]["expected_bytes_per_step"]
+    # the rules against each other: EASGD exchanges (a push and a pull) every 4th step, where rule delta
+    # pushes and pulls every step; the default port, rule allreduce, sends the bf16 gradient and reads
+    # the float32 mean
+    delta = bench_tta.expected_bytes_per_step("delta", params, rows["easgd"]["workers"])
+    assert rows["easgd"]["expected_bytes_per_step"] == 0.25 * delta
+    assert rows["default"]["expected_bytes_per_step"] == 1.5 * 4 * params
 
 
 def test_the_machine_round_trip_is_recorded(result: dict) -> None:
@@ -153,9 +161,11 @@ def test_every_system_trains_the_language_model(lm_result: dict) -> None:
         ddp = rows["ddp"]["final"]
         assert r["final_vs_ddp"] == pytest.approx(100 * (ddp - r["final"]) / ddp), name
     assert {t["scenario"] for t in lm_result["targets"]} == {"homogeneous"}
-    # allreduce moves the bf16 gradient up and the float32 mean down each step (1.5 model sizes), plus
-    # headers, the round counters' polls and the start (the weights pulled once)
-    ar = rows["allreduce"]
+    # the default port's rule, allreduce, moves the bf16 gradient up and the float32 mean down each
+    # step (1.5 model sizes), plus headers, the round counters' polls and the start (the weights
+    # pulled once)
+    assert bench_tta.rule_of(bench_tta.spec_of("default") or {}) == "allreduce"
+    ar = rows["default"]
     assert ar["expected_bytes_per_step"] == 1.5 * 4 * ar["params"]
     for m in ar["link_bytes_per_step"]:
         assert ar["expected_bytes_per_step"] <= m <= 1.3 * ar["expected_bytes_per_step"], ar["link_bytes_per_step"]
@@ -236,3 +246,20 @@ def test_the_best_configuration_is_smb2_s_own_and_is_measured_against_torchft() 
     peer = {t["target"].split(",")[0]: t for t in bench_tta.targets(summary, "lm")}[
         "best configuration >= 1.0x torchft's DiLoCo (same H)"]
     assert peer["met"] and "torchft missed the target" in peer["measured"]
+
+
+def test_the_default_system_is_the_one_line_port() -> None:
+    """"default" passes AsyncOptimizer no keyword, so it trains with AsyncOptimizer's default rule
+    (allreduce: its workers stop in lockstep, and a killed one is not started again alone); the
+    extra runs of (d), for "none may collapse", go to the asynchronous port, rule delta."""
+    import inspect
+    torch_optimizer = pytest.importorskip("smb2.torch.optimizer")
+    default = inspect.signature(torch_optimizer.AsyncOptimizer).parameters["rule"].default
+    assert bench_tta.spec_of("default") == {} and bench_tta.PORT_RULE == default == "allreduce"
+    assert bench_tta.rule_of(bench_tta.spec_of(bench_tta.ASYNC_PORT) or {}) == "delta"
+    assert not bench_tta.takes_a_rank_back("default") and not bench_tta.takes_a_rank_back("ddp")
+    assert bench_tta.takes_a_rank_back(bench_tta.ASYNC_PORT) and bench_tta.takes_a_rank_back("diloco")
+    a = argparse.Namespace(systems=["ddp", "default", bench_tta.ASYNC_PORT], runs=3, default_runs=5)
+    plan = bench_tta.run_plan(a, "overloaded")
+    assert plan[3:] == [(3, [bench_tta.ASYNC_PORT]), (4, [bench_tta.ASYNC_PORT])]
+    assert bench_tta.run_plan(a, "homogeneous") == plan[:3]

@@ -203,7 +203,9 @@ def test_a_worker_killed_is_restarted_alone_while_the_others_train_on(slurm_env:
     """Two workers per node, one torchrun each: rank 1 is killed (SIGKILL)
     once it has trained some steps.  Only its torchrun restarts it; it
     rejoins the run, and every rank finishes and reports (one torchrun for
-    all workers would have ended them all)."""
+    all workers would have ended them all).  Rule delta, whose ranks train
+    on without a lost one and take it back (the default, allreduce, moves
+    in lockstep, as DDP: only a restart of the whole group resumes it)."""
     need_torchrun()
     nodes = node_names(slurm_env)
     killed: list[int] = []
@@ -229,7 +231,7 @@ def test_a_worker_killed_is_restarted_alone_while_the_others_train_on(slurm_env:
             errors.append("rank 1 was never seen training")
 
     code, log, port = submit(slurm_env, tmp_path, "examples/torch_train.py", "--epochs", "40", "--name", "slurm-kill",
-                             nodes=len(nodes), meanwhile=threading.Thread(target=kill_rank_1_midway),
+                             "--rule", "delta", nodes=len(nodes), meanwhile=threading.Thread(target=kill_rank_1_midway),
                              SMB2_WORKERS_PER_NODE="2", SMB2_WAIT="60")
     assert killed and not errors, errors + [log]
     assert code == 0, log

@@ -63,7 +63,7 @@ def test_a_cuda_model_trains_through_pinned_mirrors(servers: str) -> None:
     model = small_model().cuda()
     x, y = _data("cuda")
     with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), servers, "t-cuda",
-                         staleness=1) as opt:
+                         rule="delta", staleness=1) as opt:
         assert opt.staging.cuda and opt.staging.stream is not None
         first = torch.nn.functional.cross_entropy(model(x), y).item()
         _train(model, opt, 50, "cuda")
@@ -82,8 +82,10 @@ def test_a_cuda_model_trains_through_pinned_mirrors(servers: str) -> None:
 # that is zero but for rounding, which Adam's normalized step turns into whole +-lr steps that differ between
 # a CPU's and a GPU's rounding (on an H200: 0.065 apart after 24 steps, every other parameter within 2e-3)
 RUNS: list[tuple[str, Callable[[Any], torch.optim.Optimizer], dict[str, Any], float | None, int, bool]] = [
-    ("delta-sgd-momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), {"staleness": 0}, None, 0, True),
-    ("delta-adamw-clipped", lambda p: torch.optim.AdamW(p, lr=0.01), {"staleness": 0}, 1.0, 0, False),
+    ("delta-sgd-momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), {"rule": "delta", "staleness": 0},
+     None, 0, True),
+    ("delta-adamw-clipped", lambda p: torch.optim.AdamW(p, lr=0.01), {"rule": "delta", "staleness": 0}, 1.0, 0,
+     False),
     # pushed after step() on both devices (on the CPU it could push during backward: other bytes, same sums)
     ("accumulate", lambda p: torch.optim.SGD(p, lr=0.1),
      {"rule": "accumulate", "staleness": 0, "push_in_backward": False}, 0.5, 0, True),
@@ -139,14 +141,14 @@ def test_pushes_in_backward_are_refused_for_a_gpu_model_and_skipped_where_possib
 def test_a_resumed_run_on_the_gpu_gets_its_moments_back_on_the_gpu(servers: str) -> None:
     model = small_model().cuda()
     opt = async_optimizer(model, torch.optim.AdamW(model.parameters(), lr=0.01), servers, "t-gpu-resume",
-                          staleness=0, state_every=60.0)     # saved at close()
+                          rule="delta", staleness=0, state_every=60.0)     # saved at close()
     _train(model, opt, 12, "cuda")
     opt.flush()
     saved = copy.deepcopy(opt.state_dict())
     opt.close()
     model2 = small_model().cuda()
     opt2 = st.AsyncOptimizer(torch.optim.AdamW(model2.parameters(), lr=0.01), model2, name="t-gpu-resume",
-                             servers=servers, rank=0, world_size=1, staleness=0, resume=True)
+                             servers=servers, rank=0, world_size=1, rule="delta", staleness=0, resume=True)
     try:
         assert opt2.resumed
         state = opt2.state_dict()["state"]

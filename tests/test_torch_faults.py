@@ -110,7 +110,7 @@ _WORKER = textwrap.dedent('''
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     opt = smb2.torch.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name=sys.argv[1],
-                                    staleness=1)
+                                    rule="delta", staleness=1)
     g = torch.Generator().manual_seed(opt.rank)
     for step in range(40):
         if opt.rank == 2 and step == 10:
@@ -131,6 +131,8 @@ _WORKER = textwrap.dedent('''
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_dead_worker_does_not_fail_the_survivors(servers: str, tmp_path: Path) -> None:
+    # rule delta: its survivors train on without the dead one (under allreduce, the default, they wait
+    # for its gradient, as DDP's ranks do, and time out: test_torch_allreduce)
     script = tmp_path / "train.py"
     script.write_text(_WORKER)
     procs = []
@@ -158,9 +160,10 @@ def test_a_lost_server_is_reported_in_training_terms(own_cluster: tuple[LoopThre
     loop, cluster = own_cluster
     model = _model(0)
     opt = st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-lost",
-                            servers=cluster.addresses, rank=0, world_size=1, resume=False)
+                            servers=cluster.addresses, rank=0, world_size=1, resume=False, rule="delta")
     _steps(model, opt, 3)
-    # the server that holds the weights (this small model's fit in one stripe)
+    # the server that holds the weights (this small model's fit in one stripe), which rule delta
+    # pushes to and pulls from every step
     buf = opt.store.buf
     held = (buf.first + opt.store.data_off // buf.stripe) % buf.nservers
     lost = cluster.addresses[held]
@@ -177,8 +180,10 @@ def test_a_lost_server_is_reported_in_training_terms(own_cluster: tuple[LoopThre
 
 def test_a_removed_store_is_reported_in_training_terms(servers: str) -> None:
     model = _model(0)
+    # rule delta: every step's exchange meets the missing store (allreduce's rounds go through the
+    # gradient sums beside it: it would see the loss at its next heartbeat, or at close)
     opt = st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-removed",
-                            servers=servers, rank=0, world_size=1, resume=False)
+                            servers=servers, rank=0, world_size=1, resume=False, rule="delta")
     _steps(model, opt, 3)
 
     async def remove() -> None:
@@ -202,8 +207,11 @@ def test_checkpoints_every_k_steps_and_at_close(servers: str, tmp_path: Path) ->
     # the directory does not exist yet: made at construction, not at the first save
     path = tmp_path / "new" / "dir" / "ck-{step}.smb2"
     model = _model(0)
+    # rule delta: the store holds the shared weights at every step (under allreduce, the default, the
+    # store's weights are written at close only)
     opt = st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-ckpt", servers=servers,
-                            rank=0, world_size=1, resume=False, checkpoint_every=40, checkpoint_path=str(path))
+                            rank=0, world_size=1, resume=False, rule="delta", checkpoint_every=40,
+                            checkpoint_path=str(path))
     assert path.parent.is_dir()
     _steps(model, opt, 99)
     opt.close()

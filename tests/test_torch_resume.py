@@ -67,9 +67,12 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _port(model: torch.nn.Module, servers: str, name: str, **kw: Any
           ) -> tuple[st.AsyncOptimizer, torch.optim.lr_scheduler.StepLR]:
-    """The documented port: the torch optimizer, the one smb2 line, a scheduler built on it."""
+    """The asynchronous port (rule delta, staleness 1): the torch optimizer, the one smb2 line, a
+    scheduler built on it.  (Rule allreduce, the default, saves and resumes otherwise: rank 0's
+    saves carry the weights; test_torch_allreduce tests it.)"""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=1e-4)
-    opt = st.AsyncOptimizer(opt, model, name=name, servers=servers, staleness=1, rank=0, world_size=1, **kw)
+    opt = st.AsyncOptimizer(opt, model, name=name, servers=servers, rule="delta", staleness=1, rank=0, world_size=1,
+                            **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
     return opt, sched
 
@@ -307,7 +310,7 @@ def test_a_save_of_another_optimizer_is_not_loaded(servers: str, caplog: pytest.
     model2 = _model()
     with caplog.at_level(logging.WARNING, logger="smb2.torch"):
         opt2 = st.AsyncOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9), model2,
-                                 name="t-other-opt", servers=servers, rank=0, world_size=1, resume=True)
+                                 name="t-other-opt", servers=servers, rank=0, world_size=1, resume=True, rule="delta")
     try:
         assert "is not loaded (it is AdamW's, this job's optimizer is SGD)" in caplog.text
         assert not opt2.state and opt2.resumed
@@ -447,7 +450,7 @@ def test_a_diverging_step_after_a_loaded_state_names_it_as_a_suspect(servers: st
     # staleness 0: each step's push lands before the next pull, so the step that goes wrong
     # is the same on a loaded machine (8 steps after the load, measured)
     opt2 = st.AsyncOptimizer(torch.optim.AdamW(model2.parameters(), lr=LR, weight_decay=1e-4), model2, name=name,
-                             servers=servers, staleness=0, rank=0, world_size=1, resume=True)
+                             servers=servers, rule="delta", staleness=0, rank=0, world_size=1, resume=True)
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=GAMMA)
     try:
         with pytest.raises(smb2.Smb2Error) as info:

@@ -2,8 +2,10 @@
 
 An overloaded host with a straggler, as a user meets it: the torch CNN of
 ``examples/torch_train.py`` on digits (SGD, lr 0.05, momentum 0.9; no
-gradient clipping unless ``--clip``), wrapped by the porting recipe's one line
-``AsyncOptimizer(opt, model, name=..., staleness=1)``, 3 torchrun workers,
+gradient clipping unless ``--clip``), wrapped by the asynchronous porting
+recipe's one line ``AsyncOptimizer(opt, model, name=..., rule="delta",
+staleness=1)`` (the default port before the default rule became
+``allreduce``, whose workers move in lockstep), 3 torchrun workers,
 the last one ``--slow-ms`` (30) slower per step, and ``--hogs`` (3) busy
 processes beside them.  One torchrun job trains ``--runs`` models one after
 another (a fresh model, optimizer and store each, seeds ``--seed + i``), so
@@ -94,9 +96,10 @@ def _train_one(a: argparse.Namespace, ex: Any, digits: tuple[Any, ...], rank: in
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     t_open = time.perf_counter()
     if a.old_default:
-        opt = smb2.torch.AsyncOptimizer(sgd, model, name=name, staleness=1, average=False, lag_scaling=False)
+        opt = smb2.torch.AsyncOptimizer(sgd, model, name=name, rule="delta", staleness=1, average=False,
+                                        lag_scaling=False)
     else:
-        opt = smb2.torch.AsyncOptimizer(sgd, model, name=name, staleness=1)     # the recipe's line
+        opt = smb2.torch.AsyncOptimizer(sgd, model, name=name, rule="delta", staleness=1)  # the recipe's line
     shard = torch.arange(rank, len(xtr), world)
     slow = a.slow_ms / 1000 if rank == world - 1 else 0.0
     t0 = time.perf_counter()

@@ -39,8 +39,8 @@ def run(servers: str, widths: list[int], steps: int, every: float | None, name: 
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers[:-1])
     opt = smb2.torch.AsyncOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, name=name,
-                                    servers=servers, staleness=1, resume=False, rank=0, world_size=1,
-                                    state_every=every)
+                                    servers=servers, rule="delta", staleness=1, resume=False, rank=0,
+                                    world_size=1, state_every=every)
     x = torch.randn(32, widths[0])
     y = torch.randint(0, widths[-1], (32,))
     times = []

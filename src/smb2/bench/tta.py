@@ -47,18 +47,21 @@ Scenarios (state the rates with --rate/--slow-rate):
   budget; the last worker is SIGKILLed at 40 % of the budget of rank 0's clock.  ``fault-rejoin``:
   the same, and that worker is started again at 60 % (smb2 takes it back as a rank torchrun
   restarted; torchft's replica heals from a peer; DDP's group cannot take a rank back, so DDP's
-  is not restarted).  A table says what each system did, as rank 0 saw it: "went on", "stalled
-  N s" (a pause between two steps above 5 typical steps and 2 s), or "stopped" (an error).
+  is not restarted, nor that of rule ``allreduce``, the default port's: its workers move in
+  lockstep, and only a restart of the whole group resumes it).  A table says what each system
+  did, as rank 0 saw it: "went on", "stalled N s" (a pause between two steps above 5 typical steps
+  and 2 s), or "stopped" (an error).
 
 Every row says whether the run **collapsed**: rank 0's last evaluation or the delivered model's
 accuracy below twice chance (0.2 for 10 classes); smb2's rows also count the collapse watch's
 reports on any rank (``collapse_warnings``).
 
 Systems (those the targets below compare): ``ddp`` (DistributedDataParallel, gloo ring all-reduce); ``default``, the
-porting recipe's one line ``AsyncOptimizer(opt, model, name=..., staleness=1)`` and nothing else
-(whatever AsyncOptimizer's defaults are); ``diloco`` (``rule="diloco", local_steps=8`` and
-the rule's defaults, outer lr 0.7 and Nesterov momentum 0.5 -- the paper's 0.9 collapses
-asynchronously, docs/training.md -- the task's optimizer is the inner one); ``easgd`` (tau 4);
+porting recipe's one line ``AsyncOptimizer(opt, model, name=...)`` and nothing else
+(whatever AsyncOptimizer's defaults are: rule ``allreduce``, DDP's arithmetic); ``diloco``
+(``rule="diloco", local_steps=8`` and the rule's defaults, outer lr 0.7 and Nesterov momentum
+0.5 -- the paper's 0.9 collapses asynchronously, docs/training.md -- the task's optimizer is the
+inner one); ``easgd`` (tau 4);
 ``torchft``, torchft's DiLoCo (``pip install 'smb2[tta]'``): one replica group per worker host,
 its lighthouse on a host of its own, gloo, the same H and inner optimizer, outer SGD lr 0.7 with
 Nesterov momentum 0.9 (the paper's).  ``--systems`` also takes ``torchft-streaming`` (Streaming
@@ -67,6 +70,8 @@ DiLoCo: two fragments, each exchanged every H steps in turn, overlapping one inn
 exchange times; each worker's rounds are in the row), ``allreduce`` (each worker's optimizer on the mean
 of the workers' gradients, summed by the servers part by part during backward: DDP's arithmetic; its
 workers stop after the same step, as DDP's),
+``delta/stable`` (``rule="delta", staleness=1``: the asynchronous port, the default port before
+``allreduce``: each change counted 1/W, lag scaling on),
 the variants docs/training.md cites from before the stable default: ``delta``
 (every change counted whole, no lag scaling: that time's default port), ``delta/bf16``,
 ``delta/drop`` (layer dropping 0.7), ``accumulate``, ``accumulate/drop``; and ``diloco/topk:F``,
@@ -77,8 +82,9 @@ momentum steps it made included) and the compression's targets against dense dil
 fewer bytes, a final figure within 1 %, in (c) the target >= 1.5x sooner).  A system whose rule
 this smb2 lacks is left out, with a line saying so.
 
-Runs: every system runs ``--runs`` (3) times in every scenario, the default port
-``--default-runs`` (10) times in (d), one after another on the same hosts; every row gives time
+Runs: every system runs ``--runs`` (3) times in every scenario, the asynchronous port
+(``delta/stable``, where --systems names it) ``--default-runs`` (10) times in (d), one after another
+on the same hosts (its target: none of them collapses); every row gives time
 to target, its ratio to DDP's time to target in the same run, the delivered model's final
 accuracy on the big held-out set, collapsed or not, and the raw 64 B loopback round trip
 measured just before the run.  The summary gives medians over the runs (a missed target counts
@@ -141,19 +147,27 @@ DDP_PORT = 29500
 SERVER_PORT = netns_cluster.DEFAULT_PORT
 #: DiLoCo's local steps between pushes of a pseudo-gradient (H)
 DILOCO_H = 8
+#: AsyncOptimizer's default rule: the one the porting recipe's line ("default") trains with
+#: (tests/test_bench_tta.py holds it to AsyncOptimizer's signature)
+PORT_RULE = "allreduce"
+#: the asynchronous port, the default port before allreduce: in (d) it gets --default-runs runs, none
+#: of which may collapse
+ASYNC_PORT = "delta/stable"
 #: system name -> AsyncOptimizer keywords (None: torch DDP): the systems the targets compare
 SYSTEMS: dict[str, dict[str, Any] | None] = {
     "ddp": None,
-    # the porting recipe's one line, nothing else: whatever AsyncOptimizer's defaults are
-    "default": {"staleness": 1},
+    # the porting recipe's one line, nothing else: whatever AsyncOptimizer's defaults are (PORT_RULE)
+    "default": {},
     "diloco": {"rule": "diloco", "local_steps": DILOCO_H},
     "easgd": {"rule": "easgd", "tau": 4},
     # torchft's DiLoCo: one replica group per worker host, the same H, the paper's outer Nesterov
     "torchft": {"torchft": {"sync_every": DILOCO_H}},
 }
-#: more systems, by --systems only: the rows docs/training.md cites from before the stable default ("delta"
-#: is that time's default port, every change counted whole and no lag scaling)
+#: more systems, by --systems only: the asynchronous port, and the rows docs/training.md cites from before
+#: the stable default ("delta" is that time's default port, every change counted whole and no lag scaling)
 EXTRA: dict[str, dict[str, Any]] = {
+    # the asynchronous port: delta at staleness 1 and its defaults (each change 1/W, lag scaling on)
+    ASYNC_PORT: {"rule": "delta", "staleness": 1},
     "delta": {"rule": "delta", "staleness": 1, "average": False, "lag_scaling": False},
     "delta/bf16": {"rule": "delta", "staleness": 1, "push_dtype": "bfloat16"},
     "delta/drop": {"rule": "delta", "staleness": 1, "dropping": 0.7},
@@ -188,6 +202,23 @@ def spec_of(system: str) -> dict[str, Any] | None:
     if system.startswith(COMPRESSED):
         return {"rule": "diloco", "local_steps": DILOCO_H, "compress": system.removeprefix("diloco/")}
     raise KeyError(system)
+
+
+def rule_of(spec: dict[str, Any]) -> str:
+    """The update rule an smb2 system's keywords train with (none named: AsyncOptimizer's default)."""
+    return str(spec.get("rule", PORT_RULE))
+
+
+def takes_a_rank_back(system: str) -> bool:
+    """Does ``system`` take back a worker started again alone (fault-rejoin)?  Not DDP's group, nor
+    an smb2 rule whose workers move in lockstep (allreduce: a restarted worker never rejoins)."""
+    from smb2.train.rules import RULES
+    spec = spec_of(system)
+    if spec is None:
+        return False
+    return "torchft" in spec or RULES[rule_of(spec)].rejoinable
+
+
 SCENARIOS = ("homogeneous", "straggler", "comm-bound", "overloaded", "fault", "fault-rejoin")
 #: (e): the last worker is SIGKILLed at this fraction of the budget of rank 0's training clock, and
 #: in "fault-rejoin" started again at the second one
@@ -322,7 +353,8 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
     stop_file = Path(f"{a.stop_file}.{tag}")
     aopt = peer = None
     # allreduce's workers, like DDP's, take the same steps: rank 0 names the last one (see LockstepStop)
-    lockstep = LockstepStop(stop_file) if spec and spec.get("rule") == "allreduce" else None
+    lockstep = LockstepStop(stop_file) if spec is not None and "torchft" not in spec and \
+        rule_of(spec) == "allreduce" else None
     if spec is None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{DDP_PORT + n}", rank=a.rank,
@@ -431,7 +463,7 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
         if "rounds" in st:      # diloco-auto: the rounds' lengths this worker chose
             out["local_steps"] = st["rounds"]
         aopt.close(wait_all=a.wait_all)
-        out["final_model"] = "the center" if options.get("rule") == "easgd" else "the shared weights"
+        out["final_model"] = "the center" if rule_of(options) == "easgd" else "the shared weights"
         out["collapses"] = st.get("collapses", 0)
     elif peer is not None:
         out.update(peer.finish(seconds))
@@ -688,6 +720,8 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
     stop_file = Path(tempfile.gettempdir()) / f"bench-tta-{os.getpid()}-{tag}.stop"
     kill_frac, rejoin_frac = FAULT_AT.get(scenario, (None, None))
     fault_at = None if kill_frac is None else kill_frac * budget
+    # DDP's group and allreduce's cannot take a rank back (torchrun would restart the whole job): no rejoin
+    rejoins = rejoin_frac is not None and all(takes_a_rank_back(s) for s in systems)
     common = ["--task", cfg["task"], "--batch", str(cfg["batch"]), "--lr", str(cfg["lr"]),
               "--target", str(cfg["target"]), "--eval-every", str(cfg["eval_every"]), "--eval-n",
               str(cfg["eval_n"]), "--final-n", str(cfg["final_n"]), "--stop", cfg["stop"],
@@ -695,7 +729,7 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
               "--servers", ",".join(servers), "--master", cluster.server_addrs[workers[0]],
               "--world", str(len(workers)), "--stop-file", str(stop_file), "--replicas", str(replicas),
               # a worker that died does not come back in (e) fault: the survivors' smb2 waits briefly
-              "--wait-all", str(10 if fault_at is not None and rejoin_frac is None else budget + 120)]
+              "--wait-all", str(10 if fault_at is not None and not rejoins else budget + 120)]
     common += ["--lm", json.dumps(cfg), "--corpus", cfg["corpus"]] if cfg["task"] == "lm" else [
         "--sizes", json.dumps(cfg["sizes"])]
     if lighthouse is not None:
@@ -728,8 +762,7 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
     fault_thread = None
     if fault_at is not None:
         last = len(workers) - 1
-        # DDP's group cannot take a rank back (torchrun would restart the whole job): no rejoin
-        rejoin_at = rejoin_frac * budget if rejoin_frac is not None and systems != ["ddp"] else None
+        rejoin_at = rejoin_frac * budget if rejoin_frac is not None and rejoins else None
         fault_thread = threading.Thread(target=kill_worker_at, daemon=True, args=(
             started, fault_at, rejoin_at, procs, fault,
             # the rejoining worker trains until the others' budget ends; smb2 takes it back as the
@@ -848,7 +881,7 @@ def available(system: str) -> bool:
     spec = spec_of(system)
     if spec is not None and "torchft" in spec:
         return importlib.util.find_spec("torchft") is not None
-    return spec is None or spec.get("rule", "delta") in RULES
+    return spec is None or rule_of(spec) in RULES
 
 
 def expected_bytes_per_step(system: str, params: int, world: int) -> float | None:
@@ -857,11 +890,12 @@ def expected_bytes_per_step(system: str, params: int, world: int) -> float | Non
     spec = spec_of(system)
     if spec is None:       # DDP's ring all-reduce: 2 (W-1)/W of the gradient out, as much in
         return 2 * 2 * (world - 1) / world * model
-    if spec.get("dropping") or spec.get("rule") == "diloco" or "torchft" in spec:
-        return None         # depends on the gradients / the rule's wire / the quorum's membership
-    if spec.get("rule") == "easgd":             # every tau steps: push local, pull the correction
+    if spec.get("dropping") or "torchft" in spec or rule_of(spec) == "diloco":
+        return None         # depends on the gradients / the quorum's membership / the rule's wire
+    rule = rule_of(spec)
+    if rule == "easgd":             # every tau steps: push local, pull the correction
         return 2 * model / spec["tau"]
-    if spec.get("rule") == "allreduce":         # the bf16 gradient up, the f32 mean down
+    if rule == "allreduce":         # the bf16 gradient up, the f32 mean down
         return 1.5 * model
     push = 0.5 if spec.get("push_dtype") == "bfloat16" else 1.0
     return (push + 1) * model                   # push the change, pull the f32 weights
@@ -927,10 +961,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 def run_plan(a: argparse.Namespace, scenario: str) -> list[tuple[int, list[str]]]:
     """The runs of ``scenario``: (its number, the systems it trains in turn)."""
-    # the default port gets more runs in (d): "none may collapse" wants more than three
+    # the asynchronous port gets more runs in (d): "none may collapse" wants more than three
     plan = [(i, list(a.systems)) for i in range(a.runs)]
-    if scenario == "overloaded" and "default" in a.systems:
-        plan += [(i, ["default"]) for i in range(a.runs, a.default_runs)]
+    if scenario == "overloaded" and ASYNC_PORT in a.systems:
+        plan += [(i, [ASYNC_PORT]) for i in range(a.runs, a.default_runs)]
     if scenario in FAULT_AT:
         # (e): each system in its own worker processes (the kill must hit one system only)
         plan = [(i, [s]) for i, systems in plan for s in systems]
@@ -1061,8 +1095,9 @@ BEST_RATIO = {"homogeneous": 1.5, "straggler": 2.0, "comm-bound": 1.5, "overload
 def targets(summary: list[dict[str, Any]], task: str = "mlp") -> list[dict[str, Any]]:
     """The stability targets, each met or not, with what was measured: the default port never
     collapses, ends within 1 point of DDP (lm: 1 % of its loss), reaches the target >= 1.0x DDP's
-    speed in (a) and >= 1.3x in (b)-(d); the best configuration >= 1.5x in (a) and (c), >= 2x in (b)
-    and (d), with a final accuracy at least DDP's (lm: a loss within 1 % of it).  (e) has its own table."""
+    speed in (a) and >= 1.3x in (b)-(d); the asynchronous port (where run) never collapses; the best
+    configuration >= 1.5x in (a) and (c), >= 2x in (b) and (d), with a final accuracy at least DDP's
+    (lm: a loss within 1 % of it).  (e) has its own table."""
     unit, best_floor = (" %", -1.0) if task == "lm" else (" points", 0.0)
     out = []
     for scenario in (s for s in dict.fromkeys(s["scenario"] for s in summary) if s in DEFAULT_RATIO):
@@ -1079,6 +1114,11 @@ def targets(summary: list[dict[str, Any]], task: str = "mlp") -> list[dict[str, 
             out.append({"scenario": scenario, "target": f"default port time to target >= {DEFAULT_RATIO[scenario]}x "
                         "DDP's", "measured": _ratio(ratio, d["ddp_ratio_at_least"]),
                         "met": ratio is not None and ratio >= DEFAULT_RATIO[scenario]})
+        port = rows.get(ASYNC_PORT)
+        if port is not None:        # the asynchronous port, given --default-runs runs in (d)
+            out.append({"scenario": scenario, "target": f"{ASYNC_PORT} never collapses ({port['runs']} runs)",
+                        "measured": f"{port['collapsed']} collapsed, {port['collapse_warnings']} watch reports",
+                        "met": port["collapsed"] == 0})
         # the best configuration is smb2's own: the peers (DDP, torchft) are what it is measured against
         candidates = [s for name, s in rows.items()
                       if spec_of(name) is not None and "torchft" not in (spec_of(name) or {})
@@ -1262,8 +1302,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="runs of every system in every scenario; the rows' medians are reported (default 3; "
                          "--quick: 1)")
     ap.add_argument("--default-runs", type=int, default=None,
-                    help="runs of the default port in (d) overloaded, counting the --runs ones (default 10; "
-                         "--quick: --runs): none may collapse")
+                    help=f"runs of the asynchronous port ({ASYNC_PORT}, where --systems names it) in (d) "
+                         "overloaded, counting the --runs ones (default 10; --quick: --runs): none may collapse")
     ap.add_argument("--hogs", type=int, default=None,
                     help="(d): busy processes, one on each of the first HOGS worker hosts, unpinned (default: "
                          "one per worker host)")

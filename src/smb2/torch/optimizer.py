@@ -1,25 +1,28 @@
 """AsyncOptimizer: a torch optimizer whose steps reach a shared smb2 store.
 
-    opt = smb2.torch.AsyncOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), model,
-                                    name="run-17", rule="delta", staleness=1)
+    opt = smb2.torch.AsyncOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), model, name="run-17")
     for x, y in loader:
         loss_fn(model(x), y).backward()
         opt.step(); opt.zero_grad()
     opt.close()
 
 The training loop stays ordinary code: a background thread owns an event
-loop and the smb2 client.  ``step()`` runs the user's optimizer on the local
-weights, then hands the step's communication (push, then pull) to the
-background thread as one "exchange", and returns while it travels.
+loop and the smb2 client.  Under the default rule, ``allreduce`` (DDP's
+arithmetic: the one-line port above), backward leaves the mean of the
+workers' gradients in ``.grad`` and ``step()`` runs the user's optimizer on
+it (see the last rule below).  Under the asynchronous rules ``step()`` runs
+the user's optimizer on the local weights, then hands the step's
+communication (push, then pull) to the background thread as one
+"exchange", and returns while it travels.
 
 Staleness.  After step ``t`` the model computes step ``t+1`` on the weights
 of the last pull it swapped in (issued after step ``k``) plus its own
 changes since then; ``t - k`` (its lag) never exceeds ``staleness``:
 ``step()`` waits for the oldest exchange in flight until it does.
 ``staleness=0`` (the default) is pull -> compute -> push in sequence;
-``staleness=1`` (what the porting recipe passes) lets the push of step ``t``
-and the pull after it travel while step ``t+1`` computes (ShmCaffe's
-overlap).  The elastic rules (``easgd``, ``diloco``) and ``allreduce`` ignore it.  A
+``staleness=1`` (what the asynchronous port, ``rule="delta"``, passes) lets
+the push of step ``t`` and the pull after it travel while step ``t+1``
+computes (ShmCaffe's overlap).  The elastic rules (``easgd``, ``diloco``) and ``allreduce`` ignore it.  A
 finished exchange is swapped in at the next ``step()`` whatever the lag.  A
 step's communication starts only after the previous step's exchange
 finished, so a pull never sees this worker's later pushes (which ``since``
@@ -27,7 +30,8 @@ adds back on top of it).
 
 What a step pushes depends on the rule:
 
-* ``delta`` (default): the change of the weights ``w_after - w_before`` made
+* ``delta`` (the asynchronous baseline; the default before ``allreduce``):
+  the change of the weights ``w_after - w_before`` made
   by the user's optimizer (any optimizer; its state stays local); the
   servers add it up, each worker's change counted ``1/W`` (``average``:
   the workers' changes average, so their momentum or Adam moments act once,
@@ -38,7 +42,7 @@ Every push (but the layer pushes during backward) is checked by the
 divergence guard first (:mod:`smb2.train.stability`; ``guard=False`` turns
 it off), then scaled by its lag (``lag_scaling``: a push that missed more
 than the expected number of other workers' updates counts less).  Together
-they are the stable configuration, the default (docs/training.md,
+they are the stable configuration, on by default (docs/training.md,
 "Stability"): they kept an overloaded job with a straggler from collapsing
 (``tests/test_async_collapse.py``).  ``average=False, lag_scaling=False``
 give the earlier arithmetic (each change whole: W workers learn per sample
@@ -66,14 +70,21 @@ as W single processes, and can collapse under uneven load).
   ``local_steps="auto"``: each worker chooses each round's length from its
   own measured step and exchange times (:mod:`smb2.train.local_steps`;
   ``stats()`` shows ``local_steps`` and ``rounds``).
-* ``allreduce``: DDP's arithmetic, the sum made by the servers: backward
+* ``allreduce`` (the default: the one-line port): DDP's arithmetic, the sum
+  made by the servers: backward
   sends the gradients part by part as it produces them (bfloat16 by
   default) and returns with the mean of the workers' gradients in
   ``.grad`` (:mod:`smb2.torch.allreduce`), which the user's clipping and
   the wrapped optimizer's step then see; every worker's weights stay the
   same, and nothing is pulled.  Every worker runs the same backward passes,
   as under DDP.  ``staleness`` does not apply (a gradient one step old
-  measured worse than DDP on a language model with AdamW).
+  measured worse than DDP on a language model with AdamW).  What it cannot
+  honour is refused before connecting, with the hint to pass
+  ``rule="delta"``: layer dropping (``dropping=``), ``average=False`` (each
+  worker's change whole), ``push_in_backward`` (its backward always sends
+  the gradients, and only that way).  The divergence guard does not see
+  its rounds (as under DDP, a non-finite gradient reaches every worker's
+  mean); the collapse watch sees the mean gradients.
 
 Model buffers (BatchNorm's running mean and variance: floating-point
 buffers) are averaged through the store: each exchange adds
@@ -104,7 +115,7 @@ from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout, Smb2Er
 from ..train.dropping import LayerDropping
 from ..train.faults import end_ranks_briefly, in_training_terms
 from ..train.lifecycle import RunEnd
-from ..train.rules import AllReduce, UpdateRule
+from ..train.rules import RULES, AllReduce, UpdateRule
 from ..train.stability import LagScaling, TrainingDiverged
 from ..train.store import ParameterStore, resolve_rank
 from .allreduce import MeanGradients
@@ -145,8 +156,43 @@ def check_plain_sgd(optimizer: torch.optim.Optimizer, rule: str) -> None:
         raise InvalidArgumentError(
             f"rule {rule!r} applies -lr * gradient on the servers, so the torch optimizer ({what}) would be "
             "ignored (its momentum, weight decay or adaptive state would never reach the shared weights): "
-            "use rule='delta'", hint="rule='delta' (the default) applies your optimizer locally and pushes "
-                                     "the change it makes")
+            "use rule='delta'", hint="rule='delta' applies your optimizer locally and pushes the change it "
+                                     "makes; the default, rule='allreduce', steps it on the workers' mean gradient")
+
+
+#: why a rule that does not push every step's changes or gradients cannot drop layers
+NO_DROPPING = {"easgd": "whose elastic exchange every tau steps already sends less",
+               "diloco": "whose round's pseudo-gradient goes out whole, or by compress=",
+               "allreduce": "whose backward sends every gradient, as DDP does: the mean needs all of them"}
+
+
+def refuse_what_the_rule_cannot_honour(rule: str, dropping: LayerDropping | None, average: bool,
+                                       push_in_backward: bool | None) -> None:
+    """Refuse, before connecting, an option ``rule`` would silently not
+    honour: layer dropping, ``average=False``, and ``push_in_backward`` with
+    rule ``allreduce`` (the default: its backward always sends the
+    gradients).  Each error says which rule honours it."""
+    cls = RULES.get(rule)
+    if cls is None:
+        return          # (the store names the rules it knows)
+    default = " (the default)" if rule == "allreduce" else ""
+    if dropping is not None and not cls.gradient_rule:
+        why = NO_DROPPING.get(rule, "which does not push every step")
+        raise InvalidArgumentError(f"layer dropping applies to rules that push every step ('delta', 'accumulate', "
+                                   f"'locked'), not {rule!r}{default}, {why}",
+                                   hint="pass rule='delta' (or rule='accumulate') with dropping=, or leave "
+                                        "dropping out")
+    if not average and rule != "delta":
+        raise InvalidArgumentError(f"average={average!r} applies to rule 'delta' (each worker's change counted "
+                                   f"whole, not 1/W); rule {rule!r}{default} has its own arithmetic",
+                                   hint="pass rule='delta' with average=False, or leave average out")
+    if push_in_backward is not None and rule == "allreduce":
+        raise InvalidArgumentError(f"push_in_backward={push_in_backward!r} does not apply to rule 'allreduce'"
+                                   f"{default}: its backward always sends the gradients, part by part, and returns "
+                                   "with the workers' mean in .grad",
+                                   hint="leave push_in_backward out with rule 'allreduce'; pass rule='delta' to "
+                                        "push each step's change after opt.step(), or rule='accumulate' (plain "
+                                        "SGD) to push each gradient during backward")
 
 
 @dataclass
@@ -178,43 +224,47 @@ class AsyncOptimizer(torch.optim.Optimizer):
     worker of the job (torchrun's ``RANK``/``WORLD_SIZE``, or ``rank=`` /
     ``world_size=``) opens the same store; rank 0 creates it from its
     model's values (or resumes it), the others take those.  ``rule``: how the steps reach
-    the shared model: ``"delta"`` (the default: the stable baseline), ``"diloco"`` (the one to
-    train with, and with SGD the learning rate times the number of workers), ``"easgd"``,
-    ``"accumulate"``, ``"locked"`` (plain SGD only), ``"allreduce"`` (DDP's arithmetic: every
-    worker steps on the mean gradient); docs/training.md, "Which rule, when",
-    says which and why.  ``staleness``: how many of its own steps a worker may run past its
-    last pull (see the module's doc).  Its default, 0, runs pull, compute, push in sequence,
-    the closest to one process; the porting recipe passes ``staleness=1`` so that a step's
-    exchange travels while the next step computes (each step then computed on weights one
-    exchange older).  ``diloco`` and ``easgd`` ignore it: their exchange every few steps
-    always overlaps the next steps.  ``allreduce`` ignores it too: each step waits for its own
-    round's mean.
-    ``push_dtype``: the type changes travel as: "bfloat16" (default for a
-    bf16 model), "float16", or "float32"; the shared master copy is float32
-    either way.  ``resume``, ``stripe``, ``replicas`` (2: train on through a
-    lost memory server; this rank's saved optimizer state and the frozen
-    tensors get as many copies), ``checkpoint_every``... go to
+    the shared model: ``"allreduce"`` (the default, the one-line port: DDP's arithmetic, every
+    worker steps on the mean gradient, and every worker waits for the others at each step),
+    ``"delta"`` (the asynchronous baseline: each worker's change of the weights, averaged),
+    ``"diloco"`` (the one to train with, and with SGD the learning rate times the number of
+    workers), ``"easgd"``, ``"accumulate"``, ``"locked"`` (plain SGD only); docs/training.md,
+    "Which rule, when", says which and why.  ``staleness``: how many of its own steps a worker
+    may run past its last pull (see the module's doc).  Its default, 0, runs pull, compute,
+    push in sequence, the closest to one process; the asynchronous port (``rule="delta"``)
+    passes ``staleness=1`` so that a step's exchange travels while the next step computes
+    (each step then computed on weights one exchange older).  ``diloco`` and ``easgd`` ignore
+    it: their exchange every few steps always overlaps the next steps.  ``allreduce`` ignores
+    it too: each step waits for its own round's mean.
+    ``push_dtype``: the type changes (allreduce: gradients) travel as: "bfloat16" (the
+    default of rules ``allreduce`` and ``diloco``, and of ``delta`` for a bf16 model),
+    "float16", or "float32"; the shared master copy is float32 either way.  ``resume``,
+    ``stripe``, ``replicas`` (2: train on through a lost memory server; this rank's saved
+    optimizer state and the frozen tensors get as many copies), ``checkpoint_every``... go to
     :meth:`ParameterStore.open` (the store's options), other keywords to the
     rule (``tau``, ``alpha``, ``per_layer``...).  ``log_every``: steps between INFO lines
     of :meth:`stats` on logger ``smb2.torch``.  ``state_every``: seconds
     between saves of this rank's optimizer state, step and LR schedules to
     the servers, which a resumed run loads (:mod:`smb2.torch.resume`; None:
     neither saved nor loaded).  ``average`` (rule ``delta``: each worker's
-    change counts 1/W), ``lag_scaling`` and ``guard``: the stable
-    configuration, on by default (see the module's doc).
+    change counts 1/W; ``False`` is refused by every other rule), ``lag_scaling`` and
+    ``guard``: the stable configuration of the asynchronous rules, on by default (see the
+    module's doc).  ``dropping`` (layer dropping): rules ``delta``, ``accumulate`` and
+    ``locked`` only.
 
     ``push_in_backward``: push each parameter's gradient as soon as
     backward produced it (see :mod:`smb2.torch.backward`).  None (the
     default): wherever that is possible: rule ``accumulate``, no layer
     dropping, a CPU model.  True asks for it (refused where impossible),
-    False pushes the whole step after ``step()``.
+    False pushes the whole step after ``step()``.  Rule ``allreduce`` takes
+    neither: its backward always sends the gradients, part by part.
 
     ``lag_scaling``: scale each push by its lag (:mod:`smb2.train.stability`),
     on by default; it applies to the rules whose pushes are lag-scaled
     (``delta``, ``accumulate``, ``locked``, ``diloco``; not ``easgd``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, name: str,
-                 rule: str = "delta", staleness: int = 0, servers: str | list[str] | None = None,
+                 rule: str = "allreduce", staleness: int = 0, servers: str | list[str] | None = None,
                  resume: str | bool = "auto", push_dtype: str | None = None, timeout: float = 120.0,
                  rank: int | None = None, world_size: int | None = None, dropping: LayerDropping | None = None,
                  sync_buffers: bool = True, log_every: int = 100, push_in_backward: bool | None = None,
@@ -231,10 +281,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
             raise InvalidArgumentError(f"staleness must be an int >= 0, not {staleness!r}")
         if not isinstance(rule, str):
             raise InvalidArgumentError(f"rule must be a rule's name, not {type(rule).__name__}")
-        if dropping is not None and rule == "easgd":
-            raise InvalidArgumentError("layer dropping applies to rules that push every step, not 'easgd' (whose "
-                                       "elastic exchange every tau steps already sends less)",
-                                       hint="rule='accumulate' or 'delta' with dropping=, or 'easgd' without it")
+        refuse_what_the_rule_cannot_honour(rule, dropping, average, push_in_backward)
         self.optimizer = optimizer
         self.model = model
         self.staleness = staleness
@@ -686,8 +733,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
     @property
     def lag(self) -> int:
         """Own steps the model's weights run past its last pull (at most
-        ``staleness`` when :meth:`step` returns)."""
-        return self.steps - self._pulled_at
+        ``staleness`` when :meth:`step` returns).  Rule allreduce: 0 (nothing
+        is pulled: every step is on the mean of its own round)."""
+        return 0 if self._mean is not None else self.steps - self._pulled_at
 
     @property
     def start_step(self) -> int:

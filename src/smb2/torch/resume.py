@@ -3,7 +3,7 @@ the memory servers beside the store, so that a resumed run continues with
 its momentum or Adam moments and its schedule's position, with no lines in
 the training script beyond the one-line port::
 
-    opt = smb2.torch.AsyncOptimizer(torch.optim.AdamW(...), model, name="run-17", staleness=1)
+    opt = smb2.torch.AsyncOptimizer(torch.optim.AdamW(...), model, name="run-17")
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
 **What a save holds.**  Rank ``r`` keeps, in its own buffer
@@ -44,10 +44,11 @@ optimizer's state is loaded when the AsyncOptimizer is made; the
 schedulers, which are built on it afterwards, at its first ``step()`` (and
 the saved learning rates with them, since building a scheduler rewrites
 them).  The rank continues from the save's step (``opt.start_step``), not
-from the store's step word: the weights hold up to a few seconds of this
-rank's later steps, which it trains again like a stale asynchronous step,
-and in exchange the data position, the optimizer state and the schedules
-agree.  A resumed run with no save (it died before its first, or the
+from the store's step word: under the asynchronous rules the weights hold
+up to a few seconds of this rank's later steps, which it trains again like
+a stale asynchronous step, and in exchange the data position, the optimizer
+state and the schedules agree (under ``allreduce``, the default, the save
+holds the weights too: below).  A resumed run with no save (it died before its first, or the
 servers lost the buffer) continues at the store's step with a fresh
 optimizer state and says so (WARNING).
 
