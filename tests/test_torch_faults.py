@@ -6,6 +6,7 @@ worker runs under real torchrun."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -15,11 +16,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import smb2
 from smb2.testing.workers import torchrun
 from smb2.torch.loop_thread import LoopThread
+from smb2.train.store import StoreImage
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
 
@@ -218,6 +221,30 @@ def test_checkpoints_every_k_steps_and_at_close(servers: str, tmp_path: Path) ->
     assert sorted(p.name for p in path.parent.glob("*.smb2")) == ["ck-40.smb2", "ck-80.smb2", "ck-99.smb2"]
     # the last one with the optimizer's state saved at close() beside it (test_torch_resume tests those)
     assert (path.parent / "ck-99.smb2.optim" / "0").is_file()
+
+
+def test_a_checkpoint_under_allreduce_holds_the_weights_of_the_step_it_is_named_after(servers: str,
+                                                                                   tmp_path: Path) -> None:
+    # under allreduce (the default) the weights live on the workers: rank 0 writes them into the store
+    # before each checkpoint and at close, so no checkpoint holds the starting weights
+    path = tmp_path / "ck-{step}.smb2"
+    model = _model(0)
+    opt = st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-ckpt-ar", servers=servers,
+                            rank=0, world_size=1, resume=False, checkpoint_every=5, checkpoint_path=str(path))
+    assert opt.rule_name == "allreduce"
+    after = {}
+    for step in range(1, 13):
+        _steps(model, opt, 1, seed=step)
+        after[step] = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    offsets = {n: opt.store.flat_offset(n) for n in after[1]}
+    opt.close()
+    assert sorted(p.name for p in tmp_path.glob("*.smb2")) == ["ck-10.smb2", "ck-12.smb2", "ck-5.smb2"]
+    for step in (5, 10, 12):
+        flat = asyncio.run(StoreImage.load(tmp_path / f"ck-{step}.smb2")).data.view(np.float32)
+        for n, want in after[step].items():
+            assert np.array_equal(flat[offsets[n]:offsets[n] + want.size], want.ravel()), (step, n)
+        assert not np.array_equal(flat[offsets["0.weight"]:offsets["0.weight"] + after[1]["0.weight"].size],
+                                  _model(0)[0].weight.detach().numpy().ravel())
 
 
 def test_a_checkpoint_directory_that_cannot_be_made_is_refused_at_once(servers: str, tmp_path: Path) -> None:

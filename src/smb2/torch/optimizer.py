@@ -343,6 +343,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._mean = MeanGradients(torch, self.staging.entries, flat.size, self.store.rule, self._loop,
                                    self._round_in_training_terms, lambda: self.steps + 1) \
             if isinstance(self.store.rule, AllReduce) else None
+        if self._mean is not None and self.rank == 0:
+            # the store's weights are rank 0's, written at close and before each checkpoint
+            self.store.publish_weights = self._write_weights
         #: the weights of the model's Linear and Conv layers in the store: their rows (a unit: an output
         #: feature or channel) are what the collapse watch counts as dead or alive
         mine = {id(e.tensor) for e in self.staging.entries if e.param}
@@ -667,7 +670,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
         """Rule allreduce: a round, then this rank's heartbeat, faults in training terms."""
         async def round_then_heartbeat() -> None:
             await work
-            await self.store.heartbeat(step)
+            # the steps done: the weights hold step - 1's update while step's gradients
+            # travel, so a checkpoint made now holds the weights of the step it is named after
+            await self.store.heartbeat(step - 1)
         await self._in_training_terms(round_then_heartbeat(), step)
 
     async def _in_training_terms(self, work: Coroutine[Any, Any, None], step: int) -> None:
@@ -802,6 +807,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 self._mean.close()
                 if self.rank == 0:
                     self._loop.run(self._write_weights())
+                # the rounds' heartbeats said the steps done before each round: the last one counts too
+                self._loop.run(self.store.heartbeat(self.steps, force=True))
             if self._elastic and self._elastic.exchange_at_close and self.steps > self._round_from:
                 self._end_round()   # the last, shorter round
                 self._settle(limit=-1)

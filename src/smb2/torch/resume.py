@@ -382,6 +382,8 @@ class SavedState:
                 if weights.shape != self.store.flat().shape or weights.dtype != self.store.flat().dtype:
                     raise InvalidArgumentError(f"its weights are {weights.size} {weights.dtype} values, this "
                                                f"model has {self.store.flat().size} {self.store.flat().dtype}")
+                if not np.isfinite(weights).all():
+                    raise InvalidArgumentError("its weights are not all finite")
             if light["optimizer"] != type(self.optimizer).__name__:
                 raise InvalidArgumentError(f"it is {light['optimizer']}'s, this job's optimizer is "
                                            f"{type(self.optimizer).__name__}")

@@ -90,7 +90,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -310,6 +310,9 @@ class ParameterStore:
         self.checkpoint_path: str | None = None
         self._checkpoint_step = 0
         self._checkpointing: asyncio.Future[Any] | None = None
+        #: where the weights live on the workers, not in the store (rule
+        #: allreduce): rank 0's writer of them, called before a checkpoint
+        self.publish_weights: Callable[[], Awaitable[None]] | None = None
         self._last_beat = 0.0
         self._step = 0
         self._joined = False
@@ -1044,6 +1047,8 @@ class ParameterStore:
             await asyncio.gather(self._checkpointing, return_exceptions=True)
             self._raise_checkpoint_error()
         self._checkpoint_step = self._step
+        if self.publish_weights is not None:
+            await self.publish_weights()
         # its own step word first (heartbeats write it at most every 0.25 s):
         # the checkpoint holds the step it is named after
         await self._write_own()
