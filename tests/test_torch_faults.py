@@ -226,12 +226,29 @@ def test_checkpoints_every_k_steps_and_at_close(servers: str, tmp_path: Path) ->
 def test_a_checkpoint_under_allreduce_holds_the_weights_of_the_step_it_is_named_after(servers: str,
                                                                                    tmp_path: Path) -> None:
     # under allreduce (the default) the weights live on the workers: rank 0 writes them into the store
-    # before each checkpoint and at close, so no checkpoint holds the starting weights
+    # before each checkpoint and at close, so no checkpoint holds the starting weights; the last weights
+    # written at close wait for a save still running (a loaded CI machine caught close overwriting step 10's)
     path = tmp_path / "ck-{step}.smb2"
     model = _model(0)
     opt = st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-ckpt-ar", servers=servers,
                             rank=0, world_size=1, resume=False, checkpoint_every=5, checkpoint_path=str(path))
     assert opt.rule_name == "allreduce"
+    # the save of step 10 is held until close() has begun: close must not write the last weights under it
+    class SavesStep10AfterCloseBegan:
+        def __init__(self, client: Any) -> None:
+            self.client = client
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(self.client, attr)
+
+        async def checkpoint(self, name: str, to: str | Path) -> None:
+            if "ck-10." in str(to):
+                while not opt.closed:  # noqa: ASYNC110 (set by the training thread, not on this loop)
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)   # room for a write that does not wait for the save
+            await self.client.checkpoint(name, to)
+
+    opt.store.client = SavesStep10AfterCloseBegan(opt.store.client)
     after = {}
     for step in range(1, 13):
         _steps(model, opt, 1, seed=step)

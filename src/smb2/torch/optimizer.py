@@ -806,6 +806,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
             if self._mean is not None:
                 self._mean.close()
                 if self.rank == 0:
+                    self._loop.run(self.store.checkpoint_saved())
                     self._loop.run(self._write_weights())
                 # the rounds' heartbeats said the steps done before each round: the last one counts too
                 self._loop.run(self.store.heartbeat(self.steps, force=True))

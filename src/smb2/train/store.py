@@ -936,9 +936,7 @@ class ParameterStore:
         await self._count(self.cmap.head + 8 * lc.FINISHES_AT)
         # the last step's checkpoint (unless it was just saved), and the one in flight
         await self._maybe_checkpoint(final=True)
-        if self._checkpointing is not None:
-            await asyncio.gather(self._checkpointing, return_exceptions=True)
-            self._raise_checkpoint_error()
+        await self.checkpoint_saved()
 
     async def wait_finished(self, timeout: float | None = None) -> None:
         """The end barrier (optional): wait until every rank of this run has
@@ -1043,9 +1041,7 @@ class ParameterStore:
         last = self._checkpoint_step
         if not (self._step // every > last // every or (final and self._step != last)):
             return
-        if self._checkpointing is not None:
-            await asyncio.gather(self._checkpointing, return_exceptions=True)
-            self._raise_checkpoint_error()
+        await self.checkpoint_saved()
         self._checkpoint_step = self._step
         if self.publish_weights is not None:
             await self.publish_weights()
@@ -1072,6 +1068,17 @@ class ParameterStore:
                 log.warning("store %r: rank %d's optimizer state is not in the checkpoint %s (%s): a run started "
                             "from it gives that rank a fresh optimizer state", self.name, r, path, exc)
         await self.client.checkpoint(self.name, path)
+
+    async def checkpoint_saved(self) -> None:
+        """Wait for the checkpoint being saved in the background, if any, and
+        re-raise its failure.  Whoever writes the store's weights outside a
+        step (``publish_weights``, a worker's last weights at close) waits
+        for this first: the save reads the store as it goes, and a write
+        under it would put another step's weights in a checkpoint named
+        after this one."""
+        if self._checkpointing is not None:
+            await asyncio.gather(self._checkpointing, return_exceptions=True)
+            self._raise_checkpoint_error()
 
     def _raise_checkpoint_error(self) -> None:
         task = self._checkpointing
