@@ -141,6 +141,25 @@ async def test_resume_true_keeps_a_finished_runs_weights(cluster: smb2.LocalClus
     assert np.array_equal(again.flat(), s.flat())
 
 
+async def test_a_run_that_changes_the_rule_says_so(cluster: smb2.LocalCluster,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # as a script resumed after the library's default rule changed: the weights go on, the log says
+    # which rule the store was made for and how to keep it
+    (s,) = await _open_all(cluster, "lc-rule", 1)
+    await s.join()
+    await _train(s, 2)
+    with caplog.at_level(logging.WARNING, logger="smb2.train"):
+        (again,) = await _open_all(cluster, "lc-rule", 1, rule="delta")
+    assert again.resumed and np.array_equal(again.flat(), s.flat())
+    assert ("store 'lc-rule' was made for rule 'accumulate' and this job updates it with rule 'delta': the "
+            "weights and the optimizer states go on, with the new rule's arithmetic (pass rule='accumulate' to "
+            "keep the old one)") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="smb2.train"):
+        await _open_all(cluster, "lc-rule", 1)
+    assert "was made for rule" not in caplog.text      # the rule it was made for: nothing to say
+
+
 async def test_a_late_rank_follows_rank_0_into_its_new_run(cluster: smb2.LocalCluster) -> None:
     """Rank 2 of a new job arrives while the old run (which never had a
     rank 2) still looks open, and joins it; rank 0 of the new job then

@@ -23,7 +23,10 @@ the target.  It starts its own two ``smb2-server`` processes.  A run counts
 as collapsed when the delivered model is at chance (below 20 %).
 ``--old-default`` runs the arithmetic the recipe had before the stable
 configuration became the default (``average=False, lag_scaling=False``).
-``tests/test_async_collapse.py`` calls :func:`run_job` (5 runs, the default).
+``--budget-steps N`` counts the budget in rank 0's steps instead, and rank
+0 then evaluates every ``--eval-every-steps`` steps: what a run achieves no
+longer depends on how fast the machine is (``tests/test_async_collapse.py``
+calls :func:`run_job` so, 5 runs).
 
 ``python tools/studies/async_collapse.py --worker ...`` is what torchrun runs.
 """
@@ -106,14 +109,22 @@ def _train_one(a: argparse.Namespace, ex: Any, digits: tuple[Any, ...], rank: in
     open_s = t0 - t_open
     off_clock = 0.0                         # seconds spent evaluating
     next_eval = t0 + a.eval_every
+    by_steps = a.budget_steps is not None
+
+    def within_budget(now: float) -> bool:
+        if not by_steps:
+            return now - t0 - off_clock < a.budget
+        return rank != 0 or step < a.budget_steps    # the others go on until rank 0 says stop
+
     reached = None
+    reached_step = None
     best = 0.0
     curve: list[tuple[float, float]] = []
     step = 0
     epoch = 0
     error = None
     try:
-        while reached is None and not stop.exists() and time.perf_counter() - t0 - off_clock < a.budget:
+        while reached is None and not stop.exists() and within_budget(time.perf_counter()):
             order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(epoch))]
             epoch += 1
             for i in range(0, len(order), 32):
@@ -129,21 +140,22 @@ def _train_one(a: argparse.Namespace, ex: Any, digits: tuple[Any, ...], rank: in
                 if slow:
                     time.sleep(slow)
                 now = time.perf_counter()
-                if rank == 0 and now >= next_eval:
+                if rank == 0 and (step % a.eval_every_steps == 0 if by_steps else now >= next_eval):
                     acc = ex.accuracy(model, xte, yte)
                     best = max(best, acc)
                     curve.append((round(now - t0 - off_clock, 1), round(acc, 1)))
                     off_clock += time.perf_counter() - now
                     next_eval = time.perf_counter() + a.eval_every
                     if acc >= a.target:
-                        reached = now - t0 - off_clock
-                        stop.touch()
+                        reached, reached_step = now - t0 - off_clock, step
                         break
-                if now - t0 - off_clock >= a.budget or (step % 10 == 0 and stop.exists()):
+                if not within_budget(now) or (step % 10 == 0 and stop.exists()):
                     break
             else:
                 continue
             break
+        if rank == 0:
+            stop.touch()        # reached or out of budget: the run ends for every rank
         stats = opt.stats()
         t_close = time.perf_counter()
         opt.close(wait_all=120)
@@ -154,6 +166,7 @@ def _train_one(a: argparse.Namespace, ex: Any, digits: tuple[Any, ...], rank: in
         stop.touch()
     final = ex.accuracy(model, xte, yte) if error is None else None
     return {"rank": rank, "steps": step, "reached_s": None if reached is None else round(reached, 2),
+            "reached_step": reached_step,
             "best": round(best, 2), "curve": curve[-8:], "final": None if final is None else round(final, 2),
             "error": error,
             "guard": {k: stats.get(k) for k in ("skipped", "max_version_lag", "lag_scaled", "collapses")},
@@ -166,8 +179,9 @@ def _hog() -> subprocess.Popen[bytes]:
 
 
 def run_job(servers: str, *, runs: int, hogs: int = 3, slow_ms: float = 30.0, budget: float = 60.0,
-            target: float = 95.0, name: str = "collapse", workers: int = 3, seed: int = 0, eval_every: float = 0.5,
-            clip: bool = False, old_default: bool = False, timeout: float = 600) -> list[dict[str, Any]]:
+            budget_steps: int | None = None, eval_every_steps: int = 10, target: float = 95.0,
+            name: str = "collapse", workers: int = 3, seed: int = 0, eval_every: float = 0.5, clip: bool = False,
+            old_default: bool = False, timeout: float = 600) -> list[dict[str, Any]]:
     """One torchrun job of ``workers`` that trains ``runs`` models in turn
     beside ``hogs`` busy processes; rank 0's report of each run (time to
     target, the delivered model's accuracy, ``collapsed``...), or one row
@@ -177,7 +191,9 @@ def run_job(servers: str, *, runs: int, hogs: int = 3, slow_ms: float = 30.0, bu
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
                __file__, "--worker", "--name", name, "--stop-file", str(Path(tmp) / "stop"), "--runs", str(runs),
                "--slow-ms", str(slow_ms), "--budget", str(budget), "--target", str(target), "--seed", str(seed),
-               "--eval-every", str(eval_every)] + (["--clip"] if clip else []) + \
+               "--eval-every", str(eval_every), "--eval-every-steps", str(eval_every_steps)] + \
+              (["--budget-steps", str(budget_steps)] if budget_steps is not None else []) + \
+              (["--clip"] if clip else []) + \
               (["--old-default"] if old_default else [])
         busy: list[subprocess.Popen[bytes]] = []
         with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as job:
@@ -226,8 +242,10 @@ def main() -> None:
     p.add_argument("--hogs", type=int, default=3)
     p.add_argument("--slow-ms", type=float, default=30.0)
     p.add_argument("--budget", type=float, default=60.0)
+    p.add_argument("--budget-steps", type=int, help="the budget in rank 0's steps instead of seconds")
     p.add_argument("--target", type=float, default=95.0)
     p.add_argument("--eval-every", type=float, default=0.5)
+    p.add_argument("--eval-every-steps", type=int, default=10, help="with --budget-steps: rank 0 evaluates so often")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clip", action="store_true",
                    help="clip_grad_norm_(1.0) in the loop (the issue's loop had none: without it, main collapsed)")
@@ -246,8 +264,9 @@ def main() -> None:
         async with smb2.LocalCluster(servers=2, processes=True) as cluster:
             return await asyncio.to_thread(
                 run_job, ",".join(cluster.addresses), runs=a.runs, hogs=a.hogs, slow_ms=a.slow_ms,
-                budget=a.budget, target=a.target, name=f"{a.name}-{os.getpid()}", seed=a.seed,
-                eval_every=a.eval_every, clip=a.clip, old_default=a.old_default)
+                budget=a.budget, budget_steps=a.budget_steps, eval_every_steps=a.eval_every_steps,
+                target=a.target, name=f"{a.name}-{os.getpid()}", seed=a.seed, eval_every=a.eval_every,
+                clip=a.clip, old_default=a.old_default)
 
     t0 = time.perf_counter()
     rows = asyncio.run(job())
@@ -255,7 +274,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
     ok = sum(1 for r in rows if r.get("reached_s") is not None and not r.get("collapsed"))
     collapsed = sum(1 for r in rows if r.get("collapsed"))
-    print(f"{ok} of {a.runs} runs reached {a.target} % within {a.budget} s; {collapsed} delivered a "
+    budget = f"{a.budget} s" if a.budget_steps is None else f"{a.budget_steps} of rank 0's steps"
+    print(f"{ok} of {a.runs} runs reached {a.target} % within {budget}; {collapsed} delivered a "
           f"collapsed model (< {CHANCE} %); the job took {time.perf_counter() - t0:.0f} s")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "runs": rows}, indent=1))

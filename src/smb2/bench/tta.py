@@ -138,7 +138,7 @@ from typing import Any
 import smb2.testing.netns as netns_cluster  # noqa: E402
 from smb2.bench import tta_lm  # noqa: E402  (the language-model task)
 from smb2.bench.common import latencies, start_raw_peer, stop_raw_peer
-from smb2.testing.launch import READY  # noqa: E402
+from smb2.testing.launch import READY, server_command  # noqa: E402
 
 from . import report
 
@@ -684,9 +684,6 @@ def loopback_rtt_us() -> float:
 
 def start_servers(cluster: netns_cluster.NetnsCluster, hosts: list[int], capacity: str) -> list[subprocess.Popen]:
     """smb2-server on each of ``hosts`` (indexes of the cluster's hosts); waits for the ready lines."""
-    binary = netns_cluster.default_server_binary()
-    if binary is None:
-        raise netns_cluster.NetnsError("smb2-server not found: build the project first (make .venv/.installed-test)")
     procs = []
     for i in hosts:
         # --shm off, as netns_cluster's own servers: the namespaces share this kernel and file
@@ -694,9 +691,9 @@ def start_servers(cluster: netns_cluster.NetnsCluster, hosts: list[int], capacit
         # --lock-lease 30: rank 0 holds the store's lock while it writes the first 81 MB; on the
         # loaded 2-core machine its renewals (every lease/3) starved past the default 5 s lease and
         # a run died opening its store (StaleFence): the benchmark measures training, not that
-        argv = [binary, "--host", cluster.server_addrs[i], "--port", str(SERVER_PORT), "--capacity", capacity,
-                "--shm", "off", "--lock-lease", "30"] + (
-                    ["--membership", cluster.membership_url] if cluster.membership_url else [])
+        membership = ["--membership", cluster.membership_url] if cluster.membership_url else []
+        argv = server_command("--capacity", capacity, "--shm", "off", "--lock-lease", "30", *membership,
+                              host=cluster.server_addrs[i], port=SERVER_PORT)
         procs.append(subprocess.Popen(cluster.exec_prefix(cluster.server_netns[i]) + argv, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, start_new_session=True))
     for i, p in zip(hosts, procs):

@@ -416,6 +416,7 @@ class ParameterStore:
                     raise _another_model(name, theirs, layout)
                 if theirs.workers != layout.workers:
                     raise _other_world(name, theirs.workers, layout.workers)
+                _say_rule_change(name, theirs.rule, rule.settings())
                 layout = theirs
             store = cls(client, buf, layout, data_off, rank=0, rule=rule, dropping=dropping)
             store.stale_after, store.restarted = stale_after, restarted
@@ -1451,6 +1452,20 @@ async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int
                     "with the same store name and SMB2_SERVERS, or raise timeout=") from None
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.25)
+
+
+def _say_rule_change(name: str, made_for: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """Log that a job opens a store made for another rule or other settings
+    (a changed script, or a library whose default rule changed since the
+    store was made): the weights go on, the arithmetic that moves them
+    changes, and ``smb2 ls`` still names the rule the store was made for."""
+    if made_for.get("name") != now.get("name"):
+        log.warning("store %r was made for rule %r and this job updates it with rule %r: the weights and the "
+                    "optimizer states go on, with the new rule's arithmetic (pass rule=%r to keep the old one)",
+                    name, made_for.get("name"), now.get("name"), made_for.get("name"))
+    elif dict(made_for) != dict(now):
+        log.info("store %r: rule %r with settings %s (the store was made with %s)", name, now.get("name"),
+                 dict(now), dict(made_for))
 
 
 async def _initialize(buf: Buffer, layout: Layout, lock: Lock | ReplicatedLock) -> None:

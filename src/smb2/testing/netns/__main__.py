@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="passed to every server as --capacity (default %(default)s)")
     ap.add_argument("--server-cmd", default=None,
                     help="server command; {host} {port} {capacity} {index} {smb2_server} are substituted "
-                         "(default: '{smb2_server} --host {host} --port {port} --capacity {capacity}')")
+                         "(default: this Python's smb2.server with --host {host} --port {port} --capacity "
+                         "{capacity} --shm off)")
     ap.add_argument("--stand-in", action="store_true", help="use the built-in stand-in server (TCP sink/source)")
     ap.add_argument("--ready-timeout", type=float, default=30.0, help="seconds to wait for every server's ready line")
     ap.add_argument("--probe", action="store_true", help="instead of a command, measure every link (needs --stand-in)")

@@ -108,7 +108,8 @@ class NetnsCluster:
     port:          server port (default 7420).
     capacity:      passed to the server as ``--capacity`` (default 512 MiB in bytes).
     server_cmd:    argv list or shell-like string; ``{host} {port} {capacity} {index} {smb2_server}``
-                   are substituted.  Default: ``smb2-server --host {host} --port {port} --capacity {capacity}``.
+                   are substituted.  Default: :data:`DEFAULT_SERVER_CMD` (this interpreter's server, as
+                   :func:`smb2.testing.launch.server_command` builds it, with ``--shm off``).
     stand_in:      use the stand-in server built into this file instead of smb2-server.
     server_env:    extra environment for the servers.
     ready_timeout: seconds to wait for every server's ready line.

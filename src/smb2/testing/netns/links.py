@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..launch import server_command
 from .errors import NetnsError, NotSupported
 
 BENCH_RANGE = ipaddress.IPv4Network("198.18.0.0/15")  # RFC 2544 benchmarking range: the only one
@@ -31,8 +32,8 @@ DEFAULT_RATE = "1gbit"
 DEFAULT_CAPACITY = "512MiB"  # per server; smb2-server takes 512MiB, 8GiB, or bytes
 # --shm off: each namespace stands in for another host, whose memory a client could not map
 # (the namespaces share this kernel and file system, so shm would bypass the rate-limited links)
-DEFAULT_SERVER_CMD = ("{smb2_server}", "--host", "{host}", "--port", "{port}", "--capacity", "{capacity}",
-                      "--shm", "off")
+DEFAULT_SERVER_CMD = tuple(server_command("--port", "{port}", "--capacity", "{capacity}", "--shm", "off",
+                                          host="{host}", port=None))
 
 
 NAME_PREFIX = "smb2-"
