@@ -797,9 +797,12 @@ def test_a_healthy_run_reports_no_collapse(servers: str, caplog: pytest.LogCaptu
     # the same job with momentum once (average=True): it learns, and the watch says nothing
     with caplog.at_level("WARNING", logger="smb2.train"):
         out = _digits_in_lockstep(servers, "t-no-collapse", average=True)
+    # it learned: well above chance (10 %) and a collapsed model's 9-11 %.  How far 120 asynchronous
+    # steps get depends on how late the background pulls land, which load changes: 96.7-97.2 % quiet,
+    # 83-91 % beside 6 busy processes, 66 % in a loaded make test
     for rank, (end, stats, acc) in out.items():
         assert not isinstance(end, Exception) and end.healthy, (rank, end)
-        assert stats["collapses"] == 0 and acc > 80, (rank, stats, acc)
+        assert stats["collapses"] == 0 and acc > 40, (rank, stats, acc)
     assert not [r for r in caplog.records if "collapsed" in r.getMessage()]
 
 

@@ -112,10 +112,27 @@ def _same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]]
 
 
+def test_saves_add_at_most_their_share_to_the_exchange(servers: str) -> None:
+    # a save (the moments and the schedule) waits until the exchange moved 1 / state_share times the last
+    # save's bytes, whatever state_every allows: saves never crowd the link the training needs
+    model = _model()
+    opt, sched = _port(model, servers, "t-share", resume=False, state_every=1e-9, state_share=0.25)
+    _loop(model, opt, sched, 0, TOTAL)
+    opt.flush()
+    saved = opt._saved
+    moved = opt.store.stats["bytes_pushed"] + opt.store.stats["bytes_pulled"]
+    assert saved._save_bytes is not None and saved.saves >= 1
+    # the first save is due by time alone; every later one after 4 times a save's bytes of exchange
+    assert 2 <= saved.saves <= 1 + moved * 0.25 / saved._save_bytes * 1.01, (saved.saves, moved, saved._save_bytes)
+    opt.close()
+    with pytest.raises(smb2.InvalidArgumentError, match=r"state_share must be a fraction in \(0, 1\] or None"):
+        _port(_model(), servers, "t-share-bad", state_share=0)
+
+
 def test_a_resumed_run_continues_its_moments_schedule_and_loss(servers: str,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     model = _model()
-    opt, sched = _port(model, servers, "t-resume", resume=False, state_every=0.02)
+    opt, sched = _port(model, servers, "t-resume", resume=False, state_every=0.02, state_share=None)
     record: dict[int, Any] = {}
     before = _loop(model, opt, sched, 0, RUN1_STEPS, record)
     opt.flush()
@@ -126,7 +143,7 @@ def test_a_resumed_run_continues_its_moments_schedule_and_loss(servers: str,
     # the job runs again: the same script, nothing added ("auto": the run did not finish)
     model2 = _model()
     with caplog.at_level(logging.INFO, logger="smb2.torch"):
-        opt2, sched2 = _port(model2, servers, "t-resume", state_every=0.02)
+        opt2, sched2 = _port(model2, servers, "t-resume", state_every=0.02, state_share=None)
     try:
         assert opt2.resumed
         start = opt2.start_step
@@ -329,7 +346,7 @@ def test_a_run_from_a_checkpoint_continues_its_moments_schedule_and_loss(
     (``<path>.optim/<rank>``); a fresh job with init_from= loads it."""
     model = _model()
     path = tmp_path / "ck" / "step-{step}.smb2"
-    opt, sched = _port(model, servers, "t-ckpt", resume=False, state_every=0.02, checkpoint_every=20,
+    opt, sched = _port(model, servers, "t-ckpt", resume=False, state_every=0.02, state_share=None, checkpoint_every=20,
                        checkpoint_path=path)
     record: dict[int, Any] = {}
     before = _loop(model, opt, sched, 0, RUN1_STEPS, record)
@@ -340,7 +357,7 @@ def test_a_run_from_a_checkpoint_continues_its_moments_schedule_and_loss(
     # the same store again (its state buffer holds step 45) from the checkpoint at 40; or another store from 45
     name, ckpt = ("t-ckpt", tmp_path / "ck" / "step-40.smb2") if into == "the same store" else ("t-ckpt2", final)
     with caplog.at_level(logging.INFO, logger="smb2.torch"):
-        opt2, sched2 = _port(_model(), servers, name, init_from=ckpt, state_every=0.02)
+        opt2, sched2 = _port(_model(), servers, name, init_from=ckpt, state_every=0.02, state_share=None)
     try:
         start = opt2.start_step
         assert "resumes its AdamW state and 1 LR schedule" in caplog.text

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import signal
 
 import msgpack
 import numpy as np
@@ -123,14 +125,20 @@ async def test_a_client_cannot_take_out_the_last_copy_of_a_buffer_it_never_opene
                 await smb2.connect(guarded.addresses, transport="tcp", token=TOKEN) as two:
             views_one, views_two = await one.views(), await two.views()
             seen = await views_two.current()
-            first = await views_one.stop_using(b, seen, "a test says so")
-            assert b not in first.members
-            # the second finds the view changed (the compare-and-set lost), then tries on the new one
-            newer = await views_two.stop_using(c, seen, "a test says so too")
-            assert newer.epoch == first.epoch and c in newer.members
-            with pytest.raises(smb2.TransportError, match="without a member copy") as err:
-                await views_two.stop_using(c, newer, "a test says so too")
-            assert "g0" in str(err.value) and err.value.hint
+            # b is paused while it is out: a running b would ask to join again at once, and on a loaded
+            # machine did so between the two clients' calls (the view moved on under the test)
+            os.kill(guarded.pid(1), signal.SIGSTOP)
+            try:
+                first = await views_one.stop_using(b, seen, "a test says so")
+                assert b not in first.members
+                # the second finds the view changed (the compare-and-set lost), then tries on the new one
+                newer = await views_two.stop_using(c, seen, "a test says so too")
+                assert newer.epoch == first.epoch and c in newer.members
+                with pytest.raises(smb2.TransportError, match="without a member copy") as err:
+                    await views_two.stop_using(c, newer, "a test says so too")
+                assert "g0" in str(err.value) and err.value.hint
+            finally:
+                os.kill(guarded.pid(1), signal.SIGCONT)
         async with guarded.membership() as m:
             assert c in (await m.view()).members
         # the server taken out catches up and comes back; the buffer never stopped

@@ -122,7 +122,7 @@ from .allreduce import MeanGradients
 from .backward import BackwardPushes, StepPushes, wait_for
 from .frozen import FrozenTensors
 from .loop_thread import LoopThread
-from .resume import SAVE_EVERY, SavedState
+from .resume import SAVE_EVERY, SAVE_SHARE, SavedState
 from .staging import Entry, Staging
 
 log = logging.getLogger("smb2.torch")
@@ -246,7 +246,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
     of :meth:`stats` on logger ``smb2.torch``.  ``state_every``: seconds
     between saves of this rank's optimizer state, step and LR schedules to
     the servers, which a resumed run loads (:mod:`smb2.torch.resume`; None:
-    neither saved nor loaded).  ``average`` (rule ``delta``: each worker's
+    neither saved nor loaded); ``state_share``: the most the saves add to
+    this rank's exchange bytes (0.02: a save also waits until the exchange
+    moved 50 times the last one's bytes; None: by time alone).  ``average`` (rule ``delta``: each worker's
     change counts 1/W; ``False`` is refused by every other rule), ``lag_scaling`` and
     ``guard``: the stable configuration of the asynchronous rules, on by default (see the
     module's doc).  ``dropping`` (layer dropping): rules ``delta``, ``accumulate`` and
@@ -268,7 +270,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
                  resume: str | bool = "auto", push_dtype: str | None = None, timeout: float = 120.0,
                  rank: int | None = None, world_size: int | None = None, dropping: LayerDropping | None = None,
                  sync_buffers: bool = True, log_every: int = 100, push_in_backward: bool | None = None,
-                 state_every: float | None = SAVE_EVERY, lag_scaling: bool = True, guard: bool = True,
+                 state_every: float | None = SAVE_EVERY, state_share: float | None = SAVE_SHARE,
+                 lag_scaling: bool = True, guard: bool = True,
                  average: bool = True,
                  **options: Any) -> None:
         # torch's Optimizer.__init__ is not called: param_groups, state and
@@ -315,7 +318,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
             # the weights, which the store gets only at close)
             lockstep = isinstance(self.store.rule, AllReduce)
             self._saved = SavedState.open(optimizer, (self, optimizer), self.store, self._loop, state_every,
-                                          shared=lockstep, weights=self._weights_now if lockstep else None)
+                                          shared=lockstep, weights=self._weights_now if lockstep else None,
+                                          share=state_share)
         except BaseException as e:
             self._loop.run(self._close_client())
             self._loop.stop()

@@ -13,7 +13,16 @@ groups with their learning rates), the ``state_dict()`` of every LR
 scheduler built on the optimizer, and the step they belong to.
 
 **When.**  Every ``every`` seconds (``state_every=`` of AsyncOptimizer, 5 s
-by default) and at ``close()``.  The training thread pays little: after
+by default) and at ``close()``, but no sooner than the rank's exchange has
+moved ``1 / share`` times the last save's bytes since it (``state_share=``,
+:data:`SAVE_SHARE`: saves add at most 2 % to what the rank's link carries).
+Without that bound, on the language model of ``smb2 bench tta`` (5.1 M
+parameters, AdamW, 4 workers, 1 Gbit/s links) rank 0's saves of the
+weights and moments, 62 MB every 5 s, nearly doubled its link's bytes per
+step, and under ``allreduce`` every rank waits for the slowest: there a save
+now comes every 100 steps or so (a save is 12 bytes a parameter, a step
+moves 6), and a restart trains again at most that many.  ``share=None``
+saves by time alone.  The training thread pays little: after
 an optimizer step that makes a save due, a background thread serializes the
 optimizer's tensors while the next step's forward and backward compute (the
 optimizer changes its state only in its own ``step()``, which waits for
@@ -99,10 +108,13 @@ from .loop_thread import LoopThread
 
 log = logging.getLogger("smb2.torch")
 
-__all__ = ["SAVE_EVERY", "SavedState", "StateSlots", "schedulers_on"]
+__all__ = ["SAVE_EVERY", "SAVE_SHARE", "SavedState", "StateSlots", "schedulers_on"]
 
 #: seconds between saves of a rank's optimizer state (``state_every=``)
 SAVE_EVERY = 5.0
+#: the most that saves add to a rank's exchange bytes (``state_share=``): a
+#: save waits until the exchange moved ``1 / SAVE_SHARE`` times the last one
+SAVE_SHARE = 0.02
 MAGIC = int.from_bytes(b"SMB2OPTS", "little")
 FORMAT = 1
 HEADER = 64
@@ -311,8 +323,13 @@ class SavedState:
 
     def __init__(self, optimizer: torch.optim.Optimizer, owners: tuple[object, ...], store: ParameterStore,
                  loop: LoopThread, slots: StateSlots | None, every: float | None, keeper: int | None = None,
-                 weights: Callable[[], np.ndarray] | None = None) -> None:
+                 weights: Callable[[], np.ndarray] | None = None, share: float | None = SAVE_SHARE) -> None:
         self.optimizer = optimizer
+        #: the most saves add to this rank's exchange bytes (None: saves by time alone)
+        self.share = share
+        #: the exchange's bytes when the last save began, and that save's size (None: none yet)
+        self._moved_at_save = 0
+        self._save_bytes: int | None = None
         #: the model's flat weights now (a copy), which each save carries (rule allreduce)
         self.weights_now = weights
         #: the weights the loaded save carried (None: the store's are this rank's)
@@ -342,13 +359,19 @@ class SavedState:
     @classmethod
     def open(cls, optimizer: torch.optim.Optimizer, owners: tuple[object, ...], store: ParameterStore,
              loop: LoopThread, every: float | None, *, shared: bool = False,
-             weights: Callable[[], np.ndarray] | None = None) -> SavedState:
+             weights: Callable[[], np.ndarray] | None = None, share: float | None = SAVE_SHARE) -> SavedState:
         """Open rank ``store.rank``'s saves; on a resumed run load the newest
         of the store's lineage into ``optimizer``.  ``shared``: every rank's
         optimizer state is the same (rule allreduce): rank 0 alone saves it,
         and every rank loads rank 0's.  ``weights``: the model's flat weights
         now, which each save then carries (and :attr:`weights` holds the
-        loaded save's)."""
+        loaded save's).  ``share``: the most saves add to this rank's
+        exchange bytes (see the module's doc; None: by time alone)."""
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 < share <= 1):
+            raise InvalidArgumentError(f"state_share must be a fraction in (0, 1] or None, not {share!r}",
+                                       hint="state_share=None saves every state_every seconds whatever the "
+                                            "exchange moves")
         if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or every <= 0):
             raise InvalidArgumentError(f"state_every must be a positive number of seconds or None, not {every!r}",
                                        hint="state_every=None neither saves nor loads the optimizer's state")
@@ -357,7 +380,8 @@ class SavedState:
         keeper = 0 if shared else store.rank
         slots = loop.run(StateSlots.open(store.client, store.name, optimizer_state_what(keeper),
                                          store.buf.replicas))
-        saved = cls(optimizer, owners, store, loop, slots, float(every), keeper, weights)
+        saved = cls(optimizer, owners, store, loop, slots, float(every), keeper, weights,
+                    None if share is None else float(share))
         if store.resumed:
             saved._load()
         return saved
@@ -439,10 +463,11 @@ class SavedState:
         """After the wrapped optimizer's step ``step``: when a save is due,
         serialize the optimizer's tensors in the background."""
         if (self.slots is None or self.every is None or self.keeper != self.store.rank
-                or time.monotonic() - self._last < self.every
+                or time.monotonic() - self._last < self.every or not self._exchange_moved_enough()
                 or self._serializing is not None or (self._writing is not None and not self._writing.done())):
             return
         self._last = time.monotonic()
+        self._moved_at_save = self._moved()
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smb2-state")
         heavy = _heavy(self.optimizer.state_dict()["state"], self._weights())
@@ -468,6 +493,18 @@ class SavedState:
                 self._executor.shutdown(wait=True)
 
     # -- inside ---------------------------------------------------------------------------
+    def _moved(self) -> int:
+        """The bytes this rank's exchange has moved so far (pushed and pulled)."""
+        stats = self.store.stats
+        return int(stats["bytes_pushed"]) + int(stats["bytes_pulled"])
+
+    def _exchange_moved_enough(self) -> bool:
+        """Has the exchange moved ``1 / share`` times the last save's bytes
+        since that save began (always, before the first or without a share)?"""
+        if self.share is None or self._save_bytes is None:
+            return True
+        return self._moved() - self._moved_at_save >= self._save_bytes / self.share
+
     def _collect(self) -> None:
         """Wait for the save being written; raise what it met, but for
         servers without room for it: then say so once and save no more."""
@@ -495,6 +532,7 @@ class SavedState:
                        "schedulers": {k: s.state_dict() for k, s in live.items()}})
         self._writing = self.loop.submit(self.slots.write(*_frame(light, heavy), step=step, origin=self.origin,
                                                           run=self.store.generation))
+        self._save_bytes = len(light) + len(heavy)
         self.saves += 1
 
     def _live_schedulers(self) -> dict[str, Any]:
