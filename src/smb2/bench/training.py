@@ -65,6 +65,7 @@ import numpy as np
 
 import smb2
 from smb2.testing.ports import free_port
+from smb2.train import store as train_store
 from smb2.train.example import data
 from smb2.train.example.job import JobConfig, run_job
 from smb2.train.example.mlp import MLP
@@ -82,6 +83,8 @@ RULES: dict[str, dict[str, Any]] = {
     "locked/layer": {"rule": "locked", "rule_options": {"per_layer": True}},
     "easgd": {"rule": "easgd", "rule_options": {"tau": 4}},
 }
+#: the store AsyncOptimizer's runs train, removed after each
+FRONTEND_STORE = "bench-torch"
 
 
 def _via(transport: str) -> dict[str, str]:
@@ -192,7 +195,7 @@ def torch_worker(kind: str, rank: int, world: int, port: int, steps: int, path: 
         dist.destroy_process_group()
         moved = int(2 * (world - 1) / world * nbytes * steps * 2)
     else:
-        aopt = smb2.torch.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, name="bench-torch",
+        aopt = smb2.torch.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, name=FRONTEND_STORE,
                                          rank=rank, world_size=world, staleness=staleness, resume=False, rule=rule)
         one_step(aopt, model)
         t0 = time.perf_counter()
@@ -329,6 +332,9 @@ async def frontend_rows(workers: int, steps: int, path: Path, cluster: smb2.Loca
                 rtt = await report.round_trip_us(cluster.addresses, transport=via)
                 r = await frontend_run("smb2", workers, steps, path, cluster.addresses, staleness=s, rule=rule,
                                        transport=via)
+                # the next run may have another rule or worker count: a store made for one is not the next's
+                async with await smb2.connect(cluster.addresses) as client:
+                    await train_store.remove(client, FRONTEND_STORE)
                 rows.append({"system": "AsyncOptimizer", "rule": f"{rule}/s{s}", "workers": workers,
                              "servers": nservers, "transport": via, "rtt_us": rtt, **r})
                 _show(rows[-1], next(ran), total)
