@@ -41,6 +41,8 @@ def test_every_benchmark_is_a_subcommand_with_its_own_help() -> None:
         assert out.returncode == 0, (name, out.stderr[-2000:])
         assert out.stdout.startswith(f"usage: smb2 bench {name}" if name != "bandwidth" else "usage: smb2 bench"), \
             (name, out.stdout[:200])
+        # each has a quick run through its whole path (tests/test_bench_quick.py and its own tests run them)
+        assert "--quick" in out.stdout, name
     assert cli.main(["bench", "sideways"]) == 2
 
 

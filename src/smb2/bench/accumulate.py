@@ -2,6 +2,7 @@
 with more server threads (``smb2-server --threads``), in one run.
 
     smb2 bench accumulate [--threads 1,2] [--size 64MiB] [--clients 2] [--seconds 3] [--turns 2]
+    smb2 bench accumulate --quick     # seconds: 1 MiB pushes for 0.2 s, one turn
 
 For each thread count it starts one ``smb2-server`` process with that
 ``--threads`` and has ``--clients`` connections push ``--size`` deltas at
@@ -36,13 +37,15 @@ from typing import Any
 import numpy as np
 
 from ..protocol import MAX_ACCUMULATE, WIRE_CODES
-from .common import fmt_size, now, size_list
+from .common import fmt_size, now, parse_with_quick, size_list
 from .report import median_round_trip, progress, round_trip_us, run_and_report, table
 
 KINDS = {"fp32": None, "bf16": "bfloat16"}
 # a plain write of the same float32 words: what receiving the payload costs
 # the server without the add (its CPU s/GB against an fp32 push's is the add's share)
 WRITE = "write"
+#: --quick: both thread counts and every kind, once and briefly
+QUICK = ["--threads", "1,2", "--size", "1MiB", "--seconds", "0.2", "--turns", "1"]
 
 
 def _cpu_seconds(pid: int, loop_only: bool = False) -> float:
@@ -135,8 +138,8 @@ async def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
                 runs.append(row)
                 progress("accumulate", len(runs), args.turns * len(args.threads), f"turn {turn}, {threads} threads",
                          **{k: f"{row[k]['GBps']:.2f} GB/s" for k in KINDS})
-    return {"benchmark": "accumulate", "started": now(), "transport": args.transport, "size": size,
-            "clients": args.clients, "seconds": args.seconds, "turns": args.turns, "runs": runs,
+    return {"benchmark": "accumulate", "started": now(), "quick": args.quick, "transport": args.transport,
+            "size": size, "clients": args.clients, "seconds": args.seconds, "turns": args.turns, "runs": runs,
             "note": "GB/s of float32 destination words updated; a bf16 push sends half those bytes"}
 
 
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", default="tcp", choices=["tcp", "shm"],
                    help="the clients' transport (an accumulate's delta goes over the connection either way)")
     p.add_argument("--json", default="", help="write every sample here")
-    args = p.parse_args(argv)
+    args = parse_with_quick(p, argv, QUICK, "1 and 2 server threads, fp32, bf16, plain writes and the add alone")
     sizes = size_list(args.size)
     if sizes is None or len(sizes) != 1 or sizes[0] <= 0 or sizes[0] % 4096:
         print("smb2 bench accumulate: --size is one size, a multiple of 4 KiB", file=sys.stderr)

@@ -1,5 +1,6 @@
 """What every smb2 benchmark shares: the raw TCP baseline, the machine's
-description, percentiles, timing loops and the JSON file.
+description, percentiles, timing loops, the JSON file and the ``--quick``
+option.
 
 The raw baseline is a ``asyncio.BufferedProtocol`` pair with no smb2 code on
 either side: a peer process (``python -m smb2.bench --raw-peer``, started by
@@ -10,6 +11,7 @@ its lock round trips (docs/design.md, "Measuring").
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import datetime as _dt
 import mmap
@@ -20,7 +22,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -343,3 +345,22 @@ def size_list(text: str) -> list[int] | None:
         return None
 
 
+def parse_with_quick(parser: argparse.ArgumentParser, argv: Sequence[str] | None, quick: Sequence[str],
+                     keeps: str) -> argparse.Namespace:
+    """Add ``--quick`` to ``parser`` and parse ``argv`` (None: ``sys.argv[1:]``).
+
+    ``quick`` is the argv of the benchmark's smallest run that still goes
+    through its whole path (every phase and row kind, its baseline, its
+    progress lines and JSON) in seconds: with ``--quick`` it is put before
+    ``argv``, so an option given on the command line wins over its quick
+    value (argparse keeps an option's last value).  ``keeps`` says, for
+    ``--help``, what the quick run still does.  Its figures check the
+    benchmark's bookkeeping (tests/test_bench_quick.py and the
+    benchmarks' own tests run them); they are not for quoting."""
+    parser.add_argument("--quick", action="store_true",
+                        help=f"the smallest run through the whole benchmark, in seconds, for tests (its figures are "
+                             f"not for quoting): {' '.join(quick)}; {keeps} (an option given beside it wins)")
+    args = list(sys.argv[1:] if argv is None else argv)
+    if parser.parse_known_args(args)[0].quick:
+        args = [*quick, *args]
+    return parser.parse_args(args)

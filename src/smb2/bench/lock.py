@@ -44,6 +44,7 @@ path without its polling (server and holder sleep between hand-offs), to
 see what the polling buys.
 
     python tools/bench_lock.py [--rounds 15] [--duration 1.5] [--procs 1,2,4,8]
+    smb2 bench lock --quick           # seconds: 1 round, 2 processes, one 0.3 s run per cell
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from typing import Any
 import uvloop
 
 import smb2
-from smb2.bench.common import describe_machine, latencies, now, pct, start_raw_peer, stop_raw_peer
+from smb2.bench.common import describe_machine, latencies, now, parse_with_quick, pct, start_raw_peer, stop_raw_peer
 
 from . import report
 
@@ -73,6 +74,9 @@ TARGET_SHM = 10.0             # shm futex lock, 4 processes: >= 10x the TCP lock
 SHM_KINDS = ("futex", "futex_anycpu", "shmpoll", "mixed")
 LOCK = "bench-lock"
 SPIN_BUFFER = "bench-spin"
+#: --quick: every kind, both critical sections and both tables, each cell once and briefly (2 processes:
+#: the 4-process targets are not judged)
+QUICK = ["--rounds", "1", "-n", "20", "--reps", "1", "--duration", "0.3", "--procs", "2"]
 
 
 def _progress(msg: str) -> None:
@@ -510,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin the server and raw peer to one CPU and the clients to another")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = parse_with_quick(p, argv, QUICK, "every kind of lock and baseline, both critical sections (the targets "
+                                             "judged at 4 processes need --procs 4)")
     if args.worker:
         uvloop.run(_worker(args.worker.split(","), args.holder_spin, args.futex_spin))
         return 0
@@ -526,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     result = uvloop.run(bench(args))
     text = table(result)
     print(text)
-    path = report.write_json(args.json, {**result, "table": text}, round_trip_64B_us=round_trip(result), quiet=True)
+    path = report.write_json(args.json, {**result, "quick": args.quick, "table": text},
+                             round_trip_64B_us=round_trip(result), quiet=True)
     _progress(f"wrote {path}")
     why_not = plot(Path(args.png), result)
     _progress(f"plot: {why_not}" if why_not else f"plot: {args.png}")

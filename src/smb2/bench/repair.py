@@ -2,6 +2,7 @@
 
     python tools/bench_repair.py [--mode rejoin|replace|both] [--size 256MiB] [--repair-rate 256MiB]
                                  [--kills 3] [--replace-after 1]
+    smb2 bench repair --quick         # seconds: 8 MiB, one kill in each mode, --load
 
 Starts 3 ``smb2-server`` processes with a private etcd
 (``LocalCluster(replicated=True)``) and fills a ``replicas=2`` buffer of
@@ -46,8 +47,11 @@ from smb2.protocol import parse_size
 from smb2.testing.replicas import read_copy
 
 from . import report
+from .common import parse_with_quick
 
 MiB = 1 << 20
+#: --quick: both modes once each, the load beside the replacement
+QUICK = ["--size", "8MiB", "--kills", "1", "--mode", "both", "--load"]
 
 
 async def stat_of(client: smb2.Client, index: int) -> dict:
@@ -253,7 +257,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, object]]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="256MiB")
     p.add_argument("--repair-rate", default="256MiB")
@@ -265,10 +269,10 @@ def main() -> int:
                    help="replace mode: 4 MiB writes and 64 B reads all along, their rate during the repair "
                         "against as long after it")
     p.add_argument("--json", default="bench-results/repair.json", help="where to write the rows")
-    args = p.parse_args()
+    args = parse_with_quick(p, argv, QUICK, "rejoin and replace, the load's rates and the copies' check")
     rows: list[dict[str, Any]] = asyncio.run(main_async(args))
     print(table(rows))
-    report.write_json(args.json, {"args": vars(args), "rows": rows},
+    report.write_json(args.json, {"args": vars(args), "quick": args.quick, "rows": rows},
                       round_trip_64B_us=report.median_round_trip([r["rtt_64B_us_median"] for r in rows]))
     return 0
 

@@ -1,6 +1,7 @@
 """What replication costs, measured in one run on this machine.
 
     python tools/bench_replicas.py [--transport tcp|shm] [--repeat 15] [--baseline-python PATH]
+    smb2 bench replicas --quick       # seconds: one turn, one sample a figure
 
 Starts 3 ``smb2-server`` processes (with a private etcd where the package
 has ``LocalCluster(replicated=True)``) and measures, as medians of
@@ -26,6 +27,8 @@ import numpy as np
 
 MiB = 1 << 20
 BIG = 64 * MiB
+#: --quick: replicas=1 and 2 once, one sample of each figure
+QUICK = ["--repeat", "1", "--turns", "1"]
 
 
 async def measure(servers: list[str], transport: str, replicas: int, repeat: int, name: str) -> dict[str, float]:
@@ -106,7 +109,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
                     run_child, sys.executable, servers, args.transport, 2, args.repeat))
             report.progress("replicas", turn + 1, args.turns, "turn, 64 B round trip",
                             **{k: f"{v[-1]['rtt_64B_us']:.0f} us" for k, v in rows.items() if v})
-    result: dict[str, object] = {"transport": args.transport, "turns": args.turns, "repeat": args.repeat}
+    result: dict[str, object] = {"transport": args.transport, "turns": args.turns, "repeat": args.repeat,
+                                 "quick": args.quick}
     for key, samples in rows.items():
         if samples:
             result[key] = {k: round(statistics.median(s[k] for s in samples), 2) for k in samples[0]}
@@ -132,12 +136,13 @@ def main() -> int:
     p.add_argument("--servers", help=argparse.SUPPRESS)
     p.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--name", default="bench", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.child:
-        return child(args)
+    if "--child" in sys.argv[1:]:
+        return child(p.parse_args())
     # here, not at the top: the child runs this file alone, possibly from another checkout
     from smb2.bench import report
+    from smb2.bench.common import parse_with_quick
 
+    args = parse_with_quick(p, None, QUICK, "both replica counts, every figure, the ratios")
     result = asyncio.run(main_async(args))
     print(table(result))
     this_r1 = result["this r1"]

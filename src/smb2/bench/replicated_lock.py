@@ -2,6 +2,7 @@
 """What a replicated lock costs, and how long its failover takes, measured in one run.
 
     python tools/bench_replicated_lock.py [--transport tcp] [--rounds 7] [-n 100] [--kills 3]
+    smb2 bench replicated-lock --quick        # 1 round of 10, 1 kill
 
 Starts 3 ``smb2-server`` processes with a private etcd (``LocalCluster(replicated=True)``) and
 measures, in alternating rounds against the same servers: the 64-byte round trip (a READ of
@@ -28,6 +29,10 @@ from typing import Any
 import smb2
 
 from . import report
+from .common import parse_with_quick
+
+#: --quick: the three kinds once, one failover
+QUICK = ["--rounds", "1", "-n", "10", "--kills", "1"]
 
 
 async def _timed(n: int, op: Any) -> float:
@@ -81,7 +86,8 @@ async def failover(cluster: smb2.LocalCluster, transport: str, kills: int) -> li
             report.progress("replicated-lock", k + 1, kills, f"kill of server {lost}: the holder released it on the "
                             f"new primary after {kept:.2f} s, the waiter held it {handed:.2f} s after the kill")
             await cluster.restart(lost)
-            await asyncio.sleep(3.0)        # it rejoins and catches up before the next kill
+            if k + 1 < kills:
+                await asyncio.sleep(3.0)        # it rejoins and catches up before the next kill
     return out
 
 
@@ -91,7 +97,7 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
         fo = await failover(cluster, a.transport, a.kills) if a.kills else []
     med = {k: statistics.median(v) for k, v in lat.items()}
     ratio = statistics.median(r / p for r, p in zip(lat["replicated_lock"], lat["lock"]))
-    return {"transport": a.transport, "rounds": a.rounds, "n": a.n, "median_us": med,
+    return {"transport": a.transport, "rounds": a.rounds, "n": a.n, "quick": a.quick, "median_us": med,
             "replicated_over_plain": ratio, "samples_us": lat, "failover": fo}
 
 
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--json", default=str(Path("bench-results") /
                                          "replicated_lock.json"))
-    a = p.parse_args(argv)
+    a = parse_with_quick(p, argv, QUICK, "the three kinds measured, the failover with a holder and a waiter")
     logging.basicConfig(level=logging.ERROR)
     res = asyncio.run(bench(a))
     print(table(res))

@@ -13,6 +13,7 @@ the same round (median over the rounds).  The median round trip of a
 64-byte read from a server is recorded beside.
 
     python tools/bench_resume.py [--rounds 3] [--steps 40] [--every 0.5] [--json out.json]
+    smb2 bench resume --quick         # seconds: one round of 20 steps of a small MLP
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from smb2.torch.loop_thread import LoopThread
 from smb2.train import store
 
 from . import report
+from .common import parse_with_quick
+
+#: --quick: one round of both configurations on a small MLP; a save due every few ms, so that the
+#: saving run makes saves whatever the machine's pace
+QUICK = ["--rounds", "1", "--steps", "20", "--every", "0.005", "--widths", "256,256,10"]
 
 
 def run(servers: str, widths: list[int], steps: int, every: float | None, name: str) -> dict[str, Any]:
@@ -64,14 +70,14 @@ async def remove(servers: list[str], name: str) -> None:
         await store.remove(c, name)      # the store and its state buffers
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=float, default=0.5)
     p.add_argument("--widths", default="1024,1024,1024,10")
     p.add_argument("--json", help="write the results here")
-    a = p.parse_args()
+    a = parse_with_quick(p, argv, QUICK, "the baseline and the saving run, their ratios, the round trip")
     torch.set_num_threads(1)
     widths = [int(w) for w in a.widths.split(",")]
     loop = LoopThread("bench-cluster")
@@ -110,8 +116,9 @@ def main() -> None:
           f"x{summary['mean_ratio']:.3f} (mean), medians over {a.rounds} rounds; "
           f"64-byte read {summary['rtt_us']:.0f} us")
     if a.json:
-        report.write_json(a.json, {"args": vars(a), "rows": rows, "summary": summary},
+        report.write_json(a.json, {"args": vars(a), "quick": a.quick, "rows": rows, "summary": summary},
                           round_trip_64B_us=summary["rtt_us"])
+    return 0
 
 
 if __name__ == "__main__":

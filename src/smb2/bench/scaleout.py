@@ -46,6 +46,7 @@ Needs root and ``ip netns`` (see netns_cluster.py); otherwise it says why and ex
     .venv/bin/python tools/bench_scaleout.py --rate 500mbit --tasks 4 --stripe 4MiB --rounds 3
     .venv/bin/python tools/bench_scaleout.py --servers 1,8 --loop asyncio --profile /tmp/client.txt \
         --profile-server /tmp/server.txt [--native]   # where the client's / server 0's time goes
+    sudo .venv/bin/python -m smb2.bench scaleout --quick   # seconds: 1 and 2 servers, 8 MiB, 1 round
 
 GB/s here are 10**9 bytes per second; a 1 Gbit/s link carries at most about 0.119 GB/s of TCP
 payload (1448 of every 1514 bytes on the wire at MTU 1500).
@@ -72,9 +73,11 @@ from typing import Any
 import smb2.testing.netns as netns_cluster
 from smb2.testing.launch import ready_address
 from smb2.testing.netns.probe import ProbeConn
+from smb2.train.example.mlp import MLP
 
 from . import report
-from .common import fmt_size, proc_cpu
+from .common import fmt_size, parse_with_quick, proc_cpu
+from .training import SIZES as TRAINING_SIZES
 
 MiB = 1 << 20
 GB = 1e9
@@ -82,6 +85,9 @@ SMB2_PUBLISHED = (8, 6.3)  # SMB2 (IEEE Access 2020): 6.3x SMB1's bandwidth with
 TARGET_EFFICIENCY = 0.90  # the scale-out target: >= 7.2x one server's bandwidth at 8 servers
 OPS = ("write", "read")
 RAW_OPS = ("raw-write", "raw-read")  # the baseline: plain sockets to a stand-in on each server host
+#: --quick: two server counts (so a speedup), both ops and their baseline, a training step each
+QUICK = ["--servers", "1,2", "--size", "8MiB", "--tasks", "2", "--rounds", "1", "--training-steps", "1",
+         "--training-workers", "1"]
 
 
 def parse_size(text: str) -> int:
@@ -565,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_worker":
         return worker_main(argv[1:])
-    args = _parser().parse_args(argv)
+    args = parse_with_quick(_parser(), argv, QUICK, "the raw baseline, every table and the training rows")
     counts = sorted({int(x) for x in args.servers.split(",")})
     size, stripe, chunk = parse_size(args.size), parse_size(args.stripe), parse_size(args.chunk)
     rate_bits = netns_cluster.parse_rate(args.rate)
@@ -577,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     # server 0 holds a share of every buffer at once: size/1 + size/2 + ... (+ slack); pages are
     # only committed when touched
     capacity = sum(-(-size // n) for n in counts) + len(counts) * 16 * MiB
+    if args.training_steps > 0:
+        # the training benchmark's model, on one server (the buffers above are gone by then)
+        capacity = max(capacity, MLP(TRAINING_SIZES).nparams * 4 + 16 * MiB)
     started = _dt.datetime.now(_dt.UTC)
     with netns_cluster.NetnsCluster(servers=nmax, rate=args.rate, capacity=str(capacity),
                                     quiet=args.quiet) as cluster:
@@ -646,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({verdict} the {TARGET_EFFICIENCY:.0%} target; SMB2 published {SMB2_PUBLISHED[1]}x at "
                   f"{SMB2_PUBLISHED[0]})")
     doc = {
-        "benchmark": "scaleout", "started": started.isoformat(), "title": title,
+        "benchmark": "scaleout", "started": started.isoformat(), "title": title, "quick": args.quick,
         "params": {"servers": counts, "rate": args.rate, "rate_bits": rate_bits, "size": size, "stripe": stripe,
                    "tasks": args.tasks, "chunk": chunk or size // args.tasks, "rounds": args.rounds,
                    "loop": result.get("loop"), "transports": result.get("transports")},

@@ -29,7 +29,8 @@ count also runs the torch front ends on a torch twin of the model (the same
 layers, ``torch.nn.Linear``): torch DDP over gloo, and
 ``smb2.torch.AsyncOptimizer`` (rule ``delta``, staleness 0 and 1; rule
 ``accumulate``, which pushes each layer's gradient during backward, staleness
-0 and 1) against the first server count; their "x gloo" column is against that DDP run, and
+0 and 1; ``--frontend-configs`` picks some) against the first server count;
+their "x gloo" column is against that DDP run, and
 "not comp" is the share of the training thread's time spent waiting on
 communication (AsyncOptimizer's own measure; for DDP, whose all-reduce hides
 inside backward, 1 - the time of the same steps under ``no_sync()`` over
@@ -45,6 +46,10 @@ which is shm here).
 first worker count) against servers that run elsewhere and prints its
 result as one JSON line: tools/bench_scaleout.py uses it for the
 samples/s column of its table, from inside its client namespace.
+
+``--quick`` runs each kind of row once, briefly: 1 and 2 workers (so the
+"x 1w1s" column and gloo's all-reduce), 1 server, the rule accumulate, one
+AsyncOptimizer configuration, 2 steps.
 """
 
 from __future__ import annotations
@@ -65,11 +70,13 @@ import numpy as np
 
 import smb2
 from smb2.testing.ports import free_port
+from smb2.train import store as train_store
 from smb2.train.example import data
 from smb2.train.example.job import JobConfig, run_job
 from smb2.train.example.mlp import MLP
 
 from . import report
+from .common import parse_with_quick
 
 SIZES = [1024, 4096, 2048, 10]
 BATCH = 32
@@ -82,6 +89,13 @@ RULES: dict[str, dict[str, Any]] = {
     "locked/layer": {"rule": "locked", "rule_options": {"per_layer": True}},
     "easgd": {"rule": "easgd", "rule_options": {"tau": 4}},
 }
+#: AsyncOptimizer's configurations beside DDP: its rule and staleness, as its rows name them
+FRONTEND_CONFIGS = ("delta/s0", "delta/s1", "accumulate/s0", "accumulate/s1")
+#: the store AsyncOptimizer's runs train, removed after each
+FRONTEND_STORE = "bench-torch"
+#: --quick: every kind of row (gloo, smb2, DDP, AsyncOptimizer) once, with 1 and 2 workers
+QUICK = ["--steps", "2", "--workers", "1,2", "--servers", "1", "--rules", "accumulate",
+         "--frontend-configs", "delta/s1"]
 
 
 def _via(transport: str) -> dict[str, str]:
@@ -192,7 +206,7 @@ def torch_worker(kind: str, rank: int, world: int, port: int, steps: int, path: 
         dist.destroy_process_group()
         moved = int(2 * (world - 1) / world * nbytes * steps * 2)
     else:
-        aopt = smb2.torch.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, name="bench-torch",
+        aopt = smb2.torch.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, name=FRONTEND_STORE,
                                          rank=rank, world_size=world, staleness=staleness, resume=False, rule=rule)
         one_step(aopt, model)
         t0 = time.perf_counter()
@@ -261,6 +275,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     nservers = [int(s) for s in a.servers.split(",")]
     rules = [r for r in a.rules.split(",") if r]
     transports = [t for t in a.transports.split(",") if t]
+    configs = [c for c in a.frontend_configs.split(",") if c]
     print(f"model: MLP {SIZES}, {MLP(SIZES).nparams / 1e6:.1f} M parameters "
           f"({MLP(SIZES).nparams * 4 / 1e6:.0f} MB float32), batch {BATCH}, {a.steps} steps per worker; "
           f"{os.cpu_count()} cores")
@@ -271,7 +286,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
         clusters = {ns: await smb2.LocalCluster(servers=ns, processes=True, capacity="512MiB").start()
                     for ns in nservers}
         total = len(workers) * (a.repeat * (have_torch + len(clusters) * len(rules) * len(transports))
-                                + have_torch * (1 + a.frontend * (1 + 4 * len(transports))))
+                                + have_torch * (1 + a.frontend * (1 + len(configs) * len(transports))))
         ran = itertools.count(1)
         report.progress("training", 0, total, f"runs: workers {a.workers}, servers {a.servers}, rules {a.rules}")
         try:
@@ -295,8 +310,8 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                                 _show(row, next(ran), total)
                                 rows.append(row)
                 if have_torch and a.frontend:
-                    rows += await frontend_rows(w, a.steps, path, clusters[nservers[0]], nservers[0], transports,
-                                                ran, total)
+                    rows += await frontend_rows(w, a.steps, path, clusters[nservers[0]], nservers[0], configs,
+                                                transports, ran, total)
                 if have_torch:
                     gloo_runs.append(await gloo_run(w, a.steps, path))
                     report.progress("training", next(ran), total, f"gloo all-reduce, {w} workers",
@@ -311,27 +326,33 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                 await c.close()
     rows = _best(rows)
     _ratios(rows)
-    return {"model": SIZES, "params": MLP(SIZES).nparams, "batch": BATCH, "steps": a.steps, "rows": rows}
+    return {"model": SIZES, "params": MLP(SIZES).nparams, "batch": BATCH, "steps": a.steps, "quick": a.quick,
+            "rows": rows}
 
 
 async def frontend_rows(workers: int, steps: int, path: Path, cluster: smb2.LocalCluster, nservers: int,
-                        transports: list[str], ran: Iterator[int], total: int) -> list[dict[str, Any]]:
-    """torch DDP and AsyncOptimizer (rules delta and accumulate, staleness 0, 1, over each
-    transport), one after the other; ``ran`` counts the runs of ``total``."""
+                        configs: list[str], transports: list[str], ran: Iterator[int], total: int
+                        ) -> list[dict[str, Any]]:
+    """torch DDP and AsyncOptimizer (each of ``configs``, "rule/sSTALENESS" of
+    :data:`FRONTEND_CONFIGS`, over each transport), one after the other;
+    ``ran`` counts the runs of ``total``."""
     rows = []
     rtt = await report.round_trip_us(cluster.addresses, transport="auto")
     r = await frontend_run("ddp", workers, steps, path)
     rows.append({"system": "torch DDP", "rule": "sync", "workers": workers, "servers": 0, "rtt_us": rtt, **r})
     _show(rows[-1], next(ran), total)
-    for rule in ("delta", "accumulate"):
-        for s in (0, 1):
-            for via in transports:
-                rtt = await report.round_trip_us(cluster.addresses, transport=via)
-                r = await frontend_run("smb2", workers, steps, path, cluster.addresses, staleness=s, rule=rule,
-                                       transport=via)
-                rows.append({"system": "AsyncOptimizer", "rule": f"{rule}/s{s}", "workers": workers,
-                             "servers": nservers, "transport": via, "rtt_us": rtt, **r})
-                _show(rows[-1], next(ran), total)
+    for config in configs:
+        rule, _, staleness = config.partition("/s")
+        for via in transports:
+            rtt = await report.round_trip_us(cluster.addresses, transport=via)
+            r = await frontend_run("smb2", workers, steps, path, cluster.addresses, staleness=int(staleness),
+                                   rule=rule, transport=via)
+            # the next run may have another rule or worker count: a store made for one is not the next's
+            async with await smb2.connect(cluster.addresses) as client:
+                await train_store.remove(client, FRONTEND_STORE)
+            rows.append({"system": "AsyncOptimizer", "rule": config, "workers": workers,
+                         "servers": nservers, "transport": via, "rtt_us": rtt, **r})
+            _show(rows[-1], next(ran), total)
     return rows
 
 
@@ -452,7 +473,9 @@ def cli() -> int:
     p.add_argument("--frontend", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the torch front ends (DDP over gloo; smb2.torch.AsyncOptimizer, rule delta, "
                         "staleness 0 and 1) on the model's torch twin, with the first server count")
-    a = p.parse_args()
+    p.add_argument("--frontend-configs", default=",".join(FRONTEND_CONFIGS),
+                   help=f"AsyncOptimizer's configurations, rule/sSTALENESS (default {','.join(FRONTEND_CONFIGS)})")
+    a = parse_with_quick(p, None, QUICK, "gloo, smb2, DDP and AsyncOptimizer rows, every ratio")
     if a.gloo_worker:
         gloo_worker(a.rank, a.world, a.port, a.steps, a.data)
         return 0
@@ -462,6 +485,9 @@ def cli() -> int:
     unknown = [r for r in a.rules.split(",") if r and r not in RULES]
     if unknown:
         p.error(f"unknown rules {unknown}; known: {', '.join(RULES)}")
+    unknown = [c for c in a.frontend_configs.split(",") if c and c not in FRONTEND_CONFIGS]
+    if unknown:
+        p.error(f"unknown --frontend-configs {unknown}; known: {', '.join(FRONTEND_CONFIGS)}")
     if a.against:
         print(json.dumps(asyncio.run(against(a))), flush=True)
         return 0
