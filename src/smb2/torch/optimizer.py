@@ -892,7 +892,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
 
 
 async def _accumulate_each(st: ParameterStore, changes: dict[str, np.ndarray]) -> None:
-    await asyncio.gather(*(st.buf.accumulate(st.ranges[n][0], d) for n, d in changes.items()))
+    await asyncio.gather(*(st.weights.accumulate(st.ranges[n][0] - st.data_off, d) for n, d in changes.items()))
 
 
 __all__ = ["AsyncOptimizer", "check_plain_sgd"]

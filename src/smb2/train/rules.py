@@ -54,6 +54,7 @@ from . import beside
 from .compress import TopK
 from .dropping import LayerDropping
 from .local_steps import MOST, SHARE, LocalSteps
+from .weights import SharedWeights
 
 
 class BoundStore(Protocol):
@@ -66,6 +67,8 @@ class BoundStore(Protocol):
     params: dict[str, np.ndarray]
     ranges: dict[str, tuple[int, int]]
     data_off: int
+    #: where the shared weights are read and accumulated (smb2.train.weights)
+    weights: SharedWeights
     workers: int
     dropping: LayerDropping | None
     stats: dict[str, int]
@@ -237,11 +240,11 @@ async def accumulate_changes(st: BoundStore, changes: Mapping[str, np.ndarray], 
     and to the local mirror; the bytes sent."""
     if len(changes) == len(st.params):
         # the whole model: one accumulate, which the client splits over all servers
-        await st.buf.accumulate(st.data_off, stage, wire=wire)
+        await st.weights.accumulate(0, stage, wire=wire)
         nbytes = stage.nbytes
         st.flat()[...] += stage       # our own step, seen at once
     else:
-        await asyncio.gather(*(st.buf.accumulate(st.ranges[name][0], d.reshape(-1), wire=wire)
+        await asyncio.gather(*(st.weights.accumulate(st.ranges[name][0] - st.data_off, d.reshape(-1), wire=wire)
                                for name, d in changes.items()))
         nbytes = sum(d.nbytes for d in changes.values())
         for name, d in changes.items():
@@ -376,12 +379,12 @@ class EASGD(UpdateRule):
         """One elastic exchange with the center."""
         st = self.store
         assert self.alpha is not None
-        await st.buf.read_into(self._center, st.data_off)
+        await st.weights.read_into(self._center)
         local = st.flat()
         np.subtract(local, self._center, out=self._diff)
         self._diff *= self.alpha
         local -= self._diff
-        await st.buf.accumulate(st.data_off, self._diff)
+        await st.weights.accumulate(0, self._diff)
         st.count_pull(self._center.nbytes)
         await st.count_push(self._diff.nbytes)
 
@@ -389,7 +392,7 @@ class EASGD(UpdateRule):
         """The shared center's values (flat), e.g. to evaluate the model."""
         st = self.store
         out = np.empty_like(st.flat()) if out is None else out
-        await st.buf.read_into(out, st.data_off)
+        await st.weights.read_into(out)
         return out
 
 
@@ -433,7 +436,7 @@ class Delta(UpdateRule):
             return await super().push_region(changes, scale=scale)
         if scale != 1.0:
             changes *= scale
-        await st.buf.accumulate(st.data_off, changes, wire=self.wire)
+        await st.weights.accumulate(0, changes, wire=self.wire)
         return int(changes.nbytes * _wire_fraction(changes.dtype, self.wire))
 
 
@@ -632,7 +635,7 @@ class DiLoCo(UpdateRule):
             np.negative(d, out=region[b])
             self._read[b] = 0.0
         await asyncio.gather(outer.accumulate(self._read.nbytes, self._read, wire=self.wire),
-                             st.buf.accumulate(st.data_off, region, wire=self.wire))
+                             st.weights.accumulate(0, region, wire=self.wire))
         return int(2 * region.nbytes * _wire_fraction(region.dtype, self.wire))
 
     async def _push_sparse(self, idx: np.ndarray, sent: np.ndarray) -> int:
@@ -647,7 +650,7 @@ class DiLoCo(UpdateRule):
         for b in self._buffers:
             statistic |= (idx >= b.start) & (idx < b.stop)
         change[statistic] = -sent[statistic]
-        pushes = [st.buf.accumulate_sparse(idx, change, offset=st.data_off, wire=self.wire)]
+        pushes = [st.weights.accumulate_sparse(idx, change, wire=self.wire)]
         items = idx.size
         if self._momentum_kept:
             outer = await self._attach_outer()
@@ -677,7 +680,7 @@ class DiLoCo(UpdateRule):
             np.negative(d, out=region[b])               # (the buffers' mean change, no momentum)
             self._read[b] = 0.0
         await asyncio.gather(outer.accumulate(0, self._read, wire=self.wire),
-                             st.buf.accumulate(st.data_off, region, wire=self.wire))
+                             st.weights.accumulate(0, region, wire=self.wire))
         return int(2 * region.nbytes * _wire_fraction(region.dtype, self.wire))
 
     async def momentum_step(self) -> None:
@@ -699,7 +702,7 @@ class DiLoCo(UpdateRule):
         np.subtract(m, moment, out=moment)              # m - M
         np.negative(pending, out=pending)               # -B
         await asyncio.gather(outer.accumulate(0, self._both, wire=self.wire),
-                             st.buf.accumulate(st.data_off, self._stage, wire=self.wire))
+                             st.weights.accumulate(0, self._stage, wire=self.wire))
         await st.count_push(int(3 * self._stage.nbytes * _wire_fraction(self._stage.dtype, self.wire)),
                             update=False)
 

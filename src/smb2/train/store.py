@@ -119,6 +119,7 @@ from .dropping import LayerDropping
 from .lifecycle import Control, check_rank, resolve_rank
 from .rules import UpdateRule, make_rule
 from .stability import CollapseWatch, DivergenceGuard, LagScaling, TrainingDiverged
+from .weights import ServerWeights, SharedWeights
 
 log = logging.getLogger("smb2.train")
 
@@ -254,6 +255,9 @@ class ParameterStore:
         self.name = buf.name
         self.layout = layout
         self.data_off = data_off
+        #: where the shared weights are read and accumulated: the data region on
+        #: the servers, or a host agent's mirror of it (:meth:`use_agent`)
+        self.weights: SharedWeights = ServerWeights(buf, data_off)
         self.rank = rank
         self.workers = layout.workers
         #: where the control words lie in this buffer
@@ -617,7 +621,7 @@ class ParameterStore:
         """Read the data region into ``out`` (the mirror, or a host array
         laid out like it) and the version it holds at least; returns it."""
         version = await self.read_version()     # first: the data read after holds at least these updates
-        await self.buf.read_into(out, self.data_off)
+        await self.weights.read_into(out)
         self.guard.check_pulled(self.iteration, self.tensors_of(out.view(self.layout.dtype)))
         self.watch.see(self.iteration, out.view(self.layout.dtype))
         self.pulled_version, self.pushed_since_pull = version, 0
