@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from .client import Buffer, Client, connect
 from .errors import (
     AccessDenied,
+    AgentLost,
+    AgentTimeout,
     BadRequest,
     BufferConflict,
     BufferDamaged,
@@ -65,7 +67,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "AccessDenied", "BadRequest", "Buffer", "BufferConflict", "BufferDamaged", "Client", "ErrorCode",
+    "AccessDenied", "AgentLost", "AgentTimeout", "BadRequest", "Buffer", "BufferConflict", "BufferDamaged", "Client",
+    "ErrorCode",
     "Fence", "FrameTooLarge", "InterfaceError", "Lock", "InvalidArgumentError", "LocalCluster", "LockLost",
     "ReplicatedLock",
     "LockTimeout",

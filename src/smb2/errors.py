@@ -100,6 +100,35 @@ class OperationTimeout(TransportError, TimeoutError):
     the next operation reconnects."""
 
 
+class AgentLost(Smb2Error):
+    """The host agent (``smb2-agent``) this worker pushed through stopped or
+    restarted: its mirrors, and the pushes it had not forwarded yet, are
+    gone with it.  ``agent``: its "host:port"; ``buffer``: the remote buffer
+    mirrored; ``pushes``: this worker's pushes through the mirror;
+    ``confirmed``: those surely forwarded to the memory servers (the
+    agent's forward counter reached two past what this worker saw after
+    each was acknowledged); ``uncertain``: the others, which may or may not
+    have reached the servers.  The servers' copy is intact, every push on
+    it counted once: nothing is ever pushed again, so nothing counts
+    twice."""
+
+    def __init__(self, message: str = "", *, agent: str = "", buffer: str = "", pushes: int = 0,
+                 confirmed: int = 0, uncertain: int = 0, detail: str | None = None,
+                 hint: str | None = None) -> None:
+        super().__init__(message, detail=detail, hint=hint)
+        self.agent = agent
+        self.buffer = buffer
+        self.pushes = pushes
+        self.confirmed = confirmed
+        self.uncertain = uncertain
+
+
+class AgentTimeout(Smb2Error, TimeoutError):
+    """The host agent did not make a mirror ready within the timeout (no
+    ``smb2-agent`` serves that address, or it cannot reach the memory
+    servers: the message says which)."""
+
+
 class ErrorCode(enum.IntEnum):
     """Status codes in a reply header; 0 means success."""
 

@@ -1,5 +1,6 @@
-"""Starting ``smb2-server`` processes: the one place that builds the command,
-hands the tokens over and reads the ready line.
+"""Starting ``smb2-server`` processes (and ``smb2-agent``, the host agent):
+the one place that builds the command, hands the tokens over and reads the
+ready line.
 
 ``smb2-server`` prints ``smb2-server listening on HOST:PORT`` on stdout once
 it accepts connections (server/cli.py); everything that starts one -- tests,
@@ -27,6 +28,8 @@ from ..errors import InterfaceError
 
 #: the server's ready line (bytes: asyncio and the netns harness read raw pipes)
 READY = re.compile(rb"smb2-server listening on (\S+):(\d+)")
+#: the host agent's (smb2.agent), in the same form
+AGENT_READY = re.compile(rb"smb2-agent listening on (\S+):(\d+)")
 
 
 def ready_address(line: bytes | str) -> tuple[str, int] | None:
@@ -136,25 +139,7 @@ class AsyncServerProcess:
         """Start it, wait up to ``timeout`` for its ready line; InterfaceError
         with its stderr if it did not come."""
         cmd = server_command(*args, host=host, port=port)
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, env=server_env(None, token, peer_token))
-        assert proc.stdout is not None and proc.stderr is not None
-        try:
-            line = await asyncio.wait_for(proc.stdout.readline(), timeout)
-        except TimeoutError:
-            line = b""
-        found = ready_address(line)
-        if found is None:
-            if proc.returncode is None:
-                proc.kill()
-            err = (await proc.stderr.read())[-2000:].decode(errors="replace")
-            await proc.wait()
-            raise InterfaceError(f"smb2-server did not start ({' '.join(cmd)}): "
-                                 f"{line.decode(errors='replace').strip() or 'no ready line'}\n{err}")
-        # stderr keeps flowing; drain it so the child never blocks on a full pipe
-        asyncio.ensure_future(drain(proc.stderr))
-        return cls(proc, *found)
+        return cls(*await _spawn_ready(cmd, server_env(None, token, peer_token), timeout, READY, "smb2-server"))
 
     async def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
         """Signal it and wait; SIGKILL after ``timeout``.  Its exit status."""
@@ -169,6 +154,62 @@ class AsyncServerProcess:
                 self.proc.kill()
                 await self.proc.wait()
         return self.proc.returncode
+
+
+class AsyncAgentProcess(AsyncServerProcess):
+    """One ``smb2-agent`` subprocess of an event loop (the host agent,
+    smb2.agent), for the memory servers ``servers``."""
+
+    @classmethod
+    async def spawn_agent(cls, servers: list[str], *flags: str, listen: str = "127.0.0.1:0",
+                          timeout: float = 30.0, token: bytes | None = None) -> AsyncAgentProcess:
+        """Start it (``--listen 127.0.0.1:0``: any free port, read from its
+        ready line), wait up to ``timeout`` for its ready line; InterfaceError
+        with its stderr if it did not come."""
+        cmd = agent_command("--servers", ",".join(servers), *flags, listen=listen)
+        return cls(*await _spawn_ready(cmd, server_env(None, token), timeout, AGENT_READY, "smb2-agent"))
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` as ``smb2.connect`` (and ``SMB2_AGENT``) take it."""
+        return f"{'127.0.0.1' if self.host in ('0.0.0.0', '') else self.host}:{self.port}"
+
+
+def agent_command(*flags: str, python: str = sys.executable, listen: str = "127.0.0.1:0") -> list[str]:
+    """The argv of one ``smb2-agent`` (as ``python -m smb2.agent``)."""
+    return [python, "-m", "smb2.agent", "--listen", listen, *flags]
+
+
+def agent_ready_address(line: bytes | str) -> tuple[str, int] | None:
+    """``(host, port)`` from a ``smb2-agent listening on HOST:PORT`` line, or None."""
+    m = AGENT_READY.search(line.encode() if isinstance(line, str) else line)
+    return None if m is None else (m.group(1).decode(), int(m.group(2)))
+
+
+async def _spawn_ready(cmd: list[str], env: dict[str, str], timeout: float, ready: re.Pattern[bytes],
+                       what: str) -> tuple[asyncio.subprocess.Process, str, int]:
+    """Start ``cmd`` in a session of its own and wait up to ``timeout`` for
+    its ready line: the process, and the host and port the line names;
+    InterfaceError with its stderr if the line did not come."""
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        start_new_session=True, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout)
+    except TimeoutError:
+        line = b""
+    m = ready.search(line)
+    if m is None:
+        if proc.returncode is None:
+            proc.kill()
+        err = (await proc.stderr.read())[-2000:].decode(errors="replace")
+        await proc.wait()
+        raise InterfaceError(f"{what} did not start ({' '.join(cmd)}): "
+                             f"{line.decode(errors='replace').strip() or 'no ready line'}\n{err}")
+    # stderr keeps flowing; drain it so the child never blocks on a full pipe
+    asyncio.ensure_future(drain(proc.stderr))
+    return proc, m.group(1).decode(), int(m.group(2))
 
 
 async def drain(stream: asyncio.StreamReader) -> None:

@@ -1,0 +1,424 @@
+"""The agent's side of one mirror: taking it up, the forward cycle, failing it.
+
+The forward cycle
+-----------------
+A mirror keeps the buffer on the agent's server equal to "the remote
+region as of the agent's last pull, plus every local accumulate not yet
+forwarded".  The agent keeps ``G_base``, the remote region as of its last
+pull, in the mirror buffer itself (``smb2.mirror.base_at``), zero at
+first.  One cycle, per chunk of the region (``CHUNK`` bytes, so that the
+agent's own memory stays a few chunks whatever the region's size):
+
+1. read the local data ``L``; ``D = L - G_base``;
+2. if ``D`` has a nonzero element: remote ``accumulate(offset, D)`` in the
+   mirror's own dtype (no narrow wire: what is forwarded is what was
+   pushed);
+3. read the remote region ``G_new``;
+4. local ``accumulate(G_new - G_base - D)``; ``G_base = G_new``;
+
+and once every chunk is done, the header's cycle counter is raised by one
+(after the remote accumulates were acknowledged).  The cycles of one mirror
+start at most every ``period`` seconds; a cycle with nothing to forward
+still pulls.
+
+Why it is exact.  Element by element, the local value is ``G_base + P``,
+``P`` the local pushes not yet forwarded.  A worker's accumulate into
+element ``i`` lands either before the agent's read of ``L[i]`` or after it.
+Before: it is in ``D[i] = P[i]``, forwarded once, and the correction
+``G_new - G_base - D`` takes it out of the local pending part while
+bringing in what the remote region gained (``D`` itself and the other
+hosts' pushes).  After: it is not in ``D``, and it stays in the local value,
+pending for the next cycle.  The correction is itself an accumulate, so it
+composes with the workers' accumulates that land meanwhile: after the
+cycle the local value is ``G_new + Q``, ``Q`` what landed after the read.
+So every push reaches the remote region exactly once; with integer-valued
+floats (below 2**24 for float32) the remote region is the exact sum of
+every push.  With other values the arithmetic of ``D`` and the correction
+rounds like any float sum.  The first cycle runs with ``G_base = 0`` and
+nothing pushed: it brings the remote region in, and the mirror is ready.
+
+When a forward fails.  A remote accumulate that raised may or may not have
+landed (its connection broke after the request left; a region over several
+servers may have landed on some).  It is never sent again: the agent keeps
+it as *owed* and the next attempt of that chunk pulls and corrects as if it
+had landed, so it counts once or not at all -- never twice -- and a
+WARNING says how many bytes may be lost.  Before it forwards, the agent
+makes sure it is connected to every server (a pull reconnects), so a server
+that is merely down costs a retry, not a loss.  Errors reaching the memory
+servers are retried with backoff (WARNING); a remote buffer that is gone
+(destroyed, or its server restarted without it) fails the mirror with a
+message in the header, which the workers raise.
+
+What is kept, and for how long.  A mirror lives as long as its buffer on
+the agent's server: host-mates share it and none of them knows whether the
+others are done, so nothing destroys a mirror that works; it stops with
+the agent, or fails when its remote buffer is gone (a worker that opens a
+failed mirror makes it again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from ..client import Buffer, Client
+from ..errors import (
+    BufferDamaged,
+    ErrorCode,
+    InterfaceError,
+    NoSuchBuffer,
+    ServerError,
+    StaleHandle,
+    TransportError,
+)
+from ..mirror import (
+    CYCLE,
+    DTYPES,
+    FAILED,
+    HEADER,
+    READY,
+    STATE,
+    WORD_AT,
+    Spec,
+    base_at,
+    buffer_size,
+    encode_word,
+)
+
+log = logging.getLogger("smb2.agent")
+
+#: the bytes of the region one step of a cycle covers: the agent holds three
+#: chunks per mirror, and a remote request of this size is cut per stripe
+CHUNK = 4 << 20
+#: the shortest time between two cycles of one mirror, in seconds: far below
+#: a training step (tens of ms and more), so the agent adds at most about
+#: this to how stale a worker's view is, while an idle small mirror costs
+#: some 200 pulls a second (a large one is bound by its own transfer time)
+DEFAULT_PERIOD = 0.005
+#: how often a new mirror buffer waits for its creator's magic word
+WAIT_MAGIC = 0.05
+# retries of errors reaching the memory servers: from this ...
+FIRST_BACKOFF = 0.05
+# ... doubling to this, in seconds
+MAX_BACKOFF = 2.0
+# a mirror that keeps failing is logged at most this often (seconds)
+LOG_EVERY = 10.0
+
+T = TypeVar("T")
+CYCLE_SLOT = (CYCLE - STATE) // 8
+
+
+class Remote(Protocol):
+    """What a mirror needs of the agent: its client of the memory servers."""
+
+    @property
+    def servers(self) -> list[str]: ...
+
+    @property
+    def trouble(self) -> str | None:
+        """Why the memory servers cannot be reached now (None: connected)."""
+
+    async def client(self) -> Client: ...
+
+
+class Failed(Exception):
+    """The mirror cannot be kept: ``code`` (an ErrorCode) and a message in
+    the worker's terms, which the agent writes into the header."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class LocalGone(Exception):
+    """The mirror buffer is gone from the agent's server (removed by hand)."""
+
+
+class Mirror:
+    """The agent's side of one mirror buffer (``name``, segment ``segment``
+    of the agent's server).  :meth:`run` is its task."""
+
+    def __init__(self, local_client: Client, name: str, segment: int, remote: Remote,
+                 period: float = DEFAULT_PERIOD) -> None:
+        self.local_client = local_client
+        self.name = name
+        self.segment = segment
+        self.remote = remote
+        self.period = period
+        self.spec: Spec | None = None
+        self.state = "waiting"          # waiting, starting, ready, failed, stopped
+        self.cycles = 0
+        self._local: Buffer | None = None
+        self._remote: Buffer | None = None
+        # per chunk start: a forwarded delta whose correction is not done
+        # yet (the forward failed, or the pull after it): never sent again
+        self._owed: dict[int, np.ndarray] = {}
+        self._scratch: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._stopping = asyncio.Event()
+        self._trouble_since: float | None = None
+        self._logged_at = 0.0
+
+    def __repr__(self) -> str:
+        return f"<agent mirror {self.spec if self.spec is not None else self.name!r} {self.state}>"
+
+    def stop(self) -> None:
+        """Finish: the running cycle, then one last cycle (what the workers
+        pushed so far is forwarded), then :meth:`run` returns."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        try:
+            await self._take_up()
+            await self._start()
+            await self._loop()
+        except LocalGone:
+            log.info("mirror %s stopped: its buffer on the agent's server was removed", self._what())
+        except Failed as exc:
+            self.state = "failed"
+            log.warning("mirror %s failed: %s", self._what(), exc.message)
+            try:
+                await self._fail(exc.code, exc.message)
+            except (LocalGone, InterfaceError, TransportError):
+                pass
+        except InterfaceError:
+            pass        # the agent is stopping: its clients are closed
+        except Exception as exc:
+            # a fault of the agent's own: the workers are told, not left waiting
+            log.exception("mirror %s: the agent failed", self._what())
+            self.state = "failed"
+            with contextlib.suppress(Exception):
+                await self._fail(ErrorCode.INTERNAL, f"the host agent failed on the mirror of {self._what()!r} "
+                                                     f"({type(exc).__name__}: {exc}); see its log")
+        finally:
+            if self.state == "ready":
+                log.info("mirror %s stopped after %d cycles", self._what(), self.cycles)
+            if self.state != "failed":
+                self.state = "stopped"
+
+    # -- taking it up -----------------------------------------------------------
+    async def _take_up(self) -> None:
+        """Attach the mirror buffer and wait for its creator's description."""
+        try:
+            local = await self.local_client.attach(self.name)
+        except NoSuchBuffer:
+            raise LocalGone() from None
+        if local.segments[0] != self.segment:
+            raise LocalGone()       # made again meanwhile: its own task takes that one up
+        local.set_notify_area(STATE, 2)
+        self._local = local
+        header = np.empty(HEADER, np.uint8)
+        while True:
+            await self._at_home(local.read_into(header, 0))
+            spec = Spec.decode(header)
+            if spec is not None:
+                break
+            await asyncio.sleep(WAIT_MAGIC)
+        self.spec = spec
+        self.state = "starting"
+        if spec.name != self.name or local.nbytes < buffer_size(spec.nbytes):
+            raise Failed(ErrorCode.BAD_REQUEST, f"the mirror buffer {self.name!r} on the agent's server describes "
+                                                f"{spec!r}, which is not its region: remove it and open the mirror "
+                                                "again")
+
+    async def _start(self) -> None:
+        """The checks, then the first cycle; then READY."""
+        spec = self.spec
+        assert spec is not None
+        if spec.dtype not in DTYPES:
+            raise Failed(ErrorCode.UNSUPPORTED,
+                         f"the host agent cannot mirror buffer {spec.remote!r} as {spec.dtype}: it forwards "
+                         f"{' and '.join(DTYPES)} regions only (their sums are exact there); open the mirror with one "
+                         "of them, or push to the memory servers directly")
+        itemsize = np.dtype(spec.dtype).itemsize
+        if spec.offset % itemsize or spec.nbytes % itemsize:
+            raise Failed(ErrorCode.OUT_OF_BOUNDS,
+                         f"the mirror of {spec!r}: its offset and size must be multiples of {itemsize} bytes "
+                         f"(the size of a {spec.dtype})")
+        delay = FIRST_BACKOFF
+        while True:
+            try:
+                remote = await (await self._client()).attach(spec.remote)
+                break
+            except NoSuchBuffer:
+                raise Failed(ErrorCode.NO_SUCH_BUFFER,
+                             f"no buffer {spec.remote!r} on the memory servers {', '.join(self.remote.servers)}: "
+                             "create it first (or check its name), then open the mirror again") from None
+            except BufferDamaged as exc:
+                raise Failed(ErrorCode.NO_SUCH_BUFFER,
+                             f"buffer {spec.remote!r} on the memory servers is damaged: {exc.message}") from None
+            except (TransportError, ServerError) as exc:
+                await self._say(0, f"waiting for the memory servers {', '.join(self.remote.servers)}: "
+                                   f"{getattr(exc, 'message', exc)}")
+                self._trouble(exc, "attaching its buffer")
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, MAX_BACKOFF)
+        if spec.offset + spec.nbytes > remote.nbytes:
+            raise Failed(ErrorCode.OUT_OF_BOUNDS,
+                         f"the mirror of {spec!r} runs past the end of buffer {spec.remote!r} ({remote.nbytes} "
+                         f"bytes on the memory servers): mirror a region inside it")
+        self._remote = remote
+        chunk = min(CHUNK, spec.nbytes) // itemsize
+        self._scratch = (np.empty(chunk, spec.dtype), np.empty(chunk, spec.dtype), np.empty(chunk, spec.dtype))
+        log.info("mirror of %r started: %d bytes, buffer %r on the agent's server", spec, spec.nbytes, self.name)
+        delay = FIRST_BACKOFF
+        while True:
+            try:
+                await self._cycle()
+                break
+            except (TransportError, ServerError) as exc:
+                self._check_gone(exc)
+                await self._say(0, f"waiting for the memory servers {', '.join(self.remote.servers)}: "
+                                   f"{getattr(exc, 'message', exc)}")
+                self._trouble(exc, "pulling its region")
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, MAX_BACKOFF)
+        self._recovered()
+        await self._say(0, "")
+        assert self._local is not None
+        await self._at_home(self._local.notify(0, READY))
+        self.state = "ready"
+
+    # -- cycling ----------------------------------------------------------------
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        delay = FIRST_BACKOFF
+        while True:
+            last = self._stopping.is_set()
+            started = loop.time()
+            try:
+                await self._cycle()
+            except (TransportError, ServerError) as exc:
+                self._check_gone(exc)
+                self._trouble(exc, "forwarding")
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, MAX_BACKOFF)
+                continue
+            self._recovered()
+            delay = FIRST_BACKOFF
+            if last:
+                return
+            wait = self.period - (loop.time() - started)
+            if wait > 0 and not self._stopping.is_set():
+                # the next cycle at most every period; at once when stopping
+                try:
+                    await asyncio.wait_for(self._stopping.wait(), wait)
+                except TimeoutError:
+                    pass
+
+    async def _cycle(self) -> None:
+        spec = self.spec
+        assert spec is not None
+        for a in range(0, spec.nbytes, CHUNK):
+            await self._chunk(a, min(spec.nbytes, a + CHUNK))
+        assert self._local is not None
+        # every remote accumulate of this cycle is acknowledged by now
+        await self._at_home(self._local.notify_add(CYCLE_SLOT, 1))
+        self.cycles += 1
+
+    async def _chunk(self, a: int, b: int) -> None:
+        """One step of the cycle for bytes ``[a, b)`` of the region."""
+        spec, local, remote, scratch = self.spec, self._local, self._remote, self._scratch
+        assert spec is not None and local is not None and remote is not None and scratch is not None
+        n = (b - a) // np.dtype(spec.dtype).itemsize
+        pushed, base, pulled = (s[:n] for s in scratch)
+        data_at, base_of, remote_at = HEADER + a, base_at(spec.nbytes) + a, spec.offset + a
+        await self._at_home(local.read_into(base, base_of))
+        owed = self._owed.get(a)
+        if owed is None:
+            await self._at_home(local.read_into(pushed, data_at))
+            np.subtract(pushed, base, out=pushed)            # D
+            if pushed.any():
+                if not all(link.open is not None for link in remote.client.links):
+                    # reconnect by a pull first: a server that is only down
+                    # costs this forward a retry, not a doubt
+                    await remote.read_into(pulled, remote_at)
+                try:
+                    await remote.accumulate(remote_at, pushed)
+                except BaseException as exc:
+                    self._owed[a] = pushed.copy()
+                    if not isinstance(exc, asyncio.CancelledError):
+                        log.warning("mirror %s: a forward of %d bytes failed (%s); whether it reached the memory "
+                                    "servers is unknown: it is not sent again, so the host's pushes in it count "
+                                    "once or are lost, never twice", spec, b - a, getattr(exc, "message", exc))
+                    raise
+                owed = pushed
+        try:
+            await remote.read_into(pulled, remote_at)
+        except BaseException:
+            if owed is not None and a not in self._owed:
+                self._owed[a] = owed.copy()
+            raise
+        # the correction, G_new - G_base - D, where base held G_base
+        np.subtract(pulled, base, out=base)
+        if owed is not None:
+            np.subtract(base, owed, out=base)
+        if base.any():
+            await self._at_home(local.accumulate(data_at, base))
+        await self._at_home(local.write(base_of, pulled))
+        self._owed.pop(a, None)
+
+    # -- saying -----------------------------------------------------------------
+    async def _say(self, code: int, message: str) -> None:
+        """Write the agent's word (code, message) into the header."""
+        assert self._local is not None
+        await self._at_home(self._local.write(WORD_AT, encode_word(code, message)))
+
+    async def _fail(self, code: ErrorCode, message: str) -> None:
+        if self._local is None:
+            return
+        await self._say(int(code), message)
+        await self._at_home(self._local.notify(0, FAILED))      # after the message: the workers read it then
+
+    def _check_gone(self, exc: BaseException) -> None:
+        """A remote error that means the remote buffer is gone fails the mirror."""
+        spec = self.spec
+        assert spec is not None
+        if isinstance(exc, (NoSuchBuffer, BufferDamaged)):
+            what = ("its server restarted without it" if isinstance(exc, StaleHandle)
+                    else "it was destroyed, or its server restarted without it")
+            raise Failed(ErrorCode.NO_SUCH_BUFFER,
+                         f"buffer {spec.remote!r} is gone from the memory servers ({what}): the host agent stopped "
+                         f"mirroring it after {self.cycles} cycles; make the buffer again and open a new mirror") \
+                from None
+
+    def _trouble(self, exc: BaseException, doing: str) -> None:
+        now = time.monotonic()
+        if self._trouble_since is None:
+            self._trouble_since = now
+        if now - self._logged_at >= LOG_EVERY:
+            self._logged_at = now
+            log.warning("mirror %s: the memory servers fail while %s (%s: %s); retrying with backoff",
+                        self._what(), doing, type(exc).__name__, getattr(exc, "message", exc))
+
+    def _recovered(self) -> None:
+        if self._trouble_since is not None:
+            log.warning("mirror %s: the memory servers answer again, after %.1f s", self._what(),
+                        time.monotonic() - self._trouble_since)
+            self._trouble_since = None
+            self._logged_at = 0.0
+
+    async def _client(self) -> Client:
+        """The agent's client of the memory servers, saying in the header
+        why the mirror waits while it is not connected."""
+        if self.remote.trouble is not None:
+            await self._say(0, f"waiting for the memory servers {', '.join(self.remote.servers)}: "
+                               f"{self.remote.trouble}")
+        return await self.remote.client()
+
+    async def _at_home(self, op: Awaitable[T]) -> T:
+        """An operation on the agent's own server: the buffer gone there
+        stops the mirror."""
+        try:
+            return await op
+        except NoSuchBuffer:
+            raise LocalGone() from None
+
+    def _what(self) -> Any:
+        return self.spec if self.spec is not None else self.name

@@ -1,0 +1,265 @@
+"""The host agent (smb2-agent, smb2.agent) and the worker's mirror
+(smb2.mirror.AgentMirror), against real processes: two smb2-server
+processes and one smb2-agent; the workers are clients in this process.
+
+The sums are checked exactly: every push is integer-valued, so the float
+sums have no rounding and each push counts once or the arrays differ."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import smb2
+from smb2 import AgentLost, AgentTimeout, NoSuchBuffer, OutOfBounds, OutOfMemory, Unsupported
+from smb2.mirror import AgentMirror
+from smb2.testing.cluster import LocalCluster
+from smb2.testing.launch import AsyncAgentProcess
+from smb2.testing.waits import until
+
+TOKEN = os.urandom(16).hex().encode()
+STRIPE = 8192
+
+
+@contextlib.asynccontextmanager
+async def agent_of(cluster: LocalCluster, *flags: str) -> AsyncIterator[AsyncAgentProcess]:
+    agent = await AsyncAgentProcess.spawn_agent(cluster.addresses, *flags, token=cluster.token)
+    try:
+        yield agent
+    finally:
+        await agent.stop()
+
+
+async def test_host_pushes_reach_the_servers_exactly_once() -> None:
+    """Four workers push through the agent while a fifth client pushes to the
+    servers directly: the remote region ends as its start plus every push,
+    exactly, and the mirror then reads what the servers hold.  A clean stop
+    (SIGTERM) forwards what was pushed before it."""
+    rng = np.random.default_rng(7)
+    async with LocalCluster(2, processes=True, capacity="64MiB", token=TOKEN) as cluster, \
+            agent_of(cluster) as agent:
+        direct = await cluster.connect()
+        remote = await direct.create("weights", 64 << 10, stripe=STRIPE)
+        offset, n = 4096, 10240                 # float32 elements over stripes of both servers
+        start = rng.integers(-1000, 1000, n).astype(np.float32)
+        await remote.write(offset, start)
+        expected = start.astype(np.float64)
+        workers = [await smb2.connect([agent.endpoint], token=TOKEN) for _ in range(4)]
+        mirrors = await asyncio.gather(*(AgentMirror.open(w, remote, offset, n * 4, np.float32, timeout=30)
+                                         for w in workers))
+        assert len({m.buffer.name for m in mirrors}) == 1, "host-mates share one mirror"
+        assert np.array_equal(await mirrors[0].read(), start)
+
+        def pushes(count: int) -> list[tuple[int, np.ndarray]]:
+            out = []
+            for _ in range(count):
+                lo = int(rng.integers(0, n - 1))
+                hi = int(rng.integers(lo + 1, n + 1))
+                out.append((lo, rng.integers(-8, 9, hi - lo).astype(np.float32)))
+            return out
+
+        plans = [pushes(60) for _ in range(5)]
+        sparse = [(np.sort(rng.choice(n, 50)), rng.integers(-8, 9, 50).astype(np.float32)) for _ in range(4)]
+        for plan in plans:
+            for lo, values in plan:
+                expected[lo:lo + len(values)] += values
+        for idx, values in sparse:
+            np.add.at(expected, idx, values)
+
+        async def worker(k: int) -> None:
+            m = mirrors[k]
+            for j, (lo, values) in enumerate(plans[k]):
+                # half of them sent narrower: small integers are exact in bfloat16
+                await m.accumulate(lo * 4, values, wire="bfloat16" if j % 2 else None)
+                if j % 7 == 0:
+                    await asyncio.sleep(0.001)
+            await m.accumulate_sparse(*sparse[k])
+
+        async def direct_pushes() -> None:
+            for lo, values in plans[4]:
+                await remote.accumulate(offset + lo * 4, values)
+                await asyncio.sleep(0)
+
+        await asyncio.gather(*(worker(k) for k in range(4)), direct_pushes())
+        for m in mirrors:
+            await m.wait_forwarded(timeout=60)
+            assert m.confirmed == m.pushes == 61 and m.uncertain == 0
+        got = np.empty(n, np.float32)
+        await remote.read_into(got, offset)
+        assert np.array_equal(got, expected.astype(np.float32))
+        # a pull that began after every push: the mirror reads what the servers hold
+        await mirrors[0].wait_cycle(mirrors[0].cycle + 2, timeout=60)
+        assert np.array_equal(await mirrors[0].read(), got)
+        seen = np.empty(n, np.float32)
+        await mirrors[1].read_into(seen)
+        assert np.array_equal(seen, got)
+
+        # a clean stop forwards what was pushed before it
+        last = rng.integers(-8, 9, n).astype(np.float32)
+        await mirrors[2].accumulate(0, last)
+        assert await agent.stop(signal.SIGTERM) == 0
+        await remote.read_into(got, offset)
+        assert np.array_equal(got, (expected + last).astype(np.float32))
+        for w in workers:
+            await w.close()
+
+
+async def test_a_killed_agent_is_reported_and_nothing_counts_twice() -> None:
+    """Workers push without pause; the agent is SIGKILLed.  Each worker gets
+    AgentLost stating how many of its pushes are uncertain, and the servers
+    hold, per worker, at least its confirmed pushes and at most those plus
+    the uncertain ones: none twice.  Worker w adds 4096**w per push, so
+    each worker's count is read back from the sum (float64, exact)."""
+    async with LocalCluster(2, processes=True, capacity="64MiB") as cluster:
+        direct = await cluster.connect()
+        remote = await direct.create("weights", 64 << 10, stripe=STRIPE)
+        n = 4096                                # float64 elements: 32 KiB over both servers
+        agent = await AsyncAgentProcess.spawn_agent(cluster.addresses)
+        try:
+            workers = [await smb2.connect([agent.endpoint]) for _ in range(4)]
+            mirrors = [await AgentMirror.open(w, "weights", 0, n * 8, "float64", timeout=30) for w in workers]
+            lost: list[AgentLost | None] = [None] * 4
+
+            async def push(k: int) -> None:
+                one = np.full(n, 4096.0 ** k)
+                for _ in range(4000):           # counts must stay below 4096
+                    try:
+                        await mirrors[k].accumulate(0, one)
+                    except AgentLost as exc:
+                        lost[k] = exc
+                        return
+                    await asyncio.sleep(0.001)
+
+            pushing = [asyncio.ensure_future(push(k)) for k in range(4)]
+            # and one that waits for a cycle that never comes
+            waiter = await smb2.connect([agent.endpoint])
+            workers.append(waiter)
+            waiting = asyncio.ensure_future(
+                (await AgentMirror.open(waiter, "weights", 0, n * 8, "float64", timeout=30)).wait_cycle(1 << 40))
+            await until(lambda: all(m.confirmed >= 5 for m in mirrors), "every worker has confirmed pushes")
+            await agent.stop(signal.SIGKILL)
+            await asyncio.gather(*pushing)
+            with pytest.raises(AgentLost, match="stopped"):
+                await waiting
+        finally:
+            await agent.stop()
+        for k, exc in enumerate(lost):
+            assert exc is not None, f"worker {k} pushed 4000 times without noticing the agent's death"
+            assert exc.pushes == mirrors[k].pushes and exc.confirmed + exc.uncertain == exc.pushes
+            assert exc.confirmed >= 5
+            assert f"{exc.uncertain} of this worker's {exc.pushes} pushes" in exc.message
+            assert "smb2-agent" in str(exc) and "SMB2_AGENT" in str(exc) and "intact" in str(exc)
+        # the servers took everything the dead agent's connections delivered
+        await until(lambda: _only_direct(direct), "the servers dropped the agent's connections")
+        total = np.empty(n, np.float64)
+        await remote.read_into(total, 0)
+        assert np.array_equal(total, np.round(total))
+        counts = total.astype(np.int64)
+        for k, exc in enumerate(lost):
+            assert exc is not None
+            applied = (counts >> (12 * k)) & 4095
+            assert (applied >= exc.confirmed).all(), (k, exc.confirmed, applied.min())
+            assert (applied <= exc.confirmed + exc.uncertain).all(), (k, exc.pushes, applied.max())
+        for w in workers:
+            await w.close()
+
+
+async def test_a_restarting_memory_server_holds_up_the_forwards_and_loses_none(tmp_path: Any) -> None:
+    """A memory server stops (saving its memory) and comes back while the
+    host pushes: the agent keeps the pushes, retries, and forwards each one
+    once the server is back."""
+    async with LocalCluster(2, processes=True, capacity="64MiB", data_dir=tmp_path) as cluster, \
+            agent_of(cluster, "--period", "0.002") as agent:
+        direct = await cluster.connect()
+        remote = await direct.create("weights", 64 << 10, stripe=STRIPE)
+        w = await smb2.connect([agent.endpoint])
+        m = await AgentMirror.open(w, remote, 0, 64 << 10, "float32", timeout=30)
+        ones = np.ones(16 << 10, np.float32)
+        for _ in range(5):
+            await m.accumulate(0, ones)
+        await m.wait_forwarded(timeout=60)
+        await cluster.kill(1, signal.SIGTERM)
+        for _ in range(5):
+            await m.accumulate(0, ones)         # kept on the host meanwhile
+        stalled = m.cycle
+        await asyncio.sleep(0.05)
+        await m.read()
+        assert m.cycle == stalled, "no cycle completes while a server is down"
+        await cluster.restart(1)
+        await m.wait_forwarded(timeout=60)
+        got = np.empty(16 << 10, np.float32)
+        await remote.read_into(got, 0)
+        assert np.array_equal(got, np.full(16 << 10, 10.0, np.float32))
+        await w.close()
+
+
+async def _only_direct(client: smb2.Client) -> bool:
+    return all(s["connections"] == 1 for s in await client.stat())
+
+
+async def test_bad_mirrors_are_refused_in_the_workers_terms_and_the_agent_goes_on() -> None:
+    """A missing remote buffer, a region past its end, an unsupported dtype
+    and a region larger than the agent holds are each refused with an error
+    that names the buffer; a remote buffer destroyed under its mirror fails
+    the mirror; the agent serves a good mirror after all of them, and one of
+    a buffer made after a first refusal."""
+    async with LocalCluster(2, processes=True, capacity="64MiB") as cluster, \
+            agent_of(cluster, "--capacity", "4MiB") as agent:
+        direct = await cluster.connect()
+        remote = await direct.create("weights", 4 << 20, stripe=STRIPE)
+        w = await smb2.connect([agent.endpoint])
+        with pytest.raises(NoSuchBuffer, match="no buffer 'late' on the memory servers"):
+            await AgentMirror.open(w, "late", 0, 4096, "float32", timeout=30)
+        with pytest.raises(OutOfBounds, match="runs past the end of buffer 'weights'"):
+            await AgentMirror.open(w, remote, (4 << 20) - 1024, 4096, "float32", timeout=30)
+        with pytest.raises(Unsupported, match="cannot mirror buffer 'weights' as float16"):
+            await AgentMirror.open(w, remote, 0, 4096, "float16", timeout=30)
+        with pytest.raises(OutOfMemory, match="(?s)no room for a mirror of 'weights'.*--capacity"):
+            await AgentMirror.open(w, remote, 0, 3 << 20, "float32", timeout=30)
+
+        # a plain memory server takes the mirror buffer and never readies it
+        plain = await cluster.connect()
+        with pytest.raises(AgentTimeout, match="(?s)did not make the mirror of 'weights'.*start smb2-agent"):
+            await AgentMirror.open(plain, remote, 0, 4096, "float32", timeout=0.2)
+
+        good = await AgentMirror.open(w, remote, 8192, 4096, "float64", timeout=30)
+        await good.accumulate(0, np.full(512, 3.0))
+        await good.wait_forwarded(timeout=60)
+        got = np.empty(512)
+        await remote.read_into(got, 8192)
+        assert np.array_equal(got, np.full(512, 3.0))
+
+        # the buffer refused above, made now: the failed mirror is made again
+        await direct.create("late", 4096)
+        late = await AgentMirror.open(w, "late", 0, 4096, "float32", timeout=30)
+        await late.accumulate(0, np.ones(1024, np.float32))
+        await late.wait_forwarded(timeout=60)
+        await direct.destroy("late")
+
+        async def pushes_fail() -> bool:
+            try:
+                await late.accumulate(0, np.ones(1024, np.float32))
+            except NoSuchBuffer as exc:
+                assert "'late' is gone from the memory servers" in exc.message
+                return True
+            return False
+        await until(pushes_fail, "a push into the mirror of a destroyed buffer fails")
+        await w.close()
+
+
+def test_help_explains_the_agent() -> None:
+    done = subprocess.run([sys.executable, "-m", "smb2.agent", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    for word in ("--listen", "--servers", "--capacity", "--period", "--auth-token-file", "SMB2_AGENT",
+                 "SMB2_AUTH_TOKEN", "exactly once"):
+        assert word in done.stdout, word
