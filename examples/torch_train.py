@@ -162,6 +162,7 @@ def main() -> None:
               "seconds": round(time.perf_counter() - t0, 2), "comm_wait_share": round(stats["comm_wait_share"], 3),
               "lag_scaled": stats["lag_scaled"], "max_version_lag": stats["max_version_lag"],
               "bytes_pushed": stats["bytes_pushed"],
+              "via": stats["via"],      # the servers, or this host's agent (SMB2_AGENT)
               "local_steps": stats.get("rounds"),       # diloco with --local-steps auto: its rounds' lengths
               "collapsed": end.collapsed if end else []}     # ranks that saw the shared model collapse
     print(json.dumps(report) + "\n", end="", flush=True)  # one write: ranks share torchrun's stdout

@@ -192,8 +192,7 @@ async def test_a_restarting_memory_server_holds_up_the_forwards_and_loses_none(t
             await m.accumulate(0, ones)         # kept on the host meanwhile
         stalled = m.cycle
         await asyncio.sleep(0.05)
-        await m.read()
-        assert m.cycle == stalled, "no cycle completes while a server is down"
+        assert await m.wait_cycle(0) == stalled, "no cycle completes while a server is down"
         await cluster.restart(1)
         await m.wait_forwarded(timeout=60)
         got = np.empty(16 << 10, np.float32)

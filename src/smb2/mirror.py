@@ -26,7 +26,12 @@ bytes                 what
                       agent takes the buffer up only once it is there
 8-15 (slot 0)         state: 0 starting, 1 ready, 2 failed (the agent's)
 16-23 (slot 1)        the forward cycle counter (the agent's)
-24-383                the remote region as the creator wrote it: offset,
+24-31 (slot 2)        pushes: each worker adds 1 after each push (the
+                      agent forwards only when it moved)
+32-39 (slot 3)        pulls asked for: a worker adds 1 before each read
+40-47 (slot 4)        the pulls served: the agent raises it to the count of
+                      slot 3 it read before a pull, once that pull is in
+48-383                the remote region as the creator wrote it: offset,
                       nbytes, dtype (16 bytes), then the remote name
 384-1023              the agent's word on it: an error code (ErrorCode),
                       then a message (why it failed, or what a starting
@@ -37,8 +42,20 @@ base_at(nbytes) ...   the agent's copy of the remote region as of its last
                       is what its ``--capacity`` holds
 ====================  ==================================================
 
-State and cycle are a notification area (slots 0 and 1), so a worker waits
-for them on a futex over shm (:meth:`smb2.client.Buffer.wait_notify`).
+The five words are a notification area, so a worker waits for them on a
+futex over shm (:meth:`smb2.client.Buffer.wait_notify`).
+
+What a worker reads
+-------------------
+The agent pulls the remote region only when a worker asks: a read adds 1
+to slot 3, waits until slot 4 reaches that count, then reads.  The pull
+that served it began after the ask, so the read holds everything the
+memory servers held when it was asked for, as a direct read would, and
+the host's pushes since; the host-mates that ask during one pull share the
+next, so a host pulls at most once per its workers' reads and mostly less
+(they exchange at about the same time).  Pushes are forwarded without a
+pull (the agent's copy of the remote region moves by what it forwarded),
+so an idle or pushing host costs the servers no reads.
 
 What a worker can know of its pushes
 ------------------------------------
@@ -48,7 +65,8 @@ agent's server, after which this worker read the counter as ``c``, is on
 the memory servers once the counter reaches ``c + 2``: cycle ``c + 1``
 may have read the local data before the push landed, but cycle ``c + 2``
 began after ``c + 1`` ended, which was after the read of ``c``, so it read
-the push and forwarded it.  (A counter read *before* the push bounds
+the push and forwarded it (or saw slot 2 where ``c + 1`` had seen it, which
+means ``c + 1`` began after the push had counted itself, and forwarded it).  (A counter read *before* the push bounds
 nothing: the worker could stall between its read and its push for any
 number of cycles.)  So every push is read back with the counter after it,
 one memcpy over shm, and a lost agent (:class:`~smb2.errors.AgentLost`)
@@ -90,12 +108,19 @@ DEFAULT_AGENT_PORT: Final = 7430
 DTYPES: Final = ("float32", "float64")
 #: every mirror buffer's name starts so (the agent looks for these)
 PREFIX: Final = "mirror/"
-MAGIC: Final = int.from_bytes(b"smb2mir1", "little")
+MAGIC: Final = int.from_bytes(b"smb2mir2", "little")
 HEADER: Final = 1024
+#: the header's notification slots, from STATE on: the mirror's state and the
+#: forward cycle counter (the agent's), the pushes and the pulls the workers
+#: asked for (the workers' counters), and the last of those pulls served (the agent's)
 STATE: Final = 8
 CYCLE: Final = 16
+SLOTS: Final = 5
+STATE_SLOT, CYCLE_SLOT, PUSHED_SLOT, WANTED_SLOT, SERVED_SLOT = range(SLOTS)
+#: a failed mirror raises its served counter to this, so that a worker waiting for a pull wakes
+SERVED_ALL: Final = 1 << 62
 STARTING, READY, FAILED = 0, 1, 2
-_SPEC_AT = 24                   # offset u64, nbytes u64, dtype 16 bytes, name (u16 length + bytes)
+_SPEC_AT = STATE + 8 * SLOTS    # offset u64, nbytes u64, dtype 16 bytes, name (u16 length + bytes)
 _SPEC = struct.Struct("<QQ16sH")
 _SPEC_END = 384
 _NAME_MAX = _SPEC_END - _SPEC_AT - _SPEC.size
@@ -213,6 +238,8 @@ class MirrorBuffer(Protocol):
 
     async def wait_notify(self, slot: int, at_least: int = 1, *, timeout: float | None = None) -> int: ...
 
+    async def notify_add(self, slot: int, value: int = 1) -> int: ...
+
     def set_notify_area(self, offset: int, slots: int) -> Any: ...
 
 
@@ -289,7 +316,7 @@ class AgentMirror:
             for attempt in range(3):
                 try:
                     buf = await _create(agent, spec, address)
-                    buf.set_notify_area(STATE, 2)
+                    buf.set_notify_area(STATE, SLOTS)
                     header = np.empty(HEADER, np.uint8)
                     await buf.read_into(header, 0)
                     found = Spec.decode(header)
@@ -373,12 +400,13 @@ class AgentMirror:
 
     async def read_into(self, out: Any, rel_offset: int = 0) -> None:
         """Fill ``out`` with the mirror's data from ``rel_offset``: the remote
-        region as of the agent's last pull, plus the host's pushes not
-        forwarded yet.  Reads the agent's state and counter too (two reads:
-        over shm, where the agent is, each is a memcpy in this process)."""
+        region as of a pull the agent began after this call, plus the host's
+        pushes not forwarded yet.  Reads the agent's state and counter too
+        (over shm, where the agent is, each read is a memcpy in this process)."""
         self._live()
         self._range(rel_offset, out.nbytes if isinstance(out, np.ndarray) else memoryview(out).nbytes, "a read")
         try:
+            await self._pulled()
             await self.buffer.read_into(out, HEADER + rel_offset)
         except (TransportError, StaleHandle) as exc:
             raise self._lose(exc) from None
@@ -390,6 +418,7 @@ class AgentMirror:
         self._live()
         whole = np.empty(HEADER - STATE + self.spec.nbytes, np.uint8)
         try:
+            await self._pulled()
             await self.buffer.read_into(whole, STATE)
         except (TransportError, StaleHandle) as exc:
             raise self._lose(exc) from None
@@ -400,7 +429,7 @@ class AgentMirror:
         """Wait until the agent's counter reaches ``at_least``; its value."""
         self._live()
         try:
-            await self.buffer.wait_notify(1, at_least, timeout=timeout)
+            await self.buffer.wait_notify(CYCLE_SLOT, at_least, timeout=timeout)
         except (TransportError, StaleHandle) as exc:
             raise self._lose(exc) from None
         await self._read_words()
@@ -425,11 +454,17 @@ class AgentMirror:
             raise InvalidArgumentError(f"{what} of {length} bytes at offset {rel} runs past the end of the mirror "
                                        f"of {self.spec!r} ({self.spec.nbytes} bytes)")
 
+    async def _pulled(self) -> None:
+        """Ask the agent for a pull and wait until one that began after the ask is in."""
+        asked = await self.buffer.notify_add(WANTED_SLOT, 1) + 1
+        await self.buffer.wait_notify(SERVED_SLOT, asked)
+
     async def _push(self, op: Any) -> None:
         self._pushes += 1
         self._inflight += 1
         try:
             await op
+            await self.buffer.notify_add(PUSHED_SLOT, 1)
         except (TransportError, StaleHandle) as exc:
             raise self._lose(exc) from None
         except BaseException:

@@ -2,52 +2,53 @@
 
 The forward cycle
 -----------------
-A mirror keeps the buffer on the agent's server equal to "the remote
-region as of the agent's last pull, plus every local accumulate not yet
-forwarded".  The agent keeps ``G_base``, the remote region as of its last
-pull, in the mirror buffer itself (``smb2.mirror.base_at``), zero at
-first.  One cycle, per chunk of the region (``CHUNK`` bytes, so that the
-agent's own memory stays a few chunks whatever the region's size):
+A mirror keeps the buffer on the agent's server equal to ``G_base + P``:
+``G_base`` the remote region as the agent last knew it, ``P`` the local
+accumulates not yet forwarded.  The agent keeps ``G_base`` in the mirror
+buffer itself (``smb2.mirror.base_at``), zero at first.  A cycle, at most
+every ``period`` seconds, reads the header's counters and works per chunk
+of the region (``CHUNK`` bytes, so that the agent's own memory stays a few
+chunks whatever the region's size):
 
-1. read the local data ``L``; ``D = L - G_base``;
-2. if ``D`` has a nonzero element: remote ``accumulate(offset, D)`` in the
-   mirror's own dtype (no narrow wire: what is forwarded is what was
-   pushed);
-3. read the remote region ``G_new``;
-4. local ``accumulate(G_new - G_base - D)``; ``G_base = G_new``;
+* **forward**, if the workers' push counter moved since the last forward:
+  read the local data ``L``; ``D = L - G_base``; where ``D`` has a nonzero
+  element, remote ``accumulate(offset, D)`` in the mirror's own dtype (no
+  narrow wire: what is forwarded is what was pushed); ``G_base += D``.
+  The local data is not touched: it is ``G_base + (P - D)`` now.
+* **pull**, if a worker asked for one since the last (the workers' pull
+  counter is past the served one): read the servers' ``G_new``; local
+  ``accumulate(G_new - G_base)``; ``G_base = G_new``; then raise the
+  served counter to the asks read before the pull.
 
-and once every chunk is done, the header's cycle counter is raised by one
-(after the remote accumulates were acknowledged).  The cycles of one mirror
-start at most every ``period`` seconds; a cycle with nothing to forward
-still pulls.
+and then the header's cycle counter is raised by one (after the remote
+accumulates were acknowledged).  A host that only pushes costs the servers
+no reads; its workers' reads, however many at once, share pulls.
 
-Why it is exact.  Element by element, the local value is ``G_base + P``,
-``P`` the local pushes not yet forwarded.  A worker's accumulate into
-element ``i`` lands either before the agent's read of ``L[i]`` or after it.
-Before: it is in ``D[i] = P[i]``, forwarded once, and the correction
-``G_new - G_base - D`` takes it out of the local pending part while
-bringing in what the remote region gained (``D`` itself and the other
-hosts' pushes).  After: it is not in ``D``, and it stays in the local value,
-pending for the next cycle.  The correction is itself an accumulate, so it
-composes with the workers' accumulates that land meanwhile: after the
-cycle the local value is ``G_new + Q``, ``Q`` what landed after the read.
-So every push reaches the remote region exactly once; with integer-valued
-floats (below 2**24 for float32) the remote region is the exact sum of
-every push.  With other values the arithmetic of ``D`` and the correction
-rounds like any float sum.  The first cycle runs with ``G_base = 0`` and
-nothing pushed: it brings the remote region in, and the mirror is ready.
+Why it is exact.  Element by element, the local value is ``G_base + P``.
+A worker's accumulate into element ``i`` lands either before the agent's
+read of ``L[i]`` or after it.  Before: it is in ``D[i]``, forwarded once,
+and moves from ``P`` into ``G_base``.  After: it is not in ``D``, and stays
+in ``P`` for the next forward.  A pull's correction ``G_new - G_base`` is
+itself an accumulate, so it composes with the workers' accumulates that
+land meanwhile: after it the local value is ``G_new + P``.  So every push
+reaches the remote region exactly once; with integer-valued floats (below
+2**24 for float32) the remote region is the exact sum of every push.  With
+other values the arithmetic of ``D`` and the correction rounds like any
+float sum.  The first cycle pulls (``G_base = 0``, nothing pushed): it
+brings the remote region in, and the mirror is ready.
 
 When a forward fails.  A remote accumulate that raised may or may not have
 landed (its connection broke after the request left; a region over several
-servers may have landed on some).  It is never sent again: the agent keeps
-it as *owed* and the next attempt of that chunk pulls and corrects as if it
-had landed, so it counts once or not at all -- never twice -- and a
-WARNING says how many bytes may be lost.  Before it forwards, the agent
-makes sure it is connected to every server (a pull reconnects), so a server
-that is merely down costs a retry, not a loss.  Errors reaching the memory
-servers are retried with backoff (WARNING); a remote buffer that is gone
-(destroyed, or its server restarted without it) fails the mirror with a
-message in the header, which the workers raise.
+servers may have landed on some).  It is never sent again: the agent counts
+it in ``G_base`` as if it had landed, so it counts once or not at all
+(the next pull takes it out of the local data too where it did not land)
+-- never twice -- and a WARNING says how many bytes may be lost.  Before it
+forwards, the agent makes sure it is connected to every server (a pull
+reconnects), so a server that is merely down costs a retry, not a loss.
+Errors reaching the memory servers are retried with backoff (WARNING); a
+remote buffer that is gone (destroyed, or its server restarted without it)
+fails the mirror with a message in the header, which the workers raise
+(and wakes the workers that wait for a pull).
 
 What is kept, and for how long.  A mirror lives as long as its buffer on
 the agent's server: host-mates share it and none of them knows whether the
@@ -78,12 +79,17 @@ from ..errors import (
     TransportError,
 )
 from ..mirror import (
-    CYCLE,
+    CYCLE_SLOT,
     DTYPES,
     FAILED,
     HEADER,
+    PUSHED_SLOT,
     READY,
+    SERVED_ALL,
+    SERVED_SLOT,
+    SLOTS,
     STATE,
+    WANTED_SLOT,
     WORD_AT,
     Spec,
     base_at,
@@ -111,7 +117,6 @@ MAX_BACKOFF = 2.0
 LOG_EVERY = 10.0
 
 T = TypeVar("T")
-CYCLE_SLOT = (CYCLE - STATE) // 8
 
 
 class Remote(Protocol):
@@ -159,7 +164,9 @@ class Mirror:
         self._remote: Buffer | None = None
         # per chunk start: a forwarded delta whose correction is not done
         # yet (the forward failed, or the pull after it): never sent again
-        self._owed: dict[int, np.ndarray] = {}
+        # the workers' push counter as of the last forward, and the pulls asked for that were served
+        self._forwarded = 0
+        self._served = 0
         self._scratch: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._stopping = asyncio.Event()
         self._trouble_since: float | None = None
@@ -211,7 +218,7 @@ class Mirror:
             raise LocalGone() from None
         if local.segments[0] != self.segment:
             raise LocalGone()       # made again meanwhile: its own task takes that one up
-        local.set_notify_area(STATE, 2)
+        local.set_notify_area(STATE, SLOTS)
         self._local = local
         header = np.empty(HEADER, np.uint8)
         while True:
@@ -270,7 +277,7 @@ class Mirror:
         delay = FIRST_BACKOFF
         while True:
             try:
-                await self._cycle()
+                await self._cycle(pull=True)
                 break
             except (TransportError, ServerError) as exc:
                 self._check_gone(exc)
@@ -312,57 +319,74 @@ class Mirror:
                 except TimeoutError:
                     pass
 
-    async def _cycle(self) -> None:
-        spec = self.spec
-        assert spec is not None
-        for a in range(0, spec.nbytes, CHUNK):
-            await self._chunk(a, min(spec.nbytes, a + CHUNK))
-        assert self._local is not None
+    async def _cycle(self, *, pull: bool = False) -> None:
+        """Forward the pushes, if the workers pushed since the last forward;
+        pull, if a worker asked for a pull since the last (or ``pull``);
+        then raise the cycle counter."""
+        spec, local = self.spec, self._local
+        assert spec is not None and local is not None
+        words = await self._at_home(local.read_notify())
+        pushed, wanted = int(words[PUSHED_SLOT]), int(words[WANTED_SLOT])
+        if pushed != self._forwarded:
+            for a in range(0, spec.nbytes, CHUNK):
+                await self._forward(a, min(spec.nbytes, a + CHUNK))
+            self._forwarded = pushed
+        if pull or wanted > self._served:
+            for a in range(0, spec.nbytes, CHUNK):
+                await self._pull(a, min(spec.nbytes, a + CHUNK))
+            self._served = wanted
+            await self._at_home(local.notify(SERVED_SLOT, wanted))
         # every remote accumulate of this cycle is acknowledged by now
-        await self._at_home(self._local.notify_add(CYCLE_SLOT, 1))
+        await self._at_home(local.notify_add(CYCLE_SLOT, 1))
         self.cycles += 1
 
-    async def _chunk(self, a: int, b: int) -> None:
-        """One step of the cycle for bytes ``[a, b)`` of the region."""
+    async def _forward(self, a: int, b: int) -> None:
+        """Bytes ``[a, b)`` of the region: the pushes ``D = L - G_base`` go to
+        the servers, and ``G_base += D`` (the local data is left as it is:
+        it is ``G_base + pushes`` still, the pushes now counted in ``G_base``)."""
         spec, local, remote, scratch = self.spec, self._local, self._remote, self._scratch
         assert spec is not None and local is not None and remote is not None and scratch is not None
         n = (b - a) // np.dtype(spec.dtype).itemsize
         pushed, base, pulled = (s[:n] for s in scratch)
         data_at, base_of, remote_at = HEADER + a, base_at(spec.nbytes) + a, spec.offset + a
         await self._at_home(local.read_into(base, base_of))
-        owed = self._owed.get(a)
-        if owed is None:
-            await self._at_home(local.read_into(pushed, data_at))
-            np.subtract(pushed, base, out=pushed)            # D
-            if pushed.any():
-                if not all(link.open is not None for link in remote.client.links):
-                    # reconnect by a pull first: a server that is only down
-                    # costs this forward a retry, not a doubt
-                    await remote.read_into(pulled, remote_at)
-                try:
-                    await remote.accumulate(remote_at, pushed)
-                except BaseException as exc:
-                    self._owed[a] = pushed.copy()
-                    if not isinstance(exc, asyncio.CancelledError):
-                        log.warning("mirror %s: a forward of %d bytes failed (%s); whether it reached the memory "
-                                    "servers is unknown: it is not sent again, so the host's pushes in it count "
-                                    "once or are lost, never twice", spec, b - a, getattr(exc, "message", exc))
-                    raise
-                owed = pushed
-        try:
+        await self._at_home(local.read_into(pushed, data_at))
+        np.subtract(pushed, base, out=pushed)            # D
+        if not pushed.any():
+            return
+        if not all(link.open is not None for link in remote.client.links):
+            # reconnect by a pull first: a server that is only down costs
+            # this forward a retry, not a doubt
             await remote.read_into(pulled, remote_at)
-        except BaseException:
-            if owed is not None and a not in self._owed:
-                self._owed[a] = owed.copy()
+        try:
+            await remote.accumulate(remote_at, pushed)
+        except BaseException as exc:
+            # it may or may not have landed: it is counted in G_base as if it
+            # had, so it is never sent again (once or lost, never twice)
+            with contextlib.suppress(Exception):
+                await local.write(base_of, base + pushed)
+            if not isinstance(exc, asyncio.CancelledError):
+                log.warning("mirror %s: a forward of %d bytes failed (%s); whether it reached the memory servers "
+                            "is unknown: it is not sent again, so the host's pushes in it count once or are lost, "
+                            "never twice", spec, b - a, getattr(exc, "message", exc))
             raise
-        # the correction, G_new - G_base - D, where base held G_base
+        np.add(base, pushed, out=base)
+        await self._at_home(local.write(base_of, base))
+
+    async def _pull(self, a: int, b: int) -> None:
+        """Bytes ``[a, b)`` of the region: read the servers' ``G_new``, add
+        ``G_new - G_base`` to the local data, ``G_base = G_new``."""
+        spec, local, remote, scratch = self.spec, self._local, self._remote, self._scratch
+        assert spec is not None and local is not None and remote is not None and scratch is not None
+        n = (b - a) // np.dtype(spec.dtype).itemsize
+        _, base, pulled = (s[:n] for s in scratch)
+        data_at, base_of, remote_at = HEADER + a, base_at(spec.nbytes) + a, spec.offset + a
+        await remote.read_into(pulled, remote_at)
+        await self._at_home(local.read_into(base, base_of))
         np.subtract(pulled, base, out=base)
-        if owed is not None:
-            np.subtract(base, owed, out=base)
         if base.any():
             await self._at_home(local.accumulate(data_at, base))
         await self._at_home(local.write(base_of, pulled))
-        self._owed.pop(a, None)
 
     # -- saying -----------------------------------------------------------------
     async def _say(self, code: int, message: str) -> None:
@@ -375,6 +399,7 @@ class Mirror:
             return
         await self._say(int(code), message)
         await self._at_home(self._local.notify(0, FAILED))      # after the message: the workers read it then
+        await self._at_home(self._local.notify(SERVED_SLOT, SERVED_ALL))     # (a worker waiting for a pull wakes)
 
     def _check_gone(self, exc: BaseException) -> None:
         """A remote error that means the remote buffer is gone fails the mirror."""

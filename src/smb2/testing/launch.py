@@ -67,16 +67,16 @@ class ServerProcess:
     def __init__(self, *flags: str, env: Mapping[str, str] | None = None, python: str = sys.executable,
                  token: bytes | None = None, host: str | None = None,
                  stderr: int | IO[Any] = subprocess.PIPE) -> None:
-        cmd = server_command(*flags, python=python, host=host)
+        cmd = self.command(*flags, python=python, host=host)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                      env=server_env(env, token))
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        found = ready_address(line)
+        found = self.ready(line)
         if found is None:
             self.proc.kill()
             self.proc.wait()
-            raise InterfaceError(f"smb2-server did not start ({' '.join(cmd)}): "
+            raise InterfaceError(f"{self.what} did not start ({' '.join(cmd)}): "
                                  f"{line.strip() or 'no ready line'}\n{self.stderr()[-2000:]}")
         self.host, self.port = found
         self.address = ("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host, self.port)
@@ -85,6 +85,16 @@ class ServerProcess:
     def endpoint(self) -> str:
         """``host:port`` as ``smb2.connect`` takes it."""
         return f"{self.address[0]}:{self.port}"
+
+    what = "smb2-server"
+
+    @staticmethod
+    def command(*flags: str, python: str, host: str | None) -> list[str]:
+        return server_command(*flags, python=python, host=host)
+
+    @staticmethod
+    def ready(line: str) -> tuple[str, int] | None:
+        return ready_address(line)
 
     @property
     def rss(self) -> int:
@@ -116,6 +126,22 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class AgentProcess(ServerProcess):
+    """One ``smb2-agent`` process (the host agent), on loopback on a port of
+    its choosing, for the memory servers its flags name (``--servers``);
+    blocks until its ready line."""
+
+    what = "smb2-agent"
+
+    @staticmethod
+    def command(*flags: str, python: str, host: str | None) -> list[str]:
+        return agent_command(*flags, python=python, listen=f"{host or '127.0.0.1'}:0")
+
+    @staticmethod
+    def ready(line: str) -> tuple[str, int] | None:
+        return agent_ready_address(line)
 
 
 @contextlib.contextmanager

@@ -112,6 +112,7 @@ import torch
 
 from ..client import Client, connect
 from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout, Smb2Error
+from ..mirror import DEFAULT_AGENT_PORT, agent_address
 from ..train.dropping import LayerDropping
 from ..train.faults import end_ranks_briefly, in_training_terms
 from ..train.lifecycle import RunEnd
@@ -263,7 +264,16 @@ class AsyncOptimizer(torch.optim.Optimizer):
 
     ``lag_scaling``: scale each push by its lag (:mod:`smb2.train.stability`),
     on by default; it applies to the rules whose pushes are lag-scaled
-    (``delta``, ``accumulate``, ``locked``, ``diloco``; not ``easgd``)."""
+    (``delta``, ``accumulate``, ``locked``, ``diloco``; not ``easgd``).
+
+    ``agent``: exchange the weights through this host's agent
+    (``smb2-agent``, one per worker host: it combines the host's pushes
+    into one and pulls once for all of them; :meth:`ParameterStore.use_agent`).
+    None (the default): the agent ``SMB2_AGENT`` names ("host:port"), if set;
+    True: that, else one on this host's default port; a "host:port"; False:
+    none.  Rules ``delta``, ``diloco``, ``easgd`` and ``accumulate`` use it;
+    ``allreduce`` and ``locked`` say so at WARNING and reach the servers.  A
+    lost agent is said at WARNING and the worker goes on without it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, name: str,
                  rule: str = "allreduce", staleness: int = 0, servers: str | list[str] | None = None,
@@ -272,7 +282,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
                  sync_buffers: bool = True, log_every: int = 100, push_in_backward: bool | None = None,
                  state_every: float | None = SAVE_EVERY, state_share: float | None = SAVE_SHARE,
                  lag_scaling: bool = True, guard: bool = True,
-                 average: bool = True,
+                 average: bool = True, agent: bool | str | None = None,
                  **options: Any) -> None:
         # torch's Optimizer.__init__ is not called: param_groups, state and
         # defaults are the wrapped optimizer's (properties below)
@@ -306,6 +316,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         pushes_in_backward = self._pushes_in_backward(push_in_backward, dropping)
         self._loop = LoopThread(f"smb2-{name}")
         self._client: Client | None = None
+        self._agent_address = _agent_address(agent)
+        self._agent_client: Client | None = None
         try:
             if self.rule_name in WIRED_RULES:
                 options["wire"] = self.push_dtype       # the rule's: the client converts (fewer bytes on the wire)
@@ -457,6 +469,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
         await store.join(timeout)
         if not opened_the_run:
             await self.frozen.adopt(self._client, name, store.generation, timeout)
+        if self._agent_address is not None:
+            self._agent_client = await connect([self._agent_address])
+            await store.use_agent(self._agent_client, timeout=timeout)
         return store
 
     @property
@@ -724,9 +739,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
         share of its time since the first step, the largest lag seen, the
         store's byte counts, and what kept the updates in bounds: pushes
         the guard ``skipped`` (far out of line) and ``refused`` (not
-        finite), pushes ``lag_scaled``, the ``max_version_lag``, and the
+        finite), pushes ``lag_scaled``, the ``max_version_lag``, the
         ``collapses`` of the shared model the watch saw (``smb2 ls`` shows
-        the run's sums)."""
+        the run's sums), and ``via``: where the weights were exchanged
+        ("servers", "agent", "servers (agent lost)")."""
         s: dict[str, Any] = dict(self._stats)
         elapsed = time.perf_counter() - self._t_first if self._t_first is not None else 0.0
         s["elapsed_s"] = elapsed
@@ -737,6 +753,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         s.update({k: v for k, v in self.store.stats.items() if k.startswith("bytes")})
         s.update(self.store.counts())       # the guard's, the lag scaling's and the collapse watch's
         s.update(self.store.rule.round_stats())     # diloco's local_steps="auto": its rounds' lengths
+        s["via"] = self.store.weights.via           # the servers, or the host agent (smb2-agent)
         return s
 
     @property
@@ -872,6 +889,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._client.register(arr)
 
     async def _close_client(self) -> None:
+        if self._agent_client is not None:
+            await self._agent_client.close()
         if self._client is not None:
             await self._client.close()
 
@@ -889,6 +908,19 @@ class AsyncOptimizer(torch.optim.Optimizer):
         for ex in self._inflight:
             if ex.future.done() and ex.future.exception() is not None:
                 ex.future.result()
+
+
+def _agent_address(agent: bool | str | None) -> str | None:
+    """The host agent's "host:port" that ``AsyncOptimizer(agent=...)`` asks for, or None."""
+    if agent is None:
+        return agent_address()
+    if agent is False:
+        return None
+    if agent is True:
+        return agent_address() or f"127.0.0.1:{DEFAULT_AGENT_PORT}"
+    if isinstance(agent, str) and agent.strip():
+        return agent.strip()
+    raise InvalidArgumentError(f"agent must be None, True, False or a 'host:port', not {agent!r}")
 
 
 async def _accumulate_each(st: ParameterStore, changes: dict[str, np.ndarray]) -> None:

@@ -111,6 +111,7 @@ from ..errors import (
     Smb2Error,
 )
 from ..lock import Lock, ReplicatedLock
+from ..mirror import AgentMirror
 from ..placement import Placement
 from . import beside
 from . import lifecycle as lc
@@ -119,7 +120,7 @@ from .dropping import LayerDropping
 from .lifecycle import Control, check_rank, resolve_rank
 from .rules import UpdateRule, make_rule
 from .stability import CollapseWatch, DivergenceGuard, LagScaling, TrainingDiverged
-from .weights import ServerWeights, SharedWeights
+from .weights import AgentWeights, ServerWeights, SharedWeights
 
 log = logging.getLogger("smb2.train")
 
@@ -239,6 +240,11 @@ def _other_world(name: str, theirs: int, ours: int) -> InvalidArgumentError:
     return InvalidArgumentError(
         f"store {name!r} was made for {theirs} workers, this job has WORLD_SIZE={ours}; check WORLD_SIZE, "
         f"or remove the store with `smb2 rm {name}` (start from a checkpoint with init_from=)")
+
+
+#: the rules whose exchange is accumulates into, and reads of, the shared
+#: weights: those a host agent serves (:meth:`ParameterStore.use_agent`)
+AGENT_RULES = ("accumulate", "delta", "diloco", "easgd")
 
 
 class ParameterStore:
@@ -612,6 +618,36 @@ class ParameterStore:
         return store
 
     # -- data -------------------------------------------------------------------
+    async def use_agent(self, agent: Client, *, timeout: float = 30.0) -> bool:
+        """Read and accumulate the shared weights through the host agent
+        that ``agent`` is connected to (``smb2-agent``, :mod:`smb2.agent`):
+        this host's workers push into one mirror of the data region on their
+        host, and the agent forwards their combined pushes and pulls for
+        them all, every few milliseconds.  A pull then holds the servers'
+        weights as of the agent's last pull (one cycle older than a direct
+        read at most) and this host's pushes since.  The control words (the
+        version, the barrier, heartbeats), locks and side buffers still go to
+        the servers.
+
+        Rules that exchange by other means than accumulates into the
+        weights (``allreduce``: its gradient sums each step; ``locked``:
+        read-modify-write under the lock) are not served: said at WARNING,
+        False returned, and the store keeps reaching the servers.  Call it
+        after :meth:`join`, when the run's first weights are on the servers:
+        it returns once the mirror holds what the servers hold now.  The
+        agent's loss later is survived (:class:`AgentWeights`)."""
+        if self.rule.name not in AGENT_RULES:
+            log.warning("rank %d of store %r: the host agent serves rules %s; rule %r exchanges through the "
+                        "servers directly", self.rank, self.name, ", ".join(AGENT_RULES), self.rule.name)
+            return False
+        mirror = await AgentMirror.open(agent, self.buf, self.data_off, self.layout.data_len, self.layout.dtype,
+                                        timeout=timeout)
+        # a cycle that began after this call pulled what the servers hold now
+        await mirror.wait_cycle(mirror.cycle + 2, timeout=timeout)
+        self.weights = AgentWeights(mirror, ServerWeights(self.buf, self.data_off), self.name, self.rank)
+        log.info("rank %d of store %r exchanges through the host agent at %s", self.rank, self.name, mirror.agent)
+        return True
+
     async def pull(self) -> None:
         """Read every parameter into the mirror (one read over all servers)."""
         await self.pull_into(self.mirror)

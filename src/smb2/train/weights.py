@@ -14,17 +14,24 @@ indices count elements of it."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..client import Buffer
+from ..errors import AgentLost
+from ..mirror import AgentMirror
 
 log = logging.getLogger("smb2.train.weights")
 
 
 class SharedWeights(Protocol):
     """The three operations the rules and the store use on the shared weights."""
+
+    @property
+    def via(self) -> str:
+        """Where they go: "servers", "agent" or "servers (agent lost)"."""
 
     async def read_into(self, out: np.ndarray, offset: int = 0) -> None: ...
 
@@ -35,6 +42,8 @@ class SharedWeights(Protocol):
 
 class ServerWeights:
     """The data region of ``buf`` (starting at byte ``data_off``) on the memory servers."""
+
+    via = "servers"
 
     def __init__(self, buf: Buffer, data_off: int) -> None:
         self.buf = buf
@@ -48,3 +57,61 @@ class ServerWeights:
 
     async def accumulate_sparse(self, indices: Any, values: np.ndarray, *, wire: str | None = None) -> None:
         await self.buf.accumulate_sparse(indices, values, offset=self.data_off, wire=wire)
+
+
+class AgentWeights:
+    """The host agent's mirror of the data region (:class:`smb2.mirror.AgentMirror`):
+    this host's workers push into one copy on their host and read it, and the
+    agent forwards their combined pushes and pulls for them all.
+
+    A lost agent (:class:`~smb2.errors.AgentLost`) is said once at WARNING,
+    with how many of this worker's pushes may not have reached the servers,
+    and the worker goes on against the servers' own weights
+    (:class:`ServerWeights`).  The push that met the loss is not sent again:
+    it may have reached the agent, and the agent may have forwarded it, so a
+    second send could count it twice; a push is counted once or lost, and a
+    lost one is reported, never guessed at."""
+
+    def __init__(self, mirror: AgentMirror, servers: ServerWeights, store: str, rank: int) -> None:
+        self.mirror: AgentMirror | None = mirror
+        self.servers = servers
+        self.store = store
+        self.rank = rank
+        #: the loss of the agent, once it happened
+        self.lost: AgentLost | None = None
+
+    @property
+    def via(self) -> str:
+        return "agent" if self.lost is None else "servers (agent lost)"
+
+    async def read_into(self, out: np.ndarray, offset: int = 0) -> None:
+        if self.mirror is not None:
+            try:
+                await self.mirror.read_into(out, offset)
+                return
+            except AgentLost as exc:
+                self._lose(exc)
+        await self.servers.read_into(out, offset)
+
+    async def accumulate(self, offset: int, delta: np.ndarray, *, wire: str | None = None) -> None:
+        if self.mirror is None:
+            await self.servers.accumulate(offset, delta, wire=wire)
+        else:
+            await self._push(self.mirror.accumulate(offset, delta, wire=wire))
+
+    async def accumulate_sparse(self, indices: Any, values: np.ndarray, *, wire: str | None = None) -> None:
+        if self.mirror is None:
+            await self.servers.accumulate_sparse(indices, values, wire=wire)
+        else:
+            await self._push(self.mirror.accumulate_sparse(indices, values, wire=wire))
+
+    async def _push(self, push: Awaitable[None]) -> None:
+        try:
+            await push
+        except AgentLost as exc:
+            self._lose(exc)         # (not sent again: see the class's doc)
+
+    def _lose(self, exc: AgentLost) -> None:
+        self.lost, self.mirror = exc, None
+        log.warning("rank %d of store %r: %s; it goes on, pushing to and pulling from the memory servers "
+                    "directly (restart smb2-agent for the next run)", self.rank, self.store, exc.message)

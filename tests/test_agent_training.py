@@ -1,0 +1,104 @@
+"""Training through the host agent (smb2-agent): the ordinary example
+script (examples/torch_train.py) under torchrun, with ``SMB2_AGENT`` set and
+nothing else changed, against two real smb2-server processes and a real
+agent; then the agent SIGKILLed under the running job.
+
+The bar is the one the direct runs meet (tests/test_torch_diloco.py):
+within GAP_POINTS of one process trained on the same samples."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+from typing import Any
+
+import pytest
+
+import smb2
+from smb2.testing.launch import AgentProcess
+from smb2.testing.torch_models import EXAMPLE, single_process_accuracy, torchrun_beside_single
+from smb2.testing.waits import until
+from smb2.testing.workers import json_objects, torchrun
+from smb2.train import ParameterStore
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
+pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
+
+from smb2.torch.loop_thread import LoopThread  # noqa: E402
+
+#: accuracy points the 4 workers may end below one process on the same samples
+GAP_POINTS = 2.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_diloco_workers_train_through_the_host_agent(servers: str, monkeypatch: pytest.MonkeyPatch,
+                                                     record_property: Any) -> None:
+    with tempfile.TemporaryFile("w+") as log, AgentProcess("--servers", servers, stderr=log) as agent:
+        monkeypatch.setenv("SMB2_AGENT", agent.endpoint)
+        ranks, single = torchrun_beside_single(servers, "--rule", "diloco", "--name", "t-agent-diloco")
+        agent.stop()
+        log.seek(0)
+        said = log.read()
+    record_property("accuracy", {"workers": ranks[0]["accuracy"], "single": single})
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    assert {r["via"] for r in ranks} == {"agent"}, ranks
+    assert "t-agent-diloco" in said, said[-2000:]          # the agent mirrored the store
+    assert single > 95.0, single
+    assert ranks[0]["accuracy"] >= single - GAP_POINTS, (ranks[0], single)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_agent_leaves_the_workers_training_on_the_servers(servers: str) -> None:
+    """SIGKILL the agent once the run has pushes through it: every rank says
+    so at WARNING with its pushes that may be lost, goes on against the
+    servers, and the run ends at the same bar."""
+    name = "t-agent-killed"
+    agent = AgentProcess("--servers", servers)
+    env = dict(os.environ, SMB2_SERVERS=servers, SMB2_AGENT=agent.endpoint, OMP_NUM_THREADS="1")
+    with tempfile.TemporaryFile("w+") as err:
+        run = subprocess.Popen(torchrun(str(EXAMPLE), "--optimizer", "sgd", "--epochs", "12", "--rule", "diloco",
+                                        "--name", name, nproc=4),
+                               env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            loop = LoopThread("watch")
+            try:
+                loop.run(_until_rounds(servers, name, 8))
+            finally:
+                loop.stop()
+            agent.stop(sig=signal.SIGKILL)
+            single = single_process_accuracy("sgd", 12)
+            stdout, _ = run.communicate(timeout=240)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
+            agent.stop()
+        err.seek(0)
+        stderr = err.read()
+    assert run.returncode == 0, stderr[-3000:]
+    ranks = json_objects(stdout)
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    assert {r["via"] for r in ranks} == {"servers (agent lost)"}, ranks
+    assert stderr.count("directly (restart smb2-agent") == 4, stderr[-3000:]
+    assert stderr.count("may not have reached the memory servers") == 4, stderr[-3000:]
+    assert ranks[0]["accuracy"] >= single - GAP_POINTS, (ranks[0], single)
+
+
+async def _until_rounds(servers: str, name: str, pushes: int) -> None:
+    """Wait (on the servers, not the clock) until store ``name`` counted ``pushes`` pushes."""
+    client = await smb2.connect(servers)
+    try:
+        async def counted() -> bool:
+            try:
+                store = await ParameterStore.attach(client, name)
+            except smb2.NoSuchBuffer:
+                return False
+            return await store.read_version() >= pushes
+
+        await until(counted, f"{pushes} pushes to store {name!r}", guard=180, every=0.2)
+    finally:
+        await client.close()
