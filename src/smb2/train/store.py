@@ -971,6 +971,9 @@ class ParameterStore:
         Nothing is destroyed: the store stays for the slower ranks, for
         evaluation and for the next run."""
         self._check_member()
+        # this rank's pushes on the servers (through a host agent: forwarded)
+        # before it counts as finished: whoever takes the weights then has them
+        await self.weights.flushed()
         # the counts first: whoever sees this rank finished reads them complete
         await self.publish_counts(force=True)
         await self._write_own(finished=self.generation)

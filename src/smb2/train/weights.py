@@ -20,10 +20,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..client import Buffer
-from ..errors import AgentLost
+from ..errors import AgentLost, NotifyTimeout
 from ..mirror import AgentMirror
 
 log = logging.getLogger("smb2.train.weights")
+
+#: the longest a worker waits for its host agent to forward its last pushes (seconds):
+#: an agent that cannot reach the servers for longer is reported as lost
+FLUSH_TIMEOUT = 120.0
 
 
 class SharedWeights(Protocol):
@@ -38,6 +42,9 @@ class SharedWeights(Protocol):
     async def accumulate(self, offset: int, delta: np.ndarray, *, wire: str | None = None) -> None: ...
 
     async def accumulate_sparse(self, indices: Any, values: np.ndarray, *, wire: str | None = None) -> None: ...
+
+    async def flushed(self) -> None:
+        """Return once this worker's pushes so far are on the servers."""
 
 
 class ServerWeights:
@@ -57,6 +64,9 @@ class ServerWeights:
 
     async def accumulate_sparse(self, indices: Any, values: np.ndarray, *, wire: str | None = None) -> None:
         await self.buf.accumulate_sparse(indices, values, offset=self.data_off, wire=wire)
+
+    async def flushed(self) -> None:
+        pass        # (an acknowledged accumulate is on the servers)
 
 
 class AgentWeights:
@@ -82,7 +92,7 @@ class AgentWeights:
 
     @property
     def via(self) -> str:
-        return "agent" if self.lost is None else "servers (agent lost)"
+        return "agent" if self.mirror is not None else "servers (agent lost)"
 
     async def read_into(self, out: np.ndarray, offset: int = 0) -> None:
         if self.mirror is not None:
@@ -105,7 +115,20 @@ class AgentWeights:
         else:
             await self._push(self.mirror.accumulate_sparse(indices, values, wire=wire))
 
-    async def _push(self, push: Awaitable[None]) -> None:
+    async def flushed(self) -> None:
+        """Wait until the agent forwarded every push of this worker (a lost
+        agent: said, as for any operation; nothing more can be done)."""
+        if self.mirror is None:
+            return
+        try:
+            await self._push(self.mirror.wait_forwarded(timeout=FLUSH_TIMEOUT))
+        except NotifyTimeout:
+            log.warning("rank %d of store %r: the host agent at %s did not forward this worker's last pushes to "
+                        "the memory servers within %g s (%d of them may be lost); it goes on without the agent",
+                        self.rank, self.store, self.mirror.agent, FLUSH_TIMEOUT, self.mirror.uncertain)
+            self.mirror = None
+
+    async def _push(self, push: Awaitable[Any]) -> None:
         try:
             await push
         except AgentLost as exc:
