@@ -1,5 +1,5 @@
 """``smb2 bench NAME --quick`` of every benchmark whose quick run has no test
-module of its own (scale's and tta's have theirs, and replicas-netns's
+module of its own (scale's, tta's and agents' have theirs, and replicas-netns's
 failover phase is in test_netns.py): it runs to the end and its JSON holds
 the benchmark's figures, each present, finite and of the right kind (a rate
 above zero, as many runs as asked, a ratio), and the machine and the

@@ -252,6 +252,15 @@ def link_bytes() -> int:
     return int((stats / "tx_bytes").read_text()) + int((stats / "rx_bytes").read_text())
 
 
+def netns_link_bytes(netns: str) -> int:
+    """Bytes the link of host ``netns`` carried so far, both directions (its eth0, read from any
+    namespace: a worker watches the links of other hosts, the servers' among them)."""
+    out = subprocess.run(["ip", "-n", netns, "-j", "-s", "link", "show", "dev", "eth0"], capture_output=True,
+                         text=True, check=True).stdout
+    counters = json.loads(out)[0]["stats64"]
+    return int(counters["rx"]["bytes"]) + int(counters["tx"]["bytes"])
+
+
 def link_rate() -> int | None:
     """This host's egress rate limit in bits/s (its eth0 tbf qdisc), None if unlimited."""
     qdiscs = json.loads(subprocess.run(["tc", "-j", "qdisc", "show", "dev", "eth0"], capture_output=True,
@@ -380,6 +389,9 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
             **({"replicas": a.replicas} if a.replicas > 1 else {}), **options)
         opt = aopt
     bytes0 = link_bytes()
+    # the watched hosts' links over this worker's training (smb2 bench agents: the servers' links, and
+    # those of hosts that several workers share)
+    watched0 = [netns_link_bytes(ns) for ns in a.watch]
     cpu0 = schedstat(os.getpid())
     curve: list[tuple[float, int, float]] = [(0.0, 0, task.evaluate(net))]
     if a.rank == 0:     # the driver times a --kill-at from here: rank 0's clock starts now
@@ -445,11 +457,14 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
     wall = time.perf_counter() - t0
     seconds = wall - evaluating
     moved = link_bytes() - bytes0
+    watched = {ns: [w0, netns_link_bytes(ns)] for ns, w0 in zip(a.watch, watched0)}
     cpu1 = schedstat(os.getpid())
     out: dict[str, Any] = {"rank": a.rank, "steps": steps, "seconds": seconds, "samples": steps * a.batch,
                            "link_bytes": moved, "params": nparams, "curve": curve, "reached_s": first_reached,
                            "last_eval": curve[-1][2], "link_rate": link_rate(),
                            "time": time_shares(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], wall)}
+    if watched:
+        out["watched_links"] = watched
     if a.fault_at is not None:
         out.update(fault_after_kill(step_ends, a.fault_at), stopped=stopped)
     # The final figure is the delivered model's, the one a user keeps, on the final test set
@@ -459,7 +474,12 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
         aopt.flush()
         st = aopt.stats()
         out.update(wait_s=st["wait_s"], bytes_pushed=st["bytes_pushed"], bytes_pulled=st["bytes_pulled"],
-                   exchanges=st["exchanges"], not_computing=st["wait_s"] / seconds if seconds else None)
+                   exchanges=st["exchanges"], not_computing=st["wait_s"] / seconds if seconds else None,
+                   via=st["via"])
+        # through a host agent (smb2 bench agents): how this worker reached it, shm on its host or TCP
+        mirror = getattr(aopt.store.weights, "mirror", None)
+        if mirror is not None:
+            out["agent_transport"] = mirror.buffer.client.transports
         if "rounds" in st:      # diloco-auto: the rounds' lengths this worker chose
             out["local_steps"] = st["rounds"]
         aopt.close(wait_all=a.wait_all)
@@ -719,16 +739,10 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
     fault_at = None if kill_frac is None else kill_frac * budget
     # DDP's group and allreduce's cannot take a rank back (torchrun would restart the whole job): no rejoin
     rejoins = rejoin_frac is not None and all(takes_a_rank_back(s) for s in systems)
-    common = ["--task", cfg["task"], "--batch", str(cfg["batch"]), "--lr", str(cfg["lr"]),
-              "--target", str(cfg["target"]), "--eval-every", str(cfg["eval_every"]), "--eval-n",
-              str(cfg["eval_n"]), "--final-n", str(cfg["final_n"]), "--stop", cfg["stop"],
-              "--systems", ",".join(systems), "--tag", tag,
-              "--servers", ",".join(servers), "--master", cluster.server_addrs[workers[0]],
-              "--world", str(len(workers)), "--stop-file", str(stop_file), "--replicas", str(replicas),
-              # a worker that died does not come back in (e) fault: the survivors' smb2 waits briefly
-              "--wait-all", str(10 if fault_at is not None and not rejoins else budget + 120)]
-    common += ["--lm", json.dumps(cfg), "--corpus", cfg["corpus"]] if cfg["task"] == "lm" else [
-        "--sizes", json.dumps(cfg["sizes"])]
+    common = worker_args(cfg, systems, tag, servers, master=cluster.server_addrs[workers[0]], world=len(workers),
+                         stop_file=stop_file, replicas=replicas,
+                         # a worker that died does not come back in (e) fault: the survivors' smb2 waits briefly
+                         wait_all=10 if fault_at is not None and not rejoins else budget + 120)
     if lighthouse is not None:
         common += ["--lighthouse", cluster.server_addrs[lighthouse]]
     if fault_at is not None:
@@ -810,6 +824,20 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
     if kill_at is not None:
         rows[0]["killed"] = killed
     return rows
+
+
+def worker_args(cfg: dict[str, Any], systems: list[str], tag: str, servers: list[str], *, master: str, world: int,
+                stop_file: Path, replicas: int, wait_all: float) -> list[str]:
+    """The options every worker of a run takes (``_worker``'s, less its own: --rank, --budget,
+    --host-addr): the task of ``cfg``, the ``systems`` it trains in turn, where the servers are."""
+    args = ["--task", cfg["task"], "--batch", str(cfg["batch"]), "--lr", str(cfg["lr"]),
+            "--target", str(cfg["target"]), "--eval-every", str(cfg["eval_every"]), "--eval-n",
+            str(cfg["eval_n"]), "--final-n", str(cfg["final_n"]), "--stop", cfg["stop"],
+            "--systems", ",".join(systems), "--tag", tag, "--servers", ",".join(servers), "--master", master,
+            "--world", str(world), "--stop-file", str(stop_file), "--replicas", str(replicas),
+            "--wait-all", str(wait_all)]
+    return args + (["--lm", json.dumps(cfg), "--corpus", cfg["corpus"]] if cfg["task"] == "lm" else [
+        "--sizes", json.dumps(cfg["sizes"])])
 
 
 def start_lighthouse(cluster: netns_cluster.NetnsCluster, host: int) -> list[subprocess.Popen]:
@@ -1350,6 +1378,8 @@ def _worker_parser() -> argparse.ArgumentParser:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--stop", choices=("target", "budget"), required=True)
     ap.add_argument("--straggler", action="store_true")
+    ap.add_argument("--watch", type=lambda s: [ns for ns in s.split(",") if ns], default=[],
+                    help="namespaces whose eth0 counters to read at the start and the end of the training")
     return ap
 
 
