@@ -201,6 +201,31 @@ async def test_a_restarting_memory_server_holds_up_the_forwards_and_loses_none(t
         await w.close()
 
 
+async def test_a_narrow_wire_keeps_what_rounding_left_on_the_host() -> None:
+    """Forwarded as bfloat16, the host's pushes reach the servers rounded,
+    and what the rounding left out stays in the mirror for the next forward
+    (error feedback): the mirror holds the exact sum, the servers' copy that
+    sum within one bfloat16 rounding, and the next push carries the rest."""
+    async with LocalCluster(2, processes=True, capacity="64MiB", token=TOKEN) as cluster, \
+            agent_of(cluster) as agent:
+        direct = await cluster.connect()
+        remote = await direct.create("weights", 64 << 10, stripe=STRIPE)
+        w = await smb2.connect([agent.endpoint], token=TOKEN)
+        m = await AgentMirror.open(w, remote, 0, 64 << 10, np.float32, timeout=30, wire="bfloat16")
+        assert "bfloat16" in m.buffer.name
+        step = np.full(16 << 10, 1 + 2.0 ** -10, np.float32)     # not a bfloat16 value
+        for _ in range(10):
+            await m.accumulate(0, step)
+        await m.wait_forwarded(timeout=60)
+        exact = np.float32(10 * (1 + 2.0 ** -10))
+        assert np.array_equal(await m.read(), np.full(16 << 10, exact, np.float32))
+        got = np.empty(16 << 10, np.float32)
+        await remote.read_into(got, 0)
+        assert not np.array_equal(got, np.full(16 << 10, exact, np.float32)), "the servers got rounded pushes"
+        assert np.abs(got - exact).max() <= 2.0 ** -4        # one bfloat16 rounding at 10 (8 bits)
+        await w.close()
+
+
 async def _only_direct(client: smb2.Client) -> bool:
     return all(s["connections"] == 1 for s in await client.stat())
 

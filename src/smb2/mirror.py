@@ -154,13 +154,15 @@ def mirror_name(remote: str, offset: int, nbytes: int, dtype: str) -> str:
 class Spec:
     """The remote region a mirror keeps, as its creator wrote it in the header."""
 
-    __slots__ = ("remote", "offset", "nbytes", "dtype")
+    __slots__ = ("remote", "offset", "nbytes", "dtype", "wire")
 
-    def __init__(self, remote: str, offset: int, nbytes: int, dtype: str) -> None:
+    def __init__(self, remote: str, offset: int, nbytes: int, dtype: str, wire: str | None = None) -> None:
         self.remote = remote
         self.offset = offset
         self.nbytes = nbytes
         self.dtype = dtype
+        #: what the agent forwards as: None (``dtype``, exact) or a narrower float type
+        self.wire = wire
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Spec) and self.key() == other.key()
@@ -169,19 +171,25 @@ class Spec:
         return hash(self.key())
 
     def key(self) -> tuple[str, int, int, str]:
-        return (self.remote, self.offset, self.nbytes, self.dtype)
+        return (self.remote, self.offset, self.nbytes, self.types)
+
+    @property
+    def types(self) -> str:
+        """``dtype``, or ``dtype>wire`` where the agent forwards as ``wire``
+        (the header's and the name's one field for both)."""
+        return self.dtype if self.wire is None else f"{self.dtype}>{self.wire}"
 
     def __repr__(self) -> str:
-        return f"{self.remote!r}[{self.offset}:{self.offset + self.nbytes}] as {self.dtype}"
+        return f"{self.remote!r}[{self.offset}:{self.offset + self.nbytes}] as {self.types}"
 
     @property
     def name(self) -> str:
-        return mirror_name(self.remote, self.offset, self.nbytes, self.dtype)
+        return mirror_name(self.remote, self.offset, self.nbytes, self.types)
 
     def encode(self) -> bytes:
         """Bytes 24..384 of the header."""
         name = self.remote.encode()
-        dtype = self.dtype.encode()
+        dtype = self.types.encode()
         if len(name) > _NAME_MAX or len(dtype) > 16:
             raise InvalidArgumentError(f"a mirror of buffer {self.remote!r} as {self.dtype!r}: the name is at most "
                                        f"{_NAME_MAX} bytes and the dtype 16")
@@ -196,8 +204,8 @@ class Spec:
             return None
         offset, nbytes, dtype, length = _SPEC.unpack_from(raw, _SPEC_AT)
         start = _SPEC_AT + _SPEC.size
-        return cls(raw[start:start + length].decode(errors="replace"), offset, nbytes,
-                   dtype.rstrip(b"\0").decode(errors="replace"))
+        element, _, wire = dtype.rstrip(b"\0").decode(errors="replace").partition(">")
+        return cls(raw[start:start + length].decode(errors="replace"), offset, nbytes, element, wire or None)
 
 
 def encode_word(code: int, message: str) -> bytes:
@@ -287,13 +295,20 @@ class AgentMirror:
     # -- opening ----------------------------------------------------------------
     @classmethod
     async def open(cls, agent: AgentClient, remote: str | Named, offset: int, nbytes: int,
-                   dtype: Any = "float32", *, timeout: float = 30.0) -> AgentMirror:
+                   dtype: Any = "float32", *, timeout: float = 30.0, wire: str | None = None) -> AgentMirror:
         """The mirror of bytes ``[offset, offset + nbytes)`` of the remote
         buffer ``remote`` (a :class:`smb2.Buffer` or its name), elements
         ``dtype`` (float32 or float64), through the agent that ``agent``
         is connected to: made on the agent's server or, where a host-mate
         made it, shared; returned once the agent holds the remote region
         in it.
+
+        ``wire``: what the agent forwards the host's combined pushes as:
+        None (``dtype``: the servers get the exact sum) or "bfloat16" /
+        "float16" (float32 mirrors: half the bytes).  With a wire, what the
+        rounding left out stays on the host and goes with the next forward
+        (error feedback), so the servers' copy trails the host's exact sum
+        by one rounding of the last forward at most, and nothing is lost.
 
         Raises what the agent found wrong (:class:`NoSuchBuffer`: no such
         remote buffer; :class:`OutOfBounds`: the region is not inside it;
@@ -308,7 +323,10 @@ class AgentMirror:
             dt = np.dtype(dtype).name
         except TypeError:
             raise InvalidArgumentError(f"dtype must be a numpy dtype, not {dtype!r}") from None
-        spec = Spec(name, check_int("offset", offset, low=0), check_int("nbytes", nbytes, low=1), dt)
+        if wire not in (None, "bfloat16", "float16") or (wire is not None and dt != "float32"):
+            raise InvalidArgumentError(f"wire must be None, or 'bfloat16' or 'float16' for a float32 mirror, not "
+                                       f"{wire!r} for {dt}")
+        spec = Spec(name, check_int("offset", offset, low=0), check_int("nbytes", nbytes, low=1), dt, wire)
         spec.encode()       # a name or dtype that does not fit: said before anything is made
         address = agent.servers[0] if agent.servers else "?"
         try:

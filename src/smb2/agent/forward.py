@@ -68,7 +68,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from ..client import Buffer, Client
+from ..client import Buffer, Client, as_wire
 from ..errors import (
     BufferDamaged,
     ErrorCode,
@@ -238,6 +238,10 @@ class Mirror:
         """The checks, then the first cycle; then READY."""
         spec = self.spec
         assert spec is not None
+        if spec.wire is not None and (spec.dtype != "float32" or spec.wire not in ("bfloat16", "float16")):
+            raise Failed(ErrorCode.UNSUPPORTED,
+                         f"the host agent cannot forward buffer {spec.remote!r} as {spec.wire} from {spec.dtype}: a "
+                         "narrower wire is bfloat16 or float16, from float32; open the mirror without one")
         if spec.dtype not in DTYPES:
             raise Failed(ErrorCode.UNSUPPORTED,
                          f"the host agent cannot mirror buffer {spec.remote!r} as {spec.dtype}: it forwards "
@@ -359,18 +363,20 @@ class Mirror:
             # this forward a retry, not a doubt
             await remote.read_into(pulled, remote_at)
         try:
-            await remote.accumulate(remote_at, pushed)
+            await remote.accumulate(remote_at, pushed, wire=spec.wire)
         except BaseException as exc:
             # it may or may not have landed: it is counted in G_base as if it
             # had, so it is never sent again (once or lost, never twice)
             with contextlib.suppress(Exception):
-                await local.write(base_of, base + pushed)
+                await local.write(base_of, base + _sent(pushed, spec.wire))
             if not isinstance(exc, asyncio.CancelledError):
                 log.warning("mirror %s: a forward of %d bytes failed (%s); whether it reached the memory servers "
                             "is unknown: it is not sent again, so the host's pushes in it count once or are lost, "
                             "never twice", spec, b - a, getattr(exc, "message", exc))
             raise
-        np.add(base, pushed, out=base)
+        # what the servers added: D as rounded for the wire; the rest of D
+        # stays in L - G_base, pending for the next forward (error feedback)
+        np.add(base, _sent(pushed, spec.wire), out=base)
         await self._at_home(local.write(base_of, base))
 
     async def _pull(self, a: int, b: int) -> None:
@@ -447,3 +453,10 @@ class Mirror:
 
     def _what(self) -> Any:
         return self.spec if self.spec is not None else self.name
+
+
+def _sent(pushed: np.ndarray, wire: str | None) -> np.ndarray:
+    """What the servers added of a forward of ``pushed`` as ``wire`` (in
+    place: ``pushed`` is scratch); as it is without a wire (float64 too)."""
+    return pushed if wire is None else as_wire(pushed, wire, out=pushed)
+

@@ -625,7 +625,9 @@ class ParameterStore:
         host, and the agent forwards their combined pushes and pulls for
         them all, every few milliseconds.  A pull then holds the servers'
         weights as of the agent's last pull (one cycle older than a direct
-        read at most) and this host's pushes since.  The control words (the
+        read) and this host's pushes since; the agent forwards in the rule's
+        wire type (``wire``), what its rounding leaves out staying on the host
+        for the next forward.  The control words (the
         version, the barrier, heartbeats), locks and side buffers still go to
         the servers.
 
@@ -640,8 +642,11 @@ class ParameterStore:
             log.warning("rank %d of store %r: the host agent serves rules %s; rule %r exchanges through the "
                         "servers directly", self.rank, self.name, ", ".join(AGENT_RULES), self.rule.name)
             return False
+        # the agent forwards as the rule pushes (diloco: bfloat16 by default), what
+        # that rounding leaves out staying on the host for the next forward
+        wire = getattr(self.rule, "wire", None) if self.layout.dtype == np.float32 else None
         mirror = await AgentMirror.open(agent, self.buf, self.data_off, self.layout.data_len, self.layout.dtype,
-                                        timeout=timeout)
+                                        timeout=timeout, wire=wire)
         # a cycle that began after this call pulled what the servers hold now
         await mirror.wait_cycle(mirror.cycle + 2, timeout=timeout)
         self.weights = AgentWeights(mirror, ServerWeights(self.buf, self.data_off), self.name, self.rank)
