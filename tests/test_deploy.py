@@ -3,7 +3,11 @@ the Kubernetes schemas (kubernetes-validate ships them: nothing is fetched),
 they agree with each other where a mismatch would break a job (the Job's
 server list against the StatefulSet and its Service, ranks against
 completions, memory against capacity), and the one server order that the
-Slurm and Kubernetes helpers share."""
+Slurm and Kubernetes helpers share.  The host agents' opt-in
+(deploy/kubernetes/agents/, a kustomize component, and
+deploy/kubernetes-agents/, the base with it) likewise: the DaemonSet
+validates, derives the Job's server list, holds its capacity, and listens
+where the Job's SMB2_AGENT points."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import copy
 import functools
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +35,8 @@ yaml = pytest.importorskip("yaml", reason="PyYAML comes with kubernetes-validate
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"
+AGENTS = KUBE / "agents"
+WITH_AGENTS = ROOT / "deploy" / "kubernetes-agents"
 
 
 def smb2_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -111,14 +118,14 @@ def test_smb2_servers_prints_the_list_for_slurm_and_a_statefulset(capsys: pytest
 
 
 @functools.cache
-def parsed() -> dict[str, list[dict[str, Any]]]:
+def parsed(folder: Path = KUBE) -> dict[str, list[dict[str, Any]]]:
     return {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d]
-            for p in sorted(KUBE.glob("*.yaml")) if p.name != "kustomization.yaml"}
+            for p in sorted(folder.glob("*.yaml")) if p.name != "kustomization.yaml"}
 
 
-def manifests() -> dict[str, list[dict[str, Any]]]:
+def manifests(folder: Path = KUBE) -> dict[str, list[dict[str, Any]]]:
     """Each manifest file's documents (a fresh copy: tests may change it)."""
-    return copy.deepcopy(parsed())
+    return copy.deepcopy(parsed(folder))
 
 
 def one(kind: str) -> dict[str, Any]:
@@ -147,13 +154,18 @@ def test_kustomization_lists_every_manifest() -> None:
     assert sorted(listed) == sorted(manifests())
 
 
-def job_servers_command() -> list[str]:
-    """The ``smb2 servers`` line of the training Job's script, as argv."""
-    (container,) = one("Job")["spec"]["template"]["spec"]["containers"]
+def servers_command(container: dict[str, Any]) -> list[str]:
+    """The ``smb2 servers`` line of a container's script, as argv."""
     (line,) = [ln for ln in "\n".join(container["args"]).splitlines() if "smb2 servers" in ln]
     argv = shlex.split(line.split("$(", 1)[1].rsplit(")", 1)[0])
     assert argv[:2] == ["smb2", "servers"]
     return argv
+
+
+def job_servers_command() -> list[str]:
+    """The ``smb2 servers`` line of the training Job's script, as argv."""
+    (container,) = one("Job")["spec"]["template"]["spec"]["containers"]
+    return servers_command(container)
 
 
 def test_the_job_derives_its_server_list_from_the_statefulset_and_service(
@@ -216,3 +228,113 @@ def test_the_servers_token_metrics_resources_and_budget() -> None:
     # the budget covers the servers, and allows no eviction
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     assert pdb["spec"]["maxUnavailable"] == 0
+
+
+# ---------------------------------------------------------------------------
+# deploy/kubernetes/agents/ (the host agents, opt-in) and deploy/kubernetes-agents/
+
+
+def agent_daemonset() -> dict[str, Any]:
+    (ds,) = manifests(AGENTS)["daemonset.yaml"]
+    return ds
+
+
+def job_with_agents() -> dict[str, Any]:
+    """job.yaml with job-agent.yaml's patch applied as kustomize merges it:
+    the patch's variables first (in its order), the Job's own after them."""
+    job = one("Job")
+    (patch,) = manifests(AGENTS)["job-agent.yaml"]
+    assert patch["kind"] == "Job" and patch["metadata"]["name"] == job["metadata"]["name"]
+    (extra,) = patch["spec"]["template"]["spec"]["containers"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert extra["name"] == container["name"] and set(extra) == {"name", "env"}
+    names = {e["name"] for e in extra["env"]}
+    container["env"] = extra["env"] + [e for e in container["env"] if e["name"] not in names]
+    return job
+
+
+def agent_command(container: dict[str, Any]) -> tuple[dict[str, str], str]:
+    """The ``smb2-agent`` line of the DaemonSet's script as {flag: value},
+    and the variable its server list was put in."""
+    lines = "\n".join(container["args"]).splitlines()
+    (listed,) = [ln.strip() for ln in lines if "smb2 servers" in ln]
+    (line,) = [ln for ln in lines if "smb2-agent" in ln]
+    argv = shlex.split(line)
+    assert argv[:2] == ["exec", "smb2-agent"], line       # exec: the agent gets the pod's SIGTERM
+    return dict(zip(argv[2::2], argv[3::2])), listed.split("=", 1)[0]
+
+
+def test_the_agents_manifests_validate_and_are_opt_in() -> None:
+    version = kv.latest_version()
+    kv.validate(agent_daemonset(), version, strict=True)
+    # the Job the patch makes is a valid Job
+    kv.validate(job_with_agents(), version, strict=True)
+    component = yaml.safe_load((AGENTS / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component"
+    assert sorted(component["resources"] + [p["path"] for p in component["patches"]]) == sorted(manifests(AGENTS))
+    overlay = yaml.safe_load((WITH_AGENTS / "kustomization.yaml").read_text())
+    assert [(WITH_AGENTS / r).resolve() for r in overlay["resources"]] == [KUBE]
+    assert [(WITH_AGENTS / c).resolve() for c in overlay["components"]] == [AGENTS]
+    # `kubectl apply -k deploy/kubernetes/` stays without agents
+    base = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
+    assert "components" not in base and "agents" not in str(base["resources"])
+
+
+def test_the_agents_derive_the_jobs_server_list_and_hold_their_capacity() -> None:
+    ds, sts = agent_daemonset(), one("StatefulSet")
+    pod = ds["spec"]["template"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    # the Job's servers, in the Job's order (the Job's line is checked against the StatefulSet above)
+    assert servers_command(container) == job_servers_command()
+    flags, variable = agent_command(container)
+    assert flags["--servers"] == f"${variable}"
+    # the memory limit holds the capacity and the agent's server's receive pool besides
+    limit = parse_size(container["resources"]["limits"]["memory"].replace("Gi", "GiB").replace("Mi", "MiB"))
+    assert limit >= parse_size(flags["--capacity"]) + (256 << 20)
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+    # the token from the servers' Secret, in the variable smb2-agent reads
+    (server,) = sts["spec"]["template"]["spec"]["containers"]
+    token = {e["name"]: e for e in container["env"]}["SMB2_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert token == {e["name"]: e for e in server["env"]}["SMB2_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    # run as the servers are: not root, no privilege, no capability
+    assert pod["spec"]["securityContext"] == sts["spec"]["template"]["spec"]["securityContext"]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def test_the_jobs_ranks_reach_their_nodes_agent_where_it_listens() -> None:
+    (container,) = agent_daemonset()["spec"]["template"]["spec"]["containers"]
+    flags, _ = agent_command(container)
+    host, port = flags["--listen"].rsplit(":", 1)
+    assert host == "0.0.0.0"        # the node's address reaches it through the hostPort
+    (opening,) = container["ports"]
+    assert opening["containerPort"] == opening["hostPort"] == int(port)
+    assert container["readinessProbe"]["tcpSocket"]["port"] in (opening["name"], int(port))
+    # each rank: its node's address (the downward API) and that port, defined before it is used
+    (train,) = job_with_agents()["spec"]["template"]["spec"]["containers"]
+    env = [e["name"] for e in train["env"]]
+    by_name = {e["name"]: e for e in train["env"]}
+    assert by_name["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    assert by_name["SMB2_AGENT"]["value"] == f"$(NODE_IP):{port}"
+    assert env.index("NODE_IP") < env.index("SMB2_AGENT")
+    # the Job's doctor runs with SMB2_AGENT set: it checks the agent before the training
+    assert any(ln.strip() == "smb2 doctor --wait 300" for ln in "\n".join(train["args"]).splitlines())
+
+
+def test_kustomize_renders_the_base_alone_and_the_agents_on_opt_in() -> None:
+    """What `kubectl apply -k` applies (kubectl's own kustomize, offline):
+    the base as before; the overlay, the base plus the DaemonSet and the
+    Job as job_with_agents merges it."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (its kustomize renders the overlays)")
+
+    def render(folder: Path) -> dict[str, dict[str, Any]]:
+        out = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=120,
+                             check=True).stdout
+        return {d["kind"]: d for d in yaml.safe_load_all(out) if d}
+
+    base, with_agents = render(KUBE), render(WITH_AGENTS)
+    assert base == {d["kind"]: d for docs in manifests().values() for d in docs}
+    assert with_agents == {**base, "DaemonSet": agent_daemonset(), "Job": job_with_agents()}

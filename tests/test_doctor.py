@@ -1,5 +1,6 @@
 """``smb2 doctor`` against real smb2-server processes: a live one, a dead
-one, one that wants a token; the exit status and the JSON fields."""
+one, one that wants a token; the exit status and the JSON fields; and
+against a real smb2-agent (``--agent``, ``SMB2_AGENT``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from smb2 import auth
 from smb2.protocol import VERSION
 from smb2.testing import ports
 from smb2.testing.hostile import TOKEN
-from smb2.testing.launch import ServerProcess
+from smb2.testing.launch import AgentProcess, ServerProcess
 from smb2.transport.choose import rdma_unavailable_reason
 
 
@@ -223,3 +224,79 @@ async def test_an_etcd_open_to_all_is_a_problem_and_one_with_authentication_is_n
     async with smb2.LocalCluster(servers=1, processes=True, replicated=True) as guarded:
         report = await doctor_module.diagnose(guarded.addresses, transport="tcp")
     assert not any("etcd" in p for p in report.problems), report.problems
+
+
+# ---------------------------------------------------------------------------
+# the host agent (--agent, SMB2_AGENT)
+
+
+def test_a_host_agent_is_checked_with_the_token_and_its_memory_servers(tmp_path: Path) -> None:
+    """SMB2_AGENT, as a worker reads it: the agent answers with the token,
+    says it is an agent, reaches its servers, and they are the job's; a
+    memory server named as the agent, a wrong token and an agent of other
+    servers are each a problem named."""
+    token_file = tmp_path / "token"
+    token_file.write_bytes(TOKEN)
+    token_file.chmod(0o600)
+    socket = tmp_path / "agent" / "agent.sock"
+    with ServerProcess("--capacity", "16MiB", token=TOKEN) as server, \
+            ServerProcess("--capacity", "16MiB", token=TOKEN) as other, \
+            AgentProcess("--servers", server.endpoint, "--capacity", "16MiB", "--shm-socket", str(socket),
+                         token=TOKEN) as agent:
+        env = {"SMB2_SERVERS": server.endpoint, "SMB2_AGENT": agent.endpoint, auth.ENV: TOKEN.decode()}
+        run = doctor("--json", env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        report = json.loads(run.stdout)
+        assert report["problems"] == []
+        said = report["agent"]
+        assert said["address"] == agent.endpoint and said["reachable"] and said["auth"] == auth.MECH
+        # on this host, as a worker reaches it: through the socket it was told (--shm-socket)
+        assert said["transport"] == "shm" and said["why"] == f"same host: segments mapped from {socket}"
+        assert said["agent"]["servers"] == [server.endpoint] and said["agent"]["trouble"] is None
+        assert said["agent"]["server_ids"] == [report["servers"][0]["server_id"]]
+        table = doctor(env=env)
+        assert table.returncode == 0, table.stdout
+        assert (f"agent {agent.endpoint}" in table.stdout
+                and f"host agent for the memory servers {server.endpoint} (connected to 1 of 1)" in table.stdout)
+        # the agent alone (--agent): checked, no server needed
+        alone = doctor("--agent", agent.endpoint, "--auth-token-file", str(token_file),
+                       env={"SMB2_SERVERS": ""})
+        assert alone.returncode == 0 and "no problems found" in alone.stdout, alone.stdout + alone.stderr
+        # a memory server is not an agent
+        wrong = doctor("--agent", server.endpoint, env=env)
+        assert wrong.returncode == 1
+        assert f"PROBLEM: agent {server.endpoint} answers, but is not a host agent" in wrong.stdout, wrong.stdout
+        # the agent refuses a wrong token
+        refused = json.loads(doctor("--json", env={**env, auth.ENV: "not the token"}).stdout)
+        assert any(p.startswith(f"agent {agent.endpoint}: ") and "wrong token" in p for p in refused["problems"])
+        # the job's servers are not the agent's: its pushes would land elsewhere
+        elsewhere = doctor(env={**env, "SMB2_SERVERS": other.endpoint})
+        assert elsewhere.returncode == 1
+        assert (f"PROBLEM: agent {agent.endpoint} forwards to other memory servers than this job's: its "
+                f"{server.endpoint}; this job's {other.endpoint}") in elsewhere.stdout, elsewhere.stdout
+
+
+def test_an_agent_that_cannot_reach_its_servers_is_a_problem_and_waited_for(tmp_path: Path) -> None:
+    """An agent started before its servers answers and says why it waits:
+    a problem at once, and with --wait the doctor waits until the agent
+    reached them (a job's agents and servers start together)."""
+    address = dead_address()
+    port = address.rsplit(":", 1)[1]
+    with AgentProcess("--servers", address, "--capacity", "16MiB") as agent:
+        run = doctor("--agent", agent.endpoint, "--json", env={"SMB2_SERVERS": ""})
+        assert run.returncode == 1, run.stdout + run.stderr
+        (problem,) = json.loads(run.stdout)["problems"]
+        assert problem.startswith(f"agent {agent.endpoint} cannot reach its memory servers {address}: "), problem
+        base = {k: v for k, v in os.environ.items() if k not in (auth.ENV, "SMB2_SERVERS")}
+        waiting = subprocess.Popen([sys.executable, "-m", "smb2.cli", "doctor", "--wait", "120", "--json",
+                                    "--agent", agent.endpoint, address], stdout=subprocess.PIPE, text=True, env=base)
+        try:
+            with ServerProcess("--port", port, "--capacity", "16MiB"):
+                out, _ = waiting.communicate(timeout=150)
+        finally:
+            if waiting.poll() is None:
+                waiting.kill()
+                waiting.wait()
+        report = json.loads(out)
+        assert waiting.returncode == 0 and report["problems"] == [], out
+        assert report["agent"]["agent"]["trouble"] is None

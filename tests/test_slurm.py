@@ -8,13 +8,16 @@ examples/torch_train.py with one torchrun per worker and a token from a
 file, and stops the servers; the tests check the accuracy it reached with
 the script's default settings, that no server is left, that a server that
 could not listen stops the job before the training, and that a worker
-killed mid-run is restarted alone while the others train on.  Where Slurm
-cannot be had (not root, no apt) it skips and says why."""
+killed mid-run is restarted alone while the others train on; with
+SMB2_AGENTS=1, that every rank exchanged through its node's host agent and
+that agents which do not start stop the job before the training.  Where
+Slurm cannot be had (not root, no apt) it skips and says why."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -59,17 +62,41 @@ def slurm_env() -> Iterator[dict[str, str]]:
             subprocess.run([str(CLUSTER), "stop"], timeout=120, check=True)
 
 
-def servers_on(port: int) -> list[str]:
-    """The command lines of smb2-server processes serving ``port``."""
-    found = []
+def command_lines() -> Iterator[list[str]]:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            yield Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if any(a.endswith("smb2-server") for a in argv) and str(port) in argv:
-            found.append(" ".join(argv))
-    return found
+
+
+def servers_on(port: int) -> list[str]:
+    """The command lines of smb2-server processes serving ``port``."""
+    return [" ".join(argv) for argv in command_lines()
+            if any(a.endswith("smb2-server") for a in argv) and str(port) in argv]
+
+
+def agents_on(port: int) -> list[str]:
+    """The command lines of smb2-agent processes listening on ``port`` (the
+    console script, or ``python -m smb2.agent``)."""
+    return [" ".join(argv) for argv in command_lines()
+            if any(a.endswith("smb2-agent") or a == "smb2.agent" for a in argv)
+            and any(a.endswith(f":{port}") for a in argv)]
+
+
+def agent_on_path(tmp_path: Path) -> str:
+    """A PATH entry holding ``smb2-agent``: none where this venv has the
+    console script (pip install -e . makes it, as make and CI do), else a
+    folder with a wrapper that runs this interpreter's ``python -m
+    smb2.agent`` (a venv installed before the agent was declared)."""
+    if shutil.which("smb2-agent", path=str(Path(sys.executable).parent)) is not None:
+        return ""
+    folder = tmp_path / "bin"
+    folder.mkdir(exist_ok=True)
+    wrapper = folder / "smb2-agent"
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m smb2.agent "$@"\n')
+    wrapper.chmod(0o755)
+    return f"{folder}:"
 
 
 def test_host_lists_expand_as_scontrol_expands_them(slurm_env: dict[str, str]) -> None:
@@ -84,7 +111,8 @@ def submit(slurm_env: dict[str, str], tmp_path: Path, *args: str, nodes: int = 1
     """Submit the script on ``nodes`` nodes with a fresh token file and a
     free port (written to tmp_path/port before the job starts: ``meanwhile``,
     a thread started once the job is submitted, reads it), wait for the job;
-    its exit status, its output and the servers' port."""
+    its exit status, its output and the servers' port.  The agents' port,
+    where the job starts agents, is ``settings["SMB2_AGENT_PORT"]``."""
     token = tmp_path / "token"
     token.write_text(os.urandom(16).hex() + "\n")
     token.chmod(0o600)
@@ -92,10 +120,13 @@ def submit(slurm_env: dict[str, str], tmp_path: Path, *args: str, nodes: int = 1
     (tmp_path / "port").write_text(str(port))
     out = tmp_path / "job.out"
     env = {**slurm_env,
-           # the job finds smb2, smb2-server and torchrun of this venv (sbatch passes the environment on)
-           "PATH": f"{Path(sys.executable).parent}:{slurm_env['PATH']}",
+           # the job finds smb2, smb2-server, smb2-agent and torchrun of this venv (sbatch passes the
+           # environment on)
+           "PATH": f"{Path(sys.executable).parent}:{agent_on_path(tmp_path)}{slurm_env['PATH']}",
            "SMB2_TOKEN_FILE": str(token), "SMB2_PORT": str(port), "SMB2_CAPACITY": "64MiB", **settings}
-    for name in ("SMB2_SERVERS", "SMB2_AUTH_TOKEN", "SMB2_BIND", "SMB2_WORKERS_PER_NODE", "SMB2_MAX_RESTARTS"):
+    for name in ("SMB2_SERVERS", "SMB2_AUTH_TOKEN", "SMB2_BIND", "SMB2_WORKERS_PER_NODE", "SMB2_MAX_RESTARTS",
+                 "SMB2_AGENT", "SMB2_AGENTS", "SMB2_AGENT_PORT", "SMB2_AGENT_BIND", "SMB2_AGENT_CAPACITY",
+                 "SMB2_AGENT_ARGS"):
         if name not in settings:
             env.pop(name, None)     # the script's defaults, unless the test sets them
     job = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", f"--output={out}", f"--chdir={ROOT}", "--time=10",
@@ -181,6 +212,53 @@ def test_a_server_that_cannot_listen_stops_the_job_before_the_training(slurm_env
     assert "smb2: the memory servers are not all up" in log, log
     assert "smb2: training exit" not in log, log
     assert servers_on(port) == []
+
+
+def test_sbatch_with_host_agents_trains_through_them_to_target(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """SMB2_AGENTS=1: an agent per node, each checked on its node by the
+    doctor, every rank's exchange through its node's agent (rule diloco),
+    the same bar as without; the agents stop before the servers.  The two
+    nodes share this host's loopback, so each agent listens on its node's
+    own address (SMB2_AGENT_BIND=node)."""
+    need_torchrun()
+    nodes = node_names(slurm_env)
+    agent_port = free_port()
+    code, log, port = submit(slurm_env, tmp_path, "examples/torch_train.py", "--epochs", "3", "--name",
+                             "slurm-agents", "--rule", "diloco", nodes=len(nodes), SMB2_WAIT="60", SMB2_AGENTS="1",
+                             SMB2_AGENT_PORT=str(agent_port), SMB2_AGENT_BIND="node", SMB2_AGENT_CAPACITY="64MiB")
+    assert code == 0, log
+    # an agent listened on each node, and the doctor there found it up, with our token, reaching the servers
+    ready = [ln for ln in log.splitlines() if ln.startswith("smb2-agent listening on ")]
+    assert len(ready) == len(nodes) and all(ln.endswith(f":{agent_port}") for ln in ready), log
+    servers = ",".join(f"{n}:{port}" for n in nodes).replace(",", ", ")
+    assert log.count(f"host agent for the memory servers {servers} (connected to {len(nodes)} of {len(nodes)})") \
+        == len(nodes), log
+    assert "smb2: host agents up on every node" in log, log
+    reports = [json.loads(line) for line in log.splitlines() if line.startswith('{"rank"')]
+    assert sorted(r["rank"] for r in reports) == list(range(len(nodes))), log
+    for r in reports:
+        assert r["world"] == len(nodes) and r["steps"] > 0 and r["rule"] == "diloco", log
+        assert r["via"] == "agent", log
+        assert r["accuracy"] >= TARGET_ACCURACY, log
+    # the agents stopped (SIGTERM, exit 0) before the servers, and neither is left
+    assert "smb2: training exit 0" in log, log
+    stopped = log.index("smb2: host agents stopped (exit 0)")
+    assert stopped < log.index("smb2: servers stopped (exit 0)"), log
+    assert agents_on(agent_port) == [] and servers_on(port) == []
+
+
+def test_host_agents_that_do_not_start_stop_the_job_before_the_training(slurm_env: dict[str, str],
+                                                                       tmp_path: Path) -> None:
+    """No training without the agents asked for: their own message, then the
+    job's, and neither agents nor servers are left."""
+    agent_port = free_port()
+    code, log, port = submit(slurm_env, tmp_path, SMB2_AGENTS="1", SMB2_AGENT_PORT=str(agent_port),
+                             SMB2_AGENT_CAPACITY="lots", SMB2_WAIT="30")
+    assert code != 0, log
+    assert "smb2-agent: not a size: 'lots'" in log, log
+    assert "smb2: the host agents stopped before the training started" in log, log
+    assert "smb2: training exit" not in log, log
+    assert agents_on(agent_port) == [] and servers_on(port) == []
 
 
 def workers_of_rank(rank: int) -> list[int]:

@@ -10,6 +10,12 @@ pass).  It is the place that says why RDMA is not used, where a job would
 fall back quietly.  It reads its servers as every command does
 (:func:`smb2.serverlist.from_args`), and refuses a list that names one
 server process twice (two names reaching one process).
+
+With ``--agent HOST:PORT`` (default: ``SMB2_AGENT``, as a worker reads
+it) it checks the host agent too: it answers with the token, it is an
+agent (its server's stat carries what ``smb2-agent`` says of itself, under
+``"agent"``), it reaches its memory servers by its own word, and they are
+the servers this doctor was given, in the same order.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 from . import auth, rdma_device, serverlist
 from .errors import Smb2Error, TransportError
 from .membership import answers_without_credentials
+from .mirror import AGENT_ENV, DEFAULT_AGENT_PORT, agent_address
 from .protocol import VERSION, parse_address, parse_size
 from .transport.choose import rdma_unavailable_reason, why_tcp
 from .transport.shm import ShmTransport
@@ -65,6 +72,8 @@ class ServerReport:
     rdma_connections: int | None = None
     rdma_refused: int | None = None
     rdma_staging_lent: int | None = None
+    # what a host agent says of itself (its stat's "agent"; None: not an agent)
+    agent: dict[str, Any] | None = None
 
 
 @dataclass
@@ -74,6 +83,8 @@ class Report:
     memlock: dict[str, Any] = field(default_factory=dict)
     token: str = "none"
     servers: list[ServerReport] = field(default_factory=list)
+    # the host agent checked (--agent, SMB2_AGENT), if any
+    agent: ServerReport | None = None
     problems: list[str] = field(default_factory=list)
 
 
@@ -199,7 +210,62 @@ async def check_server(address: str, token: bytes | None, rdma_reason: str | Non
     rep.rdma_connections = stat.get("rdma_connections")
     rep.rdma_refused = stat.get("rdma_refused")
     rep.rdma_staging_lent = stat.get("rdma_staging_lent")
+    rep.agent = stat.get("agent") if isinstance(stat.get("agent"), dict) else None
     return rep
+
+
+async def check_agent(address: str, token: bytes | None, rdma_reason: str | None,
+                      timeout: float, wait: float = 0.0, kind: str = "auto") -> ServerReport:
+    """The host agent at ``address``, as :func:`check_server` checks a
+    server; with ``wait``, also until it says it reaches its memory servers
+    (an agent started beside its servers connects to them in the background)."""
+    deadline = time.monotonic() + wait
+    while True:
+        rep = await check_server(address, token, rdma_reason, timeout, max(0.0, deadline - time.monotonic()), kind)
+        if (not rep.reachable or rep.error or rep.agent is None or rep.agent.get("trouble") is None
+                or time.monotonic() >= deadline):
+            return rep
+        await asyncio.sleep(min(WAIT_RETRY, max(0.0, deadline - time.monotonic())))
+
+
+def connection_problems(rep: ServerReport, transport: str, what: str) -> list[str]:
+    """What is wrong with a server (or the agent) that answered, as seen from here."""
+    problems = []
+    if transport == "rdma" and rep.transport == "tcp":
+        problems.append(f"{what}: --transport rdma, but it would get TCP: {rep.why}")
+    if transport == "shm" and rep.transport != "shm":
+        problems.append(f"{what}: --transport shm, but {rep.why}")
+    if rep.clock_offset_s is not None and abs(rep.clock_offset_s) > CLOCK_TOLERANCE:
+        problems.append(f"{what}: its clock is {rep.clock_offset_s:+.3f} s off this "
+                        "machine's (run NTP/chrony on both)")
+    if rep.protocol_version != VERSION:
+        problems.append(f"{what}: speaks protocol {rep.protocol_version}, this smb2 {VERSION}")
+    return problems
+
+
+def agent_problems(agent: ServerReport, servers: list[ServerReport], transport: str) -> list[str]:
+    """What is wrong with the host agent: not reachable, not an agent, not
+    reaching its memory servers, or forwarding to other servers than this
+    job's (compared by the server ids both reached, so that two names of one
+    server agree)."""
+    what = f"agent {agent.address}"
+    if not agent.reachable or agent.error:
+        return [f"{what}: {agent.error} (start smb2-agent there, or unset {AGENT_ENV} to reach the memory "
+                "servers directly)"]
+    if agent.agent is None:
+        return [f"{what} answers, but is not a host agent (an smb2-server?): {AGENT_ENV} names where smb2-agent "
+                f"listens (its --listen, default 127.0.0.1:{DEFAULT_AGENT_PORT})"]
+    problems = connection_problems(agent, transport, what)
+    theirs = [str(s) for s in agent.agent.get("servers") or []]
+    if agent.agent.get("trouble") is not None:
+        problems.append(f"{what} cannot reach its memory servers {', '.join(theirs)}: {agent.agent['trouble']}")
+    their_ids = agent.agent.get("server_ids") or []
+    ours = [s.server_id for s in servers]
+    if servers and all(ours) and their_ids and all(their_ids) and their_ids != ours:
+        problems.append(f"{what} forwards to other memory servers than this job's: its {', '.join(theirs)}; "
+                        f"this job's {', '.join(s.address for s in servers)} (give the agent the job's --servers, "
+                        "in the same order)")
+    return problems
 
 
 def limits_line(s: ServerReport) -> str:
@@ -266,15 +332,20 @@ async def transport_taken(transport: TcpTransport, kind: str, rdma_reason: str |
 
 async def diagnose(servers: list[str], *, transport: str = "auto", token: bytes | None = None,
                    token_source: str = "none", capacity: int | None = None,
-                   timeout: float = 5.0, wait: float = 0.0) -> Report:
+                   timeout: float = 5.0, wait: float = 0.0, agent: str | None = None) -> Report:
     """Everything ``smb2 doctor`` checks, as a Report (``problems`` empty: all well).
-    ``wait``: seconds to keep trying servers not reachable yet."""
+    ``wait``: seconds to keep trying servers (and the agent) not reachable
+    yet; ``agent``: the host agent's ``host:port`` to check as well."""
     report = Report(token=token_source)
     report.versions = {"smb2": _version("smb2"), "protocol": str(VERSION), "python": platform.python_version(),
                        **{p: _version(p) for p in ("numpy", "uvloop", "msgpack", "torch")}}
     rdma_reason = check_rdma(report, want_rdma=transport == "rdma")
-    report.servers = list(await asyncio.gather(
-        *(check_server(s, token, rdma_reason, timeout, wait, transport) for s in servers)))
+    checks = [check_server(s, token, rdma_reason, timeout, wait, transport) for s in servers]
+    if agent is not None:
+        checks.append(check_agent(agent, token, rdma_reason, timeout, wait, transport))
+    reports = list(await asyncio.gather(*checks))
+    report.servers = reports[:len(servers)]
+    report.agent = reports[len(servers)] if agent is not None else None
     twice = serverlist.listed_twice((r.address, r.server_id) for r in report.servers if r.reachable)
     if twice is not None:
         report.problems.append(twice.message)
@@ -282,20 +353,14 @@ async def diagnose(servers: list[str], *, transport: str = "auto", token: bytes 
         if not rep.reachable or rep.error:
             report.problems.append(f"{rep.address}: {rep.error}")
             continue
-        if transport == "rdma" and rep.transport == "tcp":
-            report.problems.append(f"{rep.address}: --transport rdma, but it would get TCP: {rep.why}")
-        if transport == "shm" and rep.transport != "shm":
-            report.problems.append(f"{rep.address}: --transport shm, but {rep.why}")
-        if rep.clock_offset_s is not None and abs(rep.clock_offset_s) > CLOCK_TOLERANCE:
-            report.problems.append(f"{rep.address}: its clock is {rep.clock_offset_s:+.3f} s off this "
-                                   "machine's (run NTP/chrony on both)")
-        if rep.protocol_version != VERSION:
-            report.problems.append(f"{rep.address}: speaks protocol {rep.protocol_version}, this smb2 {VERSION}")
+        report.problems += connection_problems(rep, transport, rep.address)
         if rep.rdma_refused:
             report.problems.append(
                 f"{rep.address}: refused RDMA to {rep.rdma_refused} clients at its maximum of "
                 f"{rep.limits.get('max_rdma_connections')} RDMA connections; they run over TCP, several times "
                 "slower: raise --max-rdma-connections on that server where its memory allows")
+    if report.agent is not None:
+        report.problems += agent_problems(report.agent, report.servers, transport)
     await check_etcd(report, timeout)
     if capacity is None:
         # a server on this machine registers its capacity; a client what it
@@ -327,16 +392,41 @@ def as_table(report: Report) -> str:
         if not s.reachable or s.error:
             rows.append((s.address, f"UNREACHABLE: {s.error}"))
             continue
-        clock = f"{s.clock_offset_s:+.3f} s" if s.clock_offset_s is not None else "unknown"
-        rows.append((s.address, f"{s.transport}" + (f" ({s.why})" if s.why else "")
-                     + f"; clock {clock}; smb2 {s.version}, protocol {s.protocol_version}; "
-                       f"{s.used}/{s.capacity} bytes used; auth {s.auth or 'none'}"))
+        rows.append((s.address, connection_line(s)))
         rows.append(("", limits_line(s)))
+    if (a := report.agent) is not None:
+        label = f"agent {a.address}"
+        if not a.reachable or a.error:
+            rows.append((label, f"UNREACHABLE: {a.error}"))
+        else:
+            rows.append((label, connection_line(a)))
+            rows.append(("", agent_line(a)))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines += [f"PROBLEM: {p}" for p in report.problems] or [
-        "no problems found on this machine; no server was checked" if not report.servers else "no problems found"]
+        "no problems found on this machine; no server was checked" if not report.servers and report.agent is None
+        else "no problems found"]
     return "\n".join(lines)
+
+
+def connection_line(s: ServerReport) -> str:
+    clock = f"{s.clock_offset_s:+.3f} s" if s.clock_offset_s is not None else "unknown"
+    return (f"{s.transport}" + (f" ({s.why})" if s.why else "")
+            + f"; clock {clock}; smb2 {s.version}, protocol {s.protocol_version}; "
+              f"{s.used}/{s.capacity} bytes used; auth {s.auth or 'none'}")
+
+
+def agent_line(a: ServerReport) -> str:
+    """What the agent says of itself: its memory servers, whether it reaches them, its mirrors."""
+    said = a.agent
+    if said is None:
+        return "not a host agent"
+    servers = [str(s) for s in said.get("servers") or []]
+    connected = sum(1 for sid in said.get("server_ids") or [] if sid)
+    mirrors = ", ".join(f"{n} {state}" for state, n in sorted((said.get("mirrors") or {}).items())) or "none"
+    reach = (f"connected to {connected} of {len(servers)}" if said.get("trouble") is None
+             else f"cannot reach them: {said['trouble']}")
+    return f"host agent for the memory servers {', '.join(servers)} ({reach}); mirrors: {mirrors}"
 
 
 def main(argv: list[str]) -> int:
@@ -344,6 +434,10 @@ def main(argv: list[str]) -> int:
                                 "before a job; exit 1 on a problem it can name")
     serverlist.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--agent", metavar="HOST:PORT", default=agent_address(),
+                   help=f"the host agent (smb2-agent) to check as well: it answers with the token, is an agent, "
+                        f"and reaches its memory servers, the ones given here (default: ${AGENT_ENV}, as a "
+                        "worker reads it; unset: no agent)")
     p.add_argument("--transport", choices=("auto", "tcp", "rdma", "shm"),
                    default=os.environ.get("SMB2_TRANSPORT", "").strip() or "auto",
                    help="what the job will ask for: with rdma (or shm), a server it cannot be had with is a "
@@ -369,12 +463,12 @@ def main(argv: list[str]) -> int:
         print(f"smb2 doctor: {exc}", file=sys.stderr)
         return 2
     report = asyncio.run(diagnose(servers, transport=args.transport, token=token, token_source=source,
-                                  capacity=capacity, timeout=args.timeout, wait=args.wait))
+                                  capacity=capacity, timeout=args.timeout, wait=args.wait, agent=args.agent))
     if args.json:
         print(json.dumps(asdict(report), indent=2, sort_keys=True))
     else:
         print(as_table(report))
-    if not servers:
+    if not servers and args.agent is None:
         print("smb2 doctor: no server to check: checked this machine only\n"
               "HINT: give the servers (HOST:PORT ..., --servers, --from-slurm, --from-statefulset) or set "
               "SMB2_SERVERS", file=sys.stderr)

@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-token-file", metavar="FILE",
                    help=f"the cluster's secret, which the workers prove to the agent and the agent to the "
                         f"servers (default: ${auth.ENV} if set, else no authentication)")
+    p.add_argument("--shm-socket", metavar="PATH",
+                   help="the Unix socket the host's workers map the mirrors through (default: "
+                        "$XDG_RUNTIME_DIR/smb2/PORT-PID.sock, else under /tmp, per user; its directory must "
+                        "belong to this user, mode 0700).  A worker in another container reaches it only where "
+                        "that directory is mounted at the same path; one that cannot reaches the agent over TCP")
     p.add_argument("--transport", choices=KINDS, default=None,
                    help="how the agent reaches the memory servers (default: $SMB2_TRANSPORT, else auto)")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (default uvloop)")
@@ -100,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             raise InvalidArgumentError(f"--period must be a positive number of seconds, not {args.period}")
         token = auth.token_from_file(args.auth_token_file) if args.auth_token_file else auth.token_from_env()
         agent = Agent(servers, host=host, port=port, capacity=args.capacity, token=token, period=args.period,
-                      transport=args.transport)
+                      transport=args.transport,
+                      server_options={"shm_socket": args.shm_socket} if args.shm_socket else None)
     except InvalidArgumentError as exc:
         print(f"smb2-agent: {exc}", file=sys.stderr)
         return 2

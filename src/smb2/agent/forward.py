@@ -171,6 +171,8 @@ class Mirror:
         self._stopping = asyncio.Event()
         self._trouble_since: float | None = None
         self._logged_at = 0.0
+        #: why the memory servers fail this mirror now (None: they answer)
+        self.trouble: str | None = None
 
     def __repr__(self) -> str:
         return f"<agent mirror {self.spec if self.spec is not None else self.name!r} {self.state}>"
@@ -421,6 +423,7 @@ class Mirror:
 
     def _trouble(self, exc: BaseException, doing: str) -> None:
         now = time.monotonic()
+        self.trouble = f"{doing}: {type(exc).__name__}: {getattr(exc, 'message', exc)}"
         if self._trouble_since is None:
             self._trouble_since = now
         if now - self._logged_at >= LOG_EVERY:
@@ -429,6 +432,7 @@ class Mirror:
                         self._what(), doing, type(exc).__name__, getattr(exc, "message", exc))
 
     def _recovered(self) -> None:
+        self.trouble = None
         if self._trouble_since is not None:
             log.warning("mirror %s: the memory servers answer again, after %.1f s", self._what(),
                         time.monotonic() - self._trouble_since)

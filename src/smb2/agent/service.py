@@ -21,6 +21,7 @@ does not stop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 from ..client import Client, connect
 from ..errors import InterfaceError, Smb2Error, TransportError
 from ..mirror import PREFIX
-from ..server import MemoryServer, start_server
+from ..server import MemoryServer
 from .forward import DEFAULT_PERIOD, LOG_EVERY, MAX_BACKOFF, Mirror
 
 log = logging.getLogger("smb2.agent")
@@ -95,8 +96,12 @@ class Agent:
         """Start the server, connect to it and to the memory servers (the
         first attempt now: a refused token is raised; servers that do not
         answer are retried in the background), and look for mirrors."""
-        self.server = await start_server(self.host, self.port, capacity=self.capacity, token=self.token,
-                                         **self.server_options)
+        server = MemoryServer(capacity=self.capacity, token=self.token, **self.server_options)
+        # said from the first connection on: a doctor that reaches the agent
+        # while it still connects learns it is one, and why it waits
+        server.stat_extra["agent"] = self.describe
+        await server.start(self.host, self.port)
+        self.server = server
         try:
             host, port = self.server.address
             near = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
@@ -138,6 +143,22 @@ class Agent:
                 await client.close()
         if self.server is not None:
             await self.server.close(save=False)
+
+    def describe(self) -> dict[str, Any]:
+        """What the agent's server says of it in its stat (``"agent"``):
+        that it is a host agent, its memory servers in their order, the
+        server id each of its connections reached (None: not connected now),
+        why it cannot reach them (None: it can; a mirror's trouble counts),
+        and its mirrors by state.  ``smb2 doctor`` checks it."""
+        links = self._remote.links if self._remote is not None else ()
+        ids = [t.server_info.get("server_id") if (t := link.open) is not None else None for link in links]
+        mirrors = [m for m, _ in self.mirrors.values()]
+        # a failed or stopped mirror's last trouble is history, not the servers' state now
+        trouble = self._trouble or next((m.trouble for m in mirrors if m.trouble is not None
+                                         and m.state in ("waiting", "starting", "ready")), None)
+        return {"servers": list(self._servers), "server_ids": ids or [None] * len(self._servers),
+                "trouble": trouble, "period": self.period,
+                "mirrors": dict(collections.Counter(m.state for m in mirrors))}
 
     # -- the memory servers ----------------------------------------------------------
     async def _connect_once(self) -> None:

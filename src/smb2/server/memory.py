@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .. import _core, auth
@@ -127,6 +128,10 @@ class MemoryServer:
         self.restored_clean = False
         self.connections: set[Connection] = set()
         self.started = time.time()
+        # what a process that runs this server in its own loop says of itself
+        # in stat, by key: the host agent (smb2.agent) says it is one, and
+        # whether it reaches its memory servers, which smb2 doctor checks
+        self.stat_extra: dict[str, Callable[[], Any]] = {}
         # data operations this server's CPU executed, per transport: per op
         # how many, how long each took, their bytes (metrics.RequestCounts)
         self.requests: dict[str, RequestCounts] = collections.defaultdict(RequestCounts)
@@ -580,6 +585,7 @@ class MemoryServer:
             "threads": {"threads": self.threads, "part": self.thread_part,
                         "accumulates_cut": self.accumulates_cut, "parts": self.accumulate_parts},
             **({"replication": self.replication.stat()} if self.replication is not None else {}),
+            **{key: describe() for key, describe in self.stat_extra.items()},
         }
 
 
