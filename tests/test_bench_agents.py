@@ -40,10 +40,11 @@ LEARNED = 0.3
 #: It cannot be held to fewer: per exchange a worker pushes its pseudo-gradient to the weights (2
 #: bytes a parameter, bfloat16) and into the pending buffer B (2, always to the servers), pulls the
 #: weights (4) and, once per W exchanges, makes the momentum step (14: 8 read, 6 written); the agent
-#: forwards what was pushed in the mirror's type, float32 (4), and pulls (4) once per cycle in which
-#: a worker pushed or asked, so with no two exchanges of a host in one cycle (5 ms apart, an
-#: exchange every 8 steps: it happens) the agents cost 2 + 2/W bytes a parameter more per exchange
-#: than 8 + 14/W (1.23 times at W = 8), and with all of a host's 4 in one about 0.6 times.  What is
+#: forwards what was pushed in the rule's wire type, bfloat16 (2), plus what that rounding left on
+#: the host once more with the next forward, and pulls (4) once per cycle in which a worker asked,
+#: so with no two exchanges of a host in one cycle (5 ms apart, an exchange every 8 steps: it
+#: happens) the agents cost about what direct pushes cost, and with all of a host's 4 in one about
+#: 0.6 times.  What is
 #: certain is the bound: the agent never forwards more often than its workers push nor pulls more
 #: often than they read (plus the slack of each mirror's first pull and the headers)
 DILOCO_BOUND = 1.3

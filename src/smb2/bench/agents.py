@@ -33,9 +33,8 @@ them by the steps all workers took.  "x fewer" is the direct configuration's byt
 agents': with K workers per host it is at most K for a rule whose whole exchange is the weights
 (delta: a push and a pull of the float32 weights each step), reached where the host's workers ask
 during one another's transfers (a link-bound job); at most about 1.7 for diloco at K = 4 and W = 8, whose
-pushes into ``B`` (half its pushed bytes) still go from each worker, and whose pushes to the weights
-travel as bfloat16 directly but are forwarded as float32 by the agent (it forwards what was pushed,
-in the mirror's type).  "to tgt" is rank 0's time to the target accuracy on its own model (tta's
+pushes into ``B`` (half its pushed bytes) still go from each worker (the agent forwards the weights'
+pushes in the rule's wire type, bfloat16, as a direct push).  "to tgt" is rank 0's time to the target accuracy on its own model (tta's
 clock: evaluation left out); "final" the delivered model's accuracy (the shared weights, read after
 every worker finished) on a test set drawn apart; "via" what each worker's ``stats()["via"]`` said
 ("agent" for every worker of the agents' configuration, or one lost its agent), and how it reached
