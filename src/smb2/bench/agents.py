@@ -30,16 +30,16 @@ every worker host's link at the start of its training (after the start barrier, 
 after its mirror is ready) and at its end; a link's bytes for one system and configuration are its
 counter at the last worker's end less its counter at the first worker's start, and "per step" divides
 them by the steps all workers took.  "x fewer" is the direct configuration's bytes per step over the
-agents': with K workers per host it is at most K for a rule whose whole exchange is the weights
-(delta: a push and a pull of the float32 weights each step), reached where the host's workers ask
-during one another's transfers (a link-bound job); at most about 1.7 for diloco at K = 4 and W = 8, whose
-pushes into ``B`` (half its pushed bytes) still go from each worker (the agent forwards the weights'
-pushes in the rule's wire type, bfloat16, as a direct push).  "to tgt" is rank 0's time to the target accuracy on its own model (tta's
-clock: evaluation left out); "final" the delivered model's accuracy (the shared weights, read after
-every worker finished) on a test set drawn apart; "via" what each worker's ``stats()["via"]`` said
-("agent" for every worker of the agents' configuration, or one lost its agent), and how it reached
-the agent (``shm``, else ``tcp``).  The JSON has every worker's figures, the machine and the 64-byte
-loopback round trip measured before each configuration.
+agents': with K workers per host it is at most K for a rule whose whole exchange is the weights (delta:
+a push and a pull of the float32 weights each step), reached where the host's workers ask during one
+another's transfers (a link-bound job); at most about 1.7 for diloco at K = 4 and W = 8, whose pushes
+into ``B`` (half its pushed bytes) still go from each worker (the agent forwards the weights' pushes in
+the rule's wire type, bfloat16, as a direct push). "to tgt" is rank 0's time to the target accuracy on
+its own model (tta's clock: evaluation left out); "final" the delivered model's accuracy (the shared
+weights, read after every worker finished) on a test set drawn apart; "via" what each worker's
+``stats()["via"]`` said ("agent" for every worker of the agents' configuration, or one lost its agent),
+and how it reached the agent (``shm``, else ``tcp``). The JSON has every worker's figures, the machine
+and the 64-byte loopback round trip measured before each configuration.
 
     smb2 bench agents [--quick] [--servers 2] [--hosts 2] [--workers-per-host 4] [--rate 200mbit]
         [--systems diloco,delta/stable] [--budget 120] [--stop budget|target] [--json out.json]
