@@ -25,6 +25,7 @@ from smb2.mirror import AgentMirror
 from smb2.testing.cluster import LocalCluster
 from smb2.testing.launch import AsyncAgentProcess
 from smb2.testing.waits import until
+from smb2.train import ParameterStore
 
 TOKEN = os.urandom(16).hex().encode()
 STRIPE = 8192
@@ -224,6 +225,34 @@ async def test_a_narrow_wire_keeps_what_rounding_left_on_the_host() -> None:
         assert not np.array_equal(got, np.full(16 << 10, exact, np.float32)), "the servers got rounded pushes"
         assert np.abs(got - exact).max() <= 2.0 ** -4        # one bfloat16 rounding at 10 (8 bits)
         await w.close()
+
+
+async def test_a_finished_rank_has_its_pushes_on_the_servers() -> None:
+    """finish() returns once the agent forwarded the rank's pushes: whoever
+    sees the rank finished (rank 0 taking the final weights) has them.  The
+    agent cycles only every 0.5 s here, so a finish that did not wait would
+    leave the last push on the host."""
+    params = {"w": np.zeros(1024, np.float32)}
+    async with LocalCluster(2, processes=True, capacity="64MiB") as cluster:
+        agent = await AsyncAgentProcess.spawn_agent(cluster.addresses, "--period", "0.5")
+        try:
+            client = await cluster.connect()
+            on_host = await smb2.connect([agent.endpoint])
+            store = await ParameterStore.open(client, "t-agent-finish", params, rule="delta", workers=1, rank=0)
+            await store.join()
+            assert await store.use_agent(on_host)
+            ones = {"w": np.ones(1024, np.float32)}
+            for _ in range(3):
+                assert await store.push(ones)
+            await store.finish()
+            got = np.empty(1024, np.float32)
+            await store.buf.read_into(got, store.data_off)
+            assert np.array_equal(got, np.full(1024, 3.0, np.float32))
+            assert store.weights.via == "agent"
+            await on_host.close()
+            await client.close()
+        finally:
+            await agent.stop()
 
 
 async def _only_direct(client: smb2.Client) -> bool:

@@ -14,20 +14,19 @@ import subprocess
 import tempfile
 from typing import Any
 
-import numpy as np
 import pytest
 
 import smb2
-from smb2.testing.cluster import LocalCluster
-from smb2.testing.launch import AgentProcess, AsyncAgentProcess
-from smb2.testing.torch_models import EXAMPLE, single_process_accuracy, torchrun_beside_single
+from smb2.testing.launch import AgentProcess
 from smb2.testing.waits import until
 from smb2.testing.workers import json_objects, torchrun
 from smb2.train import ParameterStore
 
+# (the soft-RoCE VM's python has no torch: nothing that imports it before these)
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
 pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
 
+from smb2.testing.torch_models import EXAMPLE, single_process_accuracy, torchrun_beside_single  # noqa: E402
 from smb2.torch.loop_thread import LoopThread  # noqa: E402
 
 #: accuracy points the 4 workers may end below one process on the same samples
@@ -88,34 +87,6 @@ def test_a_killed_agent_leaves_the_workers_training_on_the_servers(servers: str)
     assert stderr.count("directly (restart smb2-agent") == 4, stderr[-3000:]
     assert stderr.count("may not have reached the memory servers") == 4, stderr[-3000:]
     assert ranks[0]["accuracy"] >= single - GAP_POINTS, (ranks[0], single)
-
-
-async def test_a_finished_rank_has_its_pushes_on_the_servers() -> None:
-    """finish() returns once the agent forwarded the rank's pushes: whoever
-    sees the rank finished (rank 0 taking the final weights) has them.  The
-    agent cycles only every 0.5 s here, so a finish that did not wait would
-    leave the last push on the host."""
-    params = {"w": np.zeros(1024, np.float32)}
-    async with LocalCluster(2, processes=True, capacity="64MiB") as cluster:
-        agent = await AsyncAgentProcess.spawn_agent(cluster.addresses, "--period", "0.5")
-        try:
-            client = await cluster.connect()
-            on_host = await smb2.connect([agent.endpoint])
-            store = await ParameterStore.open(client, "t-agent-finish", params, rule="delta", workers=1, rank=0)
-            await store.join()
-            assert await store.use_agent(on_host)
-            ones = {"w": np.ones(1024, np.float32)}
-            for _ in range(3):
-                assert await store.push(ones)
-            await store.finish()
-            got = np.empty(1024, np.float32)
-            await store.buf.read_into(got, store.data_off)
-            assert np.array_equal(got, np.full(1024, 3.0, np.float32))
-            assert store.weights.via == "agent"
-            await on_host.close()
-            await client.close()
-        finally:
-            await agent.stop()
 
 
 async def _until_rounds(servers: str, name: str, pushes: int) -> None:
