@@ -1,14 +1,13 @@
 """The quick mode of ``smb2 bench agents``: a 2-host netns job (2 worker hosts of 4 workers, 2
 server hosts, every link shaped) trained without host agents and with one ``smb2-agent`` per worker
-host, rules diloco and delta.  Its bookkeeping, never its speed: this suite runs on busy machines.
+host, rule delta.  Its bookkeeping, never its speed: this suite runs on busy machines.
 
 Checked: every system trained in both configurations (every worker took steps, nothing collapsed,
 the delivered model is clearly above chance) and, with agents, reaches the accuracy it reaches
 without them, within :data:`ACCURACY_BAR`; every worker of the agents' configuration exchanged
 through its agent (``stats()["via"] == "agent"``, reached over shm: the agent and its workers share
 the host's namespace) and every other one through the servers; the servers' links carried fewer
-bytes per step with agents for rule delta, and no more than :data:`DILOCO_BOUND` times as many for
-diloco (the reason for each is beside it); every figure is there and finite, with the machine and
+bytes per step with agents (the reason is beside it); every figure is there and finite, with the machine and
 the 64-byte round trip.  Skipped, with the reason, where namespaces cannot be built or torch is
 missing."""
 
@@ -36,18 +35,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ACCURACY_BAR = 0.10
 #: three times chance (ten classes): the delivered model learned
 LEARNED = 0.3
-#: diloco's servers' link bytes per step with agents are at most this many times those without.
-#: It cannot be held to fewer: per exchange a worker pushes its pseudo-gradient to the weights (2
-#: bytes a parameter, bfloat16) and into the pending buffer B (2, always to the servers), pulls the
-#: weights (4) and, once per W exchanges, makes the momentum step (14: 8 read, 6 written); the agent
-#: forwards what was pushed in the rule's wire type, bfloat16 (2), plus what that rounding left on
-#: the host once more with the next forward, and pulls (4) once per cycle in which a worker asked,
-#: so with no two exchanges of a host in one cycle (5 ms apart, an exchange every 8 steps: it
-#: happens) the agents cost about what direct pushes cost, and with all of a host's 4 in one about
-#: 0.6 times.  What is
-#: certain is the bound: the agent never forwards more often than its workers push nor pulls more
-#: often than they read (plus the slack of each mirror's first pull and the headers)
-DILOCO_BOUND = 1.3
+#: the systems the quick run trains here: rule delta, whose whole exchange goes through the agent
+#: (diloco through an agent is trained by tests/test_agent_training.py; one system keeps the suite's
+#: time: both took 88 s of a quiet make test)
+SYSTEMS = (tta.ASYNC_PORT,)
 
 
 def finite(x: Any) -> bool:
@@ -61,7 +52,8 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if not ok:
         pytest.skip(f"no network namespaces here: {why}")
     out = tmp_path_factory.mktemp("agents") / "agents.json"
-    run = subprocess.run([sys.executable, "-m", "smb2.bench", "agents", "--quick", "--json", str(out)],
+    run = subprocess.run([sys.executable, "-m", "smb2.bench", "agents", "--quick", "--systems", ",".join(SYSTEMS),
+                          "--json", str(out)],
                          capture_output=True, text=True, timeout=570)
     assert run.returncode == 0, f"bench agents --quick failed (exit {run.returncode}):\n{run.stdout[-2000:]}\n" \
                                 f"{run.stderr[-4000:]}"
@@ -77,7 +69,7 @@ def test_every_configuration_trained(result: dict[str, Any]) -> None:
     cfg = result["config"]
     assert cfg["quick"] is True and (cfg["servers"], cfg["hosts"], cfg["workers_per_host"]) == (2, 2, 4)
     rows = rows_of(result)
-    assert set(rows) == {(s, c) for s in bench_agents.SYSTEMS for c in bench_agents.CONFIGS}
+    assert set(rows) == {(s, c) for s in SYSTEMS for c in bench_agents.CONFIGS}
     for (system, config), r in rows.items():
         assert r["workers"] == 8 and len(r["steps_per_worker"]) == 8, (system, config)
         assert min(r["steps_per_worker"]) > 0 and r["steps"] == sum(r["steps_per_worker"]), (system, config)
@@ -85,20 +77,20 @@ def test_every_configuration_trained(result: dict[str, Any]) -> None:
         assert r["final"] > LEARNED, (system, config, r["final"])
         # every link of the run is shaped, the worker hosts' as the servers'
         assert r["worker_link_rates"] == [netns_cluster.parse_rate(cfg["rate"])] * 8, (system, config)
-    for system in bench_agents.SYSTEMS:
+    for system in SYSTEMS:
         direct, agents = rows[system, "direct"]["final"], rows[system, "agents"]["final"]
         assert agents >= direct - ACCURACY_BAR, f"{system}: {agents:.3f} with agents, {direct:.3f} without"
 
 
 def test_the_workers_exchanged_through_their_host_s_agent(result: dict[str, Any]) -> None:
     rows = rows_of(result)
-    for system in bench_agents.SYSTEMS:
+    for system in SYSTEMS:
         assert rows[system, "direct"]["via"] == ["servers"] * 8, system
         assert rows[system, "direct"]["agent_transport"] == [None] * 8, system
         assert rows[system, "agents"]["via"] == ["agent"] * 8, system
         # the agent serves its host's workers over shm: it is on their host, in their namespace
         assert rows[system, "agents"]["agent_transport"] == [["shm"]] * 8, system
-    assert {s["system"]: s["via"] for s in result["summary"]} == {s: ["agent"] for s in bench_agents.SYSTEMS}
+    assert {s["system"]: s["via"] for s in result["summary"]} == {s: ["agent"] for s in SYSTEMS}
 
 
 def test_the_servers_links_carry_fewer_bytes_with_agents(result: dict[str, Any]) -> None:
@@ -113,8 +105,6 @@ def test_the_servers_links_carry_fewer_bytes_with_agents(result: dict[str, Any])
     # apart, hundreds of steps of 4 workers each)
     delta = summary[tta.ASYNC_PORT]["server_bytes_per_step"]
     assert delta["agents"] < delta["direct"], delta
-    diloco = summary["diloco"]["server_bytes_per_step"]
-    assert diloco["agents"] <= DILOCO_BOUND * diloco["direct"], diloco
 
 
 def test_every_figure_is_there(result: dict[str, Any]) -> None:
