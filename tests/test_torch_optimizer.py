@@ -778,7 +778,7 @@ def test_a_collapse_of_the_shared_model_is_reported(servers: str, caplog: pytest
     with caplog.at_level("WARNING", logger="smb2.train"):
         # (lr 0.2, twice the healthy run's: at 0.1 a run can also end half dead, near chance with a
         # few units alive, which the dead-units count reports: test_a_half_dead_model_is_reported)
-        out = _digits_in_lockstep(servers, "t-collapse", average=False, lr=0.2, until_collapsed=True)
+        out = _until_it_collapses_finite(servers, caplog)
     assert max(acc for _, _, acc in out.values()) < 20, out       # it did collapse
     strict, stats0, _ = out[0]
     assert isinstance(strict, TrainingDiverged) and "collapsed" in str(strict), strict
@@ -791,6 +791,24 @@ def test_a_collapse_of_the_shared_model_is_reported(servers: str, caplog: pytest
     warned = [r.getMessage() for r in caplog.records if "collapsed:" in r.getMessage()]
     assert warned and all("step" in w and "restart from a checkpoint" in w for w in warned), warned
     assert len(warned) <= len(out)                                # once per rank
+
+
+def _until_it_collapses_finite(servers: str, caplog: pytest.LogCaptureFixture,
+                               tries: int = 3) -> dict[int, tuple[Any, dict[str, Any], float]]:
+    """The collapsing job, run again (a fresh store) where it overflowed
+    before every rank had reported the collapse: how the threads' pushes
+    interleave decides which comes first (a make test saw a rank's update
+    go non-finite at step 34, against collapses reported at steps 49-92),
+    and an overflow is the guard's other report, tested on its own, not
+    this test's."""
+    for attempt in range(tries):
+        caplog.clear()
+        try:
+            return _digits_in_lockstep(servers, f"t-collapse-{attempt}", average=False, lr=0.2, until_collapsed=True)
+        except AssertionError as exc:
+            if not (isinstance(exc.__cause__, TrainingDiverged) and "non-finite" in str(exc.__cause__)):
+                raise
+    pytest.fail(f"the job overflowed before it collapsed in each of {tries} runs")
 
 
 def test_a_healthy_run_reports_no_collapse(servers: str, caplog: pytest.LogCaptureFixture) -> None:
