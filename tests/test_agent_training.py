@@ -19,14 +19,19 @@ import pytest
 import smb2
 from smb2.testing.launch import AgentProcess
 from smb2.testing.waits import until
-from smb2.testing.workers import json_objects, torchrun
+from smb2.testing.workers import json_objects, torchrun, torchrun_failure
 from smb2.train import ParameterStore
 
 # (the soft-RoCE VM's python has no torch: nothing that imports it before these)
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
 pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
 
-from smb2.testing.torch_models import EXAMPLE, single_process_accuracy, torchrun_beside_single  # noqa: E402
+from smb2.testing.torch_models import (  # noqa: E402
+    EXAMPLE,
+    async_optimizer,
+    single_process_accuracy,
+    torchrun_beside_single,
+)
 from smb2.torch.loop_thread import LoopThread  # noqa: E402
 
 #: accuracy points the 4 workers may end below one process on the same samples
@@ -80,13 +85,25 @@ def test_a_killed_agent_leaves_the_workers_training_on_the_servers(servers: str)
             agent.stop()
         err.seek(0)
         stderr = err.read()
-    assert run.returncode == 0, stderr[-3000:]
+    assert run.returncode == 0, torchrun_failure(stderr)
     ranks = json_objects(stdout)
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     assert {r["via"] for r in ranks} == {"servers (agent lost)"}, ranks
     assert stderr.count("directly (restart smb2-agent") == 4, stderr[-3000:]
     assert stderr.count("may not have reached the memory servers") == 4, stderr[-3000:]
     assert ranks[0]["accuracy"] >= single - GAP_POINTS, (ranks[0], single)
+
+
+def test_a_rule_the_agent_does_not_serve_leaves_the_agent_alone(servers: str, caplog: pytest.LogCaptureFixture) -> None:
+    """rule allreduce (the default) sums gradients, not weights: an agent
+    named for it is said at WARNING and never dialed (here nothing listens
+    at its address, so a dial would fail the open)."""
+    model = torch.nn.Linear(4, 2)
+    with caplog.at_level("WARNING", logger="smb2"), \
+            async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-agent-unserved",
+                            agent="127.0.0.1:1") as opt:
+        assert opt.stats()["via"] == "servers"
+    assert "rule 'allreduce' exchanges through the servers directly" in caplog.text, caplog.text
 
 
 async def _until_rounds(servers: str, name: str, pushes: int) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 import smb2
 from smb2.errors import InterfaceError, InvalidArgumentError, NotifyTimeout
-from smb2.testing.workers import json_objects, torchrun
+from smb2.testing.workers import json_objects, torchrun, torchrun_failure
 from smb2.train import ParameterStore, rules
 from smb2.train.rules import AllReduce
 
@@ -287,7 +287,7 @@ def test_a_torchrun_restart_goes_on_from_rank_0s_last_save(servers: str, tmp_pat
     out = subprocess.run(torchrun(str(script), name, str(steps), str(die_after), str(CLIP), str(every),
                                   nproc=workers, max_restarts=1, monitor_interval=0.2),
                          env=env, capture_output=True, text=True, timeout=220)
-    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.returncode == 0, torchrun_failure(out.stderr)
     events = json_objects(out.stdout)
     opened = sorted((e["attempt"], e["rank"], e["run"], e["start_step"]) for e in events if e["event"] == "open")
     assert [o[:2] for o in opened] == [(0, 0), (0, 1), (1, 0), (1, 1)], opened

@@ -12,6 +12,7 @@ from .. import auth, serverlist
 from ..errors import InvalidArgumentError, Smb2Error
 from ..mirror import AGENT_ENV, DEFAULT_AGENT_PORT, DTYPES
 from ..protocol import parse_size
+from ..server.cli import run_service
 from ..transport import KINDS
 from ..version import __version__
 from .forward import DEFAULT_PERIOD
@@ -113,16 +114,4 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"smb2-agent: cannot read the token file: {exc}", file=sys.stderr)
         return 2
-    try:
-        if args.loop == "uvloop":
-            import uvloop
-            uvloop.run(_serve(agent))
-        else:
-            asyncio.run(_serve(agent))
-    except Smb2Error as exc:
-        print(f"smb2-agent: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"smb2-agent: cannot listen on {args.listen}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service(_serve(agent), loop=args.loop, command="smb2-agent", listen=args.listen, fails=(Smb2Error,))

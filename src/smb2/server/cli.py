@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Coroutine
 from typing import Any
 
 from .. import auth
@@ -108,17 +109,27 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"smb2-server: cannot read the token file: {exc}", file=sys.stderr)
         return 2
+    return run_service(_serve(args, options), loop=args.loop, command="smb2-server",
+                       listen=f"{args.host}:{args.port}", fails=(PersistenceError, TransportError))
+
+
+def run_service(service: Coroutine[Any, Any, None], *, loop: str, command: str, listen: str,
+                fails: tuple[type[Exception], ...]) -> int:
+    """Run a serving command's coroutine until it stops, on the event loop
+    its ``--loop`` names ("uvloop" or "asyncio"): its exit code, 0, or 1
+    with the reason on stderr where it failed with one of ``fails`` or
+    could not listen on ``listen`` (smb2-server's and smb2-agent's)."""
     try:
-        if args.loop == "uvloop":
+        if loop == "uvloop":
             import uvloop
-            uvloop.run(_serve(args, options))
+            uvloop.run(service)
         else:
-            asyncio.run(_serve(args, options))
-    except (PersistenceError, TransportError) as exc:
-        print(f"smb2-server: {exc}", file=sys.stderr)
+            asyncio.run(service)
+    except fails as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"smb2-server: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        print(f"{command}: cannot listen on {listen}: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -152,7 +152,7 @@ def torchrun_beside_single(servers: str, *args: str, kind: str = "sgd", epochs: 
     trains the single-process reference on the same samples: every rank's
     JSON line, and the reference's accuracy.  A failed run fails with the
     end of its stderr."""
-    from smb2.testing.workers import json_objects, torchrun
+    from smb2.testing.workers import json_objects, torchrun, torchrun_failure
 
     env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
     run = subprocess.Popen(torchrun(str(EXAMPLE), "--optimizer", kind, "--epochs", str(epochs), *args, nproc=nproc),
@@ -164,7 +164,7 @@ def torchrun_beside_single(servers: str, *args: str, kind: str = "sgd", epochs: 
         if run.poll() is None:
             run.kill()
             run.communicate()
-    assert run.returncode == 0, stderr[-3000:]
+    assert run.returncode == 0, torchrun_failure(stderr)
     return json_objects(stdout), single
 
 
@@ -177,12 +177,12 @@ def example_against_ddp(servers: str, kind: str, epochs: int, *args: str,
     stderr.  A failed run fails with the end of its stderr."""
     import statistics
 
-    from smb2.testing.workers import json_objects, torchrun
+    from smb2.testing.workers import json_objects, torchrun, torchrun_failure
 
     env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
     out = subprocess.run(torchrun(str(EXAMPLE), "--optimizer", kind, "--epochs", str(epochs), *args, nproc=nproc),
                          env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, torchrun_failure(out.stderr)
     ranks = json_objects(out.stdout)
     ddp = statistics.median(single_process_accuracy(kind, epochs, seed, world=nproc) for seed in range(3))
     alone = single_process_accuracy(kind, epochs, shard=slice(0, None, nproc))

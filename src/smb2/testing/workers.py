@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import struct
 import sys
@@ -37,6 +38,25 @@ def torchrun(script: str, *args: str, nproc: int = 1, max_restarts: int | None =
     if monitor_interval is not None:
         cmd.append(f"--monitor-interval={monitor_interval:g}")
     return [*cmd, script, *args]
+
+
+# torchrun's own log lines ("W1129 11:14:26.852000 25984 .../api.py:1028] ...")
+_TORCHRUN_LOG = re.compile(r"^[DIWE]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ ")
+# where torchrun's closing report starts: its own traceback, run through runpy
+_TORCHRUN_REPORT = 'Traceback (most recent call last):\n  File "<frozen runpy>"'
+
+
+def torchrun_failure(stderr: str, limit: int = 4000) -> str:
+    """Why a torchrun job failed, for an assertion message: its workers'
+    stderr (their tracebacks) without torchrun's own log lines, then the
+    lines of torchrun's report that name the first failed rank.  The plain
+    end of stderr is torchrun's report alone, which hides the cause."""
+    lines = [line for line in stderr.splitlines() if not _TORCHRUN_LOG.match(line)]
+    text = "\n".join(lines)
+    at = text.find(_TORCHRUN_REPORT)
+    workers, report = (text, "") if at < 0 else (text[:at], text[at:])
+    cause = report[report.find("Root Cause"):] if "Root Cause" in report else report[-600:]
+    return f"{workers[-limit:]}\n[torchrun] {cause.strip()}"
 
 
 def json_objects(text: str) -> list[dict[str, Any]]:

@@ -469,7 +469,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         await store.join(timeout)
         if not opened_the_run:
             await self.frozen.adopt(self._client, name, store.generation, timeout)
-        if self._agent_address is not None:
+        # (the rule first: no connection to an agent that would not be used)
+        if self._agent_address is not None and store.agent_serves_rule():
             self._agent_client = await connect([self._agent_address])
             await store.use_agent(self._agent_client, timeout=timeout)
         return store

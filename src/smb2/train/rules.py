@@ -107,6 +107,9 @@ class UpdateRule(abc.ABC):
     """Base of the rules; ``bind`` attaches a rule to one store."""
 
     name = "?"
+    #: the rule stages what it sends (-lr * g, a round's change) in a
+    #: model-sized array of its own, made once at :meth:`bind`
+    uses_stage = True
     #: gradients go to the shared buffer each push (layer dropping applies)
     gradient_rule = True
     #: each push is one step on stale weights: scaled by its lag (smb2.train.stability)
@@ -149,7 +152,7 @@ class UpdateRule(abc.ABC):
         # -lr * g of every tensor, laid out like the data region (padding
         # stays zero): allocated once, since a step of a big model would
         # otherwise pay for a fresh model-sized temporary (and its page faults)
-        self._stage = np.zeros_like(store.flat())
+        self._stage = np.zeros_like(store.flat()) if self.uses_stage else np.zeros(0, store.flat().dtype)
 
     def _delta(self, name: str, g: np.ndarray, lr: float | None = None) -> np.ndarray:
         """``-lr * g`` in the stage (a view shaped like the tensor); ``lr``
@@ -821,6 +824,7 @@ class AllReduce(UpdateRule):
     running run is refused."""
 
     name = "allreduce"
+    uses_stage = False          # its sums are sent from the gradients themselves
     gradient_rule = False       # the optimizer's own gradients, whole (no layer dropping)
     lag_scaled = False          # every round is complete: nothing arrives late
     # a restarted worker's rounds would count from 0 while the others' go on:

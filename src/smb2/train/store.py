@@ -618,6 +618,16 @@ class ParameterStore:
         return store
 
     # -- data -------------------------------------------------------------------
+    def agent_serves_rule(self) -> bool:
+        """Whether a host agent serves this store's rule (:meth:`use_agent`);
+        where it does not, that is said at WARNING: the store exchanges
+        through the servers directly."""
+        if self.rule.name in AGENT_RULES:
+            return True
+        log.warning("rank %d of store %r: the host agent serves rules %s; rule %r exchanges through the "
+                    "servers directly", self.rank, self.name, ", ".join(AGENT_RULES), self.rule.name)
+        return False
+
     async def use_agent(self, agent: Client, *, timeout: float = 30.0) -> bool:
         """Read and accumulate the shared weights through the host agent
         that ``agent`` is connected to (``smb2-agent``, :mod:`smb2.agent`):
@@ -638,9 +648,7 @@ class ParameterStore:
         after :meth:`join`, when the run's first weights are on the servers:
         it returns once the mirror holds what the servers hold now.  The
         agent's loss later is survived (:class:`AgentWeights`)."""
-        if self.rule.name not in AGENT_RULES:
-            log.warning("rank %d of store %r: the host agent serves rules %s; rule %r exchanges through the "
-                        "servers directly", self.rank, self.name, ", ".join(AGENT_RULES), self.rule.name)
+        if not self.agent_serves_rule():
             return False
         # the agent forwards as the rule pushes (diloco: bfloat16 by default), what
         # that rounding leaves out staying on the host for the next forward

@@ -87,8 +87,6 @@ class AgentWeights:
         self.servers = servers
         self.store = store
         self.rank = rank
-        #: the loss of the agent, once it happened
-        self.lost: AgentLost | None = None
 
     @property
     def via(self) -> str:
@@ -135,6 +133,6 @@ class AgentWeights:
             self._lose(exc)         # (not sent again: see the class's doc)
 
     def _lose(self, exc: AgentLost) -> None:
-        self.lost, self.mirror = exc, None
+        self.mirror = None
         log.warning("rank %d of store %r: %s; it goes on, pushing to and pulling from the memory servers "
                     "directly (restart smb2-agent for the next run)", self.rank, self.store, exc.message)
