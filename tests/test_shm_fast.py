@@ -246,10 +246,16 @@ async def test_a_polling_loop_over_the_fast_path_lets_other_tasks_run(two_server
             ticks += 1
             await asyncio.sleep(0)
     task = asyncio.ensure_future(ticker())
-    loop = asyncio.get_running_loop()
-    until = loop.time() + 0.05
-    while loop.time() < until:     # never suspends by itself
+    # the loop stops on the ticks it waits for, never on the clock: a busy
+    # machine that takes this process off the CPU only makes the yields (one
+    # per 0.5 ms of the monotonic clock) come sooner in operations.  A million
+    # operations take far more than the 5 ms that 10 yields need, so a loop
+    # that never yields ends there, with the ticker not run
+    ops = 0
+    while ticks < 10 and ops < 1_000_000:     # never suspends by itself
         await buf.fetch_add(0, 1)
+        ops += 1
     task.cancel()
-    assert ticks > 5
+    assert ticks >= 10, f"the ticker ran {ticks} times in {ops} operations over the fast path"
+    assert np.frombuffer(await buf.read(0, 8), np.uint64)[0] == ops
     await client.close()
