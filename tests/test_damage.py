@@ -24,6 +24,8 @@ import pytest
 import smb2
 from smb2 import _core, cli
 from smb2.parts import damaged
+from smb2.testing.proxy import FaultProxy
+from smb2.testing.waits import until
 from smb2.train.store import PREAMBLE, ParameterStore
 
 MiB = 1 << 20
@@ -328,6 +330,32 @@ async def test_clients_creating_one_buffer_at_once_agree(cluster: smb2.LocalClus
         # a reader too early finds no buffer, never a damaged one
         assert all(isinstance(e, smb2.NoSuchBuffer) for e in got if not isinstance(e, smb2.Buffer))
         assert (await clients[0].stat())[0]["buffers"][name]["sealed"]
+
+
+@pytest.mark.parametrize("late", [1, 0], ids=["part 1 seen late", "part 0 seen late"])
+async def test_a_reader_that_looked_while_the_buffer_was_made_finds_it_not_damaged(late: int) -> None:
+    """attach asks every server at once, and they answer at different
+    moments.  The reader's ask of server ``late`` waits in a proxy until a
+    creator made the buffer (part 0, part 1, part 0 sealed), the other server
+    having answered before: it saw no part 0 and then part 1, or no part 1
+    and then part 0 sealed.  That is a buffer made meanwhile, not one that
+    lost a part: a loaded machine's training job once failed so on a side
+    buffer its ranks made and attached at once."""
+    async with smb2.LocalCluster(servers=2, processes=True, capacity="16MiB") as cluster:
+        with FaultProxy(cluster.addresses[0]) as to0, FaultProxy(cluster.addresses[1]) as to1:
+            held, early = (to1, to0) if late == 1 else (to0, to1)
+            reader = await smb2.connect([to0.address, to1.address], timeout=10, transport="tcp")
+            creator = await cluster.connect(timeout=5)
+            answered = early.bytes_down
+            held.hold()
+            looking = asyncio.ensure_future(reader.attach("made-meanwhile"))
+            await until(lambda: held.held > 0 and early.bytes_down > answered, "one answer in, the other ask held")
+            made = await creator.create("made-meanwhile", 5000, stripe=64)
+            held.release()
+            got = await asyncio.wait_for(looking, 30)       # (a hang guard)
+            assert got.buffer_id == made.buffer_id and got.nbytes == 5000
+            await reader.close()
+            await creator.close()
 
 
 async def test_async_optimizer_refuses_a_damaged_store() -> None:

@@ -389,6 +389,19 @@ class Client:
             raise next(r for r in results if isinstance(r, NoSuchBuffer))
         if errors:
             raise _first_error(errors)
+        if found and len(found) < len(infos):
+            # the servers answered at different moments, and a creation (part
+            # 0, then the others, then part 0 sealed) may have gone on in
+            # between: part 0's server said it had none before a part was
+            # made elsewhere, or a part's server said so before part 0 was
+            # sealed.  What was seen implies those parts exist now: asked
+            # again, a missing part is there unless it is lost (or the buffer
+            # is being destroyed)
+            missing = [k for k, i in enumerate(infos) if i is None]
+            for k, info in zip(missing, await asyncio.gather(*(self._look_up_again(name, k, deadline)
+                                                               for k in missing))):
+                infos[k] = info
+            found = [i for i in infos if i is not None]
         if found:
             identity, lost = parts.judge(infos)
             if lost:
@@ -400,6 +413,14 @@ class Client:
         if len(found) < len(infos):
             raise next(r for r in results if isinstance(r, NoSuchBuffer))
         return Buffer(self, name, found)
+
+    async def _look_up_again(self, name: str, part: int, deadline: float | None) -> dict[str, Any] | None:
+        """Part ``part`` of ``name`` as its server describes it now (None: it has none)."""
+        try:
+            return await _control(self._links[part], {"cmd": "lookup", "name": name}, deadline, idempotent=True,
+                                  stamp=True)
+        except NoSuchBuffer:
+            return None
 
     def _replicated_cluster(self) -> bool:
         """Whether the servers keep a membership view (said at hello)."""

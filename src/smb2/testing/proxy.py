@@ -6,6 +6,7 @@ at an exact byte count, i.e. in the middle of a request or of a reply.
     proxy = FaultProxy(server_address).start()
     client = await smb2.connect([proxy.address])
     proxy.cut_after(up=1 << 20)        # abort once 1 MiB more went client -> server
+    proxy.hold(); ...; proxy.release() # the server sees what was sent meanwhile late
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class _Pair:
                         arm.up = left - len(data)
                     else:
                         arm.down = left - len(data)
+                if up and not proxy._flowing.is_set():
+                    proxy.held += len(data)
+                    await proxy._flowing.wait()
+                    proxy.held -= len(data)
                 proxy._count(up, len(data))
                 writer.write(data)
                 await writer.drain()
@@ -87,6 +92,10 @@ class FaultProxy:
         self.bytes_up = 0
         self.bytes_down = 0
         self._arm = _Arm()
+        #: client->server bytes waiting in the proxy while it holds them (:meth:`hold`)
+        self.held = 0
+        self._flowing = asyncio.Event()
+        self._flowing.set()
         self._pairs: set[_Pair] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
@@ -107,6 +116,16 @@ class FaultProxy:
         def arm() -> None:
             self._arm = _Arm(up, down)
         self._loop.call_soon_threadsafe(arm)
+
+    def hold(self) -> None:
+        """Hold what clients send (it waits in the proxy, in order) until
+        :meth:`release`: the server sees those requests late, when the test
+        says; :attr:`held` counts the bytes waiting."""
+        self._call(self._flow(False))
+
+    def release(self) -> None:
+        """Forward what was held, and whatever comes next."""
+        self._call(self._flow(True))
 
     def cut_all(self) -> None:
         """Abort every connection now."""
@@ -138,6 +157,12 @@ class FaultProxy:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
 
     # -- the proxy's loop ----------------------------------------------------
+    async def _flow(self, on: bool) -> None:
+        if on:
+            self._flowing.set()
+        else:
+            self._flowing.clear()
+
     def _count(self, up: bool, n: int) -> None:
         if up:
             self.bytes_up += n
