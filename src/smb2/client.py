@@ -366,10 +366,8 @@ class Client:
         self.ensure_open()
         _check_name(name)
         deadline = self.deadline(timeout)
-        results = await asyncio.gather(
-            *(_control(link, {"cmd": "lookup", "name": name}, deadline, idempotent=True, stamp=True)
-              for link in self._links),
-            return_exceptions=True)
+        results = await asyncio.gather(*(self._look_up(name, k, deadline) for k in range(len(self._links))),
+                                       return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, NoSuchBuffer)]
         infos = [r if isinstance(r, dict) else None for r in results]
         found = [i for i in infos if i is not None]
@@ -398,9 +396,11 @@ class Client:
             # again, a missing part is there unless it is lost (or the buffer
             # is being destroyed)
             missing = [k for k, i in enumerate(infos) if i is None]
-            for k, info in zip(missing, await asyncio.gather(*(self._look_up_again(name, k, deadline)
-                                                               for k in missing))):
-                infos[k] = info
+            again = await asyncio.gather(*(self._look_up(name, k, deadline) for k in missing), return_exceptions=True)
+            if errors := [r for r in again if isinstance(r, BaseException) and not isinstance(r, NoSuchBuffer)]:
+                raise _first_error(errors)
+            for k, info in zip(missing, again):
+                infos[k] = info if isinstance(info, dict) else None
             found = [i for i in infos if i is not None]
         if found:
             identity, lost = parts.judge(infos)
@@ -414,13 +414,11 @@ class Client:
             raise next(r for r in results if isinstance(r, NoSuchBuffer))
         return Buffer(self, name, found)
 
-    async def _look_up_again(self, name: str, part: int, deadline: float | None) -> dict[str, Any] | None:
-        """Part ``part`` of ``name`` as its server describes it now (None: it has none)."""
-        try:
-            return await _control(self._links[part], {"cmd": "lookup", "name": name}, deadline, idempotent=True,
-                                  stamp=True)
-        except NoSuchBuffer:
-            return None
+    async def _look_up(self, name: str, part: int, deadline: float | None) -> dict[str, Any]:
+        """Part ``part`` of ``name`` as its server describes it now
+        (:class:`NoSuchBuffer` where it has none)."""
+        return await _control(self._links[part], {"cmd": "lookup", "name": name}, deadline, idempotent=True,
+                              stamp=True)
 
     def _replicated_cluster(self) -> bool:
         """Whether the servers keep a membership view (said at hello)."""
