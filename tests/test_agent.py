@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ import pytest
 
 import smb2
 from smb2 import AgentLost, AgentTimeout, NoSuchBuffer, OutOfBounds, OutOfMemory, Unsupported
-from smb2.mirror import AgentMirror
+from smb2.mirror import OLD_MAGIC, SLOTS, AgentMirror, Spec, buffer_size
 from smb2.testing.cluster import LocalCluster
 from smb2.testing.launch import AsyncAgentProcess
 from smb2.testing.waits import until
@@ -112,6 +112,76 @@ async def test_host_pushes_reach_the_servers_exactly_once() -> None:
         assert np.array_equal(got, (expected + last).astype(np.float32))
         for w in workers:
             await w.close()
+
+
+async def test_the_agent_gathers_its_host_workers_pushes_and_asks_into_one() -> None:
+    """A mirror of three host workers (host_workers=3): the agent forwards
+    once each of them pushed and pulls once each asked.  Two pushes stay on
+    the host while the agent cycles on (the servers hold neither, and the
+    workers' confirmation counter does not move), the third sends all three
+    in one forward; three reads are served by one pull, the first two
+    waiting for the third ask.  The time bound (--gather) is an hour here:
+    only the count decides.  Then a push of one worker alone goes once the
+    bound passes (a second agent, --gather 0.05)."""
+    n = 8192                                    # float32: over stripes of both servers
+    async with LocalCluster(2, processes=True, capacity="64MiB", token=TOKEN) as cluster:
+        direct = await cluster.connect()
+        remote = await direct.create("weights", 64 << 10, stripe=STRIPE)
+        got = np.empty(n, np.float32)
+        async with agent_of(cluster, "--gather", "3600") as agent:
+            workers = [await smb2.connect([agent.endpoint], token=TOKEN) for _ in range(3)]
+            mirrors = [await AgentMirror.open(w, remote, 0, n * 4, np.float32, timeout=30, host_workers=3)
+                       for w in workers]
+
+            async def said() -> dict[str, Any]:
+                (stat,) = await workers[0].stat()
+                return dict(stat["agent"])
+
+            start = await said()
+            for k in range(2):
+                await mirrors[k].accumulate(0, np.full(n, k + 1, np.float32))
+            await until(lambda: _cycled(said, start["cycles"] + 5), "the agent cycles with two pushes held")
+            cycle = await mirrors[0].wait_cycle(0)
+            await until(lambda: _cycled(said, start["cycles"] + 10), "the agent cycles with two pushes held")
+            await remote.read_into(got, 0)
+            assert not got.any(), "the first two pushes waited for the third"
+            assert (await said())["forwards"] == start["forwards"]
+            assert await mirrors[0].wait_cycle(0) == cycle, "no cycle that held a push back raised the counter"
+            await mirrors[2].accumulate(0, np.full(n, 3, np.float32))
+            for m in mirrors:
+                await m.wait_forwarded(timeout=60)
+            await remote.read_into(got, 0)
+            assert np.array_equal(got, np.full(n, 6, np.float32))
+            assert (await said())["forwards"] == start["forwards"] + 1, "three pushes, one forward"
+
+            # reads: the first two wait for the third ask, then one pull serves all three
+            pulls = (await said())["pulls"]
+            await remote.accumulate(0, np.full(n, 10, np.float32))
+            first = [asyncio.ensure_future(m.read()) for m in mirrors[:2]]
+            cycles = (await said())["cycles"]
+            await until(lambda: _cycled(said, cycles + 5), "the agent cycles with two asks held")
+            assert not any(f.done() for f in first), "a read was served before the host's third ask"
+            views = await asyncio.gather(*first, mirrors[2].read())
+            for view in views:
+                assert np.array_equal(view, np.full(n, 16, np.float32))
+            assert (await said())["pulls"] == pulls + 1, "three reads, one pull"
+            for w in workers:
+                await w.close()
+
+        # the bound: one worker of three pushes, and the push goes all the same
+        async with agent_of(cluster, "--gather", "0.05") as agent:
+            alone = await smb2.connect([agent.endpoint], token=TOKEN)
+            mirror = await AgentMirror.open(alone, remote, 0, n * 4, np.float32, timeout=30, host_workers=3)
+            await mirror.accumulate(0, np.full(n, 1, np.float32))
+            await mirror.wait_forwarded(timeout=60)
+            await remote.read_into(got, 0)
+            assert np.array_equal(got, np.full(n, 17, np.float32))
+            assert np.array_equal(await mirror.read(), got)
+            await alone.close()
+
+
+async def _cycled(said: Callable[[], Awaitable[dict[str, Any]]], at_least: int) -> bool:
+    return int((await said())["cycles"]) >= at_least
 
 
 async def test_a_killed_agent_is_reported_and_nothing_counts_twice() -> None:
@@ -279,6 +349,15 @@ async def test_bad_mirrors_are_refused_in_the_workers_terms_and_the_agent_goes_o
         with pytest.raises(OutOfMemory, match="(?s)no room for a mirror of 'weights'.*--capacity"):
             await AgentMirror.open(w, remote, 0, 3 << 20, "float32", timeout=30)
 
+        # a mirror an older smb2 made (its header says no host workers) is refused, not misread
+        old = Spec("weights", 0, 4096, "float32")
+        made = await w.create(old.name, buffer_size(4096), stripe=buffer_size(4096))
+        await made.write(8 * (1 + SLOTS), old.encode())
+        await made.write(0, np.array([OLD_MAGIC], np.uint64))
+        with pytest.raises(Unsupported, match="(?s)made by an older smb2.*same smb2 version"):
+            await AgentMirror.open(w, remote, 0, 4096, "float32", timeout=30)
+        await w.destroy(old.name)
+
         # a plain memory server takes the mirror buffer and never readies it
         plain = await cluster.connect()
         with pytest.raises(AgentTimeout, match="(?s)did not make the mirror of 'weights'.*start smb2-agent"):
@@ -313,6 +392,6 @@ def test_help_explains_the_agent() -> None:
     done = subprocess.run([sys.executable, "-m", "smb2.agent", "--help"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
-    for word in ("--listen", "--servers", "--capacity", "--period", "--auth-token-file", "SMB2_AGENT",
+    for word in ("--listen", "--servers", "--capacity", "--period", "--gather", "--auth-token-file", "SMB2_AGENT",
                  "SMB2_AUTH_TOKEN", "exactly once"):
         assert word in done.stdout, word

@@ -228,6 +228,21 @@ async def test_rank_world_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_rank(4, 4)
 
 
+def test_host_workers_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    # how many pushes a host agent gathers into one: the recipe's count, else torchrun's, else 1
+    for k in ("SMB2_HOST_WORKERS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert lc.host_workers() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert lc.host_workers() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")        # one torchrun per worker (the Slurm recipe) ...
+    monkeypatch.setenv("SMB2_HOST_WORKERS", "4")       # ... which says the node's count
+    assert lc.host_workers() == 4
+    monkeypatch.setenv("SMB2_HOST_WORKERS", "0")
+    with pytest.raises(smb2.InvalidArgumentError, match="SMB2_HOST_WORKERS='0' is not a positive integer"):
+        lc.host_workers()
+
+
 Ranks = dict[int, tuple[int, int, float, int]]
 
 

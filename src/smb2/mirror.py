@@ -32,7 +32,8 @@ bytes                 what
 40-47 (slot 4)        the pulls served: the agent raises it to the count of
                       slot 3 it read before a pull, once that pull is in
 48-383                the remote region as the creator wrote it: offset,
-                      nbytes, dtype (16 bytes), then the remote name
+                      nbytes, dtype (16 bytes), the host's workers
+                      (below), then the remote name
 384-1023              the agent's word on it: an error code (ErrorCode),
                       then a message (why it failed, or what a starting
                       mirror waits for)
@@ -44,6 +45,19 @@ base_at(nbytes) ...   the agent's copy of the remote region as of its last
 
 The five words are a notification area, so a worker waits for them on a
 futex over shm (:meth:`smb2.client.Buffer.wait_notify`).
+
+The host's workers
+------------------
+The creator also writes how many of the host's workers use the mirror
+(``host_workers``: torchrun's ``LOCAL_WORLD_SIZE`` for the training
+store).  The agent gathers that many pushes before it forwards, and that
+many asks before it pulls, waiting at most its ``--gather`` seconds after
+the first: a host's workers that exchange at about the same time then cost
+the servers one push and one pull together, not one each.  Nothing else
+changes: a read still waits for a pull that began after its ask (so it
+holds everything the servers held when it asked, as a direct read does);
+what the gathering adds is that wait, and the time a push stays on the
+host before it goes, both at most ``--gather``.
 
 What a worker reads
 -------------------
@@ -97,6 +111,7 @@ from .errors import (
     OutOfMemory,
     StaleHandle,
     TransportError,
+    Unsupported,
     server_error,
 )
 
@@ -108,7 +123,11 @@ DEFAULT_AGENT_PORT: Final = 7430
 DTYPES: Final = ("float32", "float64")
 #: every mirror buffer's name starts so (the agent looks for these)
 PREFIX: Final = "mirror/"
-MAGIC: Final = int.from_bytes(b"smb2mir2", "little")
+MAGIC: Final = int.from_bytes(b"smb2mir3", "little")
+#: the magic word of a mirror made by an older smb2 (no host_workers in its header)
+OLD_MAGIC: Final = int.from_bytes(b"smb2mir2", "little")
+#: the most host workers a header can say
+MAX_HOST_WORKERS: Final = 0xFFFF
 HEADER: Final = 1024
 #: the header's notification slots, from STATE on: the mirror's state and the
 #: forward cycle counter (the agent's), the pushes and the pulls the workers
@@ -120,8 +139,9 @@ STATE_SLOT, CYCLE_SLOT, PUSHED_SLOT, WANTED_SLOT, SERVED_SLOT = range(SLOTS)
 #: a failed mirror raises its served counter to this, so that a worker waiting for a pull wakes
 SERVED_ALL: Final = 1 << 62
 STARTING, READY, FAILED = 0, 1, 2
-_SPEC_AT = STATE + 8 * SLOTS    # offset u64, nbytes u64, dtype 16 bytes, name (u16 length + bytes)
-_SPEC = struct.Struct("<QQ16sH")
+# offset u64, nbytes u64, dtype 16 bytes, host workers u16, name (u16 length + bytes)
+_SPEC_AT = STATE + 8 * SLOTS
+_SPEC = struct.Struct("<QQ16sHH")
 _SPEC_END = 384
 _NAME_MAX = _SPEC_END - _SPEC_AT - _SPEC.size
 WORD_AT: Final = 384          # the agent's: code u64, message (u16 length + bytes)
@@ -154,15 +174,19 @@ def mirror_name(remote: str, offset: int, nbytes: int, dtype: str) -> str:
 class Spec:
     """The remote region a mirror keeps, as its creator wrote it in the header."""
 
-    __slots__ = ("remote", "offset", "nbytes", "dtype", "wire")
+    __slots__ = ("remote", "offset", "nbytes", "dtype", "wire", "host_workers")
 
-    def __init__(self, remote: str, offset: int, nbytes: int, dtype: str, wire: str | None = None) -> None:
+    def __init__(self, remote: str, offset: int, nbytes: int, dtype: str, wire: str | None = None,
+                 host_workers: int = 1) -> None:
         self.remote = remote
         self.offset = offset
         self.nbytes = nbytes
         self.dtype = dtype
         #: what the agent forwards as: None (``dtype``, exact) or a narrower float type
         self.wire = wire
+        #: the pushes (and the asks for a pull) the agent gathers before it forwards (pulls); not part
+        #: of the mirror's identity: host-mates that say otherwise share the creator's
+        self.host_workers = host_workers
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Spec) and self.key() == other.key()
@@ -193,19 +217,26 @@ class Spec:
         if len(name) > _NAME_MAX or len(dtype) > 16:
             raise InvalidArgumentError(f"a mirror of buffer {self.remote!r} as {self.dtype!r}: the name is at most "
                                        f"{_NAME_MAX} bytes and the dtype 16")
-        packed = _SPEC.pack(self.offset, self.nbytes, dtype, len(name)) + name
+        packed = _SPEC.pack(self.offset, self.nbytes, dtype, self.host_workers, len(name)) + name
         return packed.ljust(_SPEC_END - _SPEC_AT, b"\0")
 
     @classmethod
     def decode(cls, header: bytes | np.ndarray) -> Spec | None:
-        """The spec in a header, None while its magic is not written yet."""
+        """The spec in a header, None while its magic is not written yet
+        (:class:`~smb2.errors.Unsupported` where an older smb2 made it)."""
         raw = bytes(header[:_SPEC_END])
-        if int.from_bytes(raw[:8], "little") != MAGIC:
+        magic = int.from_bytes(raw[:8], "little")
+        if magic == OLD_MAGIC:
+            raise Unsupported("the mirror was made by an older smb2, whose header says no host workers",
+                              hint="run the same smb2 version on the agent and its workers, and remove the old "
+                                   "mirror (smb2 rm on the agent) or restart the agent")
+        if magic != MAGIC:
             return None
-        offset, nbytes, dtype, length = _SPEC.unpack_from(raw, _SPEC_AT)
+        offset, nbytes, dtype, host_workers, length = _SPEC.unpack_from(raw, _SPEC_AT)
         start = _SPEC_AT + _SPEC.size
         element, _, wire = dtype.rstrip(b"\0").decode(errors="replace").partition(">")
-        return cls(raw[start:start + length].decode(errors="replace"), offset, nbytes, element, wire or None)
+        return cls(raw[start:start + length].decode(errors="replace"), offset, nbytes, element, wire or None,
+                   max(1, host_workers))
 
 
 def encode_word(code: int, message: str) -> bytes:
@@ -295,7 +326,8 @@ class AgentMirror:
     # -- opening ----------------------------------------------------------------
     @classmethod
     async def open(cls, agent: AgentClient, remote: str | Named, offset: int, nbytes: int,
-                   dtype: Any = "float32", *, timeout: float = 30.0, wire: str | None = None) -> AgentMirror:
+                   dtype: Any = "float32", *, timeout: float = 30.0, wire: str | None = None,
+                   host_workers: int = 1) -> AgentMirror:
         """The mirror of bytes ``[offset, offset + nbytes)`` of the remote
         buffer ``remote`` (a :class:`smb2.Buffer` or its name), elements
         ``dtype`` (float32 or float64), through the agent that ``agent``
@@ -309,6 +341,12 @@ class AgentMirror:
         rounding left out stays on the host and goes with the next forward
         (error feedback), so the servers' copy trails the host's exact sum
         by one rounding of the last forward at most, and nothing is lost.
+
+        ``host_workers``: how many of this host's workers use the mirror
+        (torchrun's ``LOCAL_WORLD_SIZE``); the agent gathers that many
+        pushes (asks for a pull) before it forwards (pulls), for at most its
+        ``--gather`` seconds (see the module's docstring).  The creator's
+        value holds for every host-mate.
 
         Raises what the agent found wrong (:class:`NoSuchBuffer`: no such
         remote buffer; :class:`OutOfBounds`: the region is not inside it;
@@ -326,7 +364,10 @@ class AgentMirror:
         if wire not in (None, "bfloat16", "float16") or (wire is not None and dt != "float32"):
             raise InvalidArgumentError(f"wire must be None, or 'bfloat16' or 'float16' for a float32 mirror, not "
                                        f"{wire!r} for {dt}")
-        spec = Spec(name, check_int("offset", offset, low=0), check_int("nbytes", nbytes, low=1), dt, wire)
+        spec = Spec(name, check_int("offset", offset, low=0), check_int("nbytes", nbytes, low=1), dt, wire,
+                    check_int("host_workers", host_workers, low=1))
+        if spec.host_workers > MAX_HOST_WORKERS:
+            raise InvalidArgumentError(f"host_workers is at most {MAX_HOST_WORKERS}, not {host_workers}")
         spec.encode()       # a name or dtype that does not fit: said before anything is made
         address = agent.servers[0] if agent.servers else "?"
         try:
@@ -337,7 +378,11 @@ class AgentMirror:
                     buf.set_notify_area(STATE, SLOTS)
                     header = np.empty(HEADER, np.uint8)
                     await buf.read_into(header, 0)
-                    found = Spec.decode(header)
+                    try:
+                        found = Spec.decode(header)
+                    except Unsupported as exc:
+                        raise Unsupported(f"the mirror buffer {spec.name!r} on agent {address}: {exc.message}",
+                                          server=address, hint=exc.hint) from None
                     if found is None:
                         # the description first, the magic after it: the
                         # agent takes up only a buffer whose description is whole

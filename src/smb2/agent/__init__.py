@@ -15,7 +15,7 @@ cli.py      the ``smb2-agent`` command (also ``python -m smb2.agent``)
 """
 
 from .cli import main
-from .forward import DEFAULT_PERIOD, Mirror
+from .forward import DEFAULT_GATHER, DEFAULT_PERIOD, Mirror
 from .service import Agent
 
-__all__ = ["DEFAULT_PERIOD", "Agent", "Mirror", "main"]
+__all__ = ["DEFAULT_GATHER", "DEFAULT_PERIOD", "Agent", "Mirror", "main"]

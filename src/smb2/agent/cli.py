@@ -15,7 +15,7 @@ from ..protocol import parse_size
 from ..server.cli import run_service
 from ..transport import KINDS
 from ..version import __version__
-from .forward import DEFAULT_PERIOD
+from .forward import DEFAULT_GATHER, DEFAULT_PERIOD
 from .service import Agent
 
 log = logging.getLogger("smb2.agent")
@@ -27,7 +27,8 @@ client of the memory servers.  A worker mirrors a region of a remote buffer
 through it (smb2.mirror.AgentMirror: {' or '.join(DTYPES)}) and pushes into
 the mirror on this host; at most every --period the agent forwards the
 host's combined pushes as one accumulate to the memory servers and pulls
-the region once for all the host's workers.  Each push reaches the servers
+the region once for all the host's workers, gathering a push (an ask for
+a pull) from each of the host's workers first, for at most --gather.  Each push reaches the servers
 exactly once.  If the agent stops, the workers' next operation says how
 many of their pushes may not have reached the servers; the servers' copy
 stays intact."""
@@ -51,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
                         "agent's copy of the servers' region) (default 1GiB)")
     p.add_argument("--period", type=float, default=DEFAULT_PERIOD, metavar="SECONDS",
                    help=f"the shortest time between two forward cycles of a mirror (default {DEFAULT_PERIOD:g})")
+    p.add_argument("--gather", type=float, default=DEFAULT_GATHER, metavar="SECONDS",
+                   help=f"the longest a forward waits for a push from each of the host's workers, and a pull for an "
+                        f"ask from each, after the first (how many: the mirror's host_workers, torchrun's "
+                        f"LOCAL_WORLD_SIZE for AsyncOptimizer); what it adds to a worker's read and to how long a "
+                        f"push stays on the host; 0: each cycle forwards and pulls what came (default "
+                        f"{DEFAULT_GATHER:g})")
     p.add_argument("--auth-token-file", metavar="FILE",
                    help=f"the cluster's secret, which the workers prove to the agent and the agent to the "
                         f"servers (default: ${auth.ENV} if set, else no authentication)")
@@ -104,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         parse_size(args.capacity)
         if not args.period > 0:
             raise InvalidArgumentError(f"--period must be a positive number of seconds, not {args.period}")
+        if not args.gather >= 0:
+            raise InvalidArgumentError(f"--gather must be 0 or a positive number of seconds, not {args.gather}")
         token = auth.token_from_file(args.auth_token_file) if args.auth_token_file else auth.token_from_env()
         agent = Agent(servers, host=host, port=port, capacity=args.capacity, token=token, period=args.period,
-                      transport=args.transport,
+                      gather=args.gather, transport=args.transport,
                       server_options={"shm_socket": args.shm_socket} if args.shm_socket else None)
     except InvalidArgumentError as exc:
         print(f"smb2-agent: {exc}", file=sys.stderr)

@@ -24,6 +24,14 @@ and then the header's cycle counter is raised by one (after the remote
 accumulates were acknowledged).  A host that only pushes costs the servers
 no reads; its workers' reads, however many at once, share pulls.
 
+Gathering.  A forward waits until the pushes since the last one number the
+host's workers (the header's ``host_workers``), and a pull until the asks
+do, or until ``gather`` seconds have passed since the cycle that first saw
+one of them (the last cycle before the agent stops forwards at once).  A
+cycle that leaves pushes it saw for later does not raise the counter: every
+raise still comes after a cycle that forwarded every push counted before it
+began, which is what a worker's confirmation (``smb2.mirror``) rests on.
+
 Why it is exact.  Element by element, the local value is ``G_base + P``.
 A worker's accumulate into element ``i`` lands either before the agent's
 read of ``L[i]`` or after it.  Before: it is in ``D[i]``, forwarded once,
@@ -77,6 +85,7 @@ from ..errors import (
     ServerError,
     StaleHandle,
     TransportError,
+    Unsupported,
 )
 from ..mirror import (
     CYCLE_SLOT,
@@ -107,6 +116,10 @@ CHUNK = 4 << 20
 #: this to how stale a worker's view is, while an idle small mirror costs
 #: some 200 pulls a second (a large one is bound by its own transfer time)
 DEFAULT_PERIOD = 0.005
+#: the longest a forward (a pull) waits for the rest of the host's workers'
+#: pushes (asks), in seconds: a few cycles, short beside a training step, so
+#: that a host whose workers exchange together sends one push and one pull
+DEFAULT_GATHER = 0.02
 #: how often a new mirror buffer waits for its creator's magic word
 WAIT_MAGIC = 0.05
 # retries of errors reaching the memory servers: from this ...
@@ -151,15 +164,22 @@ class Mirror:
     of the agent's server).  :meth:`run` is its task."""
 
     def __init__(self, local_client: Client, name: str, segment: int, remote: Remote,
-                 period: float = DEFAULT_PERIOD) -> None:
+                 period: float = DEFAULT_PERIOD, gather: float = DEFAULT_GATHER) -> None:
         self.local_client = local_client
         self.name = name
         self.segment = segment
         self.remote = remote
         self.period = period
+        self.gather = gather
         self.spec: Spec | None = None
         self.state = "waiting"          # waiting, starting, ready, failed, stopped
+        #: the cycles run, the forwards (those that found pushes), the pulls
         self.cycles = 0
+        self.forwards = 0
+        self.pulls = 0
+        # when a cycle first saw pushes (asks) it left for later; None: none waits
+        self._pushes_wait: float | None = None
+        self._asks_wait: float | None = None
         self._local: Buffer | None = None
         self._remote: Buffer | None = None
         # per chunk start: a forwarded delta whose correction is not done
@@ -225,7 +245,10 @@ class Mirror:
         header = np.empty(HEADER, np.uint8)
         while True:
             await self._at_home(local.read_into(header, 0))
-            spec = Spec.decode(header)
+            try:
+                spec = Spec.decode(header)
+            except Unsupported as exc:
+                raise Failed(ErrorCode.UNSUPPORTED, f"the mirror buffer {self.name!r}: {exc.message}") from None
             if spec is not None:
                 break
             await asyncio.sleep(WAIT_MAGIC)
@@ -306,7 +329,7 @@ class Mirror:
             last = self._stopping.is_set()
             started = loop.time()
             try:
-                await self._cycle()
+                await self._cycle(force=last)
             except (TransportError, ServerError) as exc:
                 self._check_gone(exc)
                 self._trouble(exc, "forwarding")
@@ -325,26 +348,49 @@ class Mirror:
                 except TimeoutError:
                     pass
 
-    async def _cycle(self, *, pull: bool = False) -> None:
+    async def _cycle(self, *, pull: bool = False, force: bool = False) -> None:
         """Forward the pushes, if the workers pushed since the last forward;
         pull, if a worker asked for a pull since the last (or ``pull``);
-        then raise the cycle counter."""
+        each once the host's workers all did, or ``gather`` after this
+        mirror first saw one (at once with ``force``); then raise the cycle
+        counter, unless a push was left for later."""
         spec, local = self.spec, self._local
         assert spec is not None and local is not None
         words = await self._at_home(local.read_notify())
         pushed, wanted = int(words[PUSHED_SLOT]), int(words[WANTED_SLOT])
+        now = asyncio.get_running_loop().time()
+        waiting = False
         if pushed != self._forwarded:
-            for a in range(0, spec.nbytes, CHUNK):
-                await self._forward(a, min(spec.nbytes, a + CHUNK))
-            self._forwarded = pushed
-        if pull or wanted > self._served:
+            if force or self._gathered(pushed - self._forwarded, self._pushes_wait, now):
+                for a in range(0, spec.nbytes, CHUNK):
+                    await self._forward(a, min(spec.nbytes, a + CHUNK))
+                self._forwarded, self._pushes_wait = pushed, None
+                self.forwards += 1
+            else:
+                waiting = True
+                self._pushes_wait = now if self._pushes_wait is None else self._pushes_wait
+        if wanted > self._served:
+            if pull or force or self._gathered(wanted - self._served, self._asks_wait, now):
+                pull = True
+            else:
+                self._asks_wait = now if self._asks_wait is None else self._asks_wait
+        if pull:
             for a in range(0, spec.nbytes, CHUNK):
                 await self._pull(a, min(spec.nbytes, a + CHUNK))
-            self._served = wanted
-            await self._at_home(local.notify(SERVED_SLOT, wanted))
-        # every remote accumulate of this cycle is acknowledged by now
-        await self._at_home(local.notify_add(CYCLE_SLOT, 1))
+            self._served, self._asks_wait = max(wanted, self._served), None
+            self.pulls += 1
+            await self._at_home(local.notify(SERVED_SLOT, self._served))
         self.cycles += 1
+        if not waiting:     # a raise says every push counted before the cycle began is forwarded
+            # every remote accumulate of this cycle is acknowledged by now
+            await self._at_home(local.notify_add(CYCLE_SLOT, 1))
+
+    def _gathered(self, count: int, since: float | None, now: float) -> bool:
+        """Whether ``count`` pushes (asks) go now: the host's workers' worth,
+        or the first of them seen ``gather`` ago."""
+        assert self.spec is not None
+        return (count >= self.spec.host_workers or self.gather <= 0
+                or (since is not None and now - since >= self.gather))
 
     async def _forward(self, a: int, b: int) -> None:
         """Bytes ``[a, b)`` of the region: the pushes ``D = L - G_base`` go to

@@ -30,7 +30,7 @@ from ..client import Client, connect
 from ..errors import InterfaceError, Smb2Error, TransportError
 from ..mirror import PREFIX
 from ..server import MemoryServer
-from .forward import DEFAULT_PERIOD, LOG_EVERY, MAX_BACKOFF, Mirror
+from .forward import DEFAULT_GATHER, DEFAULT_PERIOD, LOG_EVERY, MAX_BACKOFF, Mirror
 
 log = logging.getLogger("smb2.agent")
 
@@ -50,7 +50,7 @@ class Agent:
 
     def __init__(self, servers: list[str], *, host: str = "127.0.0.1", port: int = 0,
                  capacity: int | str = "1GiB", token: str | bytes | None = None,
-                 period: float = DEFAULT_PERIOD, transport: str | None = None,
+                 period: float = DEFAULT_PERIOD, gather: float = DEFAULT_GATHER, transport: str | None = None,
                  connect_timeout: float = 10.0, server_options: dict[str, Any] | None = None) -> None:
         if not servers:
             raise InterfaceError("the agent needs the memory servers: --servers or SMB2_SERVERS")
@@ -60,6 +60,7 @@ class Agent:
         self.capacity = capacity
         self.token = token
         self.period = period
+        self.gather = gather
         self.transport = transport
         self.connect_timeout = connect_timeout
         self.server_options = dict(server_options or {})
@@ -115,8 +116,9 @@ class Agent:
         except BaseException:
             await self.close(flush=False)
             raise
-        log.info("agent serving on %s:%d for the memory servers %s, a mirror cycle at most every %g s",
-                 *self.server.address, ", ".join(self._servers), self.period)
+        log.info("agent serving on %s:%d for the memory servers %s, a mirror cycle at most every %g s, gathering "
+                 "the host's workers' pushes and asks for at most %g s", *self.server.address,
+                 ", ".join(self._servers), self.period, self.gather)
         return self
 
     async def close(self, *, flush: bool = True) -> None:
@@ -149,7 +151,8 @@ class Agent:
         that it is a host agent, its memory servers in their order, the
         server id each of its connections reached (None: not connected now),
         why it cannot reach them (None: it can; a mirror's trouble counts),
-        and its mirrors by state.  ``smb2 doctor`` checks it."""
+        its mirrors by state, and how many cycles, forwards and pulls its
+        mirrors made (those it holds now).  ``smb2 doctor`` checks it."""
         links = self._remote.links if self._remote is not None else ()
         ids = [t.server_info.get("server_id") if (t := link.open) is not None else None for link in links]
         mirrors = [m for m, _ in self.mirrors.values()]
@@ -157,8 +160,9 @@ class Agent:
         trouble = self._trouble or next((m.trouble for m in mirrors if m.trouble is not None
                                          and m.state in ("waiting", "starting", "ready")), None)
         return {"servers": list(self._servers), "server_ids": ids or [None] * len(self._servers),
-                "trouble": trouble, "period": self.period,
-                "mirrors": dict(collections.Counter(m.state for m in mirrors))}
+                "trouble": trouble, "period": self.period, "gather": self.gather,
+                "mirrors": dict(collections.Counter(m.state for m in mirrors)),
+                **{what: sum(getattr(m, what) for m in mirrors) for what in ("cycles", "forwards", "pulls")}}
 
     # -- the memory servers ----------------------------------------------------------
     async def _connect_once(self) -> None:
@@ -206,5 +210,5 @@ class Agent:
                 del self.mirrors[name]
         for name, segment in present.items():
             if name not in self.mirrors:
-                mirror = Mirror(self.local, name, segment, self, self.period)
+                mirror = Mirror(self.local, name, segment, self, self.period, self.gather)
                 self.mirrors[name] = (mirror, asyncio.ensure_future(mirror.run()))

@@ -91,6 +91,8 @@ def start_agents(cluster: netns_cluster.NetnsCluster, hosts: list[int], servers:
     flags = ["--servers", ",".join(servers), "--capacity", a.agent_capacity, "--log-level", "WARNING"]
     if a.agent_period is not None:
         flags += ["--period", str(a.agent_period)]
+    if a.agent_gather is not None:
+        flags += ["--gather", str(a.agent_gather)]
     procs = []
     for h in hosts:
         with open(logs / f"agent-{h}.log", "ab") as err:
@@ -138,6 +140,7 @@ def run_config(cluster: netns_cluster.NetnsCluster, a: argparse.Namespace, cfg: 
     env.update(tta.ONE_THREAD)
     if config == "agents":
         env[AGENT_ENV] = f"127.0.0.1:{DEFAULT_AGENT_PORT}"      # the agent of the worker's own host
+        env["LOCAL_WORLD_SIZE"] = str(a.workers_per_host)       # as torchrun on the host would say
     agents = start_agents(cluster, hosts, servers, a, logs) if config == "agents" else []
     procs: list[tuple[subprocess.Popen, Path]] = []
     try:
@@ -235,6 +238,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                            "final_n": a.final_n, "stop": a.stop,
                            "servers": a.servers, "hosts": a.hosts, "workers_per_host": a.workers_per_host,
                            "rate": a.rate, "budget_s": a.budget, "agent_period_s": a.agent_period,
+                           "agent_gather_s": a.agent_gather,
                            "systems": a.systems, "quick": a.quick}
     result: dict[str, Any] = {"config": cfg, "rows": [], "rtt_us": {}}
     report.progress("agents", 0, len(CONFIGS), f"{', '.join(a.systems)} on {a.hosts} hosts x {a.workers_per_host} "
@@ -314,6 +318,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="each agent's --capacity (a mirror takes twice its model)")
     ap.add_argument("--agent-period", type=float, default=None,
                     help="each agent's --period, s (default: the agent's own, 5 ms)")
+    ap.add_argument("--agent-gather", type=float, default=None,
+                    help="each agent's --gather, s (default: the agent's own, 20 ms; 0: no gathering)")
     ap.add_argument("--json", default=None)
     return ap
 

@@ -115,7 +115,7 @@ from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout, Smb2Er
 from ..mirror import DEFAULT_AGENT_PORT, agent_address
 from ..train.dropping import LayerDropping
 from ..train.faults import end_ranks_briefly, in_training_terms
-from ..train.lifecycle import RunEnd
+from ..train.lifecycle import RunEnd, host_workers
 from ..train.rules import RULES, AllReduce, UpdateRule
 from ..train.stability import LagScaling, TrainingDiverged
 from ..train.store import ParameterStore, resolve_rank
@@ -472,7 +472,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         # (the rule first: no connection to an agent that would not be used)
         if self._agent_address is not None and store.agent_serves_rule():
             self._agent_client = await connect([self._agent_address])
-            await store.use_agent(self._agent_client, timeout=timeout)
+            await store.use_agent(self._agent_client, timeout=timeout, host_workers=host_workers())
         return store
 
     @property

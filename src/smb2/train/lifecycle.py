@@ -256,6 +256,19 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
     return int(rank), int(world_size)
 
 
+def host_workers() -> int:
+    """How many workers of the job this one's host runs: ``SMB2_HOST_WORKERS``
+    (one torchrun per worker, as the Slurm recipe runs them), else torchrun's
+    ``LOCAL_WORLD_SIZE``, else 1."""
+    for name in ("SMB2_HOST_WORKERS", "LOCAL_WORLD_SIZE"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise InvalidArgumentError(f"{name}={value!r} is not a positive integer")
+            return int(value)
+    return 1
+
+
 def check_rank(rank: Any, workers: Any) -> int:
     for what, v in (("rank", rank), ("workers", workers)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool):

@@ -628,7 +628,7 @@ class ParameterStore:
                     "servers directly", self.rank, self.name, ", ".join(AGENT_RULES), self.rule.name)
         return False
 
-    async def use_agent(self, agent: Client, *, timeout: float = 30.0) -> bool:
+    async def use_agent(self, agent: Client, *, timeout: float = 30.0, host_workers: int = 1) -> bool:
         """Read and accumulate the shared weights through the host agent
         that ``agent`` is connected to (``smb2-agent``, :mod:`smb2.agent`):
         this host's workers push into one mirror of the data region on their
@@ -647,14 +647,16 @@ class ParameterStore:
         False returned, and the store keeps reaching the servers.  Call it
         after :meth:`join`, when the run's first weights are on the servers:
         it returns once the mirror holds what the servers hold now.  The
-        agent's loss later is survived (:class:`AgentWeights`)."""
+        agent's loss later is survived (:class:`AgentWeights`).
+        ``host_workers``: this host's workers of the job, whose pushes (and
+        reads) the agent gathers into one (:mod:`smb2.mirror`)."""
         if not self.agent_serves_rule():
             return False
         # the agent forwards as the rule pushes (diloco: bfloat16 by default), what
         # that rounding leaves out staying on the host for the next forward
         wire = getattr(self.rule, "wire", None) if self.layout.dtype == np.float32 else None
         mirror = await AgentMirror.open(agent, self.buf, self.data_off, self.layout.data_len, self.layout.dtype,
-                                        timeout=timeout, wire=wire)
+                                        timeout=timeout, wire=wire, host_workers=host_workers)
         # a cycle that began after this call pulled what the servers hold now
         await mirror.wait_cycle(mirror.cycle + 2, timeout=timeout)
         self.weights = AgentWeights(mirror, ServerWeights(self.buf, self.data_off), self.name, self.rank)
