@@ -377,9 +377,9 @@ class Mirror:
         if pull:
             for a in range(0, spec.nbytes, CHUNK):
                 await self._pull(a, min(spec.nbytes, a + CHUNK))
-            self._served, self._asks_wait = max(wanted, self._served), None
+            self._served, self._asks_wait = wanted, None
             self.pulls += 1
-            await self._at_home(local.notify(SERVED_SLOT, self._served))
+            await self._at_home(local.notify(SERVED_SLOT, wanted))
         self.cycles += 1
         if not waiting:     # a raise says every push counted before the cycle began is forwarded
             # every remote accumulate of this cycle is acknowledged by now

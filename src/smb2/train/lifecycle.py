@@ -236,21 +236,11 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
     """(rank, world size): explicit arguments, else ``SMB2_RANK`` /
     ``SMB2_WORLD_SIZE`` (one torchrun per worker, see docs/training.md), else
     torchrun's ``RANK`` / ``WORLD_SIZE``, else 0 / 1."""
-    def env(*names: str) -> tuple[str, int] | None:
-        for n in names:
-            v = os.environ.get(n)
-            if v is not None and v.strip():
-                try:
-                    return n, int(v)
-                except ValueError:
-                    raise InvalidArgumentError(f"{n}={v!r} is not an integer") from None
-        return None
-
     if rank is None:
-        found = env("SMB2_RANK", "RANK")
+        found = _env_int("SMB2_RANK", "RANK")
         rank = found[1] if found else 0
     if world_size is None:
-        found = env("SMB2_WORLD_SIZE", "WORLD_SIZE")
+        found = _env_int("SMB2_WORLD_SIZE", "WORLD_SIZE")
         world_size = found[1] if found else 1
     check_rank(rank, world_size)
     return int(rank), int(world_size)
@@ -260,13 +250,27 @@ def host_workers() -> int:
     """How many workers of the job this one's host runs: ``SMB2_HOST_WORKERS``
     (one torchrun per worker, as the Slurm recipe runs them), else torchrun's
     ``LOCAL_WORLD_SIZE``, else 1."""
-    for name in ("SMB2_HOST_WORKERS", "LOCAL_WORLD_SIZE"):
-        value = os.environ.get(name, "").strip()
-        if value:
-            if not value.isdigit() or int(value) < 1:
-                raise InvalidArgumentError(f"{name}={value!r} is not a positive integer")
-            return int(value)
-    return 1
+    found = _env_int("SMB2_HOST_WORKERS", "LOCAL_WORLD_SIZE")
+    if found is None:
+        return 1
+    name, value = found
+    if value < 1:
+        raise InvalidArgumentError(f"{name}={os.environ[name]!r} is not a positive integer")
+    return value
+
+
+def _env_int(*names: str) -> tuple[str, int] | None:
+    """The first of the environment variables ``names`` that is set: (its
+    name, its value as an int); InvalidArgumentError naming it if it is not
+    an integer."""
+    for n in names:
+        v = os.environ.get(n)
+        if v is not None and v.strip():
+            try:
+                return n, int(v)
+            except ValueError:
+                raise InvalidArgumentError(f"{n}={v!r} is not an integer") from None
+    return None
 
 
 def check_rank(rank: Any, workers: Any) -> int:
