@@ -7,7 +7,8 @@ Slurm and Kubernetes helpers share.  The host agents' opt-in
 (deploy/kubernetes/agents/, a kustomize component, and
 deploy/kubernetes-agents/, the base with it) likewise: the DaemonSet
 validates, derives the Job's server list, holds its capacity, and listens
-where the Job's SMB2_AGENT points."""
+where the Job's SMB2_AGENT points; the Job's SMB2_HOST_WORKERS is the ranks
+its scheduling puts on each node of the agents' pool."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from smb2 import cli
 from smb2.errors import InvalidArgumentError
 from smb2.protocol import parse_size
 from smb2.serverlist import SLURM_VARIABLES, expand_hostlist, server_list, slurm_hosts, statefulset_hosts
+from smb2.train.lifecycle import host_workers
 
 # in the test extra (make test installs them); the soft-RoCE VM's python has
 # only what the RDMA tier needs, and skips this module
@@ -245,11 +247,15 @@ def job_with_agents() -> dict[str, Any]:
     job = one("Job")
     (patch,) = manifests(AGENTS)["job-agent.yaml"]
     assert patch["kind"] == "Job" and patch["metadata"]["name"] == job["metadata"]["name"]
-    (extra,) = patch["spec"]["template"]["spec"]["containers"]
-    (container,) = job["spec"]["template"]["spec"]["containers"]
+    pod, patched = job["spec"]["template"]["spec"], patch["spec"]["template"]["spec"]
+    (extra,) = patched.pop("containers")
+    (container,) = pod["containers"]
     assert extra["name"] == container["name"] and set(extra) == {"name", "env"}
     names = {e["name"] for e in extra["env"]}
     container["env"] = extra["env"] + [e for e in container["env"] if e["name"] not in names]
+    # the pool and the spread: fields the Job does not have, taken as they are
+    assert set(patched) == {"nodeSelector", "topologySpreadConstraints"} and not set(patched) & set(pod)
+    pod.update(patched)
     return job
 
 
@@ -320,6 +326,30 @@ def test_the_jobs_ranks_reach_their_nodes_agent_where_it_listens() -> None:
     assert env.index("NODE_IP") < env.index("SMB2_AGENT")
     # the Job's doctor runs with SMB2_AGENT set: it checks the agent before the training
     assert any(ln.strip() == "smb2 doctor --wait 300" for ln in "\n".join(train["args"]).splitlines())
+
+
+def test_each_nodes_agent_gathers_as_many_ranks_as_the_node_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SMB2_HOST_WORKERS (what the agent gathers into one exchange) is the
+    ranks per node, which the Job fixes: its ranks run only on the pool's
+    nodes, where the agents run, spread evenly (at most one more on any
+    node than on another), so a pool of completions / SMB2_HOST_WORKERS
+    nodes runs that many on each."""
+    job, ds = job_with_agents(), agent_daemonset()
+    pod = job["spec"]["template"]
+    (train,) = pod["spec"]["containers"]
+    value = {e["name"]: e for e in train["env"]}["SMB2_HOST_WORKERS"]["value"]
+    monkeypatch.setenv("SMB2_HOST_WORKERS", value)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    per_node = host_workers()           # what AsyncOptimizer tells the agent
+    assert per_node >= 1 and job["spec"]["completions"] % per_node == 0
+    # the pool: the Job's nodes are the agents' nodes
+    assert pod["spec"]["nodeSelector"] and pod["spec"]["nodeSelector"] == ds["spec"]["template"]["spec"]["nodeSelector"]
+    # spread evenly over the pool's nodes, counting this Job's pods only
+    (spread,) = pod["spec"]["topologySpreadConstraints"]
+    assert (spread["maxSkew"], spread["topologyKey"], spread["whenUnsatisfiable"]) == (
+        1, "kubernetes.io/hostname", "DoNotSchedule")
+    assert spread["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert spread["matchLabelKeys"] == ["batch.kubernetes.io/controller-uid"]
 
 
 def test_kustomize_renders_the_base_alone_and_the_agents_on_opt_in() -> None:
