@@ -67,7 +67,7 @@ from smb2.testing.launch import agent_command, agent_ready_address
 from smb2.train.store import AGENT_RULES
 
 from . import report, tta
-from .common import parse_with_quick
+from .common import add_agent_options, agent_flags, parse_with_quick
 
 #: the configurations, in the order they run
 CONFIGS = ("direct", "agents")
@@ -88,11 +88,7 @@ def start_agents(cluster: netns_cluster.NetnsCluster, hosts: list[int], servers:
                  logs: Path) -> list[subprocess.Popen]:
     """One smb2-agent in each of ``hosts``' namespaces, for the memory servers ``servers``; waits
     for their ready lines."""
-    flags = ["--servers", ",".join(servers), "--capacity", a.agent_capacity, "--log-level", "WARNING"]
-    if a.agent_period is not None:
-        flags += ["--period", str(a.agent_period)]
-    if a.agent_gather is not None:
-        flags += ["--gather", str(a.agent_gather)]
+    flags = agent_flags(a, servers)
     procs = []
     for h in hosts:
         with open(logs / f"agent-{h}.log", "ab") as err:
@@ -314,12 +310,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-n", type=int, default=512)
     ap.add_argument("--final-n", type=int, default=4096)
     ap.add_argument("--capacity", default="1GiB", help="each memory server's --capacity")
-    ap.add_argument("--agent-capacity", default="256MiB",
-                    help="each agent's --capacity (a mirror takes twice its model)")
-    ap.add_argument("--agent-period", type=float, default=None,
-                    help="each agent's --period, s (default: the agent's own, 5 ms)")
-    ap.add_argument("--agent-gather", type=float, default=None,
-                    help="each agent's --gather, s (default: the agent's own, 20 ms; 0: no gathering)")
+    add_agent_options(ap)
     ap.add_argument("--json", default=None)
     return ap
 

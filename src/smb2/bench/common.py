@@ -364,3 +364,27 @@ def parse_with_quick(parser: argparse.ArgumentParser, argv: Sequence[str] | None
     if parser.parse_known_args(args)[0].quick:
         args = [*quick, *args]
     return parser.parse_args(args)
+
+
+# -- the host agents a benchmark starts (smb2 bench agents, smb2 bench scale --agents) ------------
+
+def add_agent_options(parser: argparse.ArgumentParser) -> None:
+    """``--agent-capacity``, ``--agent-period`` and ``--agent-gather``: what each
+    ``smb2-agent`` the benchmark starts is given (:func:`agent_flags`)."""
+    parser.add_argument("--agent-capacity", default="256MiB",
+                        help="each agent's --capacity (a mirror takes twice its model; default 256MiB)")
+    parser.add_argument("--agent-period", type=float, default=None,
+                        help="each agent's --period, s (default: the agent's own, 5 ms)")
+    parser.add_argument("--agent-gather", type=float, default=None,
+                        help="each agent's --gather, s (default: the agent's own, 20 ms; 0: no gathering)")
+
+
+def agent_flags(args: argparse.Namespace, servers: Sequence[str]) -> list[str]:
+    """The ``smb2-agent`` flags (less ``--listen``) of one agent for the memory
+    servers ``servers``, from :func:`add_agent_options`'s options."""
+    flags = ["--servers", ",".join(servers), "--capacity", args.agent_capacity, "--log-level", "WARNING"]
+    if args.agent_period is not None:
+        flags += ["--period", str(args.agent_period)]
+    if args.agent_gather is not None:
+        flags += ["--gather", str(args.agent_gather)]
+    return flags

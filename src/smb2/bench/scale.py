@@ -18,12 +18,30 @@ resident memory around each phase:
   step of ``delta``: ``2 * model`` bytes per worker, ``W / N`` model shares
   per server and direction).
 
+With ``--agents K`` the workers are also split over K simulated hosts (ranks
+in K contiguous blocks), each with a real ``smb2-agent`` process (reaching
+the servers over TCP, as the workers do), and two phases follow:
+
+* **agent**: every rank connects to its host's agent (over shm: it is on this
+  machine) and exchanges through it from now on
+  (``ParameterStore.use_agent``, ``host_workers`` its host's ranks);
+* **exchange_agents**: the exchange again, the same workers, through the
+  agents: each host's agent gathers its workers' pulls into one and their
+  pushes into one forward; a worker's exchange ends once its push is on the
+  servers.
+
+Each exchange's change is integer-valued (float32), so that what the servers
+hold after it is checked against the sum of the workers' changes exactly.
 Server CPU is given per phase, per worker (ms) and, for the exchange, per GB
-moved.  A 2-core machine shared with other work makes these figures a
-loaded machine's: the JSON records the machine and the 64-byte round trip
-beside them, and the load average before and after.
+the workers exchanged; the servers' requests and bytes (their ``stat``:
+accumulates and reads, payload bytes in and out) are read around each
+exchange, and the agents' CPU around each phase.  A 2-core machine shared
+with other work makes these figures a loaded machine's: the JSON records
+the machine and the 64-byte round trip beside them, and the load average
+before and after.
 
     smb2 bench scale --workers 1000 --servers 2 --processes 4
+    smb2 bench scale --workers 1000 --agents 125     # 8 workers per host, direct and through agents
     smb2 bench scale --quick            # W=64 over 2 servers: what the test runs
 """
 
@@ -41,11 +59,34 @@ from typing import Any
 
 import numpy as np
 
-from .common import proc_cpu
+from .common import add_agent_options, agent_flags, parse_with_quick, proc_cpu
 from .report import plot, progress, round_trip_us, style, table, write_json
 
 STORE = "bench-scale"
 PHASES = ("connect", "open", "join", "beat", "exchange")
+#: the phases that follow with --agents: each worker takes its host's agent, then exchanges through it
+AGENT_PHASES = ("agent", "exchange_agents")
+#: the exchange phases, in order (the first's changes are change_of(..., 0), the second's 1), and how each
+#: is named in the comparison
+EXCHANGES = {"exchange": "direct", "exchange_agents": "agents"}
+QUICK = ["--workers", "64", "--servers", "2", "--processes", "2", "--model-bytes", str(64 << 10), "--beats", "2"]
+
+
+def host_of(rank: int, workers: int, hosts: int) -> int:
+    """The simulated host of ``rank``: the ranks in ``hosts`` contiguous blocks."""
+    return rank * hosts // workers
+
+
+def change_of(rank: int, n: int, exchange: int) -> np.ndarray:
+    """Rank ``rank``'s change in exchange ``exchange`` (0, 1): ``n`` small
+    integers in float32, so that any sum of them is exact."""
+    return ((np.arange(n) + rank + exchange) % 4 + 1).astype(np.float32)
+
+
+def expected_change(workers: int, n: int, exchange: int) -> np.ndarray:
+    """The sum of every rank's :func:`change_of` (float64; exact)."""
+    counts = np.bincount([(r + exchange) % 4 for r in range(workers)], minlength=4)
+    return sum(c * ((np.arange(n) + k) % 4 + 1.0) for k, c in enumerate(counts))
 
 
 # -- one process of simulated workers --------------------------------------------------
@@ -58,6 +99,8 @@ class Crowd:
         self.ranks = list(range(cfg["first"], cfg["workers"], cfg["step"]))
         self.clients: dict[int, Any] = {}
         self.stores: dict[int, Any] = {}
+        #: each rank's client of its host's agent (--agents)
+        self.agents: dict[int, Any] = {}
 
     async def run(self, phase: str) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -91,7 +134,10 @@ class Crowd:
                 resume=False, timeout=self.cfg["timeout"])
 
         got = await asyncio.gather(*(one(r) for r in self.clients), return_exceptions=True)
-        return {"opened": len(self.stores), "errors": sorted({repr(e) for e in got if e is not None})[:3]}
+        out = {"opened": len(self.stores), "errors": sorted({repr(e) for e in got if e is not None})[:3]}
+        if 0 in self.stores:    # where the weights lie, for the parent's check (rank 0's process alone says it)
+            out.update(data_offset=self.stores[0].data_off, data_bytes=self.stores[0].layout.data_len)
+        return out
 
     async def join(self) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -107,17 +153,47 @@ class Crowd:
         return {"beats": self.cfg["beats"] * len(self.stores)}
 
     async def exchange(self) -> dict[str, Any]:
-        async def one(store: Any) -> int:
+        return await self._exchange("exchange")
+
+    async def exchange_agents(self) -> dict[str, Any]:
+        return await self._exchange("exchange_agents")
+
+    async def _exchange(self, phase: str) -> dict[str, Any]:
+        """Every rank's pull and push of exchange ``phase``; a push through an
+        agent ends once the agent forwarded it to the servers."""
+        n, k = self.cfg["model_bytes"] // 4, list(EXCHANGES).index(phase)
+
+        async def one(rank: int, store: Any) -> int:
             await store.pull()
-            change = np.full(store.flat().shape, 1e-3, store.layout.dtype)
+            change = np.zeros(store.flat().shape, store.layout.dtype)      # (the padding stays zero)
+            change[:n] = change_of(rank, n, k)
             await store.push_region(change)
+            await store.weights.flushed()
             return 2 * int(store.flat().nbytes)
 
-        moved = await asyncio.gather(*(one(s) for s in self.stores.values()))
-        return {"bytes": sum(moved)}
+        moved = await asyncio.gather(*(one(r, s) for r, s in self.stores.items()))
+        return {"bytes": sum(moved), "via_agent": sum(s.weights.via == "agent" for s in self.stores.values())}
+
+    async def agent(self) -> dict[str, Any]:
+        """Every rank takes its host's agent (``use_agent``, its host's ranks as ``host_workers``)."""
+        import smb2
+
+        w, agents = self.cfg["workers"], self.cfg["agents"]
+        per_host = np.bincount([host_of(r, w, len(agents)) for r in range(w)], minlength=len(agents))
+
+        async def one(rank: int) -> bool:
+            host = host_of(rank, w, len(agents))
+            self.agents[rank] = await smb2.connect([agents[host]], timeout=self.cfg["connect_timeout"])
+            return bool(await self.stores[rank].use_agent(self.agents[rank], timeout=self.cfg["timeout"],
+                                                          host_workers=int(per_host[host])))
+
+        got = await asyncio.gather(*(one(r) for r in self.stores), return_exceptions=True)
+        return {"via_agent": sum(g is True for g in got),
+                "errors": sorted({repr(e) for e in got if isinstance(e, BaseException)})[:3]}
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients.values()), return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in (*self.agents.values(), *self.clients.values())),
+                             return_exceptions=True)
 
 
 async def _crowd_main(cfg: dict[str, Any]) -> None:
@@ -162,46 +238,63 @@ def _step(crowds: list[subprocess.Popen[str]], phase: str) -> list[dict[str, Any
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ..testing.launch import ServerProcess
+    from ..testing.launch import AgentProcess, ServerProcess
 
-    flags = ["--capacity", args.capacity, "--max-connections", str(args.workers + 64),
-             "--max-connections-per-host", str(args.workers + 64), *args.server_flag]
+    flags = ["--capacity", args.capacity, "--max-connections", str(args.workers + args.agents + 64),
+             "--max-connections-per-host", str(args.workers + args.agents + 64), *args.server_flag]
     servers = [ServerProcess(*flags) for _ in range(args.servers)]
+    agents: list[Any] = []
     crowds: list[subprocess.Popen[str]] = []
+    phases = PHASES + (AGENT_PHASES if args.agents else ())
     result: dict[str, Any] = {"workers": args.workers, "servers": args.servers, "processes": args.processes,
                               "model_bytes": args.model_bytes, "beats": args.beats, "server_flags": flags,
-                              "loadavg_before": os.getloadavg(), "phases": {}}
+                              "agents": args.agents, "quick": args.quick,
+                              "loadavg_before": os.getloadavg(), "phases": {}, "exchange": {}}
     try:
         addresses = [s.endpoint for s in servers]
         result["round_trip_64B_us"] = asyncio.run(round_trip_us(addresses))
+        if args.agents:
+            # each a simulated host's: it reaches the servers over TCP, as the workers do
+            result["agent_flags"] = [*agent_flags(args, addresses), "--transport", "tcp"]
+            agents = [AgentProcess(*result["agent_flags"], stderr=sys.stderr) for _ in range(args.agents)]
         for i in range(args.processes):
             cfg = {"servers": addresses, "workers": args.workers, "first": i, "step": args.processes,
                    "model_bytes": args.model_bytes, "beats": args.beats, "timeout": args.timeout,
-                   "connect_timeout": args.connect_timeout}
+                   "connect_timeout": args.connect_timeout, "agents": [a.endpoint for a in agents]}
             crowds.append(subprocess.Popen([sys.executable, "-m", "smb2.bench.scale", "--crowd", json.dumps(cfg)],
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
-        pids = [s.proc.pid for s in servers]
+        pids, agent_pids = [s.proc.pid for s in servers], [a.proc.pid for a in agents]
         for p in crowds:
             assert p.stdout is not None
             if not p.stdout.readline():
                 raise RuntimeError(f"a process of simulated workers did not start (exit {p.wait()})")
         if not args.quiet:
-            progress("scale", 0, len(PHASES), "phases: " + ", ".join(PHASES))
-        for phase in PHASES:
-            cpu0, t0 = [proc_cpu(p) for p in pids], time.monotonic()
+            progress("scale", 0, len(phases), "phases: " + ", ".join(phases))
+        region: tuple[int, int] | None = None
+        for phase in phases:
+            before = asyncio.run(_look(addresses, region, stat_first=False)) if phase in EXCHANGES else None
+            cpu0, agent_cpu0, t0 = [proc_cpu(p) for p in pids], [proc_cpu(p) for p in agent_pids], time.monotonic()
             parts = _step(crowds, phase)
             wall = time.monotonic() - t0
             cpu = [proc_cpu(p) - c for p, c in zip(pids, cpu0)]
             row = _merge(parts)
             row.update(wall_s=round(wall, 3), server_cpu_s=[round(c, 3) for c in cpu],
                        server_rss=[s.rss for s in servers])
+            if agents:
+                row["agent_cpu_s"] = [round(proc_cpu(p) - c, 3) for p, c in zip(agent_pids, agent_cpu0)]
+            if phase == "open" and "data_offset" in row:
+                region = (row.pop("data_offset"), row.pop("data_bytes"))
+            if before is not None:
+                after = asyncio.run(_look(addresses, region, stat_first=True))
+                result["exchange"][EXCHANGES[phase]] = exchange_figures(row, before, after, args.workers,
+                                                                        args.model_bytes // 4, phase)
             result["phases"][phase] = row
             if not args.quiet:
-                progress("scale", len(result["phases"]), len(PHASES), phase, wall=f"{wall:.2f} s",
+                progress("scale", len(result["phases"]), len(phases), phase, wall=f"{wall:.2f} s",
                          **{"server CPU": f"{sum(cpu):.2f} s"})
             if row.get("errors"):
                 print(f"  {phase}: {row['errors']}", file=sys.stderr)
-        stats = asyncio.run(_server_stats(addresses))
+        stats, _ = asyncio.run(_look(addresses, None, stat_first=True))
         result["server_connections"] = [s.get("connections") for s in stats]
         result["connections_refused"] = [s.get("connections_refused") for s in stats]
     finally:
@@ -211,6 +304,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except (OSError, ValueError):
                 pass
             p.wait(60)
+        for a in agents:
+            a.stop()
         for s in servers:
             s.stop()
     result["loadavg_after"] = os.getloadavg()
@@ -221,10 +316,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-async def _server_stats(addresses: list[str]) -> list[dict[str, Any]]:
+Look = tuple[list[dict[str, Any]], np.ndarray | None]
+
+
+async def _look(addresses: list[str], region: tuple[int, int] | None, *, stat_first: bool) -> Look:
+    """The servers' stat and (``region``: the store's data offset and bytes)
+    their weights.  Before a phase the weights are read first, after it the
+    stat is: so the phase's counts leave these reads out."""
     import smb2
     async with await smb2.connect(addresses, transport="tcp") as c:
-        return await c.stat()
+        stats = await c.stat() if stat_first else None
+        weights = None
+        if region is not None:
+            weights = np.empty(region[1] // 4, np.float32)
+            await (await c.attach(STORE)).read_into(weights, region[0])
+        return (stats if stats is not None else await c.stat()), weights
+
+
+def _stat_sum(stats: list[dict[str, Any]], key: str) -> int:
+    """A stat counter over the servers: ``bytes_in``, ``bytes_out``, or an op's requests (every transport)."""
+    return sum(s.get(key, 0) if key.startswith("bytes") else sum(t.get(key, 0) for t in s["ops"].values())
+               for s in stats)
+
+
+def exchange_figures(row: dict[str, Any], before: Look, after: Look, workers: int, n: int,
+                     phase: str) -> dict[str, Any]:
+    """One exchange phase (of :data:`EXCHANGES`) as the servers saw it: their
+    CPU (all, and per GB the workers exchanged), their requests and payload
+    bytes (read from their stat around the phase: the workers' control words
+    included, which every worker still sends itself), the agents' CPU, and
+    whether the servers' weights moved by the sum of the workers' changes
+    exactly."""
+    cpu, moved = sum(row["server_cpu_s"]), row.get("bytes", 0)
+    out: dict[str, Any] = {
+        "wall_s": row["wall_s"], "server_cpu_s": round(cpu, 3),
+        "server_cpu_s_per_GB": round(cpu / (moved / 1e9), 3) if moved else None,
+        **{key: _stat_sum(after[0], op) - _stat_sum(before[0], op)
+           for key, op in (("accumulate_requests", "accumulate"), ("read_requests", "read"),
+                           ("server_bytes_in", "bytes_in"), ("server_bytes_out", "bytes_out"))},
+        "agent_cpu_s": round(sum(row["agent_cpu_s"]), 3) if "agent_cpu_s" in row else None,
+        "via_agent": row.get("via_agent", 0)}
+    if before[1] is not None and after[1] is not None:
+        want = np.zeros(before[1].size)
+        want[:n] = expected_change(workers, n, list(EXCHANGES).index(phase))
+        got = after[1].astype(np.float64) - before[1]
+        out.update(servers_change_sum=float(got.sum()), expected_change_sum=float(want.sum()),
+                   servers_change_exact=bool(np.array_equal(got, want)))
+    return out
 
 
 def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -260,7 +398,18 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "server_cpu_s_per_GB_exchanged": round(cpu["exchange"] / (moved / 1e9), 3) if moved else None,
         "exchange_GBps_all_servers": round(moved / 1e9 / ph["exchange"]["wall_s"], 3) if moved else None,
         "server_rss_max": max(max(v["server_rss"]) for v in ph.values()),
+        **({"agents_fewer": agents_fewer(result["exchange"])} if len(result["exchange"]) == 2 else {}),
     }
+
+
+#: the exchange's figures compared with and without agents
+COMPARED = ("accumulate_requests", "read_requests", "server_bytes_in", "server_bytes_out", "server_cpu_s")
+
+
+def agents_fewer(exchange: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Each of :data:`COMPARED`, direct over agents (above 1: the agents saved it)."""
+    d, g = exchange["direct"], exchange["agents"]
+    return {k: round(d[k] / g[k], 3) if g[k] else None for k in COMPARED}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -271,6 +420,18 @@ def format_table(result: dict[str, Any]) -> str:
         rows.append([name, v["wall_s"], round(cpu, 3), round(1000 * cpu / w, 3),
                      round(max(v["server_rss"]) / 1e6, 1), len(v.get("errors", []))])
     return table(["phase", "wall s", "server CPU s", "CPU ms/worker", "server RSS MB (max)", "errors"], rows)
+
+
+def exchange_table(result: dict[str, Any]) -> str:
+    """The exchange as the servers saw it, direct and (--agents) through the agents."""
+    mb = result["model_bytes"]
+    rows = [[config, e["server_cpu_s"], e["server_cpu_s_per_GB"], e["accumulate_requests"], e["read_requests"],
+             e["server_bytes_in"] / mb, e["server_bytes_out"] / mb, e["agent_cpu_s"],
+             {True: "yes", False: "NO"}.get(e.get("servers_change_exact"), "-")]
+            for config, e in result["exchange"].items()]
+    return table(["exchange", "server CPU s", "server CPU s/GB", "accumulates", "reads", "in (models)",
+                  "out (models)", "agent CPU s", "exact sum"], rows,
+                 formats=[None, "{:.3f}", "{:.3f}", None, None, "{:.2f}", "{:.2f}", "{:.3f}", None])
 
 
 def summary_table(summary: dict[str, Any]) -> str:
@@ -294,10 +455,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--beats", type=int, default=4, help="heartbeat rounds of the beat phase (default 4)")
     p.add_argument("--capacity", default="4GiB", help="each server's --capacity (default 4GiB)")
     p.add_argument("--server-flag", action="append", default=[],
-                   help="one more smb2-server flag (repeatable; the connection caps are raised to W + 64)")
+                   help="one more smb2-server flag (repeatable; the connection caps are raised to W + K + 64)")
     p.add_argument("--timeout", type=float, default=600.0, help="open and join timeout, s (default 600)")
     p.add_argument("--connect-timeout", type=float, default=30.0, help="each connect's timeout, s (default 30)")
-    p.add_argument("--quick", action="store_true", help="W=64 over 2 servers in 2 processes, a 64 KiB model")
+    p.add_argument("--agents", type=int, default=0, metavar="K",
+                   help="also split the workers over K simulated hosts, each with an smb2-agent, and exchange "
+                        "again through them (default 0: no agents)")
+    add_agent_options(p)
     p.add_argument("--json", default=str(Path("bench-results") / "scale.json"), help="where to write JSON")
     p.add_argument("--png", default=None, help="draw server CPU per worker by phase here (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -306,21 +470,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_with_quick(_parser(), argv, QUICK, "every phase (and with --agents the agents' phases)")
     if args.crowd:
         return crowd_main(args.crowd)
-    if args.quick:
-        args.workers, args.servers, args.processes, args.model_bytes, args.beats = 64, 2, 2, 64 << 10, 2
     for what in ("workers", "servers", "processes", "model_bytes", "beats"):
         if getattr(args, what) < 1:
             print(f"smb2 bench scale: --{what.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
+    if not 0 <= args.agents <= args.workers:
+        print("smb2 bench scale: --agents must be 0 or more, and at most --workers", file=sys.stderr)
+        return 2
     args.processes = min(args.processes, args.workers)
     if not args.quiet:
         print(f"scale: {args.workers} workers in {args.processes} processes, {args.servers} servers, "
-              f"model {args.model_bytes} bytes", file=sys.stderr)
+              f"model {args.model_bytes} bytes" + (f", {args.agents} hosts with agents" if args.agents else ""),
+              file=sys.stderr)
     result = run(args)
     print(format_table(result))
+    print()
+    print(exchange_table(result))
     if result["loaded_machine"]:
         print(f"(a loaded machine: load average {result['loadavg_before'][0]:.1f} before, "
               f"{result['loadavg_after'][0]:.1f} after, on {os.cpu_count()} cores)")
