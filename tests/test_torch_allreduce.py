@@ -17,6 +17,8 @@ import pytest
 
 import smb2
 from smb2.errors import InterfaceError, InvalidArgumentError, NotifyTimeout
+from smb2.testing.proxy import FaultProxy
+from smb2.testing.waits import until
 from smb2.testing.workers import json_objects, torchrun, torchrun_failure
 from smb2.train import ParameterStore, rules
 from smb2.train.rules import AllReduce
@@ -109,6 +111,81 @@ async def test_a_missing_worker_is_named_in_the_timeout(cluster: smb2.LocalClust
         await rule.reduce(np.ones_like(stores[0].flat()), np.zeros_like(stores[0].flat()), step=7)
 
 
+async def test_the_survivors_of_a_dead_worker_go_on_with_their_own_mean(cluster: smb2.LocalCluster, transport: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # three workers; in round 2 worker 2 sends the first of its four parts (which then goes through
+    # for everyone) and dies (its client closes: no more heartbeats); the two others take it for dead
+    # after dead_after, agree on a membership of their own and redo round 2 whole among themselves:
+    # round 2 and the later ones are exactly the mean of the two, the same for both
+    monkeypatch.setattr(rules, "PART_BYTES", 1024)
+    stores = await _stores(cluster, transport, "ar-dead", 3, dead_after=0.3)
+    rule = [s.rule for s in stores]
+    assert all(isinstance(x, AllReduce) for x in rule) and len(stores[0].rule.parts) == 4   # type: ignore[attr-defined]
+    grads = [_grads(r, 5, exact=True, n=stores[0].flat().size) for r in range(3)]
+    outs = [[np.zeros_like(g) for g in grads[r]] for r in range(3)]
+    for k in range(2):
+        await asyncio.gather(*(rule[r].reduce(grads[r][k], outs[r][k]) for r in range(3)))    # type: ignore[attr-defined]
+
+    async def dies() -> None:
+        r = rule[2].next_round()                                            # type: ignore[attr-defined]
+        await rule[2].reduce_part(r, 0, grads[2][2], outs[2][2])             # type: ignore[attr-defined]
+        await stores[2].client.close()
+
+    async def survives(w: int) -> None:
+        for k in range(2, 5):
+            await rule[w].reduce(grads[w][k], outs[w][k], step=k)            # type: ignore[attr-defined]
+
+    await asyncio.wait_for(asyncio.gather(dies(), survives(0), survives(1)), 60)       # (a hang guard)
+    for k in range(5):
+        n = 3 if k < 2 else 2
+        want = sum(grads[r][k] for r in range(n)) / np.float32(n)
+        np.testing.assert_array_equal(outs[0][k], want, err_msg=f"round {k}")
+        np.testing.assert_array_equal(outs[1][k], want, err_msg=f"round {k}")
+    for w in (0, 1):
+        ep = rule[w].epoch                                                  # type: ignore[attr-defined]
+        assert (ep.number, ep.base, ep.members) == (1, 2, (0, 1))
+    assert rule[1].leader == 0                                              # type: ignore[attr-defined]
+
+
+async def test_a_worker_left_out_while_silent_stops_in_words(cluster: smb2.LocalCluster) -> None:
+    # worker 2's requests (its heartbeats with them) wait in proxies: the others go on without it; once
+    # they flow again, its round meets the new membership and it stops, saying why, never stepping on
+    # a mean the others did not get.  A worker restarted into the run is refused as before.
+    proxies = [FaultProxy(a).start() for a in cluster.addresses]
+    try:
+        clients = [await cluster.connect(transport="tcp") for _ in range(2)]
+        clients.append(await smb2.connect([p.address for p in proxies], transport="tcp", timeout=10))
+        init = {"w": np.zeros(64, np.float32)}
+        stores = [await ParameterStore.open(c, "ar-left", init, rule="allreduce", workers=3, rank=r, dead_after=0.3)
+                  for r, c in enumerate(clients)]
+        rule = [s.rule for s in stores]
+        g = np.ones(stores[0].flat().size, np.float32)
+        outs = [np.zeros_like(g) for _ in range(3)]
+        await asyncio.gather(*(rule[r].reduce(g * r, outs[r]) for r in range(3)))   # type: ignore[attr-defined]
+        np.testing.assert_array_equal(outs[0], g)
+        for p in proxies:
+            p.hold()
+        late = asyncio.ensure_future(rule[2].reduce(g * 2, outs[2], step=2))        # type: ignore[attr-defined]
+        await asyncio.wait_for(asyncio.gather(*(rule[r].reduce(g * (r + 1), outs[r], step=2)   # type: ignore[attr-defined]
+                                                for r in range(2))), 60)
+        np.testing.assert_array_equal(outs[0], g * 1.5)     # (1 + 2) / 2: worker 2's never in it
+        np.testing.assert_array_equal(outs[1], g * 1.5)
+        await until(lambda: any(p.held > 0 for p in proxies), "worker 2's requests held")
+        for p in proxies:
+            p.release()
+        with pytest.raises(InterfaceError, match="rank 2 was left out of the training of store 'ar-left'.*"
+                                                 "went on without it"):
+            await asyncio.wait_for(late, 60)
+        again = await ParameterStore.attach(await cluster.connect(transport="tcp"), "ar-left", rank=2)
+        with pytest.raises(InterfaceError, match="rank 2 cannot join the running training"):
+            await again.rule.reduce(g, np.zeros_like(g))                    # type: ignore[attr-defined]
+        for c in [*clients, again.client]:
+            await c.close()
+    finally:
+        for p in proxies:
+            p.stop()
+
+
 async def test_a_worker_cannot_join_a_run_past_its_first_round(cluster: smb2.LocalCluster, transport: str) -> None:
     stores = await _stores(cluster, transport, "ar-rejoin", 2)
     await _run(stores, [_grads(r, 2, exact=True, n=stores[0].flat().size) for r in range(2)])
@@ -128,6 +205,8 @@ async def test_push_says_what_to_call(client: smb2.Client) -> None:
 def test_bad_options_are_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="round_timeout"):
         AllReduce(round_timeout=0)
+    with pytest.raises(InvalidArgumentError, match="dead_after"):
+        AllReduce(dead_after=-1)
     with pytest.raises(InvalidArgumentError, match="wire"):
         AllReduce(wire="int8")
 

@@ -112,8 +112,8 @@ _WORKER = textwrap.dedent('''
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    opt = smb2.torch.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name=sys.argv[1],
-                                    rule="delta", staleness=1)
+    rule = dict(rule="delta", staleness=1) if sys.argv[3] == "delta" else {}      # (else: the default)
+    opt = smb2.torch.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name=sys.argv[1], **rule)
     g = torch.Generator().manual_seed(opt.rank)
     for step in range(40):
         if opt.rank == 2 and step == 10:
@@ -133,16 +133,19 @@ _WORKER = textwrap.dedent('''
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_dead_worker_does_not_fail_the_survivors(servers: str, tmp_path: Path) -> None:
-    # rule delta: its survivors train on without the dead one (under allreduce, the default, they wait
-    # for its gradient, as DDP's ranks do, and time out: test_torch_allreduce)
+@pytest.mark.parametrize("rule", ["delta", "default"])
+def test_a_dead_worker_does_not_fail_the_survivors(servers: str, tmp_path: Path, rule: str) -> None:
+    # rule delta: its survivors train on without the dead one; the default (allreduce), whose
+    # rounds wait for every worker as DDP's do, goes on with the other two once the dead one has
+    # sent no heartbeat for dead_after (5 s), each step then on the mean of their two gradients
     script = tmp_path / "train.py"
     script.write_text(_WORKER)
     procs = []
+    store = f"t-survivors-{rule}"
     for rank in range(3):
         env = dict(os.environ, SMB2_SERVERS=servers, SMB2_RANK=str(rank), SMB2_WORLD_SIZE="3", OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
-            torchrun(str(script), "t-survivors", str(tmp_path), max_restarts=0),
+            torchrun(str(script), store, str(tmp_path), rule, max_restarts=0),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=200) for p in procs]
     codes = [p.returncode for p in procs]
@@ -151,12 +154,16 @@ def test_a_dead_worker_does_not_fail_the_survivors(servers: str, tmp_path: Path)
     assert codes[0] == 0, outs[0][1][-3000:]
     report = json.loads(outs[0][0].strip().splitlines()[-1])
     assert report["missing"] == [2] and report["accuracy"] > 0.6, report
-    assert "2 of 3 workers finished store 't-survivors'" in report["report"]
+    assert f"2 of 3 workers finished store '{store}'" in report["report"]
+    if rule == "default":
+        said = outs[0][1] + outs[1][1]
+        assert "rank 2 sent no heartbeat for 5 s: the 2 other workers go on without it from step 11" in said, \
+            said[-3000:]
     assert "rank 2 last reported step" in report["report"]
     assert (tmp_path / "model-0.pt").exists()
     # rank 1 asked for strict=True: the report is raised, in words
     assert codes[1] != 0
-    assert "NotifyTimeout: 2 of 3 workers finished store 't-survivors'" in outs[1][1], outs[1][1][-3000:]
+    assert f"NotifyTimeout: 2 of 3 workers finished store '{store}'" in outs[1][1], outs[1][1][-3000:]
 
 
 def test_a_lost_server_is_reported_in_training_terms(own_cluster: tuple[LoopThread, smb2.LocalCluster]) -> None:

@@ -47,8 +47,9 @@ Scenarios (state the rates with --rate/--slow-rate):
   budget; the last worker is SIGKILLed at 40 % of the budget of rank 0's clock.  ``fault-rejoin``:
   the same, and that worker is started again at 60 % (smb2 takes it back as a rank torchrun
   restarted; torchft's replica heals from a peer; DDP's group cannot take a rank back, so DDP's
-  is not restarted, nor that of rule ``allreduce``, the default port's: its workers move in
-  lockstep, and only a restart of the whole group resumes it).  A table says what each system
+  is not restarted, nor that of rule ``allreduce``, the default port's: its survivors go on
+  without the dead worker after ``dead_after``, and a worker restarted into its lockstep rounds
+  would be refused).  A table says what each system
   did, as rank 0 saw it: "went on", "stalled N s" (a pause between two steps above 5 typical steps
   and 2 s), or "stopped" (an error).
 

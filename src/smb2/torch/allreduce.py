@@ -104,6 +104,11 @@ class MeanGradients:
             try:
                 for future in self._sent.values():
                     future.result()
+                # (parts that came back before the survivors of a dead worker went on without it)
+                step, r = self.step(), self._round
+                assert r is not None
+                self.loop.submit(self.wrap(self.rule.complete_round(r, self.grad, self.mean, step=step),
+                                           step)).result()
             finally:
                 self.waited += time.perf_counter() - t0
         finally:

@@ -827,7 +827,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
             self._settle(limit=-1)
             if self._mean is not None:
                 self._mean.close()
-                if self.rank == 0:
+                assert isinstance(self.store.rule, AllReduce)
+                if self.rank == self.store.rule.leader:     # (rank 0, or the lowest survivor of its loss)
                     self._loop.run(self.store.checkpoint_saved())
                     self._loop.run(self._write_weights())
                 # the rounds' heartbeats said the steps done before each round: the last one counts too

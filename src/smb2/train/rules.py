@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -50,11 +52,14 @@ import numpy as np
 from ..client import Buffer, Client, as_wire
 from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout
 from ..lock import Lock, ReplicatedLock
-from . import beside
+from . import beside, roster
 from .compress import TopK
 from .dropping import LayerDropping
+from .lifecycle import Control
 from .local_steps import MOST, SHARE, LocalSteps
 from .weights import SharedWeights
+
+log = logging.getLogger("smb2.train")
 
 
 class BoundStore(Protocol):
@@ -94,6 +99,10 @@ class BoundStore(Protocol):
     def count_pull(self, nbytes: int) -> None: ...
 
     async def bump_version(self) -> int: ...
+
+    async def refresh(self) -> Control: ...
+
+    def keep_beating(self) -> None: ...
 
 
 def _positive(what: str, v: Any, *, upper: float | None = None) -> float:
@@ -781,6 +790,10 @@ class AdaptiveDiLoCo(DiLoCo):
 
 
 GRADIENTS = "gradients"
+#: seconds a worker rule allreduce waits for may stay silent before the others go on without it
+DEAD_AFTER = 5.0
+#: how often a worker waiting for a round looks at the others' heartbeats (s)
+LOOK_EVERY = 0.25
 #: a part of the gradients (its own sum and counter): at most this many bytes of float32 values, so
 #: that a model's first parts travel while backward still computes the others (DDP's buckets)
 PART_BYTES = 4 << 20
@@ -813,8 +826,16 @@ class AllReduce(UpdateRule):
     round ``r``'s only after every worker counted itself in round ``r - 1``,
     which each does after it read round ``r - 2``, the last in that sum.
 
-    As under DDP, every worker takes the same number of steps: a worker
-    that stops early or dies leaves the others waiting, and after
+    A worker that dies does not stop the others, as it stops DDP's: a
+    worker waiting for a round watches the others' heartbeats, and once one
+    has been silent for ``dead_after`` seconds the survivors agree on a new
+    membership without it and redo the round among themselves, its mean
+    then over the W - 1 (:mod:`smb2.train.roster`: how they agree, and why
+    no one steps on a partial or different mean).  If rank 0 is the one
+    lost, the lowest surviving rank writes the store's weights at close
+    (:attr:`leader`); rank 0's checkpoints stop with it.  A worker that is
+    alive but sends nothing (it stopped early, or is stuck while its
+    heartbeat goes on) leaves the others waiting, and after
     ``round_timeout`` seconds they raise :class:`~smb2.NotifyTimeout` saying
     how many gradients never came.  A restarted worker never rejoins the
     run (:attr:`rejoinable`: its rounds would count from 0): a torchrun
@@ -832,17 +853,27 @@ class AllReduce(UpdateRule):
     rejoinable = False
     sums = 2
 
-    def __init__(self, wire: str | None = "bfloat16", round_timeout: float = 60.0) -> None:
+    def __init__(self, wire: str | None = "bfloat16", round_timeout: float = 60.0,
+                 dead_after: float = DEAD_AFTER) -> None:
         super().__init__()      # (its lr is not used: the worker's optimizer has one)
         if wire not in (None, "bfloat16", "float16"):
             raise InvalidArgumentError(f"wire must be None, 'bfloat16' or 'float16', not {wire!r}")
         self.wire = wire
         self.round_timeout = _positive("round_timeout", round_timeout)
+        #: seconds of silence (no heartbeat) after which a worker a round waits for is taken for dead
+        self.dead_after = _positive("dead_after", dead_after)
         self.rounds = 0
         #: the parts, as (first, end) element ranges of the flat region, the last tensors' first
         self.parts: list[tuple[int, int]] = []
-        self._buf: Buffer | None = None
+        #: the membership the rounds run in (None until the first round)
+        self.epoch: roster.Epoch | None = None
+        self._roster: roster.Roster | None = None
+        self._silence = roster.Silence()
+        #: the others' heartbeats as last looked at, and when (this worker's clock)
+        self._control: Control | None = None
+        self._looked = -math.inf
         self._attaching = asyncio.Lock()      # (a round's parts start together: one attaches)
+        self._regrouping = asyncio.Lock()     # (one part of this worker declares or adopts an epoch)
 
     def settings(self) -> dict[str, Any]:
         return {"name": self.name, "wire": self.wire}
@@ -853,9 +884,7 @@ class AllReduce(UpdateRule):
 
     def bind(self, store: BoundStore) -> None:
         super().bind(store)
-        n = store.flat().size
-        #: what this worker added to each sum so far (its exact float32 values, rounding included)
-        self._sent = np.zeros((self.sums, n), np.float32)
+        n = self._size = store.flat().size
         self._span = -(-4 * n // 64) * 64
         starts = sorted((store.flat_offset(t), t) for t in store.params)
         self.parts = []
@@ -869,6 +898,8 @@ class AllReduce(UpdateRule):
         if self.parts and self.parts[-1][0] > 0:        # (padding before the first tensor, if any)
             self.parts[-1] = (0, self.parts[-1][1])
         self._counters = -(-8 * self.sums * len(self.parts) // 64) * 64
+        #: (round, membership) in which each part's mean last came back
+        self._came_back = [(-1, 0)] * len(self.parts)
 
     def part_of(self, offset: int) -> int:
         """The part that holds the flat element ``offset``."""
@@ -884,32 +915,56 @@ class AllReduce(UpdateRule):
         """Rank 0, before any rank joins: the sums and their counters start
         at zero (a resumed run counts its rounds from 0 again)."""
         st = self.store
-        buf = await beside.make(st.client, st.buf.name, GRADIENTS, self._nbytes(), replicas=st.buf.replicas,
-                                stripe=st.buf.stripe)
-        await buf.write(0, np.zeros(buf.nbytes, np.uint8))
+        await self._make_sums(0)
+        members = await beside.make(st.client, st.buf.name, roster.MEMBERS, roster.Roster.nbytes(st.workers),
+                                    replicas=st.buf.replicas)
+        await members.write(0, np.zeros(members.nbytes, np.uint8))
 
-    async def _sums(self, first: bool) -> Buffer:
-        async with self._attaching:
-            if self._buf is None:
-                self._buf = await self._attach(first)
-        return self._buf
-
-    async def _attach(self, first: bool) -> Buffer:
+    async def _make_sums(self, epoch: int) -> Buffer:
+        """Epoch ``epoch``'s sums and counters, made (or found) and zeroed."""
         st = self.store
-        buf = (await beside.find(st.client, st.buf.name, GRADIENTS)).set_notify_area(
+        buf = await beside.make(st.client, st.buf.name, roster.sums_name(epoch, GRADIENTS), self._nbytes(),
+                                replicas=st.buf.replicas, stripe=st.buf.stripe)
+        await buf.write(0, np.zeros(buf.nbytes, np.uint8))
+        return buf
+
+    async def _find_sums(self, epoch: int) -> Buffer:
+        st = self.store
+        buf = (await beside.find(st.client, st.buf.name, roster.sums_name(epoch, GRADIENTS))).set_notify_area(
             0, self.sums * len(self.parts))
         if buf.nbytes != self._nbytes():
             raise InterfaceError(f"the gradient sums of store {st.name!r} hold {buf.nbytes} bytes, not the "
                                  f"{self._nbytes()} this model needs", hint="every worker passes the same model")
+        return buf
+
+    async def _epoch_now(self, r: int) -> roster.Epoch:
+        """The membership round ``r`` runs in (the first round: attach)."""
+        async with self._attaching:
+            if self.epoch is None:
+                self.epoch = await self._attach(first=r == 0)
+        return self.epoch
+
+    async def _attach(self, first: bool) -> roster.Epoch:
+        st = self.store
+        self._roster = roster.Roster(await beside.find(st.client, st.buf.name, roster.MEMBERS), st.workers)
+        number, base, members = await self._roster.read()
+        buf = await self._find_sums(number)
         # the others may be in round 0, which waits for this worker, and in no later round
         counts = await buf.read_notify()
-        if first and ((counts >= st.workers).any() or counts[len(self.parts):].any()):
+        if first and (number > 0 or (counts >= st.workers).any() or counts[len(self.parts):].any()):
             raise InterfaceError(f"rank {st.rank} cannot join the running training of store {st.name!r}: "
                                  f"rule 'allreduce' keeps every worker in step, and the others are past "
                                  f"their first step",
                                  hint="restart the whole job (resume=True continues from the last "
                                       "checkpoint), or use rule='diloco', which a restarted worker rejoins")
-        return buf
+        # every worker beats while it computes: the others take a silent one for dead
+        st.keep_beating()
+        return roster.Epoch(number, base, members, buf, np.zeros((self.sums, self._size), np.float32))
+
+    @property
+    def leader(self) -> int:
+        """The rank that writes the store's weights (rank 0 unless it was lost)."""
+        return 0 if self.epoch is None else self.epoch.members[0]
 
     def next_round(self) -> int:
         """Number a new round (this worker's rounds go in order; one at a time)."""
@@ -920,12 +975,26 @@ class AllReduce(UpdateRule):
         """One round: add ``grad`` (float32, ``flat().size`` values), wait for
         every worker's, and write their mean into ``out`` (float32, the same
         size); every part at once.  The bytes sent."""
-        n = self._sent.shape[1]
+        n = self._size
         if grad.dtype != np.float32 or out.dtype != np.float32 or not grad.size == out.size == n:
             raise InvalidArgumentError(f"rule 'allreduce' reduces float32 arrays of {n} values")
         r = self.next_round()
         sent = await asyncio.gather(*(self.reduce_part(r, i, grad, out, step=step) for i in range(len(self.parts))))
-        return sum(sent)
+        return sum(sent) + await self.complete_round(r, grad, out, step=step)
+
+    async def complete_round(self, r: int, grad: np.ndarray, out: np.ndarray, *, step: int | None = None) -> int:
+        """After every part of round ``r`` came back: send again, in the
+        current membership, the parts that came back in an older one (a
+        part can go through before a worker dies in another part of the
+        round, and the survivors then redo the round whole).  The bytes sent."""
+        sent = 0
+        while stale := [i for i, got in enumerate(self._came_back) if got != (r, self.epoch_number)]:
+            sent += sum(await asyncio.gather(*(self.reduce_part(r, i, grad, out, step=step) for i in stale)))
+        return sent
+
+    @property
+    def epoch_number(self) -> int:
+        return 0 if self.epoch is None else self.epoch.number
 
     async def reduce_part(self, r: int, part: int, grad: np.ndarray, out: np.ndarray, *,
                           step: int | None = None) -> int:
@@ -933,33 +1002,141 @@ class AllReduce(UpdateRule):
         ``grad`` goes in, and the mean of every worker's comes into the same
         range of ``out``.  The bytes sent."""
         st = self.store
-        k = r % self.sums
         first, end = self.parts[part]
-        buf = await self._sums(first=r == 0)
-        diff = grad[first:end] - self._sent[k, first:end]
-        offset = self._counters + k * self._span + 4 * first
-        await buf.accumulate(offset, diff, wire=self.wire)
-        self._sent[k, first:end] += as_wire(diff, self.wire, out=diff)     # what the servers added
-        slot = k * len(self.parts) + part
-        await buf.notify_add(slot, 1)
-        need = (r // self.sums + 1) * st.workers
-        try:
-            await buf.wait_notify(slot, need, timeout=self.round_timeout)
-        except NotifyTimeout:
-            have = int(await buf.read_notify(slot)) - (need - st.workers)
-            what = f"step {step}" if step is not None else f"round {r}"
-            raise NotifyTimeout(f"{st.workers - have} of the {st.workers} workers of store {st.name!r} sent no "
-                                f"gradient for {what} in {self.round_timeout:g} s (rule 'allreduce' waits for "
-                                f"every worker, as torch DDP does)",
-                                hint="a worker died, stalls or took fewer steps: restart the job (resume=True), "
-                                     "or use rule='diloco', which goes on without it") from None
+        while True:
+            ep = await self._epoch_now(r)
+            k = (r - ep.base) % self.sums
+            diff = grad[first:end] - ep.sent[k, first:end]
+            offset = self._counters + k * self._span + 4 * first
+            await ep.buf.accumulate(offset, diff, wire=self.wire)
+            ep.sent[k, first:end] += as_wire(diff, self.wire, out=diff)     # what the servers added
+            need = ((r - ep.base) // self.sums + 1) * ep.workers
+            if await self._counted(ep, r, k * len(self.parts) + part, need, step):
+                break
+            # (the survivors of a dead worker went on to a new membership: this round again, in it)
         mean = out[first:end]
-        await buf.read_into(mean, offset)
-        np.divide(mean, st.workers, out=mean)
+        await ep.buf.read_into(mean, offset)
+        np.divide(mean, ep.workers, out=mean)
+        self._came_back[part] = (r, ep.number)
         sent = int(diff.nbytes * _wire_fraction(diff.dtype, self.wire))
         await st.count_push(sent, update=False)     # (the shared weights' version does not move)
         st.count_pull(mean.nbytes)
         return sent
+
+    async def _counted(self, ep: roster.Epoch, r: int, slot: int, need: int, step: int | None) -> bool:
+        """Count this worker in at ``slot`` and wait until every member of
+        ``ep`` has: True; False where a new membership replaced ``ep``
+        meanwhile (this worker is in it: :meth:`_adopt`)."""
+        st = self.store
+        poisoned = await ep.buf.notify_add(slot, 1) < 0
+        since = time.monotonic()
+        while True:
+            if not poisoned:
+                try:
+                    await ep.buf.wait_notify(slot, need, timeout=min(LOOK_EVERY, self.dead_after))
+                    return True
+                except NotifyTimeout:
+                    have = int(await ep.buf.read_notify(slot))
+                if have >= need:
+                    return True
+                poisoned = have < 0
+            if poisoned:
+                # another survivor is declaring a new membership (or finding the round went through)
+                if await self._adopt(ep):
+                    return False
+                poisoned = int(await ep.buf.read_notify(slot)) < 0
+                await asyncio.sleep(LOOK_EVERY / 4)
+                continue
+            if time.monotonic() - since >= self.round_timeout:
+                what = f"step {step}" if step is not None else f"round {r}"
+                raise NotifyTimeout(f"{need - have} of the {ep.workers} workers of store {st.name!r} sent no "
+                                    f"gradient for {what} in {self.round_timeout:g} s (rule 'allreduce' waits for "
+                                    f"every live worker; these still send heartbeats)",
+                                    hint="a worker stalls or took fewer steps than the others: restart the job "
+                                         "(resume=True), or use rule='diloco', which goes on without it")
+            dead = await self._silent(ep)
+            if dead and await self._declare(ep, r, dead, step):
+                return False
+
+    async def _silent(self, ep: roster.Epoch) -> list[int]:
+        """The members of ``ep`` other than this worker (and not finished)
+        whose heartbeat has not changed for :attr:`dead_after` s."""
+        st = self.store
+        now = time.monotonic()
+        if now - self._looked >= LOOK_EVERY:
+            fresh = await st.refresh()
+            self._looked, self._control = now, fresh
+            self._silence.saw(fresh.beats, now)
+        control = self._control
+        if control is None:
+            return []       # (another part of this round is reading them)
+        return [m for m in ep.members if m != st.rank and not control.has_finished(m)
+                and self._silence.quiet_for(m, now) >= self.dead_after]
+
+    async def _declare(self, ep: roster.Epoch, r: int, dead: list[int], step: int | None) -> bool:
+        """Round ``r`` of ``ep`` waits for the silent ranks ``dead``: make
+        the next membership without them (:mod:`smb2.train.roster`).  True
+        once this worker is in a newer membership; False where round ``r``
+        went through after all."""
+        st = self.store
+        rst = self._roster
+        assert rst is not None
+        async with self._regrouping:
+            if self.epoch is not ep:
+                return True     # (another part of this worker's round adopted one)
+            while (holder := await rst.claim(st.rank)) != 0:
+                if await self._adopt_now(ep):
+                    return True
+                if holder - 1 in await self._silent(ep) and await rst.take_over(st.rank, holder):
+                    break
+                await asyncio.sleep(LOOK_EVERY / 4)
+            try:
+                if (await rst.read())[0] != ep.number:
+                    return await self._adopt_now(ep)
+                k = (r - ep.base) % self.sums
+                need = ((r - ep.base) // self.sums + 1) * ep.workers
+                slots = range(k * len(self.parts), (k + 1) * len(self.parts))
+                held = await asyncio.gather(*(ep.buf.notify_add(s, -roster.POISON) for s in slots))
+                if all(h >= need for h in held):
+                    # every member counted itself into every part: the round went through for all
+                    await asyncio.gather(*(ep.buf.notify_add(s, roster.POISON) for s in slots))
+                    return False
+                members = tuple(m for m in ep.members if m not in dead)
+                await self._make_sums(ep.number + 1)
+                await rst.publish(ep.number + 1, r, members)
+            finally:
+                await rst.release(st.rank)
+            what = f"step {step}" if step is not None else f"round {r}"
+            log.warning("store %r: rank %s sent no heartbeat for %g s: the %d other workers go on without it "
+                        "from %s (rule 'allreduce': each step's mean is over %d workers from here on)%s",
+                        st.name, ", ".join(map(str, dead)), self.dead_after, len(members), what, len(members),
+                        "; rank 0's checkpoints stop with it" if 0 in dead else "")
+            return await self._adopt_now(ep)
+
+    async def _adopt(self, ep: roster.Epoch) -> bool:
+        async with self._regrouping:
+            return self.epoch is not ep or await self._adopt_now(ep)
+
+    async def _adopt_now(self, ep: roster.Epoch) -> bool:
+        """Move from ``ep`` to the roster's newer membership, if there is one
+        (True); a worker left out of it stops (InterfaceError)."""
+        st = self.store
+        assert self._roster is not None
+        number, base, members = await self._roster.read()
+        if number == ep.number:
+            return False
+        if st.rank not in members:
+            raise InterfaceError(f"rank {st.rank} was left out of the training of store {st.name!r}: it sent no "
+                                 f"heartbeat for {self.dead_after:g} s, and the other {len(members)} workers went "
+                                 f"on without it (rule 'allreduce')",
+                                 hint="restart the job (resume=True) to train with every worker again; a worker "
+                                      "that stalls for long (a slow data loader, a debugger) needs a larger "
+                                      "dead_after")
+        buf = await self._find_sums(number)
+        self.epoch = roster.Epoch(number, base, members, buf, np.zeros((self.sums, self._size), np.float32))
+        log.info("store %r: rank %d trains on with %d workers (%s) from round %d", st.name, st.rank, len(members),
+                 ", ".join(map(str, members)), base)
+        return True
 
     async def push(self, grads: Mapping[str, np.ndarray], *, scale: float = 1.0, lr: float | None = None) -> int:
         raise InterfaceError("rule 'allreduce' pushes nothing to the shared weights: each worker steps on the "

@@ -324,6 +324,7 @@ class ParameterStore:
         #: allreduce): rank 0's writer of them, called before a checkpoint
         self.publish_weights: Callable[[], Awaitable[None]] | None = None
         self._last_beat = 0.0
+        self._beating: asyncio.Future[None] | None = None
         self._step = 0
         self._joined = False
         # rank 0 of a fresh run wrote the mirror itself: no pull needed
@@ -971,6 +972,25 @@ class ParameterStore:
         self.control = base.updated(head, got, self.cmap)
         return self.control
 
+    def keep_beating(self) -> None:
+        """Beat every ``BEAT_INTERVAL`` in the background (this loop's task)
+        until :meth:`finish`, whatever the training loop does meanwhile: a
+        rule whose rounds wait for every worker (``allreduce``) takes a
+        worker silent for a few seconds for dead, and a long step is not
+        silence."""
+        if self._beating is None or self._beating.done():
+            self._beating = asyncio.ensure_future(self._beat_on())
+
+    async def _beat_on(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(BEAT_INTERVAL)
+                if time.monotonic() - self._last_beat >= BEAT_INTERVAL:
+                    await self._write_own()
+        except Smb2Error as exc:
+            # (the client closed, or the server went: the rounds meet it and say so)
+            log.debug("store %r: rank %d's background heartbeat stopped: %s", self.name, self.rank, exc)
+
     def stalled(self, threshold: float) -> list[tuple[int, int, float]]:
         """(rank, last step, seconds since its heartbeat) of every rank that
         has not finished and has been silent for ``threshold`` s, as of the
@@ -986,6 +1006,8 @@ class ParameterStore:
         Nothing is destroyed: the store stays for the slower ranks, for
         evaluation and for the next run."""
         self._check_member()
+        if self._beating is not None:
+            self._beating.cancel()
         # this rank's pushes on the servers (through a host agent: forwarded)
         # before it counts as finished: whoever takes the weights then has them
         await self.weights.flushed()
