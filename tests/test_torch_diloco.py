@@ -296,6 +296,8 @@ def test_rm_removes_the_outer_momentum(servers: str) -> None:
     ({"outer_lr": "0.7"}, "outer_lr must be a number > 0"),
     ({"outer_momentum": 1.0}, r"outer_momentum must be a number in \[0, 1\)"),
     ({"outer_momentum": -0.1}, r"outer_momentum must be a number in \[0, 1\)"),
+    ({"compress": "sparseloco:0.02", "outer_momentum": 0.5}, "'sparseloco:0.02' makes no outer momentum step"),
+    ({"compress": "sparseloco:0.02,decay=2"}, "compress must be 'topk:F' or 'sparseloco:F'"),
     ({"push_dtype": "int8"}, "push_dtype must be one of"),
     ({"local_steps": 4, "rule": "delta"}, "bad options for rule 'delta'.*local_steps"),
 ])
