@@ -107,7 +107,8 @@ def main() -> None:
                    help="rule diloco, --local-steps auto: the most inner steps a round may take")
     p.add_argument("--outer-momentum", type=float, default=None, help="rule diloco: the outer Nesterov momentum")
     p.add_argument("--compress", default=None,
-                   help="rule diloco: send each round's top-k, e.g. topk:0.05 (docs/training.md)")
+                   help="rule diloco: send each round's top-k, e.g. topk:0.05, or sparseloco:0.02 (the "
+                        "residual decaying, no outer momentum; docs/training.md)")
     p.add_argument("--device", default=default_device(),
                    help="where the model trains (default: this rank's GPU where there is one, else cpu)")
     a = p.parse_args()
@@ -161,7 +162,7 @@ def main() -> None:
               "loss": round(loss, 4), "accuracy": round(accuracy(model, xte, yte), 2),
               "seconds": round(time.perf_counter() - t0, 2), "comm_wait_share": round(stats["comm_wait_share"], 3),
               "lag_scaled": stats["lag_scaled"], "max_version_lag": stats["max_version_lag"],
-              "bytes_pushed": stats["bytes_pushed"],
+              "bytes_pushed": stats["bytes_pushed"], "exchanges": stats["exchanges"],
               "via": stats["via"],      # the servers, or this host's agent (SMB2_AGENT)
               "local_steps": stats.get("rounds"),       # diloco with --local-steps auto: its rounds' lengths
               "collapsed": end.collapsed if end else []}     # ranks that saw the shared model collapse

@@ -263,3 +263,12 @@ def test_the_default_system_is_the_one_line_port() -> None:
     plan = bench_tta.run_plan(a, "overloaded")
     assert plan[3:] == [(3, [bench_tta.ASYNC_PORT]), (4, [bench_tta.ASYNC_PORT])]
     assert bench_tta.run_plan(a, "homogeneous") == plan[:3]
+
+
+def test_a_compressed_system_is_named_by_its_spec() -> None:
+    # diloco/SPEC for either compression, as --compress SPEC adds it; a bad spec is refused before any run
+    for spec in ("topk:0.01", "sparseloco:0.02", "sparseloco:0.02,decay=0.9"):
+        assert bench_tta.spec_of(bench_tta.COMPRESSED + spec) == {"rule": "diloco", "local_steps": bench_tta.DILOCO_H,
+                                                                  "compress": spec}
+    with pytest.raises(SystemExit):
+        bench_tta.main(["--quick", "--compress", "sparseloco:2"])

@@ -77,10 +77,12 @@ the variants docs/training.md cites from before the stable default: ``delta``
 (every change counted whole, no lag scaling: that time's default port), ``delta/bf16``,
 ``delta/drop`` (layer dropping 0.7), ``accumulate``, ``accumulate/drop``; and ``diloco/topk:F``,
 diloco with a compressed exchange (``compress="topk:F"``: the top-k of each pseudo-gradient by
-sparse accumulate, error feedback on the worker), which ``--compress topk:F`` adds beside dense
-``diloco``: the summary gives the bytes each system pushed per exchange (a worker's uploads, the
-momentum steps it made included) and the compression's targets against dense diloco (>= 10x
-fewer bytes, a final figure within 1 %, in (c) the target >= 1.5x sooner).  A system whose rule
+sparse accumulate, error feedback on the worker) and ``diloco/sparseloco:F`` (``compress="sparseloco:F"``:
+the same cut, the residual decaying, no outer momentum step), which ``--compress topk:F`` or
+``--compress sparseloco:F`` adds beside dense ``diloco``: the summary gives the bytes each system
+pushed per exchange (a worker's uploads, the momentum steps it made included) and the compression's
+targets against dense diloco (>= 10x fewer bytes, a final figure within 1 %, in (c) the target >= 1.5x
+sooner).  A system whose rule
 this smb2 lacks is left out, with a line saying so.
 
 Runs: every system runs ``--runs`` (3) times in every scenario, the asynchronous port
@@ -104,8 +106,8 @@ hides inside backward): 1 - the time of as many steps under ``no_sync()``
 
     python tools/bench_tta.py [--quick] [--task mlp|lm]
         [--scenarios homogeneous,straggler,comm-bound,overloaded,fault,fault-rejoin]
-        [--systems ddp,default,diloco,easgd,torchft] [--compress topk:0.01] [--runs 3] [--default-runs 10]
-        [--hogs W]
+        [--systems ddp,default,diloco,easgd,torchft] [--compress topk:0.01|sparseloco:0.02]
+        [--runs 3] [--default-runs 10] [--hogs W]
         [--budget S] [--stop budget|target] [--json out.json] [--png out.png]
         [--replicas 2 [--kill-at 0.5]]
 
@@ -188,20 +190,20 @@ TORCHFT_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 #: torchft's lighthouse (on a host of its own) and each replica group's manager and store ports
 LIGHTHOUSE_PORT = 29510
 TORCHFT_PORT = 29600
-#: diloco with a compressed exchange (``compress="topk:F"``): the system ``COMPRESSED + F``; ``--compress
-#: topk:F`` adds it to the systems, and the default one is among EXTRA
-COMPRESSED = "diloco/topk:"
-EXTRA[COMPRESSED + "0.01"] = {"rule": "diloco", "local_steps": DILOCO_H, "compress": "topk:0.01"}
+#: diloco with a compressed exchange (``compress="topk:F"`` or ``"sparseloco:F"``): the system ``COMPRESSED
+#: + spec``; ``--compress spec`` adds it to the systems, and the default one is among EXTRA
+COMPRESSED = "diloco/"
+EXTRA[COMPRESSED + "topk:0.01"] = {"rule": "diloco", "local_steps": DILOCO_H, "compress": "topk:0.01"}
 ALL_SYSTEMS: dict[str, dict[str, Any] | None] = {**SYSTEMS, **EXTRA}
 
 
 def spec_of(system: str) -> dict[str, Any] | None:
     """The AsyncOptimizer keywords of ``system`` (None: DDP); KeyError for no system: a named one,
-    or ``diloco/topk:F`` for any fraction F."""
+    or ``diloco/SPEC`` for any compression spec (``topk:F``, ``sparseloco:F``)."""
     if system in ALL_SYSTEMS:
         return ALL_SYSTEMS[system]
     if system.startswith(COMPRESSED):
-        return {"rule": "diloco", "local_steps": DILOCO_H, "compress": system.removeprefix("diloco/")}
+        return {"rule": "diloco", "local_steps": DILOCO_H, "compress": system.removeprefix(COMPRESSED)}
     raise KeyError(system)
 
 
@@ -1320,10 +1322,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--scenarios", type=lambda s: s.split(","), default=None,
                     help=f"comma list of {', '.join(SCENARIOS)} (default: all; --quick: homogeneous)")
     ap.add_argument("--systems", type=lambda s: s.split(","), default=list(SYSTEMS),
-                    help=f"comma list of {', '.join(ALL_SYSTEMS)}, or {COMPRESSED}F (default: {', '.join(SYSTEMS)})")
-    ap.add_argument("--compress", default=None, metavar="topk:F",
-                    help="also run diloco with this compressed exchange (the system diloco/topk:F), beside dense "
-                         "diloco: bytes per exchange and time to target against it")
+                    help=f"comma list of {', '.join(ALL_SYSTEMS)}, or {COMPRESSED}SPEC, SPEC topk:F or sparseloco:F "
+                         f"(default: {', '.join(SYSTEMS)})")
+    ap.add_argument("--compress", default=None, metavar="SPEC",
+                    help="also run diloco with this compressed exchange, topk:F or sparseloco:F (the system "
+                         "diloco/SPEC), beside dense diloco: bytes per exchange and time to target against it")
     ap.add_argument("--runs", type=int, default=None,
                     help="runs of every system in every scenario; the rows' medians are reported (default 3; "
                          "--quick: 1)")
@@ -1390,9 +1393,9 @@ def _known(system: str) -> bool:
     except KeyError:
         return False
     if spec is not None and "compress" in spec:
-        from smb2.train.compress import TopK
+        from smb2.train.compress import parse_spec
         try:
-            TopK.parse(spec["compress"])
+            parse_spec(spec["compress"])
         except ValueError:
             return False
     return True
@@ -1412,7 +1415,7 @@ def main(argv: list[str] | None = None) -> int:
         a.default_runs = a.runs if a.quick else 10
     a.default_runs = max(a.default_runs, a.runs)
     if a.compress is not None:
-        for system in ("diloco", "diloco/" + a.compress):
+        for system in ("diloco", COMPRESSED + a.compress):
             if system not in a.systems:
                 a.systems.append(system)
     bad = [s for s in a.scenarios if s not in SCENARIOS] + [s for s in a.systems if not _known(s)]

@@ -53,7 +53,7 @@ from ..client import Buffer, Client, as_wire
 from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout
 from ..lock import Lock, ReplicatedLock
 from . import beside, roster
-from .compress import TopK
+from .compress import SparseLoCo, parse_spec
 from .dropping import LayerDropping
 from .lifecycle import Control
 from .local_steps import MOST, SHARE, LocalSteps
@@ -460,6 +460,10 @@ def outer_momentum_name(store: str) -> str:
 
 #: the outer momentum's side buffer (smb2.train.beside)
 OUTER = "outer"
+#: rule diloco's outer step unless told (``compress="sparseloco:F"``: lr 1, no momentum): the paper's lr
+#: 0.7 with momentum 0.5, not its 0.9, which overshoots asynchronously (docs/training.md, "DiLoCo")
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.5
 
 
 class DiLoCo(UpdateRule):
@@ -484,15 +488,21 @@ class DiLoCo(UpdateRule):
     ``M += m - M``, ``B -= B``.  With one worker every push completes its
     group, and both parts go in one accumulate: torch's
     ``SGD(nesterov=True)`` step.  Then the worker pulls the shared weights
-    and starts its next round from them."""
+    and starts its next round from them.
+
+    ``compress`` (:mod:`smb2.train.compress`) sends only a round's top-k by
+    sparse accumulates, the rest kept on the worker: ``"topk:F"`` with the
+    outer step above (``outer_lr`` 0.7, ``outer_momentum`` 0.5 unless told),
+    ``"sparseloco:F"`` with a decaying residual and no momentum step
+    (``outer_lr`` 1 unless told)."""
 
     name = "diloco"
     gradient_rule = False
     elastic = True
     exchange_at_close = True
 
-    def __init__(self, lr: float = 0.01, local_steps: int = 8, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.5, wire: str | None = "bfloat16", buffers: Sequence[str] = (),
+    def __init__(self, lr: float = 0.01, local_steps: int = 8, outer_lr: float | None = None,
+                 outer_momentum: float | None = None, wire: str | None = "bfloat16", buffers: Sequence[str] = (),
                  compress: str | None = None) -> None:
         super().__init__(lr)
         #: tensors that are model buffers (running statistics), not parameters:
@@ -502,16 +512,29 @@ class DiLoCo(UpdateRule):
             raise InvalidArgumentError(f"local_steps must be a positive int (inner steps per round), "
                                        f"not {local_steps!r}")
         self.local_steps = local_steps
+        #: the top-k cut and residual of a compressed exchange (``compress="topk:F"`` or
+        #: ``"sparseloco:F"``), or None: dense
+        self.compress = parse_spec(compress)
+        sparseloco = isinstance(self.compress, SparseLoCo)
+        if outer_lr is None:
+            outer_lr = SparseLoCo.OUTER_LR if sparseloco else OUTER_LR
         self.outer_lr = _positive("outer_lr", outer_lr)
+        if outer_momentum is None:
+            outer_momentum = 0.0 if sparseloco else OUTER_MOMENTUM
         if (not isinstance(outer_momentum, (int, float)) or isinstance(outer_momentum, bool)
                 or not 0 <= outer_momentum < 1):
             raise InvalidArgumentError(f"outer_momentum must be a number in [0, 1), not {outer_momentum!r}")
+        if isinstance(self.compress, SparseLoCo) and outer_momentum != 0:
+            # its decaying residual is the momentum: a dense momentum step per group of W rounds would
+            # also bring back most of the bytes the cut saves
+            raise InvalidArgumentError(f"compress={self.compress.spec()!r} makes no outer momentum step (the "
+                                       f"decaying residual is its momentum), so outer_momentum must be 0 or "
+                                       f"left out, not {outer_momentum!r}",
+                                       hint="compress='topk:F' keeps the outer Nesterov momentum")
         self.outer_momentum = float(outer_momentum)
         if wire not in (None, "bfloat16", "float16"):
             raise InvalidArgumentError(f"wire must be None, 'bfloat16' or 'float16', not {wire!r}")
         self.wire = wire
-        #: the top-k cut and residual of a compressed exchange (``compress="topk:F"``), or None: dense
-        self.compress = TopK.parse(compress)
         self.steps = 0
         self._outer: Buffer | None = None
         # the entries of the pseudo-gradient the coming push sends (compressed)
