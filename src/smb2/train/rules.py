@@ -105,6 +105,7 @@ class BoundStore(Protocol):
     def keep_beating(self) -> None: ...
 
 
+
 def _positive(what: str, v: Any, *, upper: float | None = None) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or (upper is not None and v > upper):
         rng = f"in (0, {upper}]" if upper is not None else "> 0"
@@ -141,6 +142,9 @@ class UpdateRule(abc.ABC):
     #: (smb2.train.lifecycle); a rule whose workers move in lockstep says no,
     #: and a torchrun restart of the group then opens a new, resumed run
     rejoinable = True
+    #: the others take a worker whose heartbeat stopped for dead: the store
+    #: beats in the background from the start barrier on (ParameterStore.keep_beating)
+    watches_heartbeats = False
 
     def __init__(self, lr: float = 0.01) -> None:
         self.lr = _positive("lr", lr)
@@ -874,6 +878,8 @@ class AllReduce(UpdateRule):
     # a restarted worker's rounds would count from 0 while the others' go on:
     # a torchrun restart (the whole group) opens a new run from rank 0's last save
     rejoinable = False
+    # a worker silent for dead_after is taken for dead: every worker beats while it computes
+    watches_heartbeats = True
     sums = 2
 
     def __init__(self, wire: str | None = "bfloat16", round_timeout: float = 60.0,
@@ -980,7 +986,7 @@ class AllReduce(UpdateRule):
                                  f"their first step",
                                  hint="restart the whole job (resume=True continues from the last "
                                       "checkpoint), or use rule='diloco', which a restarted worker rejoins")
-        # every worker beats while it computes: the others take a silent one for dead
+        # (from the start barrier on, where it was passed: this store's rank beats while it computes)
         st.keep_beating()
         return roster.Epoch(number, base, members, buf, np.zeros((self.sums, self._size), np.float32))
 

@@ -864,9 +864,15 @@ class ParameterStore:
         after ``RECONCILE_POLLS`` polls in which the count stood still, and
         at the timeout, does it read every rank's row (a rank that died
         between its row and its count and came back into the run is
-        counted so)."""
+        counted so).  Past it, a rule that takes a silent worker for dead
+        (``allreduce``) has this rank beat in the background
+        (:meth:`keep_beating`)."""
         self._check_member()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        await self._await_joins(None if timeout is None else time.monotonic() + timeout, timeout)
+        if self.rule.watches_heartbeats:
+            self.keep_beating()
+
+    async def _await_joins(self, deadline: float | None, timeout: float | None) -> None:
         if not self._joined:
             if self.rank:
                 # rank 0 may have opened a newer run since open() chose this one
@@ -978,7 +984,7 @@ class ParameterStore:
         rule whose rounds wait for every worker (``allreduce``) takes a
         worker silent for a few seconds for dead, and a long step is not
         silence."""
-        if self._beating is None or self._beating.done():
+        if self.member and (self._beating is None or self._beating.done()):
             self._beating = asyncio.ensure_future(self._beat_on())
 
     async def _beat_on(self) -> None:
