@@ -1073,6 +1073,10 @@ class AllReduce(UpdateRule):
                 # another survivor is declaring a new membership (or finding the round went through)
                 if await self._adopt(ep):
                     return False
+                # (a declaring survivor that died half-way: its claim is taken over, the declaration made)
+                dead = await self._silent(ep)
+                if dead and await self._declare(ep, r, dead, step):
+                    return False
                 poisoned = int(await ep.buf.read_notify(slot)) < 0
                 await asyncio.sleep(LOOK_EVERY / 4)
                 continue
