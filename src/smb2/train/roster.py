@@ -49,6 +49,7 @@ import time
 import numpy as np
 
 from ..client import Buffer
+from ..errors import InterfaceError
 
 MEMBERS = "members"
 #: subtracted from a blocked round's counters by the worker that declares a
@@ -110,7 +111,10 @@ class Roster:
         words = np.empty(2 + self.workers, np.int64)
         await self.buf.read_into(words, self._record(epoch))
         members = tuple(int(r) for r in np.flatnonzero(words[2:]))
-        assert len(members) == int(words[1]), (epoch, words)
+        if len(members) != int(words[1]) or not members:
+            raise InterfaceError(f"the membership record {epoch} of {self.buf.name!r} names {len(members)} "
+                                 f"workers where it counts {int(words[1])}: it was overwritten",
+                                 hint="restart the job (resume=True); only smb2's own workers write it")
         return epoch, int(words[0]), members
 
     async def claim(self, rank: int) -> int:

@@ -945,8 +945,10 @@ class AllReduce(UpdateRule):
         at zero (a resumed run counts its rounds from 0 again)."""
         st = self.store
         await self._make_sums(0)
-        members = await beside.make(st.client, st.buf.name, roster.MEMBERS, roster.Roster.nbytes(st.workers),
-                                    replicas=st.buf.replicas)
+        size = roster.Roster.nbytes(st.workers)
+        # (one stripe of its own size: one server, and no room taken beyond its words)
+        members = await beside.make(st.client, st.buf.name, roster.MEMBERS, size, replicas=st.buf.replicas,
+                                    stripe=size)
         await members.write(0, np.zeros(members.nbytes, np.uint8))
 
     async def _make_sums(self, epoch: int) -> Buffer:
