@@ -20,7 +20,7 @@ from smb2.errors import InterfaceError, InvalidArgumentError, NotifyTimeout
 from smb2.testing.proxy import FaultProxy
 from smb2.testing.waits import until
 from smb2.testing.workers import json_objects, torchrun, torchrun_failure
-from smb2.train import ParameterStore, rules
+from smb2.train import ParameterStore, beside, roster, rules
 from smb2.train.rules import AllReduce
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
@@ -145,6 +145,31 @@ async def test_the_survivors_of_a_dead_worker_go_on_with_their_own_mean(cluster:
         ep = rule[w].epoch                                                  # type: ignore[attr-defined]
         assert (ep.number, ep.base, ep.members) == (1, 2, (0, 1))
     assert rule[1].leader == 0                                              # type: ignore[attr-defined]
+
+
+async def test_a_survivor_that_dies_while_it_declares_is_taken_over(cluster: smb2.LocalCluster) -> None:
+    # worker 2 dies; worker 1 takes the roster's claim and poisons round 2's counters, as a declaring
+    # survivor does first, and dies before it publishes the membership; worker 0, waiting on the
+    # poisoned counters, takes the silent holder's claim over and goes on alone: round 2 is its own
+    stores = await _stores(cluster, "tcp", "ar-claim", 3, dead_after=0.3)
+    rule = [s.rule for s in stores]
+    grads = [_grads(r, 3, exact=True, n=stores[0].flat().size) for r in range(3)]
+    outs = [[np.zeros_like(g) for g in grads[r]] for r in range(3)]
+    for k in range(2):
+        await asyncio.gather(*(rule[r].reduce(grads[r][k], outs[r][k]) for r in range(3)))    # type: ignore[attr-defined]
+    await stores[2].client.close()
+    client1 = stores[1].client
+    members = roster.Roster(await beside.find(client1, "ar-claim", roster.MEMBERS), 3)
+    assert await members.claim(1) == 0
+    sums = (await beside.find(client1, "ar-claim", rules.GRADIENTS)).set_notify_area(
+        0, 2 * len(rule[1].parts))                                          # type: ignore[attr-defined]
+    for slot in range(len(rule[1].parts)):                                  # type: ignore[attr-defined]
+        await sums.notify_add(slot, -roster.POISON)                         # (round 2: the first sum's slots)
+    await client1.close()
+    await asyncio.wait_for(rule[0].reduce(grads[0][2], outs[0][2], step=2), 60)     # type: ignore[attr-defined]
+    np.testing.assert_array_equal(outs[0][2], grads[0][2])
+    ep = rule[0].epoch                                                      # type: ignore[attr-defined]
+    assert (ep.number, ep.base, ep.members) == (1, 2, (0,))
 
 
 async def test_a_worker_left_out_while_silent_stops_in_words(cluster: smb2.LocalCluster) -> None:
