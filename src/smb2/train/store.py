@@ -952,9 +952,15 @@ class ParameterStore:
         # a checkpoint is due by steps, not by time: checked at every step
         await self._maybe_checkpoint()
         if not force and time.monotonic() - self._last_beat < BEAT_INTERVAL:
+            if self.control is not None:
+                self._check_current(self.control)     # (as the background beat last saw it)
             return
+        self._check_current(await self._beat())
+
+    async def _beat(self) -> Control:
+        """One beat: this rank's words out, a chunk of the others' in, the counts published."""
         _, control, _ = await asyncio.gather(self._write_own(), self._look_around(), self.publish_counts())
-        self._check_current(control)
+        return control
 
     async def _look_around(self) -> Control:
         """A heartbeat's read: the head line and the next chunk of the ranks'
@@ -992,7 +998,7 @@ class ParameterStore:
             while True:
                 await asyncio.sleep(BEAT_INTERVAL)
                 if time.monotonic() - self._last_beat >= BEAT_INTERVAL:
-                    await self._write_own()
+                    await self._beat()      # (a newer run it sees is raised by the next heartbeat)
         except Smb2Error as exc:
             # (the client closed, or the server went: the rounds meet it and say so)
             log.debug("store %r: rank %d's background heartbeat stopped: %s", self.name, self.rank, exc)
