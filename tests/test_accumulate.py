@@ -1,6 +1,7 @@
 """bf16/fp16 pushes end to end: ``Buffer.accumulate(offset, delta, wire=...)``
 sends a float32 delta as half-width floats and each server upcasts it into
-its float32 words.  Real servers: a LocalCluster (every transport this
+its float32 words; and the other way, ``read_into(out, offset, wire=...)``
+gets float32 words rounded to half width (by the server, over TCP).  Real servers: a LocalCluster (every transport this
 machine tests), in-process servers with a small frame limit, and raw frames
 for what a client would never send."""
 
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 
 import smb2
+from smb2.client import as_wire
 from smb2.errors import ErrorCode
-from smb2.protocol import FLAG_STAGED, WIRE_CODES, Op
+from smb2.protocol import DTYPE_CODES, DTYPE_SHIFT, FLAG_STAGED, WIRE_CODES, Op
 from smb2.testing import wire as raw
 from smb2.testing.floats import NARROW, same_floats, widen
 
@@ -220,3 +222,90 @@ async def test_widening_push_waits_for_a_write_into_its_upper_half(server: smb2.
                                        buf.accumulate(0, np.ones(1024, np.float32), wire="bfloat16"))
         got = (await buf.read(0, 4096)).view(np.float32)
     assert (got[:768] == 1).all() and (got[768:] == 3).all()
+
+
+# -- narrowing reads: read_into(out, offset, wire=...) --------------------
+
+@pytest.mark.parametrize("wire", WIRES)
+async def test_narrow_read_across_stripes_and_servers(cluster: smb2.LocalCluster, client: smb2.Client,
+                                                      transport: str, wire: str) -> None:
+    rng = np.random.default_rng(3)
+    buf = await client.create("narrow-" + wire, 9 * 4 * STRIPE, stripe=STRIPE)
+    base = _values(rng, buf.nbytes // 4)
+    base[[5, 77, 4099]] = [np.nan, np.inf, 3.0e38]          # NaN stays NaN, too large becomes inf
+    await buf.write(0, base)
+    offset, n = STRIPE + 1000, (7 * 4 * STRIPE) // 4 + 333
+    out = np.full(n, -1.0, np.float32)
+    sent = sum(s.bytes_out for s in cluster.servers)
+    await buf.read_into(out, offset, wire=wire)
+    lo = offset // 4
+    # the words rounded as accumulate(wire=) rounds a delta, on every transport
+    assert same_floats(out, widen(NARROW[wire](base[lo:lo + n]), wire))
+    assert same_floats(out, as_wire(base[lo:lo + n], wire))
+    assert not same_floats(out, base[lo:lo + n])
+    if transport == "tcp":
+        # the servers rounded them: half the float32 bytes crossed the link
+        assert sum(s.bytes_out for s in cluster.servers) - sent == 2 * n
+
+
+async def test_narrow_read_cut_into_many_requests(small_frames: list[smb2.Server], transport: str) -> None:
+    rng = np.random.default_rng(4)
+    async with await smb2.connect([s.address for s in small_frames], transport=transport) as c:
+        buf = await c.create("cut", 3 * 8 * 16384, stripe=16384)
+        base = _values(rng, buf.nbytes // 4)
+        await buf.write(0, base)
+        out = np.empty(base.size - 3, np.float32)
+        reads = [s.ops.get("tcp", {}).get("read", 0) for s in small_frames]
+        await buf.read_into(out, 8, wire="bfloat16")
+    assert same_floats(out, as_wire(base[2:-1], "bfloat16"))
+    if transport == "tcp":
+        # each server's share went in several narrowing requests (16 KiB frames)
+        assert all(s.ops["tcp"]["read"] - r >= 4 for s, r in zip(small_frames, reads, strict=True))
+
+
+async def test_narrow_read_argument_errors(client: smb2.Client) -> None:
+    buf = await client.create("args", 4 * STRIPE, stripe=STRIPE)
+    await buf.write(0, np.ones(buf.nbytes // 4, np.float32))
+    out = np.zeros(16, np.float32)
+    with pytest.raises(smb2.InvalidArgumentError, match=r"float32 out .* float64"):
+        await buf.read_into(np.zeros(16), 0, wire="bfloat16")
+    with pytest.raises(smb2.InvalidArgumentError, match="wire must be None, 'bfloat16' or 'float16'"):
+        await buf.read_into(out, 0, wire="int8")
+    with pytest.raises(smb2.InvalidArgumentError, match="not a multiple of 4"):
+        await buf.read_into(out, 2, wire="bfloat16")
+    with pytest.raises(smb2.InvalidArgumentError, match="runs past the end"):
+        await buf.read_into(out, buf.nbytes - 48, wire="bfloat16")
+    assert not out.any()
+    await buf.read_into(out, buf.nbytes - 64, wire="float16")
+    assert (out == 1).all()
+
+
+async def test_bad_narrowing_reads_are_refused(server: smb2.Server) -> None:
+    async with await smb2.connect([server.address]) as c:
+        buf = await c.create("victim", 2 * STRIPE)
+        words = np.arange(buf.nbytes // 4, dtype=np.float32) + 0.5
+        await buf.write(0, words)
+    seg = server.by_name["victim"]
+
+    def read(code: int, *, offset: int, length: int, rid: int) -> bytes:
+        return raw.frame(Op.READ, segment=seg.id, offset=offset, length=length, rid=rid, flags=code << DTYPE_SHIFT)
+    bf16 = WIRE_CODES["bfloat16"]
+    bad = [
+        (read(bf16, offset=2, length=8, rid=2), ErrorCode.BAD_REQUEST, "aligned to 4 bytes"),
+        (read(bf16, offset=0, length=7, rid=3), ErrorCode.BAD_REQUEST, "whole 2-byte items"),
+        # 8 bytes wanted would fit before the end; the 16 bytes of float32 they cover do not
+        (read(bf16, offset=seg.size - 8, length=8, rid=4), ErrorCode.OUT_OF_BOUNDS, "outside segment"),
+        (read(DTYPE_CODES["int32"], offset=0, length=8, rid=5), ErrorCode.BAD_REQUEST,
+         "narrows float32 to"),
+        (read(7, offset=0, length=8, rid=6), ErrorCode.BAD_REQUEST, "not to dtype code 7"),
+    ]
+    reader, writer = await asyncio.open_connection(*server.address)
+    try:
+        await raw.expect_refusals(reader, writer, bad)
+        # the connection is still good, and the same read done right narrows four words
+        writer.write(read(bf16, offset=16, length=8, rid=9))
+        hdr, body = await raw.reply(reader)
+        assert hdr[4] == 0 and hdr[5] == 9
+        assert body == NARROW["bfloat16"](words[4:8]).tobytes()
+    finally:
+        writer.close()

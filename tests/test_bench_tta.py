@@ -123,10 +123,10 @@ def test_bytes_per_step_match_model_and_rule(result: dict) -> None:
             assert 0.98 * want <= p <= 1.05 * want, f"{name}: payload {p:.0f} B/step, rule says {want:.0f}"
     # the rules against each other: EASGD exchanges (a push and a pull) every 4th step, where rule delta
     # pushes and pulls every step; the default port, rule allreduce, sends the bf16 gradient and reads
-    # the float32 mean
+    # the mean rounded to bf16 by the servers
     delta = bench_tta.expected_bytes_per_step("delta", params, rows["easgd"]["workers"])
     assert rows["easgd"]["expected_bytes_per_step"] == 0.25 * delta
-    assert rows["default"]["expected_bytes_per_step"] == 1.5 * 4 * params
+    assert rows["default"]["expected_bytes_per_step"] == 1.0 * 4 * params
 
 
 def test_the_machine_round_trip_is_recorded(result: dict) -> None:
@@ -161,12 +161,12 @@ def test_every_system_trains_the_language_model(lm_result: dict) -> None:
         ddp = rows["ddp"]["final"]
         assert r["final_vs_ddp"] == pytest.approx(100 * (ddp - r["final"]) / ddp), name
     assert {t["scenario"] for t in lm_result["targets"]} == {"homogeneous"}
-    # the default port's rule, allreduce, moves the bf16 gradient up and the float32 mean down each
-    # step (1.5 model sizes), plus headers, the round counters' polls and the start (the weights
-    # pulled once)
+    # the default port's rule, allreduce, moves the bf16 gradient up and the mean down, rounded to
+    # bf16 by the servers, each step (one float32 model size), plus headers, the round counters' polls
+    # and the start (the weights pulled once)
     assert bench_tta.rule_of(bench_tta.spec_of("default") or {}) == "allreduce"
     ar = rows["default"]
-    assert ar["expected_bytes_per_step"] == 1.5 * 4 * ar["params"]
+    assert ar["expected_bytes_per_step"] == 1.0 * 4 * ar["params"]
     for m in ar["link_bytes_per_step"]:
         assert ar["expected_bytes_per_step"] <= m <= 1.3 * ar["expected_bytes_per_step"], ar["link_bytes_per_step"]
 

@@ -17,6 +17,7 @@ import pytest
 
 import smb2
 from smb2 import _core, cli
+from smb2.client import as_wire
 from smb2.placement import Placement
 from smb2.testing.waits import until
 
@@ -80,6 +81,10 @@ async def test_a_replicated_buffer_is_made_with_the_placements_sizes(replicated:
         data = np.random.default_rng(7).integers(0, 256, buf.nbytes, dtype=np.uint8)
         await buf.write(0, data)
         assert np.array_equal(await again.read(0, buf.nbytes), data)
+        # a narrowing read of a replicated buffer: the words, rounded on this side
+        words = np.empty(buf.nbytes // 4 - 3, np.float32)
+        await again.read_into(words, 4, wire="bfloat16")
+        assert np.array_equal(words, as_wire(data[4:-8].view(np.float32), "bfloat16"), equal_nan=True)
         assert not await buf.degraded()
 
 

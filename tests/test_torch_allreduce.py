@@ -99,6 +99,8 @@ async def test_bfloat16_rounding_does_not_build_up(cluster: smb2.LocalCluster, t
             before = grads[r][k - rule.sums] if k >= rule.sums else zero
             e = errors[r][k % rule.sums] = 2.0 ** -8 * (np.abs(grads[r][k] - before) + errors[r][k % rule.sums])
             bound += (e + 1e-6 * (np.abs(grads[r][k]) + np.abs(before))) / 2     # (+ float32's sums)
+        # and the sum read back rounded to bfloat16, once: within 2^-8 of it, no build-up either
+        bound += 2.0 ** -8 * (np.abs(want) + bound)
         assert np.all(np.abs(outs[0][k] - want) <= bound), k
         np.testing.assert_array_equal(outs[0][k], outs[1][k])
 

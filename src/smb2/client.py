@@ -102,6 +102,20 @@ def as_wire(values: np.ndarray, wire: str | None, out: np.ndarray | None = None)
     return out
 
 
+def _wire_code(wire: Any, values: Any, what: str) -> int:
+    """The dtype code of ``wire`` for the float32 array ``values`` that
+    ``what`` ("accumulate": its delta, "read_into": its out) moves narrower."""
+    code = WIRE_CODES.get(wire) if isinstance(wire, str) else None
+    if code is None:
+        raise InvalidArgumentError(f"wire must be None, {' or '.join(map(repr, WIRE_CODES))}, not {wire!r}")
+    if not isinstance(values, np.ndarray) or values.dtype.name != "float32" or values.dtype.byteorder == ">":
+        kind = values.dtype if isinstance(values, np.ndarray) else type(values).__name__
+        noun = "delta" if what == "accumulate" else "out"
+        raise InvalidArgumentError(f"{what} with wire={wire!r} moves a float32 {noun} narrower (native byte "
+                                   f"order), and this one is {kind}: pass a float32 array")
+    return code
+
+
 def _bytes_view(data: Any, *, writable: bool, what: str) -> memoryview:
     """A flat byte view of ``data`` without copying it."""
     if isinstance(data, np.ndarray):
@@ -841,7 +855,10 @@ class Buffer:
                        fence: tuple[int, int] | None) -> None:
         seg = self.segments[server]
         if what == "read":
-            await t.read_into(parts, seg, seg_off, length)
+            if dtype_code:
+                await t.read_narrow(parts, seg, seg_off, length, dtype_code)
+            else:
+                await t.read_into(parts, seg, seg_off, length)
         elif what == "write":
             if fence is None:
                 await t.write(parts, seg, seg_off, length)
@@ -964,17 +981,43 @@ class Buffer:
         await self.read_into(out, offset, timeout=timeout)
         return out
 
-    async def read_into(self, out: Any, offset: int = 0, *, timeout: float | None = None) -> None:
-        """Fill ``out`` (a writable C-contiguous array) from ``offset``, in place."""
+    async def read_into(self, out: Any, offset: int = 0, *, wire: str | None = None,
+                        timeout: float | None = None) -> None:
+        """Fill ``out`` (a writable C-contiguous array) from ``offset``, in place.
+
+        ``wire="bfloat16"`` (or ``"float16"``): ``out`` is float32, and
+        gets the buffer's float32 words rounded to that type as
+        :func:`as_wire` rounds them (the same values on every transport),
+        which a server reached over TCP rounds before they cross the link:
+        half the bytes.  (Over shm and RDMA the client reads the words and
+        rounds them itself.)"""
+        code = 0
+        if wire is not None:
+            code = _wire_code(wire, out, "read_into")
+            if offset % 4:
+                raise InvalidArgumentError(f"read_into with wire={wire!r} reads float32 words: offset {offset} "
+                                           "is not a multiple of 4")
         if (mapped := self._mapped) is not None and (timeout is None or _check_timeout(timeout)) \
                 and not self.client._closed:
             if done := mapped.read_into(out, offset):
+                if code:
+                    as_wire(out, wire, out=out)
                 if done == _COPY_DONE_PAUSE:
                     await asyncio.sleep(0)
                 return
         view = _bytes_view(out, writable=True, what="out")
         offset = self._range(offset, len(view), "a read")
-        await self._run("read", view, offset, timeout=timeout)
+        if not code:
+            await self._run("read", view, offset, timeout=timeout)
+            return
+        if self.replicated or self.stripe % 4:
+            # (a replicated buffer's reads go through its copies' checks: read the words, round them here)
+            await self._run("read", view, offset, timeout=timeout)
+            as_wire(out, wire, out=out)
+            return
+        narrow = np.empty(out.size, np.uint16)
+        await self._run("read", _bytes_view(narrow, writable=True, what="out"), offset, code, timeout=timeout)
+        (_core.from_bfloat16 if wire == "bfloat16" else _core.from_float16)(narrow, out)
 
     async def accumulate(self, offset: int, delta: np.ndarray, *, wire: str | None = None,
                          notify: tuple[int, int] | None = None, timeout: float | None = None) -> None:
@@ -988,21 +1031,13 @@ class Buffer:
         the float32 words at ``offset``.  ``notify`` as for :meth:`write`."""
         if not isinstance(delta, np.ndarray):
             raise InvalidArgumentError(f"delta must be a numpy array, not {type(delta).__name__}")
-        native = delta.dtype.byteorder != ">"
         if wire is None:
             code = DTYPE_CODES.get(delta.dtype.name)
-            if code is None or not native:
+            if code is None or delta.dtype.byteorder == ">":
                 raise InvalidArgumentError(
                     f"accumulate supports {', '.join(DTYPE_CODES)} (native byte order), not {delta.dtype}")
         else:
-            code = WIRE_CODES.get(wire) if isinstance(wire, str) else None
-            if code is None:
-                raise InvalidArgumentError(
-                    f"wire must be None, {' or '.join(map(repr, WIRE_CODES))}, not {wire!r}")
-            if delta.dtype.name != "float32" or not native:
-                raise InvalidArgumentError(
-                    f"accumulate with wire={wire!r} sends a float32 delta narrower, and this one "
-                    f"is {delta.dtype}: pass delta.astype(np.float32)")
+            code = _wire_code(wire, delta, "accumulate")
         view = _bytes_view(delta, writable=False, what="delta")
         offset = self._range(offset, len(view), "an accumulate")
         if offset % delta.itemsize:

@@ -47,6 +47,7 @@ MASK64: Final = (1 << 64) - 1
 class Op(enum.IntEnum):
     CONTROL = 1        # payload: msgpack map {"cmd": ..., ...}; reply: msgpack map
     READ = 2           # length = bytes wanted, no payload; reply payload: the bytes
+                       # (flags may carry a narrowing code: read_span)
     WRITE = 3          # payload: the bytes; empty reply
     ACCUMULATE = 4     # payload: the delta; flags carry the dtype; empty reply
     FETCH_ADD = 5      # payload: u64 addend; reply: u64 old value
@@ -141,6 +142,30 @@ def accumulate_span(flags: int, offset: int, length: int) -> int:
                          f"{dst_item} bytes and whole {src_item}-byte items of payload, "
                          f"not offset {offset} and {length} bytes")
     return length // src_item * dst_item
+
+def read_span(flags: int, offset: int, length: int) -> int:
+    """The bytes of the segment a READ covers: ``length``, the bytes wanted,
+    unless its flags carry a code of :data:`WIRE_CODES`: then the server
+    sends float32 words from ``offset`` narrowed to that type (rounded as
+    ``accumulate(wire=)`` rounds), ``length`` bytes of them for twice as
+    many of the segment.  Raises ValueError, with a message for the sender,
+    for another code or a range that is not whole, aligned items."""
+    code = (flags & DTYPE_MASK) >> DTYPE_SHIFT
+    if code == 0:
+        return length
+    if code not in WIRE_CODES.values():
+        raise ValueError(f"a READ narrows float32 to {' or '.join(WIRE_CODES)} (codes "
+                         f"{', '.join(map(str, sorted(WIRE_CODES.values())))}), not to dtype code {code}")
+    return accumulate_span(flags, offset, length)
+
+
+def narrow_into(code: int, src: Any, out: Any) -> None:
+    """Round the float32 items of ``src`` into ``out`` (2-byte items) as the
+    wire type of ``code`` (of :data:`WIRE_CODES`): what a narrowing READ
+    sends, on the server and in a transport that reads float32 and narrows
+    itself."""
+    (_core.to_bfloat16 if code == _core.DTYPE_BFLOAT16_INTO_FLOAT32 else _core.to_float16)(src, out)
+
 
 def sparse_code(flags: int) -> int:
     """The value dtype code an ACCUMULATE_SPARSE's flags carry."""

@@ -923,8 +923,8 @@ def expected_bytes_per_step(system: str, params: int, world: int) -> float | Non
     rule = rule_of(spec)
     if rule == "easgd":             # every tau steps: push local, pull the correction
         return 2 * model / spec["tau"]
-    if rule == "allreduce":         # the bf16 gradient up, the f32 mean down
-        return 1.5 * model
+    if rule == "allreduce":         # the bf16 gradient up, the mean down rounded to bf16
+        return 1.0 * model
     push = 0.5 if spec.get("push_dtype") == "bfloat16" else 1.0
     return (push + 1) * model                   # push the change, pull the f32 weights
 

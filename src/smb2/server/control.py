@@ -137,7 +137,9 @@ class Control:
             "transports": srv.transports(),
             # this server takes ACCUMULATE_SPARSE (one without it closes the
             # connection on an op it does not know)
-            "sparse": True}
+            "sparse": True,
+            # a READ may ask float32 words narrowed (protocol.read_span)
+            "narrow_read": True}
         if srv.rdma is None:
             result["rdma_off"] = srv.rdma_reason
         if srv.shm is None:

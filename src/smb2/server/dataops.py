@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
+
 from .. import _core
 from ..errors import ErrorCode
 from ..protocol import (
@@ -39,6 +41,8 @@ from ..protocol import (
     Op,
     Prefix,
     accumulate_span,
+    narrow_into,
+    read_span,
 )
 from . import sparse
 from .replication import Client
@@ -171,7 +175,11 @@ class DataOps:
         return INLINE
 
     def _check_read(self, hdr: Header, size: int) -> Destination:
-        self._segment(hdr[H_SEGMENT], hdr[H_OFFSET], hdr[H_LENGTH])
+        try:
+            span = read_span(hdr[H_FLAGS], hdr[H_OFFSET], hdr[H_LENGTH])
+        except ValueError as exc:
+            raise Refused(ErrorCode.BAD_REQUEST, str(exc)) from None
+        self._segment(hdr[H_SEGMENT], hdr[H_OFFSET], span)
         return INLINE
 
     def _check_write(self, hdr: Header, size: int) -> Destination:
@@ -272,9 +280,16 @@ class DataOps:
     def _do_read(self, hdr: Header, payload: memoryview | None) -> None:
         # no payload: this runs right after on_header found the segment
         seg = self.server.segments[hdr[H_SEGMENT]]
-        offset = hdr[H_OFFSET]
-        self.conn.counts.bytes_out[hdr[H_OP]] += hdr[H_LENGTH]
-        self.conn.reply(hdr, seg.view[offset:offset + hdr[H_LENGTH]])
+        offset, length = hdr[H_OFFSET], hdr[H_LENGTH]
+        self.conn.counts.bytes_out[hdr[H_OP]] += length
+        code = (hdr[H_FLAGS] & DTYPE_MASK) >> DTYPE_SHIFT
+        if not code:
+            self.conn.reply(hdr, seg.view[offset:offset + length])
+            return
+        # a narrowing read (checked: a code of WIRE_CODES): half the bytes on the link
+        narrow = np.empty(length // 2, np.uint16)
+        narrow_into(code, seg.view[offset:offset + 2 * length], narrow)
+        self.conn.reply(hdr, narrow.data.cast("B"))
 
     def _do_write(self, hdr: Header, payload: memoryview | None) -> None:
         offset, length = hdr[H_OFFSET], hdr[H_LENGTH]

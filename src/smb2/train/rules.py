@@ -834,11 +834,14 @@ class AllReduce(UpdateRule):
     data region) into one of two sums kept beside the store
     (``<store>/gradients``) by a server-side accumulate (``wire``: bfloat16
     by default, half the bytes up), counts itself in at that sum's counter
-    (a notification slot), waits until all W have, and reads the sum
-    (float32) back: the mean is the sum over W, the same bytes for every
-    worker, so that workers that start from the same weights with the same
-    optimizer keep the same weights.  Nothing else is exchanged: the
-    store's weights are written by rank 0 when it closes.
+    (a notification slot), waits until all W have, and reads the sum back
+    (float32 on the servers; read rounded to ``wire``, which the servers
+    do before it crosses the link: half the bytes down too, as torch DDP's
+    bf16 compression hook, but summed in float32): the mean is the sum over
+    W, the same bytes for every worker, so that workers that start from the
+    same weights with the same optimizer keep the same weights.  Nothing
+    else is exchanged: the store's weights are written by rank 0 when it
+    closes.
 
     The gradients go in :attr:`parts` (whole tensors, in the reverse of
     their order, about :data:`PART_BYTES` each), each with its own sums and
@@ -1046,12 +1049,14 @@ class AllReduce(UpdateRule):
                 break
             # (the survivors of a dead worker went on to a new membership: this round again, in it)
         mean = out[first:end]
-        await ep.buf.read_into(mean, offset)
+        # (the sum rounded to the wire by the servers: the same values for every worker, half the bytes)
+        await ep.buf.read_into(mean, offset, wire=self.wire)
         np.divide(mean, ep.workers, out=mean)
         self._came_back[part] = (r, ep.number)
-        sent = int(diff.nbytes * _wire_fraction(diff.dtype, self.wire))
+        fraction = _wire_fraction(diff.dtype, self.wire)
+        sent = int(diff.nbytes * fraction)
         await st.count_push(sent, update=False)     # (the shared weights' version does not move)
-        st.count_pull(mean.nbytes)
+        st.count_pull(int(mean.nbytes * fraction))
         return sent
 
     async def _counted(self, ep: roster.Epoch, r: int, slot: int, need: int, step: int | None) -> bool:

@@ -20,8 +20,20 @@ import abc
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..errors import InterfaceError, Unsupported
-from ..protocol import DEFAULT_MAX_REQUEST
+from ..protocol import DEFAULT_MAX_REQUEST, narrow_into
+
+
+def scatter(src: np.ndarray, dst: Sequence[memoryview]) -> None:
+    """Copy ``src``'s bytes into the pieces ``dst``, in order."""
+    data = src.data.cast("B")
+    at = 0
+    for piece in dst:
+        n = len(piece)
+        piece[:] = data[at:at + n]
+        at += n
 
 
 class MemoryDomain(Protocol):
@@ -72,6 +84,19 @@ class Transport(abc.ABC):
     async def read_into(self, dst: Sequence[memoryview], segment: int, offset: int,
                         length: int) -> None:
         """Fill ``dst`` with ``length`` bytes of the segment from ``offset``."""
+
+    async def read_narrow(self, dst: Sequence[memoryview], segment: int, offset: int,
+                          length: int, code: int) -> None:
+        """Fill ``dst`` with ``length`` bytes: the float32 words of the
+        segment from ``offset`` (twice as many bytes) narrowed to the wire
+        type of ``code`` (``protocol.WIRE_CODES``).  Here: read them whole
+        and narrow on this side (a transport whose server narrows them
+        before they cross the link overrides it)."""
+        words = np.empty(length // 2, np.float32)
+        await self.read_into([words.data.cast("B")], segment, offset, 2 * length)
+        narrow = np.empty(length // 2, np.uint16)
+        narrow_into(code, words, narrow)
+        scatter(narrow, dst)
 
     @abc.abstractmethod
     async def write(self, src: Sequence[memoryview], segment: int, offset: int,

@@ -357,6 +357,14 @@ class TcpTransport(Transport, LockCapable):
         # length is the number of bytes asked for; READ carries no payload
         await self._call(Op.READ, 0, segment, offset, length, b"", _INTO, dst)
 
+    async def read_narrow(self, dst: Sequence[memoryview], segment: int, offset: int,
+                          length: int, code: int) -> None:
+        if not self.server_info.get("narrow_read"):
+            # (an older server: it would read the code-less bytes; narrowed here)
+            return await super().read_narrow(dst, segment, offset, length, code)
+        # the server narrows: ``length`` bytes cross the link, for twice as many of the segment
+        await self._call(Op.READ, code << DTYPE_SHIFT, segment, offset, length, b"", _INTO, dst)
+
     async def write(self, src: Sequence[memoryview], segment: int, offset: int,
                     length: int) -> None:
         await self._call(Op.WRITE, 0, segment, offset, length, src, _EMPTY)
