@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import smb2
-from smb2.protocol import Op
+from smb2.protocol import DTYPE_SHIFT, WIRE_CODES, Op
 from smb2.testing import wire
 
 MiB = 1 << 20
@@ -68,14 +68,18 @@ async def _server_memory(server: smb2.Server, seconds: float) -> tuple[int, int]
     return tracemalloc.get_traced_memory()[1], peak_buf
 
 
-async def test_flood_of_reads_without_reading_replies(server: smb2.Server) -> None:
+@pytest.mark.parametrize("code", [0, WIRE_CODES["bfloat16"]], ids=["plain", "narrowing"])
+async def test_flood_of_reads_without_reading_replies(server: smb2.Server, code: int) -> None:
     """4000 pipelined 4 MiB READs arrive in one recv (128 KiB of headers):
-    the server must not answer all of them into its send buffer (16 GiB)."""
+    the server must not answer all of them into its send buffer (16 GiB).
+    A narrowing READ's reply is made (rounded) for it, not a view of the
+    segment: no more of those either."""
     async with await smb2.connect([server.address]) as c:
         buf = await c.create("src", 8 * MiB)
         await buf.write(0, np.ones(buf.nbytes, np.uint8))
         seg = buf.segments[0]
-    reqs = wire.hello() + b"".join(wire.frame(Op.READ, rid=k + 2, segment=seg, length=4 * MiB) for k in range(4000))
+    reqs = wire.hello() + b"".join(wire.frame(Op.READ, rid=k + 2, segment=seg, length=4 * MiB,
+                                              flags=code << DTYPE_SHIFT) for k in range(4000))
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
