@@ -103,6 +103,9 @@ def test_bytes_per_step_match_model_and_rule(result: dict) -> None:
     params = sum(m * n + n for m, n in zip(sizes, sizes[1:]))
     for name, r in rows.items():
         assert r["params"] == params, name
+        # each worker's egress queue (its tbf's counters): packets it sent, and the share dropped
+        assert len(r["egress_drop_pct"]) == len(r["egress_packets"]) == r["workers"], name
+        assert all(n > 0 for n in r["egress_packets"]) and all(0 <= d < 100 for d in r["egress_drop_pct"]), name
         want = r["expected_bytes_per_step"]
         measured = r["link_bytes_per_step"]
         assert len(measured) == r["workers"]

@@ -98,6 +98,11 @@ not.
 (/proc schedstat), over its wall time: where the CPU, not the network, is the bottleneck the
 second is large.  The servers' shares are in the JSON (``servers_time``).
 
+"drop %": the largest share, over the workers, of the packets their link's egress queue (5 ms of
+the rate, ``netns.links.tbf_params``) had no room for, which TCP sent again: where it is large, a
+system's bursts (several flows at once out of one host, after an idle compute phase) cost it
+time that its bytes alone do not (``egress_drop_pct`` in the JSON: every worker's).
+
 "not computing" is the share of rank 0's training time spent not computing:
 smb2: AsyncOptimizer's measured wait on communication; torchft: the time in DiLoCo's
 optimizer hook (its quorum and exchange, the outer step included); DDP (whose all-reduce
@@ -264,6 +269,15 @@ def netns_link_bytes(netns: str) -> int:
     return int(counters["rx"]["bytes"]) + int(counters["tx"]["bytes"])
 
 
+def link_queue() -> tuple[int, int]:
+    """Packets this host's egress token bucket (its eth0 tbf) sent and dropped so far: a drop is a
+    packet its queue had no room for (``tbf_params``: 5 ms of the rate), which TCP sends again."""
+    qdiscs = json.loads(subprocess.run(["tc", "-s", "-j", "qdisc", "show", "dev", "eth0"], capture_output=True,
+                                       text=True, check=True).stdout)
+    tbf: dict[str, Any] = next((q for q in qdiscs if q.get("kind") == "tbf"), {})
+    return int(tbf.get("packets", 0)), int(tbf.get("drops", 0))
+
+
 def link_rate() -> int | None:
     """This host's egress rate limit in bits/s (its eth0 tbf qdisc), None if unlimited."""
     qdiscs = json.loads(subprocess.run(["tc", "-j", "qdisc", "show", "dev", "eth0"], capture_output=True,
@@ -391,7 +405,7 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
             dropping=LayerDropping(ratio) if ratio else None,
             **({"replicas": a.replicas} if a.replicas > 1 else {}), **options)
         opt = aopt
-    bytes0 = link_bytes()
+    bytes0, queue0 = link_bytes(), link_queue()
     # the watched hosts' links over this worker's training (smb2 bench agents: the servers' links, and
     # those of hosts that several workers share)
     watched0 = [netns_link_bytes(ns) for ns in a.watch]
@@ -460,10 +474,12 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
     wall = time.perf_counter() - t0
     seconds = wall - evaluating
     moved = link_bytes() - bytes0
+    queue = [n - n0 for n, n0 in zip(link_queue(), queue0, strict=True)]
     watched = {ns: [w0, netns_link_bytes(ns)] for ns, w0 in zip(a.watch, watched0)}
     cpu1 = schedstat(os.getpid())
     out: dict[str, Any] = {"rank": a.rank, "steps": steps, "seconds": seconds, "samples": steps * a.batch,
-                           "link_bytes": moved, "params": nparams, "curve": curve, "reached_s": first_reached,
+                           "link_bytes": moved, "link_packets_dropped": queue, "params": nparams, "curve": curve,
+                           "reached_s": first_reached,
                            "last_eval": curve[-1][2], "link_rate": link_rate(),
                            "time": time_shares(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], wall)}
     if watched:
@@ -951,6 +967,10 @@ def summarize(outs: list[dict[str, Any]], system: str, scenario: str, cfg: dict[
            "samples_per_s": sum(o["samples"] for o in outs) / seconds, "seconds": seconds, "steps": steps,
            "link_bytes_per_step": per_step, "expected_bytes_per_step": expected_bytes_per_step(
                system, r0["params"], len(outs)),
+           # each worker's egress queue over its training: packets sent, and % dropped (sent again by TCP)
+           "egress_packets": [o["link_packets_dropped"][0] for o in outs],
+           "egress_drop_pct": [100 * d / (n + d) if n + d else 0.0
+                               for n, d in (o["link_packets_dropped"] for o in outs)],
            "not_computing": r0["not_computing"], "curve": r0["curve"],
            "worker_link_rates": [o["link_rate"] for o in outs], "workers_time": [o["time"] for o in outs]}
     if "bytes_pushed" in r0:
@@ -1228,9 +1248,9 @@ def compression_targets(scenario: str, rows: dict[str, dict[str, Any]], task: st
 
 #: the per-run table: its columns and their number formats
 ROW_HEADER = ["scenario", "link", "system", "to tgt s", "x DDP", "samples/s", "r0 now", "final", "MB/step",
-              "not comp", "r0 cpu", "r0 rdy"]
-ROW_FORMATS = [None, None, None, "{:.1f}", "{:.2f}x", "{:.1f}", "{:.3f}", "{:.3f}", "{:.2f}", "{:.1%}", "{:.1%}",
-               "{:.1%}"]
+              "drop %", "not comp", "r0 cpu", "r0 rdy"]
+ROW_FORMATS = [None, None, None, "{:.1f}", "{:.2f}x", "{:.1f}", "{:.3f}", "{:.3f}", "{:.2f}", "{:.2f}", "{:.1%}",
+               "{:.1%}", "{:.1%}"]
 
 
 def row_cells(r: dict[str, Any]) -> list[Any]:
@@ -1238,8 +1258,8 @@ def row_cells(r: dict[str, Any]) -> list[Any]:
     r0 = r["workers_time"][0]
     ttt = r["time_to_target_s"] if r["time_to_target_s"] is not None else "miss"
     return [r["scenario"], r["rate"], r["system"], ttt, r.get("ddp_ratio"), r["samples_per_s"], r["last_eval"],
-            r["final"], sum(r["link_bytes_per_step"]) / len(r["link_bytes_per_step"]) / 1e6, r["not_computing"],
-            r0["on_cpu"], r0["waiting_for_cpu"]]
+            r["final"], sum(r["link_bytes_per_step"]) / len(r["link_bytes_per_step"]) / 1e6,
+            max(r.get("egress_drop_pct") or [0.0]), r["not_computing"], r0["on_cpu"], r0["waiting_for_cpu"]]
 
 
 def fmt_row(r: dict[str, Any]) -> str:
