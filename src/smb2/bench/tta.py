@@ -187,7 +187,7 @@ EXTRA: dict[str, dict[str, Any]] = {
     # diloco whose rounds each worker sizes from its measured step and exchange times
     "diloco-auto": {"rule": "diloco", "local_steps": "auto"},
     # DDP's arithmetic with the sum on the servers: bf16 gradients up part by part during backward,
-    # the f32 mean down
+    # the mean down rounded to bf16 by the servers
     "allreduce": {"rule": "allreduce"},
 }
 #: torchft's outer optimizer (the DiLoCo paper's): SGD, lr 0.7, Nesterov momentum 0.9

@@ -20,8 +20,8 @@ Without that bound, on the language model of ``smb2 bench tta`` (5.1 M
 parameters, AdamW, 4 workers, 1 Gbit/s links) rank 0's saves of the
 weights and moments, 62 MB every 5 s, nearly doubled its link's bytes per
 step, and under ``allreduce`` every rank waits for the slowest: there a save
-now comes every 100 steps or so (a save is 12 bytes a parameter, a step
-moves 6), and a restart trains again at most that many.  ``share=None``
+now comes every 150 steps or so (a save is 12 bytes a parameter, a step
+moves 4), and a restart trains again at most that many.  ``share=None``
 saves by time alone.  The training thread pays little: after
 an optimizer step that makes a save due, a background thread serializes the
 optimizer's tensors while the next step's forward and backward compute (the
