@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,11 +79,14 @@ def _port(model: torch.nn.Module, servers: str, name: str, **kw: Any
 
 
 def _loop(model: torch.nn.Module, opt: st.AsyncOptimizer, sched: Any, first: int, last: int,
-          record: dict[int, Any] | None = None) -> dict[int, float]:
+          record: dict[int, Any] | None = None, pause: float = 0.0) -> dict[int, float]:
     """An ordinary loop over steps first..last-1 (``record``: the optimizer's
-    state, the schedule's position and the lr as each step finds them)."""
+    state, the schedule's position and the lr as each step finds them;
+    ``pause``: seconds slept before each step, so that steps are at least
+    that far apart however fast the machine is)."""
     losses = {}
     for t in range(first, last):
+        time.sleep(pause)
         if record is not None:
             record[t] = (copy.deepcopy(opt.state_dict()), sched.last_epoch, opt.param_groups[0]["lr"])
         x, y = _batch(t)
@@ -134,10 +138,12 @@ def test_a_resumed_run_continues_its_moments_schedule_and_loss(servers: str,
     model = _model()
     opt, sched = _port(model, servers, "t-resume", resume=False, state_every=0.02, state_share=None)
     record: dict[int, Any] = {}
-    before = _loop(model, opt, sched, 0, RUN1_STEPS, record)
+    # (steps 25 ms apart at least: saves due every 20 ms come at many steps, the last ones near the end,
+    # on a fast machine as on a slow one)
+    before = _loop(model, opt, sched, 0, RUN1_STEPS, record, pause=0.025)
     opt.flush()
     saved_at = opt._saved.saves
-    assert saved_at >= 2, "saves every 20 ms: a 45-step run made several"
+    assert saved_at >= 2, "saves every 20 ms, steps 25 ms apart: a 45-step run made several"
     _crash(opt)
 
     # the job runs again: the same script, nothing added ("auto": the run did not finish)
