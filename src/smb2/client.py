@@ -54,7 +54,9 @@ from .protocol import (
     PEEK_READS,
     REPL_PREFIX_SIZE,
     WIRE_CODES,
+    narrow_into,
     parse_address,
+    widen_into,
 )
 from .transport import KINDS, Link, MapsSegments, MemoryDomain, Transport
 
@@ -95,10 +97,8 @@ def as_wire(values: np.ndarray, wire: str | None, out: np.ndarray | None = None)
     if wire not in WIRE_CODES:
         raise InvalidArgumentError(f"wire must be None, {' or '.join(map(repr, WIRE_CODES))}, not {wire!r}")
     narrow = np.empty(flat.size, np.uint16)
-    to_narrow, from_narrow = ((_core.to_bfloat16, _core.from_bfloat16) if wire == "bfloat16"
-                              else (_core.to_float16, _core.from_float16))
-    to_narrow(flat, narrow)
-    from_narrow(narrow, out)
+    narrow_into(WIRE_CODES[wire], flat, narrow)
+    widen_into(WIRE_CODES[wire], narrow, out)
     return out
 
 
@@ -1010,14 +1010,14 @@ class Buffer:
         if not code:
             await self._run("read", view, offset, timeout=timeout)
             return
-        if self.replicated or self.stripe % 4:
+        if self.replicated:
             # (a replicated buffer's reads go through its copies' checks: read the words, round them here)
             await self._run("read", view, offset, timeout=timeout)
             as_wire(out, wire, out=out)
             return
         narrow = np.empty(out.size, np.uint16)
         await self._run("read", _bytes_view(narrow, writable=True, what="out"), offset, code, timeout=timeout)
-        (_core.from_bfloat16 if wire == "bfloat16" else _core.from_float16)(narrow, out)
+        widen_into(code, narrow, out)
 
     async def accumulate(self, offset: int, delta: np.ndarray, *, wire: str | None = None,
                          notify: tuple[int, int] | None = None, timeout: float | None = None) -> None:
@@ -1048,7 +1048,7 @@ class Buffer:
         slot = _notify.check_notify(self, notify) if notify is not None else None
         if wire is not None:
             narrow = np.empty(delta.size, dtype=np.uint16)
-            (_core.to_bfloat16 if wire == "bfloat16" else _core.to_float16)(view, narrow)
+            narrow_into(code, view, narrow)
             view = _bytes_view(narrow, writable=False, what="delta")
         await self._run("accumulate", view, offset, code, timeout=timeout)
         if slot is not None:

@@ -161,10 +161,16 @@ def read_span(flags: int, offset: int, length: int) -> int:
 
 def narrow_into(code: int, src: Any, out: Any) -> None:
     """Round the float32 items of ``src`` into ``out`` (2-byte items) as the
-    wire type of ``code`` (of :data:`WIRE_CODES`): what a narrowing READ
-    sends, on the server and in a transport that reads float32 and narrows
-    itself."""
+    wire type of ``code`` (of :data:`WIRE_CODES`; to nearest, ties to even):
+    what a widening accumulate and a narrowing READ carry, made on either
+    side."""
     (_core.to_bfloat16 if code == _core.DTYPE_BFLOAT16_INTO_FLOAT32 else _core.to_float16)(src, out)
+
+
+def widen_into(code: int, src: Any, out: Any) -> None:
+    """The 2-byte items of ``src``, of the wire type of ``code``, into the
+    float32 items of ``out`` (exact)."""
+    (_core.from_bfloat16 if code == _core.DTYPE_BFLOAT16_INTO_FLOAT32 else _core.from_float16)(src, out)
 
 
 def sparse_code(flags: int) -> int:

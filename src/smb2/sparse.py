@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _core
 from .errors import InvalidArgumentError
-from .protocol import DTYPE_SHIFT, FLAG_WIDE_INDEX, SPARSE_COUNT_SIZE, WIRE_CODES
+from .protocol import DTYPE_SHIFT, FLAG_WIDE_INDEX, SPARSE_COUNT_SIZE, WIRE_CODES, narrow_into
 
 #: the word a sparse accumulate adds into: float32
 WORD = 4
@@ -68,7 +68,7 @@ def check(name: str, nbytes: int, offset: int, indices: Any, values: Any,
         if narrow is None:
             raise InvalidArgumentError(f"wire must be None, {' or '.join(map(repr, WIRE_CODES))}, not {wire!r}")
         code, sent = narrow, np.empty(len(values), np.uint16)
-        (_core.to_bfloat16 if wire == "bfloat16" else _core.to_float16)(np.ascontiguousarray(values), sent)
+        narrow_into(narrow, np.ascontiguousarray(values), sent)
     if offset % WORD:
         raise InvalidArgumentError(f"sparse accumulate into buffer {name!r}: offset {offset} is not "
                                    "aligned to a float32 word (4 bytes)")

@@ -269,20 +269,23 @@ def netns_link_bytes(netns: str) -> int:
     return int(counters["rx"]["bytes"]) + int(counters["tx"]["bytes"])
 
 
-def link_queue() -> tuple[int, int]:
-    """Packets this host's egress token bucket (its eth0 tbf) sent and dropped so far: a drop is a
-    packet its queue had no room for (``tbf_params``: 5 ms of the rate), which TCP sends again."""
+def egress_tbf() -> dict[str, Any]:
+    """This host's egress token bucket (its eth0 tbf qdisc) as ``tc -s`` gives it, with its
+    counters so far; {} where the link is unlimited."""
     qdiscs = json.loads(subprocess.run(["tc", "-s", "-j", "qdisc", "show", "dev", "eth0"], capture_output=True,
                                        text=True, check=True).stdout)
-    tbf: dict[str, Any] = next((q for q in qdiscs if q.get("kind") == "tbf"), {})
+    return next((q for q in qdiscs if q.get("kind") == "tbf"), {})
+
+
+def link_queue(tbf: dict[str, Any]) -> tuple[int, int]:
+    """Packets the token bucket ``tbf`` (:func:`egress_tbf`) sent and dropped: a drop is a packet
+    its queue had no room for (``tbf_params``: 5 ms of the rate), which TCP sends again."""
     return int(tbf.get("packets", 0)), int(tbf.get("drops", 0))
 
 
-def link_rate() -> int | None:
-    """This host's egress rate limit in bits/s (its eth0 tbf qdisc), None if unlimited."""
-    qdiscs = json.loads(subprocess.run(["tc", "-j", "qdisc", "show", "dev", "eth0"], capture_output=True,
-                                       text=True, check=True).stdout)
-    return next((8 * q["options"]["rate"] for q in qdiscs if q.get("kind") == "tbf"), None)
+def link_rate(tbf: dict[str, Any]) -> int | None:
+    """The rate limit of the token bucket ``tbf`` (:func:`egress_tbf`) in bits/s, None if unlimited."""
+    return 8 * tbf["options"]["rate"] if tbf else None
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -405,7 +408,7 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
             dropping=LayerDropping(ratio) if ratio else None,
             **({"replicas": a.replicas} if a.replicas > 1 else {}), **options)
         opt = aopt
-    bytes0, queue0 = link_bytes(), link_queue()
+    bytes0, queue0 = link_bytes(), link_queue(egress_tbf())
     # the watched hosts' links over this worker's training (smb2 bench agents: the servers' links, and
     # those of hosts that several workers share)
     watched0 = [netns_link_bytes(ns) for ns in a.watch]
@@ -474,13 +477,14 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
     wall = time.perf_counter() - t0
     seconds = wall - evaluating
     moved = link_bytes() - bytes0
-    queue = [n - n0 for n, n0 in zip(link_queue(), queue0, strict=True)]
+    tbf = egress_tbf()
+    queue = [n - n0 for n, n0 in zip(link_queue(tbf), queue0, strict=True)]
     watched = {ns: [w0, netns_link_bytes(ns)] for ns, w0 in zip(a.watch, watched0)}
     cpu1 = schedstat(os.getpid())
     out: dict[str, Any] = {"rank": a.rank, "steps": steps, "seconds": seconds, "samples": steps * a.batch,
                            "link_bytes": moved, "link_packets_dropped": queue, "params": nparams, "curve": curve,
                            "reached_s": first_reached,
-                           "last_eval": curve[-1][2], "link_rate": link_rate(),
+                           "last_eval": curve[-1][2], "link_rate": link_rate(tbf),
                            "time": time_shares(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], wall)}
     if watched:
         out["watched_links"] = watched

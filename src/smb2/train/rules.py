@@ -1080,23 +1080,21 @@ class AllReduce(UpdateRule):
                 # another survivor is declaring a new membership (or finding the round went through)
                 if await self._adopt(ep):
                     return False
-                # (a declaring survivor that died half-way: its claim is taken over, the declaration made)
-                dead = await self._silent(ep)
-                if dead and await self._declare(ep, r, dead, step):
-                    return False
-                poisoned = int(await ep.buf.read_notify(slot)) < 0
-                await asyncio.sleep(LOOK_EVERY / 4)
-                continue
-            if time.monotonic() - since >= self.round_timeout:
+            elif time.monotonic() - since >= self.round_timeout:
                 what = f"step {step}" if step is not None else f"round {r}"
                 raise NotifyTimeout(f"{need - have} of the {ep.workers} workers of store {st.name!r} sent no "
                                     f"gradient for {what} in {self.round_timeout:g} s (rule 'allreduce' waits for "
                                     f"every live worker; these still send heartbeats)",
                                     hint="a worker stalls or took fewer steps than the others: restart the job "
                                          "(resume=True), or use rule='diloco', which goes on without it")
+            # a silent member is declared dead; where the round is poisoned, it may be a declaring
+            # survivor that died half-way: its claim is taken over, the declaration made
             dead = await self._silent(ep)
             if dead and await self._declare(ep, r, dead, step):
                 return False
+            if poisoned:
+                poisoned = int(await ep.buf.read_notify(slot)) < 0
+                await asyncio.sleep(LOOK_EVERY / 4)
 
     async def _silent(self, ep: roster.Epoch) -> list[int]:
         """The members of ``ep`` other than this worker (and not finished)
