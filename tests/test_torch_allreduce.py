@@ -79,6 +79,53 @@ async def test_every_worker_gets_the_exact_mean_of_each_round(cluster: smb2.Loca
             np.testing.assert_array_equal(outs[r][k], want)
 
 
+async def test_over_tcp_a_part_goes_in_slices_one_in_flight_each_way(cluster: smb2.LocalCluster, transport: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # parts of 16 Ki values in stripes of 2 Ki, sliced at 4 KiB on the wire (2 Ki bf16 values): over
+    # TCP each worker has one slice in flight each way and starts a stripe further on than the rank
+    # before (the next server), and every worker still gets the exact mean; over shm and RDMA a part
+    # goes at once
+    monkeypatch.setattr(rules, "PART_BYTES", 64 << 10)
+    clients = [await cluster.connect(transport=transport) for _ in range(3)]
+    init = {f"w{i}": np.zeros(16 << 10, np.float32) for i in range(4)}
+    stores = [await ParameterStore.open(c, "ar-sliced", init, rule="allreduce", workers=3, rank=r, stripe=8192,
+                                        slice_bytes=4096) for r, c in enumerate(clients)]
+    flying = {id(c): {"up": 0, "down": 0} for c in clients}
+    most = {"up": 0, "down": 0}
+
+    def counted(way: str, method: Any) -> Any:
+        async def wrapper(buf: smb2.Buffer, *args: Any, **kwargs: Any) -> Any:
+            now = flying[id(buf.client)]
+            now[way] += 1
+            most[way] = max(most[way], now[way])
+            try:
+                return await method(buf, *args, **kwargs)
+            finally:
+                now[way] -= 1
+        return wrapper
+    monkeypatch.setattr(smb2.Buffer, "accumulate", counted("up", smb2.Buffer.accumulate))
+    monkeypatch.setattr(smb2.Buffer, "read_into", counted("down", smb2.Buffer.read_into))
+    grads = [_grads(r, 5, exact=True, n=stores[0].flat().size) for r in range(3)]
+    outs = await _run(stores, grads)
+    for k in range(5):
+        want = (grads[0][k] + grads[1][k] + grads[2][k]) / np.float32(3)
+        for r in range(3):
+            np.testing.assert_array_equal(outs[r][k], want)
+    rule = [s.rule for s in stores]
+    assert all(isinstance(x, AllReduce) for x in rule)
+    parts = rule[0].parts                               # type: ignore[attr-defined]
+    assert len(parts) == 4
+    n = parts[0][1] - parts[0][0]
+    slices = [x._slices(s.buf, n) for x, s in zip(rule, stores)]     # type: ignore[attr-defined]
+    if transport == "tcp":
+        assert most == {"up": 1, "down": 1}
+        assert all(len(sl) == 8 and sorted(sl) == [(a, a + 2048) for a in range(0, n, 2048)] for sl in slices)
+        assert [sl[0][0] for sl in slices] == [0, 2048, 4096]         # stripes 0, 1, 2 of the part
+    else:
+        assert slices == [[(0, n)]] * 3
+        assert most["up"] > 1 and most["down"] > 1      # (its parts at once, together)
+
+
 async def test_bfloat16_rounding_does_not_build_up(cluster: smb2.LocalCluster, transport: str) -> None:
     # a sum is never cleared: each worker adds the change from what it added to that sum last time,
     # rounded for the wire, and keeps what the rounding made of it, so the next change carries the
@@ -236,6 +283,9 @@ def test_bad_options_are_refused() -> None:
         AllReduce(dead_after=-1)
     with pytest.raises(InvalidArgumentError, match="wire"):
         AllReduce(wire="int8")
+    for bad in (100, True, 4096.0):
+        with pytest.raises(InvalidArgumentError, match="slice_bytes must be None"):
+            AllReduce(slice_bytes=bad)       # type: ignore[arg-type]
 
 
 def _reference(steps: int, workers: int) -> dict[str, torch.Tensor]:

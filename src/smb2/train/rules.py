@@ -44,7 +44,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -824,6 +824,11 @@ LOOK_EVERY = 0.25
 #: a part of the gradients (its own sum and counter): at most this many bytes of float32 values, so
 #: that a model's first parts travel while backward still computes the others (DDP's buckets)
 PART_BYTES = 4 << 20
+#: the bytes a worker has in flight each way over TCP (``AllReduce(slice_bytes=)``): a part crosses
+#: the link as slices of this size, one at a time; below a switch port's queue (a 5 ms queue at
+#: 200 Mbit/s holds 125 kB), so that the W workers' bursts into the N servers, and back, are not
+#: dropped there.  One slice a server's turn, at the link's speed, costs a round trip per slice
+SLICE_BYTES = 128 << 10
 
 
 class AllReduce(UpdateRule):
@@ -886,11 +891,18 @@ class AllReduce(UpdateRule):
     sums = 2
 
     def __init__(self, wire: str | None = "bfloat16", round_timeout: float = 60.0,
-                 dead_after: float = DEAD_AFTER) -> None:
+                 dead_after: float = DEAD_AFTER, slice_bytes: int | None = SLICE_BYTES) -> None:
         super().__init__()      # (its lr is not used: the worker's optimizer has one)
         if wire not in (None, "bfloat16", "float16"):
             raise InvalidArgumentError(f"wire must be None, 'bfloat16' or 'float16', not {wire!r}")
+        if slice_bytes is not None and (isinstance(slice_bytes, bool) or not isinstance(slice_bytes, int)
+                                        or slice_bytes < 4096):
+            raise InvalidArgumentError(f"slice_bytes must be None (a part at once) or at least 4096 bytes, "
+                                       f"not {slice_bytes!r}")
         self.wire = wire
+        #: over TCP, a part goes (and its mean comes back) as slices of this many bytes on the wire,
+        #: one in flight each way (None: a part at once, its stripes to every server together)
+        self.slice_bytes = slice_bytes
         self.round_timeout = _positive("round_timeout", round_timeout)
         #: seconds of silence (no heartbeat) after which a worker a round waits for is taken for dead
         self.dead_after = _positive("dead_after", dead_after)
@@ -908,14 +920,46 @@ class AllReduce(UpdateRule):
         self._regrouping = asyncio.Lock()     # (one part of this worker declares or adopts an epoch)
 
     def settings(self) -> dict[str, Any]:
-        return {"name": self.name, "wire": self.wire}
+        return {"name": self.name, "wire": self.wire, "slice_bytes": self.slice_bytes}
 
     @property
     def pull_each_step(self) -> bool:
         return False
 
+    def _slices(self, buf: Buffer, n: int) -> list[tuple[int, int]]:
+        """The (start, end) element ranges in which a part of ``n`` float32
+        elements of ``buf`` crosses the link: one range where the part goes
+        at once (``slice_bytes`` None, or a transport other than TCP: shm and
+        RDMA have no switch queue to overflow and would pay a request per
+        slice), else slices of ``slice_bytes`` on the wire, this worker's
+        first one a stripe further into the part than the rank before's, so
+        that workers going through their slices together are at different
+        servers."""
+        if self.slice_bytes is None or any(t != "tcp" for t in buf.client.transports):
+            return [(0, n)]
+        size = max(1, self.slice_bytes // (4 if self.wire is None else 2))
+        starts = list(range(0, n, size))
+        first = (self.store.rank * (buf.stripe // 4)) % n // size
+        return [(a, min(a + size, n)) for a in starts[first:] + starts[:first]]
+
+    async def _paced(self, lock: asyncio.Lock, slices: list[tuple[int, int]],
+                     move: Callable[..., Awaitable[Any]], offset: int, values: np.ndarray) -> None:
+        """``move(offset + 4 * start, values[start:end], wire=self.wire)``
+        (``Buffer.accumulate``, or ``read_into`` with its arguments turned) for each slice, one at a
+        time under ``lock`` (this worker's one slice in flight that way); a
+        part that goes at once goes without waiting for the lock."""
+        if len(slices) == 1:
+            await move(offset, values, wire=self.wire)
+            return
+        for a, b in slices:
+            async with lock:
+                await move(offset + 4 * a, values[a:b], wire=self.wire)
+
     def bind(self, store: BoundStore) -> None:
         super().bind(store)
+        # (this worker's one slice in flight each way, made where the store's loop runs)
+        self._sending = asyncio.Lock()
+        self._receiving = asyncio.Lock()
         n = self._size = store.flat().size
         self._span = -(-4 * n // 64) * 64
         starts = sorted((store.flat_offset(t), t) for t in store.params)
@@ -1042,7 +1086,8 @@ class AllReduce(UpdateRule):
             k = (r - ep.base) % self.sums
             diff = grad[first:end] - ep.sent[k, first:end]
             offset = self._counters + k * self._span + 4 * first
-            await ep.buf.accumulate(offset, diff, wire=self.wire)
+            slices = self._slices(ep.buf, diff.size)
+            await self._paced(self._sending, slices, ep.buf.accumulate, offset, diff)
             ep.sent[k, first:end] += as_wire(diff, self.wire, out=diff)     # what the servers added
             need = ((r - ep.base) // self.sums + 1) * ep.workers
             if await self._counted(ep, r, k * len(self.parts) + part, need, step):
@@ -1050,7 +1095,8 @@ class AllReduce(UpdateRule):
             # (the survivors of a dead worker went on to a new membership: this round again, in it)
         mean = out[first:end]
         # (the sum rounded to the wire by the servers: the same values for every worker, half the bytes)
-        await ep.buf.read_into(mean, offset, wire=self.wire)
+        await self._paced(self._receiving, slices, lambda at, out, wire: ep.buf.read_into(out, at, wire=wire),
+                          offset, mean)
         np.divide(mean, ep.workers, out=mean)
         self._came_back[part] = (r, ep.number)
         fraction = _wire_fraction(diff.dtype, self.wire)
