@@ -825,9 +825,9 @@ LOOK_EVERY = 0.25
 #: that a model's first parts travel while backward still computes the others (DDP's buckets)
 PART_BYTES = 4 << 20
 #: the bytes a worker has in flight each way over TCP (``AllReduce(slice_bytes=)``): a part crosses
-#: the link as slices of this size, one at a time; below a switch port's queue (a 5 ms queue at
-#: 200 Mbit/s holds 125 kB), so that the W workers' bursts into the N servers, and back, are not
-#: dropped there.  One slice a server's turn, at the link's speed, costs a round trip per slice
+#: the link as slices of this size, one at a time, less than a link's queue holds (the bench's
+#: 5 ms at 200 Mbit/s: about 256 kB with its burst), so that the W workers' bursts into the N
+#: servers, and back, are not dropped there (incast).  Each slice waits for the one before: a round trip per 1 ms of a 1 Gbit/s link
 SLICE_BYTES = 128 << 10
 
 
@@ -920,7 +920,8 @@ class AllReduce(UpdateRule):
         self._regrouping = asyncio.Lock()     # (one part of this worker declares or adopts an epoch)
 
     def settings(self) -> dict[str, Any]:
-        return {"name": self.name, "wire": self.wire, "slice_bytes": self.slice_bytes}
+        # (slice_bytes paces the link and changes no value: not a setting of the store's arithmetic)
+        return {"name": self.name, "wire": self.wire}
 
     @property
     def pull_each_step(self) -> bool:
@@ -929,9 +930,9 @@ class AllReduce(UpdateRule):
     def _slices(self, buf: Buffer, n: int) -> list[tuple[int, int]]:
         """The (start, end) element ranges in which a part of ``n`` float32
         elements of ``buf`` crosses the link: one range where the part goes
-        at once (``slice_bytes`` None, or a transport other than TCP: shm and
-        RDMA have no switch queue to overflow and would pay a request per
-        slice), else slices of ``slice_bytes`` on the wire, this worker's
+        at once (``slice_bytes`` None, or a transport other than TCP: shm has
+        no link, an RDMA NIC paces its own flows, and both would pay a
+        request per slice), else slices of ``slice_bytes`` on the wire, this worker's
         first one a stripe further into the part than the rank before's, so
         that workers going through their slices together are at different
         servers."""
