@@ -123,7 +123,6 @@ async def test_over_tcp_a_part_goes_in_slices_one_in_flight_each_way(cluster: sm
         assert [sl[0][0] for sl in slices] == [0, 2048, 4096]         # stripes 0, 1, 2 of the part
     else:
         assert slices == [[(0, n)]] * 3
-        assert most["up"] > 1 and most["down"] > 1      # (its parts at once, together)
 
 
 async def test_bfloat16_rounding_does_not_build_up(cluster: smb2.LocalCluster, transport: str) -> None:

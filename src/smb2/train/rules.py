@@ -827,7 +827,8 @@ PART_BYTES = 4 << 20
 #: the bytes a worker has in flight each way over TCP (``AllReduce(slice_bytes=)``): a part crosses
 #: the link as slices of this size, one at a time, less than a link's queue holds (the bench's
 #: 5 ms at 200 Mbit/s: about 256 kB with its burst), so that the W workers' bursts into the N
-#: servers, and back, are not dropped there (incast).  Each slice waits for the one before: a round trip per 1 ms of a 1 Gbit/s link
+#: servers, and back, are not dropped there (incast).  Each slice waits for the one before: a
+#: round trip per 1 ms of a 1 Gbit/s link
 SLICE_BYTES = 128 << 10
 
 
