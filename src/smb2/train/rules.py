@@ -933,10 +933,10 @@ class AllReduce(UpdateRule):
         elements of ``buf`` crosses the link: one range where the part goes
         at once (``slice_bytes`` None, or a transport other than TCP: shm has
         no link, an RDMA NIC paces its own flows, and both would pay a
-        request per slice), else slices of ``slice_bytes`` on the wire, this worker's
-        first one a stripe further into the part than the rank before's, so
-        that workers going through their slices together are at different
-        servers."""
+        request per slice), else slices of ``slice_bytes`` on the wire, this
+        worker's first one a stripe further into the part than the rank
+        before's, so that workers going through their slices together are at
+        different servers."""
         if self.slice_bytes is None or any(t != "tcp" for t in buf.client.transports):
             return [(0, n)]
         size = max(1, self.slice_bytes // (4 if self.wire is None else 2))
@@ -1097,7 +1097,7 @@ class AllReduce(UpdateRule):
             # (the survivors of a dead worker went on to a new membership: this round again, in it)
         mean = out[first:end]
         # (the sum rounded to the wire by the servers: the same values for every worker, half the bytes)
-        await self._paced(self._receiving, slices, lambda at, out, wire: ep.buf.read_into(out, at, wire=wire),
+        await self._paced(self._receiving, slices, lambda at, into, wire: ep.buf.read_into(into, at, wire=wire),
                           offset, mean)
         np.divide(mean, ep.workers, out=mean)
         self._came_back[part] = (r, ep.number)
