@@ -33,11 +33,11 @@ N = 1000        # gradient values a round
 CLIP = 0.5
 
 
-async def _stores(cluster: smb2.LocalCluster, transport: str, name: str, workers: int,
+async def _stores(cluster: smb2.LocalCluster, transport: str, name: str, workers: int, n: int = N,
                   **rule: object) -> list[ParameterStore]:
     clients = [await cluster.connect(transport=transport) for _ in range(workers)]
-    # four tensors of 250 values, which parts of 1 KiB take one by one
-    init = {f"w{i}": np.zeros(N // 4, np.float32) for i in range(4)}
+    # four tensors of n / 4 values (250 by default, which parts of 1 KiB take one by one)
+    init = {f"w{i}": np.zeros(n // 4, np.float32) for i in range(4)}
     return [await ParameterStore.open(c, name, init, rule="allreduce", workers=workers, rank=r, **rule)
             for r, c in enumerate(clients)]
 
@@ -63,6 +63,20 @@ async def _run(stores: list[ParameterStore], grads: list[list[np.ndarray]]) -> l
     return list(await asyncio.gather(*(worker(r) for r in range(len(stores)))))
 
 
+async def _every_worker_gets_the_exact_means(stores: list[ParameterStore], rounds: int) -> None:
+    """Every worker reduces ``rounds`` gradients exact in bfloat16 (small
+    integers), and gets their exact mean, the same bytes, every round."""
+    grads = [_grads(r, rounds, exact=True, n=stores[0].flat().size) for r in range(len(stores))]
+    outs = await _run(stores, grads)
+    for k in range(rounds):
+        want = grads[0][k].copy()
+        for g in grads[1:]:
+            want += g[k]
+        want /= np.float32(len(stores))
+        for r in range(len(stores)):
+            np.testing.assert_array_equal(outs[r][k], want)
+
+
 async def test_every_worker_gets_the_exact_mean_of_each_round(cluster: smb2.LocalCluster, transport: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     # three workers, 9 rounds (each of the two sums used 4-5 times), the gradients in parts of 1 KiB
@@ -71,12 +85,7 @@ async def test_every_worker_gets_the_exact_mean_of_each_round(cluster: smb2.Loca
     monkeypatch.setattr(rules, "PART_BYTES", 1024)
     stores = await _stores(cluster, transport, "ar-exact", 3)
     assert len(stores[0].rule.parts) == 4           # type: ignore[attr-defined]
-    grads = [_grads(r, 9, exact=True, n=stores[0].flat().size) for r in range(3)]
-    outs = await _run(stores, grads)
-    for k in range(9):
-        want = (grads[0][k] + grads[1][k] + grads[2][k]) / np.float32(3)
-        for r in range(3):
-            np.testing.assert_array_equal(outs[r][k], want)
+    await _every_worker_gets_the_exact_means(stores, 9)
 
 
 async def test_over_tcp_a_part_goes_in_slices_one_in_flight_each_way(cluster: smb2.LocalCluster, transport: str,
@@ -86,11 +95,8 @@ async def test_over_tcp_a_part_goes_in_slices_one_in_flight_each_way(cluster: sm
     # before (the next server), and every worker still gets the exact mean; over shm and RDMA a part
     # goes at once
     monkeypatch.setattr(rules, "PART_BYTES", 64 << 10)
-    clients = [await cluster.connect(transport=transport) for _ in range(3)]
-    init = {f"w{i}": np.zeros(16 << 10, np.float32) for i in range(4)}
-    stores = [await ParameterStore.open(c, "ar-sliced", init, rule="allreduce", workers=3, rank=r, stripe=8192,
-                                        slice_bytes=4096) for r, c in enumerate(clients)]
-    flying = {id(c): {"up": 0, "down": 0} for c in clients}
+    stores = await _stores(cluster, transport, "ar-sliced", 3, n=64 << 10, stripe=8192, slice_bytes=4096)
+    flying = {id(s.client): {"up": 0, "down": 0} for s in stores}
     most = {"up": 0, "down": 0}
 
     def counted(way: str, method: Any) -> Any:
@@ -107,12 +113,7 @@ async def test_over_tcp_a_part_goes_in_slices_one_in_flight_each_way(cluster: sm
         return wrapper
     monkeypatch.setattr(smb2.Buffer, "accumulate", counted("up", smb2.Buffer.accumulate))
     monkeypatch.setattr(smb2.Buffer, "read_into", counted("down", smb2.Buffer.read_into))
-    grads = [_grads(r, 5, exact=True, n=stores[0].flat().size) for r in range(3)]
-    outs = await _run(stores, grads)
-    for k in range(5):
-        want = (grads[0][k] + grads[1][k] + grads[2][k]) / np.float32(3)
-        for r in range(3):
-            np.testing.assert_array_equal(outs[r][k], want)
+    await _every_worker_gets_the_exact_means(stores, 5)
     rule = [s.rule for s in stores]
     assert all(isinstance(x, AllReduce) for x in rule)
     parts = rule[0].parts                               # type: ignore[attr-defined]
