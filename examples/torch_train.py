@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--name", default="digits-cnn", help="the store's name (one per job)")
+    p.add_argument("--seed", type=int, default=0, help="the model's initial weights")
     p.add_argument("--staleness", type=int, default=None,
                    help="rule delta: own steps a worker may run past its last pull (default 1: the exchange "
                         "travels while the next step computes); allreduce and diloco ignore it")
@@ -113,7 +114,7 @@ def main() -> None:
                    help="where the model trains (default: this rank's GPU where there is one, else cpu)")
     a = p.parse_args()
 
-    torch.manual_seed(0)
+    torch.manual_seed(a.seed)
     torch.set_num_threads(1)
     xtr, ytr, xte, yte = (torch.from_numpy(v) for v in data.digits())
     xtr, xte = xtr.view(-1, 1, 8, 8).to(a.device), xte.view(-1, 1, 8, 8).to(a.device)

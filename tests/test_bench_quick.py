@@ -193,6 +193,39 @@ def test_resume(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_classifier_runs_ddp_and_the_default_on_the_same_seeds(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
+    from smb2.bench.classifier import WITHIN_POINTS
+    r = quick("classifier", tmp_path, "--seeds", "2")
+    runs = r["runs"]
+    # each seed's pair, in turns: ddp first for seed 0, the default first for seed 1
+    assert [(x["seed"], x["system"]) for x in runs] == [(0, "ddp"), (0, "default"), (1, "default"), (1, "ddp")]
+    for x in runs:
+        assert x["optimizer"] == "adamw" and x["rule"] == ("ddp" if x["system"] == "ddp" else "allreduce"), x
+        assert len(x["ranks_accuracy"]) == r["workers"] == 2 and x["accuracy"] == x["ranks_accuracy"][0]
+        # an epoch of digits learns far beyond chance (10 %), whichever system averaged the gradients
+        assert x["accuracy"] > 30 and x["steps"] == runs[0]["steps"] > 0 and positive(x["seconds"]), x
+        if x["system"] == "default":
+            assert len(set(x["ranks_accuracy"])) == 1, x      # every rank holds the shared model
+    (row,) = r["summary"]
+    assert row["optimizer"] == "adamw" and row["seeds"] == 2
+    ddp = sorted(x["accuracy"] for x in runs if x["system"] == "ddp")
+    default = sorted(x["accuracy"] for x in runs if x["system"] == "default")
+    assert row["ddp_runs"] == ddp and row["default_runs"] == default
+    assert row["difference_of_medians"] == round(sum(default) / 2 - sum(ddp) / 2, 2)
+    assert row["within"] == (abs(row["difference_of_medians"]) <= WITHIN_POINTS)
+
+
+def test_classifier_without_the_example_scripts_says_where_they_are(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "smb2.bench", "classifier", "--quick", "--examples", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert f"torch_train_ddp.py, torch_train.py are not in {tmp_path}" in run.stderr, run.stderr
+    assert "run from a source checkout, or pass --examples DIR" in run.stderr, run.stderr
+
+
+@pytest.mark.slow
 def test_accumulate(tmp_path: Path) -> None:
     r = quick("accumulate", tmp_path)
     assert [run["threads"] for run in r["runs"]] == [1, 2] and r["size"] == 1 << 20

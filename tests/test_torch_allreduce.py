@@ -468,18 +468,21 @@ def test_a_torchrun_restart_goes_on_from_rank_0s_last_save(servers: str, tmp_pat
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_torchrun_workers_learn_as_ddp_does(servers: str, kind: str) -> None:
     # the example under torchrun, 4 ranks, no --rule (the porting recipe's one line: AsyncOptimizer's
-    # default, allreduce), 12 epochs, against DDP's arithmetic
-    # measured here (one step per batch of the four ranks' 4 x 32 samples, their mean gradient clipped;
-    # median of three seeds), and against one shard trained alone, which the bar must tell apart.
-    # Digits has 539 test images: one point is 5.4 images
+    # default, allreduce), 12 epochs, against the same script under torch DDP (examples/
+    # torch_train_ddp.py: the same seed, data, order and loop), and against one shard trained alone,
+    # which the bar must tell apart. Digits has 539 test images: one point is 5.4 images. The two
+    # differ only by the bf16 rounding of the gradients and of their mean: on seeds 0-4 they ended
+    # 0-1 image apart (smb2 bench classifier, docs/training.md)
     pytest.importorskip("sklearn", reason="the digits data set needs scikit-learn")
-    from smb2.testing.torch_models import example_against_ddp
+    from smb2.testing.torch_models import ddp_accuracy, example_run, single_process_accuracy
 
-    epochs, within = 12, 1.0
-    ranks, ddp, alone, _ = example_against_ddp(servers, kind, epochs, "--name", f"t-run-allreduce-{kind}")
-    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    epochs, within = 12, 0.5
+    ranks, _ = example_run(servers, kind, epochs, "--name", f"t-run-allreduce-{kind}")
+    ddp = ddp_accuracy(kind, epochs)
+    alone = single_process_accuracy(kind, epochs, shard=slice(0, None, 4))
+    print(f"{kind}: {ranks[0]['accuracy']:.2f} % vs DDP's {ddp:.2f} %, one shard alone {alone:.2f} %")
     assert all(r["rule"] == "allreduce" for r in ranks), ranks
     assert len({r["accuracy"] for r in ranks}) == 1         # every rank holds the same weights
     assert len({r["steps"] for r in ranks}) == 1
     assert alone < ddp - within, (alone, ddp)
-    assert ranks[0]["accuracy"] >= ddp - within, (ranks[0], ddp, alone)
+    assert abs(ranks[0]["accuracy"] - ddp) <= within, (ranks[0], ddp, alone)

@@ -47,6 +47,8 @@ BENCHMARKS = {
     "resume": ("resume", "main", "how long a training job takes to resume"),
     "training": ("training", "cli", "samples/s of asynchronous training over the parameter store"),
     "tta": ("tta", "main", "time to accuracy against DDP across hosts (netns)"),
+    "classifier": ("classifier", "main", "the porting recipe's one line against DDP on a plain classifier at equal "
+                   "epochs, seed by seed"),
     "agents": ("agents", "main", "one smb2-agent per worker host against none: the servers' link bytes per step "
                "and time to accuracy (netns)"),
     "attacks": ("attacks", "main", "what each hostile client costs a server, and that it still serves"),

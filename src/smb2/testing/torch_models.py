@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,10 +16,13 @@ import torch
 
 import smb2
 import smb2.torch as st
+from smb2.testing.workers import EXAMPLES
 from smb2.torch.loop_thread import LoopThread
 
-#: the example the torchrun tests run (the repository's: the tests run from a checkout)
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "torch_train.py"
+#: the example the torchrun tests run (the repository's: the tests run from a checkout), and the
+#: same script under DDP, which it is ported from
+EXAMPLE = EXAMPLES / "torch_train.py"
+EXAMPLE_DDP = EXAMPLES / "torch_train_ddp.py"
 
 
 def small_model(seed: int = 0, bn: bool = False) -> torch.nn.Module:
@@ -168,23 +170,26 @@ def torchrun_beside_single(servers: str, *args: str, kind: str = "sgd", epochs: 
     return json_objects(stdout), single
 
 
-def example_against_ddp(servers: str, kind: str, epochs: int, *args: str,
-                        nproc: int = 4) -> tuple[list[dict[str, Any]], float, float, str]:
+def example_run(servers: str, kind: str, epochs: int, *args: str,
+                nproc: int = 4) -> tuple[list[dict[str, Any]], str]:
     """The example under torchrun (``nproc`` ranks on ``servers``, ``--optimizer
-    kind --epochs epochs`` and ``args``), beside the figures it is judged
-    by: every rank's JSON line, DDP's arithmetic for ``nproc`` ranks (the
-    median of three seeds), one rank's shard trained alone, and torchrun's
-    stderr.  A failed run fails with the end of its stderr."""
-    import statistics
-
-    from smb2.testing.workers import json_objects, torchrun, torchrun_failure
+    kind --epochs epochs`` and ``args``): every rank's JSON line, in rank
+    order, and torchrun's stderr.  A failed run fails with its ranks'
+    tracebacks."""
+    from smb2.testing.workers import torchrun_ranks
 
     env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
-    out = subprocess.run(torchrun(str(EXAMPLE), "--optimizer", kind, "--epochs", str(epochs), *args, nproc=nproc),
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, torchrun_failure(out.stderr)
-    ranks = json_objects(out.stdout)
-    ddp = statistics.median(single_process_accuracy(kind, epochs, seed, world=nproc) for seed in range(3))
-    alone = single_process_accuracy(kind, epochs, shard=slice(0, None, nproc))
-    print(f"{kind}: {ranks[0]['accuracy']:.2f} % vs DDP's arithmetic {ddp:.2f} %, one shard alone {alone:.2f} %")
-    return ranks, ddp, alone, out.stderr
+    return torchrun_ranks(EXAMPLE, "--optimizer", kind, "--epochs", str(epochs), *args, nproc=nproc, env=env,
+                          timeout=300)
+
+
+def ddp_accuracy(kind: str, epochs: int, nproc: int = 4, seed: int = 0) -> float:
+    """The example's accuracy under torch DDP (examples/torch_train_ddp.py,
+    ``nproc`` ranks under torchrun, the same seed, data and loop as the
+    example's): rank 0's model."""
+    from smb2.testing.workers import torchrun_ranks
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ranks, _ = torchrun_ranks(EXAMPLE_DDP, "--optimizer", kind, "--epochs", str(epochs), "--seed", str(seed),
+                              nproc=nproc, env=env, timeout=300)
+    return float(ranks[0]["accuracy"])

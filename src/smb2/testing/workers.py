@@ -21,7 +21,9 @@ import os
 import re
 import signal
 import struct
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import smb2
@@ -44,6 +46,27 @@ def torchrun(script: str, *args: str, nproc: int = 1, max_restarts: int | None =
 _TORCHRUN_LOG = re.compile(r"^[DIWE]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ ")
 # where torchrun's closing report starts: its own traceback, run through runpy
 _TORCHRUN_REPORT = 'Traceback (most recent call last):\n  File "<frozen runpy>"'
+
+
+#: the repository's examples (the torchrun tests and ``smb2 bench classifier`` run them from a checkout)
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+def torchrun_ranks(script: str | Path, *args: str, nproc: int, env: dict[str, str],
+                   timeout: float) -> tuple[list[dict[str, Any]], str]:
+    """Run ``script`` with ``args`` under :func:`torchrun` (``nproc`` ranks,
+    ``env``): every rank's JSON line, in rank order, and torchrun's stderr.
+    A failed job, or one where a rank printed none, raises RuntimeError
+    with the ranks' tracebacks (:func:`torchrun_failure`)."""
+    out = subprocess.run(torchrun(str(script), *args, nproc=nproc), env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{Path(script).name} {' '.join(args)} failed:\n{torchrun_failure(out.stderr)}")
+    ranks = sorted(json_objects(out.stdout), key=lambda r: r["rank"])
+    if [r["rank"] for r in ranks] != list(range(nproc)):
+        raise RuntimeError(f"{Path(script).name}: ranks {[r['rank'] for r in ranks]} reported, not all {nproc}:\n"
+                           f"{torchrun_failure(out.stderr)}")
+    return ranks, out.stderr
 
 
 def torchrun_failure(stderr: str, limit: int = 4000) -> str:
