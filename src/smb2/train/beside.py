@@ -30,7 +30,7 @@ from ..lock import Lock, ReplicatedLock, replicated_lock_buffer
 
 log = logging.getLogger("smb2.train")
 
-__all__ = ["find", "lock", "lock_name", "make", "name_of", "remove"]
+__all__ = ["discard", "find", "lock", "lock_name", "make", "name_of", "remove"]
 
 
 def name_of(parent: str, what: str) -> str:
@@ -90,6 +90,12 @@ async def find(client: Client, parent: str, what: str) -> Buffer:
     """The side buffer ``what`` of ``parent`` (:class:`~smb2.NoSuchBuffer`
     if there is none)."""
     return await client.attach(name_of(parent, what))
+
+
+async def discard(client: Client, parent: str, what: str) -> bool:
+    """Destroy the side buffer ``what`` of ``parent`` (one its owner no
+    longer needs while the parent lives on); True if it existed."""
+    return await client.destroy(name_of(parent, what))
 
 
 def belongs(parent: str, name: str) -> bool:

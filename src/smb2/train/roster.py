@@ -5,7 +5,10 @@ A run starts in **epoch 0** with every worker.  The roster (a side buffer,
 ``<store>/members``) holds the current epoch's number, its first round and
 its members; each epoch has sums of its own (``<store>/gradients`` for epoch
 0, ``<store>/gradients.<epoch>`` after), so a new epoch's rounds start from
-zero sums and zero counters whatever the old ones held.
+zero sums and zero counters whatever the old ones held.  The first member of
+an epoch removes the older epochs' sums once a round after the epoch's first
+has come back (every member is then past them); a left-out worker that
+still sends to them finds them gone and stops as left out.
 
 A worker waiting for a round's gradients watches the others' heartbeats (the
 store's control rows; every worker beats in the background while it

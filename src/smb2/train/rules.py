@@ -50,7 +50,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..client import Buffer, Client, as_wire
-from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout
+from ..errors import InterfaceError, InvalidArgumentError, NoSuchBuffer, NotifyTimeout
 from ..lock import Lock, ReplicatedLock
 from . import beside, roster
 from .compress import SparseLoCo, parse_spec
@@ -917,6 +917,8 @@ class AllReduce(UpdateRule):
         #: the others' heartbeats as last looked at, and when (this worker's clock)
         self._control: Control | None = None
         self._looked = -math.inf
+        #: the memberships below this one have had their sums removed (by this worker, their leader)
+        self._removed = 0
         self._attaching = asyncio.Lock()      # (a round's parts start together: one attaches)
         self._regrouping = asyncio.Lock()     # (one part of this worker declares or adopts an epoch)
 
@@ -1070,7 +1072,24 @@ class AllReduce(UpdateRule):
         sent = 0
         while stale := [i for i, got in enumerate(self._came_back) if got != (r, self.epoch_number)]:
             sent += sum(await asyncio.gather(*(self.reduce_part(r, i, grad, out, step=step) for i in stale)))
+        ep = self.epoch
+        if ep is not None and self._removed < ep.number and r > ep.base and ep.members[0] == self.store.rank:
+            await self._remove_old_sums(ep)
         return sent
+
+    async def _remove_old_sums(self, ep: roster.Epoch) -> None:
+        """The leader of ``ep``, once a round after its first came back:
+        remove the older memberships' sums (each holds two gradients' worth
+        of float32 on the servers).  No member touches them any more: every
+        member counted itself into that round, which it starts only after
+        its first round in ``ep`` came back whole, so nothing of theirs is in
+        flight on an older epoch's sums; a worker left out that still sends
+        to them finds them gone and stops as left out (:meth:`reduce_part`)."""
+        st = self.store
+        for number in range(self._removed, ep.number):
+            await beside.discard(st.client, st.buf.name, roster.sums_name(number, GRADIENTS))
+        log.debug("store %r: the sums of memberships %d-%d removed", st.name, self._removed, ep.number - 1)
+        self._removed = ep.number
 
     @property
     def epoch_number(self) -> int:
@@ -1089,11 +1108,18 @@ class AllReduce(UpdateRule):
             diff = grad[first:end] - ep.sent[k, first:end]
             offset = self._counters + k * self._span + 4 * first
             slices = self._slices(ep.buf, diff.size)
-            await self._paced(self._sending, slices, ep.buf.accumulate, offset, diff)
-            ep.sent[k, first:end] += as_wire(diff, self.wire, out=diff)     # what the servers added
             need = ((r - ep.base) // self.sums + 1) * ep.workers
-            if await self._counted(ep, r, k * len(self.parts) + part, need, step):
-                break
+            try:
+                await self._paced(self._sending, slices, ep.buf.accumulate, offset, diff)
+                ep.sent[k, first:end] += as_wire(diff, self.wire, out=diff)     # what the servers added
+                if await self._counted(ep, r, k * len(self.parts) + part, need, step):
+                    break
+            except NoSuchBuffer:
+                # the others went on in a newer membership long enough for its leader to remove
+                # this one's sums: adopting it says whether this worker is still in it (else it
+                # stops as left out); sums gone for any other reason are an error as they are
+                if not await self._adopt(ep):
+                    raise
             # (the survivors of a dead worker went on to a new membership: this round again, in it)
         mean = out[first:end]
         # (the sum rounded to the wire by the servers: the same values for every worker, half the bytes)
