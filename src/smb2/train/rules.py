@@ -50,7 +50,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..client import Buffer, Client, as_wire
-from ..errors import InterfaceError, InvalidArgumentError, NoSuchBuffer, NotifyTimeout
+from ..errors import InterfaceError, InvalidArgumentError, NoSuchBuffer, NotifyTimeout, Smb2Error
 from ..lock import Lock, ReplicatedLock
 from . import beside, roster
 from .compress import SparseLoCo, parse_spec
@@ -1086,9 +1086,14 @@ class AllReduce(UpdateRule):
         flight on an older epoch's sums; a worker left out that still sends
         to them finds them gone and stops as left out (:meth:`reduce_part`)."""
         st = self.store
-        for number in range(self._removed, ep.number):
-            await beside.discard(st.client, st.buf.name, roster.sums_name(number, GRADIENTS))
-        log.debug("store %r: the sums of memberships %d-%d removed", st.name, self._removed, ep.number - 1)
+        try:
+            for number in range(self._removed, ep.number):
+                await beside.discard(st.client, st.buf.name, roster.sums_name(number, GRADIENTS))
+            log.debug("store %r: the sums of memberships %d-%d removed", st.name, self._removed, ep.number - 1)
+        except Smb2Error as exc:
+            # (housekeeping: a server that cannot take it now does not stop the training)
+            log.warning("store %r: the sums of the memberships before %d were not removed (%s); they stay on "
+                        "the servers until the store is removed (smb2 rm)", st.name, ep.number, exc)
         self._removed = ep.number
 
     @property
