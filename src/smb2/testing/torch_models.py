@@ -16,7 +16,7 @@ import torch
 
 import smb2
 import smb2.torch as st
-from smb2.testing.workers import EXAMPLES
+from smb2.testing.workers import EXAMPLES, torchrun_ranks
 from smb2.torch.loop_thread import LoopThread
 
 #: the example the torchrun tests run (the repository's: the tests run from a checkout), and the
@@ -176,8 +176,6 @@ def example_run(servers: str, kind: str, epochs: int, *args: str,
     kind --epochs epochs`` and ``args``): every rank's JSON line, in rank
     order, and torchrun's stderr.  A failed run fails with its ranks'
     tracebacks."""
-    from smb2.testing.workers import torchrun_ranks
-
     env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
     return torchrun_ranks(EXAMPLE, "--optimizer", kind, "--epochs", str(epochs), *args, nproc=nproc, env=env,
                           timeout=300)
@@ -187,8 +185,6 @@ def ddp_accuracy(kind: str, epochs: int, nproc: int = 4, seed: int = 0) -> float
     """The example's accuracy under torch DDP (examples/torch_train_ddp.py,
     ``nproc`` ranks under torchrun, the same seed, data and loop as the
     example's): rank 0's model."""
-    from smb2.testing.workers import torchrun_ranks
-
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ranks, _ = torchrun_ranks(EXAMPLE_DDP, "--optimizer", kind, "--epochs", str(epochs), "--seed", str(seed),
                               nproc=nproc, env=env, timeout=300)
