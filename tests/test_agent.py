@@ -21,11 +21,12 @@ import pytest
 
 import smb2
 from smb2 import AgentLost, AgentTimeout, NoSuchBuffer, OutOfBounds, OutOfMemory, Unsupported
-from smb2.mirror import OLD_MAGIC, SLOTS, AgentMirror, Spec, buffer_size
+from smb2.mirror import OLD_MAGIC, PUSHED_SLOT, SLOTS, STATE, AgentMirror, Spec, buffer_size
 from smb2.testing.cluster import LocalCluster
 from smb2.testing.launch import AsyncAgentProcess
 from smb2.testing.waits import until
 from smb2.train import ParameterStore
+from smb2.train.rules import outer_momentum_name
 
 TOKEN = os.urandom(16).hex().encode()
 STRIPE = 8192
@@ -320,6 +321,75 @@ async def test_a_finished_rank_has_its_pushes_on_the_servers() -> None:
             assert np.array_equal(got, np.full(1024, 3.0, np.float32))
             assert store.weights.via == "agent"
             await on_host.close()
+            await client.close()
+        finally:
+            await agent.stop()
+
+
+async def test_diloco_sends_its_momentum_shares_through_the_agent_too(caplog: pytest.LogCaptureFixture) -> None:
+    """Rule diloco through the agent sends both halves of a pseudo-gradient
+    through it: the plain part into the weights' mirror, the share of the
+    next momentum step into a mirror of ``B``.  Three of four workers
+    exchange once (no momentum step yet): ``B`` on the servers is then
+    exactly the sum of their shares (``D / 4``; D integer-valued, so exact
+    through the bfloat16 wire), the weights their start minus ``outer_lr``
+    times it, and the agent's mirror of ``B`` counted three pushes.  The
+    agent SIGKILLed, a worker says so once for both regions, and its next
+    share lands in ``B`` on the servers, directly."""
+    rng = np.random.default_rng(11)
+    n = 4096
+    start = rng.integers(-1000, 1000, n).astype(np.float32)
+    async with LocalCluster(2, processes=True, capacity="64MiB") as cluster:
+        agent = await AsyncAgentProcess.spawn_agent(cluster.addresses)
+        try:
+            client = await cluster.connect()
+            on_host = [await smb2.connect([agent.endpoint]) for _ in range(4)]
+            stores = [await ParameterStore.open(client, "t-agent-outer", {"w": start}, rule="diloco", lr=1.0,
+                                                local_steps=1, outer_lr=0.5, workers=4, rank=r, resume=False)
+                      for r in range(4)]
+            for store, agent_client in zip(stores, on_host):
+                assert await store.use_agent(agent_client, host_workers=4)
+            grads = [rng.integers(-8, 9, n).astype(np.float32) for _ in range(3)]
+            for store, g in zip(stores, grads):
+                assert await store.push({"w": g})            # one inner step with lr 1: D = g
+            for store in stores:
+                await store.weights.flushed()               # both regions' pushes are on the servers
+            shares = sum(grads) / 4
+            outer = await client.attach(outer_momentum_name("t-agent-outer"))
+            nbytes = stores[0].flat().nbytes
+            pending = np.empty(n, np.float32)
+            await outer.read_into(pending, nbytes)
+            assert np.array_equal(pending, shares)
+            weights = np.empty(n, np.float32)
+            await stores[3].buf.read_into(weights, stores[3].data_off)
+            assert np.array_equal(weights, start - 0.5 * shares)
+            mirror = await on_host[0].attach(Spec(outer.name, nbytes, nbytes, "float32", "bfloat16").name)
+            counters = np.empty(SLOTS, np.int64)
+            await mirror.read_into(counters, STATE)
+            assert counters[PUSHED_SLOT] == 3, counters
+
+            await agent.stop(signal.SIGKILL)
+            lone = stores[0]
+            lone.guard.enabled = False      # (pushes of nothing, then one of g: not out of line here)
+            zero = {"w": np.zeros(n, np.float32)}
+            with caplog.at_level("WARNING", logger="smb2.train"):
+                for _ in range(1000):                       # pushes of nothing, until the loss is seen
+                    assert await lone.push(zero)
+                    if lone.weights.via != "agent":
+                        break
+                    await asyncio.sleep(0.01)
+            assert lone.weights.via == "servers (agent lost)"
+            assert caplog.text.count("directly (restart smb2-agent") == 1, caplog.text
+            if await lone.read_version() % 4 == 3:
+                assert await lone.push(zero)                # (not the push that makes a momentum step)
+            await outer.read_into(pending, nbytes)
+            g = rng.integers(-8, 9, n).astype(np.float32)
+            assert await lone.push({"w": g})
+            after = np.empty(n, np.float32)
+            await outer.read_into(after, nbytes)
+            assert np.array_equal(after - pending, g / 4)
+            for c in on_host:
+                await c.close()
             await client.close()
         finally:
             await agent.stop()

@@ -21,6 +21,7 @@ from smb2.testing.launch import AgentProcess
 from smb2.testing.waits import until
 from smb2.testing.workers import json_objects, torchrun, torchrun_failure
 from smb2.train import ParameterStore
+from smb2.train.rules import outer_momentum_name
 
 # (the soft-RoCE VM's python has no torch: nothing that imports it before these)
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
@@ -52,6 +53,8 @@ def test_diloco_workers_train_through_the_host_agent(servers: str, monkeypatch: 
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     assert {r["via"] for r in ranks} == {"agent"}, ranks
     assert "t-agent-diloco" in said, said[-2000:]          # the agent mirrored the store
+    # and the shares of the outer momentum step, beside it
+    assert f"{outer_momentum_name('t-agent-diloco')!r}" in said, said[-2000:]
     assert single > 95.0, single
     assert ranks[0]["accuracy"] >= single - GAP_POINTS, (ranks[0], single)
 

@@ -21,9 +21,10 @@ same hosts and servers:
   ``SMB2_AGENT=127.0.0.1:7430``, which AsyncOptimizer reads: the workers exchange the weights
   through their host's agent (over shm: the agent and its workers are on one host, so shm is what a
   real host would use), the agent forwards their combined pushes as one and pulls once for all the
-  asks that come together.  What does not go through the agent still goes to the servers from each
-  worker: the control words (version, barrier, heartbeats) and the rules' side buffers (diloco's
-  outer momentum and its pending pseudo-gradients, ``B``).
+  asks that come together, and diloco's shares of its outer momentum step (its pending
+  pseudo-gradients, ``B``) likewise.  What does not go through the agent still goes to the servers
+  from each worker: the control words (version, barrier, heartbeats) and the outer momentum step's
+  read and write of ``M | B`` (once per W pseudo-gradients, by the worker whose push completes them).
 
 How to read it.  Each worker reads the byte counters (both directions) of every server host's and
 every worker host's link at the start of its training (after the start barrier, and with agents
@@ -32,9 +33,10 @@ counter at the last worker's end less its counter at the first worker's start, a
 them by the steps all workers took.  "x fewer" is the direct configuration's bytes per step over the
 agents': with K workers per host it is at most K for a rule whose whole exchange is the weights (delta:
 a push and a pull of the float32 weights each step), reached where the host's workers ask during one
-another's transfers (a link-bound job); at most about 1.7 for diloco at K = 4 and W = 8, whose pushes
-into ``B`` (half its pushed bytes) still go from each worker (the agent forwards the weights' pushes in
-the rule's wire type, bfloat16, as a direct push). "to tgt" is rank 0's time to the target accuracy on
+another's transfers (a link-bound job); at most about 2.6 for diloco at K = 4 and W = 8, whose
+momentum step (read ``M | B`` in float32, write both and the weights' part in bfloat16, once per 8
+pseudo-gradients) still goes from one worker (the agent forwards the pushes in the rule's wire type,
+bfloat16, as a direct push). "to tgt" is rank 0's time to the target accuracy on
 its own model (tta's clock: evaluation left out); "final" the delivered model's accuracy (the shared
 weights, read after every worker finished) on a test set drawn apart; "via" what each worker's
 ``stats()["via"]`` said ("agent" for every worker of the agents' configuration, or one lost its agent),

@@ -50,14 +50,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..client import Buffer, Client, as_wire
-from ..errors import InterfaceError, InvalidArgumentError, NoSuchBuffer, NotifyTimeout, Smb2Error
+from ..errors import InterfaceError, InvalidArgumentError, NoSuchBuffer, NotifyTimeout, OutOfMemory, Smb2Error
 from ..lock import Lock, ReplicatedLock
+from ..mirror import AgentMirror
 from . import beside, roster
 from .compress import SparseLoCo, parse_spec
 from .dropping import LayerDropping
 from .lifecycle import Control
 from .local_steps import MOST, SHARE, LocalSteps
-from .weights import SharedWeights
+from .weights import AgentWeights, ServerWeights, SharedWeights
 
 log = logging.getLogger("smb2.train")
 
@@ -199,6 +200,14 @@ class UpdateRule(abc.ABC):
     async def open_run(self, fresh: bool) -> None:  # noqa: B027 (most rules keep nothing beside the store)
         """Rank 0 opens a run (under the store's lock, before any rank
         joins): set up what the rule keeps beside the store."""
+
+    async def through_agent(self, agent: Client, weights: AgentWeights, *,  # noqa: B027 (most rules: nothing)
+                            timeout: float, host_workers: int) -> None:
+        """The store now reads and accumulates its weights through the host
+        agent that ``agent`` is connected to (``weights``,
+        :meth:`ParameterStore.use_agent`): a rule that also pushes into a
+        buffer beside the store may send those pushes through the agent too
+        (:meth:`AgentWeights.beside`)."""
 
     def pulled(self) -> None:  # noqa: B027 (most rules need not know)
         """The mirror now holds the shared weights (a pull)."""
@@ -541,6 +550,9 @@ class DiLoCo(UpdateRule):
         self.wire = wire
         self.steps = 0
         self._outer: Buffer | None = None
+        #: where this worker's pushes into ``B`` go: the outer buffer on the
+        #: servers (after ``M``), or the host agent's mirror of it (:meth:`through_agent`)
+        self._pending: SharedWeights | None = None
         # the entries of the pseudo-gradient the coming push sends (compressed)
         self._cut: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -653,6 +665,40 @@ class DiLoCo(UpdateRule):
             self._outer = await beside.find(self.store.client, self.store.buf.name, OUTER)
         return self._outer
 
+    async def _pending_sum(self) -> SharedWeights:
+        """Where this worker adds its share of the next momentum step (``B``)."""
+        if self._pending is None:
+            self._pending = ServerWeights(await self._attach_outer(), self._read.nbytes)
+        return self._pending
+
+    async def through_agent(self, agent: Client, weights: AgentWeights, *, timeout: float,
+                            host_workers: int) -> None:
+        """This worker's pushes into ``B`` go through the host agent too: the
+        agent combines the host's shares as it combines their plain parts
+        (a sum either way, so the momentum step is the same), and forwards
+        them in the rule's wire type, what rounding leaves out staying on the
+        host.  ``M`` and the momentum step's read and write stay direct: the
+        worker that makes the step reads what the servers hold, and a share
+        still on the host then waits in ``B`` for the next step, as a push
+        that lands during a step does.  Not with one worker (its Nesterov
+        step reads and writes ``M`` itself, and ``B`` stays zero) nor
+        without outer momentum (no ``B``).  An agent without room for the
+        mirror is said at WARNING, and the shares go to the servers."""
+        st = self.store
+        if st.workers == 1 or not self._momentum_kept:
+            return
+        outer = await self._attach_outer()
+        n = self._read.nbytes
+        wire = self.wire if self._read.dtype == np.float32 else None
+        try:
+            mirror = await AgentMirror.open(agent, outer, n, n, self._read.dtype, timeout=timeout, wire=wire,
+                                            host_workers=host_workers)
+        except OutOfMemory as exc:
+            log.warning("rank %d of store %r: %s; its shares of the outer momentum step go to the memory servers "
+                        "directly", st.rank, st.name, exc.message)
+            return
+        self._pending = weights.beside(mirror, ServerWeights(outer, n))
+
     async def push_region(self, region: np.ndarray, *, scale: float = 1.0) -> int:
         """The pseudo-gradient ``region`` (laid out like the data region;
         overwritten), times ``scale`` / workers: the plain part of the outer
@@ -661,10 +707,10 @@ class DiLoCo(UpdateRule):
         st = self.store
         if self._cut is not None and not (st.workers == 1 and self._momentum_kept):
             return await self._push_sparse(self._cut[0], region[self._cut[0]] * np.float32(scale / st.workers))
-        outer = await self._attach_outer()
         region *= scale / st.workers                    # s D
         if st.workers == 1:
-            return await self._nesterov(outer, region)
+            return await self._nesterov(await self._attach_outer(), region)
+        pending = await self._pending_sum()
         averaged = [region[b].copy() for b in self._buffers]
         self._read[...] = region                        # its share of the next momentum step: B += s D
         region *= -self.outer_lr                        # the plain part: -lr_out s D
@@ -673,7 +719,7 @@ class DiLoCo(UpdateRule):
             # (a momentum step could overshoot it, a variance below zero)
             np.negative(d, out=region[b])
             self._read[b] = 0.0
-        await asyncio.gather(outer.accumulate(self._read.nbytes, self._read, wire=self.wire),
+        await asyncio.gather(pending.accumulate(0, self._read, wire=self.wire),
                              st.weights.accumulate(0, region, wire=self.wire))
         return int(2 * region.nbytes * _wire_fraction(region.dtype, self.wire))
 
@@ -692,9 +738,9 @@ class DiLoCo(UpdateRule):
         pushes = [st.weights.accumulate_sparse(idx, change, wire=self.wire)]
         items = idx.size
         if self._momentum_kept:
-            outer = await self._attach_outer()
+            pending = await self._pending_sum()
             keep = ~statistic
-            pushes.append(outer.accumulate_sparse(idx[keep], sent[keep], offset=self._read.nbytes, wire=self.wire))
+            pushes.append(pending.accumulate_sparse(idx[keep], sent[keep], wire=self.wire))
             items += int(keep.sum())
         await asyncio.gather(*pushes)
         assert self.compress is not None

@@ -640,7 +640,9 @@ class ParameterStore:
         wire type (``wire``), what its rounding leaves out staying on the host
         for the next forward.  The control words (the
         version, the barrier, heartbeats), locks and side buffers still go to
-        the servers.
+        the servers, but for the pushes a rule sends into a side buffer through
+        the agent too (``diloco``'s pending pseudo-gradients:
+        :meth:`smb2.train.rules.DiLoCo.through_agent`).
 
         Rules that exchange by other means than accumulates into the
         weights (``allreduce``: its gradient sums each step; ``locked``:
@@ -661,6 +663,7 @@ class ParameterStore:
         # a cycle that began after this call pulled what the servers hold now
         await mirror.wait_cycle(mirror.cycle + 2, timeout=timeout)
         self.weights = AgentWeights(mirror, ServerWeights(self.buf, self.data_off), self.name, self.rank)
+        await self.rule.through_agent(agent, self.weights, timeout=timeout, host_workers=host_workers)
         log.info("rank %d of store %r exchanges through the host agent at %s", self.rank, self.name, mirror.agent)
         return True
 

@@ -87,6 +87,19 @@ class AgentWeights:
         self.servers = servers
         self.store = store
         self.rank = rank
+        #: the regions this worker reaches through the same agent, this one
+        #: first (:meth:`beside`): lost together, and said once
+        self._group: list[AgentWeights] = [self]
+
+    def beside(self, mirror: AgentMirror, servers: ServerWeights) -> AgentWeights:
+        """Another region this worker reaches through the same agent (a
+        rule's side buffer: ``diloco``'s pending pseudo-gradients).  The two
+        are lost together (said once; both go to the servers from then on),
+        and :meth:`flushed` waits for both."""
+        other = AgentWeights(mirror, servers, self.store, self.rank)
+        other._group = self._group
+        self._group.append(other)
+        return other
 
     @property
     def via(self) -> str:
@@ -114,17 +127,23 @@ class AgentWeights:
             await self._push(self.mirror.accumulate_sparse(indices, values, wire=wire))
 
     async def flushed(self) -> None:
-        """Wait until the agent forwarded every push of this worker (a lost
-        agent: said, as for any operation; nothing more can be done)."""
-        if self.mirror is None:
-            return
-        try:
-            await self._push(self.mirror.wait_forwarded(timeout=FLUSH_TIMEOUT))
-        except NotifyTimeout:
-            log.warning("rank %d of store %r: the host agent at %s did not forward this worker's last pushes to "
-                        "the memory servers within %g s (%d of them may be lost); it goes on without the agent",
-                        self.rank, self.store, self.mirror.agent, FLUSH_TIMEOUT, self.mirror.uncertain)
-            self.mirror = None
+        """Wait until the agent forwarded every push of this worker, through
+        this region and those beside it (a lost agent: said, as for any
+        operation; nothing more can be done)."""
+        for region in self._group:
+            mirror = region.mirror
+            if mirror is None:
+                continue
+            try:
+                await region._push(mirror.wait_forwarded(timeout=FLUSH_TIMEOUT))
+            except NotifyTimeout:
+                uncertain = sum(r.mirror.uncertain for r in self._group if r.mirror is not None)
+                log.warning("rank %d of store %r: the host agent at %s did not forward this worker's last pushes "
+                            "to the memory servers within %g s (%d of them may be lost); it goes on without the "
+                            "agent", self.rank, self.store, mirror.agent, FLUSH_TIMEOUT, uncertain)
+                for r in self._group:
+                    r.mirror = None
+                return
 
     async def _push(self, push: Awaitable[Any]) -> None:
         try:
@@ -133,6 +152,15 @@ class AgentWeights:
             self._lose(exc)         # (not sent again: see the class's doc)
 
     def _lose(self, exc: AgentLost) -> None:
-        self.mirror = None
-        log.warning("rank %d of store %r: %s; it goes on, pushing to and pulling from the memory servers "
-                    "directly (restart smb2-agent for the next run)", self.rank, self.store, exc.message)
+        """The agent is lost: every region of the group goes to the servers,
+        said once, with the pushes through the other regions that may not
+        have reached the servers either."""
+        if all(r.mirror is None for r in self._group):
+            return
+        also = "".join(f" (and {r.mirror.uncertain} of its {r.mirror.pushes} pushes to buffer {r.mirror.spec.remote!r} "
+                       "likewise)" for r in self._group
+                       if r is not self and r.mirror is not None and r.mirror.uncertain)
+        for r in self._group:
+            r.mirror = None
+        log.warning("rank %d of store %r: %s%s; it goes on, pushing to and pulling from the memory servers "
+                    "directly (restart smb2-agent for the next run)", self.rank, self.store, exc.message, also)
