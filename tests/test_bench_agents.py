@@ -1,6 +1,6 @@
 """The quick mode of ``smb2 bench agents``: a 2-host netns job (2 worker hosts of 4 workers, 2
-server hosts, every link shaped) trained without host agents and with one ``smb2-agent`` per worker
-host, rule delta.  Its bookkeeping, never its speed: this suite runs on busy machines.
+server hosts, every link shaped, the last rank a straggler) trained without host agents and with one
+``smb2-agent`` per worker host, rule delta.  Its bookkeeping, never its speed: this suite runs on busy machines.
 
 Checked: every system trained in both configurations (every worker took steps, nothing collapsed,
 the delivered model is clearly above chance) and, with agents, reaches the accuracy it reaches
@@ -53,7 +53,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         pytest.skip(f"no network namespaces here: {why}")
     out = tmp_path_factory.mktemp("agents") / "agents.json"
     run = subprocess.run([sys.executable, "-m", "smb2.bench", "agents", "--quick", "--systems", ",".join(SYSTEMS),
-                          "--json", str(out)],
+                          "--scenario", "straggler", "--json", str(out)],
                          capture_output=True, text=True, timeout=570)
     assert run.returncode == 0, f"bench agents --quick failed (exit {run.returncode}):\n{run.stdout[-2000:]}\n" \
                                 f"{run.stderr[-4000:]}"
@@ -80,6 +80,15 @@ def test_every_configuration_trained(result: dict[str, Any]) -> None:
     for system in SYSTEMS:
         direct, agents = rows[system, "direct"]["final"], rows[system, "agents"]["final"]
         assert agents >= direct - ACCURACY_BAR, f"{system}: {agents:.3f} with agents, {direct:.3f} without"
+
+
+def test_the_last_rank_is_the_straggler(result: dict[str, Any]) -> None:
+    """``--scenario straggler`` (the quick run's): the last rank, on the last worker host, is the one
+    that sleeps after every step as long as the step computed, in both configurations (which rank
+    did, as each worker says: the quick model's steps are too short for a count of steps to show it)."""
+    assert result["config"]["scenario"] == "straggler"
+    for (system, config), r in rows_of(result).items():
+        assert r["stragglers"] == [False] * 7 + [True], (system, config, r["stragglers"])
 
 
 def test_the_workers_exchanged_through_their_host_s_agent(result: dict[str, Any]) -> None:

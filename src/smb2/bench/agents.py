@@ -26,6 +26,12 @@ same hosts and servers:
   from each worker: the control words (version, barrier, heartbeats) and the outer momentum step's
   read and write of ``M | B`` (once per W pseudo-gradients, by the worker whose push completes them).
 
+Scenarios (``--scenario``; the link rate is ``--rate``'s in each): ``homogeneous`` (the default),
+``straggler`` (tta's: the last rank, on the last worker host, sleeps after every step as long as that
+step's computing took, so it is 2x slower) and ``overloaded`` (the straggler, and one busy process,
+``while True: pass``, in each worker host's namespace, unpinned, as tta's (d) has them).  tta's
+comm-bound case is the default rate (200 Mbit/s); its homogeneous case is ``--rate 1gbit``.
+
 How to read it.  Each worker reads the byte counters (both directions) of every server host's and
 every worker host's link at the start of its training (after the start barrier, and with agents
 after its mirror is ready) and at its end; a link's bytes for one system and configuration are its
@@ -44,7 +50,8 @@ and how it reached the agent (``shm``, else ``tcp``). The JSON has every worker'
 and the 64-byte loopback round trip measured before each configuration.
 
     smb2 bench agents [--quick] [--servers 2] [--hosts 2] [--workers-per-host 4] [--rate 200mbit]
-        [--systems diloco,delta/stable] [--budget 120] [--stop budget|target] [--json out.json]
+        [--scenario homogeneous|straggler|overloaded] [--systems diloco,delta/stable] [--budget 120]
+        [--stop budget|target] [--json out.json]
 
 Needs root, ``ip netns`` and ``tc``; otherwise it says why and exits 2.
 """
@@ -75,6 +82,8 @@ from .common import add_agent_options, agent_flags, parse_with_quick
 CONFIGS = ("direct", "agents")
 #: the update rules an agent serves: the systems of tta this benchmark takes
 SYSTEMS = ("diloco", tta.ASYNC_PORT)
+#: what else the hosts do (tta's scenarios of that name; the link rate is --rate's in each)
+SCENARIOS = ("homogeneous", "straggler", "overloaded")
 #: the full run's task: an MLP of 4.3 MB, which a step computes in tens of ms on one core and a
 #: 200 Mbit/s link moves in 0.17 s, so the exchange, not the computing, is what the links decide
 FULL_SIZES = [16, 1024, 1024, 10]
@@ -134,12 +143,16 @@ def run_config(cluster: netns_cluster.NetnsCluster, a: argparse.Namespace, cfg: 
     common = tta.worker_args(cfg, a.systems, config, servers, master=cluster.server_addrs[hosts[0]], world=world,
                              stop_file=stop_file, replicas=1, wait_all=a.budget + 120)
     common += ["--budget", str(a.budget), "--watch", ",".join(watch)]
+    if a.scenario in ("straggler", "overloaded"):
+        common.append("--straggler")            # the last rank, on the last worker host
     env = {k: v for k, v in os.environ.items() if k != AGENT_ENV}
     env.update(tta.ONE_THREAD)
     if config == "agents":
         env[AGENT_ENV] = f"127.0.0.1:{DEFAULT_AGENT_PORT}"      # the agent of the worker's own host
         env["LOCAL_WORLD_SIZE"] = str(a.workers_per_host)       # as torchrun on the host would say
     agents = start_agents(cluster, hosts, servers, a, logs) if config == "agents" else []
+    # overloaded: one busy process in each worker host's namespace, unpinned (as tta's (d))
+    hogs = tta.start_hogs(cluster, hosts) if a.scenario == "overloaded" else []
     procs: list[tuple[subprocess.Popen, Path]] = []
     try:
         for r in range(world):
@@ -155,7 +168,7 @@ def run_config(cluster: netns_cluster.NetnsCluster, a: argparse.Namespace, cfg: 
         outs = [[json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
                 for _, out in procs]
     finally:
-        for p, _ in procs:
+        for p in [p for p, _ in procs] + hogs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
@@ -202,6 +215,7 @@ def summarize(outs: list[dict[str, Any]], system: str, config: str, cfg: dict[st
                server_link_bytes_per_step=[window_bytes(outs, ns) / steps for ns in server_netns],
                host_link_bytes_per_step=[window_bytes(outs, ns) / steps for ns in host_netns],
                via=[o.get("via") for o in outs], agent_transport=[o.get("agent_transport") for o in outs],
+               stragglers=[o["straggler"] for o in outs],
                steps_per_worker=[o["steps"] for o in outs])
     return row
 
@@ -235,12 +249,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                            "target": a.target, "eval_every": a.eval_every, "eval_n": a.eval_n,
                            "final_n": a.final_n, "stop": a.stop,
                            "servers": a.servers, "hosts": a.hosts, "workers_per_host": a.workers_per_host,
-                           "rate": a.rate, "budget_s": a.budget, "agent_period_s": a.agent_period,
-                           "agent_gather_s": a.agent_gather,
+                           "rate": a.rate, "scenario": a.scenario, "budget_s": a.budget,
+                           "agent_period_s": a.agent_period, "agent_gather_s": a.agent_gather,
                            "systems": a.systems, "quick": a.quick}
     result: dict[str, Any] = {"config": cfg, "rows": [], "rtt_us": {}}
     report.progress("agents", 0, len(CONFIGS), f"{', '.join(a.systems)} on {a.hosts} hosts x {a.workers_per_host} "
-                    f"workers, {a.servers} servers, {a.rate} links")
+                    f"workers, {a.servers} servers, {a.rate} links, {a.scenario}")
     with netns_cluster.NetnsCluster(servers=a.servers + a.hosts, rate=a.rate, start_servers=False,
                                     quiet=True) as cluster, tempfile.TemporaryDirectory(prefix="bench-agents-") as tmp:
         servers = [f"{cluster.server_addrs[i]}:{tta.SERVER_PORT}" for i in range(a.servers)]
@@ -297,6 +311,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers-per-host", type=int, default=4, help="workers on each worker host (default 4)")
     ap.add_argument("--rate", default="200mbit", help="every host's link rate, both directions (tc syntax; "
                                                       "default 200mbit)")
+    ap.add_argument("--scenario", choices=SCENARIOS, default="homogeneous",
+                    help="homogeneous; straggler: the last rank 2x slower; overloaded: the straggler and a busy "
+                         "process on every worker host (default homogeneous)")
     ap.add_argument("--systems", type=lambda s: s.split(","), default=list(SYSTEMS),
                     help=f"tta's systems whose rule an agent serves, trained in turn (default {','.join(SYSTEMS)})")
     ap.add_argument("--sizes", default=str(FULL_SIZES).replace(" ", ""), help="the MLP's layer sizes (JSON)")

@@ -483,7 +483,7 @@ def train(a: argparse.Namespace, system: str, tag: str, n: int) -> dict[str, Any
     cpu1 = schedstat(os.getpid())
     out: dict[str, Any] = {"rank": a.rank, "steps": steps, "seconds": seconds, "samples": steps * a.batch,
                            "link_bytes": moved, "link_packets_dropped": queue, "params": nparams, "curve": curve,
-                           "reached_s": first_reached,
+                           "reached_s": first_reached, "straggler": slow,
                            "last_eval": curve[-1][2], "link_rate": link_rate(tbf),
                            "time": time_shares(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], wall)}
     if watched:
@@ -773,9 +773,7 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
     if scenario in ("straggler", "overloaded"):
         common.append("--straggler")
     env = {**os.environ, **ONE_THREAD}
-    # (d): one busy process per worker host, started in its namespace and not pinned (see the module's doc)
-    hogs = [subprocess.Popen(cluster.exec_prefix(cluster.server_netns[h]) + [sys.executable, "-c", "while True: pass"])
-            for h in workers[:cfg["hogs"]]] if scenario == "overloaded" else []
+    hogs = start_hogs(cluster, workers[:cfg["hogs"]]) if scenario == "overloaded" else []
 
     def start_worker(r: int, h: int, own_budget: float, extra_env: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen(cluster.exec_prefix(cluster.server_netns[h])
@@ -861,6 +859,13 @@ def worker_args(cfg: dict[str, Any], systems: list[str], tag: str, servers: list
             "--wait-all", str(wait_all)]
     return args + (["--lm", json.dumps(cfg), "--corpus", cfg["corpus"]] if cfg["task"] == "lm" else [
         "--sizes", json.dumps(cfg["sizes"])])
+
+
+def start_hogs(cluster: netns_cluster.NetnsCluster, hosts: list[int]) -> list[subprocess.Popen]:
+    """(d): one busy process on each of ``hosts``, started in its namespace and not pinned (see the
+    module's doc)."""
+    return [subprocess.Popen(cluster.exec_prefix(cluster.server_netns[h]) + [sys.executable, "-c", "while True: pass"])
+            for h in hosts]
 
 
 def start_lighthouse(cluster: netns_cluster.NetnsCluster, host: int) -> list[subprocess.Popen]:
