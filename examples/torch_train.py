@@ -165,6 +165,7 @@ def main() -> None:
               "lag_scaled": stats["lag_scaled"], "max_version_lag": stats["max_version_lag"],
               "bytes_pushed": stats["bytes_pushed"], "exchanges": stats["exchanges"],
               "via": stats["via"],      # the servers, or this host's agent (SMB2_AGENT)
+              "servers_connected": stats["servers_connected"],     # through an agent: those it reached itself
               "local_steps": stats.get("rounds"),       # diloco with --local-steps auto: its rounds' lengths
               "collapsed": end.collapsed if end else []}     # ranks that saw the shared model collapse
     print(json.dumps(report) + "\n", end="", flush=True)  # one write: ranks share torchrun's stdout

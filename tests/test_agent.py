@@ -326,6 +326,49 @@ async def test_a_finished_rank_has_its_pushes_on_the_servers() -> None:
             await agent.stop()
 
 
+async def test_workers_through_the_agent_connect_only_to_the_servers_they_reach_themselves() -> None:
+    """With lazy clients (what AsyncOptimizer does with an agent), a rank
+    other than 0 opens the store without its pull (``pull=False``), pulls
+    and pushes through the agent, and connects only to the servers of the
+    store's control words: the agent holds the host's connection to the
+    others.  The pushes land exactly, and a server no worker reaches itself
+    sees rank 0 (which wrote the first weights) and the agent only."""
+    n = 256 << 10
+    params = {"w": np.zeros(n, np.float32)}
+    async with LocalCluster(6, processes=True, capacity="64MiB") as cluster, agent_of(cluster) as agent:
+        async def worker(rank: int) -> tuple[ParameterStore, smb2.Client, smb2.Client]:
+            client = await smb2.connect(cluster.addresses, lazy=True)
+            store = await ParameterStore.open(client, "t-agent-lazy", params, rule="delta", workers=4, rank=rank,
+                                              pull=False, timeout=60)
+            await store.join(60)
+            on_host = await smb2.connect([agent.endpoint])
+            assert await store.use_agent(on_host, host_workers=4)
+            await store.pull()
+            for step in range(3):
+                assert await store.push({"w": np.full(n, rank + 1, np.float32)}, step=step)
+                await store.pull()
+                await store.heartbeat(step)
+            await store.finish()
+            return store, client, on_host
+        done = await asyncio.gather(*(worker(r) for r in range(4)))
+        got = np.empty(n, np.float32)
+        await done[0][0].buf.read_into(got, done[0][0].data_off)
+        assert np.array_equal(got, np.full(n, 3 * (1 + 2 + 3 + 4), np.float32))     # every push, once
+        assert [store.weights.via for store, _, _ in done] == ["agent"] * 4
+        reached = [{k for k, t in enumerate(client.transports) if t != "-"} for _, client, _ in done]
+        assert reached[0] == set(range(6))
+        assert all(len(r) < 6 for r in reached[1:]), reached
+        control = set.union(*reached[1:])
+        assert len(control) < 6, reached
+        stats = await (await cluster.connect()).stat()
+        for k in set(range(6)) - control:
+            # rank 0, the agent and the stat client just made: no other worker
+            assert stats[k]["connections"] == 3, (k, stats[k])
+        for _, client, on_host in done:
+            await on_host.close()
+            await client.close()
+
+
 async def test_diloco_sends_its_momentum_shares_through_the_agent_too(caplog: pytest.LogCaptureFixture) -> None:
     """Rule diloco through the agent sends both halves of a pseudo-gradient
     through it: the plain part into the weights' mirror, the share of the

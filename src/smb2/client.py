@@ -141,11 +141,17 @@ class Client:
     """A connection to a cluster of memory servers.  Make it with
     :func:`connect`; close it with ``await client.close()`` or ``async with``."""
 
-    __slots__ = ("_links", "_closed", "_registered", "_created_at", "op_timeout", "_views", "__weakref__")
+    __slots__ = ("_links", "_closed", "_registered", "_created_at", "op_timeout", "lazy", "_reached",
+                 "_views", "__weakref__")
 
-    def __init__(self, links: Sequence[Link], created_at: str = "", op_timeout: float | None = None) -> None:
+    def __init__(self, links: Sequence[Link], created_at: str = "", op_timeout: float | None = None,
+                 lazy: bool = False) -> None:
         #: the deadline of an operation that gives no ``timeout=`` (None: none)
         self.op_timeout = _check_timeout(op_timeout)
+        #: servers are connected, and buffers' parts looked up, on first use (``connect(lazy=True)``)
+        self.lazy = lazy
+        # a lazy client's servers as their links reached them: server_id -> the link's address
+        self._reached: dict[str, str] = {}
         self._links = tuple(links)
         self._closed = False
         self._registered: list[Registration] = []
@@ -234,6 +240,20 @@ class Client:
     def deadline(self, timeout: float | None) -> float | None:
         """An operation's ``timeout=`` argument, checked, or the client's default."""
         return self.op_timeout if timeout is None else _check_timeout(timeout)
+
+    def check_not_twice(self, opened: Link, t: Transport) -> None:
+        """A lazy client's link ``opened`` reached the server behind ``t``:
+        :class:`InvalidArgumentError` where another link of this client
+        reached the same process (``connect`` checks that for them all at
+        once without lazy)."""
+        sid = t.server_info.get("server_id")
+        if not sid:
+            return
+        # (recorded as it is checked, with no await between: links that connect together see each other)
+        first = self._reached.setdefault(sid, opened.label)
+        twice = serverlist.listed_twice([(first, sid), (opened.label, sid)]) if first != opened.label else None
+        if twice is not None:
+            raise twice
 
     async def views(self) -> replication.Views:
         """The membership view of the servers (the one every server named at
@@ -380,6 +400,8 @@ class Client:
         self.ensure_open()
         _check_name(name)
         deadline = self.deadline(timeout)
+        if self.lazy and (buf := await self._attach_lazily(name, deadline)) is not None:
+            return buf
         results = await asyncio.gather(*(self._look_up(name, k, deadline) for k in range(len(self._links))),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, NoSuchBuffer)]
@@ -433,6 +455,36 @@ class Client:
         (:class:`NoSuchBuffer` where it has none)."""
         return await _control(self._links[part], {"cmd": "lookup", "name": name}, deadline, idempotent=True,
                               stamp=True)
+
+    async def _attach_lazily(self, name: str, deadline: float | None) -> Buffer | None:
+        """A lazy client's :meth:`attach`: the buffer from its part 0 alone
+        (the others are looked up on their servers' first use), or None
+        where every part must be asked now (a replicated buffer or cluster,
+        a lost part 0).  Asks at most the first two servers."""
+        first = await self._part_or_none(name, 0, deadline)
+        if first is None:
+            # part 0 is made first: with part 1 missing too, there is no such buffer (a worker waiting
+            # for its creator asks two servers); with part 1 there, part 0 was made before it
+            if len(self._links) == 1 or await self._part_or_none(name, 1, deadline) is None:
+                raise NoSuchBuffer(f"no buffer named {name!r}", server=self.servers[0])
+            first = await self._part_or_none(name, 0, deadline)
+            if first is None:
+                return None         # lost (or being destroyed): every part says which
+        if (first.get("replicas") or 1) > 1 or self._replicated_cluster():
+            return None
+        if not first.get("sealed"):
+            # (asking every server would hand it out once each part exists: a worker waiting for its
+            # creator would connect to them all)
+            raise NoSuchBuffer(f"buffer {name!r} is still being created", server=self.servers[0],
+                               hint="attach it again once its creator's create() returned")
+        # part 0 is sealed last: the others exist
+        return Buffer(self, name, parts.unseen(first, len(self._links)))
+
+    async def _part_or_none(self, name: str, part: int, deadline: float | None) -> dict[str, Any] | None:
+        try:
+            return await self._look_up(name, part, deadline)
+        except NoSuchBuffer:
+            return None
 
     def _replicated_cluster(self) -> bool:
         """Whether the servers keep a membership view (said at hello)."""
@@ -603,6 +655,13 @@ def _first_error(errors: list[BaseException]) -> BaseException:
     return errors[0]
 
 
+def _misplaced(client: Client, name: str, pos: int, info: dict[str, Any]) -> InterfaceError:
+    return InterfaceError(
+        f"buffer {name!r}: server {client.servers[pos]} holds part #{info['index']}, "
+        f"but is #{pos} in this client's list: list the servers in the same order "
+        "on every client")
+
+
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not name or len(name.encode()) > 255:
         raise InvalidArgumentError(f"a buffer name is a non-empty str of at most 255 bytes, not {name!r}")
@@ -659,10 +718,7 @@ class Buffer:
                 f"buffer {name!r} is striped over {nservers} servers; this client has {len(infos)}")
         for pos, info in enumerate(infos):
             if info["index"] != pos:
-                raise InterfaceError(
-                    f"buffer {name!r}: server {client.servers[pos]} holds part #{info['index']}, "
-                    f"but is #{pos} in this client's list: list the servers in the same order "
-                    "on every client")
+                raise _misplaced(client, name, pos, info)
         self.client = client
         self.name = name
         self.nbytes: int = nbytes
@@ -683,7 +739,8 @@ class Buffer:
         # per server: the process the segment was planned against, and the
         # connection last found to reach it (checked once per connection)
         self._incarnations: list[Any] = [i.get("server_id") for i in infos]
-        self._checked: list[Transport | None] = [link.open for link in client.links]
+        self._checked: list[Transport | None] = [None if i.get("server_id") is parts.UNSEEN else link.open
+                                                 for link, i in zip(client.links, infos)]
         #: (offset, slots) of the notification area, None until designated
         #: (see smb2.notify: every client of the buffer designates the same)
         self.notify_area: tuple[int, int] | None = None
@@ -764,6 +821,8 @@ class Buffer:
                           default=DEFAULT_MAX_REQUEST)
         reqs, pieces = _core.plan(self.nbytes, self.stripe, self.nservers, self.first,
                                   offset, length, max_request)
+        if self.client.lazy and await self._connect_first(reqs[r] for r in range(0, len(reqs), 5)):
+            return await self._run(what, view, offset, dtype_code, fence, timeout)     # planned for them
         coros = []
         for r in range(0, len(reqs), 5):
             server, seg_off, ln, p0, np_ = reqs[r:r + 5]
@@ -778,6 +837,20 @@ class Buffer:
                 await _gather(coros)
         except TransportError as exc:
             raise self._lost(exc) from None
+
+    async def _connect_first(self, servers: Iterable[int]) -> bool:
+        """A lazy client connects the servers an operation was planned for
+        before it is sent (its requests are cut to their transports' sizes):
+        whether any was not connected yet (then plan again)."""
+        links = self.client.links
+        new = {k for k in servers if links[k].transport is None}
+        if not new:
+            return False
+        try:
+            await _gather([links[k].get() for k in new])
+        except TransportError as exc:
+            raise self._lost(exc) from None
+        return True
 
     def _lost(self, exc: TransportError) -> TransportError:
         """``exc`` from a server of this unreplicated buffer, said in the
@@ -827,7 +900,9 @@ class Buffer:
         if t is self._checked[server]:
             return
         sid = t.server_info.get("server_id")
-        if sid != self._incarnations[server]:
+        if self._incarnations[server] is parts.UNSEEN:
+            await self._first_use(server, t)
+        elif sid != self._incarnations[server]:
             stale = StaleHandle(
                 f"buffer {self.name!r} was attached before server {self.client.servers[server]} "
                 "restarted, and that server no longer holds it under the same segment: this handle "
@@ -849,6 +924,28 @@ class Buffer:
                 raise stale
             self._incarnations[server] = sid
         self._checked[server] = t
+
+    async def _first_use(self, server: int, t: Transport) -> None:
+        """Look up the part on ``server`` of a buffer a lazy client attached
+        from part 0 alone (``connect(lazy=True)``), and check it is this
+        buffer's: :class:`BufferDamaged` where it is gone or another's."""
+        try:
+            info: dict[str, Any] | None = await t.control({"cmd": "lookup", "name": self.name})
+        except NoSuchBuffer:
+            info = None
+        why = parts.lost_at_first_use(info, self.buffer_id)
+        if why is not None:
+            raise parts.damaged(self.name, {server: why}, self.client.servers, self.nbytes, self.stripe)
+        assert info is not None
+        if info["index"] != server:
+            raise _misplaced(self.client, self.name, server, info)
+        if (info["nbytes"], info["stripe"], info["nservers"]) != (self.nbytes, self.stripe, self.nservers):
+            raise BufferConflict(f"servers disagree about buffer {self.name!r}: part 0 has "
+                                 f"{(self.nbytes, self.stripe, self.nservers)}, server "
+                                 f"{self.client.servers[server]}'s part "
+                                 f"{(info['nbytes'], info['stripe'], info['nservers'])}")
+        self.segments[server] = int(info["segment"])
+        self._incarnations[server] = t.server_info.get("server_id")
 
     async def _request(self, t: Transport, what: str, server: int, parts: list[memoryview],
                        seg_off: int, length: int, dtype_code: int,
@@ -904,7 +1001,9 @@ class Buffer:
         if self.replicated:
             return None, 0, 0
         server, seg_off = self._word(offset)
-        return self.client.links[server].open, self.segments[server], seg_off
+        t = self.client.links[server].open
+        # (only a connection checked for this handle: a lazy client's part may not be looked up yet)
+        return (t if t is self._checked[server] else None), self.segments[server], seg_off
 
     def _torn(self, offset: int) -> TransportError:
         label = self.client.links[self._word(offset)[0]].label
@@ -1081,6 +1180,9 @@ class Buffer:
                 limit -= REPL_PREFIX_SIZE
             reqs = sparse.plan(idx, sent, code, offset, stripe=self.stripe, nservers=self.nservers,
                                first=self.first, per_stripe=self.replicated, limit=limit)
+            if self.client.lazy and await self._connect_first(r.target for r in reqs):
+                return await self.accumulate_sparse(indices, values, offset=offset, wire=wire, notify=notify,
+                                                    timeout=timeout)     # planned for them
             if self.replicated:
                 await replication.run_sparse(self, reqs, self.client.deadline(timeout))
             else:
@@ -1184,7 +1286,7 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
                   transport: str | None = None, timeout: float = 10.0,
                   token: str | bytes | None = None, rdma_device: str | None = None,
                   rdma_gid_index: int | None = None, poll: str = "event",
-                  op_timeout: float | None = None) -> Client:
+                  op_timeout: float | None = None, lazy: bool = False) -> Client:
     """Connect to the memory servers (``"host:port"`` each; default from the
     environment variable ``SMB2_SERVERS="h:p,h:p"``).
 
@@ -1209,6 +1311,17 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     no ``timeout=`` of its own (default None: operations wait as long as
     their connection lives).  ``timeout`` bounds connecting (and
     reconnecting).
+
+    ``lazy=True``: connect to no server now; each is connected on its
+    first use, and :meth:`Client.attach` looks up only part 0 of a buffer
+    (on the first server), each other part on its server's first use, so
+    that a worker that never touches a server never connects to it (a job
+    of many workers over many servers, each using a few).  The errors then
+    come at first use: an unreachable server, a server listed twice, a lost
+    part (:class:`BufferDamaged`).  Replicated buffers, and buffers whose
+    creation is under way, are attached whole, as without it.
+    :meth:`Client.register` covers the RDMA devices of the servers
+    connected so far.
 
     Raises :class:`TransportError` if a server cannot be reached (where the
     servers keep a replicated cluster's membership view, only if none can:
@@ -1240,7 +1353,11 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     options = {"token": secret, "rdma_device": rdma_device, "rdma_gid_index": rdma_gid_index,
                "poll": poll}
     links = [Link(a, transport, timeout, options) for a in addresses]
-    client = Client(links, _caller_outside_package(), op_timeout)
+    client = Client(links, _caller_outside_package(), op_timeout, lazy=bool(lazy))
+    if lazy:
+        for link in links:
+            link.on_open = client.check_not_twice
+        return client
     try:
         got = await asyncio.gather(*(link.get() for link in links), return_exceptions=True)
         down = {k: r for k, r in enumerate(got) if isinstance(r, BaseException)}

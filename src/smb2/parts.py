@@ -23,6 +23,10 @@ from .placement import first_server
 
 #: how many lost ranges a message lists before it says "and N more"
 SHOWN_RANGES = 4
+#: the ``server_id`` of a part a lazy client's ``attach`` has not looked up
+#: yet (:func:`unseen`): no server process has it, so the part is looked up
+#: on its server's first use, as after a restart
+UNSEEN: Any = object()
 #: the segment id a lost part's place gets in ``BufferDamaged.remains``: no
 #: server hands it out (ids count up from 1), so a request there is refused
 NO_SEGMENT = (1 << 32) - 1
@@ -77,6 +81,26 @@ def remains(infos: Sequence[dict[str, Any] | None], identity: str | None,
                  and i.get("buffer_id") == identity)
     return [{**whole, "segment": NO_SEGMENT, "index": k, "server_id": None} if k in lost or info is None
             else info for k, info in enumerate(infos)]
+
+
+def unseen(first: dict[str, Any], nservers: int) -> list[dict[str, Any]]:
+    """Part infos for a Buffer that knows only part 0 (``first``, sealed):
+    every other part's place says :data:`UNSEEN` until its server is used."""
+    return [first] + [{**first, "segment": NO_SEGMENT, "index": k, "server_id": UNSEEN}
+                      for k in range(1, nservers)]
+
+
+def lost_at_first_use(info: dict[str, Any] | None, identity: str | None) -> str | None:
+    """Why the part a lazy client's buffer looks up on its server's first
+    use (``info``; None where that server has none) is lost, in
+    :func:`damaged`'s words, or None where it carries the buffer's
+    ``identity``.  Part 0 was sealed when the buffer was attached, so every
+    part existed then."""
+    if info is None:
+        return "missing"
+    if info.get("buffer_id") != identity:
+        return "another buffer's (made after this one's was lost)"
+    return None
 
 
 def damaged(name: str, lost: dict[int, str], servers: Sequence[str], nbytes: int, stripe: int) -> BufferDamaged:

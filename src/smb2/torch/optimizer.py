@@ -125,7 +125,7 @@ from ..train.faults import end_ranks_briefly, in_training_terms
 from ..train.lifecycle import RunEnd, host_workers
 from ..train.rules import RULES, AllReduce, UpdateRule
 from ..train.stability import LagScaling, TrainingDiverged
-from ..train.store import ParameterStore, resolve_rank
+from ..train.store import AGENT_RULES, ParameterStore, resolve_rank
 from .allreduce import MeanGradients
 from .backward import BackwardPushes, StepPushes, wait_for
 from .frozen import FrozenTensors
@@ -280,7 +280,11 @@ class AsyncOptimizer(torch.optim.Optimizer):
     True: that, else one on this host's default port; a "host:port"; False:
     none.  Rules ``delta``, ``diloco``, ``easgd`` and ``accumulate`` use it;
     ``allreduce`` and ``locked`` say so at WARNING and reach the servers.  A
-    lost agent is said at WARNING and the worker goes on without it."""
+    lost agent is said at WARNING and the worker goes on without it.  Where
+    the agent serves its rule, the worker connects to the memory servers on first use
+    (``smb2.connect(lazy=True)``): the agent holds the host's connection to
+    each, and a worker connects only to those it reaches itself (the
+    store's control words and side buffers, its own writes)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, name: str,
                  rule: str = "allreduce", staleness: int = 0, servers: str | list[str] | None = None,
@@ -458,12 +462,16 @@ class AsyncOptimizer(torch.optim.Optimizer):
 
     async def _open(self, servers: str | list[str] | None, name: str, rule: str, dropping: LayerDropping | None,
                     timeout: float, options: dict[str, Any]) -> ParameterStore:
-        self._client = await connect(servers)
+        # through an agent, a server the worker never reaches itself gets no connection from it: the
+        # first pull too goes through the agent
+        through_agent = self._agent_address is not None and rule in AGENT_RULES
+        self._client = await connect(servers, lazy=through_agent)
         arrays = {n: t.detach().to("cpu", torch.float64 if self._store_f64 else torch.float32).numpy()
                   for n, t, _ in self._entries}
         # the store takes its own options (resume, stripe, checkpoint_every...) and hands the rest to the rule
         store = await ParameterStore.open(self._client, name, arrays, rule=rule, workers=self.world,
-                                          rank=self.rank, dropping=dropping, timeout=timeout, **options)
+                                          rank=self.rank, dropping=dropping, timeout=timeout,
+                                          pull=not through_agent, **options)
         if store.workers != self.world:
             raise InvalidArgumentError(f"store {name!r} was made for {store.workers} workers; this job has "
                                        f"{self.world} (WORLD_SIZE)", hint="use another name, or the same WORLD_SIZE")
@@ -480,6 +488,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if self._agent_address is not None and store.agent_serves_rule():
             self._agent_client = await connect([self._agent_address])
             await store.use_agent(self._agent_client, timeout=timeout, host_workers=host_workers())
+        if through_agent:
+            await store.pull()
         return store
 
     @property
@@ -749,8 +759,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
         the guard ``skipped`` (far out of line) and ``refused`` (not
         finite), pushes ``lag_scaled``, the ``max_version_lag``, the
         ``collapses`` of the shared model the watch saw (``smb2 ls`` shows
-        the run's sums), and ``via``: where the weights were exchanged
-        ("servers", "agent", "servers (agent lost)")."""
+        the run's sums), ``via``: where the weights were exchanged
+        ("servers", "agent", "servers (agent lost)"), and
+        ``servers_connected``: how many memory servers this worker holds a
+        connection to (through an agent, those it reached itself)."""
         s: dict[str, Any] = dict(self._stats)
         elapsed = time.perf_counter() - self._t_first if self._t_first is not None else 0.0
         s["elapsed_s"] = elapsed
@@ -762,6 +774,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         s.update(self.store.counts())       # the guard's, the lag scaling's and the collapse watch's
         s.update(self.store.rule.round_stats())     # diloco's local_steps="auto": its rounds' lengths
         s["via"] = self.store.weights.via           # the servers, or the host agent (smb2-agent)
+        s["servers_connected"] = sum(t != "-" for t in self.store.buf.client.transports)
         return s
 
     @property

@@ -343,7 +343,7 @@ class ParameterStore:
                    stale_after: float = lc.STALE_AFTER, checkpoint_every: int | None = None,
                    checkpoint_path: str | Path | None = None,
                    init_from: str | Path | None = None, restarted: bool | None = None,
-                   **rule_options: Any) -> ParameterStore:
+                   pull: bool = True, **rule_options: Any) -> ParameterStore:
         """Open the store ``name`` for one rank of a job whose model's
         tensors are ``params`` (every rank passes the same names, shapes and
         dtype; only rank 0's values are used).
@@ -363,7 +363,10 @@ class ParameterStore:
         store that exists keeps the replicas it was made with); ``checkpoint_every=K`` makes rank 0 save the store to
         ``checkpoint_path`` (``{step}`` is replaced) every K of its steps;
         ``init_from=PATH`` makes a fresh run start from such a checkpoint's
-        weights, version and steps.  Other keywords go to the update rule."""
+        weights, version and steps.  ``pull=False`` leaves the first
+        :meth:`pull` of the weights to the caller (a worker that reads them
+        through its host agent, :meth:`use_agent`, before it pulls).  Other
+        keywords go to the update rule."""
         rank, workers = resolve_rank(rank, workers)
         resume = lc.check_resume(resume)
         if not isinstance(timeout, (int, float)) or timeout < 0:
@@ -391,7 +394,9 @@ class ParameterStore:
         store.checkpoint_every = checkpoint_every
         store.checkpoint_path = None if checkpoint_path is None else str(checkpoint_path)
         store._checkpoint_step = store.start_step
-        if not store._mirror_current:
+        if not pull:
+            pass        # (the caller pulls)
+        elif not store._mirror_current:
             await store.pull()
         else:
             rule_obj.pulled()       # (rank 0 wrote the mirror itself)

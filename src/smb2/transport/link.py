@@ -40,7 +40,7 @@ class LockSlot:
 class Link:
     """One server of a client."""
 
-    __slots__ = ("address", "kind", "timeout", "options", "transport", "_connecting", "_locks",
+    __slots__ = ("address", "kind", "timeout", "options", "transport", "on_open", "_connecting", "_locks",
                  "_lock_users")
 
     def __init__(self, address: tuple[str, int], kind: str, timeout: float,
@@ -51,6 +51,10 @@ class Link:
         self.options = options or {}
         #: the transport last opened (it may have failed since: see ``open``)
         self.transport: Transport | None = None
+        #: called with (link, transport) on each new connection before anything is sent on it; what
+        #: it raises closes that connection and fails the operation (a lazy client checks there that
+        #: no other of its servers is the same process)
+        self.on_open: Callable[[Link, Transport], None] | None = None
         self._connecting: asyncio.Future[Transport] | None = None
         # lock name -> where the server put it (asked once per server process)
         self._locks: dict[str, LockSlot] = {}
@@ -80,8 +84,7 @@ class Link:
         if t is not None:
             return t
         if self._connecting is None:
-            self._connecting = asyncio.ensure_future(
-                open_transport(self.address, self.kind, timeout=self.timeout, **self.options))
+            self._connecting = asyncio.ensure_future(self._open())
         fut = self._connecting
         try:
             t = await asyncio.shield(fut)
@@ -93,6 +96,16 @@ class Link:
         old, self.transport = self.transport, t
         if old is not None and old is not t:
             await old.close()       # a failed one: release what it still holds
+        return t
+
+    async def _open(self) -> Transport:
+        t = await open_transport(self.address, self.kind, timeout=self.timeout, **self.options)
+        if self.on_open is not None:
+            try:
+                self.on_open(self, t)
+            except BaseException:
+                await t.close()
+                raise
         return t
 
     async def lock_slot(self, name: str, lease: float | None = None, *,
