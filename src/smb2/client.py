@@ -1318,8 +1318,9 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     that a worker that never touches a server never connects to it (a job
     of many workers over many servers, each using a few).  The errors then
     come at first use: an unreachable server, a server listed twice, a lost
-    part (:class:`BufferDamaged`).  Replicated buffers, and buffers whose
-    creation is under way, are attached whole, as without it.
+    part (:class:`BufferDamaged`).  Replicated buffers are attached whole,
+    as without it; a buffer whose creation is under way (part 0 not sealed
+    yet) raises :class:`NoSuchBuffer` until it is done.
     :meth:`Client.register` covers the RDMA devices of the servers
     connected so far.
 

@@ -280,11 +280,12 @@ class AsyncOptimizer(torch.optim.Optimizer):
     True: that, else one on this host's default port; a "host:port"; False:
     none.  Rules ``delta``, ``diloco``, ``easgd`` and ``accumulate`` use it;
     ``allreduce`` and ``locked`` say so at WARNING and reach the servers.  A
-    lost agent is said at WARNING and the worker goes on without it.  Where
-    the agent serves its rule, the worker connects to the memory servers on first use
-    (``smb2.connect(lazy=True)``): the agent holds the host's connection to
-    each, and a worker connects only to those it reaches itself (the
-    store's control words and side buffers, its own writes)."""
+    lost agent is said at WARNING and the worker goes on without it.
+    Where the agent serves its rule, the worker connects to the memory
+    servers on first use (``smb2.connect(lazy=True)``) and pulls the first
+    weights through the agent: the agent holds the host's connection to
+    each server, and a worker connects only to those it reaches itself
+    (the store's control words and side buffers)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, name: str,
                  rule: str = "allreduce", staleness: int = 0, servers: str | list[str] | None = None,

@@ -394,11 +394,9 @@ class ParameterStore:
         store.checkpoint_every = checkpoint_every
         store.checkpoint_path = None if checkpoint_path is None else str(checkpoint_path)
         store._checkpoint_step = store.start_step
-        if not pull:
-            pass        # (the caller pulls)
-        elif not store._mirror_current:
+        if pull and not store._mirror_current:
             await store.pull()
-        else:
+        elif pull:
             rule_obj.pulled()       # (rank 0 wrote the mirror itself)
         return store
 
