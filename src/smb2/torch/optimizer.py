@@ -285,7 +285,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
     servers on first use (``smb2.connect(lazy=True)``) and pulls the first
     weights through the agent: the agent holds the host's connection to
     each server, and a worker connects only to those it reaches itself
-    (the store's control words and side buffers)."""
+    (the store's control words and side buffers, and its optimizer state's
+    saves, which are striped over every server: with ``state_every`` on, a
+    worker still reaches them all)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, name: str,
                  rule: str = "allreduce", staleness: int = 0, servers: str | list[str] | None = None,
