@@ -141,8 +141,8 @@ class Client:
     """A connection to a cluster of memory servers.  Make it with
     :func:`connect`; close it with ``await client.close()`` or ``async with``."""
 
-    __slots__ = ("_links", "_closed", "_registered", "_created_at", "op_timeout", "lazy", "_reached",
-                 "_views", "__weakref__")
+    __slots__ = ("_links", "_closed", "_registered", "_created_at", "op_timeout", "lazy", "_views",
+                 "__weakref__")
 
     def __init__(self, links: Sequence[Link], created_at: str = "", op_timeout: float | None = None,
                  lazy: bool = False) -> None:
@@ -150,8 +150,6 @@ class Client:
         self.op_timeout = _check_timeout(op_timeout)
         #: servers are connected, and buffers' parts looked up, on first use (``connect(lazy=True)``)
         self.lazy = lazy
-        # a lazy client's servers as their links reached them: server_id -> the link's address
-        self._reached: dict[str, str] = {}
         self._links = tuple(links)
         self._closed = False
         self._registered: list[Registration] = []
@@ -240,20 +238,6 @@ class Client:
     def deadline(self, timeout: float | None) -> float | None:
         """An operation's ``timeout=`` argument, checked, or the client's default."""
         return self.op_timeout if timeout is None else _check_timeout(timeout)
-
-    def check_not_twice(self, opened: Link, t: Transport) -> None:
-        """A lazy client's link ``opened`` reached the server behind ``t``:
-        :class:`InvalidArgumentError` where another link of this client
-        reached the same process (``connect`` checks that for them all at
-        once without lazy)."""
-        sid = t.server_info.get("server_id")
-        if not sid:
-            return
-        # (recorded as it is checked, with no await between: links that connect together see each other)
-        first = self._reached.setdefault(sid, opened.label)
-        twice = serverlist.listed_twice([(first, sid), (opened.label, sid)]) if first != opened.label else None
-        if twice is not None:
-            raise twice
 
     async def views(self) -> replication.Views:
         """The membership view of the servers (the one every server named at
@@ -653,6 +637,33 @@ def _first_error(errors: list[BaseException]) -> BaseException:
         if isinstance(e, Smb2Error) and not isinstance(e, (ConnectionError,)):
             return e
     return errors[0]
+
+
+class _NotTwice:
+    """Every new connection of a client's links (``Link.on_open``):
+    :class:`InvalidArgumentError` where another of its links reached the
+    same server process, whether ``connect`` connects them all at once or
+    lazily.  (Not a method of the Client: the links would keep it alive.)"""
+
+    __slots__ = ("labels", "reached")
+
+    def __init__(self, labels: list[str]) -> None:
+        self.labels = labels
+        #: server_id -> the address of the link that reached it first
+        self.reached: dict[str, str] = {}
+
+    def __call__(self, opened: Link, t: Transport) -> None:
+        sid = t.server_info.get("server_id")
+        if not sid:
+            return
+        # (recorded as it is checked, with no await between: links that connect together see each other)
+        first = self.reached.setdefault(sid, opened.label)
+        if first != opened.label:
+            # (named in the list's order, whichever connected first)
+            a, b = sorted((first, opened.label), key=self.labels.index)
+            twice = serverlist.listed_twice([(a, sid), (b, sid)])
+            assert twice is not None
+            raise twice
 
 
 def _misplaced(client: Client, name: str, pos: int, info: dict[str, Any]) -> InterfaceError:
@@ -1355,19 +1366,16 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
                "poll": poll}
     links = [Link(a, transport, timeout, options) for a in addresses]
     client = Client(links, _caller_outside_package(), op_timeout, lazy=bool(lazy))
+    not_twice = _NotTwice([link.label for link in links])
+    for link in links:
+        link.on_open = not_twice
     if lazy:
-        for link in links:
-            link.on_open = client.check_not_twice
         return client
     try:
         got = await asyncio.gather(*(link.get() for link in links), return_exceptions=True)
         down = {k: r for k, r in enumerate(got) if isinstance(r, BaseException)}
         if down:
-            await _go_on_without(client, down)
-        twice = serverlist.listed_twice((client.servers[k], link.transport.server_info.get("server_id"))
-                                        for k, link in enumerate(links) if link.transport is not None)
-        if twice is not None:
-            raise twice
+            await _go_on_without(client, down)      # (a server listed twice is raised there)
     except BaseException:
         await client.close()
         raise

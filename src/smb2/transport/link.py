@@ -52,8 +52,8 @@ class Link:
         #: the transport last opened (it may have failed since: see ``open``)
         self.transport: Transport | None = None
         #: called with (link, transport) on each new connection before anything is sent on it; what
-        #: it raises closes that connection and fails the operation (a lazy client checks there that
-        #: no other of its servers is the same process)
+        #: it raises closes that connection and fails the operation (a client checks there that no
+        #: other of its servers is the same process)
         self.on_open: Callable[[Link, Transport], None] | None = None
         self._connecting: asyncio.Future[Transport] | None = None
         # lock name -> where the server put it (asked once per server process)
