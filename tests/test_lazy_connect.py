@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import smb2
+from smb2.train.counts import counts_name, read_counts
+from smb2.train.store import ParameterStore
 
 MiB = 1 << 20
 
@@ -120,3 +122,59 @@ async def test_a_lazy_client_refuses_a_server_listed_twice(cluster: smb2.LocalCl
             await lazy.create("lazy-twice", MiB)
     finally:
         await lazy.close()
+
+
+async def _settled(cluster: smb2.LocalCluster, want: list[int]) -> list[int]:
+    """The servers' connection counts once they are ``want`` (a closed
+    connection leaves its server's table when the server reads its end)."""
+    for _ in range(3000):
+        now = [len(srv.connections) for srv in cluster.servers]
+        if now == want:
+            break
+        await asyncio.sleep(0.01)
+    return now
+
+
+async def test_a_lazy_client_keeps_no_connection_from_a_create_or_destroy(cluster: smb2.LocalCluster,
+                                                                          transport: str) -> None:
+    lazy = await cluster.connect(transport=transport, lazy=True)
+    served = [len(srv.connections) for srv in cluster.servers]
+    # a part on every server, each made over a connection that is closed after it
+    buf = await lazy.create("lazy-c", 4 * MiB, stripe=MiB)
+    assert _connected(lazy) == set()
+    assert await _settled(cluster, served) == served
+    s = buf.placement.server_of(2)
+    data = np.arange(MiB // 4, dtype=np.float32)
+    await buf.write(2 * MiB, data)
+    assert _connected(lazy) == {s}
+    eager = await cluster.connect(transport=transport)
+    seen = await eager.attach("lazy-c")
+    assert np.array_equal((await seen.read(2 * MiB, MiB)).view(np.float32), data)
+    assert not np.any(await seen.read(0, 2 * MiB))
+    # destroyed everywhere, and still held only where it was used
+    assert await lazy.destroy("lazy-c")
+    assert _connected(lazy) == {s}
+    with pytest.raises(smb2.NoSuchBuffer):
+        await eager.attach("lazy-c")
+    want = [n + 1 + (k == s) for k, n in enumerate(served)]      # the eager client's, and the lazy one's on s
+    assert await _settled(cluster, want) == want
+
+
+async def test_a_lazy_worker_publishes_its_counts_where_rank_0_made_the_board(cluster: smb2.LocalCluster) -> None:
+    """Rank 0 makes the store's counts board as its run opens; another rank
+    only finds it, so a lazy worker's first counts reach the board's server
+    alone, not every server through a create."""
+    params = {"w": np.zeros(MiB // 4, np.float32)}
+    c0 = await cluster.connect()
+    c1 = await cluster.connect(lazy=True)
+    st0 = await ParameterStore.open(c0, "lazy-counts", params, rule="delta", workers=2, rank=0)
+    st1 = await ParameterStore.open(c1, "lazy-counts", params, rule="delta", workers=2, rank=1,
+                                      pull=False)      # (a pull reads every server)
+    await asyncio.gather(st0.join(), st1.join())
+    board = (await c0.attach(counts_name("lazy-counts"))).placement.server_of(0)
+    before = _connected(c1)
+    assert len(before) < len(cluster.servers)
+    await st1.board.publish(st1.generation, {"skipped": 2}, 7, force=True)
+    assert _connected(c1) - before <= {board}
+    got = await read_counts(c0, "lazy-counts", st0.generation)
+    assert got is not None and got["per_rank"][1]["skipped"] == 2

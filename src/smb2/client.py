@@ -306,12 +306,16 @@ class Client:
                     if s not in view.members and s not in view.joining}
             replication.check_creatable(name, placement, self.servers, view, away)
 
+        # a lazy client keeps no connection for a part it may never use (a replicated buffer's are
+        # attached whole: its connections stay)
+        keep = not self.lazy or replicas > 1
+
         async def make(index: int, buffer_id: str | None, seal: bool = False) -> dict[str, Any]:
             msg = {"cmd": "create", "name": name, "nbytes": nbytes, "stripe": stripe,
                    "nservers": n, "index": index, "buffer_id": buffer_id, "seal": seal, **layout}
             if buffer_id is None:       # a server without identities gave part 0 none
                 del msg["buffer_id"]
-            return await _control(self._links[index], msg, deadline, idempotent=False, stamp=True)
+            return await _control(self._links[index], msg, deadline, idempotent=False, stamp=True, keep=keep)
 
         infos: list[dict[str, Any] | None] = [None] * n
         made: list[int] = []        # parts this call made: undone if it fails
@@ -355,7 +359,7 @@ class Client:
                 for k in lost:
                     if (infos[k] or {}).get("buffer_id") != identity:
                         await _control(self._links[k], {"cmd": "destroy", "name": name}, deadline,
-                                       idempotent=False)
+                                       idempotent=False, keep=keep)
                         infos[k] = await make(k, identity, seal=k == 0)
                 log.warning("buffer %r: parts %s were lost and are made again as zeros (recreate_lost=True)",
                             name, sorted(lost))
@@ -365,7 +369,7 @@ class Client:
         except BaseException:
             # undo what this call made, so a failed create leaves nothing behind
             await asyncio.gather(*(_control(self._links[k], {"cmd": "destroy", "name": name}, deadline,
-                                            idempotent=False) for k in made),
+                                            idempotent=False, keep=keep) for k in made),
                                  return_exceptions=True)
             raise
         if away:
@@ -511,7 +515,8 @@ class Client:
         self.ensure_open()
         _check_name(name)
         t = self.deadline(timeout)
-        results = await asyncio.gather(*(_control(link, {"cmd": "destroy", "name": name}, t, idempotent=False)
+        results = await asyncio.gather(*(_control(link, {"cmd": "destroy", "name": name}, t, idempotent=False,
+                                                  keep=not self.lazy)
                                          for link in self._links), return_exceptions=True)
         done = [r for r in results if isinstance(r, dict)]
         failed = [k for k, r in enumerate(results) if not isinstance(r, dict)]
@@ -605,14 +610,16 @@ async def _nothing() -> list[bytes | None]:
 
 
 async def _control(link: Link, msg: dict[str, Any], timeout: float | None, *, idempotent: bool,
-                   stamp: bool = False) -> dict[str, Any]:
+                   stamp: bool = False, keep: bool = True) -> dict[str, Any]:
     """A control message to one server under a deadline.  ``stamp``: add
     the answering server process's id (``server_id``) to the reply, for a
-    Buffer to check its segments against."""
+    Buffer to check its segments against.  ``keep=False``: a server not
+    connected yet is connected for this message alone (``Link.call_unkept``)."""
     async def send(t: Transport) -> dict[str, Any]:
         reply = await t.control(msg)
         return {**reply, "server_id": t.server_info.get("server_id")} if stamp else reply
-    return await link.call(send, timeout, idempotent=idempotent, what=str(msg.get("cmd")))
+    call = link.call if keep else link.call_unkept
+    return await call(send, timeout, idempotent=idempotent, what=str(msg.get("cmd")))
 
 
 def _check_timeout(timeout: Any) -> float | None:
@@ -1331,7 +1338,9 @@ async def connect(servers: Sequence[str | tuple[str, int]] | str | None = None, 
     come at first use: an unreachable server, a server listed twice, a lost
     part (:class:`BufferDamaged`).  Replicated buffers are attached whole,
     as without it; a buffer whose creation is under way (part 0 not sealed
-    yet) raises :class:`NoSuchBuffer` until it is done.
+    yet) raises :class:`NoSuchBuffer` until it is done.  :meth:`Client.create`
+    and :meth:`Client.destroy` reach every server (a buffer has a part on
+    each) but keep no connection to one the client does not otherwise use.
     :meth:`Client.register` covers the RDMA devices of the servers
     connected so far.
 

@@ -12,9 +12,10 @@ So each rank publishes its counts into a small buffer beside the store,
 is not counted in the current one.  A rank writes only its own row, at most
 every :data:`PUBLISH_EVERY` seconds and only when a count changed (plus once
 when it finishes and at once when a push is refused), so the cost is one
-small write every few seconds at most.  The buffer is made by whichever rank
-first has a count that is not zero (creating it is idempotent; no board
-means nothing was counted) and removed with the store
+small write every few seconds at most.  The buffer is made by rank 0 as its
+run opens; the other ranks only find it (a create reaches every server,
+which a worker that connects on first use would then hold), and a rank
+with no row of the current run counted nothing.  It is removed with the store
 (``smb2 rm``: it is one of the store's ``name/...`` buffers).
 """
 
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..client import Buffer, Client
-from ..errors import BufferConflict, Smb2Error
+from ..errors import BufferConflict, NoSuchBuffer, Smb2Error
 from . import beside
 
 log = logging.getLogger("smb2.train")
@@ -81,8 +82,20 @@ class CountsBoard:
             return          # nothing counted yet: no board (no board reads as all zero)
         try:
             if self._buf is None:
-                self._buf = await beside.make(self.client, self.store, COUNTS, self.nbytes,
-                                              replicas=self.replicas, replace=False)
+                if self.rank != 0:
+                    # rank 0 makes it (:meth:`make`): a create would reach every server, and a worker
+                    # of a lazy client would hold connections it does not otherwise use
+                    try:
+                        buf = await beside.find(self.client, self.store, COUNTS)
+                    except NoSuchBuffer:
+                        return      # (not made yet: the next publish looks again)
+                    if buf.nbytes != self.nbytes:
+                        raise BufferConflict(f"{self.name!r} holds {buf.nbytes} bytes")
+                    self._buf = buf
+                else:
+                    await self.make()
+                    if self._buf is None:
+                        return
             await self._buf.write(self.rank * 8 * len(FIELDS), np.array([*row, step], dtype=np.int64))
         except BufferConflict:
             # a board of another job's shape (another world size): leave it, count locally only
@@ -90,6 +103,26 @@ class CountsBoard:
             log.debug("store counts %r has another size than %d bytes: not published", self.name, self.nbytes)
             return
         self._last, self._at = row, now
+
+    async def make(self) -> None:
+        """Rank 0, as its run opens: make the board, so that the other ranks
+        only find it (an earlier job's of another shape is left, and this
+        job counts locally only)."""
+        if self._buf is not None or not self._usable:
+            return
+        try:
+            # (one stripe of its own size: every server reserves a stripe of a buffer, so a board with
+            # the store's stripe would take a stripe's room on each for a few words)
+            self._buf = await beside.make(self.client, self.store, COUNTS, self.nbytes, replicas=self.replicas,
+                                          stripe=-(-self.nbytes // 64) * 64, replace=False)
+        except BufferConflict:
+            self._usable = False
+            log.debug("store counts %r has another size than %d bytes: not published", self.name, self.nbytes)
+        except Smb2Error as exc:
+            # (the counts are a report: the training goes on without the board)
+            self._usable = False
+            log.warning("store %r: its counts board %r is not made (%s): each rank keeps its counts to itself, "
+                        "and smb2 ls shows none", self.store, self.name, exc)
 
 
 async def read_counts(client: Client, store: str, run: int) -> dict[str, Any] | None:

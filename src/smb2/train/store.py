@@ -480,6 +480,7 @@ class ParameterStore:
             await self.buf.write(self.data_off, self.mirror, fence=lock)
             self._mirror_current = True
         await self.rule.open_run(fresh)
+        await self.board.make()
         words[lc.RESUMED] = int(not fresh or image is not None)
         words[lc.OPENED_MS] = lc.now_ms()
         if fresh and image is not None and restored and image.control.origin:

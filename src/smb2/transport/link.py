@@ -170,6 +170,31 @@ class Link:
                 "was reset", server=self.label,
                 hint="the server may be overloaded or stopped; the next operation reconnects") from None
 
+    async def call_unkept(self, op: Callable[[Transport], Awaitable[T]], timeout: float | None, *,
+                          idempotent: bool, what: str) -> T:
+        """:meth:`call`, without keeping a connection for it: on the open
+        one if there is one (or one being opened), else on one opened for
+        ``op`` alone and closed after it.  A lazy client's control messages
+        to a server it does not otherwise use go so (``create`` makes a part
+        on every server, and ``destroy`` removes them): the server holds no
+        connection of it afterwards."""
+        if self.open is not None or self._connecting is not None:
+            return await self.call(op, timeout, idempotent=idempotent, what=what)
+        try:
+            async with asyncio.timeout(timeout) as deadline:
+                t = await self._open()
+                try:
+                    return await op(t)
+                finally:
+                    await t.close()
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise OperationTimeout(
+                f"{what} on server {self.label} did not complete within {timeout} s; its connection "
+                "was closed", server=self.label,
+                hint="the server may be overloaded or stopped; try again") from None
+
     async def _attempt(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool) -> T:
         t = self.open or await self.get()
         try:
