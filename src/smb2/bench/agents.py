@@ -46,7 +46,10 @@ bfloat16, as a direct push). "to tgt" is rank 0's time to the target accuracy on
 its own model (tta's clock: evaluation left out); "final" the delivered model's accuracy (the shared
 weights, read after every worker finished) on a test set drawn apart; "via" what each worker's
 ``stats()["via"]`` said ("agent" for every worker of the agents' configuration, or one lost its agent),
-and how it reached the agent (``shm``, else ``tcp``). The JSON has every worker's figures, the machine
+and how it reached the agent (``shm``, else ``tcp``). With agents, a row's ``agent_counts`` are each
+host's agent's mirror cycles, forwards and pulls at the end of the configuration (of every system it
+trained: run one system to read them against its ``exchanges_per_host``, the workers' pushes of a
+round each). The JSON has every worker's figures, the machine
 and the 64-byte loopback round trip measured before each configuration.
 
     smb2 bench agents [--quick] [--servers 2] [--hosts 2] [--workers-per-host 4] [--rate 200mbit]
@@ -118,6 +121,22 @@ def start_agents(cluster: netns_cluster.NetnsCluster, hosts: list[int], servers:
     return procs
 
 
+def agent_counts(cluster: netns_cluster.NetnsCluster, hosts: list[int]) -> list[dict[str, int] | None]:
+    """Each host's agent's mirror cycles, forwards and pulls so far (``smb2 stat`` of it, run in the
+    host's namespace; None where it did not answer)."""
+    counts: list[dict[str, int] | None] = []
+    for h in hosts:
+        got = subprocess.run(cluster.exec_prefix(cluster.server_netns[h])
+                             + [sys.executable, "-m", "smb2.cli", "stat", f"127.0.0.1:{DEFAULT_AGENT_PORT}"],
+                             capture_output=True, text=True, timeout=60)
+        try:
+            agent = json.loads(got.stdout)["agent"]
+            counts.append({k: int(agent[k]) for k in ("cycles", "forwards", "pulls")})
+        except (ValueError, KeyError, TypeError):
+            counts.append(None)
+    return counts
+
+
 def stop(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
     """SIGTERM (an agent forwards what its workers pushed, then stops), SIGKILL after ``timeout``."""
     for p in procs:
@@ -154,6 +173,7 @@ def run_config(cluster: netns_cluster.NetnsCluster, a: argparse.Namespace, cfg: 
     # overloaded: one busy process in each worker host's namespace, unpinned (as tta's (d))
     hogs = tta.start_hogs(cluster, hosts) if a.scenario == "overloaded" else []
     procs: list[tuple[subprocess.Popen, Path]] = []
+    counts: list[dict[str, int] | None] | None = None
     try:
         for r in range(world):
             h = hosts[r // a.workers_per_host]
@@ -167,6 +187,7 @@ def run_config(cluster: netns_cluster.NetnsCluster, a: argparse.Namespace, cfg: 
         wait_for(procs, len(a.systems) * (a.budget + 300), config, logs)
         outs = [[json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
                 for _, out in procs]
+        counts = agent_counts(cluster, hosts) if agents else None
     finally:
         for p in [p for p, _ in procs] + hogs:
             if p.poll() is None:
@@ -175,8 +196,15 @@ def run_config(cluster: netns_cluster.NetnsCluster, a: argparse.Namespace, cfg: 
         stop(agents)
         for path in stop_file.parent.glob(f"{stop_file.name}*"):
             path.unlink(missing_ok=True)
-    return [summarize([o[n] for o in outs], system, config, cfg, watch[:a.servers], watch[a.servers:])
+    rows = [summarize([o[n] for o in outs], system, config, cfg, watch[:a.servers], watch[a.servers:])
             for n, system in enumerate(a.systems)]
+    for row in rows:
+        # (the agents serve every system of the configuration in turn: their counts are of them all)
+        row["agent_counts"] = counts
+        row["exchanges_per_host"] = [sum(row["exchanges_per_worker"][h * a.workers_per_host:
+                                                                     (h + 1) * a.workers_per_host])
+                                     for h in range(a.hosts)]
+    return rows
 
 
 def wait_for(procs: list[tuple[subprocess.Popen, Path]], timeout: float, config: str, logs: Path) -> None:
@@ -216,7 +244,8 @@ def summarize(outs: list[dict[str, Any]], system: str, config: str, cfg: dict[st
                host_link_bytes_per_step=[window_bytes(outs, ns) / steps for ns in host_netns],
                via=[o.get("via") for o in outs], agent_transport=[o.get("agent_transport") for o in outs],
                stragglers=[o["straggler"] for o in outs],
-               steps_per_worker=[o["steps"] for o in outs])
+               steps_per_worker=[o["steps"] for o in outs],
+               exchanges_per_worker=[o.get("exchanges", 0) for o in outs])
     return row
 
 
