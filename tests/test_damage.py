@@ -237,7 +237,8 @@ async def test_smb2_ls_with_a_server_down_and_with_damage() -> None:
         assert rc == 1 and "Traceback" not in err
         assert f"server {cluster.addresses[1]} is unreachable" in err
         rows = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
-        assert set(rows) == {"ls-raw", "ls-store"}
+        # (the store's counts board beside it: rank 0 makes it as its run opens)
+        assert set(rows) == {"ls-raw", "ls-store", "ls-store/counts"}
         assert f"unknown: server {cluster.addresses[1]} unreachable (parts seen: 1 of 2)" in rows["ls-raw"]
         assert rows["ls-raw"].split()[1:3] == [str(3 * MiB), str(MiB)]
         # back, but empty: both are shown damaged
@@ -306,7 +307,7 @@ async def test_smb2_ls_asks_each_server_a_few_times_whatever_the_number_of_buffe
     asked = await _requests(client) - before
     assert rc == 0, err
     rows = {r["name"]: r for r in json.loads(out)}
-    assert len(rows) == plain + 2
+    assert len(rows) == plain + 2 * 2          # each store and its counts board
     assert rows["plain-007"] == {"name": "plain-007", "bytes": 4096 + 56, "stripe": 1024, "store": False,
                                  "replicas": 1}
     assert rows["store-a"]["store"] and rows["store-b"]["tensors"] == 2
