@@ -285,11 +285,16 @@ async def test_a_narrow_wire_keeps_what_rounding_left_on_the_host() -> None:
         w = await smb2.connect([agent.endpoint], token=TOKEN)
         m = await AgentMirror.open(w, remote, 0, 64 << 10, np.float32, timeout=30, wire="bfloat16")
         assert "bfloat16" in m.buffer.name
-        step = np.full(16 << 10, 1 + 2.0 ** -10, np.float32)     # not a bfloat16 value
+        # not a bfloat16 value, and neither is what rounding leaves of any run of its sums: a cycle can
+        # read the data after a push landed but before the push counted, and forward that rest once
+        # more in the next cycle (with 1 + 2**-10 the rest, a multiple of 2**-10, can be a bfloat16
+        # value, and the servers then held the exact sum).  Every partial sum is exact in float32.
+        value = 1 + 2.0 ** -10 + 2.0 ** -20
+        step = np.full(16 << 10, value, np.float32)
         for _ in range(10):
             await m.accumulate(0, step)
         await m.wait_forwarded(timeout=60)
-        exact = np.float32(10 * (1 + 2.0 ** -10))
+        exact = np.float32(10 * value)
         assert np.array_equal(await m.read(), np.full(16 << 10, exact, np.float32))
         got = np.empty(16 << 10, np.float32)
         await remote.read_into(got, 0)
