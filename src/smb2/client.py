@@ -614,12 +614,11 @@ async def _control(link: Link, msg: dict[str, Any], timeout: float | None, *, id
     """A control message to one server under a deadline.  ``stamp``: add
     the answering server process's id (``server_id``) to the reply, for a
     Buffer to check its segments against.  ``keep=False``: a server not
-    connected yet is connected for this message alone (``Link.call_unkept``)."""
+    connected yet is connected for this message alone (``Link.call``)."""
     async def send(t: Transport) -> dict[str, Any]:
         reply = await t.control(msg)
         return {**reply, "server_id": t.server_info.get("server_id")} if stamp else reply
-    call = link.call if keep else link.call_unkept
-    return await call(send, timeout, idempotent=idempotent, what=str(msg.get("cmd")))
+    return await link.call(send, timeout, idempotent=idempotent, what=str(msg.get("cmd")), keep=keep)
 
 
 def _check_timeout(timeout: Any) -> float | None:

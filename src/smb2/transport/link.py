@@ -147,7 +147,7 @@ class Link:
             await slot.transport.control({"cmd": "lock_close", "name": name})
 
     async def call(self, op: Callable[[Transport], Awaitable[T]], timeout: float | None, *,
-                   idempotent: bool, what: str) -> T:
+                   idempotent: bool, what: str, keep: bool = True) -> T:
         """``op(transport)`` within ``timeout`` seconds (None: no deadline).
 
         When the deadline passes, the connection is reset (closed: whatever
@@ -155,45 +155,38 @@ class Link:
         caller's memory) and :class:`OperationTimeout` is raised; the next
         operation reconnects.  An ``idempotent`` op whose connection broke
         is tried once more on a fresh connection, within the same deadline;
-        the others raise the :class:`TransportError`."""
+        the others raise the :class:`TransportError`.
+
+        ``keep=False``: where no connection is open (or being opened),
+        ``op`` goes over one opened for it alone and closed after it, tried
+        once.  A lazy client's control messages to a server it does not
+        otherwise use go so (``create`` makes a part on every server, and
+        ``destroy`` removes them): the server holds no connection of it
+        afterwards."""
+        once = not keep and self.open is None and self._connecting is None
+        attempt = self._once(op) if once else self._attempt(op, idempotent)
         if timeout is None:
-            return await self._attempt(op, idempotent)
+            return await attempt
         try:
             async with asyncio.timeout(timeout) as deadline:
-                return await self._attempt(op, idempotent)
+                return await attempt
         except TimeoutError:
             if not deadline.expired():
                 raise
-            await self.reset()
+            if not once:
+                await self.reset()
             raise OperationTimeout(
                 f"{what} on server {self.label} did not complete within {timeout} s; its connection "
                 "was reset", server=self.label,
                 hint="the server may be overloaded or stopped; the next operation reconnects") from None
 
-    async def call_unkept(self, op: Callable[[Transport], Awaitable[T]], timeout: float | None, *,
-                          idempotent: bool, what: str) -> T:
-        """:meth:`call`, without keeping a connection for it: on the open
-        one if there is one (or one being opened), else on one opened for
-        ``op`` alone and closed after it.  A lazy client's control messages
-        to a server it does not otherwise use go so (``create`` makes a part
-        on every server, and ``destroy`` removes them): the server holds no
-        connection of it afterwards."""
-        if self.open is not None or self._connecting is not None:
-            return await self.call(op, timeout, idempotent=idempotent, what=what)
+    async def _once(self, op: Callable[[Transport], Awaitable[T]]) -> T:
+        """``op`` over a connection of its own, closed after it (``call(keep=False)``)."""
+        t = await self._open()
         try:
-            async with asyncio.timeout(timeout) as deadline:
-                t = await self._open()
-                try:
-                    return await op(t)
-                finally:
-                    await t.close()
-        except TimeoutError:
-            if not deadline.expired():
-                raise
-            raise OperationTimeout(
-                f"{what} on server {self.label} did not complete within {timeout} s; its connection "
-                "was closed", server=self.label,
-                hint="the server may be overloaded or stopped; try again") from None
+            return await op(t)
+        finally:
+            await t.close()
 
     async def _attempt(self, op: Callable[[Transport], Awaitable[T]], idempotent: bool) -> T:
         t = self.open or await self.get()
