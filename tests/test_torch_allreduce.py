@@ -163,6 +163,23 @@ async def test_a_missing_worker_is_named_in_the_timeout(cluster: smb2.LocalClust
         await rule.reduce(np.ones_like(stores[0].flat()), np.zeros_like(stores[0].flat()), step=7)
 
 
+async def test_a_worker_that_closed_its_run_is_named_at_once(cluster: smb2.LocalCluster, transport: str) -> None:
+    # worker 1 takes 2 steps and closes its run (its loader had fewer batches); worker 0's third
+    # round can never complete: it says so, naming the rank and its steps, rather than waiting out
+    # round_timeout (long here: the test would fail on its NotifyTimeout) as for a live, silent one
+    stores = await _stores(cluster, transport, "ar-fewer", 2, round_timeout=600)
+    await _run(stores, [_grads(r, 2, exact=True, n=stores[0].flat().size) for r in range(2)])
+    await stores[1].heartbeat(2, force=True)
+    await stores[1].finish()
+    rule = stores[0].rule
+    assert isinstance(rule, AllReduce)
+    with pytest.raises(InterfaceError, match=r"rank 0 of store 'ar-fewer' waits for the gradients of step 3 from "
+                                             r"workers that closed their training \(rank 1 after 2 steps\).*"
+                                             r"every rank must take the same number of steps") as caught:
+        await rule.reduce(np.ones_like(stores[0].flat()), np.zeros_like(stores[0].flat()), step=3)
+    assert "DistributedSampler" in str(caught.value.hint)
+
+
 @pytest.mark.parametrize("removal", ["removes", "fails"])
 async def test_the_survivors_of_a_dead_worker_go_on_with_their_own_mean(cluster: smb2.LocalCluster, transport: str,
                                                                       removal: str, monkeypatch: pytest.MonkeyPatch,

@@ -915,8 +915,10 @@ class AllReduce(UpdateRule):
     then over the W - 1 (:mod:`smb2.train.roster`: how they agree, and why
     no one steps on a partial or different mean).  If rank 0 is the one
     lost, the lowest surviving rank writes the store's weights at close
-    (:attr:`leader`); rank 0's checkpoints stop with it.  A worker that is
-    alive but sends nothing (it stopped early, or is stuck while its
+    (:attr:`leader`); rank 0's checkpoints stop with it.  A worker that
+    closed its run (it took fewer steps) is named at once by the workers
+    whose round waits for it: every rank takes the same number of steps.
+    A worker that is alive but sends nothing (it is stuck while its
     heartbeat goes on) leaves the others waiting, and after
     ``round_timeout`` seconds they raise :class:`~smb2.NotifyTimeout` saying
     how many gradients never came.  A restarted worker never rejoins the
@@ -1217,9 +1219,42 @@ class AllReduce(UpdateRule):
             dead = await self._silent(ep)
             if dead and await self._declare(ep, r, dead, step):
                 return False
+            if not poisoned and (closed := self._closed_members(ep)):
+                # a member closes only after its last round came back whole: a count read after
+                # seeing it closed is final, and short of ``need`` it never completes
+                have = int(await ep.buf.read_notify(slot))
+                if have >= need:
+                    return True
+                if have >= 0:
+                    raise self._fewer_steps(closed, r, step)
+                poisoned = True
             if poisoned:
                 poisoned = int(await ep.buf.read_notify(slot)) < 0
                 await asyncio.sleep(LOOK_EVERY / 4)
+
+    def _closed_members(self, ep: roster.Epoch) -> list[int]:
+        """The members of ``ep`` other than this worker that closed their
+        run (finished, or stopped on an error), as last looked at."""
+        control = self._control
+        if control is None:
+            return []
+        return [m for m in ep.members if m != self.store.rank and control.has_finished(m)]
+
+    def _fewer_steps(self, closed: list[int], r: int, step: int | None) -> InterfaceError:
+        """The error of a round that waits for ranks that closed their run."""
+        st = self.store
+        control = self._control
+        assert control is not None
+        done = ", ".join(f"rank {m} after {int(control.steps[m])} steps" for m in closed)
+        what = f"step {step}" if step is not None else f"round {r}"
+        return InterfaceError(f"rank {st.rank} of store {st.name!r} waits for the gradients of {what} from "
+                              f"workers that closed their training ({done}): rule 'allreduce' needs every "
+                              f"rank's gradient for every step, as torch DDP does, so every rank must take the "
+                              f"same number of steps",
+                              hint="give every rank as many batches (torch's DistributedSampler gives the "
+                                   "shards one length; drop_last=True drops an uneven last batch), or use "
+                                   "rule='diloco', whose ranks may take different numbers of steps; where a "
+                                   "rank stopped on an error, its own output says which")
 
     async def _silent(self, ep: roster.Epoch) -> list[int]:
         """The members of ``ep`` other than this worker (and not finished)
