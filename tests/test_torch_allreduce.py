@@ -5,6 +5,7 @@ the workers' gradients, the sum made by the servers (docs/training.md,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import textwrap
@@ -329,18 +330,19 @@ def test_bad_options_are_refused() -> None:
             AllReduce(slice_bytes=bad)       # type: ignore[arg-type]
 
 
-def _reference(steps: int, workers: int) -> dict[str, torch.Tensor]:
+def _reference(steps: int, workers: int, micro: int = 1) -> dict[str, torch.Tensor]:
     """One process: AdamW on the mean of the workers' gradients, clipped
-    (DDP's arithmetic: the clip sees the mean)."""
+    (DDP's arithmetic: the clip sees the mean); each worker's gradient of a
+    step is the sum of its ``micro`` batches' (each loss over ``micro``)."""
     model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    batches = [rank_batches(steps, r) for r in range(workers)]
+    batches = [rank_batches(steps * micro, r) for r in range(workers)]
     for s in range(steps):
         sums = [torch.zeros_like(p) for p in model.parameters()]
         for r in range(workers):
             model.zero_grad()
-            x, y = batches[r][s]
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+            for x, y in batches[r][s * micro:(s + 1) * micro]:
+                (torch.nn.functional.cross_entropy(model(x), y) / micro).backward()
             sums = [a + p.grad for a, p in zip(sums, model.parameters())]
         for p, a in zip(model.parameters(), sums):
             p.grad = a / workers
@@ -405,12 +407,10 @@ def test_rank_0_saves_the_optimizer_state_every_rank_resumes(servers: str) -> No
                 assert torch.equal(states[r][k][field], v[field]), (r, k, field)
 
 
-def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str) -> None:
-    # two workers in threads, float32 on the wire, the gradients clipped after backward: each ends at
-    # the weights of one AdamW stepping on the clipped mean of their gradients (DDP's arithmetic), and
-    # both at the same weights, bit for bit
-    steps, workers = 12, 2
-    ref = _reference(steps, workers)
+def _workers_train(servers: str, name: str, workers: int, loop: Any) -> tuple[list[Any], list[st.AsyncOptimizer]]:
+    """``workers`` workers in threads, each ``small_model()`` under AdamW
+    wrapped for rule allreduce (float32 on the wire), every one made before
+    any trains: ``loop(opt, model, rank)``, then ``close(wait_all=30)``."""
     models = [small_model() for _ in range(workers)]
     opts: list[st.AsyncOptimizer] = []
     ready = threading.Barrier(workers)
@@ -418,24 +418,72 @@ def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str
     def worker(r: int) -> None:
         try:
             opt = async_optimizer(models[r], torch.optim.AdamW(models[r].parameters(), lr=0.01), servers,
-                                  "ar-torch", rank=r, world_size=workers, rule="allreduce", push_dtype="float32")
+                                  name, rank=r, world_size=workers, rule="allreduce", push_dtype="float32")
             opts.append(opt)
             ready.wait()
         except BaseException:
             ready.abort()
             raise
-        for x, y in rank_batches(steps, r):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(models[r](x), y).backward()
-            torch.nn.utils.clip_grad_norm_(models[r].parameters(), CLIP)
-            opt.step()
+        loop(opt, models[r], r)
         opt.close(wait_all=30)
 
     _in_threads(workers, worker)
+    return models, opts
+
+
+def _all_at(models: list[Any], ref: dict[str, torch.Tensor]) -> None:
+    """Every model at ``ref``'s weights, and all of them the same, bit for bit."""
     for n, p in models[0].named_parameters():
         torch.testing.assert_close(p.detach(), ref[n], rtol=1e-5, atol=1e-6)
-        assert torch.equal(p.detach(), dict(models[1].named_parameters())[n].detach())
+        for other in models[1:]:
+            assert torch.equal(p.detach(), dict(other.named_parameters())[n].detach())
+
+
+def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str) -> None:
+    # two workers in threads, float32 on the wire, the gradients clipped after backward: each ends at
+    # the weights of one AdamW stepping on the clipped mean of their gradients (DDP's arithmetic), and
+    # both at the same weights, bit for bit
+    steps, workers = 12, 2
+
+    def loop(opt: st.AsyncOptimizer, model: Any, r: int) -> None:
+        for x, y in rank_batches(steps, r):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+
+    models, opts = _workers_train(servers, "ar-torch", workers, loop)
+    _all_at(models, _reference(steps, workers))
     assert all(o.stats()["bytes_pushed"] > 0 and o.stats()["exchanges"] == steps for o in opts)
+
+
+def test_no_sync_accumulates_micro_batches_into_one_round_a_step(servers: str) -> None:
+    # gradient accumulation as under DDP: two of a step's three micro-batches run backward inside
+    # opt.no_sync(), the third outside sends their sum; each worker ends at the weights of one AdamW
+    # stepping on the mean of the workers' accumulated gradients, both the same, after one round a
+    # step.  A step whose last backward ran inside no_sync() is refused (its gradients are its own)
+    steps, workers, micro = 6, 2, 3
+
+    def loop(opt: st.AsyncOptimizer, model: Any, r: int) -> None:
+        batches = rank_batches(steps * micro, r)
+        for s in range(steps):
+            opt.zero_grad()
+            for m, (x, y) in enumerate(batches[s * micro:(s + 1) * micro]):
+                with opt.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                    (torch.nn.functional.cross_entropy(model(x), y) / micro).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+        assert opt.stats()["exchanges"] == steps
+        opt.zero_grad()
+        x, y = batches[0]
+        with opt.no_sync():
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        with pytest.raises(InterfaceError, match=rf"rank {r} steps on gradients that only it has: the last backward "
+                                                 rf"before step {steps + 1} ran inside opt.no_sync\(\)"):
+            opt.step()
+
+    models, _ = _workers_train(servers, "ar-no-sync", workers, loop)
+    _all_at(models, _reference(steps, workers, micro))
 
 
 _RESTARTED = textwrap.dedent('''

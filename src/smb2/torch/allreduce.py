@@ -12,7 +12,10 @@ reached go out too (zeros; a float buffer such as BatchNorm's running
 statistics goes as its value, whose mean every worker then takes), every
 part's mean is awaited and written into the parameters' ``.grad``: the
 user's clipping and optimizer step then see the mean, as under DDP.  Every
-backward is a round, so every worker runs the same backward passes.
+backward is a round, so every worker runs the same backward passes, but
+those under ``AsyncOptimizer.no_sync()`` (DDP's ``no_sync()``, for gradient
+accumulation): they send nothing, and the next backward sends the gradients
+they accumulated with its own.
 """
 
 from __future__ import annotations
@@ -65,9 +68,16 @@ class MeanGradients:
         self._sent: dict[int, concurrent.futures.Future[Any]] = {}
         #: seconds backward waited for the means, in all
         self.waited = 0.0
+        #: backward passes send nothing (``AsyncOptimizer.no_sync()``): the gradients accumulate here
+        self.deferred = False
+        #: the gradients hold this rank's own, accumulated under ``no_sync()`` since the last round
+        self.unreduced = False
 
     def _produced(self, tensor: Any) -> None:
         """A parameter's gradient is accumulated (autograd's hook)."""
+        if self.deferred:
+            self.unreduced = True       # (a later backward outside no_sync() sends the sum)
+            return
         if self._round is None:
             self._round = self.rule.next_round()
             self._missing = list(self.trained)
@@ -113,6 +123,7 @@ class MeanGradients:
                 self.waited += time.perf_counter() - t0
         finally:
             self._round = None
+        self.unreduced = False
         with self.torch.no_grad():
             for e in self.entries:
                 t = e.tensor

@@ -108,9 +108,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -570,6 +571,26 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if self.log_every and self._stats["steps"] % self.log_every == 0:
             log.info("rank %d step %d: %s", self.rank, self.steps, self.stats())
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside exchange nothing: their gradients
+        accumulate in ``.grad``, and the next backward outside sends the
+        sum with its own (torch DDP's ``model.no_sync()``, for gradient
+        accumulation: one round a step rather than one a micro-batch).
+        Rule ``allreduce`` only; the other rules exchange at ``step()``,
+        not in backward, and it changes nothing there.  A ``step()`` whose
+        last backward ran inside is refused: its gradients are this rank's
+        own."""
+        self._check_open()
+        if self._mean is None:
+            yield
+            return
+        was, self._mean.deferred = self._mean.deferred, True
+        try:
+            yield
+        finally:
+            self._mean.deferred = was
+
     def _step_on_mean(self, closure: Callable[[], float] | None) -> float | None:
         """Rule allreduce: backward left the workers' mean in the gradients
         (:mod:`smb2.torch.allreduce`); the wrapped optimizer steps on it."""
@@ -579,6 +600,12 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 loss = closure()        # (its backward leaves the mean in the gradients)
         else:
             loss = None
+        if self._mean.unreduced:
+            raise InterfaceError(f"rank {self.rank} steps on gradients that only it has: the last backward "
+                                 f"before step {self.steps + 1} ran inside opt.no_sync(), which sends nothing "
+                                 f"(rule 'allreduce': every rank steps on the mean of every rank's gradients)",
+                                 hint="run the last micro-batch's backward outside no_sync(), as with torch "
+                                      "DDP's model.no_sync(): it sends the accumulated gradients")
         self._watch_gradients()
         self.optimizer.step()
         self._stats["exchanges"] = self._mean.rule.rounds
