@@ -164,6 +164,30 @@ async def test_a_missing_worker_is_named_in_the_timeout(cluster: smb2.LocalClust
         await rule.reduce(np.ones_like(stores[0].flat()), np.zeros_like(stores[0].flat()), step=7)
 
 
+@pytest.mark.parametrize("bad,wire", [(np.inf, "bfloat16"), (np.nan, "bfloat16"), (1e5, "float16")],
+                         ids=["inf", "nan", "past-float16"])
+async def test_a_gradient_that_is_not_finite_makes_its_parts_mean_nan_once(
+        cluster: smb2.LocalCluster, transport: str, monkeypatch: pytest.MonkeyPatch, bad: float, wire: str) -> None:
+    # mixed precision's first steps overflow: in round 1 worker 0's gradient holds a value the wire
+    # cannot carry in one part.  Both workers get NaN for that part's mean (torch's GradScaler then
+    # skips the step on both, as under DDP) and the exact mean elsewhere; the sums stay finite, so
+    # rounds 2 and 3 (3 on round 1's sum again) are exact everywhere
+    monkeypatch.setattr(rules, "PART_BYTES", 1024)
+    stores = await _stores(cluster, transport, f"ar-overflow-{transport}-{wire}", 2, wire=wire)
+    rule = stores[0].rule
+    assert isinstance(rule, AllReduce) and len(rule.parts) == 4
+    grads = [_grads(r, 4, exact=True, n=stores[0].flat().size) for r in range(2)]
+    grads[0][1][5] = bad
+    outs = await _run(stores, grads)
+    first, end = rule.parts[rule.part_of(5)]
+    for k in range(4):
+        want = (grads[0][k] + grads[1][k]) / np.float32(2)
+        if k == 1:
+            want[first:end] = np.nan
+        for r in range(2):
+            np.testing.assert_array_equal(outs[r][k], want, err_msg=f"worker {r}, round {k}")
+
+
 async def test_a_worker_that_closed_its_run_is_named_at_once(cluster: smb2.LocalCluster, transport: str) -> None:
     # worker 1 takes 2 steps and closes its run (its loader had fewer batches); worker 0's third
     # round can never complete: it says so, naming the rank and its steps, rather than waiting out

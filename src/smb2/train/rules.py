@@ -277,6 +277,16 @@ async def accumulate_changes(st: BoundStore, changes: Mapping[str, np.ndarray], 
     return int(nbytes * _wire_fraction(stage.dtype, wire))
 
 
+def _drop_non_finite(values: np.ndarray) -> bool:
+    """Set the values that are inf or NaN to 0; True if there were any."""
+    with np.errstate(invalid="ignore", over="ignore"):     # (inf + -inf: NaN, which says the same)
+        if math.isfinite(float(np.add.reduce(values))):
+            return False
+    bad = ~np.isfinite(values)
+    values[bad] = 0.0
+    return bool(bad.any())       # (False: only the sum of finite values overflowed)
+
+
 def _wire_fraction(dtype: np.dtype[Any], wire: str | None) -> float:
     """The bytes on the wire per byte of ``dtype`` pushed as ``wire``."""
     return 1.0 if wire is None else np.dtype("uint16").itemsize / dtype.itemsize
@@ -1025,7 +1035,8 @@ class AllReduce(UpdateRule):
             end = first
         if self.parts and self.parts[-1][0] > 0:        # (padding before the first tensor, if any)
             self.parts[-1] = (0, self.parts[-1][1])
-        self._counters = -(-8 * self.sums * len(self.parts) // 64) * 64
+        # each (sum, part)'s counter of the workers in, then of the gradients that were not finite
+        self._counters = -(-8 * 2 * self.sums * len(self.parts) // 64) * 64
         #: (round, membership) in which each part's mean last came back
         self._came_back = [(-1, 0)] * len(self.parts)
 
@@ -1061,7 +1072,7 @@ class AllReduce(UpdateRule):
     async def _find_sums(self, epoch: int) -> Buffer:
         st = self.store
         buf = (await beside.find(st.client, st.buf.name, roster.sums_name(epoch, GRADIENTS))).set_notify_area(
-            0, self.sums * len(self.parts))
+            0, 2 * self.sums * len(self.parts))
         if buf.nbytes != self._nbytes():
             raise InterfaceError(f"the gradient sums of store {st.name!r} hold {buf.nbytes} bytes, not the "
                                  f"{self._nbytes()} this model needs", hint="every worker passes the same model")
@@ -1081,7 +1092,8 @@ class AllReduce(UpdateRule):
         buf = await self._find_sums(number)
         # the others may be in round 0, which waits for this worker, and in no later round
         counts = await buf.read_notify()
-        if first and (number > 0 or (counts >= st.workers).any() or counts[len(self.parts):].any()):
+        counted = counts[:self.sums * len(self.parts)]
+        if first and (number > 0 or (counted >= st.workers).any() or counted[len(self.parts):].any()):
             raise InterfaceError(f"rank {st.rank} cannot join the running training of store {st.name!r}: "
                                  f"rule 'allreduce' keeps every worker in step, and the others are past "
                                  f"their first step",
@@ -1089,7 +1101,12 @@ class AllReduce(UpdateRule):
                                       "checkpoint), or use rule='diloco', which a restarted worker rejoins")
         # (from the start barrier on, where it was passed: this store's rank beats while it computes)
         st.keep_beating()
-        return roster.Epoch(number, base, members, buf, np.zeros((self.sums, self._size), np.float32))
+        return self._epoch(number, base, members, buf)
+
+    def _epoch(self, number: int, base: int, members: tuple[int, ...], buf: Buffer) -> roster.Epoch:
+        """A membership's record as this worker starts in it: nothing sent to its sums yet."""
+        return roster.Epoch(number, base, members, buf, np.zeros((self.sums, self._size), np.float32),
+                            np.zeros((self.sums, len(self.parts)), np.int64))
 
     @property
     def leader(self) -> int:
@@ -1159,12 +1176,19 @@ class AllReduce(UpdateRule):
             ep = await self._epoch_now(r)
             k = (r - ep.base) % self.sums
             diff = grad[first:end] - ep.sent[k, first:end]
+            if self.wire is not None:
+                as_wire(diff, self.wire, out=diff)      # what the servers will add (rounding again: the same)
+            overflowed = _drop_non_finite(diff)
             offset = self._counters + k * self._span + 4 * first
             slices = self._slices(ep.buf, diff.size)
             need = ((r - ep.base) // self.sums + 1) * ep.workers
+            overflow = (self.sums + k) * len(self.parts) + part
             try:
                 await self._paced(self._sending, slices, ep.buf.accumulate, offset, diff)
-                ep.sent[k, first:end] += as_wire(diff, self.wire, out=diff)     # what the servers added
+                ep.sent[k, first:end] += diff
+                if overflowed:
+                    # counted before this worker counts itself in: whoever sees the round complete sees it
+                    await ep.buf.notify_add(overflow, 1)
                 if await self._counted(ep, r, k * len(self.parts) + part, need, step):
                     break
             except NoSuchBuffer:
@@ -1176,9 +1200,17 @@ class AllReduce(UpdateRule):
             # (the survivors of a dead worker went on to a new membership: this round again, in it)
         mean = out[first:end]
         # (the sum rounded to the wire by the servers: the same values for every worker, half the bytes)
-        await self._paced(self._receiving, slices, lambda at, into, wire: ep.buf.read_into(into, at, wire=wire),
-                          offset, mean)
+        overflows, _ = await asyncio.gather(
+            ep.buf.read_notify(overflow),
+            self._paced(self._receiving, slices, lambda at, into, wire: ep.buf.read_into(into, at, wire=wire),
+                        offset, mean))
         np.divide(mean, ep.workers, out=mean)
+        if overflows > ep.overflowed[k, part]:
+            # a worker's gradient here held inf or NaN (mixed precision's loss scale too high, most
+            # often), which it did not add: every worker's mean of the part is NaN, so that
+            # torch's GradScaler skips the step on every rank, as under DDP, while the sums stay finite
+            ep.overflowed[k, part] = overflows
+            mean.fill(np.nan)
         self._came_back[part] = (r, ep.number)
         fraction = _wire_fraction(diff.dtype, self.wire)
         sent = int(diff.nbytes * fraction)
@@ -1331,7 +1363,7 @@ class AllReduce(UpdateRule):
                                       "that stalls for long (a slow data loader, a debugger) needs a larger "
                                       "dead_after")
         buf = await self._find_sums(number)
-        self.epoch = roster.Epoch(number, base, members, buf, np.zeros((self.sums, self._size), np.float32))
+        self.epoch = self._epoch(number, base, members, buf)
         log.info("store %r: rank %d trains on with %d workers (%s) from round %d", st.name, st.rank, len(members),
                  ", ".join(map(str, members)), base)
         return True
