@@ -8,6 +8,13 @@ coming exchange and starts the parameter's server-side accumulate in the
 background loop at once, so the last layers' pushes travel while backward
 still computes the first layers' gradients.
 
+The first step pushes after ``step()``, as every step would without this:
+its gradients, copied during backward, show whether the loop changes them
+before the step (clipping, a loss scaler's unscaling) or makes ones that are
+not finite (a loss scaler's overflow); only where neither happened do the
+later steps push during backward, so a scaled or infinite gradient never
+reaches the store.
+
 The math stays the whole-step push's:
 
 * a layer push of step ``t`` waits (in the background loop) for the
@@ -90,6 +97,12 @@ class BackwardPushes:
         self.upcoming = upcoming
         self.lr = lr
         self.enabled = True
+        #: the first step pushes after step(), as every step would without this: its gradients,
+        #: copied during backward, show whether they change before step() (a loss scaler unscales
+        #: them, clipping scales them) or are not finite (a scaler's overflow, which it then skips);
+        #: pushing during backward starts at the next step only where neither happened
+        self.probing = True
+        self._probed: set[str] = set()
         #: layer pushes started during backward, in all
         self.issued = 0
         self.handles = [e.tensor.register_post_accumulate_grad_hook(self._hook_for(e)) for e in self.entries]
@@ -106,6 +119,9 @@ class BackwardPushes:
             view = sp.grads[e.offset:e.offset + n]
             with self.torch.no_grad():
                 self.torch.from_numpy(view).copy_(param.grad.reshape(-1))
+            if self.probing:
+                self._probed.add(e.name)
+                return
             lr = self.lr()
             sp.lrs[e.name] = lr
             sp.futures.append(self.loop.submit(self._push(e.name, view.reshape(shape), lr, sp.after)))
@@ -122,6 +138,9 @@ class BackwardPushes:
         come): the difference between what went out during backward and
         ``-lr * g`` of the gradients now (none when the step never comes)
         becomes ``sp.corrections``."""
+        if self.probing and final:
+            self._end_probe(sp)
+            return
         for e in self.entries:
             used = sp.lrs.get(e.name)
             if used is None or sp.grads is None:
@@ -139,6 +158,27 @@ class BackwardPushes:
             log.info("the gradients of %s changed between backward() and step() (clip_grad_norm_, several "
                      "backward passes per step, a changed learning rate): their pushes were corrected; from "
                      "now on the whole step is pushed after step()", sorted(sp.corrections))
+
+    def _end_probe(self, sp: StepPushes) -> None:
+        """At the first ``step()``: push during backward from the next step
+        on if every gradient copied during backward is still the same and
+        finite (nothing went out yet: this step pushes after ``step()``)."""
+        self.probing = False
+        changed = []
+        for e in self.entries:
+            if e.name not in self._probed or sp.grads is None:
+                continue
+            copied = self.torch.from_numpy(sp.grads[e.offset:e.offset + e.tensor.numel()])
+            g = e.tensor.grad
+            now = None if g is None else g.detach().reshape(-1).to("cpu", copied.dtype)
+            if now is None or not self.torch.equal(now, copied) or not bool(self.torch.isfinite(now).all()):
+                changed.append(e.name)
+        self._probed.clear()
+        if changed:
+            self.enabled = False
+            log.info("the gradients of %s changed between backward() and step(), or were not finite (a loss "
+                     "scaler, clip_grad_norm_, several backward passes per step, a changed learning rate): "
+                     "every step is pushed after step()", sorted(changed))
 
     async def finish(self, sp: StepPushes) -> None:
         """In the background loop: wait for the step's layer pushes, then
