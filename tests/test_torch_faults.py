@@ -188,6 +188,18 @@ def test_a_lost_server_is_reported_in_training_terms(own_cluster: tuple[LoopThre
         opt.close()
 
 
+def test_a_server_of_the_list_that_is_not_up_is_named_before_the_first_step(servers: str) -> None:
+    # a listed server that never answered is not "lost at step 0": the worker says it cannot reach it
+    # and what to do with the list
+    model = _model(0)
+    listed = f"{servers},127.0.0.1:1"
+    with pytest.raises(smb2.TransportError, match=r"rank 0 cannot reach memory server 127.0.0.1:1 to train store "
+                                                  r"'t-not-up'") as info:
+        st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-not-up", servers=listed,
+                          rank=0, world_size=1, resume=False, timeout=10)
+    assert "start that smb2-server, or leave it out of the job's server list" in (info.value.hint or "")
+
+
 def test_a_removed_store_is_reported_in_training_terms(servers: str) -> None:
     model = _model(0)
     # rule delta: every step's exchange meets the missing store (allreduce's rounds go through the

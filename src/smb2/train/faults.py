@@ -36,7 +36,14 @@ def in_training_terms(err: BaseException, *, store: str, rank: int, step: int) -
         return err
     server = getattr(err, "server", None) or "a memory server"
     out: Smb2Error
-    if isinstance(err, TransportError):
+    if isinstance(err, TransportError) and step == 0 and err.message.startswith("cannot connect"):
+        # (before the first step: most often a server of the list that is not up, not one lost)
+        out = type(err)(
+            f"rank {rank} cannot reach memory server {server} to train store {store!r}",
+            errno=err.errno, status=err.status, server=err.server, detail=err.message,
+            hint="start that smb2-server, or leave it out of the job's server list (SMB2_SERVERS or servers=; "
+                 "every worker lists the same ones); `smb2 doctor SERVERS` checks a list before a job")
+    elif isinstance(err, TransportError):
         out = type(err)(
             f"rank {rank} lost memory server {server} at step {step} of store {store!r}",
             errno=err.errno, status=err.status, server=err.server, detail=err.message,
