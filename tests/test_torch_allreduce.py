@@ -431,18 +431,24 @@ def test_rank_0_saves_the_optimizer_state_every_rank_resumes(servers: str) -> No
                 assert torch.equal(states[r][k][field], v[field]), (r, k, field)
 
 
-def _workers_train(servers: str, name: str, workers: int, loop: Any) -> tuple[list[Any], list[st.AsyncOptimizer]]:
-    """``workers`` workers in threads, each ``small_model()`` under AdamW
-    wrapped for rule allreduce (float32 on the wire), every one made before
-    any trains: ``loop(opt, model, rank)``, then ``close(wait_all=30)``."""
-    models = [small_model() for _ in range(workers)]
+def _adamw(model: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _workers_train(servers: str, name: str, workers: int, loop: Any, make_model: Any = small_model,
+                   make_optimizer: Any = _adamw) -> tuple[list[Any], list[st.AsyncOptimizer]]:
+    """``workers`` workers in threads, each ``make_model()`` under
+    ``make_optimizer(model)`` (AdamW) wrapped for rule allreduce (float32 on
+    the wire), every one made before any trains: ``loop(opt, model, rank)``,
+    then ``close(wait_all=30)``."""
+    models = [make_model() for _ in range(workers)]
     opts: list[st.AsyncOptimizer] = []
     ready = threading.Barrier(workers)
 
     def worker(r: int) -> None:
         try:
-            opt = async_optimizer(models[r], torch.optim.AdamW(models[r].parameters(), lr=0.01), servers,
-                                  name, rank=r, world_size=workers, rule="allreduce", push_dtype="float32")
+            opt = async_optimizer(models[r], make_optimizer(models[r]), servers, name, rank=r, world_size=workers,
+                                  rule="allreduce", push_dtype="float32")
             opts.append(opt)
             ready.wait()
         except BaseException:
@@ -508,6 +514,48 @@ def test_no_sync_accumulates_micro_batches_into_one_round_a_step(servers: str) -
 
     models, _ = _workers_train(servers, "ar-no-sync", workers, loop)
     _all_at(models, _reference(steps, workers, micro))
+
+
+def test_sparse_gradients_get_the_mean_and_stay_sparse(servers: str) -> None:
+    # nn.EmbeddingBag(sparse=True): each worker's gradient touches the rows of its own batch; backward
+    # leaves the mean of both (the rows either touched), sparse as it came (SparseAdam takes no other),
+    # and SGD on it gives both workers the weights of one process stepping on that mean
+    steps, workers = 5, 2
+
+    def make_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.EmbeddingBag(50, 8, mode="mean", sparse=True), torch.nn.Linear(8, 2))
+
+    def batches(r: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(r)
+        xs = [torch.randint(0, 50, (8, 4), generator=g) for _ in range(steps)]
+        return [(x, (x[:, 0] < 25).long()) for x in xs]
+
+    def sgd(model: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def loop(opt: st.AsyncOptimizer, model: Any, r: int) -> None:
+        for x, y in batches(r):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            assert model[0].weight.grad.is_sparse
+            opt.step()
+
+    ref = make_model()
+    ref_opt = sgd(ref)
+    for s in range(steps):
+        means = [torch.zeros_like(p) for p in ref.parameters()]
+        for r in range(workers):
+            ref.zero_grad()
+            x, y = batches(r)[s]
+            torch.nn.functional.cross_entropy(ref(x), y).backward()
+            means = [m + (p.grad.to_dense() if p.grad.is_sparse else p.grad) / workers
+                     for m, p in zip(means, ref.parameters())]
+        for p, m in zip(ref.parameters(), means):
+            p.grad = m
+        ref_opt.step()
+    models, _ = _workers_train(servers, "ar-sparse", workers, loop, make_model, sgd)
+    _all_at(models, {n: p.detach() for n, p in ref.named_parameters()})
 
 
 _RESTARTED = textwrap.dedent('''

@@ -440,6 +440,34 @@ def test_a_loss_scaler_trains_as_it_does_alone(servers: str) -> None:
         np.testing.assert_allclose(shared[name], p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def test_sparse_gradients_are_pushed_as_their_rows(servers: str) -> None:
+    # nn.Embedding(sparse=True) under rule accumulate (its pushes during backward included): one
+    # worker's store ends at the weights of the same SGD loop without smb2
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.EmbeddingBag(40, 6, mode="sum", sparse=True), torch.nn.Linear(6, 2))
+
+    def loop(opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+        g = torch.Generator().manual_seed(3)
+        for _ in range(4):
+            x = torch.randint(0, 40, (8, 3), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), (x[:, 0] < 20).long()).backward()
+            opt.step()
+
+    alone = make()
+    loop(torch.optim.SGD(alone.parameters(), lr=0.1), alone)
+    model = make()
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-sparse",
+                         rule="accumulate") as opt:
+        loop(opt, model)
+        opt.flush()
+        assert opt.stats()["pushes_in_backward"] == 3 * 3      # (every step's but the first)
+        shared = shared_values(opt)
+    for name, p in alone.named_parameters():
+        np.testing.assert_allclose(shared[name], p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_a_backward_without_its_step_is_taken_back_at_close(servers: str) -> None:
     model = small_model()
     x, y = _data()

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..train.rules import AllReduce
 from .loop_thread import LoopThread
-from .staging import Entry
+from .staging import Entry, flat_values
 
 Wrap = Callable[[Coroutine[Any, Any, Any], int], Coroutine[Any, Any, None]]
 
@@ -98,7 +98,7 @@ class MeanGradients:
                 if src is None:
                     dst.zero_()
                 else:
-                    dst.copy_(src.detach().reshape(-1))
+                    dst.copy_(flat_values(src.detach()))
         step = self.step()
         work = self.rule.reduce_part(self._round, part, self.grad, self.mean, step=step)
         self._sent[part] = self.loop.submit(self.wrap(work, step))
@@ -132,6 +132,10 @@ class MeanGradients:
                     t.copy_(mean)
                 elif t.grad is None:
                     t.grad = mean.to(device=t.device, dtype=t.dtype, copy=True)
+                elif t.grad.is_sparse:
+                    # (sparse as it came: an optimizer such as SparseAdam takes only sparse gradients;
+                    # its rows are those any worker's gradient touched)
+                    t.grad = mean.to(device=t.device, dtype=t.dtype).to_sparse()
                 else:
                     t.grad.copy_(mean)
 

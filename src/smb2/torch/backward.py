@@ -49,7 +49,7 @@ import numpy as np
 
 from ..train.rules import UpdateRule
 from .loop_thread import LoopThread
-from .staging import Entry
+from .staging import Entry, flat_values
 
 log = logging.getLogger("smb2.torch")
 
@@ -118,7 +118,7 @@ class BackwardPushes:
                 return              # a second backward before step(): step() pushes the difference
             view = sp.grads[e.offset:e.offset + n]
             with self.torch.no_grad():
-                self.torch.from_numpy(view).copy_(param.grad.reshape(-1))
+                self.torch.from_numpy(view).copy_(flat_values(param.grad))
             if self.probing:
                 self._probed.add(e.name)
                 return
@@ -147,7 +147,7 @@ class BackwardPushes:
                 continue
             pushed = self.torch.from_numpy(sp.grads[e.offset:e.offset + e.tensor.numel()])
             g = e.tensor.grad if final else None
-            now = None if g is None else g.detach().reshape(-1).to("cpu", pushed.dtype)
+            now = None if g is None else flat_values(g.detach()).to("cpu", pushed.dtype)
             if now is not None and used == lr and self.torch.equal(now, pushed):
                 continue
             # pushed as -1 * this: -lr * g_now in all, whatever went out before
@@ -170,7 +170,7 @@ class BackwardPushes:
                 continue
             copied = self.torch.from_numpy(sp.grads[e.offset:e.offset + e.tensor.numel()])
             g = e.tensor.grad
-            now = None if g is None else g.detach().reshape(-1).to("cpu", copied.dtype)
+            now = None if g is None else flat_values(g.detach()).to("cpu", copied.dtype)
             if now is None or not self.torch.equal(now, copied) or not bool(self.torch.isfinite(now).all()):
                 changed.append(e.name)
         self._probed.clear()

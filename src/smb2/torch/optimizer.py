@@ -132,7 +132,7 @@ from .backward import BackwardPushes, StepPushes, wait_for
 from .frozen import FrozenTensors
 from .loop_thread import LoopThread
 from .resume import SAVE_EVERY, SAVE_SHARE, SavedState
-from .staging import Entry, Staging
+from .staging import Entry, Staging, flat_values
 
 log = logging.getLogger("smb2.torch")
 
@@ -700,7 +700,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
             for e in self.staging.entries:
                 if e.param and e.tensor.grad is not None and e.name not in ex.early.lrs:
                     n = e.tensor.numel()
-                    torch.from_numpy(ex.grads[e.offset:e.offset + n]).copy_(e.tensor.grad.reshape(-1))
+                    torch.from_numpy(ex.grads[e.offset:e.offset + n]).copy_(flat_values(e.tensor.grad))
                     ex.rest.append(e.name)
 
     def _settle(self, limit: int | None) -> float:

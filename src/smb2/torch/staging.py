@@ -32,6 +32,13 @@ import numpy as np
 from ..errors import InvalidArgumentError
 
 
+def flat_values(tensor: Any) -> Any:
+    """``tensor``'s values as one flat dense tensor (a sparse gradient,
+    such as ``nn.Embedding(sparse=True)``'s, made dense: the store's region
+    holds every row)."""
+    return (tensor.to_dense() if tensor.is_sparse else tensor).reshape(-1)
+
+
 @dataclass
 class Entry:
     name: str
