@@ -102,7 +102,9 @@ async def test_over_tcp_a_part_goes_in_slices_one_in_flight_each_way(cluster: sm
 
     def counted(way: str, method: Any) -> Any:
         async def wrapper(buf: smb2.Buffer, *args: Any, **kwargs: Any) -> Any:
-            if not buf.name.endswith("/gradients"):     # (a waiting worker's look at the heartbeats)
+            offset = args[0] if way == "up" else args[1]
+            # (a waiting worker's look at the heartbeats; a part's marks, a few words beside the sums)
+            if not buf.name.endswith("/gradients") or offset >= stores[0].rule.marks_start:  # type: ignore[attr-defined]
                 return await method(buf, *args, **kwargs)
             now = flying[id(buf.client)]
             now[way] += 1
@@ -556,6 +558,50 @@ def test_sparse_gradients_get_the_mean_and_stay_sparse(servers: str) -> None:
         ref_opt.step()
     models, _ = _workers_train(servers, "ar-sparse", workers, loop, make_model, sgd)
     _all_at(models, {n: p.detach() for n, p in ref.named_parameters()})
+
+
+class _SomeUnused(torch.nn.Module):
+    """A layer no worker uses, one frozen after a few steps, one that only
+    worker 1 uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.head = torch.nn.Linear(10, 16), torch.nn.Linear(16, 3)
+        self.unused, self.only_one = torch.nn.Linear(10, 3), torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        return self.head(h) + (self.only_one(h) if rank == 1 else 0)
+
+
+def test_a_parameter_no_worker_has_a_gradient_for_is_left_alone(servers: str) -> None:
+    # as DDP leaves a parameter that no rank used: the unused layer, and the first one once frozen
+    # (after 3 of 6 steps), keep .grad None and their weights under AdamW's weight decay; the layer
+    # only worker 1 uses gets the mean (worker 0 counting zeros) on both, which end the same
+    steps = 6
+
+    def loop(opt: st.AsyncOptimizer, model: Any, r: int) -> None:
+        for s, (x, y) in enumerate(rank_batches(steps, r)):
+            if s == 3:
+                model.first.requires_grad_(False)
+                frozen = model.first.weight.detach().clone()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x, r), y).backward()
+            assert model.unused.weight.grad is None and (s < 3 or model.first.weight.grad is None)
+            assert model.only_one.weight.grad is not None
+            opt.step()
+        assert torch.equal(model.first.weight.detach(), frozen)
+
+    def adamw(model: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+    models, _ = _workers_train(servers, "ar-unused", 2, loop, _SomeUnused, adamw)
+    untouched = _SomeUnused()
+    assert torch.equal(models[0].unused.weight.detach(), untouched.unused.weight.detach())
+    assert not torch.equal(models[0].only_one.weight.detach(), untouched.only_one.weight.detach())
+    for n, p in models[0].named_parameters():
+        assert torch.equal(p.detach(), dict(models[1].named_parameters())[n].detach()), n
 
 
 _RESTARTED = textwrap.dedent('''

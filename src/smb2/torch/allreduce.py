@@ -11,8 +11,12 @@ backward (a callback queued on the autograd engine) the parts no gradient
 reached go out too (zeros; a float buffer such as BatchNorm's running
 statistics goes as its value, whose mean every worker then takes), every
 part's mean is awaited and written into the parameters' ``.grad``: the
-user's clipping and optimizer step then see the mean, as under DDP.  Every
-backward is a round, so every worker runs the same backward passes, but
+user's clipping and optimizer step then see the mean, as under DDP.  A
+parameter that no worker had a gradient for (unused in the forward pass,
+or frozen since the optimizer was made) keeps ``.grad`` None, so the
+optimizer skips it (no weight decay, no momentum), as DDP leaves one that
+is unused on every rank; one that some worker had a gradient for gets the
+mean, the others counting zeros.  Every backward is a round, so every worker runs the same backward passes, but
 those under ``AsyncOptimizer.no_sync()`` (DDP's ``no_sync()``, for gradient
 accumulation): they send nothing, and the next backward sends the gradients
 they accumulated with its own.
@@ -50,16 +54,15 @@ class MeanGradients:
         self.grad = np.zeros(size, np.float32)
         self.mean = np.zeros(size, np.float32)
         self.entries = entries
-        #: each part's tensors (parameters and buffers), and how many of its parameters train
+        #: each part's tensors (parameters and buffers)
         self.members: list[list[Entry]] = [[] for _ in rule.parts]
-        self.trained = [0] * len(rule.parts)
+        #: the part of each parameter with a hook (those that trained when the optimizer was made)
         self.part = {}
         for e in entries:
             i = rule.part_of(e.offset)
             self.members[i].append(e)
             if e.param and e.tensor.requires_grad:
                 self.part[id(e.tensor)] = i
-                self.trained[i] += 1
         self.hooks = [e.tensor.register_post_accumulate_grad_hook(self._produced)
                       for e in entries if id(e.tensor) in self.part]
         # the backward under way: its round, the gradients each part still waits for, the parts sent
@@ -80,13 +83,24 @@ class MeanGradients:
             return
         if self._round is None:
             self._round = self.rule.next_round()
-            self._missing = list(self.trained)
+            self._missing = self._expected()
             self._sent = {}
             self.torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         i = self.part[id(tensor)]
         self._missing[i] -= 1
         if self._missing[i] == 0:
             self._send(i)
+
+    def _expected(self) -> list[int]:
+        """How many gradients each part waits for in this backward: its
+        parameters that train now (frozen since: not), all with a hook; a
+        part with one that trains without (it trains since) goes at
+        backward's end (-1: never counted down to 0)."""
+        expected = []
+        for members in self.members:
+            training = [e for e in members if e.param and e.tensor.requires_grad]
+            expected.append(-1 if any(id(e.tensor) not in self.part for e in training) else len(training))
+        return expected
 
     def _send(self, part: int) -> None:
         assert self._round is not None
@@ -100,7 +114,8 @@ class MeanGradients:
                 else:
                     dst.copy_(flat_values(src.detach()))
         step = self.step()
-        work = self.rule.reduce_part(self._round, part, self.grad, self.mean, step=step)
+        without = [e.name for e in self.members[part] if e.param and e.tensor.grad is None]
+        work = self.rule.reduce_part(self._round, part, self.grad, self.mean, step=step, without=without)
         self._sent[part] = self.loop.submit(self.wrap(work, step))
 
     def _backward_ended(self) -> None:
@@ -124,9 +139,12 @@ class MeanGradients:
         finally:
             self._round = None
         self.unreduced = False
+        unused = set().union(*self.rule.no_gradient)
         with self.torch.no_grad():
             for e in self.entries:
                 t = e.tensor
+                if e.name in unused:
+                    continue        # (no worker had a gradient: it stays None, and the optimizer skips it, as DDP's)
                 mean = self.torch.from_numpy(self.mean[e.offset:e.offset + t.numel()]).view(t.shape)
                 if not e.param:
                     t.copy_(mean)

@@ -86,8 +86,8 @@ class Epoch:
     buf: Buffer
     #: what this worker added to each of the epoch's sums so far (float32, exact)
     sent: np.ndarray
-    #: each (sum, part)'s count of gradients that were not finite, as this worker last read it
-    overflowed: np.ndarray
+    #: what this worker added to each of the epoch's marks so far (:attr:`AllReduce.marks`)
+    marks_sent: np.ndarray
 
     @property
     def workers(self) -> int:

@@ -44,7 +44,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -1035,8 +1035,20 @@ class AllReduce(UpdateRule):
             end = first
         if self.parts and self.parts[-1][0] > 0:        # (padding before the first tensor, if any)
             self.parts[-1] = (0, self.parts[-1][1])
-        # each (sum, part)'s counter of the workers in, then of the gradients that were not finite
-        self._counters = -(-8 * 2 * self.sums * len(self.parts) // 64) * 64
+        self._counters = -(-8 * self.sums * len(self.parts) // 64) * 64
+        #: each part's tensors, in the order of their offsets
+        self.part_tensors = [[t for first, t in starts if a <= first < b] for a, b in self.parts]
+        # beside each sum, each part's marks (float32): whether a worker's gradient overflowed, and
+        # for each of its tensors whether the worker had a gradient; each worker adds its change
+        # since the last round on that sum, as for the gradients (most rounds: none), so a mark holds
+        # how many workers had it this round
+        self._marks_at = [0]
+        for names in self.part_tensors:
+            self._marks_at.append(self._marks_at[-1] + 1 + len(names))
+        self._marks_span = -(-4 * self._marks_at[-1] // 64) * 64
+        #: the tensors of each part that no worker had a gradient for in the part's last round
+        self.no_gradient: list[frozenset[str]] = [frozenset()] * len(self.parts)
+        self._without: list[Collection[str]] = [()] * len(self.parts)
         #: (round, membership) in which each part's mean last came back
         self._came_back = [(-1, 0)] * len(self.parts)
 
@@ -1047,8 +1059,13 @@ class AllReduce(UpdateRule):
                 return i
         raise InvalidArgumentError(f"element {offset} is in no part of store {self.store.name!r}")
 
-    def _nbytes(self) -> int:
+    @property
+    def marks_start(self) -> int:
+        """Where the marks begin in the sums' buffer, after the counters and sums."""
         return self._counters + self.sums * self._span
+
+    def _nbytes(self) -> int:
+        return self.marks_start + self.sums * self._marks_span
 
     async def open_run(self, fresh: bool) -> None:
         """Rank 0, before any rank joins: the sums and their counters start
@@ -1072,7 +1089,7 @@ class AllReduce(UpdateRule):
     async def _find_sums(self, epoch: int) -> Buffer:
         st = self.store
         buf = (await beside.find(st.client, st.buf.name, roster.sums_name(epoch, GRADIENTS))).set_notify_area(
-            0, 2 * self.sums * len(self.parts))
+            0, self.sums * len(self.parts))
         if buf.nbytes != self._nbytes():
             raise InterfaceError(f"the gradient sums of store {st.name!r} hold {buf.nbytes} bytes, not the "
                                  f"{self._nbytes()} this model needs", hint="every worker passes the same model")
@@ -1092,8 +1109,7 @@ class AllReduce(UpdateRule):
         buf = await self._find_sums(number)
         # the others may be in round 0, which waits for this worker, and in no later round
         counts = await buf.read_notify()
-        counted = counts[:self.sums * len(self.parts)]
-        if first and (number > 0 or (counted >= st.workers).any() or counted[len(self.parts):].any()):
+        if first and (number > 0 or (counts >= st.workers).any() or counts[len(self.parts):].any()):
             raise InterfaceError(f"rank {st.rank} cannot join the running training of store {st.name!r}: "
                                  f"rule 'allreduce' keeps every worker in step, and the others are past "
                                  f"their first step",
@@ -1106,7 +1122,7 @@ class AllReduce(UpdateRule):
     def _epoch(self, number: int, base: int, members: tuple[int, ...], buf: Buffer) -> roster.Epoch:
         """A membership's record as this worker starts in it: nothing sent to its sums yet."""
         return roster.Epoch(number, base, members, buf, np.zeros((self.sums, self._size), np.float32),
-                            np.zeros((self.sums, len(self.parts)), np.int64))
+                            np.zeros((self.sums, self._marks_at[-1]), np.float32))
 
     @property
     def leader(self) -> int:
@@ -1136,7 +1152,8 @@ class AllReduce(UpdateRule):
         round, and the survivors then redo the round whole).  The bytes sent."""
         sent = 0
         while stale := [i for i, got in enumerate(self._came_back) if got != (r, self.epoch_number)]:
-            sent += sum(await asyncio.gather(*(self.reduce_part(r, i, grad, out, step=step) for i in stale)))
+            sent += sum(await asyncio.gather(*(self.reduce_part(r, i, grad, out, step=step, without=self._without[i])
+                                               for i in stale)))
         ep = self.epoch
         if ep is not None and self._removed < ep.number and r > ep.base and ep.members[0] == self.store.rank:
             await self._remove_old_sums(ep)
@@ -1166,29 +1183,37 @@ class AllReduce(UpdateRule):
         return 0 if self.epoch is None else self.epoch.number
 
     async def reduce_part(self, r: int, part: int, grad: np.ndarray, out: np.ndarray, *,
-                          step: int | None = None) -> int:
+                          step: int | None = None, without: Collection[str] = ()) -> int:
         """Part ``part`` of round ``r`` (:meth:`next_round`): its range of
         ``grad`` goes in, and the mean of every worker's comes into the same
-        range of ``out``.  The bytes sent."""
+        range of ``out``.  ``without``: the part's tensors this worker has no
+        gradient for (zeros in ``grad``, as under DDP); those that no worker
+        had one for are in :attr:`no_gradient` afterwards.  The bytes sent."""
         st = self.store
         first, end = self.parts[part]
+        self._without[part] = without
+        names = self.part_tensors[part]
+        marks = np.array([0.0] + [0.0 if t in without else 1.0 for t in names], np.float32)
+        at, upto = self._marks_at[part], self._marks_at[part + 1]
         while True:
             ep = await self._epoch_now(r)
             k = (r - ep.base) % self.sums
             diff = grad[first:end] - ep.sent[k, first:end]
             if self.wire is not None:
                 as_wire(diff, self.wire, out=diff)      # what the servers will add (rounding again: the same)
-            overflowed = _drop_non_finite(diff)
+            marks[0] = _drop_non_finite(diff)
             offset = self._counters + k * self._span + 4 * first
+            marks_offset = self.marks_start + k * self._marks_span + 4 * at
             slices = self._slices(ep.buf, diff.size)
             need = ((r - ep.base) // self.sums + 1) * ep.workers
-            overflow = (self.sums + k) * len(self.parts) + part
             try:
                 await self._paced(self._sending, slices, ep.buf.accumulate, offset, diff)
                 ep.sent[k, first:end] += diff
-                if overflowed:
-                    # counted before this worker counts itself in: whoever sees the round complete sees it
-                    await ep.buf.notify_add(overflow, 1)
+                changed = marks - ep.marks_sent[k, at:upto]
+                if changed.any():
+                    # (before this worker counts itself in: whoever sees the round complete sees them)
+                    await ep.buf.accumulate(marks_offset, changed)
+                    ep.marks_sent[k, at:upto] = marks
                 if await self._counted(ep, r, k * len(self.parts) + part, need, step):
                     break
             except NoSuchBuffer:
@@ -1200,17 +1225,18 @@ class AllReduce(UpdateRule):
             # (the survivors of a dead worker went on to a new membership: this round again, in it)
         mean = out[first:end]
         # (the sum rounded to the wire by the servers: the same values for every worker, half the bytes)
-        overflows, _ = await asyncio.gather(
-            ep.buf.read_notify(overflow),
+        held = np.empty(upto - at, np.float32)
+        await asyncio.gather(
+            ep.buf.read_into(held, marks_offset),
             self._paced(self._receiving, slices, lambda at, into, wire: ep.buf.read_into(into, at, wire=wire),
                         offset, mean))
         np.divide(mean, ep.workers, out=mean)
-        if overflows > ep.overflowed[k, part]:
+        if held[0] > 0:
             # a worker's gradient here held inf or NaN (mixed precision's loss scale too high, most
             # often), which it did not add: every worker's mean of the part is NaN, so that
             # torch's GradScaler skips the step on every rank, as under DDP, while the sums stay finite
-            ep.overflowed[k, part] = overflows
             mean.fill(np.nan)
+        self.no_gradient[part] = frozenset(t for t, n in zip(names, held[1:]) if n == 0)
         self._came_back[part] = (r, ep.number)
         fraction = _wire_fraction(diff.dtype, self.wire)
         sent = int(diff.nbytes * fraction)
