@@ -24,6 +24,7 @@ import smb2
 from smb2.testing.workers import torchrun as torchrun_command
 from smb2.train import ParameterStore
 from smb2.train import lifecycle as lc
+from smb2.train import store as store_module
 from smb2.train.store import choose_stripe, resolve_rank
 
 
@@ -48,6 +49,24 @@ async def _open_all(cluster: smb2.LocalCluster, name: str, workers: int, *, firs
             ParameterStore.open(clients[r], name, _params(r), workers=workers, rank=r, timeout=20, **kw))
         await asyncio.sleep(0.05)
     return [await tasks[r] for r in range(workers)]
+
+
+async def test_a_rank_says_what_it_waits_for_at_the_start(cluster: smb2.LocalCluster, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    # a rank waiting at the start says at WARNING whom it waits for, after SAY_WAITING_AFTER s (10 s by
+    # default; a rank never started would otherwise leave it silent until its timeout, 2 minutes under
+    # AsyncOptimizer): rank 1 waiting for rank 0's store, rank 0 waiting for rank 1 to join
+    monkeypatch.setattr(store_module, "SAY_WAITING_AFTER", 0.05)
+    client = await cluster.connect()
+    with caplog.at_level(logging.WARNING, logger="smb2.train"):
+        with pytest.raises(smb2.NotifyTimeout, match="rank 0 did not create store 'lc-wait-alone'"):
+            await ParameterStore.open(client, "lc-wait-alone", _params(), workers=2, rank=1, timeout=0.5)
+        alone = await ParameterStore.open(client, "lc-wait", _params(), workers=2, rank=0)
+        with pytest.raises(smb2.NotifyTimeout, match="1 of 2 workers joined store 'lc-wait'"):
+            await alone.join(timeout=0.5)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("rank 1 waits for rank 0 to create store 'lc-wait-alone'") for m in said), said
+    assert any(m.startswith("store 'lc-wait': rank 0 waits for rank 1 to join (1 of 2 joined;") for m in said), said
 
 
 async def _train(store: ParameterStore, steps: int) -> None:

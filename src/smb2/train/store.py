@@ -145,6 +145,10 @@ BEAT_INTERVAL = 0.25
 #: polls of a barrier (start or end) with its count standing still before a
 #: waiting rank reads every rank's row (about 10 s at the longest poll delay)
 RECONCILE_POLLS = 100
+#: seconds a rank waits at the start (for rank 0's store, for the others to join) before it says
+#: at WARNING what it waits for, and between two such reports
+SAY_WAITING_AFTER = 10.0
+SAY_WAITING_EVERY = 30.0
 #: the start barrier's longest poll delay (seconds) up to CROWD workers;
 #: beyond, it grows with the workers, as does the heartbeat's read of the
 #: head line's period, so the one server of the head line sees a bounded rate
@@ -888,6 +892,7 @@ class ParameterStore:
             await self._count_in()
         delay = 0.005
         last, still = -1, 0
+        waiting = _Waiting(deadline)
         while True:
             head = await self._read_head()
             self.stats["barrier_polls"] += 1
@@ -918,6 +923,10 @@ class ParameterStore:
                         f"{self.workers - len(missing)} of {self.workers} workers joined store {self.name!r} "
                         f"within {timeout} s (missing ranks: {lc.ranks_list(missing)}); check WORLD_SIZE "
                         f"({self.workers}) and that every rank is running")
+            if waiting.due() and (missing := (await self.refresh()).missing()):
+                waiting.say(f"store {self.name!r}: rank {self.rank} waits for rank{'s' if len(missing) > 1 else ''} "
+                            f"{lc.ranks_list(missing)} to join ({self.workers - len(missing)} of {self.workers} "
+                            f"joined; every rank starts with the same store name, SMB2_SERVERS and WORLD_SIZE)")
             if now - self._last_beat >= 1.0:
                 await self._write_own()     # stay visibly alive while waiting
             await asyncio.sleep(delay)
@@ -1535,9 +1544,33 @@ async def _attach_or_create(client: Client, name: str, total: int, stripe: int, 
         return await client.attach(name)        # made by someone else in between
 
 
+class _Waiting:
+    """A wait at the start that says what it waits for (WARNING), after
+    :data:`SAY_WAITING_AFTER` s and every :data:`SAY_WAITING_EVERY` s after:
+    a rank that waits minutes for a rank never started is not silent."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.since = time.monotonic()
+        self.deadline = deadline
+        self.next = self.since + SAY_WAITING_AFTER
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next
+
+    def say(self, what: str) -> None:
+        now = time.monotonic()
+        self.next = now + SAY_WAITING_EVERY
+        left = "" if self.deadline is None else f", {max(0.0, self.deadline - now):.0f} s before it gives up"
+        log.warning("%s (%.0f s so far%s)", what, now - self.since, left)
+
+
 async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int) -> Buffer:
     delay = 0.01
+    waiting = _Waiting(deadline)
     while True:
+        if waiting.due():
+            waiting.say(f"rank {rank} waits for rank 0 to create store {name!r} (every rank starts with the same "
+                        "store name and SMB2_SERVERS)")
         try:
             return await client.attach(name)
         except BufferDamaged:
