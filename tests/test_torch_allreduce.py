@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import subprocess
 import textwrap
@@ -158,12 +159,24 @@ async def test_bfloat16_rounding_does_not_build_up(cluster: smb2.LocalCluster, t
         np.testing.assert_array_equal(outs[0][k], outs[1][k])
 
 
-async def test_a_missing_worker_is_named_in_the_timeout(cluster: smb2.LocalCluster, transport: str) -> None:
-    stores = await _stores(cluster, transport, "ar-missing", 2, round_timeout=0.3)
+async def test_a_missing_worker_is_named_in_the_timeout(cluster: smb2.LocalCluster, transport: str,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    # a live worker that sends nothing (its heartbeats go on): the other says so at WARNING after
+    # SAY_WAITING_AFTER (30 s by default), once for all its parts, and gives up after round_timeout
+    monkeypatch.setattr(rules, "SAY_WAITING_AFTER", 0.05)
+    monkeypatch.setattr(rules, "PART_BYTES", 1024)
+    assert AllReduce().round_timeout == 1800        # (torch's default timeout of a collective)
+    stores = await _stores(cluster, transport, "ar-missing", 2, round_timeout=0.5)
     rule = stores[0].rule
-    assert isinstance(rule, AllReduce)
-    with pytest.raises(NotifyTimeout, match="1 of the 2 workers of store 'ar-missing' sent no gradient for step 7"):
+    assert isinstance(rule, AllReduce) and len(rule.parts) == 4
+    with caplog.at_level(logging.WARNING, logger="smb2.train"), \
+            pytest.raises(NotifyTimeout, match="1 of the 2 workers of store 'ar-missing' sent no gradient for step 7"):
         await rule.reduce(np.ones_like(stores[0].flat()), np.zeros_like(stores[0].flat()), step=7)
+    said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith("store 'ar-missing': rank 0 has waited ") and \
+        "for the gradients of step 7 from 1 of the 2 workers, which still send heartbeats" in said[0], said
 
 
 @pytest.mark.parametrize("bad,wire", [(np.inf, "bfloat16"), (np.nan, "bfloat16"), (1e5, "float16")],

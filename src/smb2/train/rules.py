@@ -877,6 +877,13 @@ GRADIENTS = "gradients"
 DEAD_AFTER = 5.0
 #: how often a worker waiting for a round looks at the others' heartbeats (s)
 LOOK_EVERY = 0.25
+#: seconds a round waits for live workers (their heartbeats go on) before it gives up: torch's
+#: default timeout of a collective, so that a rank evaluating or saving a checkpoint between two
+#: steps holds the others as long as under DDP
+ROUND_TIMEOUT = 1800.0
+#: seconds a round waits before it says so at WARNING, and between two such reports
+SAY_WAITING_AFTER = 30.0
+SAY_WAITING_EVERY = 60.0
 #: a part of the gradients (its own sum and counter): at most this many bytes of float32 values, so
 #: that a model's first parts travel while backward still computes the others (DDP's buckets)
 PART_BYTES = 4 << 20
@@ -930,7 +937,9 @@ class AllReduce(UpdateRule):
     whose round waits for it: every rank takes the same number of steps.
     A worker that is alive but sends nothing (it is stuck while its
     heartbeat goes on) leaves the others waiting, and after
-    ``round_timeout`` seconds they raise :class:`~smb2.NotifyTimeout` saying
+    ``round_timeout`` seconds (30 minutes, torch's default for a
+    collective; they say so at WARNING every minute after the first 30 s)
+    they raise :class:`~smb2.NotifyTimeout` saying
     how many gradients never came.  A restarted worker never rejoins the
     run (:attr:`rejoinable`: its rounds would count from 0): a torchrun
     restart of the group opens a new, resumed run, which continues from
@@ -949,7 +958,7 @@ class AllReduce(UpdateRule):
     watches_heartbeats = True
     sums = 2
 
-    def __init__(self, wire: str | None = "bfloat16", round_timeout: float = 60.0,
+    def __init__(self, wire: str | None = "bfloat16", round_timeout: float = ROUND_TIMEOUT,
                  dead_after: float = DEAD_AFTER, slice_bytes: int | None = SLICE_BYTES) -> None:
         super().__init__()      # (its lr is not used: the worker's optimizer has one)
         if wire not in (None, "bfloat16", "float16"):
@@ -977,6 +986,7 @@ class AllReduce(UpdateRule):
         self._looked = -math.inf
         #: the memberships below this one have had their sums removed (by this worker, their leader)
         self._removed = 0
+        self._said_waiting = -math.inf        # (when a waiting part last said so: one report for all)
         self._attaching = asyncio.Lock()      # (a round's parts start together: one attaches)
         self._regrouping = asyncio.Lock()     # (one part of this worker declares or adopts an epoch)
 
@@ -1265,13 +1275,20 @@ class AllReduce(UpdateRule):
                 # another survivor is declaring a new membership (or finding the round went through)
                 if await self._adopt(ep):
                     return False
-            elif time.monotonic() - since >= self.round_timeout:
+            elif (waited := time.monotonic() - since) >= self.round_timeout:
                 what = f"step {step}" if step is not None else f"round {r}"
                 raise NotifyTimeout(f"{need - have} of the {ep.workers} workers of store {st.name!r} sent no "
                                     f"gradient for {what} in {self.round_timeout:g} s (rule 'allreduce' waits for "
                                     f"every live worker; these still send heartbeats)",
                                     hint="a worker stalls or took fewer steps than the others: restart the job "
                                          "(resume=True), or use rule='diloco', which goes on without it")
+            elif waited >= SAY_WAITING_AFTER and time.monotonic() - self._said_waiting >= SAY_WAITING_EVERY:
+                self._said_waiting = time.monotonic()
+                what = f"step {step}" if step is not None else f"round {r}"
+                log.warning("store %r: rank %d has waited %.0f s for the gradients of %s from %d of the %d "
+                            "workers, which still send heartbeats (an evaluation or a checkpoint save between "
+                            "steps, a slow data loader?); it gives up after round_timeout=%g s", st.name, st.rank,
+                            waited, what, need - have, ep.workers, self.round_timeout)
             # a silent member is declared dead; where the round is poisoned, it may be a declaring
             # survivor that died half-way: its claim is taken over, the declaration made
             dead = await self._silent(ep)
