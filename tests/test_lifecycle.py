@@ -64,9 +64,17 @@ async def test_a_rank_says_what_it_waits_for_at_the_start(cluster: smb2.LocalClu
         alone = await ParameterStore.open(client, "lc-wait", _params(), workers=2, rank=0)
         with pytest.raises(smb2.NotifyTimeout, match="1 of 2 workers joined store 'lc-wait'"):
             await alone.join(timeout=0.5)
+        # rank 1 says the count it polls (rank 0 alone reads every rank's row to name them)
+        late = await ParameterStore.open(await cluster.connect(), "lc-wait-late", _params(), workers=3, rank=0)
+        other = await ParameterStore.open(await cluster.connect(), "lc-wait-late", _params(), workers=3, rank=1)
+        ends = await asyncio.gather(late.join(timeout=0.5), other.join(timeout=0.5), return_exceptions=True)
+        assert all(isinstance(e, smb2.NotifyTimeout) and "2 of 3 workers joined store 'lc-wait-late'" in str(e)
+                   for e in ends), ends
     said = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("rank 1 waits for rank 0 to create store 'lc-wait-alone'") for m in said), said
     assert any(m.startswith("store 'lc-wait': rank 0 waits for rank 1 to join (1 of 2 joined;") for m in said), said
+    assert any(m.startswith("store 'lc-wait-late': rank 1 waits for 1 of the 3 ranks to join (2 of 3 joined;")
+               for m in said), said
 
 
 async def _train(store: ParameterStore, steps: int) -> None:

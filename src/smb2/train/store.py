@@ -923,10 +923,16 @@ class ParameterStore:
                         f"{self.workers - len(missing)} of {self.workers} workers joined store {self.name!r} "
                         f"within {timeout} s (missing ranks: {lc.ranks_list(missing)}); check WORLD_SIZE "
                         f"({self.workers}) and that every rank is running")
-            if waiting.due() and (missing := (await self.refresh()).missing()):
-                waiting.say(f"store {self.name!r}: rank {self.rank} waits for rank{'s' if len(missing) > 1 else ''} "
-                            f"{lc.ranks_list(missing)} to join ({self.workers - len(missing)} of {self.workers} "
-                            f"joined; every rank starts with the same store name, SMB2_SERVERS and WORLD_SIZE)")
+            if waiting.due():
+                # rank 0 names the missing ranks (one read of every row); the others say the count
+                # they polled, so that a slow start of many ranks adds no read of the table per rank
+                if self.rank == 0 and (missing := (await self.refresh()).missing()):
+                    whom = f"rank{'s' if len(missing) > 1 else ''} {lc.ranks_list(missing)}"
+                else:
+                    whom = f"{self.workers - counted} of the {self.workers} ranks"
+                waiting.say(f"store {self.name!r}: rank {self.rank} waits for {whom} to join ({counted} of "
+                            f"{self.workers} joined; every rank starts with the same store name, SMB2_SERVERS "
+                            "and WORLD_SIZE)")
             if now - self._last_beat >= 1.0:
                 await self._write_own()     # stay visibly alive while waiting
             await asyncio.sleep(delay)
