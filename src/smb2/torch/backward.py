@@ -145,9 +145,8 @@ class BackwardPushes:
             used = sp.lrs.get(e.name)
             if used is None or sp.grads is None:
                 continue
-            pushed = self.torch.from_numpy(sp.grads[e.offset:e.offset + e.tensor.numel()])
-            g = e.tensor.grad if final else None
-            now = None if g is None else flat_values(g.detach()).to("cpu", pushed.dtype)
+            pushed = self._copied(sp, e)
+            now = self._gradient_now(e, pushed.dtype) if final else None
             if now is not None and used == lr and self.torch.equal(now, pushed):
                 continue
             # pushed as -1 * this: -lr * g_now in all, whatever went out before
@@ -159,6 +158,16 @@ class BackwardPushes:
                      "backward passes per step, a changed learning rate): their pushes were corrected; from "
                      "now on the whole step is pushed after step()", sorted(sp.corrections))
 
+    def _copied(self, sp: StepPushes, e: Entry) -> Any:
+        """The gradient of ``e`` as backward's hook copied it into the step's host array."""
+        assert sp.grads is not None
+        return self.torch.from_numpy(sp.grads[e.offset:e.offset + e.tensor.numel()])
+
+    def _gradient_now(self, e: Entry, dtype: Any) -> Any:
+        """The gradient of ``e`` as it is now, flat on the CPU in ``dtype`` (None: it has none)."""
+        g = e.tensor.grad
+        return None if g is None else flat_values(g.detach()).to("cpu", dtype)
+
     def _end_probe(self, sp: StepPushes) -> None:
         """At the first ``step()``: push during backward from the next step
         on if every gradient copied during backward is still the same and
@@ -168,9 +177,8 @@ class BackwardPushes:
         for e in self.entries:
             if e.name not in self._probed or sp.grads is None:
                 continue
-            copied = self.torch.from_numpy(sp.grads[e.offset:e.offset + e.tensor.numel()])
-            g = e.tensor.grad
-            now = None if g is None else flat_values(g.detach()).to("cpu", copied.dtype)
+            copied = self._copied(sp, e)
+            now = self._gradient_now(e, copied.dtype)
             if now is None or not self.torch.equal(now, copied) or not bool(self.torch.isfinite(now).all()):
                 changed.append(e.name)
         self._probed.clear()

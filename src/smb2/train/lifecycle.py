@@ -51,6 +51,7 @@ hosts meet.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from typing import Any
@@ -58,6 +59,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError
+
+log = logging.getLogger("smb2.train")
 
 VERSION, GENERATION, STOP, OPENED_MS, RESUMED, ORIGIN_MS, JOINS_EVEN, JOINS_ODD = range(8)
 RANK_BASE = 8
@@ -526,3 +529,25 @@ def decide_other(c: Control, rank: int, *, restarted: bool, stale_after: float,
     if c.live(0, stale_after) and not c.stopped:
         return Decision("join", f"rank 0 opened run {c.generation}")
     return Decision("wait", f"run {c.generation} is not open (rank 0 is not in it or silent)")
+
+
+class Waiting:
+    """A wait that says what it waits for (WARNING), after ``after`` s and
+    every ``every`` s after, with the time waited and the time left before
+    ``deadline`` (monotonic; None: none): a rank that waits minutes for
+    another is not silent."""
+
+    def __init__(self, deadline: float | None, after: float, every: float) -> None:
+        self.since = time.monotonic()
+        self.deadline = deadline
+        self.every = every
+        self.next = self.since + after
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next
+
+    def say(self, what: str) -> None:
+        now = time.monotonic()
+        self.next = now + self.every
+        left = "" if self.deadline is None else f", {max(0.0, self.deadline - now):.0f} s before it gives up"
+        log.warning("%s (%.0f s so far%s)", what, now - self.since, left)

@@ -56,7 +56,7 @@ from ..mirror import AgentMirror
 from . import beside, roster
 from .compress import SparseLoCo, parse_spec
 from .dropping import LayerDropping
-from .lifecycle import Control
+from .lifecycle import Control, Waiting
 from .local_steps import MOST, SHARE, LocalSteps
 from .weights import AgentWeights, ServerWeights, SharedWeights
 
@@ -986,7 +986,7 @@ class AllReduce(UpdateRule):
         self._looked = -math.inf
         #: the memberships below this one have had their sums removed (by this worker, their leader)
         self._removed = 0
-        self._said_waiting = -math.inf        # (when a waiting part last said so: one report for all)
+        self._waiting: tuple[int, Waiting] | None = None     # (a round's report of its wait, one for all parts)
         self._attaching = asyncio.Lock()      # (a round's parts start together: one attaches)
         self._regrouping = asyncio.Lock()     # (one part of this worker declares or adopts an epoch)
 
@@ -1261,6 +1261,7 @@ class AllReduce(UpdateRule):
         st = self.store
         poisoned = await ep.buf.notify_add(slot, 1) < 0
         since = time.monotonic()
+        waiting = self._round_waiting(r)
         while True:
             if not poisoned:
                 try:
@@ -1275,20 +1276,19 @@ class AllReduce(UpdateRule):
                 # another survivor is declaring a new membership (or finding the round went through)
                 if await self._adopt(ep):
                     return False
-            elif (waited := time.monotonic() - since) >= self.round_timeout:
+            elif time.monotonic() - since >= self.round_timeout:
                 what = f"step {step}" if step is not None else f"round {r}"
                 raise NotifyTimeout(f"{need - have} of the {ep.workers} workers of store {st.name!r} sent no "
                                     f"gradient for {what} in {self.round_timeout:g} s (rule 'allreduce' waits for "
                                     f"every live worker; these still send heartbeats)",
                                     hint="a worker stalls or took fewer steps than the others: restart the job "
                                          "(resume=True), or use rule='diloco', which goes on without it")
-            elif waited >= SAY_WAITING_AFTER and time.monotonic() - self._said_waiting >= SAY_WAITING_EVERY:
-                self._said_waiting = time.monotonic()
+            elif waiting.due():
                 what = f"step {step}" if step is not None else f"round {r}"
-                log.warning("store %r: rank %d has waited %.0f s for the gradients of %s from %d of the %d "
-                            "workers, which still send heartbeats (an evaluation or a checkpoint save between "
-                            "steps, a slow data loader?); it gives up after round_timeout=%g s", st.name, st.rank,
-                            waited, what, need - have, ep.workers, self.round_timeout)
+                waiting.say(f"store {st.name!r}: rank {st.rank} has waited for the gradients of {what} from "
+                            f"{need - have} of the {ep.workers} workers, which still send heartbeats (an "
+                            f"evaluation or a checkpoint save between steps, a slow data loader?; "
+                            f"round_timeout={self.round_timeout:g} s)")
             # a silent member is declared dead; where the round is poisoned, it may be a declaring
             # survivor that died half-way: its claim is taken over, the declaration made
             dead = await self._silent(ep)
@@ -1330,6 +1330,12 @@ class AllReduce(UpdateRule):
                                    "shards one length; drop_last=True drops an uneven last batch), or use "
                                    "rule='diloco', whose ranks may take different numbers of steps; where a "
                                    "rank stopped on an error, its own output says which")
+
+    def _round_waiting(self, r: int) -> Waiting:
+        """The report of round ``r``'s wait, one for all its parts."""
+        if self._waiting is None or self._waiting[0] != r:
+            self._waiting = (r, Waiting(time.monotonic() + self.round_timeout, SAY_WAITING_AFTER, SAY_WAITING_EVERY))
+        return self._waiting[1]
 
     async def _silent(self, ep: roster.Epoch) -> list[int]:
         """The members of ``ep`` other than this worker (and not finished)

@@ -892,7 +892,7 @@ class ParameterStore:
             await self._count_in()
         delay = 0.005
         last, still = -1, 0
-        waiting = _Waiting(deadline)
+        waiting = lc.Waiting(deadline, SAY_WAITING_AFTER, SAY_WAITING_EVERY)
         while True:
             head = await self._read_head()
             self.stats["barrier_polls"] += 1
@@ -1550,29 +1550,9 @@ async def _attach_or_create(client: Client, name: str, total: int, stripe: int, 
         return await client.attach(name)        # made by someone else in between
 
 
-class _Waiting:
-    """A wait at the start that says what it waits for (WARNING), after
-    :data:`SAY_WAITING_AFTER` s and every :data:`SAY_WAITING_EVERY` s after:
-    a rank that waits minutes for a rank never started is not silent."""
-
-    def __init__(self, deadline: float | None) -> None:
-        self.since = time.monotonic()
-        self.deadline = deadline
-        self.next = self.since + SAY_WAITING_AFTER
-
-    def due(self) -> bool:
-        return time.monotonic() >= self.next
-
-    def say(self, what: str) -> None:
-        now = time.monotonic()
-        self.next = now + SAY_WAITING_EVERY
-        left = "" if self.deadline is None else f", {max(0.0, self.deadline - now):.0f} s before it gives up"
-        log.warning("%s (%.0f s so far%s)", what, now - self.since, left)
-
-
 async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int) -> Buffer:
     delay = 0.01
-    waiting = _Waiting(deadline)
+    waiting = lc.Waiting(deadline, SAY_WAITING_AFTER, SAY_WAITING_EVERY)
     while True:
         if waiting.due():
             waiting.say(f"rank {rank} waits for rank 0 to create store {name!r} (every rank starts with the same "
