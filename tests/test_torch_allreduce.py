@@ -10,7 +10,6 @@ import logging
 import os
 import subprocess
 import textwrap
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,14 @@ from smb2.train.rules import AllReduce
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
 
 import smb2.torch as st  # noqa: E402
-from smb2.testing.torch_models import async_optimizer, rank_batches, small_model  # noqa: E402
+from smb2.testing.torch_models import (  # noqa: E402
+    all_at,
+    allreduce_workers,
+    in_threads,
+    mean_step_reference,
+    rank_batches,
+    small_model,
+)
 from smb2.torch.loop_thread import LoopThread  # noqa: E402
 
 N = 1000        # gradient values a round
@@ -369,45 +375,6 @@ def test_bad_options_are_refused() -> None:
             AllReduce(slice_bytes=bad)       # type: ignore[arg-type]
 
 
-def _reference(steps: int, workers: int, micro: int = 1) -> dict[str, torch.Tensor]:
-    """One process: AdamW on the mean of the workers' gradients, clipped
-    (DDP's arithmetic: the clip sees the mean); each worker's gradient of a
-    step is the sum of its ``micro`` batches' (each loss over ``micro``)."""
-    model = small_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    batches = [rank_batches(steps * micro, r) for r in range(workers)]
-    for s in range(steps):
-        sums = [torch.zeros_like(p) for p in model.parameters()]
-        for r in range(workers):
-            model.zero_grad()
-            for x, y in batches[r][s * micro:(s + 1) * micro]:
-                (torch.nn.functional.cross_entropy(model(x), y) / micro).backward()
-            sums = [a + p.grad for a, p in zip(sums, model.parameters())]
-        for p, a in zip(model.parameters(), sums):
-            p.grad = a / workers
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _in_threads(workers: int, work: Any) -> None:
-    """``work(rank)`` in a thread per worker; raises the first error."""
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            work(r)
-        except BaseException as e:      # noqa: BLE001 (the test thread raises it)
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-
-
 def test_rank_0_saves_the_optimizer_state_every_rank_resumes(servers: str) -> None:
     # every rank's AdamW state is the same one: rank 0 alone saves it (no <store>/optim/1), and a
     # resumed run gives every rank rank 0's
@@ -426,7 +393,7 @@ def test_rank_0_saves_the_optimizer_state_every_rank_resumes(servers: str) -> No
         states[r] = opt.optimizer.state_dict()["state"]
         opt.close(wait_all=30)
 
-    _in_threads(workers, lambda r: train(r, resume=False))
+    in_threads(workers, lambda r: train(r, resume=False))
     trained = states[0]
 
     async def names() -> list[str]:
@@ -439,49 +406,11 @@ def test_rank_0_saves_the_optimizer_state_every_rank_resumes(servers: str) -> No
         loop.stop()
     assert f"{name}/optim/0" in buffers and f"{name}/optim/1" not in buffers, buffers
     states.clear()
-    _in_threads(workers, lambda r: train(r, resume=True))
+    in_threads(workers, lambda r: train(r, resume=True))
     for r in range(workers):
         for k, v in trained.items():
             for field in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(states[r][k][field], v[field]), (r, k, field)
-
-
-def _adamw(model: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=0.01)
-
-
-def _workers_train(servers: str, name: str, workers: int, loop: Any, make_model: Any = small_model,
-                   make_optimizer: Any = _adamw) -> tuple[list[Any], list[st.AsyncOptimizer]]:
-    """``workers`` workers in threads, each ``make_model()`` under
-    ``make_optimizer(model)`` (AdamW) wrapped for rule allreduce (float32 on
-    the wire), every one made before any trains: ``loop(opt, model, rank)``,
-    then ``close(wait_all=30)``."""
-    models = [make_model() for _ in range(workers)]
-    opts: list[st.AsyncOptimizer] = []
-    ready = threading.Barrier(workers)
-
-    def worker(r: int) -> None:
-        try:
-            opt = async_optimizer(models[r], make_optimizer(models[r]), servers, name, rank=r, world_size=workers,
-                                  rule="allreduce", push_dtype="float32")
-            opts.append(opt)
-            ready.wait()
-        except BaseException:
-            ready.abort()
-            raise
-        loop(opt, models[r], r)
-        opt.close(wait_all=30)
-
-    _in_threads(workers, worker)
-    return models, opts
-
-
-def _all_at(models: list[Any], ref: dict[str, torch.Tensor]) -> None:
-    """Every model at ``ref``'s weights, and all of them the same, bit for bit."""
-    for n, p in models[0].named_parameters():
-        torch.testing.assert_close(p.detach(), ref[n], rtol=1e-5, atol=1e-6)
-        for other in models[1:]:
-            assert torch.equal(p.detach(), dict(other.named_parameters())[n].detach())
 
 
 def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str) -> None:
@@ -497,8 +426,8 @@ def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
 
-    models, opts = _workers_train(servers, "ar-torch", workers, loop)
-    _all_at(models, _reference(steps, workers))
+    models, opts = allreduce_workers(servers, "ar-torch", workers, loop)
+    all_at(models, mean_step_reference(steps, workers, CLIP))
     assert all(o.stats()["bytes_pushed"] > 0 and o.stats()["exchanges"] == steps for o in opts)
 
 
@@ -527,8 +456,8 @@ def test_no_sync_accumulates_micro_batches_into_one_round_a_step(servers: str) -
                                                  rf"before step {steps + 1} ran inside opt.no_sync\(\)"):
             opt.step()
 
-    models, _ = _workers_train(servers, "ar-no-sync", workers, loop)
-    _all_at(models, _reference(steps, workers, micro))
+    models, _ = allreduce_workers(servers, "ar-no-sync", workers, loop)
+    all_at(models, mean_step_reference(steps, workers, CLIP, micro))
 
 
 def test_sparse_gradients_get_the_mean_and_stay_sparse(servers: str) -> None:
@@ -569,8 +498,8 @@ def test_sparse_gradients_get_the_mean_and_stay_sparse(servers: str) -> None:
         for p, m in zip(ref.parameters(), means):
             p.grad = m
         ref_opt.step()
-    models, _ = _workers_train(servers, "ar-sparse", workers, loop, make_model, sgd)
-    _all_at(models, {n: p.detach() for n, p in ref.named_parameters()})
+    models, _ = allreduce_workers(servers, "ar-sparse", workers, loop, make_model, sgd)
+    all_at(models, {n: p.detach() for n, p in ref.named_parameters()})
 
 
 class _SomeUnused(torch.nn.Module):
@@ -609,7 +538,7 @@ def test_a_parameter_no_worker_has_a_gradient_for_is_left_alone(servers: str) ->
     def adamw(model: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
 
-    models, _ = _workers_train(servers, "ar-unused", 2, loop, _SomeUnused, adamw)
+    models, _ = allreduce_workers(servers, "ar-unused", 2, loop, _SomeUnused, adamw)
     untouched = _SomeUnused()
     assert torch.equal(models[0].unused.weight.detach(), untouched.unused.weight.detach())
     assert not torch.equal(models[0].only_one.weight.detach(), untouched.only_one.weight.detach())
@@ -675,7 +604,7 @@ def test_a_torchrun_restart_goes_on_from_rank_0s_last_save(servers: str, tmp_pat
     ends = {e["rank"]: e for e in events if e["event"] == "done"}
     assert sorted(ends) == [0, 1] and ends[0]["steps"] == ends[1]["steps"] == steps
     assert ends[0]["weights"] == ends[1]["weights"]
-    ref = _reference(steps, workers)
+    ref = mean_step_reference(steps, workers, CLIP)
     for n, want in ref.items():
         torch.testing.assert_close(torch.tensor(ends[0]["weights"][n]), want.flatten(), rtol=1e-5, atol=1e-6)
 

@@ -30,6 +30,8 @@ from smb2.testing.torch_models import (  # noqa: E402
     shared_values,
     single_process_accuracy,
     small_model,
+    sparse_model,
+    sparse_steps,
 )
 from smb2.train import lifecycle as lc  # noqa: E402
 from smb2.train.dropping import LayerDropping  # noqa: E402
@@ -443,24 +445,12 @@ def test_a_loss_scaler_trains_as_it_does_alone(servers: str) -> None:
 def test_sparse_gradients_are_pushed_as_their_rows(servers: str) -> None:
     # nn.Embedding(sparse=True) under rule accumulate (its pushes during backward included): one
     # worker's store ends at the weights of the same SGD loop without smb2
-    def make() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.EmbeddingBag(40, 6, mode="sum", sparse=True), torch.nn.Linear(6, 2))
-
-    def loop(opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
-        g = torch.Generator().manual_seed(3)
-        for _ in range(4):
-            x = torch.randint(0, 40, (8, 3), generator=g)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), (x[:, 0] < 20).long()).backward()
-            opt.step()
-
-    alone = make()
-    loop(torch.optim.SGD(alone.parameters(), lr=0.1), alone)
-    model = make()
+    alone = sparse_model()
+    sparse_steps(torch.optim.SGD(alone.parameters(), lr=0.1), alone)
+    model = sparse_model()
     with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-sparse",
                          rule="accumulate") as opt:
-        loop(opt, model)
+        sparse_steps(opt, model)
         opt.flush()
         assert opt.stats()["pushes_in_backward"] == 3 * 3      # (every step's but the first)
         shared = shared_values(opt)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
+import threading
 from typing import Any
 
 import numpy as np
@@ -64,6 +65,104 @@ def shared_values(opt: st.AsyncOptimizer) -> dict[str, np.ndarray]:
     finally:
         loop.stop()
 
+def mean_step_reference(steps: int, workers: int, clip: float, micro: int = 1) -> dict[str, torch.Tensor]:
+    """One process on the CPU: AdamW on the mean of ``workers`` workers'
+    gradients of ``small_model`` on their ``rank_batches``, clipped to
+    ``clip`` (DDP's arithmetic: the clip sees the mean); each worker's
+    gradient of a step is the sum of its ``micro`` batches' (each loss over
+    ``micro``).  The weights after ``steps`` steps."""
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    batches = [rank_batches(steps * micro, r) for r in range(workers)]
+    for s in range(steps):
+        sums = [torch.zeros_like(p) for p in model.parameters()]
+        for r in range(workers):
+            model.zero_grad()
+            for x, y in batches[r][s * micro:(s + 1) * micro]:
+                (torch.nn.functional.cross_entropy(model(x), y) / micro).backward()
+            sums = [a + p.grad for a, p in zip(sums, model.parameters()) if p.grad is not None]
+        for p, a in zip(model.parameters(), sums):
+            p.grad = a / workers
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def in_threads(workers: int, work: Any) -> None:
+    """``work(rank)`` in a thread per worker; raises the first error."""
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            work(r)
+        except BaseException as e:      # noqa: BLE001 (the test thread raises it)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def allreduce_workers(servers: str, name: str, workers: int, loop: Any, make_model: Any = small_model,
+                      make_optimizer: Any = _adamw) -> tuple[list[Any], list[st.AsyncOptimizer]]:
+    """``workers`` workers in threads, each ``make_model()`` under
+    ``make_optimizer(model)`` (AdamW) wrapped for rule allreduce (float32 on
+    the wire), every one made before any trains: ``loop(opt, model, rank)``,
+    then ``close(wait_all=30)``."""
+    models = [make_model() for _ in range(workers)]
+    opts: list[st.AsyncOptimizer] = []
+    ready = threading.Barrier(workers)
+
+    def worker(r: int) -> None:
+        try:
+            opt = async_optimizer(models[r], make_optimizer(models[r]), servers, name, rank=r, world_size=workers,
+                                  rule="allreduce", push_dtype="float32")
+            opts.append(opt)
+            ready.wait()
+        except BaseException:
+            ready.abort()
+            raise
+        loop(opt, models[r], r)
+        opt.close(wait_all=30)
+
+    in_threads(workers, worker)
+    return models, opts
+
+
+def all_at(models: list[Any], ref: dict[str, torch.Tensor]) -> None:
+    """Every model at ``ref``'s weights, and all of them the same, bit for bit."""
+    for n, p in models[0].named_parameters():
+        torch.testing.assert_close(p.detach(), ref[n], rtol=1e-5, atol=1e-6)
+        for other in models[1:]:
+            assert torch.equal(p.detach(), dict(other.named_parameters())[n].detach())
+
+
+
+def sparse_model() -> torch.nn.Module:
+    """A sum of 3 of 40 embedding rows (``sparse=True``: its gradient is
+    sparse) before a linear head; seeded."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.EmbeddingBag(40, 6, mode="sum", sparse=True), torch.nn.Linear(6, 2))
+
+
+def sparse_steps(opt: torch.optim.Optimizer, model: torch.nn.Module, device: str = "cpu") -> None:
+    """4 steps of ``sparse_model`` on batches of 8 (class: whether the first
+    row is below 20), the same ones every call."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randint(0, 40, (8, 3), generator=g).to(device)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), (x[:, 0] < 20).long()).backward()
+        opt.step()
+        grad = next(model.parameters()).grad      # (the embedding's)
+        assert grad is not None and grad.is_sparse and grad.device.type == torch.device(device).type
 
 class TwoHeads(torch.nn.Module):
     """Two linear layers whose gradients never change (the loss is linear

@@ -20,22 +20,58 @@ mean, the others counting zeros.  Every backward is a round, so every worker run
 those under ``AsyncOptimizer.no_sync()`` (DDP's ``no_sync()``, for gradient
 accumulation): they send nothing, and the next backward sends the gradients
 they accumulated with its own.
+
+Ranks of one store that are threads of one process cannot share a GPU:
+autograd runs the backward of every thread's model on one thread per GPU,
+where the callback at the end of one rank's backward waits for the other
+ranks' gradients, which that same thread would compute next.  DDP's reducer
+waits there too; the second such rank is refused when it is made.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from ..train.rules import AllReduce
 from .loop_thread import LoopThread
 from .staging import Entry, flat_values
 
 Wrap = Callable[[Coroutine[Any, Any, Any], int], Coroutine[Any, Any, None]]
+
+#: (store, GPU) -> the rank of this process that has its backward there
+_GPU_RANKS: dict[tuple[str, str], int] = {}
+_GPU_RANKS_LOCK = threading.Lock()
+
+
+def take_gpus(tensors: list[Any], store: str, rank: int) -> list[tuple[str, str]]:
+    """The GPUs of rank ``rank``'s tensors, taken for it in this process;
+    refused where another rank of ``store`` in this process has taken one.
+    :func:`give_back_gpus` gives them back."""
+    keys = sorted({(store, str(t.device)) for t in tensors if t.device.type == "cuda"})
+    with _GPU_RANKS_LOCK:
+        for key in keys:
+            if _GPU_RANKS.get(key, rank) != rank:
+                raise InvalidArgumentError(
+                    f"rank {rank} of store {store!r} would train on {key[1]} beside rank {_GPU_RANKS[key]}, in "
+                    f"this same process: autograd runs every thread's backward on that GPU on one thread, where "
+                    f"each rank waits for the other's gradients, so both would wait forever",
+                    hint="run one rank per process (torchrun --nproc-per-node), or give each rank its own GPU")
+        for key in keys:
+            _GPU_RANKS[key] = rank
+    return keys
+
+
+def give_back_gpus(keys: list[tuple[str, str]]) -> None:
+    with _GPU_RANKS_LOCK:
+        for key in keys:
+            _GPU_RANKS.pop(key, None)
 
 
 class MeanGradients:

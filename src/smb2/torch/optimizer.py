@@ -127,7 +127,7 @@ from ..train.lifecycle import RunEnd, host_workers
 from ..train.rules import RULES, AllReduce, UpdateRule
 from ..train.stability import LagScaling, TrainingDiverged
 from ..train.store import AGENT_RULES, ParameterStore, resolve_rank
-from .allreduce import MeanGradients
+from .allreduce import MeanGradients, give_back_gpus, take_gpus
 from .backward import BackwardPushes, StepPushes, wait_for
 from .frozen import FrozenTensors
 from .loop_thread import LoopThread
@@ -329,6 +329,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
             options.setdefault("lr", float(optimizer.param_groups[0]["lr"]))
         self.push_dtype = self._push_dtype(push_dtype)
         pushes_in_backward = self._pushes_in_backward(push_in_backward, dropping)
+        #: rule allreduce: the GPUs this rank trains on, which no other rank of the store in this process may
+        self._gpus = take_gpus([t for _, t, _ in self._entries], name, self.rank) if rule == "allreduce" else []
         self._loop = LoopThread(f"smb2-{name}")
         self._client: Client | None = None
         self._agent_address = _agent_address(agent)
@@ -348,6 +350,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
                                           shared=lockstep, weights=self._weights_now if lockstep else None,
                                           share=state_share)
         except BaseException as e:
+            give_back_gpus(self._gpus)
             self._loop.run(self._close_client())
             self._loop.stop()
             if isinstance(e, Smb2Error):
@@ -901,6 +904,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         except Smb2Error as e:
             raise in_training_terms(e, store=self.store.name, rank=self.rank, step=self.steps) from None
         finally:
+            give_back_gpus(self._gpus)
             try:
                 self._loop.run(self._close_client())
             finally:
