@@ -27,6 +27,7 @@ from smb2.testing.torch_models import (  # noqa: E402
     constant_steps,
     example_run,
     load_example,
+    rank_batches,
     shared_values,
     single_process_accuracy,
     small_model,
@@ -406,6 +407,46 @@ def test_clipping_after_backward_corrects_the_pushes_and_stops_them(servers: str
                 assert opt.stats()["push_in_backward"] is False
     for name in out[0]:
         np.testing.assert_allclose(out[0][name], out[1][name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("rule", ["allreduce", "delta"])
+def test_a_parameter_frozen_when_the_optimizer_was_made_cannot_train_outside_the_store(servers: str,
+                                                                                       rule: str) -> None:
+    # progressive unfreezing: the store holds what trained when the AsyncOptimizer was made.  A layer
+    # frozen then and unfrozen since would train on each rank's own gradients (the ranks' models drift
+    # apart): its first step is refused in words and moves nothing.  Frozen after the optimizer is made,
+    # the layer stays in the store and trains there once unfrozen
+    batches = rank_batches(4, 0)
+
+    def one_step(opt: st.AsyncOptimizer, model: torch.nn.Module, i: int) -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(batches[i][0]), batches[i][1]).backward()
+        opt.step()
+
+    model = small_model()
+    model[0].requires_grad_(False)
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, f"t-unfrozen-{rule}",
+                         rule=rule, staleness=0) as opt:
+        one_step(opt, model, 0)
+        model[0].requires_grad_(True)
+        frozen = [p.detach().clone() for p in model[0].parameters()]
+        with pytest.raises(smb2.InterfaceError, match=r"rank 0 step 2: parameters 0.weight, 0.bias have gradients, but "
+                                                 r"they were frozen \(requires_grad=False\) when the AsyncOptimizer "
+                                                 rf"was made, so store 't-unfrozen-{rule}' does not hold them"):
+            one_step(opt, model, 1)
+        assert all(torch.equal(a, b) for a, b in zip(frozen, model[0].parameters()))
+    model = small_model()
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, f"t-refrozen-{rule}",
+                         rule=rule, staleness=0) as opt:
+        model[0].requires_grad_(False)
+        one_step(opt, model, 0)
+        model[0].requires_grad_(True)
+        one_step(opt, model, 1)
+        opt.flush()
+        shared = shared_values(opt) if rule != "allreduce" else None
+    assert not torch.equal(model[0].weight.detach(), small_model()[0].weight.detach())     # it trained
+    if shared is not None:          # (allreduce's store gets the weights at close)
+        np.testing.assert_allclose(shared["0.weight"], model[0].weight.detach().numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_a_loss_scaler_trains_as_it_does_alone(servers: str) -> None:

@@ -320,6 +320,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self.rank, self.world = resolve_rank(rank, world_size)
         self._entries = self._synced_tensors(model, optimizer, sync_buffers)
         in_store = {id(t) for _, t, _ in self._entries}
+        #: the parameters the optimizer holds that were frozen when it was made: the store does not hold them,
+        #: so a step that moves one (it has a gradient: unfrozen since) is refused (:meth:`_check_outside`)
+        self._outside = [(n, p) for n, p in model.named_parameters()
+                         if id(p) not in in_store and any(p is q for g in optimizer.param_groups for q in g["params"])]
         self.frozen = FrozenTensors(torch, [(n, p, True) for n, p in model.named_parameters() if id(p) not in in_store]
                                     + [(n, b, False) for n, b in model.named_buffers() if id(b) not in in_store])
         self.rule_name = rule
@@ -540,6 +544,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         error the background exchange met, with its original type."""
         self._check_open()
         self._raise_failed()
+        self._check_outside()
         t_start = time.perf_counter()
         if self._t_first is None:
             self._t_first = t_start
@@ -565,6 +570,19 @@ class AsyncOptimizer(torch.optim.Optimizer):
             wait += self._settle(limit=self.staleness)
         self._count_step(wait, self.lag)
         return loss
+
+    def _check_outside(self) -> None:
+        """Refuse a step that would move a parameter the store does not hold."""
+        moved = [n for n, p in self._outside if p.grad is not None]
+        if moved:
+            raise InterfaceError(
+                f"rank {self.rank} step {self.steps + 1}: parameters {', '.join(moved[:3])}"
+                f"{' ...' if len(moved) > 3 else ''} have gradients, but they were frozen (requires_grad=False) "
+                f"when the AsyncOptimizer was made, so store {self.store.name!r} does not hold them: each rank "
+                f"would step them on its own gradients and the ranks' models would drift apart",
+                hint="make the AsyncOptimizer while they require a gradient and freeze them after (a parameter "
+                     "frozen later stays in the store, and trains again when unfrozen), or make a new "
+                     "AsyncOptimizer once they train (as a DDP model is wrapped again)")
 
     def _count_step(self, wait: float, lag: int) -> None:
         self._lags[lag] += 1
