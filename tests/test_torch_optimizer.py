@@ -512,6 +512,17 @@ def test_a_backward_without_its_step_is_taken_back_at_close(servers: str) -> Non
         np.testing.assert_allclose(after[name], before[name], rtol=1e-6, atol=1e-7, err_msg=name)
 
 
+def test_a_lazy_module_not_yet_run_is_refused_with_what_to_do(servers: str) -> None:
+    # nn.LazyLinear's weights have no shape until the first forward pass: the store cannot be laid out
+    model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    with pytest.raises(smb2.InvalidArgumentError, match=r"parameters 0.weight, 0.bias are not initialized yet") as err:
+        async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-lazy")
+    assert "dummy batch" in (err.value.hint or "")
+    model(torch.zeros(1, 10))
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-lazy") as opt:
+        assert opt.store.params["0.weight"].shape == (8, 10)
+
+
 @pytest.mark.parametrize(("rule", "extra", "why"), [
     ("delta", {}, "exists only after opt.step"),
     ("allreduce", {}, "its backward always sends the gradients"),

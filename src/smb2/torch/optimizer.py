@@ -318,12 +318,10 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self.log_every = log_every
         #: this worker's rank and the job's number of workers (:func:`resolve_rank`): shard the data by them
         self.rank, self.world = resolve_rank(rank, world_size)
-        self._entries = self._synced_tensors(model, optimizer, sync_buffers)
+        #: (and the parameters the optimizer holds that were frozen when it was made: the store does not hold
+        #: them, so a step that moves one, unfrozen since, is refused: :meth:`_check_outside`)
+        self._entries, self._outside = self._synced_tensors(model, optimizer, sync_buffers)
         in_store = {id(t) for _, t, _ in self._entries}
-        #: the parameters the optimizer holds that were frozen when it was made: the store does not hold them,
-        #: so a step that moves one (it has a gradient: unfrozen since) is refused (:meth:`_check_outside`)
-        self._outside = [(n, p) for n, p in model.named_parameters()
-                         if id(p) not in in_store and any(p is q for g in optimizer.param_groups for q in g["params"])]
         self.frozen = FrozenTensors(torch, [(n, p, True) for n, p in model.named_parameters() if id(p) not in in_store]
                                     + [(n, b, False) for n, b in model.named_buffers() if id(b) not in in_store])
         self.rule_name = rule
@@ -411,9 +409,16 @@ class AsyncOptimizer(torch.optim.Optimizer):
     # -- setting up --------------------------------------------------------------
     @staticmethod
     def _synced_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, buffers: bool
-                        ) -> list[tuple[str, torch.Tensor, bool]]:
+                        ) -> tuple[list[tuple[str, torch.Tensor, bool]], list[tuple[str, torch.Tensor]]]:
         """(name, tensor, is a parameter) of what the store holds: trainable
-        parameters, floating-point buffers."""
+        parameters, floating-point buffers; and (name, parameter) of those
+        the optimizer holds that are frozen now."""
+        lazy = [n for n, p in model.named_parameters() if isinstance(p, torch.nn.parameter.UninitializedParameter)]
+        if lazy:
+            raise InvalidArgumentError(
+                f"parameters {', '.join(lazy[:3])}{' ...' if len(lazy) > 3 else ''} are not initialized yet (a lazy "
+                f"module's, such as nn.LazyLinear): the store is laid out from the parameters' shapes",
+                hint="run the model once on a dummy batch before making the AsyncOptimizer (as for DDP)")
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not params:
             raise InvalidArgumentError("the model has no parameters that require a gradient: nothing to train")
@@ -424,17 +429,18 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 f"the optimizer holds {len(owned - ours)} tensors that are not parameters of the model: "
                 "their updates would never be shared",
                 hint="build the optimizer from model.parameters() of the model you pass")
-        frozen_owned = [n for n, p in model.named_parameters() if not p.requires_grad and id(p) in owned]
+        frozen_owned: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters()
+                                                        if not p.requires_grad and id(p) in owned]
         if frozen_owned:
-            log.info("parameters %s do not require a gradient: rank 0's values for every rank, never pushed",
-                     frozen_owned)
+            log.info("parameters %s do not require a gradient: rank 0's values for every rank, never pushed (a step "
+                     "after they are unfrozen is refused)", [n for n, _ in frozen_owned])
         for n, t in params:
             if not t.is_floating_point():
                 raise InvalidArgumentError(f"parameter {n!r} is {t.dtype}; smb2.torch trains float parameters")
         out: list[tuple[str, torch.Tensor, bool]] = [(n, p, True) for n, p in params]
         if buffers:
             out += [(n, b, False) for n, b in model.named_buffers() if b.is_floating_point()]
-        return out
+        return out, frozen_owned
 
     def _push_dtype(self, push_dtype: str | None) -> str | None:
         """The wire type of pushes (None: the store's dtype)."""
