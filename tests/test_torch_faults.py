@@ -200,6 +200,24 @@ def test_a_server_of_the_list_that_is_not_up_is_named_before_the_first_step(serv
     assert "start that smb2-server, or leave it out of the job's server list" in (info.value.hint or "")
 
 
+def test_servers_without_room_for_the_store_say_what_holds_it_and_what_to_do(
+        threaded_cluster: Callable[..., Any]) -> None:
+    # servers of 1 MiB, half of it held by an earlier job's store: the next job's store does not fit,
+    # and the worker says so in a job's words (what to list, remove or restart), the bytes beside
+    with threaded_cluster("test-small-cluster", servers=2, capacity="1MiB") as (_, cluster):
+        addresses = ",".join(cluster.addresses)
+        earlier = torch.nn.Linear(400, 400)      # 626 KiB of float32
+        st.AsyncOptimizer(torch.optim.SGD(earlier.parameters(), lr=0.1), earlier, name="t-earlier", rule="delta",
+                          servers=addresses, rank=0, world_size=1, resume=False).close()
+        model = torch.nn.Linear(500, 500)        # 978 KiB: it would fit alone (beside the earlier one, not)
+        with pytest.raises(smb2.OutOfMemory, match=r"memory server 127.0.0.1:\d+ has no room for store 't-big' "
+                                                   r"\(rank 0, before the first step\)") as info:
+            st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-big", rule="delta",
+                              servers=addresses, rank=0, world_size=1, resume=False)
+    assert "smb2 ls" in (info.value.hint or "") and "--capacity" in (info.value.hint or "")
+    assert "free" in (info.value.detail or "")          # (the server's own words, with the bytes)
+
+
 def test_a_removed_store_is_reported_in_training_terms(servers: str) -> None:
     model = _model(0)
     # rule delta: every step's exchange meets the missing store (allreduce's rounds go through the

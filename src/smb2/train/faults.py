@@ -23,7 +23,7 @@ import sys
 import threading
 from types import TracebackType
 
-from ..errors import NoSuchBuffer, Smb2Error, TransportError, debug_wanted
+from ..errors import NoSuchBuffer, OutOfMemory, Smb2Error, TransportError, debug_wanted
 
 # the hook end_ranks_briefly replaced (every other exception goes to it)
 _previous_hook = sys.excepthook
@@ -58,6 +58,15 @@ def in_training_terms(err: BaseException, *, store: str, rank: int, step: int) -
             server=err.server, detail=err.message,
             hint="nothing was written to another buffer; start the job again (a fresh run) or from a "
                  "checkpoint (init_from=PATH), and remove a store only when `smb2 ls` shows its run finished")
+    elif isinstance(err, OutOfMemory) and step == 0:
+        # (the store is made before the first step: the servers' --capacity, shared with the stores of
+        # earlier runs, which stay until removed so that a run can resume)
+        out = OutOfMemory(
+            f"memory server {server} has no room for store {store!r} (rank {rank}, before the first step)",
+            server=err.server, detail=err.message,
+            hint="`smb2 ls` lists the stores the servers hold and `smb2 rm NAME` removes one whose run is over "
+                 "(each keeps its memory so that its run can resume); or start the servers with a larger "
+                 "--capacity, or add servers to the job's list (a store is striped over all of them)")
     else:
         return err
     setattr(out, "in_training_terms", True)     # noqa: B010 (worded once, not again by an outer layer)
