@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import textwrap
 import threading
@@ -20,8 +21,10 @@ import numpy as np
 import pytest
 
 import smb2
+from smb2.testing.waits import until
 from smb2.testing.workers import torchrun
 from smb2.torch.loop_thread import LoopThread
+from smb2.train import faults
 from smb2.train.store import StoreImage
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
@@ -198,6 +201,38 @@ def test_a_server_of_the_list_that_is_not_up_is_named_before_the_first_step(serv
         st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-not-up", servers=listed,
                           rank=0, world_size=1, resume=False, timeout=10)
     assert "start that smb2-server, or leave it out of the job's server list" in (info.value.hint or "")
+
+
+def test_a_paused_server_is_named_while_the_step_waits_and_the_step_goes_on_after(
+        own_cluster: tuple[LoopThread, smb2.LocalCluster], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # a stopped server raises nothing: its requests wait as long as their connection lives.  While a
+    # step's round waits for it, the worker names it at WARNING (asked on a connection of its own, it
+    # does not answer; the other server does); once it runs again the step completes and training goes on
+    monkeypatch.setattr(faults, "SAY_SILENT_AFTER", 0.2)        # (the servers get PING_TIMEOUT's 5 s to answer)
+    loop, cluster = own_cluster
+    model = _model(0)
+    opt = st.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name="t-paused",
+                            servers=",".join(cluster.addresses), rank=0, world_size=1, resume=False)
+    _steps(model, opt, 2)
+    paused = cluster.addresses[0]            # (the small store's every stripe is on the first)
+    os.kill(cluster.pid(0), signal.SIGSTOP)
+    stepping = threading.Thread(target=_steps, args=(model, opt, 1))
+    try:
+        stepping.start()
+        loop.run(until(lambda: any("does not answer" in r.getMessage() for r in caplog.records),
+                       "the paused server named"))
+        assert stepping.is_alive()          # (the step waits for it)
+    finally:
+        os.kill(cluster.pid(0), signal.SIGCONT)
+    stepping.join()
+    said = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+    assert said[0].startswith("store 't-paused': rank 0 has waited ") and \
+        f"for step 3's exchange: memory server {paused} does not answer" in said[0], said
+    assert cluster.addresses[1] not in said[0]
+    _steps(model, opt, 2)
+    opt.close()
+    assert opt.steps == 5
 
 
 def test_servers_without_room_for_the_store_say_what_holds_it_and_what_to_do(

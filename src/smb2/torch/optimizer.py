@@ -122,7 +122,7 @@ from ..client import Client, connect
 from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout, Smb2Error
 from ..mirror import DEFAULT_AGENT_PORT, agent_address
 from ..train.dropping import LayerDropping
-from ..train.faults import end_ranks_briefly, in_training_terms
+from ..train.faults import ExchangeWatch, end_ranks_briefly, in_training_terms
 from ..train.lifecycle import RunEnd, host_workers
 from ..train.rules import RULES, AllReduce, UpdateRule
 from ..train.stability import LagScaling, TrainingDiverged
@@ -335,6 +335,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._gpus = take_gpus([t for _, t, _ in self._entries], name, self.rank) if rule == "allreduce" else []
         self._loop = LoopThread(f"smb2-{name}")
         self._client: Client | None = None
+        self._watching: asyncio.Task[None] | None = None
         self._agent_address = _agent_address(agent)
         self._agent_client: Client | None = None
         try:
@@ -507,6 +508,9 @@ class AsyncOptimizer(torch.optim.Optimizer):
             await store.use_agent(self._agent_client, timeout=timeout, host_workers=host_workers())
         if through_agent:
             await store.pull()
+        #: the exchanges in flight, and the servers that keep one waiting without a word
+        self._watch = ExchangeWatch(self._client.servers, name, self.rank)
+        self._watching = asyncio.get_running_loop().create_task(self._watch.watch())
         return store
 
     @property
@@ -773,7 +777,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         """``work``'s faults as the user meets them: one line naming the
         store, this rank, the step and the server, and what to do."""
         try:
-            await work
+            with self._watch.running(step):
+                await work
         except Smb2Error as e:
             raise in_training_terms(e, store=self.store.name, rank=self.rank, step=step) from None
 
@@ -969,6 +974,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._client.register(arr)
 
     async def _close_client(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
         if self._agent_client is not None:
             await self._agent_client.close()
         if self._client is not None:

@@ -15,15 +15,40 @@ A worker that does not catch such a fault ends with it: :func:`end_ranks_briefly
 stderr (message, DETAIL, HINT), not 20 lines of traceback repeated by every
 rank; the traceback is still there for who asks (``SMB2_DEBUG=1``, or the
 ``smb2`` logger at DEBUG).
+
+A fault that raises nothing is a server that stops answering (paused,
+overloaded, cut off by the network without a reset): its operations wait as
+long as their connection lives, and the job stalls without a word.
+:class:`ExchangeWatch` keeps the worker's exchanges in flight; while the
+oldest has waited :data:`SAY_SILENT_AFTER` seconds it asks each server for
+its statistics on a connection of its own and names those that give no
+reply within :data:`PING_TIMEOUT` s, at WARNING, every
+:data:`SAY_SILENT_EVERY` s.  Where every server answers, the wait is on
+other workers, which the rules report themselves.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import sys
 import threading
+import time
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 
+from ..client import connect
 from ..errors import NoSuchBuffer, OutOfMemory, Smb2Error, TransportError, debug_wanted
+
+log = logging.getLogger("smb2.train")
+
+#: an exchange in flight this long (seconds) has the servers asked whether they answer
+SAY_SILENT_AFTER = 30.0
+#: then, while it waits, the silent ones are named at most this often
+SAY_SILENT_EVERY = 60.0
+#: a server that gives no reply within this many seconds is silent
+PING_TIMEOUT = 5.0
 
 # the hook end_ranks_briefly replaced (every other exception goes to it)
 _previous_hook = sys.excepthook
@@ -71,6 +96,71 @@ def in_training_terms(err: BaseException, *, store: str, rank: int, step: int) -
         return err
     setattr(out, "in_training_terms", True)     # noqa: B010 (worded once, not again by an outer layer)
     return out
+
+
+async def silent_servers(servers: Sequence[str], timeout: float) -> list[str]:
+    """The servers of ``servers`` that give no reply to ``stat`` within
+    ``timeout`` s, each asked on a TCP connection of its own (a stopped
+    server's kernel still accepts it; the reply never comes).  The job's own
+    connections are left alone: a deadline on them would reset them, and
+    fail what they carry."""
+    async def answers(address: str) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                client = await connect([address], transport="tcp", timeout=timeout)
+                try:
+                    await client.stat()
+                finally:
+                    await client.close()
+        except (Smb2Error, TimeoutError, OSError):
+            return False
+        return True
+
+    replies = await asyncio.gather(*(answers(a) for a in servers))
+    return [a for a, ok in zip(servers, replies) if not ok]
+
+
+class ExchangeWatch:
+    """A worker's exchanges in flight, and the servers that keep the oldest
+    waiting without a word (the module's doc)."""
+
+    def __init__(self, servers: Sequence[str], store: str, rank: int) -> None:
+        self.servers = list(servers)
+        self.store = store
+        self.rank = rank
+        #: each exchange in flight: (since, step)
+        self._running: dict[int, tuple[float, int]] = {}
+        self._count = 0
+        self._said = -float("inf")
+
+    @contextlib.contextmanager
+    def running(self, step: int) -> Iterator[None]:
+        """An exchange of step ``step`` runs inside."""
+        key = self._count = self._count + 1
+        self._running[key] = (time.monotonic(), step)
+        try:
+            yield
+        finally:
+            del self._running[key]
+
+    async def watch(self) -> None:
+        """Look every few seconds, until cancelled."""
+        while True:
+            await asyncio.sleep(min(10.0, SAY_SILENT_AFTER / 3))
+            if not self._running:
+                continue
+            since, step = min(self._running.values())
+            if time.monotonic() - since < SAY_SILENT_AFTER or time.monotonic() < self._said + SAY_SILENT_EVERY:
+                continue
+            silent = await silent_servers(self.servers, PING_TIMEOUT)
+            if silent and self._running and min(self._running.values())[0] == since:
+                self._said = time.monotonic()
+                who = f"memory server {silent[0]} does" if len(silent) == 1 else \
+                    f"memory servers {', '.join(silent)} do"
+                log.warning("store %r: rank %d has waited %.0f s for step %d's exchange: %s not answer (no reply "
+                            "within %g s on a connection of its own). Paused, overloaded, or cut off by the "
+                            "network? The exchange goes on once it answers; stop the job if it is gone",
+                            self.store, self.rank, time.monotonic() - since, step, who, PING_TIMEOUT)
 
 
 def end_ranks_briefly() -> None:
