@@ -30,6 +30,7 @@ import smb2.torch as st  # noqa: E402
 from smb2.testing.torch_models import (  # noqa: E402
     all_at,
     allreduce_workers,
+    async_optimizer,
     in_threads,
     mean_step_reference,
     rank_batches,
@@ -429,6 +430,24 @@ def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str
     models, opts = allreduce_workers(servers, "ar-torch", workers, loop)
     all_at(models, mean_step_reference(steps, workers, CLIP))
     assert all(o.stats()["bytes_pushed"] > 0 and o.stats()["exchanges"] == steps for o in opts)
+
+
+def test_a_step_without_a_backward_is_refused(servers: str) -> None:
+    # a rank that leaves a batch's backward out but steps would take its rounds out of line with the
+    # others' (each would then add another step's gradients into a round): refused at that step.  A
+    # backward whose step the rank leaves out (GradScaler's skipped steps) is not
+    model = small_model()
+    (x, y), = rank_batches(1, 0)
+    with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "ar-no-backward") as opt:
+        for backward_only in (True, False):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if not backward_only:
+                opt.step()
+        opt.zero_grad()
+        with pytest.raises(InterfaceError, match=r"rank 0 step 2: step\(\) with no backward since the last step"):
+            opt.step()
+        assert opt.steps == 1
 
 
 def test_no_sync_accumulates_micro_batches_into_one_round_a_step(servers: str) -> None:

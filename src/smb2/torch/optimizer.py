@@ -376,6 +376,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
                                        for n, t, param in self._entries], flat.size, flat.dtype)
         self._register = self.staging.cuda
         self._mean_waited = 0.0
+        #: rule allreduce: the rounds begun when the last step was taken (each step needs one of its own)
+        self._rounds_at_step = 0
         #: rule allreduce: the rounds of gradients whose mean the optimizer steps on
         self._mean = MeanGradients(torch, self.staging.entries, flat.size, self.store.rule, self._loop,
                                    self._round_in_training_terms, lambda: self.steps + 1) \
@@ -637,6 +639,14 @@ class AsyncOptimizer(torch.optim.Optimizer):
                                  f"(rule 'allreduce': every rank steps on the mean of every rank's gradients)",
                                  hint="run the last micro-batch's backward outside no_sync(), as with torch "
                                       "DDP's model.no_sync(): it sends the accumulated gradients")
+        if self._mean.rule.rounds == self._rounds_at_step:
+            raise InterfaceError(f"rank {self.rank} step {self.steps + 1}: step() with no backward since the last "
+                                 f"step; rule 'allreduce' steps every rank on the mean of every rank's gradients of "
+                                 f"the step, so each step needs a backward on every rank (this rank's rounds would "
+                                 f"fall out of line with the others')",
+                                 hint="to leave a batch out, leave its whole step out (backward and step) on every "
+                                      "rank, or use rule='diloco', whose ranks step on their own gradients")
+        self._rounds_at_step = self._mean.rule.rounds
         self._watch_gradients()
         self.optimizer.step()
         self._stats["exchanges"] = self._mean.rule.rounds
