@@ -20,7 +20,9 @@ A fault that raises nothing is a server that stops answering (paused,
 overloaded, cut off by the network without a reset): its operations wait as
 long as their connection lives, and the job stalls without a word.
 :class:`ExchangeWatch` keeps the worker's exchanges in flight; while the
-oldest has waited :data:`SAY_SILENT_AFTER` seconds it asks each server for
+oldest has waited :data:`SAY_SILENT_AFTER` seconds (and three times the
+longest exchange before it: a slow link's exchanges are long every time,
+and the servers are not asked each time) it asks each server for
 its statistics on a connection of its own and names those that give no
 reply within :data:`PING_TIMEOUT` s, at WARNING, every
 :data:`SAY_SILENT_EVERY` s.  Where every server answers, the wait is on
@@ -132,6 +134,8 @@ class ExchangeWatch:
         self._running: dict[int, tuple[float, int]] = {}
         self._count = 0
         self._said = -float("inf")
+        #: the longest exchange so far (seconds): one that waits three times as long is out of the ordinary
+        self._longest = 0.0
 
     @contextlib.contextmanager
     def running(self, step: int) -> Iterator[None]:
@@ -141,7 +145,9 @@ class ExchangeWatch:
         try:
             yield
         finally:
-            del self._running[key]
+            since, _ = self._running.pop(key)
+            if self._said < since:          # (one that was named is no measure of the ordinary)
+                self._longest = max(self._longest, time.monotonic() - since)
 
     async def watch(self) -> None:
         """Look every few seconds, until cancelled."""
@@ -150,7 +156,8 @@ class ExchangeWatch:
             if not self._running:
                 continue
             since, step = min(self._running.values())
-            if time.monotonic() - since < SAY_SILENT_AFTER or time.monotonic() < self._said + SAY_SILENT_EVERY:
+            after = max(SAY_SILENT_AFTER, 3 * self._longest)    # (a slow link's exchanges take long every time)
+            if time.monotonic() - since < after or time.monotonic() < self._said + SAY_SILENT_EVERY:
                 continue
             silent = await silent_servers(self.servers, PING_TIMEOUT)
             if silent and self._running and min(self._running.values())[0] == since:
