@@ -237,34 +237,41 @@ def test_a_paused_server_is_named_while_the_step_waits_and_the_step_goes_on_afte
 
 
 def test_exchanges_as_long_as_the_ordinary_ones_do_not_make_the_servers_asked(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        own_cluster: tuple[LoopThread, smb2.LocalCluster], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     # a slow link's exchanges are long every time: the servers are asked (and the silent ones named)
-    # only once an exchange waits three times the longest before it, here 3 x 2 s; nothing listens at
-    # the one address, so once asked it is named
+    # only once an exchange waits three times the longest before it, here 3 x 2 s.  The first server is
+    # stopped before the third exchange, so once asked it is named
     monkeypatch.setattr(faults, "SAY_SILENT_AFTER", 0.05)
-    watch = faults.ExchangeWatch(["127.0.0.1:1"], "t-slow-link", 0)
+    _, cluster = own_cluster
 
     def named() -> list[str]:
         return [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
 
     async def exchanges() -> float:
-        with watch.running(1):
-            await asyncio.sleep(2.0)                  # the longest so far, before the watch
-        watching = asyncio.get_running_loop().create_task(watch.watch())
-        try:
-            with watch.running(2):
-                await asyncio.sleep(0.1)
-            assert not named()
-            start = time.monotonic()
-            with watch.running(3):
-                await until(lambda: bool(named()), "the silent server named")
-            return time.monotonic() - start
-        finally:
-            watching.cancel()
+        async with await smb2.connect(cluster.addresses) as client:
+            watch = faults.ExchangeWatch(client, "t-slow-link", 0)
+            with watch.running(1):
+                await asyncio.sleep(2.0)              # the longest so far, before the watch
+            watching = asyncio.get_running_loop().create_task(watch.watch())
+            try:
+                with watch.running(2):
+                    await asyncio.sleep(0.1)
+                assert not named()
+                os.kill(cluster.pid(0), signal.SIGSTOP)
+                start = time.monotonic()
+                with watch.running(3):
+                    await until(lambda: bool(named()), "the silent server named")
+                return time.monotonic() - start
+            finally:
+                os.kill(cluster.pid(0), signal.SIGCONT)
+                watching.cancel()
+                watch.close()
 
     waited = asyncio.run(exchanges())
     assert waited >= 6.0                              # (a lower bound: three times the longest)
-    assert "for step 3's exchange: memory server 127.0.0.1:1 does not answer" in named()[0]
+    assert f"for step 3's exchange: memory server {cluster.addresses[0]} does not answer" in named()[0], named()
+    assert cluster.addresses[1] not in named()[0]
 
 
 def test_servers_without_room_for_the_store_say_what_holds_it_and_what_to_do(

@@ -546,6 +546,12 @@ class Client:
         self.ensure_open()
         return await self._each(({"cmd": "stat"} for _ in self._links), timeout, idempotent=True)
 
+    async def server_stat(self, index: int, *, timeout: float | None = None) -> dict[str, Any]:
+        """Server ``index``'s statistics (of :attr:`servers`), asked on this
+        client's connection to it, behind what that connection carries."""
+        self.ensure_open()
+        return await _control(self._links[index], {"cmd": "stat"}, self.deadline(timeout), idempotent=True)
+
     async def peek(self, reads: Sequence[Sequence[tuple[str, int, int]]], *,
                    timeout: float | None = None) -> list[list[bytes | None]]:
         """A look without attaching, for listings: ``reads[s]`` is

@@ -65,6 +65,7 @@ def shared_values(opt: st.AsyncOptimizer) -> dict[str, np.ndarray]:
     finally:
         loop.stop()
 
+
 def mean_step_reference(steps: int, workers: int, clip: float, micro: int = 1) -> dict[str, torch.Tensor]:
     """One process on the CPU: AdamW on the mean of ``workers`` workers'
     gradients of ``small_model`` on their ``rank_batches``, clipped to
@@ -80,7 +81,7 @@ def mean_step_reference(steps: int, workers: int, clip: float, micro: int = 1) -
             model.zero_grad()
             for x, y in batches[r][s * micro:(s + 1) * micro]:
                 (torch.nn.functional.cross_entropy(model(x), y) / micro).backward()
-            sums = [a + p.grad for a, p in zip(sums, model.parameters()) if p.grad is not None]
+            sums = [a if p.grad is None else a + p.grad for a, p in zip(sums, model.parameters())]
         for p, a in zip(model.parameters(), sums):
             p.grad = a / workers
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -144,7 +145,6 @@ def all_at(models: list[Any], ref: dict[str, torch.Tensor]) -> None:
             assert torch.equal(p.detach(), dict(other.named_parameters())[n].detach())
 
 
-
 def sparse_model() -> torch.nn.Module:
     """A sum of 3 of 40 embedding rows (``sparse=True``: its gradient is
     sparse) before a linear head; seeded."""
@@ -163,6 +163,7 @@ def sparse_steps(opt: torch.optim.Optimizer, model: torch.nn.Module, device: str
         opt.step()
         grad = next(model.parameters()).grad      # (the embedding's)
         assert grad is not None and grad.is_sparse and grad.device.type == torch.device(device).type
+
 
 class TwoHeads(torch.nn.Module):
     """Two linear layers whose gradients never change (the loss is linear

@@ -511,7 +511,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if through_agent:
             await store.pull()
         #: the exchanges in flight, and the servers that keep one waiting without a word
-        self._watch = ExchangeWatch(self._client.servers, name, self.rank)
+        self._watch = ExchangeWatch(self._client, name, self.rank)
         self._watching = asyncio.get_running_loop().create_task(self._watch.watch())
         return store
 
@@ -986,6 +986,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
     async def _close_client(self) -> None:
         if self._watching is not None:
             self._watching.cancel()
+            self._watch.close()
         if self._agent_client is not None:
             await self._agent_client.close()
         if self._client is not None:

@@ -22,9 +22,9 @@ long as their connection lives, and the job stalls without a word.
 :class:`ExchangeWatch` keeps the worker's exchanges in flight; while the
 oldest has waited :data:`SAY_SILENT_AFTER` seconds (and three times the
 longest exchange before it: a slow link's exchanges are long every time,
-and the servers are not asked each time) it asks each server for
-its statistics on a connection of its own and names those that give no
-reply within :data:`PING_TIMEOUT` s, at WARNING, every
+and the servers are not asked each time) it asks each server for its
+statistics, behind the exchange on the job's own connection, and names
+those that give no reply within :data:`PING_TIMEOUT` s, at WARNING, every
 :data:`SAY_SILENT_EVERY` s.  Where every server answers, the wait is on
 other workers, which the rules report themselves.
 """
@@ -37,10 +37,11 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from types import TracebackType
+from typing import Any
 
-from ..client import connect
+from ..client import Client
 from ..errors import NoSuchBuffer, OutOfMemory, Smb2Error, TransportError, debug_wanted
 
 log = logging.getLogger("smb2.train")
@@ -100,34 +101,12 @@ def in_training_terms(err: BaseException, *, store: str, rank: int, step: int) -
     return out
 
 
-async def silent_servers(servers: Sequence[str], timeout: float) -> list[str]:
-    """The servers of ``servers`` that give no reply to ``stat`` within
-    ``timeout`` s, each asked on a TCP connection of its own (a stopped
-    server's kernel still accepts it; the reply never comes).  The job's own
-    connections are left alone: a deadline on them would reset them, and
-    fail what they carry."""
-    async def answers(address: str) -> bool:
-        try:
-            async with asyncio.timeout(timeout):
-                client = await connect([address], transport="tcp", timeout=timeout)
-                try:
-                    await client.stat()
-                finally:
-                    await client.close()
-        except (Smb2Error, TimeoutError, OSError):
-            return False
-        return True
-
-    replies = await asyncio.gather(*(answers(a) for a in servers))
-    return [a for a, ok in zip(servers, replies) if not ok]
-
-
 class ExchangeWatch:
     """A worker's exchanges in flight, and the servers that keep the oldest
     waiting without a word (the module's doc)."""
 
-    def __init__(self, servers: Sequence[str], store: str, rank: int) -> None:
-        self.servers = list(servers)
+    def __init__(self, client: Client, store: str, rank: int) -> None:
+        self.client = client
         self.store = store
         self.rank = rank
         #: each exchange in flight: (since, step)
@@ -136,6 +115,8 @@ class ExchangeWatch:
         self._said = -float("inf")
         #: the longest exchange so far (seconds): one that waits three times as long is out of the ordinary
         self._longest = 0.0
+        #: each server's last request for its statistics, until it is answered
+        self._asked: dict[int, asyncio.Task[Any]] = {}
 
     @contextlib.contextmanager
     def running(self, step: int) -> Iterator[None]:
@@ -159,15 +140,37 @@ class ExchangeWatch:
             after = max(SAY_SILENT_AFTER, 3 * self._longest)    # (a slow link's exchanges take long every time)
             if time.monotonic() - since < after or time.monotonic() < self._said + SAY_SILENT_EVERY:
                 continue
-            silent = await silent_servers(self.servers, PING_TIMEOUT)
+            silent = await self._silent_servers()
             if silent and self._running and min(self._running.values())[0] == since:
                 self._said = time.monotonic()
                 who = f"memory server {silent[0]} does" if len(silent) == 1 else \
                     f"memory servers {', '.join(silent)} do"
-                log.warning("store %r: rank %d has waited %.0f s for step %d's exchange: %s not answer (no reply "
-                            "within %g s on a connection of its own). Paused, overloaded, or cut off by the "
+                log.warning("store %r: rank %d has waited %.0f s for step %d's exchange: %s not answer (a request "
+                            "for its statistics got no reply within %g s). Paused, overloaded, or cut off by the "
                             "network? The exchange goes on once it answers; stop the job if it is gone",
                             self.store, self.rank, time.monotonic() - since, step, who, PING_TIMEOUT)
+
+
+    async def _silent_servers(self) -> list[str]:
+        """The connected servers that give no reply to a request for their
+        statistics within :data:`PING_TIMEOUT` s.  It goes on the job's own
+        connection, with no deadline: a deadline would reset the connection
+        and fail what it carries, and a connection of its own would count
+        against the server's connection cap (where it may evict another
+        client's).  A server still owing the last one is not asked again."""
+        servers = self.client.servers
+        for i, link in enumerate(self.client.links):
+            if link.transport is not None and (i not in self._asked or self._asked[i].done()):
+                self._asked[i] = asyncio.ensure_future(self.client.server_stat(i))
+        await asyncio.wait(self._asked.values(), timeout=PING_TIMEOUT)
+        for task in self._asked.values():
+            if task.done() and not task.cancelled():
+                task.exception()        # (retrieved: a server that failed the request answered it)
+        return [servers[i] for i, task in self._asked.items() if not task.done()]
+
+    def close(self) -> None:
+        for task in self._asked.values():
+            task.cancel()
 
 
 def end_ranks_briefly() -> None:
