@@ -75,8 +75,9 @@ def in_training_terms(err: BaseException, *, store: str, rank: int, step: int) -
         out = type(err)(
             f"rank {rank} lost memory server {server} at step {step} of store {store!r}",
             errno=err.errno, status=err.status, server=err.server, detail=err.message,
-            hint=f"restart that smb2-server (with its --data-dir, so it keeps the store) and run the job again: "
-                 f"it resumes store {store!r} from its last step; if the server's data is gone, start from a "
+            hint=f"restart that smb2-server (with its --data-dir, where it saved the store if it was stopped "
+                 f"cleanly, SIGTERM or SIGINT) and run the job again: it resumes store {store!r} from its last "
+                 f"step; if the server's data is gone (it crashed, or keeps none), start from a "
                  "checkpoint (init_from=PATH) or over (resume=False); to train on through a lost server, give the "
                  "store replicas=2 (servers started with --membership)")
     elif isinstance(err, NoSuchBuffer):
