@@ -432,6 +432,30 @@ def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str
     assert all(o.stats()["bytes_pushed"] > 0 and o.stats()["exchanges"] == steps for o in opts)
 
 
+def test_a_rank_whose_weights_drifted_alone_says_so_at_the_end(servers: str,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    # every rank steps on the same mean, so the ranks end bit-identical, unless one did something alone:
+    # here rank 1 halves its learning rate after 3 of 6 steps (as ReduceLROnPlateau fed its own loss
+    # would).  At close(wait_all=...) rank 1 names the tensors whose weights differ from rank 0's;
+    # rank 0 says nothing
+    def loop(opt: st.AsyncOptimizer, model: Any, r: int) -> None:
+        for s, (x, y) in enumerate(rank_batches(6, r)):
+            if r == 1 and s == 3:
+                for group in opt.param_groups:
+                    group["lr"] *= 0.5
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    allreduce_workers(servers, "ar-drifted", 2, loop)
+    said = [r.getMessage() for r in caplog.records if "ends with weights that differ" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("rank 1 ends with weights that differ from rank 0's (0.weight, "
+                                                 "0.bias, 2.weight, 2.bias)"), said
+    caplog.clear()
+    allreduce_workers(servers, "ar-not-drifted", 2, lambda opt, model, r: loop(opt, model, 0 if r else 2))
+    assert not [r for r in caplog.records if "ends with weights that differ" in r.getMessage()]
+
+
 def test_a_step_without_a_backward_is_refused(servers: str) -> None:
     # a rank that leaves a batch's backward out but steps would take its rounds out of line with the
     # others' (each would then add another step's gradients into a round): refused at that step.  A

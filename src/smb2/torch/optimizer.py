@@ -939,6 +939,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
             if wait_all is not None:
                 end = self._loop.run(self.store.await_finished(wait_all))
                 end.frozen_changed = self.frozen.changed()
+                if isinstance(self.store.rule, AllReduce) and self.rank != self.store.rule.leader:
+                    end.drifted = self._drifted_from_leader()
                 self._take_shared()
         except Smb2Error as e:
             raise in_training_terms(e, store=self.store.name, rank=self.rank, step=self.steps) from None
@@ -961,6 +963,13 @@ class AsyncOptimizer(torch.optim.Optimizer):
                     raise NotifyTimeout(str(end), hint="strict=False (the default) returns this report "
                                                        "instead, and the model holds the shared weights")
                 log.warning("rank %d: %s; the model holds the shared weights as they are", self.rank, end)
+            if end.drifted:
+                leader = self.store.rule.leader if isinstance(self.store.rule, AllReduce) else 0
+                log.warning("rank %d ends with weights that differ from rank %d's (%s): under rule allreduce every "
+                            "rank steps on the same mean, so something this rank did alone moved them (a learning "
+                            "rate set from its own metric, such as ReduceLROnPlateau on this rank's loss; weights "
+                            "changed by hand on one rank); the store holds rank %d's", self.rank, leader,
+                            ", ".join(end.drifted[:5]) + (" ..." if len(end.drifted) > 5 else ""), leader)
             if end.frozen_changed:
                 log.warning("rank %d: frozen parameters %s differ from the values rank 0 gave every rank at "
                             "start: this worker trained against another model than the others", self.rank,
@@ -970,6 +979,15 @@ class AsyncOptimizer(torch.optim.Optimizer):
     async def _write_weights(self) -> None:
         """Rule allreduce: rank 0's weights (every worker's) become the store's."""
         await self.store.buf.write(self.store.data_off, self._weights_now())
+
+    def _drifted_from_leader(self) -> list[str]:
+        """Rule allreduce, after every rank finished: the tensors whose
+        weights here differ from the leader's, which it wrote at its close."""
+        leader = np.empty_like(self.store.flat())
+        self._loop.run(self.store.buf.read_into(leader, self.store.data_off))
+        mine = self._weights_now()
+        return [e.name for e in self.staging.entries if e.param and not np.array_equal(
+            mine[e.offset:e.offset + e.tensor.numel()], leader[e.offset:e.offset + e.tensor.numel()])]
 
     def _weights_now(self) -> np.ndarray:
         """The model's weights (the store's tensors) as a flat host array of their own."""

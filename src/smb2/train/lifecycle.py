@@ -442,6 +442,9 @@ class RunEnd:
     notes: list[str]
     #: this worker's frozen parameters that differ from rank 0's at start
     frozen_changed: list[str] = dataclasses.field(default_factory=list)
+    #: rule allreduce: this worker's tensors whose weights differ from the leader's at the end (every rank
+    #: steps on the same mean, so they end the same unless a rank did something alone)
+    drifted: list[str] = dataclasses.field(default_factory=list)
     #: the ranks whose collapse watch saw the shared model collapse (smb2.train.stability)
     collapsed: list[int] = dataclasses.field(default_factory=list)
 
