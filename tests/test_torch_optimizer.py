@@ -512,6 +512,22 @@ def test_a_backward_without_its_step_is_taken_back_at_close(servers: str) -> Non
         np.testing.assert_allclose(after[name], before[name], rtol=1e-6, atol=1e-7, err_msg=name)
 
 
+def test_trainable_parameters_the_optimizer_does_not_step_are_named(servers: str,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # two optimizers over one model, each wrapped with the whole model: each store holds every
+    # parameter, and the gradients travel twice.  Named, with the module to pass instead
+    model = small_model()
+    with async_optimizer(model, torch.optim.SGD(model[2].parameters(), lr=0.1), servers, "t-head-only"):
+        pass
+    said = [r.getMessage() for r in caplog.records if "the optimizer does not step them" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("parameters 0.weight, 0.bias require a gradient"), said
+    assert "model.encoder" in said[0]
+    caplog.clear()
+    with async_optimizer(model[2], torch.optim.SGD(model[2].parameters(), lr=0.1), servers, "t-head-module"):
+        pass
+    assert not [r for r in caplog.records if "the optimizer does not step them" in r.getMessage()]
+
+
 def test_a_lazy_module_not_yet_run_is_refused_with_what_to_do(servers: str) -> None:
     # nn.LazyLinear's weights have no shape until the first forward pass: the store cannot be laid out
     model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))

@@ -432,6 +432,13 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 f"the optimizer holds {len(owned - ours)} tensors that are not parameters of the model: "
                 "their updates would never be shared",
                 hint="build the optimizer from model.parameters() of the model you pass")
+        unowned = [n for n, p in params if id(p) not in owned]
+        if unowned:
+            log.warning("parameters %s%s require a gradient but the optimizer does not step them: the store holds "
+                        "them and their gradients travel with every exchange. Where another optimizer steps them, "
+                        "give each AsyncOptimizer the module its optimizer steps (AsyncOptimizer(opt, "
+                        "model.encoder, ...)); else freeze them (requires_grad_(False))", ", ".join(unowned[:5]),
+                        " ..." if len(unowned) > 5 else "")
         frozen_owned: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters()
                                                         if not p.requires_grad and id(p) in owned]
         if frozen_owned:
