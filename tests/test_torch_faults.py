@@ -274,6 +274,26 @@ def test_exchanges_as_long_as_the_ordinary_ones_do_not_make_the_servers_asked(
     assert cluster.addresses[1] not in named()[0]
 
 
+def test_a_worker_connected_to_no_server_has_none_to_ask(servers: str, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    # a lazy client that reached no server (its exchanges go through its host's agent) asks nothing:
+    # the watch names no one and goes on watching
+    monkeypatch.setattr(faults, "SAY_SILENT_AFTER", 0.05)
+
+    async def long_exchange() -> bool:
+        async with await smb2.connect(servers, lazy=True) as client:
+            watch = faults.ExchangeWatch(client, "t-lazy-watch", 0)
+            watching = asyncio.get_running_loop().create_task(watch.watch())
+            with watch.running(1):
+                await asyncio.sleep(0.5)
+            alive = not watching.done()
+            watching.cancel()
+            return alive
+
+    assert asyncio.run(long_exchange())
+    assert not [r for r in caplog.records if "does not answer" in r.getMessage()]
+
+
 def test_servers_without_room_for_the_store_say_what_holds_it_and_what_to_do(
         threaded_cluster: Callable[..., Any]) -> None:
     # servers of 1 MiB, half of it held by an earlier job's store: the next job's store does not fit,

@@ -163,6 +163,8 @@ class ExchangeWatch:
         for i, link in enumerate(self.client.links):
             if link.transport is not None and (i not in self._asked or self._asked[i].done()):
                 self._asked[i] = asyncio.ensure_future(self.client.server_stat(i))
+        if not self._asked:
+            return []       # (a lazy client that reaches no server itself: its exchanges go through an agent)
         await asyncio.wait(self._asked.values(), timeout=PING_TIMEOUT)
         for task in self._asked.values():
             if task.done() and not task.cancelled():
