@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import sys
 import threading
 import time
@@ -43,8 +42,7 @@ from typing import Any
 
 from ..client import Client
 from ..errors import NoSuchBuffer, OutOfMemory, Smb2Error, TransportError, debug_wanted
-
-log = logging.getLogger("smb2.train")
+from .lifecycle import Waiting
 
 #: an exchange in flight this long (seconds) has the servers asked whether they answer
 SAY_SILENT_AFTER = 30.0
@@ -110,10 +108,9 @@ class ExchangeWatch:
         self.client = client
         self.store = store
         self.rank = rank
-        #: each exchange in flight: (since, step)
-        self._running: dict[int, tuple[float, int]] = {}
+        #: each exchange in flight, in the order they started: the report of its wait, and its step
+        self._running: dict[int, tuple[Waiting, int]] = {}
         self._count = 0
-        self._said = -float("inf")
         #: the longest exchange so far (seconds): one that waits three times as long is out of the ordinary
         self._longest = 0.0
         #: each server's last request for its statistics, until it is answered
@@ -123,13 +120,14 @@ class ExchangeWatch:
     def running(self, step: int) -> Iterator[None]:
         """An exchange of step ``step`` runs inside."""
         key = self._count = self._count + 1
-        self._running[key] = (time.monotonic(), step)
+        # (a slow link's exchanges take long every time)
+        self._running[key] = (Waiting(None, max(SAY_SILENT_AFTER, 3 * self._longest), SAY_SILENT_EVERY), step)
         try:
             yield
         finally:
-            since, _ = self._running.pop(key)
-            if self._said < since:          # (one that was named is no measure of the ordinary)
-                self._longest = max(self._longest, time.monotonic() - since)
+            waiting, _ = self._running.pop(key)
+            if not waiting.said:            # (one that was named is no measure of the ordinary)
+                self._longest = max(self._longest, time.monotonic() - waiting.since)
 
     async def watch(self) -> None:
         """Look every few seconds, until cancelled."""
@@ -137,20 +135,18 @@ class ExchangeWatch:
             await asyncio.sleep(min(10.0, SAY_SILENT_AFTER / 3))
             if not self._running:
                 continue
-            since, step = min(self._running.values())
-            after = max(SAY_SILENT_AFTER, 3 * self._longest)    # (a slow link's exchanges take long every time)
-            if time.monotonic() - since < after or time.monotonic() < self._said + SAY_SILENT_EVERY:
+            oldest = min(self._running)
+            waiting, step = self._running[oldest]
+            if not waiting.due():
                 continue
             silent = await self._silent_servers()
-            if silent and self._running and min(self._running.values())[0] == since:
-                self._said = time.monotonic()
+            if silent and oldest in self._running:
                 who = f"memory server {silent[0]} does" if len(silent) == 1 else \
                     f"memory servers {', '.join(silent)} do"
-                log.warning("store %r: rank %d has waited %.0f s for step %d's exchange: %s not answer (a request "
-                            "for its statistics got no reply within %g s). Paused, overloaded, or cut off by the "
-                            "network? The exchange goes on once it answers; stop the job if it is gone",
-                            self.store, self.rank, time.monotonic() - since, step, who, PING_TIMEOUT)
-
+                waiting.say(f"store {self.store!r}: rank {self.rank} has waited for step {step}'s exchange: {who} "
+                            f"not answer (a request for its statistics got no reply within {PING_TIMEOUT:g} s). "
+                            "Paused, overloaded, or cut off by the network? The exchange goes on once it answers; "
+                            "stop the job if it is gone")
 
     async def _silent_servers(self) -> list[str]:
         """The connected servers that give no reply to a request for their

@@ -545,6 +545,8 @@ class Waiting:
         self.deadline = deadline
         self.every = every
         self.next = self.since + after
+        #: it has said so at least once
+        self.said = False
 
     def due(self) -> bool:
         return time.monotonic() >= self.next
@@ -552,5 +554,6 @@ class Waiting:
     def say(self, what: str) -> None:
         now = time.monotonic()
         self.next = now + self.every
+        self.said = True
         left = "" if self.deadline is None else f", {max(0.0, self.deadline - now):.0f} s before it gives up"
         log.warning("%s (%.0f s so far%s)", what, now - self.since, left)
