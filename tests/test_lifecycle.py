@@ -314,8 +314,9 @@ def test_other_ranks_decide(ranks: Ranks, restarted: bool, action: str) -> None:
 
 
 
-def test_a_lockstep_rule_never_rejoins_a_restarted_group_opens_a_new_run() -> None:
-    # rule allreduce (rejoinable=False): where another rule's restarted rank goes back into the run
+def test_a_lockstep_group_restarted_by_torchrun_opens_a_new_run() -> None:
+    # rule allreduce launched by one torchrun for the group (rejoinable=False: torchrun restarts the
+    # whole group, so no one is left to take a rank back): where another rule's restarted rank goes back into the run
     # that goes on, a restarted rank 0 opens a new, resumed run and the others wait for it, then join
     alive = {0: (2, 5, 1, 0), 1: (2, 7, 1, 0)}
     c = _control(2, 2, alive)
@@ -325,6 +326,22 @@ def test_a_lockstep_rule_never_rejoins_a_restarted_group_opens_a_new_run() -> No
     assert lc.decide_other(c, 1, restarted=True, stale_after=60, rejoinable=False).action == "wait"
     opened = _control(2, 3, {0: (3, 0, 1, 0), 1: (2, 7, 1, 0)})
     assert lc.decide_other(opened, 1, restarted=True, stale_after=60, rejoinable=False).action == "join"
+
+@pytest.mark.parametrize(("launcher_world", "world", "alone"), [
+    (None, 4, True),        # one process per worker (SMB2_RANK / SMB2_WORLD_SIZE, or rank= / world_size=)
+    ("1", 4, True),         # one torchrun per worker: its restart is this worker's alone
+    ("4", 4, False),        # one torchrun for the job: a restart restarts the whole group
+    (None, 1, False),       # a job of one: nothing to rejoin
+])
+def test_a_restart_is_a_workers_own_only_under_a_launcher_of_one(monkeypatch: pytest.MonkeyPatch,
+                                                                  launcher_world: str | None, world: int,
+                                                                  alone: bool) -> None:
+    if launcher_world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", launcher_world)
+    assert lc.restarts_alone(world) is alone
+
 
 # -- placement -------------------------------------------------------------------------
 

@@ -358,6 +358,96 @@ async def test_a_worker_cannot_join_a_run_past_its_first_round(cluster: smb2.Loc
         await rule.reduce(np.ones_like(late.flat()), np.zeros_like(late.flat()))
 
 
+async def test_a_restarted_worker_is_taken_back_at_the_start_of_a_step(cluster: smb2.LocalCluster) -> None:
+    # three workers launched one by one (rejoin=True); worker 2 dies after round 1; the two others go
+    # on alone once it is silent for dead_after.  Worker 2, restarted, opens the store again (it
+    # rejoins the run), asks to be taken back and waits; the leader, worker 0, hands it its state at
+    # the start of a round (here every round is a step) through its hand_over hook, then declares a
+    # membership of three from that round, which the restarted worker starts at: every mean from
+    # there is over the three again, exactly, the same for all
+    stores = await _stores(cluster, "tcp", "ar-back", 3, dead_after=0.3, rejoin=True)
+    await asyncio.gather(*(s.join() for s in stores))       # (in the run: a restart rejoins it)
+    rule = [s.rule for s in stores]
+    assert all(isinstance(x, AllReduce) for x in rule)
+    n = stores[0].flat().size
+    grads = [_grads(r, 8, exact=True, n=n) for r in range(3)]
+    for k in range(2):
+        await asyncio.gather(*(rule[r].reduce(grads[r][k], np.zeros(n, np.float32)) for r in range(3)))  # type: ignore[attr-defined]
+    await stores[2].client.close()
+    handed: list[tuple[list[int], int]] = []
+
+    async def hand_over(restarted: dict[int, int], round_: int) -> int:
+        handed.append((sorted(restarted), round_))
+        return round_
+    rule[0].hand_over = hand_over                                           # type: ignore[attr-defined]
+    init = {f"w{i}": np.zeros(N // 4, np.float32) for i in range(4)}
+    again = await ParameterStore.open(await cluster.connect(transport="tcp"), "ar-back", init, rule="allreduce",
+                                      workers=3, rank=2, dead_after=0.3, rejoin=True, restarted=True)
+    assert again.rejoined
+    back = asyncio.ensure_future(again.rule.rejoin(timeout=60))             # type: ignore[attr-defined]
+
+    every = [*rule[:2], again.rule]
+    outs: list[dict[int, np.ndarray]] = [{}, {}, {}]
+
+    async def worker(r: int) -> None:
+        # the survivors go on round after round (without worker 2 once it is out) until 3 rounds after
+        # it came back; worker 2 from the round it was taken back at
+        k = (await back) if r == 2 else 2
+        while not (back.done() and k == back.result() + 3):
+            out = outs[r][k] = np.zeros(n, np.float32)
+            await every[r].reduce(grads[r][k % 8], out)                     # type: ignore[attr-defined]
+            k += 1
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(asyncio.gather(*(worker(r) for r in range(3))), 60)
+    base = back.result()
+    assert handed == [([2], base)] and sorted(outs[2]) == list(range(base, base + 3))
+    for k, out in outs[0].items():
+        assert out.tobytes() == outs[1][k].tobytes()
+        if k >= base:
+            want = (grads[0][k % 8] + grads[1][k % 8] + grads[2][k % 8]) / 3
+            np.testing.assert_array_equal(out, want)
+            np.testing.assert_array_equal(outs[2][k], want)
+        elif k >= 3:        # (round 2 went through for the first parts before worker 2 was out)
+            np.testing.assert_array_equal(out, (grads[0][k % 8] + grads[1][k % 8]) / 2)
+    assert [r.epoch.members for r in every] == [(0, 1, 2)] * 3              # type: ignore[attr-defined]
+
+
+async def test_a_worker_restarted_after_the_others_finished_is_told(cluster: smb2.LocalCluster) -> None:
+    stores = await _stores(cluster, "tcp", "ar-late", 2, rejoin=True)
+    await asyncio.gather(*(s.join() for s in stores))
+    await _run(stores, [_grads(r, 2, exact=True, n=stores[0].flat().size) for r in range(2)])
+    await stores[0].finish()
+    init = {f"w{i}": np.zeros(N // 4, np.float32) for i in range(4)}
+    again = await ParameterStore.open(await cluster.connect(transport="tcp"), "ar-late", init, rule="allreduce",
+                                      workers=2, rank=1, rejoin=True, restarted=True)
+    with pytest.raises(InterfaceError, match="rank 1 was restarted after the other workers of store 'ar-late' "
+                                             "finished their training"):
+        await again.rule.rejoin(timeout=60)                                 # type: ignore[attr-defined]
+
+
+async def test_the_roster_keeps_a_ring_of_records(client: smb2.Client) -> None:
+    # an epoch now adds workers as well as removing them: records go round a ring of W + 1, and a
+    # record read after the ring came round again is refused, never misread
+    buf = await client.create("roster-ring", roster.Roster.nbytes(3))
+    rst = roster.Roster(buf, 3)
+    assert (await rst.read()) == roster.Record(0, 0, (0, 1, 2), {})
+    await rst.ask(2, 77)
+    assert await rst.asking() == {2: 77}
+    for epoch in range(1, 7):
+        taken = {2: 77} if epoch == 5 else {}
+        await rst.publish(epoch, 10 * epoch, (0, 1, 2) if epoch == 5 else (0, 1), taken)
+    assert await rst.read() == roster.Record(6, 60, (0, 1), {})
+    assert await rst.read(5) == roster.Record(5, 50, (0, 1, 2), {2: 77})
+    assert (await rst.taken_back_since(3, 2, 77)) == await rst.read(5)
+    assert await rst.taken_back_since(5, 2, 77) is None and await rst.taken_back_since(3, 2, 78) is None
+    with pytest.raises(InterfaceError, match="membership record 2 .* was replaced by epoch 6's"):
+        await rst.read(2)
+    await rst.answered(2, 78)       # (another token: not this request's answer)
+    assert await rst.asking() == {2: 77}
+    await rst.answered(2, 77)
+    assert await rst.asking() == {}
+
+
 async def test_push_says_what_to_call(client: smb2.Client) -> None:
     store = await ParameterStore.open(client, "ar-push", {"w": np.zeros(4, np.float32)}, rule="allreduce")
     with pytest.raises(InterfaceError, match="steps on the gradients' mean"):
@@ -648,6 +738,94 @@ def test_a_torchrun_restart_goes_on_from_rank_0s_last_save(servers: str, tmp_pat
     assert sorted(ends) == [0, 1] and ends[0]["steps"] == ends[1]["steps"] == steps
     assert ends[0]["weights"] == ends[1]["weights"]
     ref = mean_step_reference(steps, workers, CLIP)
+    for n, want in ref.items():
+        torch.testing.assert_close(torch.tensor(ends[0]["weights"][n]), want.flatten(), rtol=1e-5, atol=1e-6)
+
+
+_TAKEN_BACK = textwrap.dedent('''
+    import json, os, sys, time
+    from pathlib import Path
+    import torch
+    import smb2.torch as st
+    from smb2.testing.torch_models import rank_batches, small_model
+
+    name, die_after, cycle, after_back, clip = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), \
+        float(sys.argv[5])
+    back, victim = Path(sys.argv[6]), int(sys.argv[7])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    model = small_model()
+    opt = st.AsyncOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, name=name,
+                            push_dtype="float32", timeout=120)
+    if attempt > 0:     # taken back: the step it continues after, for the others to end with it
+        Path(f"{back}.tmp").write_text(str(opt.start_step))
+        Path(f"{back}.tmp").rename(back)
+    print(json.dumps({"event": "open", "rank": opt.rank, "attempt": attempt, "start_step": opt.start_step,
+                      "run": opt.store.generation}), flush=True)
+    batches = rank_batches(cycle, opt.rank)
+    members = []
+    s = opt.start_step
+    # every rank ends after_back steps after the restarted one came back; until it does, the other
+    # trains alone (its batches repeat) as slowly as heartbeats need to publish its steps
+    while not (back.exists() and s == int(back.read_text()) + after_back):
+        x, y = batches[s % cycle]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        members.append(list(opt.store.rule.epoch.members))
+        s += 1
+        if opt.rank == victim and attempt == 0 and s == die_after:
+            os._exit(3)         # a crash, in the first attempt only
+        if not back.exists():
+            time.sleep(0.05)
+    opt.close(wait_all=60)
+    print(json.dumps({"event": "done", "rank": opt.rank, "steps": opt.steps, "members": members,
+                      "weights": {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}}),
+          flush=True)
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)      # three torch processes start, one twice; a loaded 2-core machine needs a minute
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_worker_restarted_on_its_own_is_taken_back(servers: str, tmp_path: Path, victim: int) -> None:
+    # one torchrun per worker (as the Slurm recipe and the Kubernetes Job launch them), each with
+    # --max-restarts=1: the victim crashes after step 8; the other goes on alone once it is silent
+    # for dead_after; torchrun restarts the victim, which asks to be taken back; the other (its
+    # leader now) hands it the weights, AdamW's moments and the step at the start of a step and both
+    # go on in step: each ends where one AdamW on the clipped mean of the members' gradients of each
+    # step ends (one alone in between), the crash costing the lost rank's batches of those steps,
+    # nothing counted twice.  Rank 0 taken back leads again (it writes the store's weights at close)
+    die_after, cycle, after_back = 8, 40, 6
+    script = tmp_path / "train.py"
+    script.write_text(_TAKEN_BACK)
+    name = f"ar-taken-back-{victim}"
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, SMB2_SERVERS=servers, SMB2_RANK=str(rank), SMB2_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            torchrun(str(script), name, str(die_after), str(cycle), str(after_back), str(CLIP),
+                     str(tmp_path / "back"), str(victim), max_restarts=1, monitor_interval=0.2),
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=280) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, torchrun_failure(err)
+    events = [e for out, _ in outs for e in json_objects(out)]
+    opened = sorted((e["rank"], e["attempt"], e["run"], e["start_step"]) for e in events if e["event"] == "open")
+    assert [o[:2] for o in opened] == sorted([(0, 0), (1, 0), (victim, 1)]), opened
+    back_at = [o for o in opened if o[1] == 1][0][3]
+    # the same run (taken back, not a new one), after the other trained alone for a step at least
+    assert len({o[2] for o in opened}) == 1 and back_at > die_after, opened
+    said = outs[0][1] + outs[1][1]
+    assert f"restarted rank {victim} is taken back into the training at step {back_at + 1}" in said, said[-4000:]
+    ends = {e["rank"]: e for e in events if e["event"] == "done"}
+    assert ends[0]["steps"] == ends[1]["steps"] == back_at + after_back
+    assert ends[0]["weights"] == ends[1]["weights"]
+    members = ends[1 - victim]["members"]
+    assert members[:die_after] == [[0, 1]] * die_after and members[back_at:] == [[0, 1]] * after_back, members
+    assert members[die_after:back_at] == [[1 - victim]] * (back_at - die_after), members
+    assert ends[victim]["members"] == members[back_at:]
+    ref = mean_step_reference(back_at + after_back, 2, CLIP, members=members, cycle=cycle)
     for n, want in ref.items():
         torch.testing.assert_close(torch.tensor(ends[0]["weights"][n]), want.flatten(), rtol=1e-5, atol=1e-6)
 

@@ -45,11 +45,11 @@ Scenarios (state the rates with --rate/--slow-rate):
   server for the machine's cores.
 * ``fault`` (e): as homogeneous, each system in worker processes of its own, trained the whole
   budget; the last worker is SIGKILLed at 40 % of the budget of rank 0's clock.  ``fault-rejoin``:
-  the same, and that worker is started again at 60 % (smb2 takes it back as a rank torchrun
-  restarted; torchft's replica heals from a peer; DDP's group cannot take a rank back, so DDP's
-  is not restarted, nor that of rule ``allreduce``, the default port's: its survivors go on
-  without the dead worker after ``dead_after``, and a worker restarted into its lockstep rounds
-  would be refused).  A table says what each system
+  the same, and that worker is started again at 60 % (smb2 takes it back as a rank restarted on
+  its own, as one torchrun per worker restarts it: the asynchronous rules let it pull the shared
+  weights, and rule ``allreduce``, the default port's, hands it the weights and optimizer state at
+  the start of a step and takes it into its lockstep rounds; torchft's replica heals from a peer;
+  DDP's group cannot take a rank back, so a run with DDP in it restarts no one).  A table says what each system
   did, as rank 0 saw it: "went on", "stalled N s" (a pause between two steps above 5 typical steps
   and 2 s), or "stopped" (an error).
 
@@ -218,13 +218,10 @@ def rule_of(spec: dict[str, Any]) -> str:
 
 
 def takes_a_rank_back(system: str) -> bool:
-    """Does ``system`` take back a worker started again alone (fault-rejoin)?  Not DDP's group, nor
-    an smb2 rule whose workers move in lockstep (allreduce: a restarted worker never rejoins)."""
-    from smb2.train.rules import RULES
-    spec = spec_of(system)
-    if spec is None:
-        return False
-    return "torchft" in spec or RULES[rule_of(spec)].rejoinable
+    """Does ``system`` take back a worker started again alone (fault-rejoin)?  Not DDP's group;
+    every smb2 rule (``allreduce``'s workers move in lockstep: its leader hands the restarted one
+    its state at the start of a step) and torchft's replica groups."""
+    return spec_of(system) is not None
 
 
 SCENARIOS = ("homogeneous", "straggler", "comm-bound", "overloaded", "fault", "fault-rejoin")
@@ -760,7 +757,7 @@ def run_scenario(cluster: netns_cluster.NetnsCluster, cfg: dict[str, Any], syste
     stop_file = Path(tempfile.gettempdir()) / f"bench-tta-{os.getpid()}-{tag}.stop"
     kill_frac, rejoin_frac = FAULT_AT.get(scenario, (None, None))
     fault_at = None if kill_frac is None else kill_frac * budget
-    # DDP's group and allreduce's cannot take a rank back (torchrun would restart the whole job): no rejoin
+    # DDP's group cannot take a rank back (torchrun would restart the whole job): no rejoin
     rejoins = rejoin_frac is not None and all(takes_a_rank_back(s) for s in systems)
     common = worker_args(cfg, systems, tag, servers, master=cluster.server_addrs[workers[0]], world=len(workers),
                          stop_file=stop_file, replicas=replicas,

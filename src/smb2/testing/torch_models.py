@@ -10,6 +10,7 @@ import importlib.util
 import os
 import subprocess
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -66,24 +67,31 @@ def shared_values(opt: st.AsyncOptimizer) -> dict[str, np.ndarray]:
         loop.stop()
 
 
-def mean_step_reference(steps: int, workers: int, clip: float, micro: int = 1) -> dict[str, torch.Tensor]:
+def mean_step_reference(steps: int, workers: int, clip: float, micro: int = 1,
+                        members: Sequence[Sequence[int]] | None = None,
+                        cycle: int | None = None) -> dict[str, torch.Tensor]:
     """One process on the CPU: AdamW on the mean of ``workers`` workers'
     gradients of ``small_model`` on their ``rank_batches``, clipped to
     ``clip`` (DDP's arithmetic: the clip sees the mean); each worker's
     gradient of a step is the sum of its ``micro`` batches' (each loss over
-    ``micro``).  The weights after ``steps`` steps."""
+    ``micro``).  ``members``: the ranks each step's mean is over (a worker
+    lost, then taken back; default: all); ``cycle``: the ranks' batches
+    repeat after that many steps.  The weights after ``steps`` steps."""
     model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    batches = [rank_batches(steps * micro, r) for r in range(workers)]
+    period = steps if cycle is None else cycle
+    batches = [rank_batches(period * micro, r) for r in range(workers)]
     for s in range(steps):
+        ranks = range(workers) if members is None else members[s]
+        at = s % period
         sums = [torch.zeros_like(p) for p in model.parameters()]
-        for r in range(workers):
+        for r in ranks:
             model.zero_grad()
-            for x, y in batches[r][s * micro:(s + 1) * micro]:
+            for x, y in batches[r][at * micro:(at + 1) * micro]:
                 (torch.nn.functional.cross_entropy(model(x), y) / micro).backward()
             sums = [a if p.grad is None else a + p.grad for a, p in zip(sums, model.parameters())]
         for p, a in zip(model.parameters(), sums):
-            p.grad = a / workers
+            p.grad = a / len(ranks)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}

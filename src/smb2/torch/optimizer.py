@@ -123,7 +123,7 @@ from ..errors import InterfaceError, InvalidArgumentError, NotifyTimeout, Smb2Er
 from ..mirror import DEFAULT_AGENT_PORT, agent_address
 from ..train.dropping import LayerDropping
 from ..train.faults import ExchangeWatch, end_ranks_briefly, in_training_terms
-from ..train.lifecycle import RunEnd, host_workers
+from ..train.lifecycle import RunEnd, host_workers, restarts_alone
 from ..train.rules import RULES, AllReduce, UpdateRule
 from ..train.stability import LagScaling, TrainingDiverged
 from ..train.store import AGENT_RULES, ParameterStore, resolve_rank
@@ -343,15 +343,24 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 options["wire"] = self.push_dtype       # the rule's: the client converts (fewer bytes on the wire)
             if self.rule_name == "diloco":
                 options["buffers"] = [n for n, _, param in self._entries if not param]
+            if self.rule_name == "allreduce":
+                # a worker restarted on its own is taken back into the lockstep rounds; one that torchrun
+                # restarts with its whole group opens a resumed run with the others
+                options.setdefault("rejoin", restarts_alone(self.world))
             self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
                                                    dict(options, resume=resume)))
             #: this rank's optimizer state, step and LR schedules, saved beside the store (whole resume)
             # (allreduce: every rank's optimizer state is the same one, which rank 0 saves for all, with
             # the weights, which the store gets only at close)
             lockstep = isinstance(self.store.rule, AllReduce)
+            # (a restarted rank taken back into allreduce's rounds: the state its leader handed it)
+            taken_back_at = self._loop.run(self.store.rule.rejoin(timeout)) \
+                if isinstance(self.store.rule, AllReduce) and self.store.rejoined else None
             self._saved = SavedState.open(optimizer, (self, optimizer), self.store, self._loop, state_every,
                                           shared=lockstep, weights=self._weights_now if lockstep else None,
-                                          share=state_share)
+                                          share=state_share, handed_over=taken_back_at)
+            if isinstance(self.store.rule, AllReduce):
+                self.store.rule.hand_over = self._hand_over
         except BaseException as e:
             give_back_gpus(self._gpus)
             self._loop.run(self._close_client())
@@ -376,8 +385,6 @@ class AsyncOptimizer(torch.optim.Optimizer):
                                        for n, t, param in self._entries], flat.size, flat.dtype)
         self._register = self.staging.cuda
         self._mean_waited = 0.0
-        #: rule allreduce: the rounds begun when the last step was taken (each step needs one of its own)
-        self._rounds_at_step = 0
         #: rule allreduce: the rounds of gradients whose mean the optimizer steps on
         self._mean = MeanGradients(torch, self.staging.entries, flat.size, self.store.rule, self._loop,
                                    self._round_in_training_terms, lambda: self.steps + 1) \
@@ -646,14 +653,14 @@ class AsyncOptimizer(torch.optim.Optimizer):
                                  f"(rule 'allreduce': every rank steps on the mean of every rank's gradients)",
                                  hint="run the last micro-batch's backward outside no_sync(), as with torch "
                                       "DDP's model.no_sync(): it sends the accumulated gradients")
-        if self._mean.rule.rounds == self._rounds_at_step:
+        if self._mean.rule.rounds == self._mean.rule.step_round:
             raise InterfaceError(f"rank {self.rank} step {self.steps + 1}: step() with no backward since the last "
                                  f"step; rule 'allreduce' steps every rank on the mean of every rank's gradients of "
                                  f"the step, so each step needs a backward on every rank (this rank's rounds would "
                                  f"fall out of line with the others')",
                                  hint="to leave a batch out, leave its whole step out (backward and step) on every "
                                       "rank, or use rule='diloco', whose ranks step on their own gradients")
-        self._rounds_at_step = self._mean.rule.rounds
+        self._mean.rule.stepped()      # (each step needs a round of its own; the next one begins a step)
         self._watch_gradients()
         self.optimizer.step()
         self._stats["exchanges"] = self._mean.rule.rounds
@@ -995,6 +1002,15 @@ class AsyncOptimizer(torch.optim.Optimizer):
         mine = self._weights_now()
         return [e.name for e in self.staging.entries if e.param and not np.array_equal(
             mine[e.offset:e.offset + e.tensor.numel()], leader[e.offset:e.offset + e.tensor.numel()])]
+
+    async def _hand_over(self, restarted: dict[int, int], round_: int) -> int:
+        """Rule allreduce, this rank leading, at the start of round
+        ``round_`` (its step's backward under way): write what the
+        ``restarted`` ranks need to train on in step from there; the step
+        they continue after."""
+        step = self.steps
+        await self._saved.hand_over(restarted, round_, step)
+        return step
 
     def _weights_now(self) -> np.ndarray:
         """The model's weights (the store's tensors) as a flat host array of their own."""

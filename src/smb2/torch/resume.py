@@ -70,6 +70,17 @@ torchrun restart of the group opens, continues from one consistent point,
 weights, moments, schedules and step of the same save, at most
 ``state_every`` seconds behind the failure.
 
+**A worker taken back.**  Under ``allreduce``, a worker restarted on its own
+(one launcher per worker) is taken back into the running run
+(:mod:`smb2.train.roster`): its leader writes a save into the restarted
+rank's own buffer at the start of a step (:meth:`SavedState.hand_over`:
+the weights and the optimizer state as after the step before, the
+schedules, the step, and the round it starts at), and the rank loads that
+one save, or stops (it could not train in step with anything else).
+The mixed-precision ``GradScaler``'s scale is not in it: the restarted
+rank's starts afresh, which changes no mean the others step on (a scale
+that overflows on any rank makes every rank skip that step).
+
 **Finding the schedulers.**  A torch ``LRScheduler`` holds its optimizer;
 the optimizer holds nothing of it.  At the first ``step()`` the objects
 that refer to the AsyncOptimizer or to the wrapped optimizer are looked up
@@ -101,7 +112,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from ..client import Buffer, Client
-from ..errors import InvalidArgumentError, NoSuchBuffer, OutOfMemory
+from ..errors import InterfaceError, InvalidArgumentError, NoSuchBuffer, OutOfMemory
 from ..train import beside
 from ..train.store import ParameterStore, choose_stripe, optimizer_state_name, optimizer_state_what
 from .loop_thread import LoopThread
@@ -359,14 +370,18 @@ class SavedState:
     @classmethod
     def open(cls, optimizer: torch.optim.Optimizer, owners: tuple[object, ...], store: ParameterStore,
              loop: LoopThread, every: float | None, *, shared: bool = False,
-             weights: Callable[[], np.ndarray] | None = None, share: float | None = SAVE_SHARE) -> SavedState:
+             weights: Callable[[], np.ndarray] | None = None, share: float | None = SAVE_SHARE,
+             handed_over: int | None = None) -> SavedState:
         """Open rank ``store.rank``'s saves; on a resumed run load the newest
         of the store's lineage into ``optimizer``.  ``shared``: every rank's
         optimizer state is the same (rule allreduce): rank 0 alone saves it,
         and every rank loads rank 0's.  ``weights``: the model's flat weights
         now, which each save then carries (and :attr:`weights` holds the
         loaded save's).  ``share``: the most saves add to this rank's
-        exchange bytes (see the module's doc; None: by time alone)."""
+        exchange bytes (see the module's doc; None: by time alone).
+        ``handed_over``: this rank was taken back at that round, and loads
+        the save its leader handed it (:meth:`hand_over`) whatever ``every``
+        says."""
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
                                   or not 0 < share <= 1):
             raise InvalidArgumentError(f"state_share must be a fraction in (0, 1] or None, not {share!r}",
@@ -376,15 +391,86 @@ class SavedState:
             raise InvalidArgumentError(f"state_every must be a positive number of seconds or None, not {every!r}",
                                        hint="state_every=None neither saves nor loads the optimizer's state")
         if every is None:
-            return cls(optimizer, owners, store, loop, None, None)
+            saved = cls(optimizer, owners, store, loop, None, None, weights=weights)
+            if handed_over is not None:
+                saved._load_handed_over(handed_over)
+            return saved
         keeper = 0 if shared else store.rank
         slots = loop.run(StateSlots.open(store.client, store.name, optimizer_state_what(keeper),
                                          store.buf.replicas))
         saved = cls(optimizer, owners, store, loop, slots, float(every), keeper, weights,
                     None if share is None else float(share))
-        if store.resumed:
+        if handed_over is not None:
+            saved._load_handed_over(handed_over)
+        elif store.resumed:
             saved._load()
         return saved
+
+    def _load_handed_over(self, round_: int) -> None:
+        """The save this rank's leader handed it when it took it back at
+        round ``round_``: loaded, or an error (nothing else trains in step)."""
+        st = self.store
+        side = optimizer_state_name(st.name, st.rank)
+        own = self.loop.run(StateSlots.open(st.client, st.name, optimizer_state_what(st.rank), st.buf.replicas))
+        found = self.loop.run(own.newest(self.origin))
+        why = "it is not there"
+        if found is not None:
+            header, data = found
+            try:
+                light, tensors = _unframe(data)
+                if light.get("round") != round_:
+                    raise InvalidArgumentError(f"the newest one is for round {light.get('round')}")
+                self._apply(light, tensors)
+            except Exception as exc:
+                why = str(exc)
+            else:
+                self._to_restore = light
+                self.start_step = int(header[_STEP])
+                log.info("store %r: rank %d loaded the %s state, weights and %d LR schedule(s) of step %d that "
+                         "its leader handed it", st.name, st.rank, light["optimizer"], len(light["schedulers"]),
+                         self.start_step)
+                return
+        raise InterfaceError(f"rank {st.rank} was taken back into the training of store {st.name!r} at round "
+                             f"{round_}, but the state its leader handed it (side buffer {side!r}) cannot be "
+                             f"loaded: {why}",
+                             hint="restart the whole job (resume=True continues from rank 0's last save)")
+
+    def _apply(self, light: dict[str, Any], tensors: dict[Any, Any]) -> None:
+        """Load a save's optimizer state (and weights, where it holds them);
+        raises what makes it unusable for this job."""
+        weights = None
+        if light.get("weights"):
+            weights = tensors["weights"].numpy()
+            tensors = tensors["state"]
+            if weights.shape != self.store.flat().shape or weights.dtype != self.store.flat().dtype:
+                raise InvalidArgumentError(f"its weights are {weights.size} {weights.dtype} values, this "
+                                           f"model has {self.store.flat().size} {self.store.flat().dtype}")
+            if not np.isfinite(weights).all():
+                raise InvalidArgumentError("its weights are not all finite")
+        if light["optimizer"] != type(self.optimizer).__name__:
+            raise InvalidArgumentError(f"it is {light['optimizer']}'s, this job's optimizer is "
+                                       f"{type(self.optimizer).__name__}")
+        check_state(self.optimizer, light["param_groups"], tensors)
+        self.optimizer.load_state_dict({"state": tensors, "param_groups": light["param_groups"]})
+        self.weights = weights
+
+    async def hand_over(self, restarted: dict[int, int], round_: int, step: int) -> None:
+        """Rule allreduce, this rank leading at the start of round
+        ``round_`` (backward of step ``step + 1`` under way, so nothing here
+        changes): write into each restarted rank's own buffer a save of the
+        weights, optimizer state and schedules as after step ``step``, for
+        it to start at that round."""
+        st = self.store
+        if self._schedulers is None:
+            self._find_schedulers()
+        light = _save({"optimizer": type(self.optimizer).__name__, "step": step, "weights": True,
+                       "round": round_, "param_groups": self.optimizer.state_dict()["param_groups"],
+                       "schedulers": {k: s.state_dict() for k, s in self._live_schedulers().items()}})
+        # (serialized on a thread: this loop beats for this rank meanwhile, and the others wait on it)
+        heavy = await asyncio.to_thread(lambda: _save(_heavy(self.optimizer.state_dict()["state"], self._weights())))
+        for rank in restarted:
+            own = await StateSlots.open(st.client, st.name, optimizer_state_what(rank), st.buf.replicas)
+            await own.write(*_frame(light, heavy), step=step, origin=self.origin, run=st.generation)
 
     def _load(self) -> None:
         assert self.slots is not None
@@ -399,21 +485,7 @@ class SavedState:
         header, data = found
         try:
             light, tensors = _unframe(data)
-            weights = None
-            if light.get("weights"):
-                weights = tensors["weights"].numpy()
-                tensors = tensors["state"]
-                if weights.shape != self.store.flat().shape or weights.dtype != self.store.flat().dtype:
-                    raise InvalidArgumentError(f"its weights are {weights.size} {weights.dtype} values, this "
-                                               f"model has {self.store.flat().size} {self.store.flat().dtype}")
-                if not np.isfinite(weights).all():
-                    raise InvalidArgumentError("its weights are not all finite")
-            if light["optimizer"] != type(self.optimizer).__name__:
-                raise InvalidArgumentError(f"it is {light['optimizer']}'s, this job's optimizer is "
-                                           f"{type(self.optimizer).__name__}")
-            check_state(self.optimizer, light["param_groups"], tensors)
-            self.optimizer.load_state_dict({"state": tensors, "param_groups": light["param_groups"]})
-            self.weights = weights
+            self._apply(light, tensors)
         except Exception as exc:        # a save this job cannot use: say so, train on
             self._start_afresh()
             log.warning("store %r: rank %d's saved optimizer state (step %d, in side buffer %r) is not loaded "
@@ -448,6 +520,8 @@ class SavedState:
         find (and restore) the schedulers once, finish a save whose tensors
         are serialized."""
         if self.slots is None:
+            if self._to_restore is not None:
+                self._find_schedulers()     # (a save handed over: this rank saves none of its own)
             return
         if self._writing is not None and self._writing.done():
             self._collect()

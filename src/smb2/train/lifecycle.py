@@ -249,6 +249,17 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
     return int(rank), int(world_size)
 
 
+def restarts_alone(world: int) -> bool:
+    """Is a restart of this worker its own alone?  torchrun restarts its
+    whole worker group (with every node's, under one rendezvous), so only a
+    launcher of one worker (torchrun's ``WORLD_SIZE`` unset or 1, the job's
+    rank in ``SMB2_RANK`` / ``SMB2_WORLD_SIZE``, as the Slurm recipe and the
+    Kubernetes Job run workers) restarts a worker of a job of ``world`` on
+    its own."""
+    launched = _env_int("WORLD_SIZE")
+    return world > 1 and (launched is None or launched[1] == 1)
+
+
 def host_workers() -> int:
     """How many workers of the job this one's host runs: ``SMB2_HOST_WORKERS``
     (one torchrun per worker, as the Slurm recipe runs them), else torchrun's

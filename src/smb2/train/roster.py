@@ -42,11 +42,27 @@ on a complete round, so no step is taken on a partial mean, and no worker
 steps on a mean that another did not get.  A worker that finds itself left
 out (it was silent for ``dead_after`` s, then came back) stops with an error
 in training terms: its steps are no longer the others'.
+
+A worker restarted on its own (one launcher per worker, as the Slurm recipe
+and the Kubernetes Job run them) **asks to be taken back**: it writes a token
+of its own into its request word and waits.  Once the survivors have left its
+old self out, the leader (the epoch's first member), at the start of a round
+that begins a step, writes everything the rank needs to train on in step (the
+weights, the optimizer state, the schedules and the step, as after the step
+before that round) into the rank's own state buffer, then declares the next
+epoch as above with the rank among its members, the record carrying the
+token where the flag would be, so that the rank knows the epoch that took
+it in (and not one that only kept it), and finally clears the request.  The
+others redo that round in the new epoch, as after a removal; the rank starts
+there.  Records sit in a ring of ``W + 1`` (an epoch now adds members as well
+as removing them): a reader that finds the epoch word moved a whole ring on
+while it read a record reads again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 
 import numpy as np
@@ -60,18 +76,26 @@ MEMBERS = "members"
 #: negative whoever counts into it afterwards
 POISON = 1 << 48
 
-# the roster's int64 words: the claim (0: free, else the declaring rank + 1)
-# and the epoch, then a record for each epoch after 0: its first round, its
-# number of members, then one flag a worker.  A record is written once, before
-# the epoch word names it, and never again: a reader that saw the epoch word
-# reads a whole record (each epoch leaves out at least one worker: at most
-# W - 1 of them)
-_CLAIM, _EPOCH, _RECORDS = 0, 1, 2
+# the roster's int64 words: the claim (0: free, else the declaring rank + 1),
+# the epoch, one request word a worker (0, or the token of a restarted worker
+# that asks to be taken back), then a ring of records, one for each epoch
+# after 0: its first round, its number of members, then one word a worker (0:
+# not a member, 1: a member, else the token of a worker the epoch took back).
+# A record is written before the epoch word names it; its slot is written
+# again only ``W + 1`` epochs later, which a reader notices (Roster.read)
+_CLAIM, _EPOCH, _REQUESTS = 0, 1, 2
+#: a member's word in a record (a worker taken back holds its token instead: >= 2)
+MEMBER = 1
 
 
 def sums_name(epoch: int, gradients: str) -> str:
     """The side buffer that holds epoch ``epoch``'s sums (``gradients``: epoch 0's)."""
     return gradients if epoch == 0 else f"{gradients}.{epoch}"
+
+
+def new_token() -> int:
+    """A restarted worker's request token (>= 2: not a member's flag)."""
+    return secrets.randbits(62) | 2
 
 
 @dataclasses.dataclass
@@ -94,33 +118,62 @@ class Epoch:
         return len(self.members)
 
 
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """An epoch as the roster holds it."""
+
+    number: int
+    base: int
+    members: tuple[int, ...]
+    #: the workers this epoch took back, and the token each asked with
+    taken_back: dict[int, int]
+
+
 class Roster:
     """The roster's words in their side buffer (one stripe: one server)."""
 
     def __init__(self, buf: Buffer, workers: int) -> None:
         self.buf = buf
         self.workers = workers
+        self.ring = workers + 1
 
     @staticmethod
     def nbytes(workers: int) -> int:
-        return -(-8 * (_RECORDS + (workers - 1) * (2 + workers)) // 64) * 64
+        return -(-8 * (_REQUESTS + workers + (workers + 1) * (2 + workers)) // 64) * 64
 
     def _record(self, epoch: int) -> int:
-        return 8 * (_RECORDS + (epoch - 1) * (2 + self.workers))
+        return 8 * (_REQUESTS + self.workers + (epoch - 1) % self.ring * (2 + self.workers))
 
-    async def read(self) -> tuple[int, int, tuple[int, ...]]:
-        """(epoch, its first round, its members)."""
-        epoch = await self.buf.fetch_add(8 * _EPOCH, 0)
-        if epoch == 0:
-            return 0, 0, tuple(range(self.workers))
-        words = np.empty(2 + self.workers, np.int64)
-        await self.buf.read_into(words, self._record(epoch))
-        members = tuple(int(r) for r in np.flatnonzero(words[2:]))
+    async def epoch(self) -> int:
+        return await self.buf.fetch_add(8 * _EPOCH, 0)
+
+    async def read(self, epoch: int | None = None) -> Record:
+        """The record of ``epoch`` (None: the current one)."""
+        now = await self.epoch()
+        while True:
+            number = now if epoch is None else epoch
+            if number == 0:
+                return Record(0, 0, tuple(range(self.workers)), {})
+            if number > now:
+                raise AssertionError(f"epoch {number} is not declared yet (the roster is at {now})")
+            words = np.empty(2 + self.workers, np.int64)
+            await self.buf.read_into(words, self._record(number))
+            now = await self.epoch()
+            if now - number < self.ring:
+                break
+            if epoch is not None:
+                raise InterfaceError(f"the membership record {number} of {self.buf.name!r} was replaced by "
+                                     f"epoch {now}'s while it was read",
+                                     hint="the job's workers changed too often to follow; restart the job "
+                                          "(resume=True)")
+        flags = words[2:]
+        members = tuple(int(r) for r in np.flatnonzero(flags))
         if len(members) != int(words[1]) or not members:
-            raise InterfaceError(f"the membership record {epoch} of {self.buf.name!r} names {len(members)} "
+            raise InterfaceError(f"the membership record {number} of {self.buf.name!r} names {len(members)} "
                                  f"workers where it counts {int(words[1])}: it was overwritten",
                                  hint="restart the job (resume=True); only smb2's own workers write it")
-        return epoch, int(words[0]), members
+        return Record(number, int(words[0]), members,
+                      {int(r): int(flags[r]) for r in np.flatnonzero(flags > MEMBER)})
 
     async def claim(self, rank: int) -> int:
         """Take the claim for ``rank``: 0 if taken, else the rank + 1 that holds it."""
@@ -133,14 +186,38 @@ class Roster:
     async def release(self, rank: int) -> None:
         await self.buf.compare_swap(8 * _CLAIM, rank + 1, 0)
 
-    async def publish(self, epoch: int, base: int, members: tuple[int, ...]) -> None:
+    async def publish(self, epoch: int, base: int, members: tuple[int, ...],
+                      taken_back: dict[int, int] | None = None) -> None:
         """Write the record of ``epoch`` (the claim held), then the epoch word."""
-        if not 0 < epoch < self.workers:
-            raise AssertionError(f"epoch {epoch} of {self.workers} workers")
         flags = np.zeros(self.workers, np.int64)
-        flags[list(members)] = 1
+        flags[list(members)] = MEMBER
+        for rank, token in (taken_back or {}).items():
+            flags[rank] = token
         await self.buf.write(self._record(epoch), np.array([base, len(members), *flags], np.int64))
         await self.buf.write(8 * _EPOCH, np.array([epoch], np.int64))
+
+    # -- restarted workers asking to be taken back -----------------------------------
+    async def ask(self, rank: int, token: int) -> None:
+        await self.buf.write(8 * (_REQUESTS + rank), np.array([token], np.int64))
+
+    async def asking(self) -> dict[int, int]:
+        """The ranks asking to be taken back, with their tokens."""
+        words = np.empty(self.workers, np.int64)
+        await self.buf.read_into(words, 8 * _REQUESTS)
+        return {int(r): int(words[r]) for r in np.flatnonzero(words)}
+
+    async def answered(self, rank: int, token: int) -> None:
+        """Clear ``rank``'s request, if it is still the one with ``token``."""
+        await self.buf.compare_swap(8 * (_REQUESTS + rank), token, 0)
+
+    async def taken_back_since(self, epoch: int, rank: int, token: int) -> Record | None:
+        """The first epoch after ``epoch`` that took ``rank`` back on ``token``, if one did."""
+        now = await self.epoch()
+        for number in range(max(epoch + 1, now - self.ring + 1), now + 1):
+            record = await self.read(number)
+            if record.taken_back.get(rank) == token:
+                return record
+        return None
 
 
 class Silence:
@@ -156,6 +233,11 @@ class Silence:
             last = self._seen.get(rank)
             if last is None or last[0] != beat:
                 self._seen[rank] = (beat, now)
+
+    def forget(self, rank: int) -> None:
+        """``rank`` is a new worker (taken back after a restart): its silence
+        counts from when it is next seen, not from its old self's last beat."""
+        self._seen.pop(rank, None)
 
     def quiet_for(self, rank: int, now: float | None = None) -> float:
         last = self._seen.get(rank)

@@ -884,6 +884,9 @@ ROUND_TIMEOUT = 1800.0
 #: seconds a round waits before it says so at WARNING, and between two such reports
 SAY_WAITING_AFTER = 30.0
 SAY_WAITING_EVERY = 60.0
+#: how often the leader of a membership asks whether a restarted worker wants back in (s): a read
+#: of the roster's request words, made beside the training and looked at where a step begins
+LOOK_FOR_RESTARTED_EVERY = 1.0
 #: a part of the gradients (its own sum and counter): at most this many bytes of float32 values, so
 #: that a model's first parts travel while backward still computes the others (DDP's buckets)
 PART_BYTES = 4 << 20
@@ -940,12 +943,15 @@ class AllReduce(UpdateRule):
     ``round_timeout`` seconds (30 minutes, torch's default for a
     collective; they say so at WARNING every minute after the first 30 s)
     they raise :class:`~smb2.NotifyTimeout` saying
-    how many gradients never came.  A restarted worker never rejoins the
-    run (:attr:`rejoinable`: its rounds would count from 0): a torchrun
-    restart of the group opens a new, resumed run, which continues from
+    how many gradients never came.  A torchrun restart of the group (one
+    torchrun for the job) opens a new, resumed run, which continues from
     rank 0's last save (:mod:`smb2.torch.resume`: the weights, the optimizer
-    state and the step of one step), and a worker started alone into a
-    running run is refused."""
+    state and the step of one step).  A worker restarted on its own (one
+    launcher per worker: ``rejoin=True``, :attr:`rejoinable`) is **taken
+    back**: it asks (:meth:`rejoin`), the leader hands it its own state at
+    the start of a step (:attr:`hand_over`) and declares a membership with it
+    (:mod:`smb2.train.roster`), and it trains on in step with the others.  A
+    worker started alone into a running run otherwise is refused."""
 
     name = "allreduce"
     uses_stage = False          # its sums are sent from the gradients themselves
@@ -959,7 +965,8 @@ class AllReduce(UpdateRule):
     sums = 2
 
     def __init__(self, wire: str | None = "bfloat16", round_timeout: float = ROUND_TIMEOUT,
-                 dead_after: float = DEAD_AFTER, slice_bytes: int | None = SLICE_BYTES) -> None:
+                 dead_after: float = DEAD_AFTER, slice_bytes: int | None = SLICE_BYTES,
+                 rejoin: bool = False) -> None:
         super().__init__()      # (its lr is not used: the worker's optimizer has one)
         if wire not in (None, "bfloat16", "float16"):
             raise InvalidArgumentError(f"wire must be None, 'bfloat16' or 'float16', not {wire!r}")
@@ -989,6 +996,18 @@ class AllReduce(UpdateRule):
         self._waiting: tuple[int, Waiting] | None = None     # (a round's report of its wait, one for all parts)
         self._attaching = asyncio.Lock()      # (a round's parts start together: one attaches)
         self._regrouping = asyncio.Lock()     # (one part of this worker declares or adopts an epoch)
+        #: a worker restarted on its own asks to be taken back (:meth:`rejoin`) rather than being refused
+        self.rejoinable = bool(rejoin)
+        #: the round that begins the step under way (:meth:`stepped`): where a restarted worker can
+        #: start, as every other's weights and optimizer state are those after the step before
+        self.step_round = 0
+        #: writes what restarted workers (rank -> token) need to start at a round, as after the step
+        #: before it (the torch layer's: the weights, optimizer state, schedules and step); returns
+        #: that step.  None: this worker cannot take a restarted one back
+        self.hand_over: Callable[[dict[int, int], int], Awaitable[int]] | None = None
+        self._asking: asyncio.Future[dict[int, int]] | None = None     # (the leader's read of the requests)
+        self._asked_at = -math.inf
+        self._looked_for_restarted = -1
 
     def settings(self) -> dict[str, Any]:
         # (slice_bytes paces the link and changes no value: not a setting of the store's arithmetic)
@@ -1106,16 +1125,123 @@ class AllReduce(UpdateRule):
         return buf
 
     async def _epoch_now(self, r: int) -> roster.Epoch:
-        """The membership round ``r`` runs in (the first round: attach)."""
+        """The membership round ``r`` runs in (the first round: attach; the
+        first round of a step: take back the restarted workers that ask)."""
         async with self._attaching:
             if self.epoch is None:
                 self.epoch = await self._attach(first=r == 0)
+            elif r == self.step_round and r != self._looked_for_restarted:
+                self._looked_for_restarted = r
+                await self._take_back_restarted(self.epoch, r)
         return self.epoch
+
+    async def _take_back_restarted(self, ep: roster.Epoch, r: int) -> None:
+        """The leader of ``ep``, at round ``r`` that begins a step and before
+        it counts itself into it: take back the restarted workers that asked
+        (found by a read made beside the training since the last look, so that
+        no step waits for it), once the others have left their old selves out."""
+        st = self.store
+        if self.hand_over is None or self._roster is None or ep.members[0] != st.rank:
+            return
+        asking = self._asking
+        if asking is None or not asking.done():
+            if asking is None and time.monotonic() - self._asked_at >= LOOK_FOR_RESTARTED_EVERY:
+                self._asked_at = time.monotonic()
+                self._asking = asyncio.ensure_future(self._roster.asking())
+            return
+        self._asking = None
+        try:
+            restarted = {rank: token for rank, token in asking.result().items() if rank not in ep.members}
+        except Smb2Error as exc:
+            log.debug("store %r: the roster's requests were not read (%s); looked at again later", st.name, exc)
+            return
+        if restarted:
+            await self._take_back(ep, r, restarted)
+
+    async def _take_back(self, ep: roster.Epoch, r: int, restarted: dict[int, int]) -> None:
+        """Hand the ``restarted`` workers (rank -> token) their state as
+        after the step before round ``r``, then declare the next membership
+        with them in it from round ``r`` (:mod:`smb2.train.roster`)."""
+        st = self.store
+        rst = self._roster
+        assert rst is not None and self.hand_over is not None
+        ranks = ", ".join(map(str, restarted))
+        async with self._regrouping:
+            if self.epoch is not ep or await rst.claim(st.rank) != 0:
+                return      # (a survivor is declaring a membership: the next step looks again)
+            try:
+                if await rst.epoch() != ep.number:
+                    return      # (the round adopts the newer membership)
+                try:
+                    step = await self.hand_over(restarted, r)
+                except Smb2Error as exc:
+                    log.warning("store %r: restarted rank %s asked to be taken back, but its state could not be "
+                                "handed over (%s): the %d workers train on without it, and it is asked again "
+                                "at a later step", st.name, ranks, exc, ep.workers)
+                    return
+                # (the others may have counted themselves into round r: they redo it in the new membership)
+                k = (r - ep.base) % self.sums
+                slots = range(k * len(self.parts), (k + 1) * len(self.parts))
+                await asyncio.gather(*(ep.buf.notify_add(s, -roster.POISON) for s in slots))
+                members = tuple(sorted(set(ep.members) | set(restarted)))
+                await self._make_sums(ep.number + 1)
+                await rst.publish(ep.number + 1, r, members, restarted)
+                await asyncio.gather(*(rst.answered(rank, token) for rank, token in restarted.items()))
+            finally:
+                await rst.release(st.rank)
+            log.warning("store %r: restarted rank %s is taken back into the training at step %d (rule 'allreduce': "
+                        "each step's mean is over %d workers from here on)", st.name, ranks, step + 1, len(members))
+            await self._adopt_now(ep)
+
+    async def rejoin(self, timeout: float) -> int:
+        """A worker restarted on its own, into a run that goes on: ask to be
+        taken back and wait until a membership takes it in (the others
+        first leave its old self out, after ``dead_after`` s of silence).
+        Returns the round it starts at; its state, as after the step before
+        that round, waits in its own saves (:attr:`hand_over`)."""
+        st = self.store
+        self._roster = rst = roster.Roster(await beside.find(st.client, st.buf.name, roster.MEMBERS), st.workers)
+        token = roster.new_token()
+        since = await rst.epoch()
+        await rst.ask(st.rank, token)
+        deadline = time.monotonic() + timeout
+        waiting = Waiting(deadline, SAY_WAITING_AFTER, SAY_WAITING_EVERY)
+        silence = roster.Silence()
+        while (record := await rst.taken_back_since(since, st.rank, token)) is None:
+            control = await st.refresh()
+            now = time.monotonic()
+            silence.saw(control.beats, now)
+            members = (await rst.read()).members
+            if all(control.has_finished(m) for m in members if m != st.rank):
+                raise InterfaceError(f"rank {st.rank} was restarted after the other workers of store {st.name!r} "
+                                     f"finished their training (rule 'allreduce')",
+                                     hint="nothing is left to train: the store holds the trained weights")
+            alive = [m for m in members if m != st.rank and silence.quiet_for(m, now) < self.dead_after]
+            if not alive or now >= deadline:
+                await rst.answered(st.rank, token)
+                why = (f"no other worker sent a heartbeat for {self.dead_after:g} s" if not alive
+                       else f"no worker took it back in {timeout:g} s")
+                raise InterfaceError(f"rank {st.rank} was restarted into the training of store {st.name!r}, but "
+                                     f"{why} (rule 'allreduce' takes a restarted worker back at the start of a "
+                                     f"step, from its leader, rank {members[0]})",
+                                     hint="restart the whole job (resume=True continues from rank 0's last save)")
+            if waiting.due():
+                waiting.say(f"store {st.name!r}: restarted rank {st.rank} waits to be taken back into the "
+                            f"training by rank {members[0]} (at the start of its next step, once the others "
+                            f"left this rank's old self out)")
+            await asyncio.sleep(2 * LOOK_EVERY)
+        self.epoch = self._epoch(record.number, record.base, record.members, await self._find_sums(record.number))
+        self.rounds = self.step_round = self._looked_for_restarted = record.base
+        st.keep_beating()
+        log.info("store %r: restarted rank %d trains again with %d workers (%s) from round %d", st.name, st.rank,
+                 len(record.members), ", ".join(map(str, record.members)), record.base)
+        return record.base
 
     async def _attach(self, first: bool) -> roster.Epoch:
         st = self.store
         self._roster = roster.Roster(await beside.find(st.client, st.buf.name, roster.MEMBERS), st.workers)
-        number, base, members = await self._roster.read()
+        now = await self._roster.read()
+        number, base, members = now.number, now.base, now.members
         buf = await self._find_sums(number)
         # the others may be in round 0, which waits for this worker, and in no later round
         counts = await buf.read_notify()
@@ -1144,6 +1270,10 @@ class AllReduce(UpdateRule):
         r, self.rounds = self.rounds, self.rounds + 1
         return r
 
+    def stepped(self) -> None:
+        """The worker's optimizer stepped: the next round begins a step."""
+        self.step_round = self.rounds
+
     async def reduce(self, grad: np.ndarray, out: np.ndarray, *, step: int | None = None) -> int:
         """One round: add ``grad`` (float32, ``flat().size`` values), wait for
         every worker's, and write their mean into ``out`` (float32, the same
@@ -1151,7 +1281,7 @@ class AllReduce(UpdateRule):
         n = self._size
         if grad.dtype != np.float32 or out.dtype != np.float32 or not grad.size == out.size == n:
             raise InvalidArgumentError(f"rule 'allreduce' reduces float32 arrays of {n} values")
-        r = self.next_round()
+        r = self.step_round = self.next_round()        # (here every round is a step)
         sent = await asyncio.gather(*(self.reduce_part(r, i, grad, out, step=step) for i in range(len(self.parts))))
         return sum(sent) + await self.complete_round(r, grad, out, step=step)
 
@@ -1370,7 +1500,7 @@ class AllReduce(UpdateRule):
                     break
                 await asyncio.sleep(LOOK_EVERY / 4)
             try:
-                if (await rst.read())[0] != ep.number:
+                if await rst.epoch() != ep.number:
                     return await self._adopt_now(ep)
                 k = (r - ep.base) % self.sums
                 need = ((r - ep.base) // self.sums + 1) * ep.workers
@@ -1401,7 +1531,8 @@ class AllReduce(UpdateRule):
         (True); a worker left out of it stops (InterfaceError)."""
         st = self.store
         assert self._roster is not None
-        number, base, members = await self._roster.read()
+        now = await self._roster.read()
+        number, base, members = now.number, now.base, now.members
         if number == ep.number:
             return False
         if st.rank not in members:
@@ -1413,6 +1544,8 @@ class AllReduce(UpdateRule):
                                       "dead_after")
         buf = await self._find_sums(number)
         self.epoch = self._epoch(number, base, members, buf)
+        for rank in now.taken_back:
+            self._silence.forget(rank)
         log.info("store %r: rank %d trains on with %d workers (%s) from round %d", st.name, st.rank, len(members),
                  ", ".join(map(str, members)), base)
         return True

@@ -444,8 +444,7 @@ class ParameterStore:
             if decision.action == "rejoin":
                 store._enter(control, joined=True, rejoined=True)
                 await store._write_own(joined=control.generation)
-                log.warning("store %r: rank 0 rejoins run %d at step %d (%s)", name, control.generation,
-                            store.start_step, decision.why)
+                store._say_rejoined(decision.why)
             else:
                 if image is not None and decision.action != "fresh":
                     log.warning("store %r: init_from=%s is not used: the run resumes (%s)", name, init_from,
@@ -547,9 +546,17 @@ class ParameterStore:
         store.stale_after, store.restarted = stale_after, restarted
         decision = await store._await_run(deadline)
         if decision.action == "rejoin":
-            log.warning("store %r: rank %d rejoins run %d at step %d (%s)", name, rank, store.generation,
-                        store.start_step, decision.why)
+            store._say_rejoined(decision.why)
         return store
+
+    def _say_rejoined(self, why: str) -> None:
+        if self.rule.watches_heartbeats:
+            # (lockstep: the step it goes on from is the one its leader hands it, not its old self's last)
+            log.warning("store %r: rank %d rejoins run %d, to be taken back in step with the others (%s)",
+                        self.name, self.rank, self.generation, why)
+        else:
+            log.warning("store %r: rank %d rejoins run %d at step %d (%s)", self.name, self.rank, self.generation,
+                        self.start_step, why)
 
     async def _await_run(self, deadline: float, newer_than: int = 0) -> lc.Decision:
         """A rank > 0: wait until there is a run to join or rejoin (newer
@@ -877,10 +884,12 @@ class ParameterStore:
         between its row and its count and came back into the run is
         counted so).  Past it, a rule that takes a silent worker for dead
         (``allreduce``) has this rank beat in the background
-        (:meth:`keep_beating`)."""
+        (:meth:`keep_beating`), but a restarted one, which beats once it is
+        taken back (its beats would keep its old self, which the others
+        wait for, alive)."""
         self._check_member()
         await self._await_joins(None if timeout is None else time.monotonic() + timeout, timeout)
-        if self.rule.watches_heartbeats:
+        if self.rule.watches_heartbeats and not self.rejoined:
             self.keep_beating()
 
     async def _await_joins(self, deadline: float | None, timeout: float | None) -> None:
