@@ -751,14 +751,14 @@ _TAKEN_BACK = textwrap.dedent('''
 
     name, die_after, cycle, after_back, clip = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), \
         float(sys.argv[5])
-    back, victim = Path(sys.argv[6]), int(sys.argv[7])
+    back, victim = Path(sys.argv[6]), sys.argv[7]
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     model = small_model()
     opt = st.AsyncOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, name=name,
                             push_dtype="float32", timeout=120)
     if attempt > 0:     # taken back: the step it continues after, for the others to end with it
-        Path(f"{back}.tmp").write_text(str(opt.start_step))
-        Path(f"{back}.tmp").rename(back)
+        Path(f"{back}.{opt.rank}").write_text(str(opt.start_step))
+        Path(f"{back}.{opt.rank}").rename(back)
     print(json.dumps({"event": "open", "rank": opt.rank, "attempt": attempt, "start_step": opt.start_step,
                       "run": opt.store.generation}), flush=True)
     batches = rank_batches(cycle, opt.rank)
@@ -774,7 +774,7 @@ _TAKEN_BACK = textwrap.dedent('''
         opt.step()
         members.append(list(opt.store.rule.epoch.members))
         s += 1
-        if opt.rank == victim and attempt == 0 and s == die_after:
+        if victim in ("both", str(opt.rank)) and attempt == 0 and s == die_after:
             os._exit(3)         # a crash, in the first attempt only
         if not back.exists():
             time.sleep(0.05)
@@ -783,6 +783,25 @@ _TAKEN_BACK = textwrap.dedent('''
                       "weights": {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}}),
           flush=True)
 ''')
+
+
+def _one_torchrun_per_worker(servers: str, tmp_path: Path, name: str, die_after: int, cycle: int,
+                             after_back: int, victim: str) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
+    """_TAKEN_BACK run by one torchrun per worker (2 workers, --max-restarts=1), ``victim`` ("0", "1"
+    or "both") crashing after step ``die_after``: each torchrun's (stdout, stderr), every JSON event."""
+    script = tmp_path / "train.py"
+    script.write_text(_TAKEN_BACK)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, SMB2_SERVERS=servers, SMB2_RANK=str(rank), SMB2_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            torchrun(str(script), name, str(die_after), str(cycle), str(after_back), str(CLIP),
+                     str(tmp_path / "back"), victim, max_restarts=1, monitor_interval=0.2),
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=280) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, torchrun_failure(err)
+    return outs, [e for out, _ in outs for e in json_objects(out)]
 
 
 @pytest.mark.slow
@@ -797,20 +816,8 @@ def test_a_worker_restarted_on_its_own_is_taken_back(servers: str, tmp_path: Pat
     # step ends (one alone in between), the crash costing the lost rank's batches of those steps,
     # nothing counted twice.  Rank 0 taken back leads again (it writes the store's weights at close)
     die_after, cycle, after_back = 8, 40, 6
-    script = tmp_path / "train.py"
-    script.write_text(_TAKEN_BACK)
     name = f"ar-taken-back-{victim}"
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, SMB2_SERVERS=servers, SMB2_RANK=str(rank), SMB2_WORLD_SIZE="2", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(
-            torchrun(str(script), name, str(die_after), str(cycle), str(after_back), str(CLIP),
-                     str(tmp_path / "back"), str(victim), max_restarts=1, monitor_interval=0.2),
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=280) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, torchrun_failure(err)
-    events = [e for out, _ in outs for e in json_objects(out)]
+    outs, events = _one_torchrun_per_worker(servers, tmp_path, name, die_after, cycle, after_back, str(victim))
     opened = sorted((e["rank"], e["attempt"], e["run"], e["start_step"]) for e in events if e["event"] == "open")
     assert [o[:2] for o in opened] == sorted([(0, 0), (1, 0), (victim, 1)]), opened
     back_at = [o for o in opened if o[1] == 1][0][3]
@@ -826,6 +833,32 @@ def test_a_worker_restarted_on_its_own_is_taken_back(servers: str, tmp_path: Pat
     assert members[die_after:back_at] == [[1 - victim]] * (back_at - die_after), members
     assert ends[victim]["members"] == members[back_at:]
     ref = mean_step_reference(back_at + after_back, 2, CLIP, members=members, cycle=cycle)
+    for n, want in ref.items():
+        torch.testing.assert_close(torch.tensor(ends[0]["weights"][n]), want.flatten(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)      # four torch processes start and train; a loaded 2-core machine needs a minute
+def test_workers_restarted_on_their_own_all_at_once_restart_the_job(servers: str, tmp_path: Path) -> None:
+    # one torchrun per worker, and both crash after step 8 (a memory server's restart takes every
+    # worker down at once): each restarted rank asks to be taken back, finds no one alive to do it,
+    # and the job restarts as a whole, rank 0 opening a resumed run from its last save (or step 0),
+    # rank 1 joining it; both end where one AdamW on the mean of both ranks' gradients of every
+    # step ends, the steps after the save trained again, none counted twice
+    die_after, cycle, after_back = 8, 40, 6
+    name = "ar-all-restarted"
+    outs, events = _one_torchrun_per_worker(servers, tmp_path, name, die_after, cycle, after_back, "both")
+    opened = sorted((e["rank"], e["attempt"], e["run"], e["start_step"]) for e in events if e["event"] == "open")
+    assert [o[:2] for o in opened] == [(0, 0), (0, 1), (1, 0), (1, 1)], opened
+    (_, _, run0, at0), (_, _, run1, at1) = opened[1], opened[3]
+    # a new run, resumed by both from the same save
+    assert run0 == run1 == opened[0][2] + 1 and at0 == at1 <= die_after, opened
+    said = outs[0][1] + outs[1][1]
+    assert f"resuming store {name!r}" in said, said[-4000:]
+    ends = {e["rank"]: e for e in events if e["event"] == "done"}
+    assert ends[0]["steps"] == ends[1]["steps"] == at0 + after_back
+    assert ends[0]["weights"] == ends[1]["weights"]
+    ref = mean_step_reference(at0 + after_back, 2, CLIP, cycle=cycle)
     for n, want in ref.items():
         torch.testing.assert_close(torch.tensor(ends[0]["weights"][n]), want.flatten(), rtol=1e-5, atol=1e-6)
 

@@ -356,6 +356,12 @@ class AsyncOptimizer(torch.optim.Optimizer):
             # (a restarted rank taken back into allreduce's rounds: the state its leader handed it)
             taken_back_at = self._loop.run(self.store.rule.rejoin(timeout)) \
                 if isinstance(self.store.rule, AllReduce) and self.store.rejoined else None
+            if taken_back_at is None and lockstep and self.store.rejoined:
+                # no one left to take it back: every worker went down, and this restart is the whole
+                # job's (rank 0 opens a resumed run from its last save, the others join it)
+                self._loop.run(self._close_client())
+                self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
+                                                       dict(options, resume=resume, rejoin=False)))
             self._saved = SavedState.open(optimizer, (self, optimizer), self.store, self._loop, state_every,
                                           shared=lockstep, weights=self._weights_now if lockstep else None,
                                           share=state_share, handed_over=taken_back_at)

@@ -83,6 +83,8 @@ class BoundStore(Protocol):
     version: int
 
     name: str
+    #: the run this worker is in
+    generation: int
 
     def flat(self) -> np.ndarray: ...
 
@@ -1174,7 +1176,7 @@ class AllReduce(UpdateRule):
                     return      # (the round adopts the newer membership)
                 try:
                     step = await self.hand_over(restarted, r)
-                except Smb2Error as exc:
+                except Exception as exc:    # noqa: BLE001 (the training goes on without the restarted rank)
                     log.warning("store %r: restarted rank %s asked to be taken back, but its state could not be "
                                 "handed over (%s): the %d workers train on without it, and it is asked again "
                                 "at a later step", st.name, ranks, exc, ep.workers)
@@ -1193,12 +1195,15 @@ class AllReduce(UpdateRule):
                         "each step's mean is over %d workers from here on)", st.name, ranks, step + 1, len(members))
             await self._adopt_now(ep)
 
-    async def rejoin(self, timeout: float) -> int:
+    async def rejoin(self, timeout: float) -> int | None:
         """A worker restarted on its own, into a run that goes on: ask to be
         taken back and wait until a membership takes it in (the others
         first leave its old self out, after ``dead_after`` s of silence).
         Returns the round it starts at; its state, as after the step before
-        that round, waits in its own saves (:attr:`hand_over`)."""
+        that round, waits in its own saves (:attr:`hand_over`).  None: no
+        one is left to take it back (every other member silent for
+        ``dead_after``: the whole job went down and is restarting), so the
+        caller opens the store again as a restart of the whole job."""
         st = self.store
         self._roster = rst = roster.Roster(await beside.find(st.client, st.buf.name, roster.MEMBERS), st.workers)
         token = roster.new_token()
@@ -1209,6 +1214,11 @@ class AllReduce(UpdateRule):
         silence = roster.Silence()
         while (record := await rst.taken_back_since(since, st.rank, token)) is None:
             control = await st.refresh()
+            if control.generation != st.generation:
+                # (every worker went down, and rank 0, restarted, opened a resumed run: this one joins it)
+                log.warning("store %r: restarted rank %d finds run %d opened by rank 0: it joins that one",
+                            st.name, st.rank, control.generation)
+                return None
             now = time.monotonic()
             silence.saw(control.beats, now)
             members = (await rst.read()).members
@@ -1216,14 +1226,16 @@ class AllReduce(UpdateRule):
                 raise InterfaceError(f"rank {st.rank} was restarted after the other workers of store {st.name!r} "
                                      f"finished their training (rule 'allreduce')",
                                      hint="nothing is left to train: the store holds the trained weights")
-            alive = [m for m in members if m != st.rank and silence.quiet_for(m, now) < self.dead_after]
-            if not alive or now >= deadline:
+            if not [m for m in members if m != st.rank and silence.quiet_for(m, now) < self.dead_after]:
                 await rst.answered(st.rank, token)
-                why = (f"no other worker sent a heartbeat for {self.dead_after:g} s" if not alive
-                       else f"no worker took it back in {timeout:g} s")
-                raise InterfaceError(f"rank {st.rank} was restarted into the training of store {st.name!r}, but "
-                                     f"{why} (rule 'allreduce' takes a restarted worker back at the start of a "
-                                     f"step, from its leader, rank {members[0]})",
+                log.warning("store %r: restarted rank %d finds no other worker alive (none sent a heartbeat for %g "
+                            "s): the whole job restarts, from rank 0's last save", st.name, st.rank, self.dead_after)
+                return None
+            if now >= deadline:
+                await rst.answered(st.rank, token)
+                raise InterfaceError(f"rank {st.rank} was restarted into the training of store {st.name!r}, but no "
+                                     f"worker took it back in {timeout:g} s (rule 'allreduce' takes a restarted "
+                                     f"worker back at the start of a step, from its leader, rank {members[0]})",
                                      hint="restart the whole job (resume=True continues from rank 0's last save)")
             if waiting.due():
                 waiting.say(f"store {st.name!r}: restarted rank {st.rank} waits to be taken back into the "
