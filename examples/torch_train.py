@@ -43,13 +43,14 @@ def make_model() -> nn.Module:
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
           x: torch.Tensor, y: torch.Tensor, shard: torch.Tensor, epochs: int, batch: int,
-          first_epoch: int = 0, max_norm: float = 1.0) -> float:
-    """The training loop, as in any torch script; returns the last loss."""
+          first_epoch: int = 0, max_norm: float = 1.0, skip: int = 0) -> float:
+    """The training loop, as in any torch script (from epoch ``first_epoch``,
+    its first ``skip`` batches done); returns the last loss."""
     loss = torch.tensor(float("nan"))
     for epoch in range(first_epoch, epochs):
         model.train()
         order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(epoch))]
-        for i in range(0, len(order), batch):
+        for i in range(skip * batch if epoch == first_epoch else 0, len(order), batch):
             idx = order[i:i + batch]
             loss = F.cross_entropy(model(x[idx]), y[idx])
             opt.zero_grad()
@@ -143,8 +144,9 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     shard = torch.arange(opt.rank, len(xtr), opt.world)  # smb2: this rank's share of the data
     # smb2: a resumed store (a crash, a torchrun restart) continues at this rank's
-    # last saved step, with its optimizer state and schedule: skip the epochs done
-    first_epoch = opt.start_step // -(-len(shard) // a.batch)
+    # last saved step, with its optimizer state and schedule, and a rank restarted on its
+    # own is taken back at the others' step: skip the epochs and the batches done
+    first_epoch, skip = divmod(opt.start_step, -(-len(shard) // a.batch))
 
     # smb2: with delta the ranks' changes average into one step, DDP's arithmetic; each rank clips
     # its own gradient (a mean over its batch), which carries sqrt(W) times the noise of the mean
@@ -154,7 +156,7 @@ def main() -> None:
     # own local training: clipped as in one process
     max_norm = 1.0 * opt.world ** 0.5 if a.rule == "delta" else 1.0
     t0 = time.perf_counter()
-    loss = train(model, opt, sched, xtr, ytr, shard, a.epochs, a.batch, first_epoch, max_norm)
+    loss = train(model, opt, sched, xtr, ytr, shard, a.epochs, a.batch, first_epoch, max_norm, skip)
     stats = opt.stats()
     end = opt.close(wait_all=300)  # smb2: wait for every rank, take the weights they trained
 

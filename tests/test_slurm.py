@@ -276,14 +276,17 @@ def workers_of_rank(rank: int) -> list[int]:
     return found
 
 
+@pytest.mark.parametrize("rule", ["delta", "default"])
 def test_a_worker_killed_is_restarted_alone_while_the_others_train_on(slurm_env: dict[str, str],
-                                                                      tmp_path: Path) -> None:
+                                                                      tmp_path: Path, rule: str) -> None:
     """Two workers per node, one torchrun each: rank 1 is killed (SIGKILL)
     once it has trained some steps.  Only its torchrun restarts it; it
     rejoins the run, and every rank finishes and reports (one torchrun for
-    all workers would have ended them all).  Rule delta, whose ranks train
-    on without a lost one and take it back (the default, allreduce, moves
-    in lockstep, as DDP: only a restart of the whole group resumes it)."""
+    all workers would have ended them all).  Rule delta's ranks train on
+    without a lost one and let it pull the shared weights; the default's
+    (allreduce, in lockstep as DDP) go on without it after dead_after and
+    take it back at the start of a step with their weights and optimizer
+    state, or, where they finished first, it ends with the trained weights."""
     need_torchrun()
     nodes = node_names(slurm_env)
     killed: list[int] = []
@@ -299,7 +302,7 @@ def test_a_worker_killed_is_restarted_alone_while_the_others_train_on(slurm_env:
             ls = subprocess.run([sys.executable, "-m", "smb2.cli", "ls", "--json"], capture_output=True, text=True,
                                 env=env, timeout=60)
             rows = json.loads(ls.stdout) if ls.returncode == 0 else []
-            steps = next((r.get("steps") for r in rows if r["name"] == "slurm-kill"), None)
+            steps = next((r.get("steps") for r in rows if r["name"] == name), None)
             if steps and len(steps) == 4 and steps[1] >= 20:
                 for pid in workers_of_rank(1):
                     os.kill(pid, signal.SIGKILL)
@@ -308,8 +311,10 @@ def test_a_worker_killed_is_restarted_alone_while_the_others_train_on(slurm_env:
         if not killed:
             errors.append("rank 1 was never seen training")
 
-    code, log, port = submit(slurm_env, tmp_path, "examples/torch_train.py", "--epochs", "40", "--name", "slurm-kill",
-                             "--rule", "delta", nodes=len(nodes), meanwhile=threading.Thread(target=kill_rank_1_midway),
+    name = f"slurm-kill-{rule}"
+    args = ["--rule", "delta"] if rule == "delta" else []       # (the default: the porting recipe's one line)
+    code, log, port = submit(slurm_env, tmp_path, "examples/torch_train.py", "--epochs", "40", "--name", name,
+                             *args, nodes=len(nodes), meanwhile=threading.Thread(target=kill_rank_1_midway),
                              SMB2_WORKERS_PER_NODE="2", SMB2_WAIT="60")
     assert killed and not errors, errors + [log]
     assert code == 0, log
@@ -319,4 +324,7 @@ def test_a_worker_killed_is_restarted_alone_while_the_others_train_on(slurm_env:
         assert r["world"] == 4 and r["steps"] > 0 and r["accuracy"] >= TARGET_ACCURACY, log
     # rank 1 alone was restarted (the others' steps went on) and rejoined the run
     assert "rank 1 rejoins run 1" in log, log
+    if rule == "default":
+        assert ("restarted rank 1 is taken back into the training at step" in log
+                or "restarted rank 1 comes back after the other workers finished" in log), log
     assert "smb2: training exit 0" in log and servers_on(port) == [], log

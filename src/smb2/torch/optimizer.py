@@ -353,20 +353,15 @@ class AsyncOptimizer(torch.optim.Optimizer):
             # (allreduce: every rank's optimizer state is the same one, which rank 0 saves for all, with
             # the weights, which the store gets only at close)
             lockstep = isinstance(self.store.rule, AllReduce)
-            # (a restarted rank taken back into allreduce's rounds: the state its leader handed it)
-            taken_back_at = self._loop.run(self.store.rule.rejoin(timeout)) \
-                if isinstance(self.store.rule, AllReduce) and self.store.rejoined else None
-            if taken_back_at is None and lockstep and self.store.rejoined:
-                # no one left to take it back: every worker went down, and this restart is the whole
-                # job's (rank 0 opens a resumed run from its last save, the others join it)
-                self._loop.run(self._close_client())
-                self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout,
-                                                       dict(options, resume=resume, rejoin=False)))
+            taken_back_at = self._back_into_lockstep(servers, name, rule, dropping, timeout,
+                                                     dict(options, resume=resume))
             self._saved = SavedState.open(optimizer, (self, optimizer), self.store, self._loop, state_every,
                                           shared=lockstep, weights=self._weights_now if lockstep else None,
                                           share=state_share, handed_over=taken_back_at)
             if isinstance(self.store.rule, AllReduce):
                 self.store.rule.hand_over = self._hand_over
+                if taken_back_at is not None:
+                    self.store.rule.taken_back_at = self._saved.start_step
         except BaseException as e:
             give_back_gpus(self._gpus)
             self._loop.run(self._close_client())
@@ -1008,6 +1003,24 @@ class AsyncOptimizer(torch.optim.Optimizer):
         mine = self._weights_now()
         return [e.name for e in self.staging.entries if e.param and not np.array_equal(
             mine[e.offset:e.offset + e.tensor.numel()], leader[e.offset:e.offset + e.tensor.numel()])]
+
+    def _back_into_lockstep(self, servers: str | list[str] | None, name: str, rule: str,
+                            dropping: LayerDropping | None, timeout: float, options: dict[str, Any]) -> int | None:
+        """Rule allreduce, this rank restarted on its own into a run that goes
+        on: wait to be taken back; the round it was taken back at (its
+        leader handed it its state), else None.  Where no one is left to
+        take it back, every worker went down and this restart is the whole
+        job's: the store is opened again so (rank 0 opens a resumed run from
+        its last save, the others join it); where the others finished, it
+        loads rank 0's last save, the run's end, as a resumed rank."""
+        shared = self.store.rule
+        if not (isinstance(shared, AllReduce) and self.store.rejoined):
+            return None
+        at = self._loop.run(shared.rejoin(timeout))
+        if at is None and not shared.run_over:
+            self._loop.run(self._close_client())
+            self.store = self._loop.run(self._open(servers, name, rule, dropping, timeout, dict(options, rejoin=False)))
+        return at
 
     async def _hand_over(self, restarted: dict[int, int], round_: int) -> int:
         """Rule allreduce, this rank leading, at the start of round

@@ -1010,6 +1010,10 @@ class AllReduce(UpdateRule):
         self._asking: asyncio.Future[dict[int, int]] | None = None     # (the leader's read of the requests)
         self._asked_at = -math.inf
         self._looked_for_restarted = -1
+        #: this worker was restarted and taken back after this step (set by the torch layer)
+        self.taken_back_at: int | None = None
+        #: this worker was restarted after the others finished the run (:meth:`rejoin`)
+        self.run_over = False
 
     def settings(self) -> dict[str, Any]:
         # (slice_bytes paces the link and changes no value: not a setting of the store's arithmetic)
@@ -1201,9 +1205,11 @@ class AllReduce(UpdateRule):
         first leave its old self out, after ``dead_after`` s of silence).
         Returns the round it starts at; its state, as after the step before
         that round, waits in its own saves (:attr:`hand_over`).  None: no
-        one is left to take it back (every other member silent for
-        ``dead_after``: the whole job went down and is restarting), so the
-        caller opens the store again as a restart of the whole job."""
+        one is left to take it back: the others finished (:attr:`run_over`:
+        the caller ends with the trained weights, from rank 0's last save),
+        or every other member has been silent for ``dead_after`` or rank 0
+        opened a new run (the whole job went down and is restarting: the
+        caller opens the store again as a restart of the whole job)."""
         st = self.store
         self._roster = rst = roster.Roster(await beside.find(st.client, st.buf.name, roster.MEMBERS), st.workers)
         token = roster.new_token()
@@ -1223,9 +1229,12 @@ class AllReduce(UpdateRule):
             silence.saw(control.beats, now)
             members = (await rst.read()).members
             if all(control.has_finished(m) for m in members if m != st.rank):
-                raise InterfaceError(f"rank {st.rank} was restarted after the other workers of store {st.name!r} "
-                                     f"finished their training (rule 'allreduce')",
-                                     hint="nothing is left to train: the store holds the trained weights")
+                await rst.answered(st.rank, token)
+                log.warning("store %r: restarted rank %d comes back after the other workers finished their "
+                            "training: nothing is left for it to train, and it ends with the trained weights (rank "
+                            "0's last save, at step %d)", st.name, st.rank, max(int(control.steps[m]) for m in members))
+                self.run_over = True
+                return None
             if not [m for m in members if m != st.rank and silence.quiet_for(m, now) < self.dead_after]:
                 await rst.answered(st.rank, token)
                 log.warning("store %r: restarted rank %d finds no other worker alive (none sent a heartbeat for %g "
@@ -1464,14 +1473,17 @@ class AllReduce(UpdateRule):
         assert control is not None
         done = ", ".join(f"rank {m} after {int(control.steps[m])} steps" for m in closed)
         what = f"step {step}" if step is not None else f"round {r}"
+        hint = ("give every rank as many batches (torch's DistributedSampler gives the shards one length; "
+                "drop_last=True drops an uneven last batch), or use rule='diloco', whose ranks may take "
+                "different numbers of steps; where a rank stopped on an error, its own output says which")
+        if self.taken_back_at is not None:
+            hint = (f"this rank was restarted and taken back at step {self.taken_back_at + 1}: its loop must go "
+                    f"on from there, skipping the batches of the steps before (opt.start_step, inside an "
+                    f"epoch too), as the others did not train them again; else {hint}")
         return InterfaceError(f"rank {st.rank} of store {st.name!r} waits for the gradients of {what} from "
                               f"workers that closed their training ({done}): rule 'allreduce' needs every "
                               f"rank's gradient for every step, as torch DDP does, so every rank must take the "
-                              f"same number of steps",
-                              hint="give every rank as many batches (torch's DistributedSampler gives the "
-                                   "shards one length; drop_last=True drops an uneven last batch), or use "
-                                   "rule='diloco', whose ranks may take different numbers of steps; where a "
-                                   "rank stopped on an error, its own output says which")
+                              f"same number of steps", hint=hint)
 
     def _round_waiting(self, r: int) -> Waiting:
         """The report of round ``r``'s wait, one for all its parts."""
@@ -1551,9 +1563,10 @@ class AllReduce(UpdateRule):
             raise InterfaceError(f"rank {st.rank} was left out of the training of store {st.name!r}: it sent no "
                                  f"heartbeat for {self.dead_after:g} s, and the other {len(members)} workers went "
                                  f"on without it (rule 'allreduce')",
-                                 hint="restart the job (resume=True) to train with every worker again; a worker "
-                                      "that stalls for long (a slow data loader, a debugger) needs a larger "
-                                      "dead_after")
+                                 hint="restart this worker: launched one torchrun per worker (--max-restarts), "
+                                      "its restart is taken back into the training; under one torchrun for the "
+                                      "job, restart the job (resume=True); a worker that stalls for long (a slow "
+                                      "data loader, a debugger) needs a larger dead_after")
         buf = await self._find_sums(number)
         self.epoch = self._epoch(number, base, members, buf)
         for rank in now.taken_back:
