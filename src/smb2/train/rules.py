@@ -1240,15 +1240,17 @@ class AllReduce(UpdateRule):
                 log.warning("store %r: restarted rank %d finds no other worker alive (none sent a heartbeat for %g "
                             "s): the whole job restarts, from rank 0's last save", st.name, st.rank, self.dead_after)
                 return None
+            # (its old self may still lead: the one after it leads once it is left out)
+            leader = next(m for m in members if m != st.rank)
             if now >= deadline:
                 await rst.answered(st.rank, token)
                 raise InterfaceError(f"rank {st.rank} was restarted into the training of store {st.name!r}, but no "
                                      f"worker took it back in {timeout:g} s (rule 'allreduce' takes a restarted "
-                                     f"worker back at the start of a step, from its leader, rank {members[0]})",
+                                     f"worker back at the start of a step, from its leader, rank {leader})",
                                      hint="restart the whole job (resume=True continues from rank 0's last save)")
             if waiting.due():
                 waiting.say(f"store {st.name!r}: restarted rank {st.rank} waits to be taken back into the "
-                            f"training by rank {members[0]} (at the start of its next step, once the others "
+                            f"training by rank {leader} (at the start of its next step, once the others "
                             f"left this rank's old self out)")
             await asyncio.sleep(2 * LOOK_EVERY)
         self.epoch = self._epoch(record.number, record.base, record.members, await self._find_sums(record.number))
@@ -1569,7 +1571,9 @@ class AllReduce(UpdateRule):
                                       "data loader, a debugger) needs a larger dead_after")
         buf = await self._find_sums(number)
         self.epoch = self._epoch(number, base, members, buf)
-        for rank in now.taken_back:
+        # (a member new since ``ep`` was taken back after a restart: its silence counts from now, not
+        # from its old self's last beat; also where this worker missed the membership that took it in)
+        for rank in set(members) - set(ep.members):
             self._silence.forget(rank)
         log.info("store %r: rank %d trains on with %d workers (%s) from round %d", st.name, st.rank, len(members),
                  ", ".join(map(str, members)), base)
