@@ -191,21 +191,24 @@ def test_the_job_derives_its_server_list_from_the_statefulset_and_service(
     spec = job["spec"]
     env = {e["name"]: e for e in spec["template"]["spec"]["containers"][0]["env"]}
     assert spec["completionMode"] == "Indexed"
-    assert int(env["WORLD_SIZE"]["value"]) == spec["completions"] == spec["parallelism"]
-    assert "job-completion-index" in env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert int(env["SMB2_WORLD_SIZE"]["value"]) == spec["completions"] == spec["parallelism"]
+    assert "job-completion-index" in env["SMB2_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
 
 
 def test_the_job_checks_the_servers_it_trains_on_and_runs_one_process_per_rank() -> None:
     """The doctor checks the list the workers use (it reads SMB2_SERVERS, set
-    just before), and each pod runs one rank (no torchrun over several
-    workers, which would end them all when one dies)."""
+    just before), and each pod runs one rank under a torchrun of one worker
+    (not over several, which would end them all when one dies), which
+    restarts it and says so, as the Slurm recipe does."""
     (container,) = one("Job")["spec"]["template"]["spec"]["containers"]
     script = "\n".join(container["args"])
     lines = script.splitlines()
     exported = next(i for i, ln in enumerate(lines) if ln.strip() == "export SMB2_SERVERS")
     (doctor,) = [i for i, ln in enumerate(lines) if "smb2 doctor" in ln]
     assert doctor > exported and shlex.split(lines[doctor]) == ["smb2", "doctor", "--wait", "300"]
-    assert "--nproc-per-node" not in script and "torchrun" not in script
+    (launch,) = [shlex.split(ln.rstrip("\\")) for ln in lines if "torchrun" in ln]
+    assert launch[:2] == ["exec", "torchrun"] and "--nproc-per-node=1" in launch, launch
+    assert any(a.startswith("--max-restarts=") and int(a.split("=")[1]) >= 1 for a in launch), launch
 
 
 def test_the_servers_token_metrics_resources_and_budget() -> None:
