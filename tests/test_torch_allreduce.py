@@ -434,22 +434,26 @@ async def test_a_worker_restarted_after_the_others_finished_has_nothing_to_train
 
 
 async def test_the_roster_keeps_a_ring_of_records(client: smb2.Client) -> None:
-    # an epoch now adds workers as well as removing them: records go round a ring of W + 1, and a
-    # record read after the ring came round again is refused, never misread
+    # an epoch now adds workers as well as removing them: records go round a ring, and a record read
+    # after the ring came round again is refused, never misread
+    ring = roster.RING
     buf = await client.create("roster-ring", roster.Roster.nbytes(3))
     rst = roster.Roster(buf, 3)
     assert (await rst.read()) == roster.Record(0, 0, (0, 1, 2), {})
     await rst.ask(2, 77)
     assert await rst.asking() == {2: 77}
-    for epoch in range(1, 7):
-        taken = {2: 77} if epoch == 5 else {}
-        await rst.publish(epoch, 10 * epoch, (0, 1, 2) if epoch == 5 else (0, 1), taken)
-    assert await rst.read() == roster.Record(6, 60, (0, 1), {})
-    assert await rst.read(5) == roster.Record(5, 50, (0, 1, 2), {2: 77})
-    assert (await rst.taken_back_since(3, 2, 77)) == await rst.read(5)
-    assert await rst.taken_back_since(5, 2, 77) is None and await rst.taken_back_since(3, 2, 78) is None
-    with pytest.raises(InterfaceError, match="membership record 2 .* was replaced by epoch 6's"):
-        await rst.read(2)
+    last, back = ring + 5, ring + 4
+    for epoch in range(1, last + 1):
+        taken = {2: 77} if epoch == back else {}
+        await rst.publish(epoch, 10 * epoch, (0, 1, 2) if epoch == back else (0, 1), taken)
+    assert await rst.read() == roster.Record(last, 10 * last, (0, 1), {})
+    assert await rst.read(back) == roster.Record(back, 10 * back, (0, 1, 2), {2: 77})
+    assert (await rst.taken_back_since(back - 3, 2, 77)) == await rst.read(back)
+    assert await rst.taken_back_since(back, 2, 77) is None and await rst.taken_back_since(3, 2, 78) is None
+    with pytest.raises(InterfaceError, match=f"membership record 5 .* was replaced by epoch {last}'s"):
+        await rst.read(5)
+    # (O(W) bytes: the ring's records, not one for each of W - 1 epochs)
+    assert roster.Roster.nbytes(10_000) < 2 << 20
     await rst.answered(2, 78)       # (another token: not this request's answer)
     assert await rst.asking() == {2: 77}
     await rst.answered(2, 77)

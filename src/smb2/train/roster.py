@@ -54,9 +54,12 @@ epoch as above with the rank among its members, the record carrying the
 token where the flag would be, so that the rank knows the epoch that took
 it in (and not one that only kept it), and finally clears the request.  The
 others redo that round in the new epoch, as after a removal; the rank starts
-there.  Records sit in a ring of ``W + 1`` (an epoch now adds members as well
-as removing them): a reader that finds the epoch word moved a whole ring on
-while it read a record reads again.
+there.  Records sit in a ring of :data:`RING` (an epoch now adds members as
+well as removing them, and a record is a word a worker: a ring keeps the
+roster O(W) bytes on its one server, 1.3 MB at 10,000 workers, where a record
+for each of W - 1 epochs took O(W²), 800 MB): a reader that finds the epoch
+word moved a whole ring on while it read a record reads again, and one that
+asks for a record the ring has gone past is refused, never misread.
 """
 
 from __future__ import annotations
@@ -82,8 +85,11 @@ POISON = 1 << 48
 # after 0: its first round, its number of members, then one word a worker (0:
 # not a member, 1: a member, else the token of a worker the epoch took back).
 # A record is written before the epoch word names it; its slot is written
-# again only ``W + 1`` epochs later, which a reader notices (Roster.read)
+# again only ``RING`` epochs later, which a reader notices (Roster.read)
 _CLAIM, _EPOCH, _REQUESTS = 0, 1, 2
+#: records kept: far more memberships than can change while a worker reads
+#: one (each change is a claim, new sums and a round redone by every member)
+RING = 16
 #: a member's word in a record (a worker taken back holds its token instead: >= 2)
 MEMBER = 1
 
@@ -135,11 +141,11 @@ class Roster:
     def __init__(self, buf: Buffer, workers: int) -> None:
         self.buf = buf
         self.workers = workers
-        self.ring = workers + 1
+        self.ring = RING
 
     @staticmethod
     def nbytes(workers: int) -> int:
-        return -(-8 * (_REQUESTS + workers + (workers + 1) * (2 + workers)) // 64) * 64
+        return -(-8 * (_REQUESTS + workers + RING * (2 + workers)) // 64) * 64
 
     def _record(self, epoch: int) -> int:
         return 8 * (_REQUESTS + self.workers + (epoch - 1) % self.ring * (2 + self.workers))
