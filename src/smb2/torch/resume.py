@@ -463,9 +463,7 @@ class SavedState:
         st = self.store
         if self._schedulers is None:
             self._find_schedulers()
-        light = _save({"optimizer": type(self.optimizer).__name__, "step": step, "weights": True,
-                       "round": round_, "param_groups": self.optimizer.state_dict()["param_groups"],
-                       "schedulers": {k: s.state_dict() for k, s in self._live_schedulers().items()}})
+        light = self._light(step, round=round_)
         # (serialized on a thread: this loop beats for this rank meanwhile, and the others wait on it)
         heavy = await asyncio.to_thread(lambda: _save(_heavy(self.optimizer.state_dict()["state"], self._weights())))
         for rank in restarted:
@@ -599,15 +597,20 @@ class SavedState:
 
     def _write(self, step: int, heavy: memoryview) -> None:
         assert self.slots is not None
-        live = self._live_schedulers()
-        light = _save({"optimizer": type(self.optimizer).__name__, "step": step,
-                       "weights": self.weights_now is not None,
-                       "param_groups": self.optimizer.state_dict()["param_groups"],
-                       "schedulers": {k: s.state_dict() for k, s in live.items()}})
+        light = self._light(step)
         self._writing = self.loop.submit(self.slots.write(*_frame(light, heavy), step=step, origin=self.origin,
                                                           run=self.store.generation))
         self._save_bytes = len(light) + len(heavy)
         self.saves += 1
+
+    def _light(self, step: int, **extra: Any) -> memoryview:
+        """A save's light part, as after step ``step``: the optimizer's class,
+        whether the weights come with it, its param groups, the schedulers'
+        positions (and ``extra``)."""
+        return _save({"optimizer": type(self.optimizer).__name__, "step": step,
+                      "weights": self.weights_now is not None,
+                      "param_groups": self.optimizer.state_dict()["param_groups"],
+                      "schedulers": {k: s.state_dict() for k, s in self._live_schedulers().items()}, **extra})
 
     def _live_schedulers(self) -> dict[str, Any]:
         live = [s for s in (r() for r in self._schedulers or []) if s is not None]

@@ -1186,12 +1186,9 @@ class AllReduce(UpdateRule):
                                 "at a later step", st.name, ranks, exc, ep.workers)
                     return
                 # (the others may have counted themselves into round r: they redo it in the new membership)
-                k = (r - ep.base) % self.sums
-                slots = range(k * len(self.parts), (k + 1) * len(self.parts))
-                await asyncio.gather(*(ep.buf.notify_add(s, -roster.POISON) for s in slots))
+                await self._poison(ep, r)
                 members = tuple(sorted(set(ep.members) | set(restarted)))
-                await self._make_sums(ep.number + 1)
-                await rst.publish(ep.number + 1, r, members, restarted)
+                await self._declare_next(ep, r, members, restarted)
                 await asyncio.gather(*(rst.answered(rank, token) for rank, token in restarted.items()))
             finally:
                 await rst.release(st.rank)
@@ -1528,17 +1525,13 @@ class AllReduce(UpdateRule):
             try:
                 if await rst.epoch() != ep.number:
                     return await self._adopt_now(ep)
-                k = (r - ep.base) % self.sums
                 need = ((r - ep.base) // self.sums + 1) * ep.workers
-                slots = range(k * len(self.parts), (k + 1) * len(self.parts))
-                held = await asyncio.gather(*(ep.buf.notify_add(s, -roster.POISON) for s in slots))
-                if all(h >= need for h in held):
+                if all(h >= need for h in await self._poison(ep, r)):
                     # every member counted itself into every part: the round went through for all
-                    await asyncio.gather(*(ep.buf.notify_add(s, roster.POISON) for s in slots))
+                    await self._poison(ep, r, undo=True)
                     return False
                 members = tuple(m for m in ep.members if m not in dead)
-                await self._make_sums(ep.number + 1)
-                await rst.publish(ep.number + 1, r, members)
+                await self._declare_next(ep, r, members)
             finally:
                 await rst.release(st.rank)
             what = f"step {step}" if step is not None else f"round {r}"
@@ -1547,6 +1540,22 @@ class AllReduce(UpdateRule):
                         st.name, ", ".join(map(str, dead)), self.dead_after, len(members), what, len(members),
                         "; rank 0's checkpoints stop with it" if 0 in dead else "")
             return await self._adopt_now(ep)
+
+    async def _poison(self, ep: roster.Epoch, r: int, undo: bool = False) -> list[int]:
+        """Poison round ``r``'s counters in ``ep`` (the claim held), so that
+        no one completes it there: what each held before (``undo``: restore them)."""
+        k = (r - ep.base) % self.sums
+        slots = range(k * len(self.parts), (k + 1) * len(self.parts))
+        return list(await asyncio.gather(*(ep.buf.notify_add(s, roster.POISON if undo else -roster.POISON)
+                                           for s in slots)))
+
+    async def _declare_next(self, ep: roster.Epoch, r: int, members: tuple[int, ...],
+                            taken_back: dict[int, int] | None = None) -> None:
+        """The membership after ``ep`` (the claim held, round ``r`` poisoned):
+        its zeroed sums, then its record from round ``r``."""
+        assert self._roster is not None
+        await self._make_sums(ep.number + 1)
+        await self._roster.publish(ep.number + 1, r, members, taken_back)
 
     async def _adopt(self, ep: roster.Epoch) -> bool:
         async with self._regrouping:
