@@ -763,9 +763,12 @@ _TAKEN_BACK = textwrap.dedent('''
 
     name, die_after, cycle, after_back, clip = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), \
         float(sys.argv[5])
-    back, victim = Path(sys.argv[6]), sys.argv[7]
+    back, victim, scaled = Path(sys.argv[6]), sys.argv[7], sys.argv[8] == "scaled"
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     model = small_model()
+    # mixed precision's loss scale, made to grow every 3 steps (powers of 2: unscaled exactly), so
+    # that the one a restarted rank starts with is not the others'
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=3) if scaled else None
     opt = st.AsyncOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, name=name,
                             push_dtype="float32", timeout=120)
     if attempt > 0:     # taken back: the step it continues after, for the others to end with it
@@ -781,9 +784,17 @@ _TAKEN_BACK = textwrap.dedent('''
     while not (back.exists() and s == int(back.read_text()) + after_back):
         x, y = batches[s % cycle]
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if scaler is None:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            scaler.step(opt)
+            scaler.update()
         members.append(list(opt.store.rule.epoch.members))
         s += 1
         if victim in ("both", str(opt.rank)) and attempt == 0 and s == die_after:
@@ -792,15 +803,18 @@ _TAKEN_BACK = textwrap.dedent('''
             time.sleep(0.05)
     opt.close(wait_all=60)
     print(json.dumps({"event": "done", "rank": opt.rank, "steps": opt.steps, "members": members,
+                      "scale": None if scaler is None else scaler.get_scale(),
                       "weights": {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}}),
           flush=True)
 ''')
 
 
 def _one_torchrun_per_worker(servers: str, tmp_path: Path, name: str, die_after: int, cycle: int,
-                             after_back: int, victim: str) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
+                             after_back: int, victim: str, scaled: bool = False
+                             ) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
     """_TAKEN_BACK run by one torchrun per worker (2 workers, --max-restarts=1), ``victim`` ("0", "1"
-    or "both") crashing after step ``die_after``: each torchrun's (stdout, stderr), every JSON event."""
+    or "both") crashing after step ``die_after`` (``scaled``: the loop scales its loss with a
+    GradScaler): each torchrun's (stdout, stderr), every JSON event."""
     script = tmp_path / "train.py"
     script.write_text(_TAKEN_BACK)
     procs = []
@@ -808,7 +822,8 @@ def _one_torchrun_per_worker(servers: str, tmp_path: Path, name: str, die_after:
         env = dict(os.environ, SMB2_SERVERS=servers, SMB2_RANK=str(rank), SMB2_WORLD_SIZE="2", OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
             torchrun(str(script), name, str(die_after), str(cycle), str(after_back), str(CLIP),
-                     str(tmp_path / "back"), victim, max_restarts=1, monitor_interval=0.2),
+                     str(tmp_path / "back"), victim, "scaled" if scaled else "plain", max_restarts=1,
+                     monitor_interval=0.2),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=280) for p in procs]
     for p, (_, err) in zip(procs, outs):
@@ -818,18 +833,23 @@ def _one_torchrun_per_worker(servers: str, tmp_path: Path, name: str, die_after:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)      # three torch processes start, one twice; a loaded 2-core machine needs a minute
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_worker_restarted_on_its_own_is_taken_back(servers: str, tmp_path: Path, victim: int) -> None:
+@pytest.mark.parametrize("victim, scaled", [(1, True), (0, False)], ids=["rank-1-loss-scaled", "rank-0"])
+def test_a_worker_restarted_on_its_own_is_taken_back(servers: str, tmp_path: Path, victim: int,
+                                                     scaled: bool) -> None:
     # one torchrun per worker (as the Slurm recipe and the Kubernetes Job launch them), each with
     # --max-restarts=1: the victim crashes after step 8; the other goes on alone once it is silent
     # for dead_after; torchrun restarts the victim, which asks to be taken back; the other (its
     # leader now) hands it the weights, AdamW's moments and the step at the start of a step and both
     # go on in step: each ends where one AdamW on the clipped mean of the members' gradients of each
     # step ends (one alone in between), the crash costing the lost rank's batches of those steps,
-    # nothing counted twice.  Rank 0 taken back leads again (it writes the store's weights at close)
+    # nothing counted twice.  Rank 0 taken back leads again (it writes the store's weights at close).
+    # With a GradScaler, the restarted rank's scale starts afresh, below the others' (it grew): it is
+    # handed the leader's, also for the backward it made before it could load it, else the mean of
+    # gradients scaled unlike would be unscaled unlike, and the ranks' weights part
     die_after, cycle, after_back = 8, 40, 6
     name = f"ar-taken-back-{victim}"
-    outs, events = _one_torchrun_per_worker(servers, tmp_path, name, die_after, cycle, after_back, str(victim))
+    outs, events = _one_torchrun_per_worker(servers, tmp_path, name, die_after, cycle, after_back, str(victim),
+                                            scaled)
     opened = sorted((e["rank"], e["attempt"], e["run"], e["start_step"]) for e in events if e["event"] == "open")
     assert [o[:2] for o in opened] == sorted([(0, 0), (1, 0), (victim, 1)]), opened
     back_at = [o for o in opened if o[1] == 1][0][3]
@@ -839,6 +859,7 @@ def test_a_worker_restarted_on_its_own_is_taken_back(servers: str, tmp_path: Pat
     assert f"restarted rank {victim} is taken back into the training at step {back_at + 1}" in said, said[-4000:]
     ends = {e["rank"]: e for e in events if e["event"] == "done"}
     assert ends[0]["steps"] == ends[1]["steps"] == back_at + after_back
+    assert ends[0]["scale"] == ends[1]["scale"] == (16.0 * 2 ** ((back_at + after_back) // 3) if scaled else None)
     assert ends[0]["weights"] == ends[1]["weights"]
     members = ends[1 - victim]["members"]
     assert members[:die_after] == [[0, 1]] * die_after and members[back_at:] == [[0, 1]] * after_back, members

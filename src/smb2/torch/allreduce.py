@@ -81,7 +81,7 @@ class MeanGradients:
     in training terms."""
 
     def __init__(self, torch: Any, entries: list[Entry], size: int, rule: AllReduce, loop: LoopThread,
-                 wrap: Wrap, step: Callable[[], int]) -> None:
+                 wrap: Wrap, step: Callable[[], int], rescale_first: Callable[[], float] | None = None) -> None:
         self.torch = torch
         self.rule = rule
         self.loop = loop
@@ -111,6 +111,9 @@ class MeanGradients:
         self.deferred = False
         #: the gradients hold this rank's own, accumulated under ``no_sync()`` since the last round
         self.unreduced = False
+        #: called at the first round's start: the factor its gradients go by (a loss scale handed over)
+        self._rescale_first = rescale_first
+        self._factor = 1.0
 
     def _produced(self, tensor: Any) -> None:
         """A parameter's gradient is accumulated (autograd's hook)."""
@@ -118,6 +121,8 @@ class MeanGradients:
             self.unreduced = True       # (a later backward outside no_sync() sends the sum)
             return
         if self._round is None:
+            if self._rescale_first is not None:
+                self._factor, self._rescale_first = self._rescale_first(), None
             self._round = self.rule.next_round()
             self._missing = self._expected()
             self._sent = {}
@@ -149,6 +154,8 @@ class MeanGradients:
                     dst.zero_()
                 else:
                     dst.copy_(flat_values(src.detach()))
+                    if e.param and self._factor != 1.0:
+                        dst.mul_(self._factor)
         step = self.step()
         without = [e.name for e in self.members[part] if e.param and e.tensor.grad is None]
         work = self.rule.reduce_part(self._round, part, self.grad, self.mean, step=step, without=without)
@@ -174,6 +181,7 @@ class MeanGradients:
                 self.waited += time.perf_counter() - t0
         finally:
             self._round = None
+            self._factor = 1.0
         self.unreduced = False
         unused = set().union(*self.rule.no_gradient)
         with self.torch.no_grad():

@@ -388,7 +388,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self._mean_waited = 0.0
         #: rule allreduce: the rounds of gradients whose mean the optimizer steps on
         self._mean = MeanGradients(torch, self.staging.entries, flat.size, self.store.rule, self._loop,
-                                   self._round_in_training_terms, lambda: self.steps + 1) \
+                                   self._round_in_training_terms, lambda: self.steps + 1,
+                                   self._saved.take_loss_scale if taken_back_at is not None else None) \
             if isinstance(self.store.rule, AllReduce) else None
         if self._mean is not None and self.rank == 0:
             # the store's weights are rank 0's, written at close and before each checkpoint

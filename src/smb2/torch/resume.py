@@ -77,9 +77,18 @@ rank's own buffer at the start of a step (:meth:`SavedState.hand_over`:
 the weights and the optimizer state as after the step before, the
 schedules, the step, and the round it starts at), and the rank loads that
 one save, or stops (it could not train in step with anything else).
-The mixed-precision ``GradScaler``'s scale is not in it: the restarted
-rank's starts afresh, which changes no mean the others step on (a scale
-that overflows on any rank makes every rank skip that step).
+The save carries the mixed-precision ``GradScaler``'s state too (its scale
+and growth count): every rank's gradients are scaled by its own scaler
+and the mean is unscaled by each rank's own, so ranks whose scales differ
+would step on different means and their weights would part.  The
+restarted rank's loop scaled its first loss before it could load the
+handed-over scale (it loads at its first backward): that backward's
+gradients are rescaled by the ratio of the two (powers of 2: exactly)
+before they go (:meth:`SavedState.take_loss_scale`).  A scaler holds no
+reference to its optimizer, so it is found among the interpreter's
+objects (``gc.get_objects``: one pass, on the leader when it hands over
+and on the restarted rank once); with several enabled scalers in one
+process none is handed over (WARNING: their scales may then differ).
 
 **Finding the schedulers.**  A torch ``LRScheduler`` holds its optimizer;
 the optimizer holds nothing of it.  At the first ``step()`` the objects
@@ -320,6 +329,26 @@ def schedulers_on(*optimizers: object) -> list[Any]:
     return [s for i, s in found.items() if i not in parts]
 
 
+def loss_scalers() -> list[Any]:
+    """The enabled mixed-precision loss scalers (``torch.amp.GradScaler``
+    and its kinds) of this process: a scaler holds no reference to the
+    optimizer it scales for, so the garbage collector's objects are looked
+    through (one pass)."""
+    kind = torch.amp.GradScaler
+    return [o for o in gc.get_objects() if issubclass(type(o), kind) and o.is_enabled()]
+
+
+def _one_scaler(store: ParameterStore, scalers: list[Any]) -> Any | None:
+    """The one loss scaler of ``scalers``; None where there are none, or
+    several (WARNING: which one scales this store's loss is not known)."""
+    if len(scalers) > 1:
+        log.warning("store %r: %d enabled GradScalers in this process: the loss scale of a restarted rank is not "
+                    "handed over, and its gradients may be scaled unlike the other ranks' (their weights then "
+                    "part); use one GradScaler for the model of rule 'allreduce'", store.name, len(scalers))
+        return None
+    return scalers[0] if scalers else None
+
+
 def _key(scheduler: object) -> str:
     return f"{type(scheduler).__module__}.{type(scheduler).__qualname__}"
 
@@ -358,6 +387,8 @@ class SavedState:
         self.origin = 0 if store.control is None else store.control.origin
         #: what the save being loaded holds for the schedulers (until the first step)
         self._to_restore: dict[str, Any] | None = None
+        #: the loss scaler's state a leader handed this rank (until its first backward)
+        self._loss_scale: dict[str, Any] | None = None
         self._schedulers: list[weakref.ref[Any]] | None = None
         self._last = time.monotonic()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -425,10 +456,12 @@ class SavedState:
                 why = str(exc)
             else:
                 self._to_restore = light
+                self._loss_scale = light.get("scaler")
                 self.start_step = int(header[_STEP])
                 log.info("store %r: rank %d loaded the %s state, weights and %d LR schedule(s) of step %d that "
-                         "its leader handed it", st.name, st.rank, light["optimizer"], len(light["schedulers"]),
-                         self.start_step)
+                         "its leader handed it%s", st.name, st.rank, light["optimizer"], len(light["schedulers"]),
+                         self.start_step, "" if self._loss_scale is None else
+                         f" (loss scale {self._loss_scale['scale']:g} at its first backward)")
                 return
         raise InterfaceError(f"rank {st.rank} was taken back into the training of store {st.name!r} at round "
                              f"{round_}, but the state its leader handed it (side buffer {side!r}) cannot be "
@@ -463,12 +496,33 @@ class SavedState:
         st = self.store
         if self._schedulers is None:
             self._find_schedulers()
-        light = self._light(step, round=round_)
+        # (the scale of the backward under way: the scaler updates it only after the step)
+        scaler = _one_scaler(st, loss_scalers())
+        light = self._light(step, round=round_, scaler=None if scaler is None else scaler.state_dict())
         # (serialized on a thread: this loop beats for this rank meanwhile, and the others wait on it)
         heavy = await asyncio.to_thread(lambda: _save(_heavy(self.optimizer.state_dict()["state"], self._weights())))
         for rank in restarted:
             own = await StateSlots.open(st.client, st.name, optimizer_state_what(rank), st.buf.replicas)
             await own.write(*_frame(light, heavy), step=step, origin=self.origin, run=st.generation)
+
+    def take_loss_scale(self) -> float:
+        """A rank taken back, at the start of its first backward (its loss
+        scaled already): load the loss scale its leader handed it into
+        this process's scaler; the factor that turns the gradients of this
+        backward into gradients at that scale (1.0: nothing handed over)."""
+        state, self._loss_scale = self._loss_scale, None
+        if state is None:
+            return 1.0
+        scaler = _one_scaler(self.store, loss_scalers())
+        if scaler is None:
+            log.warning("store %r: rank %d was handed its leader's loss scale (%g), but this process has no enabled "
+                        "GradScaler: its gradients are not scaled as the other ranks' are (their weights part); "
+                        "scale the loss on every rank or on none", self.store.name, self.store.rank,
+                        state["scale"])
+            return 1.0
+        fresh = scaler.get_scale()
+        scaler.load_state_dict(state)
+        return float(state["scale"]) / fresh
 
     def _load(self) -> None:
         assert self.slots is not None
