@@ -763,14 +763,14 @@ _TAKEN_BACK = textwrap.dedent('''
 
     name, die_after, cycle, after_back, clip = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), \
         float(sys.argv[5])
-    back, victim, scaled = Path(sys.argv[6]), sys.argv[7], sys.argv[8] == "scaled"
+    back, victim, scaled, dead_after = Path(sys.argv[6]), sys.argv[7], sys.argv[8] == "scaled", float(sys.argv[9])
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     model = small_model()
     # mixed precision's loss scale, made to grow every 3 steps (powers of 2: unscaled exactly), so
     # that the one a restarted rank starts with is not the others'
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=3) if scaled else None
     opt = st.AsyncOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, name=name,
-                            push_dtype="float32", timeout=120)
+                            push_dtype="float32", timeout=120, dead_after=dead_after)
     if attempt > 0:     # taken back: the step it continues after, for the others to end with it
         Path(f"{back}.{opt.rank}").write_text(str(opt.start_step))
         Path(f"{back}.{opt.rank}").rename(back)
@@ -810,11 +810,11 @@ _TAKEN_BACK = textwrap.dedent('''
 
 
 def _one_torchrun_per_worker(servers: str, tmp_path: Path, name: str, die_after: int, cycle: int,
-                             after_back: int, victim: str, scaled: bool = False
+                             after_back: int, victim: str, scaled: bool = False, dead_after: float = 5.0
                              ) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
     """_TAKEN_BACK run by one torchrun per worker (2 workers, --max-restarts=1), ``victim`` ("0", "1"
     or "both") crashing after step ``die_after`` (``scaled``: the loop scales its loss with a
-    GradScaler): each torchrun's (stdout, stderr), every JSON event."""
+    GradScaler; ``dead_after``: the rule's): each torchrun's (stdout, stderr), every JSON event."""
     script = tmp_path / "train.py"
     script.write_text(_TAKEN_BACK)
     procs = []
@@ -822,7 +822,7 @@ def _one_torchrun_per_worker(servers: str, tmp_path: Path, name: str, die_after:
         env = dict(os.environ, SMB2_SERVERS=servers, SMB2_RANK=str(rank), SMB2_WORLD_SIZE="2", OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
             torchrun(str(script), name, str(die_after), str(cycle), str(after_back), str(CLIP),
-                     str(tmp_path / "back"), victim, "scaled" if scaled else "plain", max_restarts=1,
+                     str(tmp_path / "back"), victim, "scaled" if scaled else "plain", str(dead_after), max_restarts=1,
                      monitor_interval=0.2),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=280) for p in procs]
@@ -833,23 +833,25 @@ def _one_torchrun_per_worker(servers: str, tmp_path: Path, name: str, die_after:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)      # three torch processes start, one twice; a loaded 2-core machine needs a minute
-@pytest.mark.parametrize("victim, scaled", [(1, True), (0, False)], ids=["rank-1-loss-scaled", "rank-0"])
+@pytest.mark.parametrize("victim, scaled, dead_after", [(1, True, 600.0), (0, False, 5.0)],
+                         ids=["rank-1-loss-scaled-restart-seen", "rank-0"])
 def test_a_worker_restarted_on_its_own_is_taken_back(servers: str, tmp_path: Path, victim: int,
-                                                     scaled: bool) -> None:
+                                                     scaled: bool, dead_after: float) -> None:
     # one torchrun per worker (as the Slurm recipe and the Kubernetes Job launch them), each with
-    # --max-restarts=1: the victim crashes after step 8; the other goes on alone once it is silent
-    # for dead_after; torchrun restarts the victim, which asks to be taken back; the other (its
-    # leader now) hands it the weights, AdamW's moments and the step at the start of a step and both
-    # go on in step: each ends where one AdamW on the clipped mean of the members' gradients of each
-    # step ends (one alone in between), the crash costing the lost rank's batches of those steps,
-    # nothing counted twice.  Rank 0 taken back leads again (it writes the store's weights at close).
-    # With a GradScaler, the restarted rank's scale starts afresh, below the others' (it grew): it is
-    # handed the leader's, also for the backward it made before it could load it, else the mean of
-    # gradients scaled unlike would be unscaled unlike, and the ranks' weights part
+    # --max-restarts=1: the victim crashes after step 8; torchrun restarts it, and it asks to be taken back; the
+    # other, blocked in a round that waits for the victim's old self, sees the request and goes on alone without
+    # waiting out its silence (dead_after=600 s: only so; with 5 s, either comes first); the other (its leader
+    # now) hands it the weights, AdamW's moments and the step at the start of a step and both go on in step:
+    # each ends where one AdamW on the clipped mean of the members' gradients of each step ends (one alone in
+    # between), the crash costing the lost rank's batches of those steps, nothing counted twice.  Rank 0 taken
+    # back leads again (it writes the store's weights at close).  With a GradScaler, the restarted rank's scale
+    # starts afresh, below the others' (it grew): it is handed the leader's, also for the backward it made
+    # before it could load it, else the mean of gradients scaled unlike would be unscaled unlike, and the ranks'
+    # weights part
     die_after, cycle, after_back = 8, 40, 6
     name = f"ar-taken-back-{victim}"
     outs, events = _one_torchrun_per_worker(servers, tmp_path, name, die_after, cycle, after_back, str(victim),
-                                            scaled)
+                                            scaled, dead_after)
     opened = sorted((e["rank"], e["attempt"], e["run"], e["start_step"]) for e in events if e["event"] == "open")
     assert [o[:2] for o in opened] == sorted([(0, 0), (1, 0), (victim, 1)]), opened
     back_at = [o for o in opened if o[1] == 1][0][3]
@@ -857,6 +859,9 @@ def test_a_worker_restarted_on_its_own_is_taken_back(servers: str, tmp_path: Pat
     assert len({o[2] for o in opened}) == 1 and back_at > die_after, opened
     said = outs[0][1] + outs[1][1]
     assert f"restarted rank {victim} is taken back into the training at step {back_at + 1}" in said, said[-4000:]
+    if dead_after > 60:
+        assert (f"rank {victim} was restarted (it asks to be taken back): the 1 other workers go on without it "
+                f"from step {die_after + 1}") in said, said[-4000:]
     ends = {e["rank"]: e for e in events if e["event"] == "done"}
     assert ends[0]["steps"] == ends[1]["steps"] == back_at + after_back
     assert ends[0]["scale"] == ends[1]["scale"] == (16.0 * 2 ** ((back_at + after_back) // 3) if scaled else None)

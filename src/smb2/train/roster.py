@@ -45,8 +45,11 @@ in training terms: its steps are no longer the others'.
 
 A worker restarted on its own (one launcher per worker, as the Slurm recipe
 and the Kubernetes Job run them) **asks to be taken back**: it writes a token
-of its own into its request word and waits.  Once the survivors have left its
-old self out, the leader (the epoch's first member), at the start of a round
+of its own into its request word and waits.  Its old self is gone: the first
+two members of a round blocked on it (one of them is not the restarted rank)
+read the request words at most once a second and declare the next epoch
+without it at once, as for a silent worker, but without waiting out its
+``dead_after``.  Once the survivors have left its old self out, the leader (the epoch's first member), at the start of a round
 that begins a step, writes everything the rank needs to train on in step (the
 weights, the optimizer state, the schedules and the step, as after the step
 before that round) into the rank's own state buffer, then declares the next

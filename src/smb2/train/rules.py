@@ -1009,6 +1009,7 @@ class AllReduce(UpdateRule):
         self.hand_over: Callable[[dict[int, int], int], Awaitable[int]] | None = None
         self._asking: asyncio.Future[dict[int, int]] | None = None     # (the leader's read of the requests)
         self._asked_at = -math.inf
+        self._looked_for_asking = -math.inf     # (a blocked round's read of the requests)
         self._looked_for_restarted = -1
         #: this worker was restarted and taken back after this step (set by the torch layer)
         self.taken_back_at: int | None = None
@@ -1199,7 +1200,8 @@ class AllReduce(UpdateRule):
     async def rejoin(self, timeout: float) -> int | None:
         """A worker restarted on its own, into a run that goes on: ask to be
         taken back and wait until a membership takes it in (the others
-        first leave its old self out, after ``dead_after`` s of silence).
+        first leave its old self out: at once where a round waits for it,
+        as they read its request, else after ``dead_after`` s of silence).
         Returns the round it starts at; its state, as after the step before
         that round, waits in its own saves (:attr:`hand_over`).  None: no
         one is left to take it back: the others finished (:attr:`run_over`:
@@ -1440,9 +1442,12 @@ class AllReduce(UpdateRule):
                             f"evaluation or a checkpoint save between steps, a slow data loader?; "
                             f"round_timeout={self.round_timeout:g} s)")
             # a silent member is declared dead; where the round is poisoned, it may be a declaring
-            # survivor that died half-way: its claim is taken over, the declaration made
-            dead = await self._silent(ep)
-            if dead and await self._declare(ep, r, dead, step):
+            # survivor that died half-way: its claim is taken over, the declaration made.  A member
+            # that asks to be taken back was restarted: its old self is gone, without waiting out
+            # its silence
+            restarted = await self._restarted_members(ep)
+            dead = sorted(set(await self._silent(ep)) | set(restarted))
+            if dead and await self._declare(ep, r, dead, step, restarted):
                 return False
             if not poisoned and (closed := self._closed_members(ep)):
                 # a member closes only after its last round came back whole: a count read after
@@ -1505,11 +1510,34 @@ class AllReduce(UpdateRule):
         return [m for m in ep.members if m != st.rank and not control.has_finished(m)
                 and self._silence.quiet_for(m, now) >= self.dead_after]
 
-    async def _declare(self, ep: roster.Epoch, r: int, dead: list[int], step: int | None) -> bool:
-        """Round ``r`` of ``ep`` waits for the silent ranks ``dead``: make
-        the next membership without them (:mod:`smb2.train.roster`).  True
-        once this worker is in a newer membership; False where round ``r``
-        went through after all."""
+    async def _restarted_members(self, ep: roster.Epoch) -> list[int]:
+        """The members of ``ep`` that ask to be taken back (restarted: their
+        old selves, which the round waits for, are gone), as read at most
+        every :data:`LOOK_FOR_RESTARTED_EVERY` s, by the first two members
+        only (one of them is not the restarted one); a request that a
+        membership already answered (its leader did not clear it yet) is not
+        one."""
+        st = self.store
+        rst = self._roster
+        now = time.monotonic()
+        if (rst is None or st.rank not in ep.members[:2] or len(ep.members) < 2
+                or now - self._looked_for_asking < LOOK_FOR_RESTARTED_EVERY):
+            return []
+        self._looked_for_asking = now
+        try:
+            asking = {m: token for m, token in (await rst.asking()).items() if m in ep.members and m != st.rank}
+            return [m for m, token in asking.items() if await rst.taken_back_since(-1, m, token) is None]
+        except Smb2Error as exc:
+            log.debug("store %r: the roster's requests were not read (%s); looked at again later", st.name, exc)
+            return []
+
+    async def _declare(self, ep: roster.Epoch, r: int, dead: list[int], step: int | None,
+                       restarted: Collection[int] = ()) -> bool:
+        """Round ``r`` of ``ep`` waits for the silent ranks ``dead`` (those
+        of ``restarted`` ask to be taken back): make the next membership
+        without them (:mod:`smb2.train.roster`).  True once this worker is
+        in a newer membership; False where round ``r`` went through after
+        all."""
         st = self.store
         rst = self._roster
         assert rst is not None
@@ -1535,9 +1563,11 @@ class AllReduce(UpdateRule):
             finally:
                 await rst.release(st.rank)
             what = f"step {step}" if step is not None else f"round {r}"
-            log.warning("store %r: rank %s sent no heartbeat for %g s: the %d other workers go on without it "
-                        "from %s (rule 'allreduce': each step's mean is over %d workers from here on)%s",
-                        st.name, ", ".join(map(str, dead)), self.dead_after, len(members), what, len(members),
+            why = ", ".join(f"rank {m} was restarted (it asks to be taken back)" if m in restarted else
+                            f"rank {m} sent no heartbeat for {self.dead_after:g} s" for m in dead)
+            log.warning("store %r: %s: the %d other workers go on without it from %s (rule "
+                        "'allreduce': each step's mean is over %d workers from here on)%s",
+                        st.name, why, len(members), what, len(members),
                         "; rank 0's checkpoints stop with it" if 0 in dead else "")
             return await self._adopt_now(ep)
 
