@@ -120,13 +120,15 @@ _WORKER = textwrap.dedent('''
     opt = smb2.torch.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name=sys.argv[1], **rule)
     g = torch.Generator().manual_seed(opt.rank)
     for step in range(40):
-        if opt.rank == 2 and step == 10:
+        if opt.rank == 2 and step == 10 and sys.argv[4] == "dies":
             os._exit(3)                                  # this worker dies
         x = torch.randn(16, 10, generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
         opt.step()
-    end = opt.close(wait_all=3, strict=opt.rank == 1)
+    if opt.rank == 2 and sys.argv[4] == "raises":
+        raise RuntimeError("an error after the loop, outside any with: this rank never closes")
+    end = opt.close(wait_all=float(sys.argv[5]), strict=opt.rank == 1)
     x = torch.randn(256, 10, generator=torch.Generator().manual_seed(99))
     acc = (model(x).argmax(1) == (x[:, 0] > 0).long()).float().mean().item()
     torch.save(model.state_dict(), sys.argv[2] + f"/model-{opt.rank}.pt")
@@ -137,19 +139,25 @@ _WORKER = textwrap.dedent('''
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("rule", ["delta", "default"])
-def test_a_dead_worker_does_not_fail_the_survivors(servers: str, tmp_path: Path, rule: str) -> None:
+@pytest.mark.parametrize("rule, death, wait_all", [("delta", "dies", 3), ("default", "dies", 3),
+                                                   ("default", "raises", 600)])
+def test_a_dead_worker_does_not_fail_the_survivors(servers: str, tmp_path: Path, rule: str, death: str,
+                                                   wait_all: int) -> None:
     # rule delta: its survivors train on without the dead one; the default (allreduce), whose
     # rounds wait for every worker as DDP's do, goes on with the other two once the dead one has
-    # sent no heartbeat for dead_after (5 s), each step then on the mean of their two gradients
+    # sent no heartbeat for dead_after (5 s), each step then on the mean of their two gradients.
+    # "raises": rank 2 trains every step, then stops on an error outside any ``with`` and never
+    # closes: the default's others stop waiting for it at close(wait_all=600) once it has been
+    # silent for dead_after (every live rank of the default beats until it closes), not after 600 s
+    # (this test's timeout)
     script = tmp_path / "train.py"
     script.write_text(_WORKER)
     procs = []
-    store = f"t-survivors-{rule}"
+    store = f"t-survivors-{rule}-{death}"
     for rank in range(3):
         env = dict(os.environ, SMB2_SERVERS=servers, SMB2_RANK=str(rank), SMB2_WORLD_SIZE="3", OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
-            torchrun(str(script), store, str(tmp_path), rule, max_restarts=0),
+            torchrun(str(script), store, str(tmp_path), rule, death, str(wait_all), max_restarts=0),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=200) for p in procs]
     codes = [p.returncode for p in procs]
@@ -159,11 +167,15 @@ def test_a_dead_worker_does_not_fail_the_survivors(servers: str, tmp_path: Path,
     report = json.loads(outs[0][0].strip().splitlines()[-1])
     assert report["missing"] == [2] and report["accuracy"] > 0.6, report
     assert f"2 of 3 workers finished store '{store}'" in report["report"]
-    if rule == "default":
+    if rule == "default" and death == "dies":
         said = outs[0][1] + outs[1][1]
         assert "rank 2 sent no heartbeat for 5 s: the 2 other workers go on without it from step 11" in said, \
             said[-3000:]
     assert "rank 2 last reported step" in report["report"]
+    if death == "raises":
+        assert "an error after the loop" in outs[2][1]
+        assert ("(silent for 5 s: rule 'allreduce' takes it for dead, so this rank stopped waiting for it)"
+                in report["report"]), report
     assert (tmp_path / "model-0.pt").exists()
     # rank 1 asked for strict=True: the report is raised, in words
     assert codes[1] != 0

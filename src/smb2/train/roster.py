@@ -45,24 +45,25 @@ in training terms: its steps are no longer the others'.
 
 A worker restarted on its own (one launcher per worker, as the Slurm recipe
 and the Kubernetes Job run them) **asks to be taken back**: it writes a token
-of its own into its request word and waits.  Its old self is gone: the first
+of its own into its request word and waits. Its old self is gone: the first
 two members of a round blocked on it (one of them is not the restarted rank)
 read the request words at most once a second and declare the next epoch
 without it at once, as for a silent worker, but without waiting out its
-``dead_after``.  Once the survivors have left its old self out, the leader (the epoch's first member), at the start of a round
-that begins a step, writes everything the rank needs to train on in step (the
-weights, the optimizer state, the schedules and the step, as after the step
-before that round) into the rank's own state buffer, then declares the next
-epoch as above with the rank among its members, the record carrying the
-token where the flag would be, so that the rank knows the epoch that took
-it in (and not one that only kept it), and finally clears the request.  The
-others redo that round in the new epoch, as after a removal; the rank starts
-there.  Records sit in a ring of :data:`RING` (an epoch now adds members as
-well as removing them, and a record is a word a worker: a ring keeps the
-roster O(W) bytes on its one server, 1.3 MB at 10,000 workers, where a record
-for each of W - 1 epochs took O(W²), 800 MB): a reader that finds the epoch
-word moved a whole ring on while it read a record reads again, and one that
-asks for a record the ring has gone past is refused, never misread.
+``dead_after``. Once the survivors have left its old self out, the leader (the
+epoch's first member), at the start of a round that begins a step, writes
+everything the rank needs to train on in step (the weights, the optimizer
+state, the schedules and the step, as after the step before that round) into
+the rank's own state buffer, then declares the next epoch as above with the
+rank among its members, the record carrying the token where the flag would be,
+so that the rank knows the epoch that took it in (and not one that only kept
+it), and finally clears the request. The others redo that round in the new
+epoch, as after a removal; the rank starts there. Records sit in a ring of
+:data:`RING` (an epoch now adds members as well as removing them, and a record
+is a word a worker: a ring keeps the roster O(W) bytes on its one server, 1.3
+MB at 10,000 workers, where a record for each of W - 1 epochs took O(W²), 800
+MB): a reader that finds the epoch word moved a whole ring on while it read a
+record reads again, and one that asks for a record the ring has gone past is
+refused, never misread.
 """
 
 from __future__ import annotations

@@ -148,6 +148,8 @@ class UpdateRule(abc.ABC):
     #: the others take a worker whose heartbeat stopped for dead: the store
     #: beats in the background from the start barrier on (ParameterStore.keep_beating)
     watches_heartbeats = False
+    #: seconds of silence after which such a worker is taken for dead (None: it is not)
+    dead_after: float | None = None
 
     def __init__(self, lr: float = 0.01) -> None:
         self.lr = _positive("lr", lr)
@@ -964,6 +966,7 @@ class AllReduce(UpdateRule):
     rejoinable = False
     # a worker silent for dead_after is taken for dead: every worker beats while it computes
     watches_heartbeats = True
+    dead_after: float
     sums = 2
 
     def __init__(self, wire: str | None = "bfloat16", round_timeout: float = ROUND_TIMEOUT,

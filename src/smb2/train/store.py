@@ -113,7 +113,7 @@ from ..errors import (
 from ..lock import Lock, ReplicatedLock
 from ..mirror import AgentMirror
 from ..placement import Placement
-from . import beside
+from . import beside, roster
 from . import lifecycle as lc
 from .counts import CountsBoard, read_counts
 from .dropping import LayerDropping
@@ -145,6 +145,8 @@ BEAT_INTERVAL = 0.25
 #: polls of a barrier (start or end) with its count standing still before a
 #: waiting rank reads every rank's row (about 10 s at the longest poll delay)
 RECONCILE_POLLS = 100
+#: how often the end barrier reads every row, where the rule takes a silent worker for dead (s)
+SILENCE_LOOK_EVERY = 1.0
 #: seconds a rank waits at the start (for rank 0's store, for the others to join) before it says
 #: at WARNING what it waits for, and between two such reports
 SAY_WAITING_AFTER = 10.0
@@ -1081,11 +1083,22 @@ class ParameterStore:
         poll (the run's counter of finished ranks); every rank's row is read
         when the count reaches the workers (a rank that finished twice, once
         before and once after a restart, is counted twice: the rows decide),
-        after ``RECONCILE_POLLS`` polls without progress, and at the timeout."""
+        after ``RECONCILE_POLLS`` polls without progress, and at the timeout.
+
+        Under a rule that takes a silent worker for dead (``allreduce``:
+        every live rank beats in the background until it finishes, through
+        an evaluation or a save too) it stops waiting once every rank still
+        out has been silent for the rule's ``dead_after`` (it reads every
+        row once a second for that): such a rank died (or stopped on an
+        error without closing) or was left out of the training, and a
+        restart of it finds the run over."""
         self._check_member()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         delay = 0.005
         last, still, checked = -1, 0, -1
+        dead_after = self.rule.dead_after if self.rule.watches_heartbeats else None
+        silence, looked = roster.Silence(), -math.inf
         while True:
             head = await self._read_head()
             self.stats["barrier_polls"] += 1
@@ -1093,14 +1106,25 @@ class ParameterStore:
             done = lc.tagged_count(int(head[lc.FINISHES_AT]), self.generation)
             still = still + 1 if done == last else 0
             last = done
-            timed_out = deadline is not None and time.monotonic() >= deadline
-            if timed_out or still >= RECONCILE_POLLS or (done >= self.workers and done != checked):
+            now = time.monotonic()
+            timed_out = deadline is not None and now >= deadline
+            watch = dead_after is not None and now - looked >= SILENCE_LOOK_EVERY
+            if watch or timed_out or still >= RECONCILE_POLLS or (done >= self.workers and done != checked):
                 still, checked = 0, done
                 self.stats["barrier_full_reads"] += 1
                 control = await self.refresh()
                 self._check_current(control)
-                if not control.unfinished() or timed_out:
-                    end = lc.RunEnd.of(self.name, control, timeout)
+                silent: list[int] = []
+                if watch:
+                    looked = now
+                    silence.saw(control.beats, now)
+                    silent = [r for r in control.unfinished() if silence.quiet_for(r, now) >= (dead_after or 0)]
+                given_up = bool(silent) and silent == control.unfinished()
+                if not control.unfinished() or timed_out or given_up:
+                    end = lc.RunEnd.of(self.name, control, round(now - started, 1) if given_up else timeout)
+                    if given_up:
+                        end.notes = [f"{note} (silent for {dead_after:g} s: rule {self.rule.name!r} takes it for "
+                                     f"dead, so this rank stopped waiting for it)" for note in end.notes]
                     counts = await read_counts(self.client, self.name, self.generation)
                     seen = {r for r, c in (counts or {}).get("per_rank", {}).items() if c["collapses"]}
                     end.collapsed = sorted(seen | ({self.rank} if self.watch.collapses else set()))
