@@ -496,6 +496,39 @@ async def test_a_killed_worker_restarted_resumes_from_the_shared_weights(cluster
     assert ctl.generation == 1 and ctl.steps.tolist() == [40, 40] and ctl.run_finished()
 
 
+@pytest.mark.parametrize("victim", [1, 0])
+async def test_a_worker_started_again_without_a_restart_count_rejoins(cluster: smb2.LocalCluster,
+                                                                      victim: int) -> None:
+    # a container its kubelet restarted, or a pod made again for its index on another node: the
+    # worker starts with no torchrun restart count, but it was in the run, which goes on (the other
+    # beats): it takes itself for restarted and goes back in, where it waited for a new run (rank 1)
+    # or opened one under the other's feet (rank 0)
+    name = f"lc-unsaid-{victim}"
+    workers = [await Worker.start(cluster, name, r, 2, steps=200, pause=0.05) for r in range(2)]
+    await asyncio.gather(*(w.until("open") for w in workers))
+    await workers[victim].until("step", 10)
+    await workers[victim].kill()
+    again = await Worker.start(cluster, name, victim, 2, steps=200, pause=0.05, restart=0)
+    back = await again.until("open")
+    assert back["generation"] == 1 and back["resumed"] is True and back["start_step"] >= 10, back
+    await asyncio.gather(again.done(), workers[1 - victim].done())
+    c = await cluster.connect()
+    ctl = await (await ParameterStore.attach(c, name)).refresh()
+    assert ctl.generation == 1 and ctl.run_finished() and ctl.steps.tolist() == [200, 200]
+
+
+async def test_a_rank_launched_twice_is_refused(cluster: smb2.LocalCluster) -> None:
+    # a second process given a rank that trains already (a launch script's mistake) is not taken for
+    # that rank's restart, which would take the live one's place: its heartbeat moves, and it is said
+    workers = [await Worker.start(cluster, "lc-twice", r, 2, steps=200, pause=0.05) for r in range(2)]
+    await asyncio.gather(*(w.until("step", 5) for w in workers))
+    twice = await Worker.start(cluster, "lc-twice", 1, 2, steps=200, pause=0.05, restart=0)
+    with pytest.raises(AssertionError, match="another process holds this rank"):
+        await twice.until("open")
+    assert await twice.proc.wait() != 0
+    await asyncio.gather(*(w.done() for w in workers))
+
+
 @pytest.mark.slow
 async def test_a_restarted_rank_0_leaves_a_ready_store_untouched(cluster: smb2.LocalCluster) -> None:
     workers = [await Worker.start(cluster, "lc-r0", r, 2, steps=30, pause=0.05) for r in range(2)]

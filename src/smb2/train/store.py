@@ -145,6 +145,9 @@ BEAT_INTERVAL = 0.25
 #: polls of a barrier (start or end) with its count standing still before a
 #: waiting rank reads every rank's row (about 10 s at the longest poll delay)
 RECONCILE_POLLS = 100
+#: seconds a worker that finds itself in a run it did not finish, with no restart count from its
+#: launcher, watches the others' heartbeats to tell a restart (they move) from a job launched again
+RESTART_LOOK = 2.0
 #: how often the end barrier reads every row, where the rule takes a silent worker for dead (s)
 SILENCE_LOOK_EVERY = 1.0
 #: seconds a rank waits at the start (for rank 0's store, for the others to join) before it says
@@ -322,6 +325,9 @@ class ParameterStore:
         self.control: Control | None = None
         self.stale_after = lc.STALE_AFTER
         self.restarted = False
+        #: no launcher said whether this worker was restarted, and a restart would be its own: one that
+        #: finds itself in a run that goes on takes itself for restarted (:meth:`_restarted_unsaid`)
+        self._infer_restart = False
         self.checkpoint_every: int | None = None
         self.checkpoint_path: str | None = None
         self._checkpoint_step = 0
@@ -386,15 +392,16 @@ class ParameterStore:
                 checkpoint_dir(checkpoint_path)
         rule_obj = make_rule(rule, **rule_options)
         layout = Layout.plan(params, workers, rule_obj.settings())
+        infer = restarted is None and lc.restart_count() == 0 and lc.restarts_alone(workers)
         restarted = lc.restart_count() > 0 if restarted is None else bool(restarted)
         deadline = time.monotonic() + timeout
         try:
             if rank == 0:
                 store = await cls._open_rank0(client, name, params, layout, rule_obj, dropping, stripe, replicas,
-                                              resume, restarted, stale_after, deadline, init_from)
+                                              resume, restarted, stale_after, deadline, init_from, infer)
             else:
                 store = await cls._open_other(client, name, layout, rank, rule_obj, dropping, restarted,
-                                              stale_after, deadline)
+                                              stale_after, deadline, infer)
         except BufferDamaged as err:
             raise store_damage(err, layout, await _last_progress(err, layout)) from None
         store.checkpoint_every = checkpoint_every
@@ -410,7 +417,7 @@ class ParameterStore:
     async def _open_rank0(cls, client: Client, name: str, params: Mapping[str, np.ndarray], layout: Layout,
                           rule: UpdateRule, dropping: LayerDropping | None, stripe: int | None,
                           replicas: int, resume: str | bool, restarted: bool, stale_after: float, deadline: float,
-                          init_from: str | Path | None) -> ParameterStore:
+                          init_from: str | Path | None, infer: bool = False) -> ParameterStore:
         image = None if init_from is None else await StoreImage.load(init_from)
         if image is not None and not image.layout.same_as(layout):
             raise InvalidArgumentError(f"checkpoint {init_from} holds another model "
@@ -439,8 +446,10 @@ class ParameterStore:
                 _say_rule_change(name, theirs.rule, rule.settings())
                 layout = theirs
             store = cls(client, buf, layout, data_off, rank=0, rule=rule, dropping=dropping)
-            store.stale_after, store.restarted = stale_after, restarted
+            store.stale_after, store.restarted, store._infer_restart = stale_after, restarted, infer
             control = await store.refresh()
+            if await store._restarted_unsaid(control):
+                restarted, control = True, await store.refresh()
             decision = lc.decide_rank0(control, resume=resume, restarted=restarted, stale_after=stale_after,
                                        rejoinable=rule.rejoinable)
             if decision.action == "rejoin":
@@ -532,7 +541,7 @@ class ParameterStore:
     @classmethod
     async def _open_other(cls, client: Client, name: str, layout: Layout, rank: int, rule: UpdateRule,
                           dropping: LayerDropping | None, restarted: bool, stale_after: float,
-                          deadline: float) -> ParameterStore:
+                          deadline: float, infer: bool = False) -> ParameterStore:
         buf = await _wait_for_buffer(client, name, deadline, rank)
         try:
             await _wait_ready(buf, max(0.0, deadline - time.monotonic()))
@@ -545,11 +554,47 @@ class ParameterStore:
         if theirs.workers != layout.workers:
             raise _other_world(name, theirs.workers, layout.workers)
         store = cls(client, buf, theirs, data_off, rank=rank, rule=rule, dropping=dropping)
-        store.stale_after, store.restarted = stale_after, restarted
+        store.stale_after, store.restarted, store._infer_restart = stale_after, restarted, infer
         decision = await store._await_run(deadline)
         if decision.action == "rejoin":
             store._say_rejoined(decision.why)
         return store
+
+    async def _restarted_unsaid(self, control: Control) -> bool:
+        """Was this worker restarted, though its launcher did not say so (no
+        torchrun restart count: a container its kubelet restarted, a pod
+        made again for its index on another node, a rank launched again by
+        hand)?  Asked once, where its restart would be its own: it was in
+        the current run and did not finish it, and another rank of the run
+        beats (its heartbeat moves within :data:`RESTART_LOOK` s): the run
+        goes on, so this is a restart (a job launched again after the
+        whole job died finds no heartbeat moving: a new run, as before).
+        Sets :attr:`restarted`.  Where this rank's own heartbeat moves,
+        another process trains as this rank: that is refused, in words."""
+        if not self._infer_restart:
+            return False
+        self._infer_restart = False
+        if not control.in_run(self.rank) or control.has_finished(self.rank) or control.stopped:
+            return False
+        await asyncio.sleep(RESTART_LOOK)
+        later = await self.refresh()
+        if later.generation != control.generation:
+            return False
+        if int(later.beats[self.rank]) != int(control.beats[self.rank]):
+            raise InterfaceError(f"rank {self.rank} of store {self.name!r} is training in run {control.generation} "
+                                 f"already: its heartbeat moves, so another process holds this rank",
+                                 hint="give every worker its own rank (SMB2_RANK, or torchrun's RANK): two were "
+                                      f"launched as rank {self.rank}")
+        moving = [r for r in range(self.workers) if r != self.rank and later.in_run(r)
+                  and not later.has_finished(r) and int(later.beats[r]) != int(control.beats[r])]
+        if not moving:
+            return False
+        log.warning("store %r: rank %d was in run %d and did not finish it, and rank %s still beat in it: it was "
+                    "restarted, though its launcher did not say so (no torchrun restart count: a container "
+                    "restarted by its kubelet, a pod made again on another node, a rank launched again by hand)",
+                    self.name, self.rank, control.generation, ", ".join(map(str, moving[:8])))
+        self.restarted = True
+        return True
 
     def _say_rejoined(self, why: str) -> None:
         if self.rule.watches_heartbeats:
@@ -568,7 +613,10 @@ class ParameterStore:
             # rank 0's row and this rank's decide, unless this restarted rank
             # was in the run: whether it goes on without it takes every row
             control = await self._read_control((0, self.rank))
-            if self.restarted and control.in_run(self.rank):
+            if self._infer_restart and control.in_run(self.rank) and await self._restarted_unsaid(
+                    await self.refresh()):
+                control = await self.refresh()
+            elif self.restarted and control.in_run(self.rank):
                 control = await self.refresh()
             else:
                 self.control = control
