@@ -132,6 +132,41 @@ async def test_the_barriers_read_one_line_per_poll(cluster: smb2.LocalCluster, w
     assert (await end).complete and stores[0].stats["barrier_full_reads"] == 1
 
 
+async def test_the_defaults_end_barrier_reads_the_table_once_to_give_up_on_a_silent_rank(
+        cluster: smb2.LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under rule allreduce every live rank beats until it finishes, so the
+    end barrier stops waiting for ranks silent for ``dead_after``: at 256
+    workers, one of them silent (its client closed before it finished), rank
+    0 gives up on it within the wait, and to see it reads every row once,
+    then at each look only that rank's row (and the head line), not the
+    table; and once more every row for its report."""
+    name, workers = "cs-end-silent", 256
+    clients = await _clients(cluster, 8)
+    lone = await cluster.connect(transport="tcp")
+    kw: dict[str, Any] = dict(workers=workers, timeout=60, rule="allreduce", dead_after=3.0)
+    first = await ParameterStore.open(clients[0], name, _params(), rank=0, **kw)
+    rest = await asyncio.gather(*(ParameterStore.open(lone if r == workers - 1 else clients[r % len(clients)], name,
+                                                      _params(), rank=r, **kw) for r in range(1, workers)))
+    stores = [first, *rest]
+    await asyncio.gather(*(s.join(timeout=120) for s in stores))
+    await lone.close()              # the last rank's heartbeat stops, unfinished
+    await asyncio.gather(*(s.finish() for s in stores[:-1]))
+    reads: list[tuple[int, ...] | None] = []
+    real = store_mod._read_control
+
+    async def counted(buf: Any, cmap: Any, ranks: tuple[int, ...] | None = None) -> Any:
+        reads.append(None if ranks is None else tuple(ranks))
+        return await real(buf, cmap, ranks)
+
+    monkeypatch.setattr(store_mod, "_read_control", counted)
+    end = await first.await_finished(timeout=120)
+    assert [m[0] for m in end.missing] == [workers - 1], str(end)
+    assert "takes it for dead, so this rank stopped waiting for it" in str(end) and end.waited < 120
+    # (dead_after=3 s of silence, looked at once a second: three looks at least after the first)
+    assert reads[0] is None and reads[-1] is None and len(reads) >= 5, reads
+    assert all(r == (workers - 1,) for r in reads[1:-1]), reads
+
+
 async def test_a_dead_rank_among_256_is_found_by_the_rotating_heartbeat(cluster: smb2.LocalCluster,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A heartbeat reads the head line and one chunk of 32 rows: a rank that

@@ -148,7 +148,9 @@ RECONCILE_POLLS = 100
 #: seconds a worker that finds itself in a run it did not finish, with no restart count from its
 #: launcher, watches the others' heartbeats to tell a restart (they move) from a job launched again
 RESTART_LOOK = 2.0
-#: how often the end barrier reads every row, where the rule takes a silent worker for dead (s)
+#: where the rule takes a silent worker for dead, the end barrier looks at the heartbeats of the
+#: ranks still out once its count stood still for this many polls, then every SILENCE_LOOK_EVERY s
+SILENCE_AFTER_POLLS = 10
 SILENCE_LOOK_EVERY = 1.0
 #: seconds a rank waits at the start (for rank 0's store, for the others to join) before it says
 #: at WARNING what it waits for, and between two such reports
@@ -1136,17 +1138,20 @@ class ParameterStore:
         Under a rule that takes a silent worker for dead (``allreduce``:
         every live rank beats in the background until it finishes, through
         an evaluation or a save too) it stops waiting once every rank still
-        out has been silent for the rule's ``dead_after`` (it reads every
-        row once a second for that): such a rank died (or stopped on an
-        error without closing) or was left out of the training, and a
-        restart of it finds the run over."""
+        out has been silent for the rule's ``dead_after``: such a rank died
+        (or stopped on an error without closing) or was left out of the
+        training, and a restart of it finds the run over.  It looks only
+        once the count has stood still for ``SILENCE_AFTER_POLLS`` polls
+        (a healthy end moves it), then once a second, reading every row
+        once and after that only the rows of the ranks still out: the wait
+        stays O(1) words per poll, as the count's."""
         self._check_member()
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         delay = 0.005
         last, still, checked = -1, 0, -1
         dead_after = self.rule.dead_after if self.rule.watches_heartbeats else None
-        silence, looked = roster.Silence(), -math.inf
+        silence, looked, out = roster.Silence(), -math.inf, None
         while True:
             head = await self._read_head()
             self.stats["barrier_polls"] += 1
@@ -1155,19 +1160,22 @@ class ParameterStore:
             still = still + 1 if done == last else 0
             last = done
             now = time.monotonic()
+            given_up = False
+            if dead_after is not None and still >= SILENCE_AFTER_POLLS and now - looked >= SILENCE_LOOK_EVERY:
+                looked = now
+                rows = await (self.refresh() if out is None else self._read_control(out))
+                self._check_current(rows)
+                out = tuple(r for r in (rows.unfinished() if out is None else out) if not rows.has_finished(r))
+                silence.saw(rows.beats, now)
+                given_up = bool(out) and all(silence.quiet_for(r, now) >= dead_after for r in out)
             timed_out = deadline is not None and now >= deadline
-            watch = dead_after is not None and now - looked >= SILENCE_LOOK_EVERY
-            if watch or timed_out or still >= RECONCILE_POLLS or (done >= self.workers and done != checked):
+            if given_up or timed_out or still >= RECONCILE_POLLS or (done >= self.workers and done != checked):
                 still, checked = 0, done
                 self.stats["barrier_full_reads"] += 1
                 control = await self.refresh()
                 self._check_current(control)
-                silent: list[int] = []
-                if watch:
-                    looked = now
-                    silence.saw(control.beats, now)
-                    silent = [r for r in control.unfinished() if silence.quiet_for(r, now) >= (dead_after or 0)]
-                given_up = bool(silent) and silent == control.unfinished()
+                # (a rank the looks did not follow is not known silent: given up only where none is left)
+                given_up = given_up and set(control.unfinished()) <= set(out or ())
                 if not control.unfinished() or timed_out or given_up:
                     end = lc.RunEnd.of(self.name, control, round(now - started, 1) if given_up else timeout)
                     if given_up:
