@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ import smb2
 from smb2.testing.launch import AgentProcess
 from smb2.testing.waits import until
 from smb2.testing.workers import json_objects, torchrun, torchrun_failure
-from smb2.train import ParameterStore
+from smb2.train import ParameterStore, faults
 from smb2.train.rules import outer_momentum_name
 
 # (the soft-RoCE VM's python has no torch: nothing that imports it before these)
@@ -123,3 +124,46 @@ async def _until_rounds(servers: str, name: str, pushes: int) -> None:
         await until(counted, f"{pushes} pushes to store {name!r}", guard=180, every=0.2)
     finally:
         await client.close()
+
+
+def test_a_paused_agent_is_named_while_the_step_waits_and_the_step_goes_on_after(
+        servers: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A stopped agent raises nothing: the host's exchanges wait on it as
+    they would on a paused server.  While a step's exchange waits, the
+    worker asks the agent as it asks the servers, and names it at WARNING
+    (the servers answer); once it runs again the step completes."""
+    monkeypatch.setattr(faults, "SAY_SILENT_AFTER", 0.2)        # (PING_TIMEOUT's 5 s to answer)
+    model = torch.nn.Linear(4, 2)
+    g = torch.Generator().manual_seed(0)
+
+    def steps(opt: Any, n: int) -> None:
+        for _ in range(n):
+            x = torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
+            opt.step()
+
+    with AgentProcess("--servers", servers) as agent, caplog.at_level("WARNING", logger="smb2"), \
+            async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, "t-agent-paused",
+                            rule="delta", agent=agent.endpoint) as opt:
+        assert opt.stats()["via"] == "agent"
+        steps(opt, 2)
+        agent.proc.send_signal(signal.SIGSTOP)
+        stepping = threading.Thread(target=steps, args=(opt, 1))
+        try:
+            stepping.start()
+            loop = LoopThread("test-wait")
+            try:
+                loop.run(until(lambda: any("does not answer" in r.getMessage() for r in caplog.records),
+                               "the paused agent named"))
+            finally:
+                loop.stop()
+            assert stepping.is_alive()          # (the step waits for it)
+        finally:
+            agent.proc.send_signal(signal.SIGCONT)
+        stepping.join()
+        steps(opt, 2)
+    said = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+    assert f"the host agent {agent.endpoint} (smb2-agent) does not answer" in said[0], said
+    assert "memory server" not in said[0], said
+    assert opt.steps == 5

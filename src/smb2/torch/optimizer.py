@@ -527,7 +527,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if through_agent:
             await store.pull()
         #: the exchanges in flight, and the servers that keep one waiting without a word
-        self._watch = ExchangeWatch(self._client, name, self.rank)
+        self._watch = ExchangeWatch(self._client, name, self.rank, self._agent_client)
         self._watching = asyncio.get_running_loop().create_task(self._watch.watch())
         return store
 

@@ -25,8 +25,10 @@ longest exchange before it: a slow link's exchanges are long every time,
 and the servers are not asked each time) it asks each server for its
 statistics, behind the exchange on the job's own connection, and names
 those that give no reply within :data:`PING_TIMEOUT` s, at WARNING, every
-:data:`SAY_SILENT_EVERY` s.  Where every server answers, the wait is on
-other workers, which the rules report themselves.
+:data:`SAY_SILENT_EVERY` s; a worker that exchanges through its host's agent
+(``smb2-agent``) asks the agent too, whose pause stalls the host's workers
+as a server's does.  Where every one answers, the wait is on other workers,
+which the rules report themselves.
 """
 
 from __future__ import annotations
@@ -104,8 +106,10 @@ class ExchangeWatch:
     """A worker's exchanges in flight, and the servers that keep the oldest
     waiting without a word (the module's doc)."""
 
-    def __init__(self, client: Client, store: str, rank: int) -> None:
+    def __init__(self, client: Client, store: str, rank: int, agent: Client | None = None) -> None:
         self.client = client
+        #: the connection to this host's agent, where the worker exchanges through one
+        self.agent = agent
         self.store = store
         self.rank = rank
         #: each exchange in flight, in the order they started: the report of its wait, and its step
@@ -113,7 +117,7 @@ class ExchangeWatch:
         self._count = 0
         #: the longest exchange so far (seconds): one that waits three times as long is out of the ordinary
         self._longest = 0.0
-        #: each server's last request for its statistics, until it is answered
+        #: each server's last request for its statistics, until it is answered (-1: the agent's)
         self._asked: dict[int, asyncio.Task[Any]] = {}
 
     @contextlib.contextmanager
@@ -141,31 +145,35 @@ class ExchangeWatch:
                 continue
             silent = await self._silent_servers()
             if silent and oldest in self._running:
-                who = f"memory server {silent[0]} does" if len(silent) == 1 else \
-                    f"memory servers {', '.join(silent)} do"
+                who = f"{silent[0]} does" if len(silent) == 1 else f"{', '.join(silent)} do"
                 waiting.say(f"store {self.store!r}: rank {self.rank} has waited for step {step}'s exchange: {who} "
                             f"not answer (a request for its statistics got no reply within {PING_TIMEOUT:g} s). "
                             "Paused, overloaded, or cut off by the network? The exchange goes on once it answers; "
                             "stop the job if it is gone")
 
     async def _silent_servers(self) -> list[str]:
-        """The connected servers that give no reply to a request for their
-        statistics within :data:`PING_TIMEOUT` s.  It goes on the job's own
-        connection, with no deadline: a deadline would reset the connection
-        and fail what it carries, and a connection of its own would count
-        against the server's connection cap (where it may evict another
-        client's).  A server still owing the last one is not asked again."""
-        servers = self.client.servers
+        """The connected servers (and this host's agent) that give no reply
+        to a request for their statistics within :data:`PING_TIMEOUT` s, as
+        named to a user.  It goes on the job's own connection, with no
+        deadline: a deadline would reset the connection and fail what it
+        carries, and a connection of its own would count against the
+        server's connection cap (where it may evict another client's).  One
+        still owing the last one is not asked again."""
+        names = {i: f"memory server {server}" for i, server in enumerate(self.client.servers)}
         for i, link in enumerate(self.client.links):
             if link.transport is not None and (i not in self._asked or self._asked[i].done()):
                 self._asked[i] = asyncio.ensure_future(self.client.server_stat(i))
+        if self.agent is not None and not self.agent.closed:
+            names[-1] = f"the host agent {self.agent.servers[0]} (smb2-agent)"
+            if -1 not in self._asked or self._asked[-1].done():
+                self._asked[-1] = asyncio.ensure_future(self.agent.server_stat(0))
         if not self._asked:
-            return []       # (a lazy client that reaches no server itself: its exchanges go through an agent)
+            return []
         await asyncio.wait(self._asked.values(), timeout=PING_TIMEOUT)
         for task in self._asked.values():
             if task.done() and not task.cancelled():
-                task.exception()        # (retrieved: a server that failed the request answered it)
-        return [servers[i] for i, task in self._asked.items() if not task.done()]
+                task.exception()        # (retrieved: one that failed the request answered it)
+        return [names[i] for i, task in self._asked.items() if not task.done()]
 
     def close(self) -> None:
         for task in self._asked.values():
