@@ -211,6 +211,23 @@ async def test_a_late_rank_follows_rank_0_into_its_new_run(cluster: smb2.LocalCl
         await old0.join(timeout=1)
 
 
+async def test_a_second_process_launched_as_a_rank_is_refused_at_the_barrier(cluster: smb2.LocalCluster) -> None:
+    """Two processes of a new job given rank 1 (a launch script's mistake):
+    both find the run rank 0 opened, the first joins it, and the second is
+    refused at the start barrier, in words, before it counts (a round's mean
+    would count rank 1 twice); the job goes on with the first."""
+    rank0 = await ParameterStore.open(await cluster.connect(), "lc-dup", _params(0), workers=2, rank=0)
+    first, second = [await ParameterStore.open(await cluster.connect(), "lc-dup", _params(1), workers=2, rank=1)
+                     for _ in range(2)]
+    await asyncio.gather(rank0.join(timeout=10), first.join(timeout=10))
+    with pytest.raises(smb2.InterfaceError, match="rank 1 of store 'lc-dup' joined run 1 already: another process "
+                                                  "was launched as rank 1"):
+        await second.join(timeout=10)
+    assert lc.joins_counted((await rank0.refresh()).words, 1) == 2     # (counted once)
+    await asyncio.gather(rank0.finish(), first.finish())
+    assert (await rank0.await_finished(timeout=10)).complete
+
+
 # -- heartbeats, stalls, the end -----------------------------------------------------
 
 async def test_a_stalled_rank_is_named(cluster: smb2.LocalCluster) -> None:

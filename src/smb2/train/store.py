@@ -1004,8 +1004,22 @@ class ParameterStore:
         """Join this rank's run: its row says so, then the run's counter
         counts it.  A counter tagged with another run (one opened since this
         rank chose its run) did not count it: the count is taken back, and
-        the next poll of the barrier finds the newer run."""
-        await self._write_own(joined=self.generation)
+        the next poll of the barrier finds the newer run.  The row's joined
+        word is set by compare-and-swap: one that holds this run already was
+        set by another process launched as this rank (a restart rejoins,
+        and never comes here), which is refused, in words, before it
+        counts: the mean of a round would count that rank twice."""
+        joined = self.cmap.row_offset(self.rank) + 8 * lc.JOINED
+        before = await self.buf.fetch_add(joined, 0)
+        while before != self.generation and (now := await self.buf.compare_swap(joined, before,
+                                                                                  self.generation)) != before:
+            before = now        # (rank 0 opened a newer run meanwhile and wrote the row: as it is now)
+        if before == self.generation:
+            raise InterfaceError(f"rank {self.rank} of store {self.name!r} joined run {self.generation} already: "
+                                 f"another process was launched as rank {self.rank}",
+                                 hint="give every worker its own rank (SMB2_RANK, or torchrun's RANK); this one "
+                                      "stops, and the job goes on with the one that joined first")
+        await self._write_own()
         await self._count(self.cmap.offset(lc.joins_word(self.generation)))
         self._joined = True
 
