@@ -329,18 +329,14 @@ def schedulers_on(*optimizers: object) -> list[Any]:
     return [s for i, s in found.items() if i not in parts]
 
 
-def loss_scalers() -> list[Any]:
-    """The enabled mixed-precision loss scalers (``torch.amp.GradScaler``
-    and its kinds) of this process: a scaler holds no reference to the
-    optimizer it scales for, so the garbage collector's objects are looked
-    through (one pass)."""
+def loss_scaler(store: ParameterStore) -> Any | None:
+    """This process's one enabled mixed-precision loss scaler
+    (``torch.amp.GradScaler`` or its kinds); None where there are none, or
+    several (WARNING: which one scales ``store``'s loss is not known).  A
+    scaler holds no reference to the optimizer it scales for, so the
+    garbage collector's objects are looked through (one pass)."""
     kind = torch.amp.GradScaler
-    return [o for o in gc.get_objects() if issubclass(type(o), kind) and o.is_enabled()]
-
-
-def _one_scaler(store: ParameterStore, scalers: list[Any]) -> Any | None:
-    """The one loss scaler of ``scalers``; None where there are none, or
-    several (WARNING: which one scales this store's loss is not known)."""
+    scalers = [o for o in gc.get_objects() if issubclass(type(o), kind) and o.is_enabled()]
     if len(scalers) > 1:
         log.warning("store %r: %d enabled GradScalers in this process: the loss scale of a restarted rank is not "
                     "handed over, and its gradients may be scaled unlike the other ranks' (their weights then "
@@ -497,7 +493,7 @@ class SavedState:
         if self._schedulers is None:
             self._find_schedulers()
         # (the scale of the backward under way: the scaler updates it only after the step)
-        scaler = _one_scaler(st, loss_scalers())
+        scaler = loss_scaler(st)
         light = self._light(step, round=round_, scaler=None if scaler is None else scaler.state_dict())
         # (serialized on a thread: this loop beats for this rank meanwhile, and the others wait on it)
         heavy = await asyncio.to_thread(lambda: _save(_heavy(self.optimizer.state_dict()["state"], self._weights())))
@@ -513,7 +509,7 @@ class SavedState:
         state, self._loss_scale = self._loss_scale, None
         if state is None:
             return 1.0
-        scaler = _one_scaler(self.store, loss_scalers())
+        scaler = loss_scaler(self.store)
         if scaler is None:
             log.warning("store %r: rank %d was handed its leader's loss scale (%g), but this process has no enabled "
                         "GradScaler: its gradients are not scaled as the other ranks' are (their weights part); "

@@ -327,9 +327,6 @@ class ParameterStore:
         self.control: Control | None = None
         self.stale_after = lc.STALE_AFTER
         self.restarted = False
-        #: no launcher said whether this worker was restarted, and a restart would be its own: one that
-        #: finds itself in a run that goes on takes itself for restarted (:meth:`_restarted_unsaid`)
-        self._infer_restart = False
         self.checkpoint_every: int | None = None
         self.checkpoint_path: str | None = None
         self._checkpoint_step = 0
@@ -448,10 +445,10 @@ class ParameterStore:
                 _say_rule_change(name, theirs.rule, rule.settings())
                 layout = theirs
             store = cls(client, buf, layout, data_off, rank=0, rule=rule, dropping=dropping)
-            store.stale_after, store.restarted, store._infer_restart = stale_after, restarted, infer
+            store.stale_after, store.restarted = stale_after, restarted
+            if infer and await store._restarted_unsaid():
+                restarted = True
             control = await store.refresh()
-            if await store._restarted_unsaid(control):
-                restarted, control = True, await store.refresh()
             decision = lc.decide_rank0(control, resume=resume, restarted=restarted, stale_after=stale_after,
                                        rejoinable=rule.rejoinable)
             if decision.action == "rejoin":
@@ -556,28 +553,30 @@ class ParameterStore:
         if theirs.workers != layout.workers:
             raise _other_world(name, theirs.workers, layout.workers)
         store = cls(client, buf, theirs, data_off, rank=rank, rule=rule, dropping=dropping)
-        store.stale_after, store.restarted, store._infer_restart = stale_after, restarted, infer
+        store.stale_after, store.restarted = stale_after, restarted
+        if infer:
+            await store._restarted_unsaid()
         decision = await store._await_run(deadline)
         if decision.action == "rejoin":
             store._say_rejoined(decision.why)
         return store
 
-    async def _restarted_unsaid(self, control: Control) -> bool:
+    async def _restarted_unsaid(self) -> bool:
         """Was this worker restarted, though its launcher did not say so (no
         torchrun restart count: a container its kubelet restarted, a pod
         made again for its index on another node, a rank launched again by
-        hand)?  Asked once, where its restart would be its own: it was in
-        the current run and did not finish it, and another rank of the run
-        beats (its heartbeat moves within :data:`RESTART_LOOK` s): the run
-        goes on, so this is a restart (a job launched again after the
-        whole job died finds no heartbeat moving: a new run, as before).
-        Sets :attr:`restarted`.  Where this rank's own heartbeat moves,
-        another process trains as this rank: that is refused, in words."""
-        if not self._infer_restart:
+        hand)?  Asked at open, where its restart would be its own: it was in
+        the current run and did not finish it (its own row says; only then
+        is every row read), and another rank of the run beats (its
+        heartbeat moves within :data:`RESTART_LOOK` s): the run goes on, so
+        this is a restart (a job launched again after the whole job died
+        finds no heartbeat moving: a new run, as before).  Sets
+        :attr:`restarted`.  Where this rank's own heartbeat moves, another
+        process trains as this rank: that is refused, in words."""
+        mine = await self._read_control((self.rank,))
+        if not mine.in_run(self.rank) or mine.has_finished(self.rank) or mine.stopped:
             return False
-        self._infer_restart = False
-        if not control.in_run(self.rank) or control.has_finished(self.rank) or control.stopped:
-            return False
+        control = await self.refresh()
         await asyncio.sleep(RESTART_LOOK)
         later = await self.refresh()
         if later.generation != control.generation:
@@ -615,10 +614,7 @@ class ParameterStore:
             # rank 0's row and this rank's decide, unless this restarted rank
             # was in the run: whether it goes on without it takes every row
             control = await self._read_control((0, self.rank))
-            if self._infer_restart and control.in_run(self.rank) and await self._restarted_unsaid(
-                    await self.refresh()):
-                control = await self.refresh()
-            elif self.restarted and control.in_run(self.rank):
+            if self.restarted and control.in_run(self.rank):
                 control = await self.refresh()
             else:
                 self.control = control
@@ -1164,7 +1160,7 @@ class ParameterStore:
         deadline = None if timeout is None else started + timeout
         delay = 0.005
         last, still, checked = -1, 0, -1
-        dead_after = self.rule.dead_after if self.rule.watches_heartbeats else None
+        dead_after = self.rule.dead_after
         silence, looked, out = roster.Silence(), -math.inf, None
         while True:
             head = await self._read_head()
