@@ -22,7 +22,7 @@ import pytest
 
 import smb2
 from smb2.testing.workers import torchrun as torchrun_command
-from smb2.train import ParameterStore
+from smb2.train import ParameterStore, beside
 from smb2.train import lifecycle as lc
 from smb2.train import store as store_module
 from smb2.train.store import choose_stripe, resolve_rank
@@ -690,3 +690,98 @@ async def test_smb2_ls_shows_the_stability_counts() -> None:
         for s in stores:
             await s.client.close()
         await client.close()
+
+
+# -- another number of workers ------------------------------------------------------
+
+async def test_a_job_launched_again_with_another_world_size_resumes(cluster: smb2.LocalCluster,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # torchrun --nnodes=MIN:MAX after a host was lost (or came back), a job moved to fewer GPUs: the store
+    # is made again for the new number of workers and its unfinished run resumes from the weights,
+    # version, lineage and the steps of the ranks both jobs have; a finished run starts over
+    run1 = await _open_all(cluster, "lc-world", 3)
+    await asyncio.gather(*(s.join(timeout=10) for s in run1))
+    await asyncio.gather(_train(run1[0], 4), _train(run1[1], 6), _train(run1[2], 5))
+    await run1[0].pull()
+    weights1, origin1 = run1[0].flat().copy(), _words(run1[0]).origin
+    assert await run1[0].read_version() == 15
+    # what is kept beside the store for its 3 workers: the counts board (made as the run opened), rank 2's save
+    await beside.make(run1[2].client, "lc-world", store_module.optimizer_state_what(2), 4096, replicas=1)
+    assert {"lc-world/counts", "lc-world/optim/2"} <= set(await run1[0].client.buffers())
+
+    # fewer workers; rank 1 first: it finds the store made for 3 and waits for rank 0 to make it again
+    with caplog.at_level(logging.WARNING, logger="smb2.train"):
+        run2 = await _open_all(cluster, "lc-world", 2, first=1)
+    assert ("store 'lc-world' was made for 3 workers and this job has 2 (WORLD_SIZE): rank 0 makes it again "
+            "for 2, with its weights, version and steps") in caplog.text
+    assert "resuming store 'lc-world' at version 15, step 4 (an earlier run did not finish)" in caplog.text
+    for s, step in zip(run2, (4, 6)):
+        assert (s.workers, s.generation, s.resumed, s.start_step) == (2, 2, True, step)
+        assert np.array_equal(s.flat(), weights1)
+    c = await run2[0].refresh()
+    assert (c.version, c.origin, c.steps.tolist(), c.joined.tolist()) == (15, origin1, [4, 6], [2, 0])
+    await asyncio.gather(*(s.join(timeout=10) for s in run2))
+    await asyncio.gather(_train(run2[0], 2), _train(run2[1], 2))
+    # the counts board is made again for 2 workers, and rank 2's save went with the old store
+    assert "lc-world/optim/2" not in await run2[0].client.buffers()
+    board = await run2[0].client.attach("lc-world/counts")
+    assert board.nbytes == run2[0].board.nbytes and 3 * board.nbytes == 2 * run1[0].board.nbytes
+    # the old job's ranks fail at their next heartbeat (the torch layer says it in training terms)
+    with pytest.raises(smb2.NoSuchBuffer, match="its buffer was destroyed"):
+        await run1[2].heartbeat(99, force=True)
+
+    # more workers again: ranks 0 and 1 keep their steps, rank 2 starts at step 0
+    run3 = await _open_all(cluster, "lc-world", 4, first=3)
+    assert [(s.workers, s.generation, s.resumed, s.start_step) for s in run3] == \
+        [(4, 3, True, 6), (4, 3, True, 8), (4, 3, True, 0), (4, 3, True, 0)]
+    await asyncio.gather(*(s.join(timeout=10) for s in run3))
+    await asyncio.gather(*(s.finish() for s in run3))
+    await asyncio.gather(*(s.wait_finished(timeout=10) for s in run3))
+    assert await run3[0].read_version() == 19
+
+    # a finished run, launched again with another number of workers, starts over from the job's weights
+    run4 = await _open_all(cluster, "lc-world", 2)
+    for s in run4:
+        assert (s.workers, s.generation, s.resumed, s.start_step) == (2, 4, False, 0)
+        assert np.array_equal(s.params["w"], _params(0)["w"])
+    assert (await run4[0].refresh()).version == 0
+
+
+async def test_a_rank_of_another_world_size_gives_up_in_words(cluster: smb2.LocalCluster) -> None:
+    # a rank whose WORLD_SIZE differs from its rank 0's waits for a store made for its number and says so
+    (zero,) = [await ParameterStore.open(await cluster.connect(), "lc-world-odd", _params(), workers=2, rank=0)]
+    with pytest.raises(smb2.InvalidArgumentError, match=r"store 'lc-world-odd' was made for 2 workers, this job "
+                                                        r"has WORLD_SIZE=3.*rank 0 did not make it again for 3 "
+                                                        r"workers in time \(rank 1 gives up\)"):
+        await ParameterStore.open(await cluster.connect(), "lc-world-odd", _params(), workers=3, rank=1, timeout=0.5)
+    assert zero.workers == 2
+
+
+async def test_a_rank_0_that_dies_making_the_store_again_loses_nothing(cluster: smb2.LocalCluster,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 0 sets the store aside whole (weights and words) before it makes it again for another number of
+    # workers; one that dies after the old store is gone leaves it there, and the next rank 0 goes on from it
+    run1 = await _open_all(cluster, "lc-world-die", 2)
+    await asyncio.gather(*(s.join(timeout=10) for s in run1))
+    await asyncio.gather(_train(run1[0], 3), _train(run1[1], 4))
+    await run1[0].pull()
+    weights1 = run1[0].flat().copy()
+    client = await cluster.connect()
+
+    async def dies(*_: Any) -> None:
+        raise RuntimeError("rank 0 died here")
+    initialize = store_module._initialize
+    monkeypatch.setattr(store_module, "_initialize", dies)
+    with pytest.raises(RuntimeError, match="rank 0 died here"):
+        await ParameterStore.open(client, "lc-world-die", _params(9), workers=3, rank=0, timeout=10)
+    # (the old store is gone: a buffer of the new size, never initialized, stands in its place)
+    assert "lc-world-die/remaking" in await client.buffers()
+    assert await (await client.attach("lc-world-die")).fetch_add(store_module._STATE, 0) != store_module.READY
+    monkeypatch.setattr(store_module, "_initialize", initialize)
+
+    run2 = await _open_all(cluster, "lc-world-die", 3)
+    for s, step in zip(run2, (3, 4, 0)):
+        assert (s.workers, s.generation, s.resumed, s.start_step) == (3, 2, True, step)
+        assert np.array_equal(s.flat(), weights1)
+    assert (await run2[0].refresh()).version == 7
+    assert "lc-world-die/remaking" not in await client.buffers()

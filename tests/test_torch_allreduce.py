@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import subprocess
@@ -514,6 +515,63 @@ def test_rank_0_saves_the_optimizer_state_every_rank_resumes(servers: str) -> No
         for k, v in trained.items():
             for field in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(states[r][k][field], v[field]), (r, k, field)
+
+
+def test_a_job_launched_again_with_fewer_workers_goes_on_from_rank_0s_last_save(servers: str) -> None:
+    # a job of 3 dies (no close: its run did not finish); launched again with 2 (torchrun's
+    # --nnodes=MIN:MAX after a host was lost), rank 0 makes the store again for 2, and both ranks go on
+    # from rank 0's last save, the weights and AdamW's moments of one step, in step with each other
+    name, first, steps = "ar-fewer", 3, 6
+    models = [small_model() for _ in range(first)]
+    saved: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+
+    def crash(r: int) -> None:
+        opt = st.AsyncOptimizer(torch.optim.AdamW(models[r].parameters(), lr=0.01), models[r], name=name,
+                                servers=servers, rank=r, world_size=first, resume=False, state_every=1e-9,
+                                state_share=None)
+        for x, y in rank_batches(steps, r):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(models[r](x), y).backward()
+            opt.step()
+            if r == 0:
+                if opt._saved._writing is not None:     # (each save written before the next: none skipped)
+                    opt._saved._writing.result()
+                saved[opt.steps] = ({n: p.detach().clone() for n, p in models[r].named_parameters()},
+                                    copy.deepcopy(opt.optimizer.state_dict()["state"]))
+        opt.flush()
+        opt._loop.run(opt._close_client())     # the worker dies: no close(), no finish()
+        opt._loop.stop()
+
+    in_threads(first, crash)
+    again = [small_model() for _ in range(2)]
+    opened: dict[int, tuple[int, dict[str, Any], dict[str, torch.Tensor]]] = {}
+    ends: dict[int, dict[str, torch.Tensor]] = {}
+
+    def resume(r: int) -> None:
+        opt = st.AsyncOptimizer(torch.optim.AdamW(again[r].parameters(), lr=0.01), again[r], name=name,
+                                servers=servers, rank=r, world_size=2)
+        assert opt.resumed and opt.store.workers == 2
+        opened[r] = (opt.start_step, copy.deepcopy(opt.optimizer.state_dict()["state"]),
+                     {n: p.detach().clone() for n, p in again[r].named_parameters()})
+        for x, y in rank_batches(steps, r)[opt.start_step:]:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(again[r](x), y).backward()
+            opt.step()
+        opt.close(wait_all=30)
+        ends[r] = {n: p.detach() for n, p in again[r].named_parameters()}
+
+    in_threads(2, resume)
+    at = opened[0][0]
+    assert 1 <= at <= steps and opened[1][0] == at, (at, opened[1][0])
+    weights, state = saved[at]
+    for r in range(2):
+        for n, w in weights.items():
+            assert torch.equal(opened[r][2][n], w), (r, n)
+        for k, v in state.items():
+            for field in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opened[r][1][k][field], v[field]), (r, k, field)
+    for n, w in ends[0].items():
+        assert torch.equal(w, ends[1][n]), n
 
 
 def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str) -> None:

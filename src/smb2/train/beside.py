@@ -4,7 +4,8 @@ A parameter store keeps, beside its own buffer, each rank's optimizer state
 (``<store>/optim/<rank>``), rank 0's frozen tensors (``<store>/frozen``),
 DiLoCo's outer momentum (``<store>/outer``), rule allreduce's gradient sums
 (``<store>/gradients``), the ranks' stability counts
-(``<store>/counts``), and locks: the store's own (``buffer:<store>``) and
+(``<store>/counts``), the store itself while rank 0 makes it again for
+another number of workers (``<store>/remaking``), and locks: the store's own (``buffer:<store>``) and
 the locked rule's per-tensor ones (``<store>/<tensor>``).  Every one is made,
 found and removed here:
 

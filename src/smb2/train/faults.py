@@ -83,7 +83,8 @@ def in_training_terms(err: BaseException, *, store: str, rank: int, step: int) -
     elif isinstance(err, NoSuchBuffer):
         out = type(err)(
             f"store {store!r} is gone from memory server {server} while rank {rank} was at step {step} "
-            "(removed with `smb2 rm`, or the server restarted without its data)",
+            "(removed with `smb2 rm`, made again by a job launched with another WORLD_SIZE, or the server "
+            "restarted without its data)",
             server=err.server, detail=err.message,
             hint="nothing was written to another buffer; start the job again (a fresh run) or from a "
                  "checkpoint (init_from=PATH), and remove a store only when `smb2 ls` shows its run finished")

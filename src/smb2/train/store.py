@@ -115,7 +115,7 @@ from ..mirror import AgentMirror
 from ..placement import Placement
 from . import beside, roster
 from . import lifecycle as lc
-from .counts import CountsBoard, read_counts
+from .counts import COUNTS, CountsBoard, read_counts
 from .dropping import LayerDropping
 from .lifecycle import Control, check_rank, resolve_rank
 from .rules import UpdateRule, make_rule
@@ -431,26 +431,42 @@ class ParameterStore:
         lock = beside.lock(client, buf)       # the buffer's own lock, replicated with it
         await lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         try:
+            # where the store is made again for this job's number of workers: the store as it was
+            # (set aside), and the words the new one carries from it
+            carried: Control | None = None
+            aside = await _kept_aside(client, name)     # (a store that a rank 0 died making again)
             state = await buf.fetch_add(_STATE, 0)
-            if state != READY:
+            made_for = None
+            if state == READY:
+                theirs, data_off = await _read_layout(buf)
+                made_for = theirs.workers
+                if aside is None:
+                    if not theirs.same_as(layout):
+                        raise _another_model(name, theirs, layout)
+                    _say_rule_change(name, theirs.rule, rule.settings())
+                    if theirs.workers != layout.workers:
+                        aside = await _set_aside(client, buf, theirs)
+                    else:
+                        layout = theirs
+            if aside is not None:
+                if not aside.layout.same_as(layout):
+                    raise _another_model(name, aside.layout, layout)
+                # (a buffer of another number of workers is made anew: its old ranks' rows lie elsewhere)
+                in_place = buf.nbytes == total and made_for in (None, layout.workers)
+                buf, carried = await _made_again(client, buf, aside, layout, lock, stale_after, in_place)
+                _cmap, data_off, _total = layout.geometry(buf.stripe, buf.nservers)
+            elif state != READY:
                 if buf.nbytes != total:
                     raise _another_model(name, None, layout, buf.nbytes)
                 await _initialize(buf, layout, lock)
-            else:
-                theirs, data_off = await _read_layout(buf)
-                if not theirs.same_as(layout):
-                    raise _another_model(name, theirs, layout)
-                if theirs.workers != layout.workers:
-                    raise _other_world(name, theirs.workers, layout.workers)
-                _say_rule_change(name, theirs.rule, rule.settings())
-                layout = theirs
             store = cls(client, buf, layout, data_off, rank=0, rule=rule, dropping=dropping)
             store.stale_after, store.restarted = stale_after, restarted
-            if infer and await store._restarted_unsaid():
+            if aside is None and infer and await store._restarted_unsaid():
                 restarted = True
-            control = await store.refresh()
+            control = aside.control if aside is not None else await store.refresh()
+            # (no rank goes back into a run of another number of workers)
             decision = lc.decide_rank0(control, resume=resume, restarted=restarted, stale_after=stale_after,
-                                       rejoinable=rule.rejoinable)
+                                       rejoinable=rule.rejoinable and aside is None)
             if decision.action == "rejoin":
                 store._enter(control, joined=True, rejoined=True)
                 await store._write_own(joined=control.generation)
@@ -459,7 +475,9 @@ class ParameterStore:
                 if image is not None and decision.action != "fresh":
                     log.warning("store %r: init_from=%s is not used: the run resumes (%s)", name, init_from,
                                 decision.why)
-                await store._open_run(control, decision, params, image, lock)
+                await store._open_run(control if carried is None else carried, decision, params, image, lock)
+            if aside is not None:
+                await beside.discard(client, name, REMAKING)     # (the run is open: the store is whole)
         finally:
             await lock.release()
         return store
@@ -551,7 +569,7 @@ class ParameterStore:
         if not theirs.same_as(layout):
             raise _another_model(name, theirs, layout)
         if theirs.workers != layout.workers:
-            raise _other_world(name, theirs.workers, layout.workers)
+            buf, theirs, data_off = await _wait_made_again(client, name, theirs.workers, layout, rank, deadline)
         store = cls(client, buf, theirs, data_off, rank=rank, rule=rule, dropping=dropping)
         store.stale_after, store.restarted = stale_after, restarted
         if infer:
@@ -1649,6 +1667,122 @@ async def _attach_or_create(client: Client, name: str, total: int, stripe: int, 
         return await client.attach(name)        # made by someone else in between
 
 
+#: the side buffer that keeps a store while rank 0 makes it again for
+#: another number of workers (:func:`_set_aside`)
+REMAKING = "remaking"
+_ASIDE_MAGIC = int.from_bytes(b"SMB2RMKG", "little")
+
+
+class _Aside:
+    """A store set aside while it is made again (:func:`_set_aside`): its
+    layout, control words and data region.  Packed as a 64-byte header
+    (magic, table bytes, data bytes), the layout table (padded to 8), the
+    control words and the data."""
+
+    def __init__(self, layout: Layout, control: Control, data: np.ndarray) -> None:
+        self.layout = layout
+        self.control = control
+        self.data = data
+
+    def packed(self) -> tuple[np.ndarray, bytes]:
+        """(header, body): the body is written first, the header (its magic) last."""
+        table = self.layout.table()
+        header = np.zeros(PREAMBLE // 8, np.int64)
+        header[:3] = _ASIDE_MAGIC, len(table), self.data.nbytes
+        return header, table.ljust(_round_up(len(table), 8), b"\0") + self.control.words.tobytes() + self.data.tobytes()
+
+    @classmethod
+    def unpacked(cls, raw: np.ndarray) -> _Aside | None:
+        """The store a whole set-aside holds (None: the set-aside did not
+        finish, so the store itself was never touched)."""
+        header = raw[:PREAMBLE].view(np.int64)
+        if int(header[0]) != _ASIDE_MAGIC:
+            return None
+        table_len, data_len = int(header[1]), int(header[2])
+        at = PREAMBLE + _round_up(table_len, 8)
+        layout = Layout.from_table(raw[PREAMBLE:PREAMBLE + table_len].tobytes())
+        words_end = at + 8 * lc.slots_for(layout.workers)
+        return cls(layout, Control.parse(raw[at:words_end].view(np.int64), layout.workers),
+                   raw[words_end:words_end + data_len].copy())
+
+
+async def _set_aside(client: Client, buf: Buffer, theirs: Layout) -> _Aside:
+    """Rank 0, under the store's lock, before it makes the store ``buf``
+    (made for ``theirs.workers`` workers) again for another number: its
+    control words and data region, read and kept whole in the side buffer
+    :data:`REMAKING` (the header last) before the store is touched, so that
+    a rank 0 that dies while it makes the store again loses nothing: the
+    next one finds them there and makes it again from them."""
+    cmap, data_off, _total = theirs.geometry(buf.stripe, buf.nservers)
+    data = np.empty(theirs.data_len, np.uint8)
+    control, _ = await asyncio.gather(_read_control(buf, cmap), buf.read_into(data, data_off))
+    aside = _Aside(theirs, control, data)
+    header, body = aside.packed()
+    side = await beside.make(client, buf.name, REMAKING, PREAMBLE + len(body), replicas=buf.replicas)
+    await side.write(0, np.zeros(PREAMBLE, np.uint8))       # (an earlier, whole one is whole no more)
+    await side.write(PREAMBLE, body)
+    await side.write(0, header)
+    return aside
+
+
+async def _kept_aside(client: Client, name: str) -> _Aside | None:
+    """The store set aside by a rank 0 that died while it made the store
+    again (:func:`_set_aside`), if there is one."""
+    try:
+        side = await beside.find(client, name, REMAKING)
+    except NoSuchBuffer:
+        return None
+    raw = np.empty(side.nbytes, np.uint8)
+    await side.read_into(raw, 0)
+    return _Aside.unpacked(raw)
+
+
+async def _made_again(client: Client, buf: Buffer, aside: _Aside, layout: Layout, lock: Lock | ReplicatedLock,
+                      stale_after: float, in_place: bool) -> tuple[Buffer, Control]:
+    """Rank 0, under the store's lock: the store set aside (made for
+    ``aside.layout.workers`` workers) made again for this job's
+    ``layout.workers`` (a job launched again with another WORLD_SIZE:
+    torchrun's ``--nnodes=MIN:MAX`` after a host was lost or came back, a
+    job moved to fewer or more GPUs).  The control words are sized by the
+    workers, so the buffer is made anew (``in_place``: it has this job's
+    size and geometry already, and is initialized again), with its stripe
+    and replicas, and carries what a resumed run continues from: the
+    weights, the version, their lineage (``ORIGIN_MS``, which the saved
+    optimizer states are matched against) and the steps of the ranks both
+    jobs have (a rank the old job did not have starts at step 0).  Returns
+    the buffer and the words it carries (the set-aside's own decide, as for
+    any store, whether the new run resumes).  Side buffers sized by, or
+    kept for, the old job's workers go: the counts board, and the saved
+    optimizer states of ranks this job does not have."""
+    before, made_for = aside.control, aside.layout.workers
+    beating = [r for r in range(made_for) if before.live(r, stale_after) and not before.has_finished(r)]
+    log.warning("store %r was made for %d workers and this job has %d (WORLD_SIZE): rank 0 makes it again for %d, "
+                "with its weights, version and steps%s", buf.name, made_for, layout.workers, layout.workers,
+                "" if not beating else
+                f" (rank{'s' if len(beating) > 1 else ''} {lc.ranks_list(beating)} of the job before beat within "
+                f"the last {stale_after:.0f} s: if that job still runs, its ranks stop with an error)")
+    cmap, data_off, total = layout.geometry(buf.stripe, buf.nservers)
+    name = buf.name
+    if not in_place:
+        stripe, replicas = buf.stripe, buf.replicas
+        await client.destroy(name)
+        buf = await client.create(name, total, stripe=stripe, replicas=replicas)
+    await asyncio.gather(beside.discard(client, name, COUNTS),
+                         *(beside.discard(client, name, optimizer_state_what(r))
+                           for r in range(layout.workers, made_for)))
+    await _initialize(buf, layout, lock)
+    words = np.zeros(lc.slots_for(layout.workers), np.int64)
+    words[:lc.JOINS_EVEN] = before.words[:lc.JOINS_EVEN]
+    kept = min(made_for, layout.workers)
+    words[lc.RANK_BASE + lc.STEP:][:lc.RANK_WORDS * kept:lc.RANK_WORDS] = before.steps[:kept]
+    grid = words[lc.RANK_BASE:].reshape(layout.workers, lc.RANK_WORDS)
+    await asyncio.gather(buf.write(data_off, aside.data, fence=lock),
+                         buf.write(cmap.start, words[lc.VERSION:lc.GENERATION], fence=lock),
+                         *(buf.write(cmap.rows_offset(p), grid[p::cmap.pages].copy(), fence=lock)
+                           for p in range(cmap.pages)))
+    return buf, Control.parse(words, layout.workers)
+
+
 async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int) -> Buffer:
     delay = 0.01
     waiting = lc.Waiting(deadline, SAY_WAITING_AFTER, SAY_WAITING_EVERY)
@@ -1667,6 +1801,37 @@ async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int
                 raise NotifyTimeout(
                     f"rank 0 did not create store {name!r} in time; rank {rank} gives up: start rank 0 "
                     "with the same store name and SMB2_SERVERS, or raise timeout=") from None
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.25)
+
+
+async def _wait_made_again(client: Client, name: str, made_for: int, layout: Layout, rank: int,
+                           deadline: float) -> tuple[Buffer, Layout, int]:
+    """A rank > 0 that found the store made for ``made_for`` workers, not
+    this job's: rank 0 makes it again for this job (:func:`_made_again_for`)
+    where it resumes or starts over; wait for that store (its buffer, layout
+    and data offset), or give up at ``deadline`` in words."""
+    delay = 0.01
+    waiting = lc.Waiting(deadline, SAY_WAITING_AFTER, SAY_WAITING_EVERY)
+    while True:
+        if waiting.due():
+            waiting.say(f"rank {rank} waits for rank 0 to make store {name!r} again for {layout.workers} workers "
+                        f"(it was made for {made_for}; every rank has the same WORLD_SIZE)")
+        try:
+            buf = await client.attach(name)
+            await _wait_ready(buf, max(0.0, deadline - time.monotonic()))
+            theirs, data_off = await _read_layout(buf)
+            if theirs.workers == layout.workers:
+                if not theirs.same_as(layout):
+                    raise _another_model(name, theirs, layout)
+                return buf, theirs, data_off
+            made_for = theirs.workers
+        except (NoSuchBuffer, BufferDamaged, NotifyTimeout):
+            pass        # (being made again)
+        if time.monotonic() >= deadline:
+            err = _other_world(name, made_for, layout.workers)
+            raise InvalidArgumentError(f"{err.message}; rank 0 did not make it again for {layout.workers} "
+                                       f"workers in time (rank {rank} gives up)", hint=err.hint) from None
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.25)
 
