@@ -758,7 +758,8 @@ async def test_a_rank_of_another_world_size_gives_up_in_words(cluster: smb2.Loca
 
 
 async def test_a_rank_0_that_dies_making_the_store_again_loses_nothing(cluster: smb2.LocalCluster,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
     # rank 0 sets the store aside whole (weights and words) before it makes it again for another number of
     # workers; one that dies after the old store is gone leaves it there, and the next rank 0 goes on from it
     run1 = await _open_all(cluster, "lc-world-die", 2)
@@ -779,9 +780,40 @@ async def test_a_rank_0_that_dies_making_the_store_again_loses_nothing(cluster: 
     assert await (await client.attach("lc-world-die")).fetch_add(store_module._STATE, 0) != store_module.READY
     monkeypatch.setattr(store_module, "_initialize", initialize)
 
-    run2 = await _open_all(cluster, "lc-world-die", 3)
+    # ... and one that died while it made the new buffer left it half made: its part on one server gone
+    async with await smb2.connect([cluster.addresses[1]]) as one_server:
+        await one_server.destroy("lc-world-die")
+    with pytest.raises(smb2.BufferDamaged):
+        await client.attach("lc-world-die")
+
+    with caplog.at_level(logging.WARNING, logger="smb2.train"):
+        run2 = await _open_all(cluster, "lc-world-die", 3)
+    assert ("the store set aside in 'lc-world-die/remaking' holds its weights and words, so the store is made "
+            "anew") in caplog.text
     for s, step in zip(run2, (3, 4, 0)):
         assert (s.workers, s.generation, s.resumed, s.start_step) == (3, 2, True, step)
         assert np.array_equal(s.flat(), weights1)
     assert (await run2[0].refresh()).version == 7
     assert "lc-world-die/remaking" not in await client.buffers()
+
+
+@pytest.mark.parametrize("garbage", ["table", "sizes"])
+async def test_a_set_aside_that_is_not_one_is_refused_in_words(cluster: smb2.LocalCluster, garbage: str) -> None:
+    # whatever a client left in <store>/remaking, rank 0 names it and what to do, and the store is not touched
+    (s,) = await _open_all(cluster, "lc-aside-bad", 1)
+    await s.join()
+    await _train(s, 2)
+    client = await cluster.connect()
+    header = np.zeros(8, np.int64)
+    header[:3] = int.from_bytes(b"SMB2RMKG", "little"), 40, 12
+    body = b"\xc1" * 40 if garbage == "table" else store_module.Layout.plan(_params(), 1, {}).table()
+    header[1] = len(body)
+    side = await beside.make(client, "lc-aside-bad", "remaking", 64 + len(body) + 64, replicas=1)
+    await side.write(0, header.tobytes() + body)
+    with pytest.raises(smb2.InterfaceError, match=r"side buffer 'lc-aside-bad/remaking' should hold a store set "
+                                                  r"aside .* and does not") as told:
+        await ParameterStore.open(client, "lc-aside-bad", _params(), workers=2, rank=0, timeout=5)
+    assert "smb2 rm lc-aside-bad/remaking" in str(told.value)
+    await beside.discard(client, "lc-aside-bad", "remaking")
+    (again,) = await _open_all(cluster, "lc-aside-bad", 1)
+    assert (again.resumed, again.start_step) == (True, 2) and np.array_equal(again.flat(), s.flat())

@@ -425,8 +425,13 @@ class ParameterStore:
         # a damaged store is resumed never; started over only when asked to
         start_over = resume is False or image is not None
         chosen = layout.stripe_for(len(client.servers)) if stripe is None else stripe
+        # (a rank 0 that died making the store again may have left it half made: its set-aside holds it)
+        set_aside = await _set_aside_whole(client, name)
         buf = await _attach_or_create(client, name, layout.geometry(chosen, len(client.servers))[2], chosen,
-                                      replicas, layout if start_over else None)
+                                      replicas, layout if start_over or set_aside else None,
+                                      f"the store set aside in {beside.name_of(name, REMAKING)!r} holds its "
+                                      "weights and words" if set_aside else
+                                      "this run starts over (resume=False or init_from=)")
         _cmap, data_off, total = layout.geometry(buf.stripe, buf.nservers)
         lock = beside.lock(client, buf)       # the buffer's own lock, replicated with it
         await lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
@@ -1642,10 +1647,11 @@ async def remove(client: Client, name: str) -> bool:
 # -- the buffer ---------------------------------------------------------------------
 
 async def _attach_or_create(client: Client, name: str, total: int, stripe: int, replicas: int,
-                            start_over: Layout | None) -> Buffer:
+                            start_over: Layout | None, why: str) -> Buffer:
     """Rank 0: the existing buffer (whatever its stripe), or a new one.  A
-    damaged one (:class:`BufferDamaged`) is removed and made anew when the
-    run starts over (``start_over``: the job's layout), else refused."""
+    damaged one (:class:`BufferDamaged`) is removed and made anew where
+    nothing in it is needed (``start_over``: the job's layout; ``why``
+    says why not), else refused."""
     try:
         buf = await client.attach(name)
         if buf.replicas != replicas:
@@ -1658,8 +1664,7 @@ async def _attach_or_create(client: Client, name: str, total: int, stripe: int, 
     except BufferDamaged as err:
         if start_over is None:
             raise
-        log.warning("%s; this run starts over (resume=False or init_from=), so the store is made anew",
-                    store_damage(err, start_over).message)
+        log.warning("%s; %s, so the store is made anew", store_damage(err, start_over).message, why)
         await client.destroy(name)
     try:
         return await client.create(name, total, stripe=stripe, replicas=replicas)
@@ -1692,16 +1697,30 @@ class _Aside:
         return header, table.ljust(_round_up(len(table), 8), b"\0") + self.control.words.tobytes() + self.data.tobytes()
 
     @classmethod
-    def unpacked(cls, raw: np.ndarray) -> _Aside | None:
-        """The store a whole set-aside holds (None: the set-aside did not
-        finish, so the store itself was never touched)."""
-        header = raw[:PREAMBLE].view(np.int64)
-        if int(header[0]) != _ASIDE_MAGIC:
+    def unpacked(cls, raw: np.ndarray, name: str) -> _Aside | None:
+        """The store a whole set-aside (side buffer ``name``) holds (None:
+        the set-aside did not finish, so the store itself was never
+        touched); what is not a store set aside is refused in words."""
+        if raw.nbytes < PREAMBLE or int(raw[:PREAMBLE].view(np.int64)[0]) != _ASIDE_MAGIC:
             return None
-        table_len, data_len = int(header[1]), int(header[2])
-        at = PREAMBLE + _round_up(table_len, 8)
-        layout = Layout.from_table(raw[PREAMBLE:PREAMBLE + table_len].tobytes())
-        words_end = at + 8 * lc.slots_for(layout.workers)
+        table_len, data_len = (int(w) for w in raw[8:24].view(np.int64))
+        try:
+            # (the header's lengths are checked before they slice: garbage there must not become a read)
+            if not 0 < table_len <= raw.nbytes - PREAMBLE:
+                raise ValueError(f"its table of {table_len} bytes is not within its {raw.nbytes}")
+            layout = Layout.from_table(raw[PREAMBLE:PREAMBLE + table_len].tobytes())
+            if layout.workers < 1:
+                raise ValueError(f"its table says {layout.workers} workers")
+            at = PREAMBLE + _round_up(table_len, 8)
+            words_end = at + 8 * lc.slots_for(layout.workers)
+            if data_len != layout.data_len or words_end + data_len > raw.nbytes:
+                raise ValueError(f"{raw.nbytes} bytes do not hold the {data_len} of data its header says, "
+                                 f"nor the {layout.data_len} its table says")
+        except (ValueError, KeyError, TypeError, IndexError, msgpack.UnpackException) as exc:
+            raise InterfaceError(f"side buffer {name!r} should hold a store set aside while it is made again for "
+                                 f"another number of workers, and does not ({exc})",
+                                 hint=f"if no job is making the store again, remove it with `smb2 rm {name}`; "
+                                      "the store itself is not touched") from None
         return cls(layout, Control.parse(raw[at:words_end].view(np.int64), layout.workers),
                    raw[words_end:words_end + data_len].copy())
 
@@ -1725,6 +1744,19 @@ async def _set_aside(client: Client, buf: Buffer, theirs: Layout) -> _Aside:
     return aside
 
 
+async def _set_aside_whole(client: Client, name: str) -> bool:
+    """Is there a whole set-aside (:func:`_set_aside`) beside store ``name``:
+    one whose store a rank 0 may have started to make again?"""
+    try:
+        side = await beside.find(client, name, REMAKING)
+    except NoSuchBuffer:
+        return False
+    magic = np.zeros(1, np.int64)
+    if side.nbytes >= PREAMBLE:
+        await side.read_into(magic, 0)
+    return int(magic[0]) == _ASIDE_MAGIC
+
+
 async def _kept_aside(client: Client, name: str) -> _Aside | None:
     """The store set aside by a rank 0 that died while it made the store
     again (:func:`_set_aside`), if there is one."""
@@ -1734,7 +1766,7 @@ async def _kept_aside(client: Client, name: str) -> _Aside | None:
         return None
     raw = np.empty(side.nbytes, np.uint8)
     await side.read_into(raw, 0)
-    return _Aside.unpacked(raw)
+    return _Aside.unpacked(raw, side.name)
 
 
 async def _made_again(client: Client, buf: Buffer, aside: _Aside, layout: Layout, lock: Lock | ReplicatedLock,
