@@ -503,6 +503,25 @@ async def test_bad_mirrors_are_refused_in_the_workers_terms_and_the_agent_goes_o
                 return True
             return False
         await until(pushes_fail, "a push into the mirror of a destroyed buffer fails")
+
+        # a buffer destroyed and made again under a mirror that nobody used since (the agent finds the
+        # remote buffer gone only when it next pulls or forwards): a worker that opens the mirror and pulls
+        # (open_pulled, as a store does) gets one of the new buffer, not the failure of the old one
+        await direct.create("again", 4096)
+        kept = await AgentMirror.open(w, "again", 0, 4096, "float32", timeout=30)
+        await direct.destroy("again")
+        made = await direct.create("again", 4096)
+        await made.write(0, np.full(1024, 5.0, np.float32))
+        other = await smb2.connect([agent.endpoint])
+        fresh = await AgentMirror.open_pulled(other, "again", 0, 4096, "float32", timeout=30)
+        assert fresh.buffer.name == kept.buffer.name
+        assert np.array_equal(await fresh.read(), np.full(1024, 5.0, np.float32))
+        await fresh.accumulate(0, np.ones(1024, np.float32))
+        await fresh.wait_forwarded(timeout=60)
+        got = np.empty(1024, np.float32)
+        await made.read_into(got, 0)
+        assert np.array_equal(got, np.full(1024, 6.0, np.float32))
+        await other.close()
         await w.close()
 
 

@@ -91,6 +91,7 @@ is on the servers once or not at all.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import os
@@ -412,6 +413,31 @@ class AgentMirror:
         except (TransportError, StaleHandle) as exc:
             raise _lost(address, spec.remote, 0, 0, 0, exc) from None
 
+    @classmethod
+    async def open_pulled(cls, agent: AgentClient, remote: str | Named, offset: int, nbytes: int,
+                          dtype: Any = "float32", *, timeout: float = 30.0, wire: str | None = None,
+                          host_workers: int = 1) -> AgentMirror:
+        """:meth:`open`, then a pull asked for after it: the mirror holds
+        what the remote region holds now.  The host's workers that open it
+        together ask together, and the agent gathers their asks into one
+        pull.  The agent finds a remote buffer destroyed only when it next
+        pulls or forwards, so a mirror of an earlier buffer of the remote's
+        name (destroyed, and made again under that name, while nobody used
+        the mirror: a store removed and run again, or made again for another
+        number of workers) fails at this pull: it is made again, once, and
+        nothing was pushed through it.  Raises what :meth:`open` does, and
+        :class:`AgentTimeout` where the pull takes more than ``timeout``."""
+        for attempt in range(2):
+            mirror = await cls.open(agent, remote, offset, nbytes, dtype, timeout=timeout, wire=wire,
+                                    host_workers=host_workers)
+            try:
+                await mirror._pull(timeout)
+                return mirror
+            except NoSuchBuffer as exc:
+                if attempt or isinstance(exc, StaleHandle):
+                    raise
+        raise AssertionError("unreachable")
+
     # -- what a worker reads of it -----------------------------------------------
     @property
     def cycle(self) -> int:
@@ -516,6 +542,18 @@ class AgentMirror:
         if rel + length > self.spec.nbytes:
             raise InvalidArgumentError(f"{what} of {length} bytes at offset {rel} runs past the end of the mirror "
                                        f"of {self.spec!r} ({self.spec.nbytes} bytes)")
+
+    async def _pull(self, timeout: float) -> None:
+        """A pull asked for now, waited for (up to ``timeout``), without a read."""
+        try:
+            await asyncio.wait_for(self._pulled(), timeout)
+        except (TransportError, StaleHandle) as exc:
+            raise self._lose(exc) from None
+        except TimeoutError:
+            raise AgentTimeout(f"the host agent at {self.agent} did not pull the mirror of {self.spec!r} within "
+                               f"{timeout:g} s", hint=f"check that smb2-agent runs on this host, or unset {AGENT_ENV} "
+                               "to reach the memory servers directly") from None
+        await self._read_words()
 
     async def _pulled(self) -> None:
         """Ask the agent for a pull and wait until one that began after the ask is in."""

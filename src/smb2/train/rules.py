@@ -705,8 +705,8 @@ class DiLoCo(UpdateRule):
         n = self._read.nbytes
         wire = self.wire if self._read.dtype == np.float32 else None
         try:
-            mirror = await AgentMirror.open(agent, outer, n, n, self._read.dtype, timeout=timeout, wire=wire,
-                                            host_workers=host_workers)
+            mirror = await AgentMirror.open_pulled(agent, outer, n, n, self._read.dtype, timeout=timeout, wire=wire,
+                                                   host_workers=host_workers)
         except OutOfMemory as exc:
             log.warning("rank %d of store %r: %s; its shares of the outer momentum step go to the memory servers "
                         "directly", st.rank, st.name, exc.message)

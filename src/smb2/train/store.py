@@ -744,10 +744,10 @@ class ParameterStore:
         # the agent forwards as the rule pushes (diloco: bfloat16 by default), what
         # that rounding leaves out staying on the host for the next forward
         wire = getattr(self.rule, "wire", None) if self.layout.dtype == np.float32 else None
-        mirror = await AgentMirror.open(agent, self.buf, self.data_off, self.layout.data_len, self.layout.dtype,
-                                        timeout=timeout, wire=wire, host_workers=host_workers)
-        # a cycle that began after this call pulled what the servers hold now
-        await mirror.wait_cycle(mirror.cycle + 2, timeout=timeout)
+        # (pulled once opened: it holds what the servers hold now)
+        mirror = await AgentMirror.open_pulled(agent, self.buf, self.data_off, self.layout.data_len,
+                                               self.layout.dtype, timeout=timeout, wire=wire,
+                                               host_workers=host_workers)
         self.weights = AgentWeights(mirror, ServerWeights(self.buf, self.data_off), self.name, self.rank)
         await self.rule.through_agent(agent, self.weights, timeout=timeout, host_workers=host_workers)
         log.info("rank %d of store %r exchanges through the host agent at %s", self.rank, self.name, mirror.agent)
