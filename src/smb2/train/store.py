@@ -247,12 +247,6 @@ def _another_model(name: str, theirs: Layout | None, ours: Layout, nbytes: int |
         detail=f"this job's tensors: {ours.summary()}")
 
 
-def _other_world(name: str, theirs: int, ours: int) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"store {name!r} was made for {theirs} workers, this job has WORLD_SIZE={ours}; check WORLD_SIZE, "
-        f"or remove the store with `smb2 rm {name}` (start from a checkpoint with init_from=)")
-
-
 #: the rules whose exchange is accumulates into, and reads of, the shared
 #: weights: those a host agent serves (:meth:`ParameterStore.use_agent`)
 AGENT_RULES = ("accumulate", "delta", "diloco", "easgd")
@@ -1861,9 +1855,11 @@ async def _wait_made_again(client: Client, name: str, made_for: int, layout: Lay
         except (NoSuchBuffer, BufferDamaged, NotifyTimeout):
             pass        # (being made again)
         if time.monotonic() >= deadline:
-            err = _other_world(name, made_for, layout.workers)
-            raise InvalidArgumentError(f"{err.message}; rank 0 did not make it again for {layout.workers} "
-                                       f"workers in time (rank {rank} gives up)", hint=err.hint) from None
+            raise InvalidArgumentError(
+                f"store {name!r} was made for {made_for} workers, this job has WORLD_SIZE={layout.workers}, and "
+                f"rank 0 did not make it again for {layout.workers} workers in time (rank {rank} gives up)",
+                hint=f"rank 0 makes the store again for its own WORLD_SIZE: check that it runs, and that every "
+                     f"rank of the job has WORLD_SIZE={layout.workers}") from None
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.25)
 
