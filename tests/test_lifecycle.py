@@ -712,8 +712,10 @@ async def test_a_job_launched_again_with_another_world_size_resumes(cluster: smb
     # fewer workers; rank 1 first: it finds the store made for 3 and waits for rank 0 to make it again
     with caplog.at_level(logging.WARNING, logger="smb2.train"):
         run2 = await _open_all(cluster, "lc-world", 2, first=1)
-    assert ("store 'lc-world' was made for 3 workers and this job has 2 (WORLD_SIZE): rank 0 makes it again "
-            "for 2, with its weights, version and steps") in caplog.text
+    assert ("store 'lc-world' was made for 3 workers and this job has 2 (WORLD_SIZE): rank 0 made it again "
+            "for 2; the run resumes with its weights and version, and ranks 0-1 with their steps (ranks 0, 1, 2 "
+            "of the job before beat within the last 60 s: if that job still runs, its ranks stop with an error)"
+            ) in caplog.text
     assert "resuming store 'lc-world' at version 15, step 4 (an earlier run did not finish)" in caplog.text
     for s, step in zip(run2, (4, 6)):
         assert (s.workers, s.generation, s.resumed, s.start_step) == (2, 2, True, step)
@@ -740,7 +742,12 @@ async def test_a_job_launched_again_with_another_world_size_resumes(cluster: smb
     assert await run3[0].read_version() == 19
 
     # a finished run, launched again with another number of workers, starts over from the job's weights
-    run4 = await _open_all(cluster, "lc-world", 2)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="smb2.train"):
+        run4 = await _open_all(cluster, "lc-world", 2)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if "made it again" in r.getMessage()] == [
+        ("INFO", "store 'lc-world' was made for 4 workers and this job has 2 (WORLD_SIZE): rank 0 made it again "
+                 "for 2; the new run starts fresh (the earlier run finished)")]
     for s in run4:
         assert (s.workers, s.generation, s.resumed, s.start_step) == (2, 4, False, 0)
         assert np.array_equal(s.params["w"], _params(0)["w"])

@@ -452,7 +452,7 @@ class ParameterStore:
                     raise _another_model(name, aside.layout, layout)
                 # (a buffer of another number of workers is made anew: its old ranks' rows lie elsewhere)
                 in_place = buf.nbytes == total and made_for in (None, layout.workers)
-                buf, carried = await _made_again(client, buf, aside, layout, lock, stale_after, in_place)
+                buf, carried = await _made_again(client, buf, aside, layout, lock, in_place)
                 _cmap, data_off, _total = layout.geometry(buf.stripe, buf.nservers)
             elif state != READY:
                 if buf.nbytes != total:
@@ -466,6 +466,8 @@ class ParameterStore:
             # (no rank goes back into a run of another number of workers)
             decision = lc.decide_rank0(control, resume=resume, restarted=restarted, stale_after=stale_after,
                                        rejoinable=rule.rejoinable and aside is None)
+            if aside is not None:
+                _say_made_again(name, aside, layout.workers, decision, stale_after)
             if decision.action == "rejoin":
                 store._enter(control, joined=True, rejoined=True)
                 await store._write_own(joined=control.generation)
@@ -1763,8 +1765,25 @@ async def _kept_aside(client: Client, name: str) -> _Aside | None:
     return _Aside.unpacked(raw, side.name)
 
 
+def _say_made_again(name: str, aside: _Aside, workers: int, decision: lc.Decision, stale_after: float) -> None:
+    """Rank 0 made the store ``name`` again for ``workers`` (:func:`_made_again`):
+    say so, with what the new run takes from the old one, and the old job's
+    ranks that may still run (they stop with an error)."""
+    before, made_for = aside.control, aside.layout.workers
+    beating = [r for r in range(made_for) if before.live(r, stale_after) and not before.has_finished(r)]
+    kept = min(made_for, workers)
+    taken = (f"the run resumes with its weights and version, and ranks 0-{kept - 1} with their steps"
+             if decision.action == "resume" else f"the new run starts fresh ({decision.why})")
+    still = ("" if not beating else
+             f" (rank{'s' if len(beating) > 1 else ''} {lc.ranks_list(beating)} of the job before beat within the "
+             f"last {stale_after:.0f} s: if that job still runs, its ranks stop with an error)")
+    log.log(logging.WARNING if decision.action == "resume" or beating else logging.INFO,
+            "store %r was made for %d workers and this job has %d (WORLD_SIZE): rank 0 made it again for %d; "
+            "%s%s", name, made_for, workers, workers, taken, still)
+
+
 async def _made_again(client: Client, buf: Buffer, aside: _Aside, layout: Layout, lock: Lock | ReplicatedLock,
-                      stale_after: float, in_place: bool) -> tuple[Buffer, Control]:
+                      in_place: bool) -> tuple[Buffer, Control]:
     """Rank 0, under the store's lock: the store set aside (made for
     ``aside.layout.workers`` workers) made again for this job's
     ``layout.workers`` (a job launched again with another WORLD_SIZE:
@@ -1781,12 +1800,6 @@ async def _made_again(client: Client, buf: Buffer, aside: _Aside, layout: Layout
     kept for, the old job's workers go: the counts board, and the saved
     optimizer states of ranks this job does not have."""
     before, made_for = aside.control, aside.layout.workers
-    beating = [r for r in range(made_for) if before.live(r, stale_after) and not before.has_finished(r)]
-    log.warning("store %r was made for %d workers and this job has %d (WORLD_SIZE): rank 0 makes it again for %d, "
-                "with its weights, version and steps%s", buf.name, made_for, layout.workers, layout.workers,
-                "" if not beating else
-                f" (rank{'s' if len(beating) > 1 else ''} {lc.ranks_list(beating)} of the job before beat within "
-                f"the last {stale_after:.0f} s: if that job still runs, its ranks stop with an error)")
     cmap, data_off, total = layout.geometry(buf.stripe, buf.nservers)
     name = buf.name
     if not in_place:
