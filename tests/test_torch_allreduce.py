@@ -812,6 +812,59 @@ def test_a_torchrun_restart_goes_on_from_rank_0s_last_save(servers: str, tmp_pat
         torch.testing.assert_close(torch.tensor(ends[0]["weights"][n]), want.flatten(), rtol=1e-5, atol=1e-6)
 
 
+_RESIZED = textwrap.dedent('''
+    import json, os, sys, time
+    import torch
+    import smb2.torch as st
+    from smb2.testing.torch_models import rank_batches, small_model
+
+    steps, die_after = int(sys.argv[2]), int(sys.argv[3])
+    model = small_model()
+    opt = st.AsyncOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model, name=sys.argv[1],
+                            state_every=1e-9, state_share=None, timeout=60)
+    print(json.dumps({"event": "open", "rank": opt.rank, "world": opt.world, "start_step": opt.start_step,
+                      "resumed": opt.resumed}), flush=True)
+    for x, y in rank_batches(steps, opt.rank)[opt.start_step:]:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        time.sleep(0.05)
+        if opt.world == 3 and opt.steps == die_after:
+            os._exit(3)         # the whole job dies (its host lost), before it finished
+    opt.close(wait_all=60)
+    print(json.dumps({"event": "done", "rank": opt.rank, "steps": opt.steps,
+                      "weights": {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}}),
+          flush=True)
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)      # five torch processes start; a loaded 2-core machine needs a minute
+def test_a_job_launched_again_with_fewer_torchrun_workers_goes_on(servers: str, tmp_path: Path) -> None:
+    # a job of 3 torchrun workers dies after step 6; launched again with 2 (torchrun --nnodes=MIN:MAX
+    # after a host was lost), its rank 0 makes the store again for 2 and both go on from rank 0's last
+    # save, in step, to the end
+    steps, die_after, name = 12, 6, "ar-fewer-torchrun"
+    script = tmp_path / "train.py"
+    script.write_text(_RESIZED)
+    env = dict(os.environ, SMB2_SERVERS=servers, OMP_NUM_THREADS="1")
+    first = subprocess.run(torchrun(str(script), name, str(steps), str(die_after), nproc=3, max_restarts=0),
+                           env=env, capture_output=True, text=True, timeout=110)
+    assert first.returncode != 0 and not [e for e in json_objects(first.stdout) if e["event"] == "done"]
+    again = subprocess.run(torchrun(str(script), name, str(steps), str(die_after), nproc=2, max_restarts=0),
+                           env=env, capture_output=True, text=True, timeout=110)
+    assert again.returncode == 0, torchrun_failure(again.stderr)
+    assert f"store {name!r} was made for 3 workers and this job has 2 (WORLD_SIZE): rank 0 made it again for 2; " \
+           "the run resumes" in again.stderr, again.stderr[-4000:]
+    events = json_objects(again.stdout)
+    opened = sorted((e["rank"], e["world"], e["resumed"], e["start_step"]) for e in events if e["event"] == "open")
+    assert [o[:3] for o in opened] == [(0, 2, True), (1, 2, True)], opened
+    assert 1 <= opened[0][3] == opened[1][3] <= die_after, opened
+    ends = {e["rank"]: e for e in events if e["event"] == "done"}
+    assert sorted(ends) == [0, 1] and ends[0]["steps"] == ends[1]["steps"] == steps
+    assert ends[0]["weights"] == ends[1]["weights"]
+
+
 _TAKEN_BACK = textwrap.dedent('''
     import json, os, sys, time
     from pathlib import Path
