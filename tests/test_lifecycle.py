@@ -824,3 +824,23 @@ async def test_a_set_aside_that_is_not_one_is_refused_in_words(cluster: smb2.Loc
     await beside.discard(client, "lc-aside-bad", "remaking")
     (again,) = await _open_all(cluster, "lc-aside-bad", 1)
     assert (again.resumed, again.start_step) == (True, 2) and np.array_equal(again.flat(), s.flat())
+
+
+async def test_servers_without_room_for_the_set_aside_leave_the_store_untouched() -> None:
+    # the set-aside is a second copy of the weights: where the servers have no room for it, the open
+    # fails before the store is touched, and the job of the old size still resumes it
+    big = {"w": np.arange(160 << 10, dtype=np.float32)}        # 640 KiB of weights on 1 MiB of servers
+    async with smb2.LocalCluster(servers=2, capacity="1MiB") as small:
+        clients = [await small.connect() for _ in range(2)]
+        run1 = await asyncio.gather(*(ParameterStore.open(clients[r], "lc-no-room", big, workers=2, rank=r,
+                                                          timeout=10) for r in range(2)))
+        await asyncio.gather(*(s.join(timeout=10) for s in run1))
+        await run1[0].push({"w": np.ones(160 << 10, np.float32)})
+        await run1[0].pull()
+        weights = run1[0].flat().copy()
+        with pytest.raises(smb2.OutOfMemory):
+            await ParameterStore.open(await small.connect(), "lc-no-room", big, workers=3, rank=0, timeout=5)
+        names = await clients[0].buffers()
+        assert "lc-no-room" in names and "lc-no-room/remaking" not in names, names
+        again = await ParameterStore.open(await small.connect(), "lc-no-room", big, workers=2, rank=0, timeout=5)
+        assert again.resumed and again.workers == 2 and np.array_equal(again.flat(), weights)

@@ -1686,11 +1686,14 @@ class _Aside:
         self.data = data
 
     def packed(self) -> tuple[np.ndarray, bytes]:
-        """(header, body): the body is written first, the header (its magic) last."""
+        """(header, words): the header, then the table and the control
+        words, which the data follow (at ``PREAMBLE + len(words)``; written
+        from :attr:`data` itself, not copied: it is the model's size).  The
+        header (its magic) is written last."""
         table = self.layout.table()
         header = np.zeros(PREAMBLE // 8, np.int64)
         header[:3] = _ASIDE_MAGIC, len(table), self.data.nbytes
-        return header, table.ljust(_round_up(len(table), 8), b"\0") + self.control.words.tobytes() + self.data.tobytes()
+        return header, table.ljust(_round_up(len(table), 8), b"\0") + self.control.words.tobytes()
 
     @classmethod
     def unpacked(cls, raw: np.ndarray, name: str) -> _Aside | None:
@@ -1718,7 +1721,7 @@ class _Aside:
                                  hint=f"if no job is making the store again, remove it with `smb2 rm {name}`; "
                                       "the store itself is not touched") from None
         return cls(layout, Control.parse(raw[at:words_end].view(np.int64), layout.workers),
-                   raw[words_end:words_end + data_len].copy())
+                   raw[words_end:words_end + data_len])
 
 
 async def _set_aside(client: Client, buf: Buffer, theirs: Layout) -> _Aside:
@@ -1732,10 +1735,10 @@ async def _set_aside(client: Client, buf: Buffer, theirs: Layout) -> _Aside:
     data = np.empty(theirs.data_len, np.uint8)
     control, _ = await asyncio.gather(_read_control(buf, cmap), buf.read_into(data, data_off))
     aside = _Aside(theirs, control, data)
-    header, body = aside.packed()
-    side = await beside.make(client, buf.name, REMAKING, PREAMBLE + len(body), replicas=buf.replicas)
+    header, words = aside.packed()
+    side = await beside.make(client, buf.name, REMAKING, PREAMBLE + len(words) + data.nbytes, replicas=buf.replicas)
     await side.write(0, np.zeros(PREAMBLE, np.uint8))       # (an earlier, whole one is whole no more)
-    await side.write(PREAMBLE, body)
+    await asyncio.gather(side.write(PREAMBLE, words), side.write(PREAMBLE + len(words), data))
     await side.write(0, header)
     return aside
 
