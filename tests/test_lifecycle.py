@@ -388,10 +388,13 @@ async def test_checkpoint_every_k_steps_and_start_from_one(cluster: smb2.LocalCl
     (s,) = await _open_all(cluster, "lc-ckpt", 1, checkpoint_every=3, checkpoint_path=tmp_path / "c-{step}.ckpt")
     await s.join()
     for step in range(1, 7):
+        if step == 4:       # (rank 0's optimizer state, as smb2.torch saves it: copied beside the checkpoint)
+            state = await beside.make(s.client, "lc-ckpt", store_module.optimizer_state_what(0), 4096, replicas=1)
+            await state.write(0, np.arange(4096, dtype=np.uint8))
         await s.push(_ones())
         await s.heartbeat(step, force=True)
     await s.finish()        # waits for the checkpoint of step 6
-    assert sorted(await asyncio.to_thread(os.listdir, tmp_path)) == ["c-3.ckpt", "c-6.ckpt"]
+    assert sorted(await asyncio.to_thread(os.listdir, tmp_path)) == ["c-3.ckpt", "c-6.ckpt", "c-6.ckpt.optim"]
     # a new job (another store name) starts from the checkpoint of step 6
     (t,) = await _open_all(cluster, "lc-ckpt-2", 1, init_from=tmp_path / "c-6.ckpt")
     assert (t.generation, t.resumed, t.start_step) == (1, True, 6)
@@ -399,6 +402,13 @@ async def test_checkpoint_every_k_steps_and_start_from_one(cluster: smb2.LocalCl
     await s.pull()
     assert np.array_equal(t.flat(), s.flat())                        # the weights of step 6
     np.testing.assert_allclose(t.params["b"], _params(0)["b"] - 0.01 * 6, atol=1e-6)
+    # a job of another size: the ranks both have keep their steps and optimizer states (rank 0's here)
+    two = await _open_all(cluster, "lc-ckpt-5", 2, init_from=tmp_path / "c-6.ckpt")
+    assert [(u.resumed, u.start_step) for u in two] == [(True, 6), (True, 0)]
+    assert np.array_equal(two[0].flat(), s.flat()) and np.array_equal(two[1].flat(), s.flat())
+    restored = await two[0].client.attach(store_module.optimizer_state_name("lc-ckpt-5", 0))
+    assert np.array_equal(await restored.read(0, 4096), np.arange(4096, dtype=np.uint8))
+    assert _words(two[0]).origin == _words(s).origin        # the lineage the restored state is of
     with pytest.raises(smb2.InvalidArgumentError, match="another model"):
         await ParameterStore.open(await cluster.connect(), "lc-ckpt-3", {"x": np.zeros(3, np.float32)},
                                   init_from=tmp_path / "c-6.ckpt")

@@ -496,16 +496,19 @@ class ParameterStore:
             words[:] = 0
             steps = words[lc.RANK_BASE + lc.STEP::lc.RANK_WORDS]
             if image is not None:
-                if image.control.workers == self.workers:
-                    restored = await image.restore_optimizer_states(self.client, self.name, self.buf.replicas)
-                else:
-                    log.warning("store %r: checkpoint %s is of %d workers, this job has %d: its steps and "
-                                "optimizer states are not used (every rank starts at step 0 with a fresh optimizer "
-                                "state)", self.name, image.path, image.control.workers, self.workers)
+                # (of a job of another size: the ranks both have keep their steps and states, as a store
+                # made again for this job's size does)
+                restored = await image.restore_optimizer_states(self.client, self.name, self.buf.replicas,
+                                                                self.workers)
+                kept = min(image.control.workers, self.workers)
+                if image.control.workers != self.workers:
+                    log.warning("store %r: checkpoint %s is of %d workers, this job has %d: ranks 0-%d take their "
+                                "steps and optimizer states from it, and any other starts at step 0 with a fresh "
+                                "optimizer state", self.name, image.path, image.control.workers, self.workers,
+                                kept - 1)
                 self.mirror[...] = image.data
                 words[lc.VERSION] = image.control.version
-                if image.control.workers == self.workers:
-                    steps[...] = image.control.steps
+                steps[:kept] = image.control.steps[:kept]
             else:
                 for tname, arr in params.items():
                     self.params[tname][...] = arr
@@ -1370,17 +1373,20 @@ class StoreImage:
         self.path = path
         self.name = name
 
-    async def restore_optimizer_states(self, client: Client, name: str, replicas: int = 1) -> int:
+    async def restore_optimizer_states(self, client: Client, name: str, replicas: int = 1,
+                                       workers: int | None = None) -> int:
         """Rank 0 of a fresh run from this image: put the optimizer states
         saved beside it into store ``name``'s state buffers (side buffers
         with the store's ``replicas``), in place of any there (an earlier
-        run's, which must not be loaded with these weights).  Returns how
-        many ranks' states were restored."""
+        run's, which must not be loaded with these weights); those of ranks
+        below ``workers`` only (None: every one).  Returns how many ranks'
+        states were restored."""
         prefix = _optim_prefix(name)
         await asyncio.gather(*(client.destroy(b) for b in await client.buffers() if b.startswith(prefix)))
         saved_prefix = _optim_prefix(self.name)
         folder = optimizer_states_dir(self.path)
-        files = sorted(f for f in (folder.iterdir() if folder.is_dir() else ()) if f.name.isdigit())
+        files = sorted(f for f in (folder.iterdir() if folder.is_dir() else ())
+                       if f.name.isdigit() and (workers is None or int(f.name) < workers))
         restored = 0
         for f in files:
             try:
