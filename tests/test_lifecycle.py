@@ -854,3 +854,36 @@ async def test_servers_without_room_for_the_set_aside_leave_the_store_untouched(
         assert "lc-no-room" in names and "lc-no-room/remaking" not in names, names
         again = await ParameterStore.open(await small.connect(), "lc-no-room", big, workers=2, rank=0, timeout=5)
         assert again.resumed and again.workers == 2 and np.array_equal(again.flat(), weights)
+
+
+async def test_a_set_aside_left_after_the_new_run_opened_is_never_made_again(cluster: smb2.LocalCluster,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 0 dies after it opened the run in the store made again, before it removed the set-aside; the
+    # others joined that run and train on: restarted, rank 0 removes the set-aside and goes back into the
+    # run, where making the store again from it would throw their steps away
+    run1 = await _open_all(cluster, "lc-world-late", 2)
+    await asyncio.gather(*(s.join(timeout=10) for s in run1))
+    await asyncio.gather(_train(run1[0], 2), _train(run1[1], 2))
+    discard = beside.discard
+
+    async def dies(client: smb2.Client, parent: str, what: str) -> bool:
+        if what == "remaking":
+            raise RuntimeError("rank 0 died here")
+        return await discard(client, parent, what)
+    monkeypatch.setattr(beside, "discard", dies)
+    clients = [await cluster.connect() for _ in range(3)]
+    with pytest.raises(RuntimeError, match="rank 0 died here"):
+        await ParameterStore.open(clients[0], "lc-world-late", _params(0), workers=3, rank=0, timeout=10)
+    monkeypatch.setattr(beside, "discard", discard)
+    others = await asyncio.gather(*(ParameterStore.open(clients[r], "lc-world-late", _params(r), workers=3, rank=r,
+                                                        timeout=10) for r in (1, 2)))
+    await asyncio.gather(*(s.join(timeout=10) for s in others))
+    await asyncio.gather(*(_train(s, 3) for s in others))
+    assert "lc-world-late/remaking" in await clients[0].buffers()
+
+    zero = await ParameterStore.open(await cluster.connect(), "lc-world-late", _params(0), workers=3, rank=0,
+                                     timeout=10, restarted=True)
+    assert "lc-world-late/remaking" not in await clients[0].buffers()
+    assert (zero.workers, zero.rejoined, zero.generation) == (3, True, 2)
+    await others[0].pull()
+    assert np.array_equal(zero.flat(), others[0].flat()) and await zero.read_version() == 4 + 6

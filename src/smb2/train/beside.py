@@ -5,9 +5,9 @@ A parameter store keeps, beside its own buffer, each rank's optimizer state
 DiLoCo's outer momentum (``<store>/outer``), rule allreduce's gradient sums
 (``<store>/gradients``), the ranks' stability counts
 (``<store>/counts``), the store itself while rank 0 makes it again for
-another number of workers (``<store>/remaking``), and locks: the store's own (``buffer:<store>``) and
-the locked rule's per-tensor ones (``<store>/<tensor>``).  Every one is made,
-found and removed here:
+another number of workers (``<store>/remaking``), and locks: the store's
+own (``buffer:<store>``) and the locked rule's per-tensor ones
+(``<store>/<tensor>``).  Every one is made, found and removed here:
 
 * **named after the parent**: ``<parent>/<what>`` (:func:`name_of`), the
   store's own lock ``buffer:<parent>`` (:func:`lock_name`);

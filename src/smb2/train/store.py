@@ -439,6 +439,8 @@ class ParameterStore:
             if state == READY:
                 theirs, data_off = await _read_layout(buf)
                 made_for = theirs.workers
+                if aside is not None and await _made_again_already(buf, theirs, aside):
+                    aside = None
                 if aside is None:
                     if not theirs.same_as(layout):
                         raise _another_model(name, theirs, layout)
@@ -1747,6 +1749,23 @@ async def _set_aside(client: Client, buf: Buffer, theirs: Layout) -> _Aside:
     await asyncio.gather(side.write(PREAMBLE, words), side.write(PREAMBLE + len(words), data))
     await side.write(0, header)
     return aside
+
+
+async def _made_again_already(buf: Buffer, theirs: Layout, aside: _Aside) -> bool:
+    """Is the store ``buf`` (ready, of layout ``theirs``) the one made again
+    from ``aside``, with its run opened (a rank 0 that died after it opened
+    the run, before it removed the set-aside)?  Then the set-aside is
+    removed: the store has trained past it, and must never be made again
+    from it."""
+    # (the old store itself, a buffer made for the new one, or the new one: the run it opened says which)
+    now = await _read_control(buf, theirs.geometry(buf.stripe, buf.nservers)[0], ())
+    if now.generation <= aside.control.generation:
+        return False
+    await beside.discard(buf.client, buf.name, REMAKING)
+    log.info("store %r: the set-aside %r of a store made again for %d workers is removed (run %d was opened "
+             "in the store made from it)", buf.name, beside.name_of(buf.name, REMAKING), theirs.workers,
+             now.generation)
+    return True
 
 
 async def _set_aside_whole(client: Client, name: str) -> bool:
