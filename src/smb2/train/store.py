@@ -1823,8 +1823,8 @@ async def _made_again(client: Client, buf: Buffer, aside: _Aside, layout: Layout
     weights, the version, their lineage (``ORIGIN_MS``, which the saved
     optimizer states are matched against) and the steps of the ranks both
     jobs have (a rank the old job did not have starts at step 0).  Returns
-    the buffer and the words it carries (the set-aside's own decide, as for
-    any store, whether the new run resumes).  Side buffers sized by, or
+    the buffer and the words it carries (the set-aside's own words decide,
+    as for any store, whether the new run resumes).  Side buffers sized by, or
     kept for, the old job's workers go: the counts board, and the saved
     optimizer states of ranks this job does not have."""
     before, made_for = aside.control, aside.layout.workers
@@ -1875,7 +1875,7 @@ async def _wait_for_buffer(client: Client, name: str, deadline: float, rank: int
 async def _wait_made_again(client: Client, name: str, made_for: int, layout: Layout, rank: int,
                            deadline: float) -> tuple[Buffer, Layout, int]:
     """A rank > 0 that found the store made for ``made_for`` workers, not
-    this job's: rank 0 makes it again for this job (:func:`_made_again_for`)
+    this job's: rank 0 makes it again for this job (:func:`_made_again`)
     where it resumes or starts over; wait for that store (its buffer, layout
     and data offset), or give up at ``deadline`` in words."""
     delay = 0.01
