@@ -21,6 +21,7 @@ torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
 
 import smb2.torch as st  # noqa: E402
+from smb2.testing.torch_models import in_threads, rank_batches, small_model  # noqa: E402
 from smb2.torch import resume  # noqa: E402
 from smb2.train.store import optimizer_state_name, remove  # noqa: E402
 
@@ -490,3 +491,42 @@ def test_a_diverging_step_after_a_loaded_state_names_it_as_a_suspect(servers: st
     finally:
         with contextlib.suppress(smb2.Smb2Error):      # close() says the step's error again
             opt2.close()
+
+
+def test_a_save_of_another_job_size_says_its_scaling_of_the_learning_rate(servers: str,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    # diloco's recipe with SGD multiplies the lr by the number of workers; a job of 2 dies, one of 3 resumes:
+    # ranks 0 and 1 restore the lr their saves hold (the old scaling), rank 2 has none and keeps the new
+    # one, and ranks 0 and 1 say so with the rate the recipe gives for 3
+    name, seen = "t-lr-world", {}
+
+    def job(world: int, crash: bool) -> None:
+        def run(r: int) -> None:
+            m = small_model()
+            opt = st.AsyncOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), m, name=name,
+                                    servers=servers, rank=r, world_size=world, rule="diloco", state_every=1e-9,
+                                    state_share=None, resume=not crash)
+            for g in opt.param_groups:
+                g["lr"] *= opt.world
+            for x, y in rank_batches(4, r)[opt.start_step:]:
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(m(x), y).backward()
+                opt.step()
+                seen[world, r] = opt.param_groups[0]["lr"]
+                if opt._saved._writing is not None:     # (each save written before the next)
+                    opt._saved._writing.result()
+            if crash:
+                _crash(opt)
+            else:
+                opt.close(wait_all=30)
+        in_threads(world, run)
+
+    job(2, crash=True)
+    with caplog.at_level(logging.WARNING, logger="smb2.torch"):
+        job(3, crash=False)
+    assert seen[2, 0] == seen[3, 0] == seen[3, 1] == pytest.approx(0.2) and seen[3, 2] == pytest.approx(0.3)
+    said = sorted(r.getMessage() for r in caplog.records if "restores the learning rates" in r.getMessage())
+    assert said == [f"store {name!r}: rank {r} restores the learning rates saved by a job of 2 workers (0.2), "
+                    "which this script scaled by the number of workers: that job's scaling, where a rank without "
+                    "a save keeps this job's; for 3 workers the script's scaling gives 0.3: set the rates again "
+                    "after the first step() to take it" for r in (0, 1)], said

@@ -657,7 +657,7 @@ class SavedState:
         """A save's light part, as after step ``step``: the optimizer's class,
         whether the weights come with it, its param groups, the schedulers'
         positions (and ``extra``)."""
-        return _save({"optimizer": type(self.optimizer).__name__, "step": step,
+        return _save({"optimizer": type(self.optimizer).__name__, "step": step, "workers": self.store.workers,
                       "weights": self.weights_now is not None,
                       "param_groups": self.optimizer.state_dict()["param_groups"],
                       "schedulers": {k: s.state_dict() for k, s in self._live_schedulers().items()}, **extra})
@@ -687,6 +687,25 @@ class SavedState:
             self._restore(self._to_restore)
             self._to_restore = None
 
+    def _say_other_scaling(self, light: dict[str, Any]) -> None:
+        """A save made by a job of another number of workers, whose learning
+        rates the script multiplied by this job's number before the first
+        step (``diloco``'s recipe with SGD): they are restored as saved,
+        scaled for the old job, while a rank without a save keeps the new
+        scaling.  Said at WARNING, with the rates the recipe gives here."""
+        made_by, workers = light.get("workers"), self.store.workers
+        if made_by in (None, workers) or workers == 1:
+            return
+        now = [float(g["lr"]) for g in self.optimizer.param_groups]
+        saved = [float(g["lr"]) for g in light["param_groups"]]
+        if len(now) != len(saved) or not all(math.isclose(n, s * workers, rel_tol=1e-9) for n, s in zip(now, saved)):
+            return
+        log.warning("store %r: rank %d restores the learning rates saved by a job of %d workers (%s), which this "
+                    "script scaled by the number of workers: that job's scaling, where a rank without a save keeps "
+                    "this job's; for %d workers the script's scaling gives %s: set the rates again after the first "
+                    "step() to take it", self.store.name, self.store.rank, made_by, ", ".join(f"{x:g}" for x in saved),
+                    workers, ", ".join(f"{x * workers / made_by:g}" for x in saved))
+
     def _restore(self, light: dict[str, Any]) -> None:
         """The saved schedulers' positions, then the saved learning rates
         (building a scheduler rewrote them)."""
@@ -704,6 +723,7 @@ class SavedState:
         if unsaved:
             log.warning("store %r: LR schedule(s) %s had no saved position: they start from their beginning",
                         self.store.name, ", ".join(unsaved))
+        self._say_other_scaling(light)
         for group, saved_group in zip(self.optimizer.param_groups, light["param_groups"]):
             if isinstance(group["lr"], torch.Tensor):
                 group["lr"].fill_(float(saved_group["lr"]))
