@@ -419,13 +419,8 @@ class ParameterStore:
         # a damaged store is resumed never; started over only when asked to
         start_over = resume is False or image is not None
         chosen = layout.stripe_for(len(client.servers)) if stripe is None else stripe
-        # (a rank 0 that died making the store again may have left it half made: its set-aside holds it)
-        set_aside = await _set_aside_whole(client, name)
         buf = await _attach_or_create(client, name, layout.geometry(chosen, len(client.servers))[2], chosen,
-                                      replicas, layout if start_over or set_aside else None,
-                                      f"the store set aside in {beside.name_of(name, REMAKING)!r} holds its "
-                                      "weights and words" if set_aside else
-                                      "this run starts over (resume=False or init_from=)")
+                                      replicas, layout, start_over)
         _cmap, data_off, total = layout.geometry(buf.stripe, buf.nservers)
         lock = beside.lock(client, buf)       # the buffer's own lock, replicated with it
         await lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
@@ -1651,11 +1646,13 @@ async def remove(client: Client, name: str) -> bool:
 # -- the buffer ---------------------------------------------------------------------
 
 async def _attach_or_create(client: Client, name: str, total: int, stripe: int, replicas: int,
-                            start_over: Layout | None, why: str) -> Buffer:
+                            layout: Layout, start_over: bool) -> Buffer:
     """Rank 0: the existing buffer (whatever its stripe), or a new one.  A
     damaged one (:class:`BufferDamaged`) is removed and made anew where
-    nothing in it is needed (``start_over``: the job's layout; ``why``
-    says why not), else refused."""
+    nothing in it is needed: the run starts over (``start_over``), or a
+    rank 0 that died making the store again left it half made beside a
+    whole set-aside, which holds the store (:func:`_set_aside`); else
+    refused.  ``layout``: the job's."""
     try:
         buf = await client.attach(name)
         if buf.replicas != replicas:
@@ -1666,9 +1663,13 @@ async def _attach_or_create(client: Client, name: str, total: int, stripe: int, 
     except NoSuchBuffer:
         pass
     except BufferDamaged as err:
-        if start_over is None:
+        if start_over:
+            why = "this run starts over (resume=False or init_from=)"
+        elif await _set_aside_whole(client, name):
+            why = f"the store set aside in {beside.name_of(name, REMAKING)!r} holds its weights and words"
+        else:
             raise
-        log.warning("%s; %s, so the store is made anew", store_damage(err, start_over).message, why)
+        log.warning("%s; %s, so the store is made anew", store_damage(err, layout).message, why)
         await client.destroy(name)
     try:
         return await client.create(name, total, stripe=stripe, replicas=replicas)
