@@ -774,6 +774,37 @@ async def test_a_rank_of_another_world_size_gives_up_in_words(cluster: smb2.Loca
     assert zero.workers == 2
 
 
+@pytest.mark.parametrize("before, after", [(2, 3), (3, 2)])
+async def test_a_rank_reading_the_store_as_rank_0_makes_it_again_looks_again(cluster: smb2.LocalCluster,
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           before: int, after: int) -> None:
+    # rank 1 of the new job found the old store and reads it while rank 0 makes it again for the new number
+    # of workers (destroys it, makes a new buffer): rank 1 looks again, and opens the new store
+    name = f"lc-world-race-{before}-{after}"
+    run1 = await _open_all(cluster, name, before)
+    await asyncio.gather(*(s.join(timeout=10) for s in run1))
+    await asyncio.gather(*(_train(s, 2 + r) for r, s in enumerate(run1)))
+    clients = [await cluster.connect() for _ in range(after)]
+    made_again: list[ParameterStore] = []
+    find = store_module._wait_for_buffer
+
+    async def found_as_rank_0_makes_it_again(client: Any, name: str, deadline: float, rank: int) -> Any:
+        buf = await find(client, name, deadline, rank)
+        if not made_again:      # (rank 1's handle is of the store as it was; rank 0 makes it again now)
+            made_again.append(await ParameterStore.open(clients[0], name, _params(), workers=after, rank=0,
+                                                        timeout=20))
+        return buf
+    monkeypatch.setattr(store_module, "_wait_for_buffer", found_as_rank_0_makes_it_again)
+    one = await ParameterStore.open(clients[1], name, _params(1), workers=after, rank=1, timeout=20)
+    monkeypatch.setattr(store_module, "_wait_for_buffer", find)
+    others = [await ParameterStore.open(clients[r], name, _params(r), workers=after, rank=r, timeout=20)
+              for r in range(2, after)]
+    run2 = [*made_again, one, *others]
+    assert [(s.workers, s.generation, s.resumed, s.start_step) for s in run2] == \
+        [(after, 2, True, 2 + r if r < before else 0) for r in range(after)]
+    await asyncio.gather(*(s.join(timeout=10) for s in run2))
+
+
 async def test_a_rank_0_that_dies_making_the_store_again_loses_nothing(cluster: smb2.LocalCluster,
                                                                        monkeypatch: pytest.MonkeyPatch,
                                                                        caplog: pytest.LogCaptureFixture) -> None:

@@ -7,6 +7,7 @@ accuracy bar the torchrun workers must reach.  Imports torch."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import subprocess
 import threading
@@ -105,6 +106,8 @@ def in_threads(workers: int, work: Any) -> None:
         try:
             work(r)
         except BaseException as e:      # noqa: BLE001 (the test thread raises it)
+            # said at once: the others may wait for this rank until the test's timeout, which shows only them
+            logging.getLogger("smb2.testing").error("rank %d of %d failed: %r", r, workers, e, exc_info=e)
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]

@@ -560,13 +560,19 @@ class ParameterStore:
     async def _open_other(cls, client: Client, name: str, layout: Layout, rank: int, rule: UpdateRule,
                           dropping: LayerDropping | None, restarted: bool, stale_after: float,
                           deadline: float, infer: bool = False) -> ParameterStore:
-        buf = await _wait_for_buffer(client, name, deadline, rank)
-        try:
-            await _wait_ready(buf, max(0.0, deadline - time.monotonic()))
-        except NotifyTimeout:
-            raise NotifyTimeout(f"store {name!r} was not initialized by rank 0 in time (did it die?); "
-                                f"rank {rank} gives up") from None
-        theirs, data_off = await _read_layout(buf)
+        while True:
+            buf = await _wait_for_buffer(client, name, deadline, rank)
+            try:
+                await _wait_ready(buf, max(0.0, deadline - time.monotonic()))
+                theirs, data_off = await _read_layout(buf)
+                break
+            except NotifyTimeout:
+                raise NotifyTimeout(f"store {name!r} was not initialized by rank 0 in time (did it die?); "
+                                    f"rank {rank} gives up") from None
+            except NoSuchBuffer:
+                # destroyed while this rank read it: rank 0 makes it again for another number of
+                # workers (_made_again); look again (_wait_for_buffer gives up at the deadline)
+                await asyncio.sleep(0.01)
         if not theirs.same_as(layout):
             raise _another_model(name, theirs, layout)
         if theirs.workers != layout.workers:
