@@ -9,6 +9,8 @@ is killed with SIGKILL."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import logging
 import os
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 import smb2
+from smb2 import cli
 from smb2.testing.workers import torchrun as torchrun_command
 from smb2.train import ParameterStore, beside
 from smb2.train import lifecycle as lc
@@ -826,6 +829,14 @@ async def test_a_rank_0_that_dies_making_the_store_again_loses_nothing(cluster: 
     # (the old store is gone: a buffer of the new size, never initialized, stands in its place)
     assert "lc-world-die/remaking" in await client.buffers()
     assert await (await client.attach("lc-world-die")).fetch_add(store_module._STATE, 0) != store_module.READY
+    # `smb2 ls` says what the set-aside holds, so that nobody removes the run with it
+    listed = io.StringIO()
+    with contextlib.redirect_stdout(listed):
+        assert await asyncio.to_thread(cli.main, ["ls", "-s", ",".join(cluster.addresses)]) == 0
+    assert ("lc-world-die/remaking" in listed.getvalue() and "store 'lc-world-die' set aside while a rank 0 made it "
+            "again for another number of workers: the job's next rank 0 goes on from it, then removes it (do not "
+            "remove it while 'lc-world-die' is not a whole store: it holds the run)") in listed.getvalue(), \
+        listed.getvalue()
     monkeypatch.setattr(store_module, "_initialize", initialize)
 
     # ... and one that died while it made the new buffer left it half made: its part on one server gone

@@ -112,6 +112,10 @@ def _what(r: dict[str, Any]) -> str:
                 f"unreachable (parts seen: {r['parts_seen']} of {r['parts']})")
     if "damaged" in r:
         return f"DAMAGED: {r['damaged']} (`smb2 rm {r['name']}` removes it)"
+    if r.get("set_aside_of"):
+        return (f"store {r['set_aside_of']!r} set aside while a rank 0 made it again for another number of "
+                "workers: the job's next rank 0 goes on from it, then removes it (do not remove it while "
+                f"{r['set_aside_of']!r} is not a whole store: it holds the run)")
     if not r["store"]:
         return "buffer"
     if "tensors" not in r:

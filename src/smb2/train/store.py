@@ -1522,7 +1522,9 @@ async def describe(client: Client, name: str) -> dict[str, Any]:
     see :func:`smb2.train.counts.read_counts`; None before any rank
     published).  A damaged buffer (a part lost) or store (its
     table unreadable) has ``damaged``, saying how; ``store`` is None where
-    that cannot be told."""
+    that cannot be told.  A store set aside while a rank 0 made it again
+    for another number of workers (:func:`_set_aside`) has
+    ``set_aside_of``, the store's name."""
     try:
         buf = await client.attach(name)
     except BufferDamaged as err:
@@ -1536,6 +1538,8 @@ async def describe(client: Client, name: str) -> dict[str, Any]:
         return out
     pre = np.empty(PREAMBLE // 8, dtype=np.int64)
     await buf.read_into(pre, 0)
+    if int(pre[0]) == _ASIDE_MAGIC:
+        return {**out, "set_aside_of": name.rpartition("/")[0]}
     if int(pre[_MAGIC // 8]) != MAGIC or int(pre[_STATE // 8]) != READY:
         return out
     out["store"] = True
@@ -1602,6 +1606,8 @@ async def describe_all(client: Client) -> list[dict[str, Any]]:
         pre = np.frombuffer(head, np.int64)
         if int(pre[_MAGIC // 8]) == MAGIC and int(pre[_STATE // 8]) == READY:
             one_by_one.append(name)
+        elif int(pre[0]) == _ASIDE_MAGIC:
+            rows[name]["set_aside_of"] = name.rpartition("/")[0]
     for name in one_by_one:
         try:
             rows[name] = await describe(client, name)
