@@ -87,6 +87,17 @@ async def _train(store: ParameterStore, steps: int) -> None:
     await store.heartbeat(store.start_step + steps, force=True)
 
 
+async def _smb2(*args: str) -> tuple[int, str, str]:
+    """``smb2 ARGS`` in a thread of this process: its exit status, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+
+    def run() -> int:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return cli.main(list(args))
+    rc = await asyncio.to_thread(run)
+    return rc, out.getvalue(), err.getvalue()
+
+
 def _words(store: ParameterStore) -> lc.Control:
     assert store.control is not None
     return store.control
@@ -829,14 +840,18 @@ async def test_a_rank_0_that_dies_making_the_store_again_loses_nothing(cluster: 
     # (the old store is gone: a buffer of the new size, never initialized, stands in its place)
     assert "lc-world-die/remaking" in await client.buffers()
     assert await (await client.attach("lc-world-die")).fetch_add(store_module._STATE, 0) != store_module.READY
-    # `smb2 ls` says what the set-aside holds, so that nobody removes the run with it
-    listed = io.StringIO()
-    with contextlib.redirect_stdout(listed):
-        assert await asyncio.to_thread(cli.main, ["ls", "-s", ",".join(cluster.addresses)]) == 0
-    assert ("lc-world-die/remaking" in listed.getvalue() and "store 'lc-world-die' set aside while a rank 0 made it "
-            "again for another number of workers: the job's next rank 0 goes on from it, then removes it (do not "
-            "remove it while 'lc-world-die' is not a whole store: it holds the run)") in listed.getvalue(), \
-        listed.getvalue()
+    # `smb2 ls` says what the set-aside holds, and `smb2 rm` keeps it, so that nobody removes the run with it
+    servers = ",".join(cluster.addresses)
+    rc, listed, _ = await _smb2("ls", "-s", servers)
+    assert rc == 0 and "lc-world-die/remaking" in listed and (
+        "store 'lc-world-die' set aside while a rank 0 made it again for another number of workers: the job's next "
+        "rank 0 goes on from it, then removes it (do not remove it while 'lc-world-die' is not a whole store: it "
+        "holds the run)") in listed, listed
+    rc, _, said = await _smb2("rm", "-s", servers, "lc-world-die/remaking")
+    assert rc == 1 and ("smb2 rm: 'lc-world-die/remaking' holds store 'lc-world-die', set aside while a rank 0 made "
+                        "it again for another number of workers, and 'lc-world-die' is not a whole store: the "
+                        "set-aside is all there is of its run") in said, said
+    assert "lc-world-die/remaking" in await client.buffers()
     monkeypatch.setattr(store_module, "_initialize", initialize)
 
     # ... and one that died while it made the new buffer left it half made: its part on one server gone
@@ -844,6 +859,8 @@ async def test_a_rank_0_that_dies_making_the_store_again_loses_nothing(cluster: 
         await one_server.destroy("lc-world-die")
     with pytest.raises(smb2.BufferDamaged):
         await client.attach("lc-world-die")
+    rc, _, said = await _smb2("rm", "-s", servers, "lc-world-die/remaking")
+    assert rc == 1 and "and 'lc-world-die' is not a whole store" in said, said
 
     with caplog.at_level(logging.WARNING, logger="smb2.train"):
         run2 = await _open_all(cluster, "lc-world-die", 3)

@@ -200,6 +200,7 @@ async def _rm(client: Any, args: argparse.Namespace) -> int:
         try:
             if not args.force:
                 await _refuse_live(client, name, STALE_AFTER)
+                await _refuse_set_aside(client, name)
             if not await remove(client, name):     # a store goes with the buffers beside it
                 raise NoSuchBuffer(f"no buffer {name!r} on {', '.join(client.servers)}",
                                    hint="see the names with `smb2 ls`" + (
@@ -227,6 +228,32 @@ async def _refuse_live(client: Any, name: str, stale_after: float) -> None:
             f"store {name!r} is in use: run {info['run']} has not finished and a worker's heartbeat "
             f"is {beat:.0f} s old (a run is live while one is younger than {stale_after:.0f} s)",
             hint=f"stop the job first, or remove the store anyway with `smb2 rm --force {name}`")
+
+
+async def _refuse_set_aside(client: Any, name: str) -> None:
+    """Raise if ``name`` holds a store set aside while a rank 0 made it
+    again for another number of workers, and that store is not whole: the
+    set-aside is then all there is of its run."""
+    from .train.store import describe
+    try:
+        store = (await describe(client, name)).get("set_aside_of")
+    except Smb2Error:
+        return          # gone, or unreadable: nothing to protect
+    if not store:
+        return
+    try:
+        whole = await describe(client, store)
+    except NoSuchBuffer:
+        whole = None
+    except Smb2Error:
+        return
+    if whole is not None and whole.get("tensors") and not whole.get("damaged"):
+        return
+    raise InterfaceError(
+        f"{name!r} holds store {store!r}, set aside while a rank 0 made it again for another number of workers, "
+        f"and {store!r} {'is gone' if whole is None else 'is not a whole store'}: the set-aside is all there is "
+        "of its run (the job's next rank 0 goes on from it)",
+        hint=f"launch the job again to go on, or remove it anyway with `smb2 rm --force {name}`")
 
 
 def _looks_like_address(name: str) -> bool:
