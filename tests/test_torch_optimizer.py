@@ -435,6 +435,12 @@ def test_a_parameter_frozen_when_the_optimizer_was_made_cannot_train_outside_the
                                                  rf"was made, so store 't-unfrozen-{rule}' does not hold them"):
             one_step(opt, model, 1)
         assert all(torch.equal(a, b) for a, b in zip(frozen, model[0].parameters()))
+        # nor can the layer come in as a group of its own (the way a torch script adds an unfrozen layer)
+        with pytest.raises(smb2.InterfaceError, match=r"rank 0: a parameter group cannot be added to the "
+                                                      rf"AsyncOptimizer of store 't-unfrozen-{rule}'") as info:
+            opt.add_param_group({"params": list(model[0].parameters()), "lr": 0.01})
+        assert "a group that trains later can start at lr=0" in str(info.value)
+        assert len(opt.param_groups) == 1
     model = small_model()
     with async_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), servers, f"t-refrozen-{rule}",
                          rule=rule, staleness=0) as opt:

@@ -558,8 +558,13 @@ class AsyncOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise InterfaceError("AsyncOptimizer's store is laid out when it is made: parameters cannot be added",
-                             hint="create the torch optimizer with every parameter group first")
+        raise InterfaceError(
+            f"rank {self.rank}: a parameter group cannot be added to the AsyncOptimizer of store "
+            f"{self.store.name!r}: the store is laid out from the parameters it trains when it is made",
+            hint="give the torch optimizer every group when it is made, while their parameters require a gradient "
+                 "(a group that trains later can start at lr=0, or be frozen after the AsyncOptimizer is made: it "
+                 "stays in the store and trains again when unfrozen), or make a new AsyncOptimizer then (as a DDP "
+                 "model is wrapped again)")
 
     def __repr__(self) -> str:
         return (f"AsyncOptimizer({self.optimizer.__class__.__name__}, store={self.store.buf.name!r}, "
