@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -26,7 +27,7 @@ from smb2.testing.waits import until
 from smb2.testing.workers import torchrun
 from smb2.torch.loop_thread import LoopThread
 from smb2.train import faults
-from smb2.train.store import StoreImage
+from smb2.train.store import StoreImage, describe
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (pip install 'smb2[torch]')")
 
@@ -135,6 +136,43 @@ _WORKER = textwrap.dedent('''
     print(json.dumps({"rank": opt.rank, "accuracy": acc, "missing": [m[0] for m in end.missing],
                       "report": str(end)}), flush=True)
 ''')
+
+
+# a script without ``if __name__ == "__main__":`` whose DataLoader starts its workers by "spawn": each
+# worker runs the script again, which makes an AsyncOptimizer there
+_UNGUARDED = textwrap.dedent('''
+    import sys, torch
+    import smb2.torch
+    from torch.utils.data import DataLoader, TensorDataset
+    model = torch.nn.Linear(4, 2)
+    opt = smb2.torch.AsyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name=sys.argv[1], rank=0,
+                                    world_size=1)
+    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    for x, y in DataLoader(data, batch_size=4, num_workers=1, multiprocessing_context="spawn"):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.close()
+''')
+
+
+@pytest.mark.timeout(180)
+def test_a_dataloader_worker_that_runs_the_script_again_leaves_the_store_alone(servers: str, tmp_path: Path) -> None:
+    # the spawned worker would open the store as rank 0 and open a new run, which ends the job's own:
+    # it is refused in words before it reaches the servers, and the job's run is still its first
+    script = tmp_path / "train.py"
+    script.write_text(_UNGUARDED)
+    out = subprocess.run([sys.executable, str(script), "t-unguarded"], env=dict(os.environ, SMB2_SERVERS=servers),
+                         capture_output=True, text=True, timeout=150)
+    assert out.returncode != 0
+    assert ("an AsyncOptimizer of store 't-unguarded' is being made in a child process, while multiprocessing runs "
+            "the main script again to start it") in out.stderr, out.stderr[-3000:]
+    assert 'put the script\'s training under `if __name__ == "__main__":`' in out.stderr
+
+    async def run_of_the_store() -> int:
+        async with await smb2.connect(servers) as client:
+            return int((await describe(client, "t-unguarded"))["run"])
+    assert asyncio.run(run_of_the_store()) == 1
 
 
 @pytest.mark.slow

@@ -110,7 +110,9 @@ import asyncio
 import collections
 import contextlib
 import logging
+import sys
 import time
+import types
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -310,6 +312,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
         if not isinstance(rule, str):
             raise InvalidArgumentError(f"rule must be a rule's name, not {type(rule).__name__}")
         refuse_what_the_rule_cannot_honour(rule, dropping, average, push_in_backward)
+        _refuse_in_a_child_rerunning_the_script(name)
         self.optimizer = optimizer
         self.model = model
         self.staleness = staleness
@@ -1072,6 +1075,26 @@ class AsyncOptimizer(torch.optim.Optimizer):
         for ex in self._inflight:
             if ex.future.done() and ex.future.exception() is not None:
                 ex.future.result()
+
+
+def _refuse_in_a_child_rerunning_the_script(name: str) -> None:
+    """Refuse an AsyncOptimizer made while multiprocessing runs the main
+    script again to start a child process (the "spawn" and "forkserver"
+    start methods do, for a DataLoader's workers among others): in a script
+    without ``if __name__ == "__main__":`` the child would open the store
+    as this rank, with its RANK and WORLD_SIZE, and open a new run, which
+    ends the job's own (its ranks stop with "re-opened by a newer run")."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_fixup_main_from_path" and frame.f_globals.get("__name__") == \
+                "multiprocessing.spawn":
+            raise InterfaceError(
+                f"an AsyncOptimizer of store {name!r} is being made in a child process, while multiprocessing "
+                "runs the main script again to start it (a DataLoader worker, or any process started with the "
+                "'spawn' or 'forkserver' method): it would open the store as this rank and end the job's run",
+                hint="put the script's training under `if __name__ == \"__main__\":` (which those start methods "
+                     "need), or start the DataLoader's workers with multiprocessing_context=\"fork\"")
+        frame = frame.f_back
 
 
 def _agent_address(agent: bool | str | None) -> str | None:
