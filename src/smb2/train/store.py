@@ -1538,8 +1538,8 @@ async def describe(client: Client, name: str) -> dict[str, Any]:
         return out
     pre = np.empty(PREAMBLE // 8, dtype=np.int64)
     await buf.read_into(pre, 0)
-    if int(pre[0]) == _ASIDE_MAGIC:
-        return {**out, "set_aside_of": name.rpartition("/")[0]}
+    if of := _set_aside_of(name, int(pre[0])):
+        return {**out, "set_aside_of": of}
     if int(pre[_MAGIC // 8]) != MAGIC or int(pre[_STATE // 8]) != READY:
         return out
     out["store"] = True
@@ -1606,8 +1606,8 @@ async def describe_all(client: Client) -> list[dict[str, Any]]:
         pre = np.frombuffer(head, np.int64)
         if int(pre[_MAGIC // 8]) == MAGIC and int(pre[_STATE // 8]) == READY:
             one_by_one.append(name)
-        elif int(pre[0]) == _ASIDE_MAGIC:
-            rows[name]["set_aside_of"] = name.rpartition("/")[0]
+        elif of := _set_aside_of(name, int(pre[0])):
+            rows[name]["set_aside_of"] = of
     for name in one_by_one:
         try:
             rows[name] = await describe(client, name)
@@ -1616,6 +1616,13 @@ async def describe_all(client: Client) -> list[dict[str, Any]]:
         except Exception as exc:        # whatever one buffer holds, the others are listed
             rows[name] = {"name": name, "error": f"{type(exc).__name__}: {exc}"}
     return [rows[n] for n in sorted(rows)]
+
+
+def _set_aside_of(name: str, first_word: int) -> str | None:
+    """The store whose set-aside (:func:`_set_aside`) buffer ``name`` is,
+    by its name and the first word it holds; else None."""
+    store, _, what = name.rpartition("/")
+    return store if store and what == REMAKING and first_word == _ASIDE_MAGIC else None
 
 
 def _finite(x: float) -> float | None:
