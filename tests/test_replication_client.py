@@ -55,6 +55,8 @@ async def test_a_lost_server_of_an_unreplicated_buffer_is_named_with_what_to_do(
                 assert err.value.server == lost
                 assert err.value.hint is not None
                 assert "replicas=2" in err.value.hint and "--data-dir" in err.value.hint
+            with pytest.raises(smb2.TransportError):      # (no membership view: a server down is a fault)
+                await client.buffers()
 
 
 def _word_on(buf: smb2.Buffer, server: int) -> int:
@@ -307,11 +309,15 @@ async def test_connect_goes_on_with_a_replicated_clusters_server_down(replicated
         assert await again.degraded()
         await again.write(0, np.zeros(MiB, np.uint8))
         assert (await again.read(0, MiB) == 0).all()
+        # the buffers are listed from the servers up, the one out of the view left out
+        assert await late.buffers() == ["on"]
     # a second server down: a stripe's last member copy is on it, so attach
     # raises and takes nothing out of the view
     await replicated.kill(2)
     async with await smb2.connect(replicated.addresses, transport="tcp") as last:
         with pytest.raises(smb2.TransportError, match="do not answer"):
             await last.attach("on")
+        with pytest.raises(smb2.TransportError):      # (server 2 is still in the view: a fault, said)
+            await last.buffers()
         async with replicated.membership() as m:
             assert replicated.addresses[2] in (await m.view()).members

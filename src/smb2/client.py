@@ -522,9 +522,8 @@ class Client:
         failed = [k for k, r in enumerate(results) if not isinstance(r, dict)]
         if failed and all(isinstance(results[k], TransportError) for k in failed) and any(
                 (r.get("replicas") or 1) > 1 for r in done):
-            view = await (await self.views()).current()
             away = [self.servers[k] for k in failed]
-            if not any(s in view.members or s in view.joining for s in away):
+            if await self._out_of_the_view(away):
                 log.warning("buffer %r destroyed on the servers that are up; %s, out of the view, drop their "
                             "parts when they rejoin", name, ", ".join(away))
                 return True
@@ -533,13 +532,32 @@ class Client:
         return any(r.get("destroyed") for r in done)
 
     async def buffers(self, *, timeout: float | None = None) -> list[str]:
-        """Names of the buffers that exist on the cluster."""
+        """Names of the buffers that exist on the cluster.  In a replicated
+        cluster, servers that do not answer and are out of the membership
+        view are left out (every buffer has a part on every server, so the
+        others name them all), as :meth:`destroy` leaves them out."""
         self.ensure_open()
-        results = await self._each(({"cmd": "list"} for _ in self._links), timeout, idempotent=True)
+        t = self.deadline(timeout)
+        results = await asyncio.gather(*(_control(link, {"cmd": "list"}, t, idempotent=True)
+                                         for link in self._links), return_exceptions=True)
+        failed = [k for k, r in enumerate(results) if not isinstance(r, dict)]
+        if failed and (not all(isinstance(results[k], TransportError) for k in failed) or len(failed) == len(results)
+                       or not await self._out_of_the_view([self.servers[k] for k in failed])):
+            raise _first_error([r for r in results if isinstance(r, BaseException)])
         names: set[str] = set()
         for r in results:
-            names.update(n for n in r.get("buffers", []) if isinstance(n, str))
+            if isinstance(r, dict):
+                names.update(n for n in r.get("buffers", []) if isinstance(n, str))
         return sorted(names)
+
+    async def _out_of_the_view(self, servers: list[str]) -> bool:
+        """Whether the servers are all out of the membership view (False
+        where the servers keep none: an unreplicated cluster)."""
+        try:
+            view = await (await self.views()).current()
+        except InterfaceError:
+            return False
+        return not any(s in view.members or s in view.joining for s in servers)
 
     async def stat(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
         """Each server's statistics (see ``smb2 stat``)."""
