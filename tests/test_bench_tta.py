@@ -86,6 +86,11 @@ def test_every_system_trained(result: dict) -> None:
         assert r["collapse_warnings"] == 0, name
         assert 1 < r["rtt_us"] < 5000, name        # the round trip beside each row, in µs
     assert all(r["ddp_ratio"] is not None for r in rows.values())
+    # DDP's ceiling: its workers' steps with nothing exchanged, against its own samples a second
+    ddp = rows["ddp"]
+    assert ddp["compute_only_samples_per_s"] > 0
+    assert ddp["ceiling"] == pytest.approx(ddp["compute_only_samples_per_s"] / ddp["samples_per_s"])
+    assert all("ceiling" not in r for name, r in rows.items() if name != "ddp")
     # the summary (medians of one run: the run) and the stability targets, each judged
     summary = {s["system"]: s for s in result["summary"]}
     assert set(summary) == set(rows)
@@ -249,6 +254,29 @@ def test_the_best_configuration_is_smb2_s_own_and_is_measured_against_torchft() 
     peer = {t["target"].split(",")[0]: t for t in bench_tta.targets(summary, "lm")}[
         "best configuration >= 1.0x torchft's DiLoCo (same H)"]
     assert peer["met"] and "torchft missed the target" in peer["measured"]
+
+
+def test_a_target_against_ddp_is_set_beside_the_run_s_ceiling() -> None:
+    """The ceiling (DDP's workers stepping with nothing exchanged, over DDP's samples a second) is
+    printed beside every target against DDP, and a target above it says so; met or not is still
+    the measured ratio's alone."""
+    def row(system: str, t: float, ratio: float, ceiling: float | None = None) -> dict:
+        return {"scenario": "straggler", "system": system, "runs": 3, "time_to_target_s": t, "ddp_ratio": ratio,
+                "ddp_ratio_at_least": False, "final": 2.3, "final_vs_ddp": 0.0, "collapsed": 0,
+                "collapse_warnings": 0, "pushed_bytes_per_exchange": None, "ceiling": ceiling}
+    summary = [row("ddp", 60.0, 1.0, ceiling=1.6), row("default", 50.0, 1.2)]
+    found = {t["target"].split(",")[0]: t for t in bench_tta.targets(summary, "lm")}
+    default = found["default port time to target >= 1.3x DDP's"]
+    assert default["measured"] == "1.20x (ceiling 1.60x)" and not default["met"]
+    best = found["best configuration >= 2.0x DDP"]
+    assert best["measured"].endswith("(ceiling 1.60x: the target is above it, reachable only by learning more per "
+                                     "sample than DDP)") and not best["met"]
+    summary[1] = row("default", 20.0, 3.0)      # a rule that learned more per sample: met, ceiling or not
+    found = {t["target"].split(",")[0]: t for t in bench_tta.targets(summary, "lm")}
+    assert found["best configuration >= 2.0x DDP"]["met"]
+    summary[0] = row("ddp", 60.0, 1.0)          # no ceiling measured (a run whose DDP lost a peer)
+    found = {t["target"].split(",")[0]: t for t in bench_tta.targets(summary, "lm")}
+    assert found["default port time to target >= 1.3x DDP's"]["measured"] == "3.00x"
 
 
 def test_the_default_system_is_the_one_line_port() -> None:
