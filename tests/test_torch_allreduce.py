@@ -98,25 +98,6 @@ async def test_every_worker_gets_the_exact_mean_of_each_round(cluster: smb2.Loca
     await _every_worker_gets_the_exact_means(stores, 9)
 
 
-async def test_a_tensor_larger_than_a_part_is_cut_into_parts(cluster: smb2.LocalCluster, transport: str,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    # tensors of 250 values, parts of 256 B (64 values): each tensor is cut into parts of its own,
-    # the means of its first parts coming down while its last go up; every worker still gets the
-    # exact mean, and every element is in exactly one part
-    monkeypatch.setattr(rules, "PART_BYTES", 256)
-    stores = await _stores(cluster, transport, "ar-cut", 3)
-    rule = stores[0].rule
-    assert isinstance(rule, AllReduce)
-    n = stores[0].flat().size
-    assert sorted(rule.parts)[0][0] == 0 and sorted(rule.parts)[-1][1] == n
-    assert all(b - a <= 64 for a, b in rule.parts) and len(rule.parts) >= 16
-    assert sum(b - a for a, b in rule.parts) == n
-    first = stores[0].flat_offset("w1")
-    assert len(rule.parts_over(first, first + 250)) == 4        # 250 values: 64 + 64 + 64 + 58
-    assert sum(len(names) for names in rule.part_tensors) == 4   # (each tensor's marks: in its first part)
-    await _every_worker_gets_the_exact_means(stores, 5)
-
-
 async def test_over_tcp_a_part_goes_in_slices_one_in_flight_each_way(cluster: smb2.LocalCluster, transport: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # parts of 16 Ki values in stripes of 2 Ki, sliced at 4 KiB on the wire (2 Ki bf16 values): over
@@ -221,8 +202,7 @@ async def test_a_gradient_that_is_not_finite_makes_its_parts_mean_nan_once(
     grads = [_grads(r, 4, exact=True, n=stores[0].flat().size) for r in range(2)]
     grads[0][1][5] = bad
     outs = await _run(stores, grads)
-    [part] = rule.parts_over(5, 6)
-    first, end = rule.parts[part]
+    first, end = rule.parts[rule.part_of(5)]
     for k in range(4):
         want = (grads[0][k] + grads[1][k]) / np.float32(2)
         if k == 1:
@@ -594,15 +574,10 @@ def test_a_job_launched_again_with_fewer_workers_goes_on_from_rank_0s_last_save(
         assert torch.equal(w, ends[1][n]), n
 
 
-@pytest.mark.parametrize("part_bytes", [None, 64], ids=["parts", "tensors-cut"])
-def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str, part_bytes: int | None,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str) -> None:
     # two workers in threads, float32 on the wire, the gradients clipped after backward: each ends at
     # the weights of one AdamW stepping on the clipped mean of their gradients (DDP's arithmetic), and
-    # both at the same weights, bit for bit; with parts of 64 B, every tensor larger than 16 values
-    # goes as several parts, each sent once the tensor's gradient is there
-    if part_bytes is not None:
-        monkeypatch.setattr(rules, "PART_BYTES", part_bytes)
+    # both at the same weights, bit for bit
     steps, workers = 12, 2
 
     def loop(opt: st.AsyncOptimizer, model: Any, r: int) -> None:
@@ -612,14 +587,9 @@ def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
 
-    models, opts = allreduce_workers(servers, f"ar-torch-{part_bytes}", workers, loop)
+    models, opts = allreduce_workers(servers, "ar-torch", workers, loop)
     all_at(models, mean_step_reference(steps, workers, CLIP))
     assert all(o.stats()["bytes_pushed"] > 0 and o.stats()["exchanges"] == steps for o in opts)
-    if part_bytes is not None:
-        rule = opts[0].store.rule
-        assert isinstance(rule, AllReduce)
-        sizes = [p.numel() for p in models[0].parameters()]
-        assert len(rule.parts) > len(sizes) and max(b - a for a, b in rule.parts) <= part_bytes // 4
 
 
 def test_a_rank_whose_weights_drifted_alone_says_so_at_the_end(servers: str,
@@ -693,15 +663,10 @@ def test_no_sync_accumulates_micro_batches_into_one_round_a_step(servers: str) -
     all_at(models, mean_step_reference(steps, workers, CLIP, micro))
 
 
-@pytest.mark.parametrize("part_bytes", [None, 256], ids=["parts", "tensors-cut"])
-def test_sparse_gradients_get_the_mean_and_stay_sparse(servers: str, part_bytes: int | None,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sparse_gradients_get_the_mean_and_stay_sparse(servers: str) -> None:
     # nn.EmbeddingBag(sparse=True): each worker's gradient touches the rows of its own batch; backward
     # leaves the mean of both (the rows either touched), sparse as it came (SparseAdam takes no other),
-    # and SGD on it gives both workers the weights of one process stepping on that mean; with parts
-    # of 256 B the embedding's 400 values go as 7 parts, from one gradient made dense once a round
-    if part_bytes is not None:
-        monkeypatch.setattr(rules, "PART_BYTES", part_bytes)
+    # and SGD on it gives both workers the weights of one process stepping on that mean
     steps, workers = 5, 2
 
     def make_model() -> torch.nn.Module:
@@ -736,13 +701,8 @@ def test_sparse_gradients_get_the_mean_and_stay_sparse(servers: str, part_bytes:
         for p, m in zip(ref.parameters(), means):
             p.grad = m
         ref_opt.step()
-    models, opts = allreduce_workers(servers, f"ar-sparse-{part_bytes}", workers, loop, make_model, sgd)
+    models, _ = allreduce_workers(servers, "ar-sparse", workers, loop, make_model, sgd)
     all_at(models, {n: p.detach() for n, p in ref.named_parameters()})
-    if part_bytes is not None:
-        rule = opts[0].store.rule
-        assert isinstance(rule, AllReduce)
-        embedding = opts[0].store.flat_offset("0.weight")
-        assert len(rule.parts_over(embedding, embedding + 400)) == 7
 
 
 class _SomeUnused(torch.nn.Module):

@@ -920,8 +920,7 @@ class AllReduce(UpdateRule):
     closes.
 
     The gradients go in :attr:`parts` (whole tensors, in the reverse of
-    their order, about :data:`PART_BYTES` each; a larger tensor cut into
-    parts of that size), each with its own sums and
+    their order, about :data:`PART_BYTES` each), each with its own sums and
     counters: a part travels, and its mean comes back, as soon as its
     tensors' gradients exist (:mod:`smb2.torch.allreduce` sends each part
     from backward, as DDP sends its buckets).
@@ -1075,11 +1074,6 @@ class AllReduce(UpdateRule):
             end = first
         if self.parts and self.parts[-1][0] > 0:        # (padding before the first tensor, if any)
             self.parts[-1] = (0, self.parts[-1][1])
-        # a tensor larger than a part (an embedding, a wide layer) is cut into parts of its own, so that
-        # its first parts' means come down while its last parts still go up: one whole part would
-        # cross the link up, then down, with nothing beside it
-        most = PART_BYTES // 4
-        self.parts = [(a + i, min(a + i + most, b)) for a, b in self.parts for i in range(0, b - a, most)]
         self._counters = -(-8 * self.sums * len(self.parts) // 64) * 64
         #: each part's tensors, in the order of their offsets
         self.part_tensors = [[t for first, t in starts if a <= first < b] for a, b in self.parts]
@@ -1097,13 +1091,12 @@ class AllReduce(UpdateRule):
         #: (round, membership) in which each part's mean last came back
         self._came_back = [(-1, 0)] * len(self.parts)
 
-    def parts_over(self, first: int, end: int) -> list[int]:
-        """The parts that hold some of the flat elements ``first`` to ``end``
-        (a tensor: one part, or the several it was cut into)."""
-        over = [i for i, (a, b) in enumerate(self.parts) if a < end and first < b]
-        if not over:
-            raise InvalidArgumentError(f"elements {first} to {end} are in no part of store {self.store.name!r}")
-        return over
+    def part_of(self, offset: int) -> int:
+        """The part that holds the flat element ``offset``."""
+        for i, (first, end) in enumerate(self.parts):
+            if first <= offset < end:
+                return i
+        raise InvalidArgumentError(f"element {offset} is in no part of store {self.store.name!r}")
 
     @property
     def marks_start(self) -> int:
