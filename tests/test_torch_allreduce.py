@@ -98,6 +98,25 @@ async def test_every_worker_gets_the_exact_mean_of_each_round(cluster: smb2.Loca
     await _every_worker_gets_the_exact_means(stores, 9)
 
 
+async def test_a_tensor_larger_than_a_part_is_cut_into_parts(cluster: smb2.LocalCluster, transport: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # tensors of 250 values, parts of 256 B (64 values): each tensor is cut into parts of its own,
+    # the means of its first parts coming down while its last go up; every worker still gets the
+    # exact mean, and every element is in exactly one part
+    monkeypatch.setattr(rules, "PART_BYTES", 256)
+    stores = await _stores(cluster, transport, "ar-cut", 3)
+    rule = stores[0].rule
+    assert isinstance(rule, AllReduce)
+    n = stores[0].flat().size
+    assert sorted(rule.parts)[0][0] == 0 and sorted(rule.parts)[-1][1] == n
+    assert all(b - a <= 64 for a, b in rule.parts) and len(rule.parts) >= 16
+    assert sum(b - a for a, b in rule.parts) == n
+    first = stores[0].flat_offset("w1")
+    assert len(rule.parts_over(first, first + 250)) == 4        # 250 values: 64 + 64 + 64 + 58
+    assert sum(len(names) for names in rule.part_tensors) == 4   # (each tensor's marks: in its first part)
+    await _every_worker_gets_the_exact_means(stores, 5)
+
+
 async def test_over_tcp_a_part_goes_in_slices_one_in_flight_each_way(cluster: smb2.LocalCluster, transport: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # parts of 16 Ki values in stripes of 2 Ki, sliced at 4 KiB on the wire (2 Ki bf16 values): over
@@ -108,6 +127,7 @@ async def test_over_tcp_a_part_goes_in_slices_one_in_flight_each_way(cluster: sm
     stores = await _stores(cluster, transport, "ar-sliced", 3, n=64 << 10, stripe=8192, slice_bytes=4096)
     flying = {id(s.client): {"up": 0, "down": 0} for s in stores}
     most = {"up": 0, "down": 0}
+    uploads: dict[int, list[int]] = {id(s.client): [] for s in stores}     # (each worker's slices' offsets)
 
     def counted(way: str, method: Any) -> Any:
         async def wrapper(buf: smb2.Buffer, *args: Any, **kwargs: Any) -> Any:
@@ -116,6 +136,8 @@ async def test_over_tcp_a_part_goes_in_slices_one_in_flight_each_way(cluster: sm
             if not buf.name.endswith("/gradients") or offset >= stores[0].rule.marks_start:  # type: ignore[attr-defined]
                 return await method(buf, *args, **kwargs)
             now = flying[id(buf.client)]
+            if way == "up":
+                uploads[id(buf.client)].append(offset)
             now[way] += 1
             most[way] = max(most[way], now[way])
             try:
@@ -136,6 +158,14 @@ async def test_over_tcp_a_part_goes_in_slices_one_in_flight_each_way(cluster: sm
     if transport == "tcp":
         assert most == {"up": 1, "down": 1}
         assert all(len(sl) == 8 and sorted(sl) == [(a, a + 2048) for a in range(0, n, 2048)] for sl in slices)
+        # the parts of a round, all sent at once (the numpy API's reduce), go whole, one after another:
+        # taken a slice each in turn, every part would finish near the last, and no mean could come
+        # down while the other parts still go up
+        counters, span = rule[0]._counters, rule[0]._span                # type: ignore[attr-defined]
+        for offsets in uploads.values():
+            seq = [((o - counters) % span) // 4 // n for o in offsets]      # (each slice's part)
+            runs = [p for i, p in enumerate(seq) if i == 0 or seq[i - 1] != p]
+            assert len(runs) == 5 * 4 and all(seq.count(p) == 5 * 8 for p in range(4)), seq
         assert [sl[0][0] for sl in slices] == [0, 2048, 4096]         # stripes 0, 1, 2 of the part
     else:
         assert slices == [[(0, n)]] * 3
@@ -202,7 +232,8 @@ async def test_a_gradient_that_is_not_finite_makes_its_parts_mean_nan_once(
     grads = [_grads(r, 4, exact=True, n=stores[0].flat().size) for r in range(2)]
     grads[0][1][5] = bad
     outs = await _run(stores, grads)
-    first, end = rule.parts[rule.part_of(5)]
+    [part] = rule.parts_over(5, 6)
+    first, end = rule.parts[part]
     for k in range(4):
         want = (grads[0][k] + grads[1][k]) / np.float32(2)
         if k == 1:
@@ -574,10 +605,15 @@ def test_a_job_launched_again_with_fewer_workers_goes_on_from_rank_0s_last_save(
         assert torch.equal(w, ends[1][n]), n
 
 
-def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str) -> None:
+@pytest.mark.parametrize("part_bytes", [None, 64], ids=["parts", "tensors-cut"])
+def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str, part_bytes: int | None,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # two workers in threads, float32 on the wire, the gradients clipped after backward: each ends at
     # the weights of one AdamW stepping on the clipped mean of their gradients (DDP's arithmetic), and
-    # both at the same weights, bit for bit
+    # both at the same weights, bit for bit; with parts of 64 B, every tensor larger than 16 values
+    # goes as several parts, each sent once the tensor's gradient is there
+    if part_bytes is not None:
+        monkeypatch.setattr(rules, "PART_BYTES", part_bytes)
     steps, workers = 12, 2
 
     def loop(opt: st.AsyncOptimizer, model: Any, r: int) -> None:
@@ -587,9 +623,14 @@ def test_backward_leaves_the_mean_and_workers_keep_the_same_weights(servers: str
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
 
-    models, opts = allreduce_workers(servers, "ar-torch", workers, loop)
+    models, opts = allreduce_workers(servers, f"ar-torch-{part_bytes}", workers, loop)
     all_at(models, mean_step_reference(steps, workers, CLIP))
     assert all(o.stats()["bytes_pushed"] > 0 and o.stats()["exchanges"] == steps for o in opts)
+    if part_bytes is not None:
+        rule = opts[0].store.rule
+        assert isinstance(rule, AllReduce)
+        sizes = [p.numel() for p in models[0].parameters()]
+        assert len(rule.parts) > len(sizes) and max(b - a for a, b in rule.parts) <= part_bytes // 4
 
 
 def test_a_rank_whose_weights_drifted_alone_says_so_at_the_end(servers: str,
@@ -663,10 +704,15 @@ def test_no_sync_accumulates_micro_batches_into_one_round_a_step(servers: str) -
     all_at(models, mean_step_reference(steps, workers, CLIP, micro))
 
 
-def test_sparse_gradients_get_the_mean_and_stay_sparse(servers: str) -> None:
+@pytest.mark.parametrize("part_bytes", [None, 256], ids=["parts", "tensors-cut"])
+def test_sparse_gradients_get_the_mean_and_stay_sparse(servers: str, part_bytes: int | None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # nn.EmbeddingBag(sparse=True): each worker's gradient touches the rows of its own batch; backward
     # leaves the mean of both (the rows either touched), sparse as it came (SparseAdam takes no other),
-    # and SGD on it gives both workers the weights of one process stepping on that mean
+    # and SGD on it gives both workers the weights of one process stepping on that mean; with parts
+    # of 256 B the embedding's 400 values go as 7 parts, from one gradient made dense once a round
+    if part_bytes is not None:
+        monkeypatch.setattr(rules, "PART_BYTES", part_bytes)
     steps, workers = 5, 2
 
     def make_model() -> torch.nn.Module:
@@ -701,8 +747,13 @@ def test_sparse_gradients_get_the_mean_and_stay_sparse(servers: str) -> None:
         for p, m in zip(ref.parameters(), means):
             p.grad = m
         ref_opt.step()
-    models, _ = allreduce_workers(servers, "ar-sparse", workers, loop, make_model, sgd)
+    models, opts = allreduce_workers(servers, f"ar-sparse-{part_bytes}", workers, loop, make_model, sgd)
     all_at(models, {n: p.detach() for n, p in ref.named_parameters()})
+    if part_bytes is not None:
+        rule = opts[0].store.rule
+        assert isinstance(rule, AllReduce)
+        embedding = opts[0].store.flat_offset("0.weight")
+        assert len(rule.parts_over(embedding, embedding + 400)) == 7
 
 
 class _SomeUnused(torch.nn.Module):

@@ -90,21 +90,24 @@ class MeanGradients:
         self.grad = np.zeros(size, np.float32)
         self.mean = np.zeros(size, np.float32)
         self.entries = entries
-        #: each part's tensors (parameters and buffers)
+        #: each part's tensors (parameters and buffers), those of which some elements are in it
         self.members: list[list[Entry]] = [[] for _ in rule.parts]
-        #: the part of each parameter with a hook (those that trained when the optimizer was made)
-        self.part = {}
+        #: the parts of each parameter with a hook (those that trained when the optimizer was made):
+        #: one, or the several a large tensor is cut into
+        self.part: dict[int, list[int]] = {}
         for e in entries:
-            i = rule.part_of(e.offset)
-            self.members[i].append(e)
+            over = rule.parts_over(e.offset, e.offset + e.tensor.numel())
+            for i in over:
+                self.members[i].append(e)
             if e.param and e.tensor.requires_grad:
-                self.part[id(e.tensor)] = i
+                self.part[id(e.tensor)] = over
         self.hooks = [e.tensor.register_post_accumulate_grad_hook(self._produced)
                       for e in entries if id(e.tensor) in self.part]
         # the backward under way: its round, the gradients each part still waits for, the parts sent
         self._round: int | None = None
         self._missing: list[int] = []
         self._sent: dict[int, concurrent.futures.Future[Any]] = {}
+        self._dense: dict[int, Any] = {}      # (this round's sparse gradients made dense, by id)
         #: seconds backward waited for the means, in all
         self.waited = 0.0
         #: backward passes send nothing (``AsyncOptimizer.no_sync()``): the gradients accumulate here
@@ -126,11 +129,12 @@ class MeanGradients:
             self._round = self.rule.next_round()
             self._missing = self._expected()
             self._sent = {}
+            self._dense = {}
             self.torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-        i = self.part[id(tensor)]
-        self._missing[i] -= 1
-        if self._missing[i] == 0:
-            self._send(i)
+        for i in self.part[id(tensor)]:
+            self._missing[i] -= 1
+            if self._missing[i] == 0:
+                self._send(i)
 
     def _expected(self) -> list[int]:
         """How many gradients each part waits for in this backward: its
@@ -145,21 +149,33 @@ class MeanGradients:
 
     def _send(self, part: int) -> None:
         assert self._round is not None
+        first, end = self.rule.parts[part]
         with self.torch.no_grad():
             for e in self.members[part]:
-                n = e.tensor.numel()
-                dst = self.torch.from_numpy(self.grad[e.offset:e.offset + n])
+                # (the tensor's elements in this part: all of it, or a piece of a large one)
+                a, b = max(first, e.offset), min(end, e.offset + e.tensor.numel())
+                dst = self.torch.from_numpy(self.grad[a:b])
                 src = e.tensor.grad if e.param else e.tensor
                 if src is None:
                     dst.zero_()
                 else:
-                    dst.copy_(flat_values(src.detach()))
+                    dst.copy_(self._flat(src)[a - e.offset:b - e.offset])
                     if e.param and self._factor != 1.0:
                         dst.mul_(self._factor)
         step = self.step()
         without = [e.name for e in self.members[part] if e.param and e.tensor.grad is None]
         work = self.rule.reduce_part(self._round, part, self.grad, self.mean, step=step, without=without)
         self._sent[part] = self.loop.submit(self.wrap(work, step))
+
+    def _flat(self, src: Any) -> Any:
+        """``src``'s values, flat; a sparse gradient made dense once a
+        round, however many parts it spans."""
+        if not src.is_sparse:
+            return src.detach().reshape(-1)
+        dense = self._dense.get(id(src))
+        if dense is None:
+            dense = self._dense[id(src)] = flat_values(src.detach())
+        return dense
 
     def _backward_ended(self) -> None:
         """Send the parts no gradient completed, wait for every part's mean,
@@ -181,6 +197,7 @@ class MeanGradients:
                 self.waited += time.perf_counter() - t0
         finally:
             self._round = None
+            self._dense = {}
             self._factor = 1.0
         self.unreduced = False
         unused = set().union(*self.rule.no_gradient)

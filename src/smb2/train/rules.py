@@ -920,7 +920,8 @@ class AllReduce(UpdateRule):
     closes.
 
     The gradients go in :attr:`parts` (whole tensors, in the reverse of
-    their order, about :data:`PART_BYTES` each), each with its own sums and
+    their order, about :data:`PART_BYTES` each; a larger tensor cut into
+    parts of that size), each with its own sums and
     counters: a part travels, and its mean comes back, as soon as its
     tensors' gradients exist (:mod:`smb2.torch.allreduce` sends each part
     from backward, as DDP sends its buckets).
@@ -1047,13 +1048,15 @@ class AllReduce(UpdateRule):
                      move: Callable[..., Awaitable[Any]], offset: int, values: np.ndarray) -> None:
         """``move(offset + 4 * start, values[start:end], wire=self.wire)``
         (``Buffer.accumulate``, or ``read_into`` with its arguments turned) for each slice, one at a
-        time under ``lock`` (this worker's one slice in flight that way); a
-        part that goes at once goes without waiting for the lock."""
+        time, the whole part under ``lock`` (this worker's one slice in flight that way); a
+        part that goes at once goes without waiting for the lock.  The parts waiting go whole, in
+        the order they came: taken a slice each in turn, every part waiting would finish near the
+        last one, and no part's mean could come down while the others still go up."""
         if len(slices) == 1:
             await move(offset, values, wire=self.wire)
             return
-        for a, b in slices:
-            async with lock:
+        async with lock:
+            for a, b in slices:
                 await move(offset + 4 * a, values[a:b], wire=self.wire)
 
     def bind(self, store: BoundStore) -> None:
@@ -1074,6 +1077,11 @@ class AllReduce(UpdateRule):
             end = first
         if self.parts and self.parts[-1][0] > 0:        # (padding before the first tensor, if any)
             self.parts[-1] = (0, self.parts[-1][1])
+        # a tensor larger than a part (an embedding, a wide layer) is cut into parts of its own, so that
+        # its first parts' means come down while its last parts still go up: one whole part would
+        # cross the link up, then down, with nothing beside it
+        most = PART_BYTES // 4
+        self.parts = [(a + i, min(a + i + most, b)) for a, b in self.parts for i in range(0, b - a, most)]
         self._counters = -(-8 * self.sums * len(self.parts) // 64) * 64
         #: each part's tensors, in the order of their offsets
         self.part_tensors = [[t for first, t in starts if a <= first < b] for a, b in self.parts]
@@ -1091,12 +1099,13 @@ class AllReduce(UpdateRule):
         #: (round, membership) in which each part's mean last came back
         self._came_back = [(-1, 0)] * len(self.parts)
 
-    def part_of(self, offset: int) -> int:
-        """The part that holds the flat element ``offset``."""
-        for i, (first, end) in enumerate(self.parts):
-            if first <= offset < end:
-                return i
-        raise InvalidArgumentError(f"element {offset} is in no part of store {self.store.name!r}")
+    def parts_over(self, first: int, end: int) -> list[int]:
+        """The parts that hold some of the flat elements ``first`` to ``end``
+        (a tensor: one part, or the several it was cut into)."""
+        over = [i for i, (a, b) in enumerate(self.parts) if a < end and first < b]
+        if not over:
+            raise InvalidArgumentError(f"elements {first} to {end} are in no part of store {self.store.name!r}")
+        return over
 
     @property
     def marks_start(self) -> int:
