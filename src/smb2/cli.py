@@ -193,14 +193,18 @@ def _whole_without(name: str, info: dict[str, Any], down: list[str]) -> bool:
 
 async def _rm(client: Any, args: argparse.Namespace) -> int:
     from .train.lifecycle import STALE_AFTER
-    from .train.store import remove
+    from .train.store import describe, remove
 
     failed = 0
     for name in args.names:
         try:
             if not args.force:
-                await _refuse_live(client, name, STALE_AFTER)
-                await _refuse_set_aside(client, name)
+                try:
+                    info = await describe(client, name)
+                except Smb2Error:
+                    info = {}       # gone, or unreadable: nothing to protect
+                _refuse_live(info, name, STALE_AFTER)
+                await _refuse_set_aside(client, info, name)
             if not await remove(client, name):     # a store goes with the buffers beside it
                 raise NoSuchBuffer(f"no buffer {name!r} on {', '.join(client.servers)}",
                                    hint="see the names with `smb2 ls`" + (
@@ -214,14 +218,10 @@ async def _rm(client: Any, args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-async def _refuse_live(client: Any, name: str, stale_after: float) -> None:
-    """Raise if ``name`` is a store whose run is live: not finished, and a
-    worker's heartbeat younger than ``stale_after`` s."""
-    from .train.store import describe
-    try:
-        info = await describe(client, name)
-    except Smb2Error:
-        return          # gone, or unreadable: no live run to protect
+def _refuse_live(info: dict[str, Any], name: str, stale_after: float) -> None:
+    """Raise if ``name`` (``info``: its description) is a store whose run is
+    live: not finished, and a worker's heartbeat younger than
+    ``stale_after`` s."""
     beat = info.get("last_heartbeat_s")
     if info.get("tensors") and not info["finished"] and beat is not None and beat < stale_after:
         raise InterfaceError(
@@ -230,15 +230,12 @@ async def _refuse_live(client: Any, name: str, stale_after: float) -> None:
             hint=f"stop the job first, or remove the store anyway with `smb2 rm --force {name}`")
 
 
-async def _refuse_set_aside(client: Any, name: str) -> None:
-    """Raise if ``name`` holds a store set aside while a rank 0 made it
-    again for another number of workers, and that store is not whole: the
-    set-aside is then all there is of its run."""
+async def _refuse_set_aside(client: Any, info: dict[str, Any], name: str) -> None:
+    """Raise if ``name`` (``info``: its description) holds a store set aside
+    while a rank 0 made it again for another number of workers, and that
+    store is not whole: the set-aside is then all there is of its run."""
     from .train.store import describe
-    try:
-        store = (await describe(client, name)).get("set_aside_of")
-    except Smb2Error:
-        return          # gone, or unreadable: nothing to protect
+    store = info.get("set_aside_of")
     if not store:
         return
     try:
