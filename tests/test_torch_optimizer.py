@@ -545,6 +545,30 @@ def test_a_lazy_module_not_yet_run_is_refused_with_what_to_do(servers: str) -> N
         assert opt.store.params["0.weight"].shape == (8, 10)
 
 
+def test_a_compiled_model_and_the_same_model_uncompiled_are_one_store(servers: str) -> None:
+    # torch.compile(model) names its parameters "_orig_mod.<name>": the store names them as the model
+    # does, so a user who adds torch.compile (or drops it) resumes the run instead of being refused
+    # with "another model".  (The compiled module is never called: it compiles on its first call)
+    model = small_model(0)
+    compiled = torch.compile(model)
+    assert next(n for n, _ in compiled.named_parameters()) == "_orig_mod.0.weight"
+    with async_optimizer(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), servers, "t-compiled") as opt:
+        assert list(opt.store.params) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        for x, y in rank_batches(5, 0):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = small_model(1)
+    with st.AsyncOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1), plain, name="t-compiled", servers=servers,
+                           rank=0, world_size=1, resume=True) as opt:
+        assert opt.steps == 5                   # its step, resumed
+        for n, p in plain.named_parameters():
+            torch.testing.assert_close(p.detach(), trained[n], rtol=0, atol=0)
+    # the numpy-facing DistributedModule names them alike
+    assert list(st.module_arrays(compiled)) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
 @pytest.mark.parametrize(("rule", "extra", "why"), [
     ("delta", {}, "exists only after opt.step"),
     ("allreduce", {}, "its backward always sends the gradients"),

@@ -73,10 +73,24 @@ def _torch() -> Any:
     return torch
 
 
+#: the attribute under which ``torch.compile(model)`` holds the model it compiled
+COMPILED_MODULE = "_orig_mod"
+
+
+def store_name(name: str) -> str:
+    """The name a store gives a module's tensor: its name in the module
+    without the components ``torch.compile`` adds (``_orig_mod.0.weight`` is
+    ``0.weight``), so that a model and the same model compiled (whole, or a
+    submodule of it) are one model to a store, and a run made with one
+    resumes with the other."""
+    return ".".join(part for part in name.split(".") if part != COMPILED_MODULE)
+
+
 def module_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The module's parameters as numpy arrays (copies), by their names."""
+    """The module's parameters as numpy arrays (copies), by their store names."""
     out = {}
     for name, p in module.named_parameters():
+        name = store_name(name)
         if p.device.type != "cpu":
             raise InvalidArgumentError(f"parameter {name!r} is on {p.device}; smb2.torch binds CPU tensors")
         out[name] = p.detach().numpy().copy()
@@ -92,10 +106,10 @@ class DistributedModule:
         #: this worker's rank and the job's number of workers (shard the data by them)
         self.rank, self.world = store.rank, store.workers
         torch = _torch()
-        names = [n for n, _ in module.named_parameters()]
+        self._params = [(store_name(n), p) for n, p in module.named_parameters()]
+        names = [n for n, _ in self._params]
         if names != list(store.params):
             raise InvalidArgumentError(f"the module's parameters {names} are not the store's {list(store.params)}")
-        self._params = list(module.named_parameters())
         for name, p in self._params:
             view = store.params[name]
             if tuple(p.shape) != view.shape:
