@@ -70,7 +70,8 @@ DiLoCo: two fragments, each exchanged every H steps in turn, overlapping one inn
 ``diloco-auto`` (``local_steps="auto"``: each worker sizes its rounds from its measured step and
 exchange times; each worker's rounds are in the row), ``allreduce`` (each worker's optimizer on the mean
 of the workers' gradients, summed by the servers part by part during backward: DDP's arithmetic; its
-workers stop after the same step, as DDP's),
+workers stop after the same step, as DDP's), ``allreduce/unpaced`` (the default with each part
+sent at once, ``slice_bytes=None``, against the default's 128 KiB slices in the same run),
 ``delta/stable`` (``rule="delta", staleness=1``: the asynchronous port, the default port before
 ``allreduce``: each change counted 1/W, lag scaling on),
 the variants docs/training.md cites from before the stable default: ``delta``
@@ -196,6 +197,9 @@ EXTRA: dict[str, dict[str, Any]] = {
     # DDP's arithmetic with the sum on the servers: bf16 gradients up part by part during backward,
     # the mean down rounded to bf16 by the servers
     "allreduce": {"rule": "allreduce"},
+    # the default with each part sent at once, not paced in slices: what the pacing costs where the
+    # links are fast and the CPUs busy ((b), (d)) against what it saves where the link is slow ((c))
+    "allreduce/unpaced": {"rule": "allreduce", "slice_bytes": None},
 }
 #: torchft's outer optimizer (the DiLoCo paper's): SGD, lr 0.7, Nesterov momentum 0.9
 TORCHFT_OUTER: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
