@@ -279,6 +279,30 @@ def test_a_target_against_ddp_is_set_beside_the_run_s_ceiling() -> None:
     assert found["default port time to target >= 1.3x DDP's"]["measured"] == "3.00x"
 
 
+def test_a_system_stopped_before_ddp_reached_the_target_gets_no_ratio() -> None:
+    """A run stops at its first evaluation past the budget, so DDP can reach the target after it
+    (a slow day: 283 s against a 150 s budget) while a system whose evaluations fell otherwise
+    stopped before training that long: a miss there says nothing of its speed.  It gets no ratio,
+    and the summary says to raise --budget; a system that trained as long as DDP needed and still
+    missed is a miss (0x)."""
+    def row(system: str, run: int, t: float | None, seconds: float) -> dict:
+        return {"scenario": "overloaded", "system": system, "run": run, "time_to_target_s": t, "seconds": seconds,
+                "final": 2.5 if t else 2.8, "rate": "1gbit", "collapsed": False, "rtt_us": 60.0}
+    result = {"config": {"task": "lm"}, "budget_s": {"overloaded": 150.0},
+              "rows": [row("ddp", 0, 283.0, 290.0), row("default", 0, None, 160.0),
+                       row("ddp", 1, 140.0, 150.0), row("default", 1, None, 155.0)]}
+    bench_tta.add_ratios(result)
+    stopped, missed = result["rows"][1], result["rows"][3]
+    assert stopped["ddp_ratio"] is None and stopped["ddp_after_stop"]
+    assert missed["ddp_ratio"] == 0.0 and not missed.get("ddp_after_stop")
+    result["summary"] = bench_tta.summarize_runs(result)
+    result["targets"] = []
+    default = next(s for s in result["summary"] if s["system"] == "default")
+    assert default["ddp_after_stop"] == 1 and default["ddp_ratio"] == 0.0
+    assert ("overloaded: default stopped before DDP reached the target in 1 of 2 runs (DDP went past the 150 s "
+            "budget to its next evaluation): no ratio there; raise --budget") in bench_tta.summary_table(result)
+
+
 def test_the_default_system_is_the_one_line_port() -> None:
     """"default" passes AsyncOptimizer no keyword, so it trains with AsyncOptimizer's default rule
     (allreduce: its workers step in lockstep, and take a killed one started again alone back); the

@@ -93,7 +93,8 @@ to target, its ratio to DDP's time to target in the same run, the delivered mode
 accuracy on the big held-out set, collapsed or not, and the raw 64 B loopback round trip
 measured just before the run.  The summary gives medians over the runs (a missed target counts
 as slower than any time) and the count of collapsed runs, then the stability targets, each met or
-not.
+not.  A run stops at its first evaluation past the budget; where DDP reached the target only after a
+system had stopped, that run gives the system no ratio, and the summary says to raise --budget.
 
 "r0 cpu" and "r0 rdy": rank 0's thread-seconds on a CPU and runnable but waiting for one
 (/proc schedstat), over its wall time: where the CPU, not the network, is the bottleneck the
@@ -1115,7 +1116,14 @@ def add_ratios(result: dict[str, Any]) -> None:
                 # over this system's time is a lower bound of the speed-up (shown as ">=")
                 r["ddp_ratio"], r["ddp_missed"] = result["budget_s"][r["scenario"]] / mine, True
         elif base and base["time_to_target_s"]:
-            r["ddp_ratio"] = 0.0            # DDP reached the target, this system did not (both missed: None)
+            if base["time_to_target_s"] > r["seconds"]:
+                # DDP reached the target only after this system stopped training (a run stops at its
+                # first evaluation past the budget, so DDP's can end past it too): whether this system
+                # would have reached it as soon is unknown, so no ratio; the summary says to raise
+                # --budget
+                r["ddp_after_stop"] = True
+            else:
+                r["ddp_ratio"] = 0.0        # DDP reached the target, this system did not (both missed: None)
         r["final_vs_ddp"] = better_than(result["config"]["task"], r["final"], base["final"]) if base else None
 
 
@@ -1150,6 +1158,8 @@ def summarize_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
             "ddp_ratio": _median([r["ddp_ratio"] for r in with_ddp]),
             # some run's ratio is a lower bound (DDP missed the target there)
             "ddp_ratio_at_least": any(r.get("ddp_missed") for r in with_ddp),
+            # runs where DDP reached the target only after this system had stopped: no ratio there
+            "ddp_after_stop": sum(1 for r in with_ddp if r.get("ddp_after_stop")),
             "final": _median([r["final"] for r in rows]),
             "final_vs_ddp": _median([r["final_vs_ddp"] for r in with_ddp]),
             "collapsed": sum(1 for r in rows if r["collapsed"]),
@@ -1332,6 +1342,12 @@ def summary_table(result: dict[str, Any]) -> str:
           _mb(s.get("pushed_bytes_per_exchange"))]
          for s in result["summary"]],
         formats=[None, None, None, "{:.1f}", None, "{:.2f}x", "{:.3f}", "{:+.1f}", None, "{:.0f}", "{:.4f}"])]
+    short = [s for s in result["summary"] if s.get("ddp_after_stop")]
+    if short:       # a ratio of such runs would call a system slower that was only stopped sooner
+        parts += ["", *(f"{s['scenario']}: {s['system']} stopped before DDP reached the target in "
+                        f"{s['ddp_after_stop']} of {s['runs']} runs (DDP went past the "
+                        f"{result['budget_s'][s['scenario']]:g} s budget to its next evaluation): "
+                        f"no ratio there; raise --budget" for s in short)]
     faults = [r for r in result["rows"] if "fault" in r]
     if faults:      # (e): what each system did when a worker was killed, as rank 0 saw it
         parts += ["", report.table(
