@@ -86,11 +86,20 @@ def store_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != COMPILED_MODULE)
 
 
+def named_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``module.named_parameters()`` by their store names (:func:`store_name`)."""
+    return [(store_name(n), p) for n, p in module.named_parameters()]
+
+
+def named_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module.named_buffers()`` by their store names (:func:`store_name`)."""
+    return [(store_name(n), b) for n, b in module.named_buffers()]
+
+
 def module_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
     """The module's parameters as numpy arrays (copies), by their store names."""
     out = {}
-    for name, p in module.named_parameters():
-        name = store_name(name)
+    for name, p in named_parameters(module):
         if p.device.type != "cpu":
             raise InvalidArgumentError(f"parameter {name!r} is on {p.device}; smb2.torch binds CPU tensors")
         out[name] = p.detach().numpy().copy()
@@ -106,7 +115,7 @@ class DistributedModule:
         #: this worker's rank and the job's number of workers (shard the data by them)
         self.rank, self.world = store.rank, store.workers
         torch = _torch()
-        self._params = [(store_name(n), p) for n, p in module.named_parameters()]
+        self._params = named_parameters(module)
         names = [n for n, _ in self._params]
         if names != list(store.params):
             raise InvalidArgumentError(f"the module's parameters {names} are not the store's {list(store.params)}")

@@ -129,7 +129,7 @@ from ..train.lifecycle import RunEnd, host_workers, restarts_alone
 from ..train.rules import RULES, AllReduce, UpdateRule
 from ..train.stability import LagScaling, TrainingDiverged
 from ..train.store import AGENT_RULES, ParameterStore, resolve_rank
-from . import store_name
+from . import named_buffers, named_parameters
 from .allreduce import MeanGradients, give_back_gpus, take_gpus
 from .backward import BackwardPushes, StepPushes, wait_for
 from .frozen import FrozenTensors
@@ -326,10 +326,8 @@ class AsyncOptimizer(torch.optim.Optimizer):
         #: them, so a step that moves one, unfrozen since, is refused: :meth:`_check_outside`)
         self._entries, self._outside = self._synced_tensors(model, optimizer, sync_buffers)
         in_store = {id(t) for _, t, _ in self._entries}
-        self.frozen = FrozenTensors(torch, [(store_name(n), p, True) for n, p in model.named_parameters()
-                                            if id(p) not in in_store]
-                                    + [(store_name(n), b, False) for n, b in model.named_buffers()
-                                       if id(b) not in in_store])
+        self.frozen = FrozenTensors(torch, [(n, p, True) for n, p in named_parameters(model) if id(p) not in in_store]
+                                    + [(n, b, False) for n, b in named_buffers(model) if id(b) not in in_store])
         self.rule_name = rule
         self._gradient_rule = rule in ("accumulate", "locked")
         if self._gradient_rule:
@@ -431,13 +429,13 @@ class AsyncOptimizer(torch.optim.Optimizer):
         """(name, tensor, is a parameter) of what the store holds: trainable
         parameters, floating-point buffers; and (name, parameter) of those
         the optimizer holds that are frozen now."""
-        lazy = [n for n, p in model.named_parameters() if isinstance(p, torch.nn.parameter.UninitializedParameter)]
+        lazy = [n for n, p in named_parameters(model) if isinstance(p, torch.nn.parameter.UninitializedParameter)]
         if lazy:
             raise InvalidArgumentError(
                 f"parameters {', '.join(lazy[:3])}{' ...' if len(lazy) > 3 else ''} are not initialized yet (a lazy "
                 f"module's, such as nn.LazyLinear): the store is laid out from the parameters' shapes",
                 hint="run the model once on a dummy batch before making the AsyncOptimizer (as for DDP)")
-        params = [(store_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [(n, p) for n, p in named_parameters(model) if p.requires_grad]
         if not params:
             raise InvalidArgumentError("the model has no parameters that require a gradient: nothing to train")
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -454,7 +452,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
                         "give each AsyncOptimizer the module its optimizer steps (AsyncOptimizer(opt, "
                         "model.encoder, ...)); else freeze them (requires_grad_(False))", ", ".join(unowned[:5]),
                         " ..." if len(unowned) > 5 else "")
-        frozen_owned: list[tuple[str, torch.Tensor]] = [(store_name(n), p) for n, p in model.named_parameters()
+        frozen_owned: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in named_parameters(model)
                                                         if not p.requires_grad and id(p) in owned]
         if frozen_owned:
             log.info("parameters %s do not require a gradient: rank 0's values for every rank, never pushed (a step "
@@ -464,7 +462,7 @@ class AsyncOptimizer(torch.optim.Optimizer):
                 raise InvalidArgumentError(f"parameter {n!r} is {t.dtype}; smb2.torch trains float parameters")
         out: list[tuple[str, torch.Tensor, bool]] = [(n, p, True) for n, p in params]
         if buffers:
-            out += [(store_name(n), b, False) for n, b in model.named_buffers() if b.is_floating_point()]
+            out += [(n, b, False) for n, b in named_buffers(model) if b.is_floating_point()]
         return out, frozen_owned
 
     def _push_dtype(self, push_dtype: str | None) -> str | None:
